@@ -1,0 +1,52 @@
+"""The backend contract and the one place that picks a backend by name.
+
+A backend module exposes ``load(spec, model_path, device) -> LoadedModel``. It checks
+the config against the model file and refuses to load on a mismatch, naming the
+tensor. A ``LoadedModel`` holds one copy of the weights on one device; its ``run``
+is called concurrently by every executor of that device, so it must be thread-safe.
+Heavy libraries (onnxruntime, torch) are imported by their backend module alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from server.backends.devices import Device
+from server.errors import load_failed
+from server.repository.config import ModelSpec
+
+_BACKEND_MODULES = {
+    "onnxruntime": "server.backends.onnxruntime",
+    "identity": "server.backends.identity",
+}
+
+
+class LoadedModel(Protocol):
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        """Execute one batch: config-named inputs in, the requested config-named outputs back."""
+        ...
+
+    def close(self) -> None:
+        """Release the weights."""
+        ...
+
+
+def supported_backends() -> list[str]:
+    return sorted(_BACKEND_MODULES)
+
+
+def load_model(spec: ModelSpec, model_path: Path, device: Device) -> LoadedModel:
+    module_name = _BACKEND_MODULES.get(spec.backend)
+    if module_name is None:
+        raise load_failed(
+            f"model '{spec.name}': backend '{spec.backend}' is not supported "
+            f"(supported: {', '.join(supported_backends())})"
+        )
+    module = importlib.import_module(module_name)
+    loaded: LoadedModel = module.load(spec, model_path, device)
+    return loaded

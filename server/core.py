@@ -1,0 +1,95 @@
+"""The one facade every transport calls: health, metadata, config, inference, index.
+
+Speaks plain dataclasses and numpy; knows nothing of gRPC or protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from server import __version__
+from server.errors import ErrorCode, ShoalError
+from server.lifecycle.manager import IndexEntry, ModelManager
+from server.types import InferRequest, InferResponse
+
+SERVER_NAME = "shoal"
+# Only what is implemented end to end; clients gate features on these strings.
+EXTENSIONS = ("model_configuration",)
+
+
+@dataclass(frozen=True)
+class TensorMetadata:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    name: str
+    versions: tuple[str, ...]
+    platform: str
+    inputs: tuple[TensorMetadata, ...]
+    outputs: tuple[TensorMetadata, ...]
+
+
+@dataclass(frozen=True)
+class ServerMetadata:
+    name: str
+    version: str
+    extensions: tuple[str, ...]
+
+
+class InferenceCore:
+    def __init__(self, manager: ModelManager, strict_readiness: bool = True) -> None:
+        self.manager = manager
+        self.strict_readiness = strict_readiness
+        self._accepting = True
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        """Triton's strict readiness: ready only while every model loaded fine."""
+        return self._accepting and (self.manager.all_ready() or not self.strict_readiness)
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def server_metadata(self) -> ServerMetadata:
+        return ServerMetadata(SERVER_NAME, __version__, EXTENSIONS)
+
+    def model_ready(self, name: str, version: str) -> bool:
+        return self.manager.is_ready(name, version)
+
+    def model_metadata(self, name: str, version: str) -> ModelMetadata:
+        served = self.manager.resolve(name, version)
+        spec = served.spec
+        batch = (-1,) if spec.max_batch_size > 0 else ()
+        versions = (
+            tuple(str(v) for v in self.manager.entry(name).ready_versions()) if not version else (version,)
+        )
+        return ModelMetadata(
+            name=spec.name,
+            versions=versions,
+            platform=spec.platform or spec.backend,
+            inputs=tuple(TensorMetadata(t.name, t.datatype.value, batch + t.dims) for t in spec.inputs),
+            outputs=tuple(TensorMetadata(t.name, t.datatype.value, batch + t.dims) for t in spec.outputs),
+        )
+
+    def model_config(self, name: str, version: str) -> dict[str, Any]:
+        """The normalized config as proto3 JSON (field names as in model_config.proto)."""
+        return self.manager.resolve(name, version).spec.config_json
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        if not self._accepting:
+            raise ShoalError(ErrorCode.UNAVAILABLE, "the server is shutting down")
+        served = self.manager.resolve(request.model_name, request.model_version)
+        return await served.infer(request)
+
+    def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
+        return self.manager.index(ready_only)
+
+    def unsupported(self, what: str) -> ShoalError:
+        return ShoalError(ErrorCode.UNSUPPORTED, f"{what} is not supported by this server")

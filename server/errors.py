@@ -1,0 +1,56 @@
+"""Shoal's errors: one closed set of codes that knows nothing of transports.
+
+Exception tree::
+
+    ShoalError(code, message)
+      raised with an ErrorCode:
+        INVALID_ARGUMENT   bad request: shape, datatype, missing/extra tensor, bad sizes
+        NOT_FOUND          unknown requested output and other missing named things
+        UNAVAILABLE        unknown or not-ready model/version (Triton's wording and code)
+        UNSUPPORTED        a feature Shoal does not implement
+        ALREADY_EXISTS     a name that is taken
+        INTERNAL           a backend failed while executing
+        LOAD_FAILED        a model could not be loaded (config, model file, device)
+
+The gRPC layer maps each code to a status in one table (server/grpc/status.py).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.Enum):
+    INVALID_ARGUMENT = "invalid_argument"
+    NOT_FOUND = "not_found"
+    UNAVAILABLE = "unavailable"
+    UNSUPPORTED = "unsupported"
+    ALREADY_EXISTS = "already_exists"
+    INTERNAL = "internal"
+    LOAD_FAILED = "load_failed"
+
+
+class ShoalError(Exception):
+    """An error with a code from the closed set above and a message for the caller."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> ShoalError:
+    return ShoalError(ErrorCode.INVALID_ARGUMENT, message)
+
+
+def load_failed(message: str) -> ShoalError:
+    return ShoalError(ErrorCode.LOAD_FAILED, message)
+
+
+def unknown_model(name: str, version: str = "") -> ShoalError:
+    """Triton's wording, which tritonclient users match on."""
+    if version:
+        return ShoalError(
+            ErrorCode.UNAVAILABLE, f"Request for unknown model: '{name}' version {version} is not found"
+        )
+    return ShoalError(ErrorCode.UNAVAILABLE, f"Request for unknown model: '{name}' is not found")

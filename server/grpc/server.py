@@ -1,0 +1,48 @@
+"""Build the grpc.aio server: every RPC of the table, each under the error guard."""
+
+from __future__ import annotations
+
+import grpc
+
+from server.grpc.servicer import InferenceServicer
+from server.grpc.status import guard_stream, guard_unary
+from server.pb import METHODS, SERVICE_NAME
+
+# Triton and tritonclient both allow messages up to INT32_MAX; grpc's default is 4 MiB.
+MAX_MESSAGE_BYTES = 2**31 - 1
+
+
+def method_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
+    handlers = {}
+    for method in METHODS.values():
+        implementation = getattr(servicer, method.name)
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                guard_stream(implementation),
+                request_deserializer=method.request_type.FromString,
+                response_serializer=method.response_type.SerializeToString,
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                guard_unary(implementation),
+                request_deserializer=method.request_type.FromString,
+                response_serializer=method.response_type.SerializeToString,
+            )
+    return handlers
+
+
+def build_server(servicer: InferenceServicer, address: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """The server and the port it bound (pass port 0 for a free one: no pick-then-release race)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(servicer)),)
+    )
+    bound = server.add_insecure_port(f"{address}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC on {address}:{port}")
+    return server, bound

@@ -1,0 +1,1 @@
+"""Model instances: N executors sharing one loaded copy of a model per device."""

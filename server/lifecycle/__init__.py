@@ -1,0 +1,1 @@
+"""Model lifecycle: states, loading versions, and the registry transports ask for models."""

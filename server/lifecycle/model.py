@@ -1,0 +1,92 @@
+"""One served model version: its config, one loaded copy per device, and its executors."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from server.backends.base import LoadedModel, load_model
+from server.backends.devices import CPU, Device, cuda_device_count
+from server.errors import ErrorCode, ShoalError, load_failed
+from server.instances.pool import InstancePool, build_pool
+from server.lifecycle import tensors
+from server.repository.config import InstanceKind, ModelSpec
+from server.types import InferRequest, InferResponse
+
+logger = logging.getLogger(__name__)
+
+
+def placements(spec: ModelSpec) -> list[tuple[str, Device, int]]:
+    """(group, device, count) for each instance group; GPU groups get count per listed GPU."""
+    gpus = cuda_device_count()
+    result = []
+    for group in spec.instance_groups:
+        kind = group.kind
+        if kind is InstanceKind.AUTO:
+            kind = InstanceKind.GPU if gpus > 0 else InstanceKind.CPU
+        if kind is not InstanceKind.GPU:
+            result.append((group.name, CPU, group.count))
+            continue
+        if gpus == 0:
+            raise load_failed(
+                f"model '{spec.name}': instance group '{group.name}' asks for KIND_GPU "
+                "but no CUDA device is available"
+            )
+        indices = group.gpus or tuple(range(gpus))
+        for index in indices:
+            if not 0 <= index < gpus:
+                raise load_failed(
+                    f"model '{spec.name}': instance group '{group.name}' lists GPU {index}, "
+                    f"but {gpus} GPU(s) exist"
+                )
+            result.append((group.name, Device("gpu", index), group.count))
+    return result
+
+
+class ModelVersion:
+    """A READY version: ``infer`` checks, executes on a free instance and shapes the reply."""
+
+    def __init__(self, spec: ModelSpec, version: int, pool: InstancePool) -> None:
+        self.spec = spec
+        self.version = version
+        self.pool = pool
+
+    @classmethod
+    def load(cls, spec: ModelSpec, version: int, version_dir: Path) -> ModelVersion:
+        where = placements(spec)
+        model_path = version_dir / spec.default_model_filename if spec.default_model_filename else version_dir
+        models: dict[Device, LoadedModel] = {}
+        try:
+            for device in sorted({device for _, device, _ in where}):
+                models[device] = load_model(spec, model_path, device)
+        except ShoalError:
+            for model in models.values():
+                model.close()
+            raise
+        pool = build_pool(spec.name, where, models)
+        logger.info(
+            "model %s version %d: %d instance(s) over %d loaded cop%s",
+            spec.name, version, len(pool.instances), len(models), "y" if len(models) == 1 else "ies",
+        )
+        return cls(spec, version, pool)
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        prepared = tensors.prepare(self.spec, request)
+        try:
+            results = await self.pool.run(prepared.feed, prepared.outputs)
+        except ShoalError:
+            raise
+        except Exception as exc:
+            logger.exception("model %s version %d failed to execute", self.spec.name, self.version)
+            raise ShoalError(
+                ErrorCode.INTERNAL, f"model '{self.spec.name}' version {self.version} failed: {exc}"
+            ) from exc
+        return InferResponse(
+            model_name=self.spec.name,
+            model_version=str(self.version),
+            id=request.id,
+            outputs=tensors.finish(self.spec, prepared, results),
+        )
+
+    def close(self) -> None:
+        self.pool.close()

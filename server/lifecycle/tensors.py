@@ -1,0 +1,130 @@
+"""Check a request against a model's config, build the backend feed, and shape the outputs.
+
+Every rule here answers INVALID_ARGUMENT with a message that names the model and the
+tensor (wording close to Triton's, which users search for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from server.errors import ShoalError, ErrorCode, invalid
+from server.repository.config import ModelSpec, TensorSpec
+from server.types import InferRequest, Tensor
+
+
+@dataclass(frozen=True)
+class Prepared:
+    feed: dict[str, np.ndarray]
+    outputs: tuple[str, ...]
+    batch_size: int  # 0 when the model does not batch
+
+
+def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
+    given = {}
+    for tensor in request.inputs:
+        if tensor.name in given:
+            raise invalid(f"input '{tensor.name}' appears twice in the request for model '{spec.name}'")
+        given[tensor.name] = tensor
+    unexpected = [name for name in given if spec.input(name) is None]
+    if unexpected:
+        raise invalid(
+            f"unexpected inference input '{unexpected[0]}' for model '{spec.name}'; "
+            f"allowed inputs are: {[t.name for t in spec.inputs]}"
+        )
+    missing = [t.name for t in spec.inputs if t.name not in given and not t.optional]
+    if missing:
+        raise invalid(
+            f"expected {len(spec.inputs)} inputs but got {len(given)} inputs for model '{spec.name}'; "
+            f"missing required input(s) {missing}"
+        )
+    batch_sizes = set()
+    feed = {}
+    for tensor in given.values():
+        tensor_spec = spec.input(tensor.name)
+        assert tensor_spec is not None
+        batch_sizes.add(_check_input(spec, tensor_spec, tensor))
+        data = tensor.data
+        if tensor_spec.reshape is not None:
+            lead = list(tensor.shape[:1]) if spec.max_batch_size > 0 else []
+            data = data.reshape(lead + list(tensor_spec.reshape))
+        feed[tensor.name] = data
+    if len(batch_sizes) > 1:
+        raise invalid(f"inputs for model '{spec.name}' have different batch sizes {sorted(batch_sizes)}")
+    return Prepared(feed, _requested_outputs(spec, request), batch_sizes.pop() if batch_sizes else 0)
+
+
+def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> int:
+    if tensor.datatype is not tensor_spec.datatype:
+        raise invalid(
+            f"inference input '{tensor.name}' data-type is '{tensor.datatype.value}', "
+            f"but model '{spec.name}' expects '{tensor_spec.datatype.value}'"
+        )
+    dims = list(tensor_spec.dims)
+    shape = list(tensor.shape)
+    batch = 0
+    if spec.max_batch_size > 0:
+        expected = [-1, *dims]
+        if shape:
+            batch = shape[0]
+            if batch > spec.max_batch_size:
+                raise invalid(
+                    f"inference request batch-size must be <= {spec.max_batch_size} for '{spec.name}'; "
+                    f"input '{tensor.name}' has batch size {batch}"
+                )
+            if batch < 1:
+                raise invalid(f"input '{tensor.name}' for model '{spec.name}' has batch size 0")
+        shape_to_check = shape[1:]
+    else:
+        expected = dims
+        shape_to_check = shape
+    if len(shape) != len(expected) or any(
+        d != -1 and d != s for d, s in zip(dims, shape_to_check, strict=True)
+    ):
+        raise invalid(
+            f"unexpected shape for input '{tensor.name}' for model '{spec.name}'. "
+            f"Expected {expected}, got {shape}"
+        )
+    return batch
+
+
+def _requested_outputs(spec: ModelSpec, request: InferRequest) -> tuple[str, ...]:
+    if request.requested_outputs is None:
+        return tuple(t.name for t in spec.outputs)
+    seen = set()
+    for name in request.requested_outputs:
+        if spec.output(name) is None:
+            raise invalid(
+                f"unexpected inference output '{name}' for model '{spec.name}'; "
+                f"model outputs are: {[t.name for t in spec.outputs]}"
+            )
+        if name in seen:
+            raise invalid(f"output '{name}' is requested twice for model '{spec.name}'")
+        seen.add(name)
+    return request.requested_outputs
+
+
+def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray]) -> tuple[Tensor, ...]:
+    """Turn backend results into response tensors: config datatypes and shapes."""
+    tensors = []
+    for name in prepared.outputs:
+        tensor_spec = spec.output(name)
+        assert tensor_spec is not None
+        data = np.asarray(results[name])
+        if tensor_spec.reshape is not None:
+            lead = [prepared.batch_size] if spec.max_batch_size > 0 else []
+            data = data.reshape(lead + [d if d != -1 else -1 for d in tensor_spec.dims])
+        if spec.max_batch_size > 0 and (data.ndim == 0 or data.shape[0] != prepared.batch_size):
+            raise ShoalError(
+                ErrorCode.INTERNAL,
+                f"model '{spec.name}' returned output '{name}' with shape {list(data.shape)} "
+                f"for a batch of {prepared.batch_size}",
+            )
+        wanted = tensor_spec.datatype.numpy_dtype
+        if data.dtype != wanted:
+            data = data.astype(wanted)
+        tensors.append(Tensor(name, tensor_spec.datatype, tuple(data.shape), data))
+    return tuple(tensors)

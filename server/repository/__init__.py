@@ -1,0 +1,1 @@
+"""The model repository: folders and versions, config parsing and validation."""

@@ -1,0 +1,238 @@
+"""config.pbtxt → validated, normalized ``ModelSpec`` (a frozen dataclass).
+
+Named steps, each testable alone (as Triton's model_config_utils): ``parse_config``
+(text format against our ModelConfig schema) → ``normalize`` (defaults Triton fills
+in) → ``validate`` (rules that need no model file) → ``to_spec`` (plain dataclasses).
+Checks that need the model file (tensor names, types and dims) belong to the backend.
+This and ``server/grpc`` are the only places that touch protobuf.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format, text_format
+
+from server.errors import load_failed
+from server.pb import config_pb2
+from server.types import DataType
+
+CONFIG_FILENAME = "config.pbtxt"
+
+# platform string → backend name, as Triton's auto-complete of backend fields.
+PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch"}
+BACKEND_PLATFORMS = {backend: platform for platform, backend in PLATFORM_BACKENDS.items()}
+DEFAULT_MODEL_FILENAMES = {"onnxruntime": "model.onnx", "pytorch": "model.pt"}
+# Triton gives CPU instance groups of these backends two instances by default.
+DEFAULT_CPU_INSTANCE_COUNT = {"onnxruntime": 2}
+
+
+class InstanceKind(enum.Enum):
+    AUTO = "KIND_AUTO"
+    GPU = "KIND_GPU"
+    CPU = "KIND_CPU"
+    MODEL = "KIND_MODEL"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A config input or output; ``dims`` exclude the batch dimension; -1 is variable."""
+
+    name: str
+    datatype: DataType
+    dims: tuple[int, ...]
+    reshape: tuple[int, ...] | None = None
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class InstanceGroupSpec:
+    name: str
+    kind: InstanceKind
+    count: int
+    gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """``latest`` keeps the ``num_versions`` highest; ``all``; ``specific`` keeps ``versions``."""
+
+    kind: str = "latest"
+    num_versions: int = 1
+    versions: tuple[int, ...] = ()
+
+    def select(self, available: list[int]) -> list[int]:
+        ordered = sorted(available)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "specific":
+            return [v for v in ordered if v in self.versions]
+        return ordered[-self.num_versions :] if self.num_versions > 0 else []
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the server needs about one model, decoupled from protobuf."""
+
+    name: str
+    platform: str
+    backend: str
+    max_batch_size: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    instance_groups: tuple[InstanceGroupSpec, ...]
+    version_policy: VersionPolicy
+    default_model_filename: str
+    parameters: dict[str, str] = field(default_factory=dict)
+    # The normalized config as proto3 JSON (field names as in the .proto): what ModelConfig returns.
+    config_json: dict[str, Any] = field(default_factory=dict)
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def output(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.outputs if t.name == name), None)
+
+
+def read_config(model_dir: Path) -> config_pb2.ModelConfig:
+    """Read and parse ``<model_dir>/config.pbtxt``; errors name the file, line and column."""
+    path = model_dir / CONFIG_FILENAME
+    if not path.is_file():
+        raise load_failed(f"{path}: no {CONFIG_FILENAME} in the model folder")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise load_failed(f"{path}: cannot read: {exc}") from exc
+    return parse_config(text, source=str(path))
+
+
+def parse_config(text: str, source: str = CONFIG_FILENAME) -> config_pb2.ModelConfig:
+    config = config_pb2.ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        # ParseError's text is "line:column : message"; prefix the file so it reads file:line:col.
+        raise load_failed(f"{source}:{exc}") from exc
+    return config
+
+
+def normalize(config: config_pb2.ModelConfig, model_name: str) -> config_pb2.ModelConfig:
+    """Fill in the defaults Triton fills in; returns a new message."""
+    out = config_pb2.ModelConfig()
+    out.CopyFrom(config)
+    if not out.name:
+        out.name = model_name
+    if out.platform in PLATFORM_BACKENDS and not out.backend:
+        out.backend = PLATFORM_BACKENDS[out.platform]
+    if out.backend in BACKEND_PLATFORMS and not out.platform:
+        out.platform = BACKEND_PLATFORMS[out.backend]
+    if not out.HasField("version_policy"):
+        out.version_policy.latest.num_versions = 1
+    if not out.default_model_filename and out.backend in DEFAULT_MODEL_FILENAMES:
+        out.default_model_filename = DEFAULT_MODEL_FILENAMES[out.backend]
+    if out.HasField("dynamic_batching") and out.max_batch_size > 0:
+        if not out.dynamic_batching.preferred_batch_size:
+            out.dynamic_batching.preferred_batch_size.append(out.max_batch_size)
+    if not out.instance_group:
+        out.instance_group.add()
+    kind_enum = config_pb2.ModelInstanceGroup.Kind
+    for index, group in enumerate(out.instance_group):
+        if not group.name:
+            group.name = f"{out.name}_{index}"
+        if group.count == 0 and not group.HasField("rate_limiter"):
+            cpu_default = DEFAULT_CPU_INSTANCE_COUNT.get(out.backend, 1)
+            group.count = cpu_default if group.kind == kind_enum.KIND_CPU else 1
+    return out
+
+
+def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
+    """Rules that need no model file; raises a load error naming the field."""
+    where = f"model '{model_name}'"
+    if config.name != model_name:
+        raise load_failed(f"{where}: config name '{config.name}' does not match the folder name")
+    if not config.backend:
+        raise load_failed(f"{where}: config sets neither 'platform' nor 'backend'")
+    if config.platform and config.platform in PLATFORM_BACKENDS:
+        if PLATFORM_BACKENDS[config.platform] != config.backend:
+            raise load_failed(
+                f"{where}: platform '{config.platform}' does not match backend '{config.backend}'"
+            )
+    if config.max_batch_size < 0:
+        raise load_failed(f"{where}: max_batch_size must be >= 0, got {config.max_batch_size}")
+    if not config.input or not config.output:
+        raise load_failed(f"{where}: config must list at least one input and one output")
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        seen: set[str] = set()
+        for tensor in tensors:
+            label = f"{where}: {kind} '{tensor.name}'"
+            if not tensor.name:
+                raise load_failed(f"{where}: an {kind} has no name")
+            if tensor.name in seen:
+                raise load_failed(f"{label} is listed twice")
+            seen.add(tensor.name)
+            if tensor.data_type == config_pb2.TYPE_INVALID:
+                raise load_failed(f"{label} has no data_type")
+            if not tensor.dims:
+                raise load_failed(f"{label} must have at least one dim")
+            if any(d < -1 or d == 0 for d in tensor.dims):
+                raise load_failed(f"{label} has invalid dims {list(tensor.dims)}: use positive sizes or -1")
+    for group in config.instance_group:
+        if group.count < 1:
+            raise load_failed(f"{where}: instance group '{group.name}' has count {group.count}")
+        if group.gpus and group.kind in (
+            config_pb2.ModelInstanceGroup.KIND_CPU,
+            config_pb2.ModelInstanceGroup.KIND_MODEL,
+        ):
+            raise load_failed(f"{where}: instance group '{group.name}' of kind CPU cannot list gpus")
+    policy = config.version_policy
+    if policy.HasField("specific") and not policy.specific.versions:
+        raise load_failed(f"{where}: version_policy specific lists no versions")
+
+
+def to_spec(config: config_pb2.ModelConfig) -> ModelSpec:
+    """Convert a normalized, validated config into a ``ModelSpec``."""
+    policy = config.version_policy
+    choice = policy.WhichOneof("policy_choice")
+    version_policy = VersionPolicy(
+        kind=choice or "latest",
+        num_versions=policy.latest.num_versions if choice == "latest" else 1,
+        versions=tuple(policy.specific.versions),
+    )
+    kind_names = config_pb2.ModelInstanceGroup.Kind
+    return ModelSpec(
+        name=config.name,
+        platform=config.platform,
+        backend=config.backend,
+        max_batch_size=config.max_batch_size,
+        inputs=tuple(
+            _tensor_spec(t.name, t.data_type, t.dims, t, optional=t.optional) for t in config.input
+        ),
+        outputs=tuple(_tensor_spec(t.name, t.data_type, t.dims, t) for t in config.output),
+        instance_groups=tuple(
+            InstanceGroupSpec(g.name, InstanceKind(kind_names.Name(g.kind)), g.count, tuple(g.gpus))
+            for g in config.instance_group
+        ),
+        version_policy=version_policy,
+        default_model_filename=config.default_model_filename,
+        parameters={k: v.string_value for k, v in config.parameters.items()},
+        config_json=json_format.MessageToDict(config, preserving_proto_field_name=True),
+    )
+
+
+def load_spec(model_dir: Path) -> ModelSpec:
+    """The whole pipeline for one model folder: read → normalize → validate → spec."""
+    name = model_dir.name
+    config = normalize(read_config(model_dir), name)
+    validate(config, name)
+    return to_spec(config)
+
+
+def _tensor_spec(
+    name: str, data_type: int, dims: Any, tensor: Any, optional: bool = False
+) -> TensorSpec:
+    reshape = tuple(tensor.reshape.shape) if tensor.HasField("reshape") else None
+    datatype = DataType.from_config_name(config_pb2.DataType.Name(data_type))
+    return TensorSpec(name, datatype, tuple(dims), reshape, optional)
