@@ -1,4 +1,7 @@
-"""Build the grpc.aio server: every RPC of the table, each under the error guard."""
+"""Build the grpc.aio server: every RPC of the table, each under the error guard.
+
+Requests are handed to the guard as bytes and decoded there (see ``status.parse``).
+"""
 
 from __future__ import annotations
 
@@ -18,14 +21,12 @@ def method_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHand
         implementation = getattr(servicer, method.name)
         if method.client_streaming and method.server_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                guard_stream(implementation),
-                request_deserializer=method.request_type.FromString,
+                guard_stream(implementation, method.request_type),
                 response_serializer=method.response_type.SerializeToString,
             )
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                guard_unary(implementation),
-                request_deserializer=method.request_type.FromString,
+                guard_unary(implementation, method.request_type),
                 response_serializer=method.response_type.SerializeToString,
             )
     return handlers

@@ -9,7 +9,9 @@ from typing import Any
 
 import grpc
 
-from server.errors import ErrorCode, ShoalError
+from google.protobuf.message import DecodeError
+
+from server.errors import ErrorCode, ShoalError, invalid
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +38,21 @@ UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 StreamHandler = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]
 
 
-def guard_unary(handler: UnaryHandler) -> UnaryHandler:
+def parse(request_type: Any, raw: bytes) -> Any:
+    """Decode a request inside the guard, so a malformed message is INVALID_ARGUMENT, not UNKNOWN."""
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as exc:
+        raise invalid(f"malformed {request_type.DESCRIPTOR.name} message: {exc}") from exc
+
+
+def guard_unary(handler: UnaryHandler, request_type: Any) -> Callable[[bytes, Any], Awaitable[Any]]:
+    """Wrap a unary RPC: the request arrives as bytes and every failure becomes a clean status."""
+
     @functools.wraps(handler)
-    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def guarded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await handler(request, context)
+            return await handler(parse(request_type, raw), context)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a clean status
             code, message = to_status(exc)
         await context.abort(code, message)
@@ -49,11 +61,17 @@ def guard_unary(handler: UnaryHandler) -> UnaryHandler:
     return guarded
 
 
-def guard_stream(handler: StreamHandler) -> StreamHandler:
+def guard_stream(handler: StreamHandler, request_type: Any) -> Callable[[Any, Any], AsyncIterator[Any]]:
+    """Wrap a bidirectional-streaming RPC the same way; a malformed message ends the stream."""
+
+    async def parsed(raw_requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+        async for raw in raw_requests:
+            yield parse(request_type, raw)
+
     @functools.wraps(handler)
-    async def guarded(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def guarded(raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for response in handler(requests, context):
+            async for response in handler(parsed(raw_requests), context):
                 yield response
             return
         except Exception as exc:  # noqa: BLE001

@@ -1,0 +1,140 @@
+"""Config parsing, normalization, validation, version policies and folder scanning."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from server.errors import ErrorCode, ShoalError
+from server.repository import scanner
+from server.repository.config import InstanceKind, VersionPolicy, load_spec, normalize, parse_config, validate
+from server.types import DataType
+from tests.models import EXAMPLES, write_config
+
+TRITON_STYLE = """
+name: "resnet"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+version_policy: { specific { versions: [ 1, 3 ] } }
+input [
+  {
+    name: "data"
+    data_type: TYPE_FP32
+    format: FORMAT_NCHW
+    dims: [ 3, 224, 224 ]
+    reshape: { shape: [ 1, 3, 224, 224 ] }
+  }
+]
+output [ { name: "prob" data_type: TYPE_FP32 dims: [ 1000 ] label_filename: "labels.txt" } ]
+instance_group [ { count: 2 kind: KIND_GPU gpus: [ 0 ] } ]
+dynamic_batching { preferred_batch_size: [ 4, 8 ] max_queue_delay_microseconds: 100 }
+optimization { execution_accelerators { gpu_execution_accelerator : [ { name : "tensorrt" } ] } }
+parameters { key: "intra_op_thread_count" value: { string_value: "2" } }
+model_warmup [ { name: "w" batch_size: 1 inputs { key: "data" value: { data_type: TYPE_FP32 dims: [ 3, 224, 224 ] zero_data: true } } } ]
+"""
+
+
+def test_triton_config_parses_and_converts() -> None:
+    config = normalize(parse_config(TRITON_STYLE), "resnet")
+    validate(config, "resnet")
+    assert config.backend == "onnxruntime"
+    assert list(config.dynamic_batching.preferred_batch_size) == [4, 8]
+    assert config.model_warmup[0].inputs["data"].zero_data
+
+
+def test_spec_from_example_folder() -> None:
+    spec = load_spec(EXAMPLES / "simple")
+    assert spec.name == "simple" and spec.backend == "onnxruntime" and spec.max_batch_size == 8
+    assert [(t.name, t.datatype, t.dims) for t in spec.inputs] == [
+        ("INPUT0", DataType.INT32, (16,)), ("INPUT1", DataType.INT32, (16,))
+    ]
+    assert spec.default_model_filename == "model.onnx"
+    assert spec.instance_groups[0].kind is InstanceKind.CPU
+    assert spec.version_policy == VersionPolicy("latest", 1)
+    assert spec.config_json["max_batch_size"] == 8
+
+
+def test_normalize_fills_triton_defaults() -> None:
+    config = normalize(parse_config('backend: "onnxruntime"\nmax_batch_size: 4\ndynamic_batching {}'), "m")
+    assert config.name == "m" and config.platform == "onnxruntime_onnx"
+    assert config.version_policy.latest.num_versions == 1
+    assert list(config.dynamic_batching.preferred_batch_size) == [4]
+    assert config.instance_group[0].name == "m_0" and config.instance_group[0].count == 1
+
+
+def test_parse_error_names_file_line_and_column(tmp_path: Path) -> None:
+    write_config(tmp_path / "m", 'name: "m"\nmax_batch_size: "eight"\n')
+    with pytest.raises(ShoalError) as caught:
+        load_spec(tmp_path / "m")
+    assert caught.value.code is ErrorCode.LOAD_FAILED
+    assert f"{tmp_path / 'm' / 'config.pbtxt'}:2:" in caught.value.message
+
+
+def test_unknown_field_is_refused() -> None:
+    with pytest.raises(ShoalError, match="max_batch"):
+        parse_config("max_batch: 4")
+
+
+@pytest.mark.parametrize(
+    ("text", "phrase"),
+    [
+        ('name: "other" backend: "onnxruntime"', "does not match the folder name"),
+        ("max_batch_size: 2", "neither 'platform' nor 'backend'"),
+        ('backend: "onnxruntime" max_batch_size: -1', "max_batch_size must be >= 0"),
+        ('backend: "onnxruntime" input [{ name: "a" data_type: TYPE_FP32 dims: [1] }]', "at least one input"),
+        ('backend: "onnxruntime" input [{ name: "a" data_type: TYPE_FP32 }] '
+         'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }]', "input 'a' must have at least one dim"),
+        ('backend: "onnxruntime" input [{ name: "a" dims: [1] }] '
+         'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }]', "input 'a' has no data_type"),
+        ('backend: "onnxruntime" input [{ name: "a" data_type: TYPE_FP32 dims: [0] }] '
+         'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }]', "invalid dims"),
+        ('platform: "pytorch_libtorch" backend: "onnxruntime"', "does not match backend"),
+    ],
+)
+def test_validation_names_the_problem(text: str, phrase: str) -> None:
+    with pytest.raises(ShoalError) as caught:
+        validate(normalize(parse_config(text), "m"), "m")
+    assert phrase in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("policy", "available", "selected"),
+    [
+        (VersionPolicy(), [1, 2, 10], [10]),
+        (VersionPolicy("latest", 2), [1, 2, 10], [2, 10]),
+        (VersionPolicy("all"), [3, 1], [1, 3]),
+        (VersionPolicy("specific", versions=(1, 7)), [1, 2], [1]),
+    ],
+)
+def test_version_policy(policy: VersionPolicy, available: list[int], selected: list[int]) -> None:
+    assert policy.select(available) == selected
+
+
+def test_version_folders_skip_non_integer_and_zero_padded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in ("1", "2", "010", "0", "v3", "latest"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "7").write_text("a file, not a folder")
+    with caplog.at_level(logging.WARNING):
+        assert scanner.list_versions(tmp_path) == [1, 2]
+    assert "'010'" in caplog.text and "'v3'" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["..", "../etc", "a/b", "/abs", ".hidden", "", "a\x00b", "a/../b"])
+def test_unsafe_model_names_are_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ShoalError) as caught:
+        scanner.model_dir(tmp_path, name)
+    assert caught.value.code is ErrorCode.UNAVAILABLE
+
+
+def test_symlink_out_of_the_repository_is_skipped(tmp_path: Path) -> None:
+    repo, outside = tmp_path / "repo", tmp_path / "outside"
+    (repo / "good").mkdir(parents=True)
+    outside.mkdir()
+    (repo / "escape").symlink_to(outside, target_is_directory=True)
+    assert scanner.list_models(repo) == ["good"]
+    with pytest.raises(ShoalError):
+        scanner.model_dir(repo, "escape")
