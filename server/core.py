@@ -90,6 +90,3 @@ class InferenceCore:
 
     def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
         return self.manager.index(ready_only)
-
-    def unsupported(self, what: str) -> ShoalError:
-        return ShoalError(ErrorCode.UNSUPPORTED, f"{what} is not supported by this server")

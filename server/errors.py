@@ -47,6 +47,10 @@ def load_failed(message: str) -> ShoalError:
     return ShoalError(ErrorCode.LOAD_FAILED, message)
 
 
+def unsupported(what: str) -> ShoalError:
+    return ShoalError(ErrorCode.UNSUPPORTED, f"{what} is not supported by this server")
+
+
 def unknown_model(name: str, version: str = "") -> ShoalError:
     """Triton's wording, which tritonclient users match on."""
     if version:

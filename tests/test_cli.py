@@ -10,7 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from server.pb import InferenceStub, service_pb2 as pb
+from server.pb import InferenceStub
+from server.pb import service_pb2 as pb
 from tests import models
 
 

@@ -8,7 +8,8 @@ import pytest
 import tritonclient.grpc as triton
 
 from server.grpc.convert import _CONTENTS_FIELD
-from server.pb import InferenceStub, service_pb2 as pb
+from server.pb import InferenceStub
+from server.pb import service_pb2 as pb
 from server.types import DataType
 from tests.conftest import RunningServer
 from tests.models import ALL_DATATYPES

@@ -32,7 +32,13 @@ instance_group [ { count: 2 kind: KIND_GPU gpus: [ 0 ] } ]
 dynamic_batching { preferred_batch_size: [ 4, 8 ] max_queue_delay_microseconds: 100 }
 optimization { execution_accelerators { gpu_execution_accelerator : [ { name : "tensorrt" } ] } }
 parameters { key: "intra_op_thread_count" value: { string_value: "2" } }
-model_warmup [ { name: "w" batch_size: 1 inputs { key: "data" value: { data_type: TYPE_FP32 dims: [ 3, 224, 224 ] zero_data: true } } } ]
+model_warmup [
+  {
+    name: "w"
+    batch_size: 1
+    inputs { key: "data" value: { data_type: TYPE_FP32 dims: [ 3, 224, 224 ] zero_data: true } }
+  }
+]
 """
 
 

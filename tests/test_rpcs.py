@@ -8,7 +8,8 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from server.pb import METHODS, InferenceStub, service_pb2 as pb
+from server.pb import METHODS, InferenceStub
+from server.pb import service_pb2 as pb
 from tests.conftest import RunningServer
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)

@@ -7,16 +7,17 @@ registers each under the guard that maps errors to status.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
 from server.core import InferenceCore
+from server.errors import unsupported
 from server.grpc import convert
 from server.grpc.status import to_status
 from server.pb import service_pb2 as pb
 
-Context = grpc.aio.ServicerContext
+Context: TypeAlias = grpc.aio.ServicerContext
 
 
 class InferenceServicer:
@@ -71,34 +72,34 @@ class InferenceServicer:
     # RPCs of extensions Shoal does not implement (yet) answer UNIMPLEMENTED.
 
     async def ModelStatistics(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("ModelStatistics")
+        raise unsupported("ModelStatistics")
 
     async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("RepositoryModelLoad")
+        raise unsupported("RepositoryModelLoad")
 
     async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("RepositoryModelUnload")
+        raise unsupported("RepositoryModelUnload")
 
     async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("system shared memory")
+        raise unsupported("system shared memory")
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("system shared memory")
+        raise unsupported("system shared memory")
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("system shared memory")
+        raise unsupported("system shared memory")
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("CUDA shared memory")
+        raise unsupported("CUDA shared memory")
 
     async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("CUDA shared memory")
+        raise unsupported("CUDA shared memory")
 
     async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("CUDA shared memory")
+        raise unsupported("CUDA shared memory")
 
     async def TraceSetting(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("TraceSetting")
+        raise unsupported("TraceSetting")
 
     async def LogSettings(self, request: Any, context: Context) -> Any:
-        raise self.core.unsupported("LogSettings")
+        raise unsupported("LogSettings")

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-
 from google.protobuf.message import DecodeError
 
 from server.errors import ErrorCode, ShoalError, invalid

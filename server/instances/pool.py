@@ -62,7 +62,9 @@ class InstancePool:
             model.close()
 
 
-def build_pool(model_name: str, placements: list[tuple[str, Device, int]], models: dict[Device, LoadedModel]) -> InstancePool:
+def build_pool(
+    model_name: str, placements: list[tuple[str, Device, int]], models: dict[Device, LoadedModel]
+) -> InstancePool:
     """``placements``: (group name, device, count) triples; ``models``: the one copy per device."""
     instances = []
     for group, device, count in placements:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.errors import ShoalError, ErrorCode, invalid
+from server.errors import ErrorCode, ShoalError, invalid
 from server.repository.config import ModelSpec, TensorSpec
 from server.types import InferRequest, Tensor
 
@@ -116,7 +116,7 @@ def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray
         data = np.asarray(results[name])
         if tensor_spec.reshape is not None:
             lead = [prepared.batch_size] if spec.max_batch_size > 0 else []
-            data = data.reshape(lead + [d if d != -1 else -1 for d in tensor_spec.dims])
+            data = data.reshape(lead + list(tensor_spec.dims))
         if spec.max_batch_size > 0 and (data.ndim == 0 or data.shape[0] != prepared.batch_size):
             raise ShoalError(
                 ErrorCode.INTERNAL,
