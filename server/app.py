@@ -34,5 +34,5 @@ async def serve(settings: ServerSettings) -> None:
     logger.info("shutting down: finishing in-flight requests (up to %.0f s)", settings.exit_timeout_s)
     core.stop_accepting()
     await server.stop(grace=settings.exit_timeout_s)
-    await asyncio.to_thread(manager.close)
+    await manager.close()
     logger.info("stopped")

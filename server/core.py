@@ -11,11 +11,12 @@ from typing import Any
 from server import __version__
 from server.errors import ErrorCode, ShoalError
 from server.lifecycle.manager import IndexEntry, ModelManager
+from server.statistics import ModelStatistics
 from server.types import InferRequest, InferResponse
 
 SERVER_NAME = "shoal"
 # Only what is implemented end to end; clients gate features on these strings.
-EXTENSIONS = ("model_configuration",)
+EXTENSIONS = ("model_configuration", "statistics", "schedule_policy")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,13 @@ class InferenceCore:
             raise ShoalError(ErrorCode.UNAVAILABLE, "the server is shutting down")
         served = self.manager.resolve(request.model_name, request.model_version)
         return await served.infer(request)
+
+    def model_statistics(self, name: str, version: str) -> list[tuple[str, str, ModelStatistics]]:
+        """(model, version, statistics) rows; name ``""`` means every model."""
+        return [
+            (served.spec.name, str(served.version), served.statistics)
+            for served in self.manager.statistics(name, version)
+        ]
 
     def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
         return self.manager.index(ready_only)

@@ -1,4 +1,5 @@
-"""Triton's own perf_analyzer (a C++ gRPC client) completes a short sweep against Shoal.
+"""Triton's own perf_analyzer (a C++ gRPC client) completes a short sweep against Shoal,
+and reports the server-side breakdown it reads from ModelStatistics.
 
 perf_analyzer is installed by bench/install_perf_analyzer.sh (.ci/run does it). Set
 SHOAL_PERF_ANALYZER to use another binary.
@@ -37,5 +38,7 @@ def test_perf_analyzer_concurrency_sweep(tmp_path: Path, server_factory) -> None
     rows = list(csv.DictReader(out.read_text().splitlines()))
     assert sorted(int(r["Concurrency"]) for r in rows) == [1, 2]
     for row in rows:
+        # Server-side columns come from ModelStatistics deltas: statistics are advertised and read.
+        assert float(row["Server Compute Infer"]) > 0 and float(row["Server Queue"]) >= 0
         assert float(row["Inferences/Second"]) > 0
         assert 0 < float(row["p50 latency"]) <= float(row["p99 latency"])

@@ -19,6 +19,7 @@ from server.core import ModelMetadata, ServerMetadata
 from server.errors import invalid
 from server.lifecycle.manager import IndexEntry
 from server.pb import config_pb2, service_pb2
+from server.statistics import Duration, ModelStatistics
 from server.types import DataType, InferRequest, InferResponse, Tensor
 
 _CONTENTS_FIELD = {
@@ -195,4 +196,31 @@ def repository_index(entries: list[IndexEntry]) -> service_pb2.RepositoryIndexRe
     message = service_pb2.RepositoryIndexResponse()
     for e in entries:
         message.models.add(name=e.name, version=e.version, state=e.state.value, reason=e.reason)
+    return message
+
+
+def _duration(target: service_pb2.StatisticDuration, source: Duration) -> None:
+    target.count = source.count
+    target.ns = source.ns
+
+
+def model_statistics(rows: list[tuple[str, str, ModelStatistics]]) -> service_pb2.ModelStatisticsResponse:
+    message = service_pb2.ModelStatisticsResponse()
+    for name, version, stats in rows:
+        entry = message.model_stats.add(
+            name=name,
+            version=version,
+            last_inference=stats.last_inference_ms,
+            inference_count=stats.inference_count,
+            execution_count=stats.execution_count,
+        )
+        inference = entry.inference_stats
+        for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+            _duration(getattr(inference, field), getattr(stats, field))
+        for size in sorted(stats.batch_stats):
+            batch = stats.batch_stats[size]
+            row = entry.batch_stats.add(batch_size=size)
+            _duration(row.compute_input, batch.compute_input)
+            _duration(row.compute_infer, batch.compute_infer)
+            _duration(row.compute_output, batch.compute_output)
     return message

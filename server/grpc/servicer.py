@@ -64,15 +64,17 @@ class InferenceServicer:
                 continue
             yield pb.ModelStreamInferResponse(infer_response=response)
 
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Context
+    ) -> pb.ModelStatisticsResponse:
+        return convert.model_statistics(self.core.model_statistics(request.name, request.version))
+
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Context
     ) -> pb.RepositoryIndexResponse:
         return convert.repository_index(self.core.repository_index(ready_only=request.ready))
 
     # RPCs of extensions Shoal does not implement (yet) answer UNIMPLEMENTED.
-
-    async def ModelStatistics(self, request: Any, context: Context) -> Any:
-        raise unsupported("ModelStatistics")
 
     async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
         raise unsupported("RepositoryModelLoad")

@@ -1,8 +1,8 @@
-"""Executors over one loaded model per device, handed out first come, first served.
+"""Executors over one loaded model per device.
 
 Each instance is one thread that calls ``run`` on the shared ``LoadedModel`` of its
 device: ``count: 4`` gives four concurrent executions and one copy of the weights.
-Execution never happens on the event loop. A request waits (FIFO) for a free instance.
+Execution never happens on the event loop; the scheduler decides what runs where.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class Instance:
 
 
 class InstancePool:
+    """The scheduler's ``Runner``: hands out free instances, first come, first served."""
+
     def __init__(self, instances: list[Instance]) -> None:
         if not instances:
             raise ValueError("an instance pool needs at least one instance")
@@ -47,13 +49,11 @@ class InstancePool:
                 self._free.put_nowait(instance)
         return self._free
 
-    async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        free = self._queue()
-        instance = await free.get()
-        try:
-            return await instance.run(inputs, outputs)
-        finally:
-            free.put_nowait(instance)
+    async def acquire(self) -> Instance:
+        return await self._queue().get()
+
+    def release(self, executor: Instance) -> None:
+        self._queue().put_nowait(executor)
 
     def close(self) -> None:
         for instance in self.instances:

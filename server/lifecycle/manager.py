@@ -141,11 +141,20 @@ class ModelManager:
                 rows.append(IndexEntry(model.name, str(version.version), version.state, version.reason))
         return [r for r in rows if not ready_only or r.state is ModelState.READY]
 
-    def close(self) -> None:
+    def statistics(self, name: str, version: str) -> list[ModelVersion]:
+        """Versions to report: every ready version of every model for name ``""``, as Triton."""
+        if not name:
+            return [e.served for m in self._models.values() for e in m.versions.values() if e.served]
+        if version:
+            return [self.resolve(name, version)]
+        model = self.entry(name)
+        return [e.served for e in model.versions.values() if e.served]
+
+    async def close(self) -> None:
         for model in self._models.values():
             for version in model.versions.values():
                 if version.served is not None:
-                    version.served.close()
+                    await version.served.close()
                     version.served = None
                     version.state = ModelState.UNAVAILABLE
                     version.reason = "unloaded"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from server.errors import ErrorCode, ShoalError, load_failed
 from server.instances.pool import InstancePool, build_pool
 from server.lifecycle import tensors
 from server.repository.config import InstanceKind, ModelSpec
+from server.scheduling.dynamic import Scheduler
+from server.statistics import ModelStatistics
 from server.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
@@ -44,12 +47,14 @@ def placements(spec: ModelSpec) -> list[tuple[str, Device, int]]:
 
 
 class ModelVersion:
-    """A READY version: ``infer`` checks, executes on a free instance and shapes the reply."""
+    """A READY version: ``infer`` checks the request, queues it with the scheduler, shapes the reply."""
 
     def __init__(self, spec: ModelSpec, version: int, pool: InstancePool) -> None:
         self.spec = spec
         self.version = version
         self.pool = pool
+        self.statistics = ModelStatistics()
+        self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching)
 
     @classmethod
     def load(cls, spec: ModelSpec, version: int, version_dir: Path) -> ModelVersion:
@@ -73,11 +78,12 @@ class ModelVersion:
     async def infer(self, request: InferRequest) -> InferResponse:
         prepared = tensors.prepare(self.spec, request)
         try:
-            results = await self.pool.run(prepared.feed, prepared.outputs)
+            results = await self.scheduler.submit(
+                prepared.feed, prepared.outputs, prepared.batch_size, request.parameters
+            )
         except ShoalError:
             raise
-        except Exception as exc:
-            logger.exception("model %s version %d failed to execute", self.spec.name, self.version)
+        except Exception as exc:  # logged once per batch by the scheduler
             raise ShoalError(
                 ErrorCode.INTERNAL, f"model '{self.spec.name}' version {self.version} failed: {exc}"
             ) from exc
@@ -88,5 +94,7 @@ class ModelVersion:
             outputs=tensors.finish(self.spec, prepared, results),
         )
 
-    def close(self) -> None:
-        self.pool.close()
+    async def close(self) -> None:
+        """Finish queued and running requests, then release the instances and the weights."""
+        await self.scheduler.stop()
+        await asyncio.to_thread(self.pool.close)

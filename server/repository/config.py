@@ -74,6 +74,30 @@ class VersionPolicy:
 
 
 @dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's ModelQueuePolicy; 0 means none/unbounded."""
+
+    delay_on_timeout: bool = False  # timeout_action DELAY (else REJECT)
+    default_timeout_us: int = 0
+    allow_timeout_override: bool = False
+    max_queue_size: int = 0
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_us: int = 0
+    preserve_ordering: bool = False
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    default_queue_policy: QueuePolicy = QueuePolicy()
+    priority_queue_policies: dict[int, QueuePolicy] = field(default_factory=dict)
+
+    def queue_policy(self, level: int) -> QueuePolicy:
+        return self.priority_queue_policies.get(level, self.default_queue_policy)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the server needs about one model, decoupled from protobuf."""
 
@@ -86,6 +110,7 @@ class ModelSpec:
     instance_groups: tuple[InstanceGroupSpec, ...]
     version_policy: VersionPolicy
     default_model_filename: str
+    dynamic_batching: DynamicBatching | None = None
     parameters: dict[str, str] = field(default_factory=dict)
     # The normalized config as proto3 JSON (field names as in the .proto): what ModelConfig returns.
     config_json: dict[str, Any] = field(default_factory=dict)
@@ -190,6 +215,29 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
     policy = config.version_policy
     if policy.HasField("specific") and not policy.specific.versions:
         raise load_failed(f"{where}: version_policy specific lists no versions")
+    if config.HasField("dynamic_batching"):
+        _validate_dynamic_batching(config, where)
+
+
+def _validate_dynamic_batching(config: config_pb2.ModelConfig, where: str) -> None:
+    batching = config.dynamic_batching
+    for size in batching.preferred_batch_size:
+        if size < 1 or (config.max_batch_size > 0 and size > config.max_batch_size):
+            raise load_failed(
+                f"{where}: preferred_batch_size {size} must be between 1 and max_batch_size "
+                f"{config.max_batch_size}"
+            )
+    levels = batching.priority_levels
+    if levels == 0 and (batching.default_priority_level or batching.priority_queue_policy):
+        raise load_failed(f"{where}: priority settings need priority_levels > 0")
+    if levels > 0 and not 1 <= batching.default_priority_level <= levels:
+        raise load_failed(
+            f"{where}: default_priority_level must be between 1 and priority_levels {levels}, "
+            f"got {batching.default_priority_level}"
+        )
+    for level in batching.priority_queue_policy:
+        if not 1 <= level <= levels:
+            raise load_failed(f"{where}: priority_queue_policy for level {level}, but priority_levels is {levels}")
 
 
 def to_spec(config: config_pb2.ModelConfig) -> ModelSpec:
@@ -217,6 +265,7 @@ def to_spec(config: config_pb2.ModelConfig) -> ModelSpec:
         ),
         version_policy=version_policy,
         default_model_filename=config.default_model_filename,
+        dynamic_batching=_dynamic_batching(config) if config.HasField("dynamic_batching") else None,
         parameters={k: v.string_value for k, v in config.parameters.items()},
         config_json=json_format.MessageToDict(config, preserving_proto_field_name=True),
     )
@@ -228,6 +277,30 @@ def load_spec(model_dir: Path) -> ModelSpec:
     config = normalize(read_config(model_dir), name)
     validate(config, name)
     return to_spec(config)
+
+
+def _dynamic_batching(config: config_pb2.ModelConfig) -> DynamicBatching:
+    batching = config.dynamic_batching
+    return DynamicBatching(
+        preferred_batch_sizes=tuple(sorted(batching.preferred_batch_size)),
+        max_queue_delay_us=batching.max_queue_delay_microseconds,
+        preserve_ordering=batching.preserve_ordering,
+        priority_levels=batching.priority_levels,
+        default_priority_level=batching.default_priority_level,
+        default_queue_policy=_queue_policy(batching.default_queue_policy),
+        priority_queue_policies={
+            level: _queue_policy(policy) for level, policy in batching.priority_queue_policy.items()
+        },
+    )
+
+
+def _queue_policy(policy: config_pb2.ModelQueuePolicy) -> QueuePolicy:
+    return QueuePolicy(
+        delay_on_timeout=policy.timeout_action == config_pb2.ModelQueuePolicy.DELAY,
+        default_timeout_us=policy.default_timeout_microseconds,
+        allow_timeout_override=policy.allow_timeout_override,
+        max_queue_size=policy.max_queue_size,
+    )
 
 
 def _tensor_spec(

@@ -1,0 +1,1 @@
+"""Scheduling: queues and the dynamic batcher in front of a model's instances."""

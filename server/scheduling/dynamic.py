@@ -1,0 +1,297 @@
+"""The scheduler in front of a model's instances: queues, priorities, queue policy, dynamic batching.
+
+One scheduler per model version, shared by all its instances (as Triton's). A loop waits
+for a free executor, then forms the next batch from the queue and hands it over; the
+executor runs it on its own thread while the loop forms the next one.
+
+Batch-forming rules (Triton's ``GetDynamicBatch``), with ``max_pref`` the largest
+preferred size (``max_batch_size`` when none is configured) and ``delay`` the max queue delay:
+
+1. Requests are taken in priority order (level 1 first), FIFO within a level, then the
+   requests whose queue timeout expired with action DELAY. A request's own batch size
+   counts in full; requests are never split.
+2. The batch closes when the next request would exceed ``max_batch_size`` or its input
+   shapes (batch dimension aside) differ from the batch's.
+3. Reaching a preferred size marks a cut; when the next request would pass ``max_pref``,
+   the current size is the cut ("saturated").
+4. A cut goes at once, unless the oldest request has waited ``delay``, in which case
+   everything gathered goes. A closed or full batch goes at once. With ``delay == 0`` what
+   is queued goes as soon as an executor is free. Otherwise the loop waits for more
+   requests until the oldest one's delay (or the next queue timeout) runs out.
+
+Without ``dynamic_batching`` every request is its own execution, FIFO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from server.errors import ErrorCode, ShoalError, invalid
+from server.repository.config import DynamicBatching, QueuePolicy
+from server.scheduling.base import Executor, Runner
+from server.scheduling.batching import gather, scatter
+from server.statistics import ModelStatistics, Phases
+
+logger = logging.getLogger(__name__)
+
+Outputs = dict[str, np.ndarray]
+
+
+@dataclass(eq=False)
+class Pending:
+    """One queued request."""
+
+    feed: Mapping[str, np.ndarray]
+    outputs: tuple[str, ...]
+    size: int  # rows it adds to a batch: its batch dimension, or 1
+    signature: tuple[tuple[str, tuple[int, ...]], ...]  # input shapes without the batch dimension
+    level: int
+    arrival_ns: int
+    deadline_ns: int | None
+    delay_on_timeout: bool
+    sequence: int
+    future: asyncio.Future[Outputs] = field(repr=False)
+    delayed: bool = False
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: Runner[Any],
+        statistics: ModelStatistics,
+        max_batch_size: int,
+        batching: DynamicBatching | None,
+    ) -> None:
+        self.runner = runner
+        self.statistics = statistics
+        self.batching = batching
+        # Rows a batch may hold; 0 or no dynamic_batching means one request per execution.
+        self.max_batch_size = max_batch_size if batching is not None else 0
+        self.preferred = set(batching.preferred_batch_sizes) if batching else set()
+        self.max_preferred = max(self.preferred, default=self.max_batch_size)
+        self.delay_ns = batching.max_queue_delay_us * 1000 if batching else 0
+        self.levels = max(1, batching.priority_levels) if batching else 1
+        self._queues: dict[int, deque[Pending]] = {level: deque() for level in range(1, self.levels + 1)}
+        self._sequence = itertools.count()
+        self._next_release = 0
+        self._settled: dict[int, tuple[Pending, Outputs | BaseException | None]] = {}
+        self._arrived = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._executions: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    # -- submission ---------------------------------------------------------------------------------
+
+    async def submit(
+        self, feed: Mapping[str, np.ndarray], outputs: Sequence[str], batch_size: int, parameters: Mapping[str, Any]
+    ) -> Outputs:
+        """Queue one request and wait for its own rows of the outputs."""
+        if self._stopping:
+            raise ShoalError(ErrorCode.UNAVAILABLE, "the model is unloading")
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run(), name="scheduler")
+        now = time.monotonic_ns()
+        level = self._level(parameters)
+        policy = self.batching.queue_policy(level) if self.batching else QueuePolicy()
+        queue = self._queues[level]
+        if policy.max_queue_size and len(queue) >= policy.max_queue_size:
+            self.statistics.record_failure(0)
+            raise ShoalError(ErrorCode.UNAVAILABLE, "Exceeds maximum queue size")
+        timeout_us = self._timeout_us(policy, parameters)
+        pending = Pending(
+            feed=feed,
+            outputs=tuple(outputs),
+            size=max(1, batch_size),
+            signature=tuple((name, array.shape[1:] if batch_size else array.shape) for name, array in feed.items()),
+            level=level,
+            arrival_ns=now,
+            deadline_ns=now + timeout_us * 1000 if timeout_us else None,
+            delay_on_timeout=policy.delay_on_timeout,
+            sequence=next(self._sequence),
+            future=asyncio.get_running_loop().create_future(),
+        )
+        queue.append(pending)
+        if pending.deadline_ns is not None and not pending.delay_on_timeout:
+            # Reject promptly at the deadline, even while every executor is busy.
+            loop = asyncio.get_running_loop()
+            loop.call_later(timeout_us / 1e6, lambda: self._expire(time.monotonic_ns()))
+        self._arrived.set()
+        return await pending.future
+
+    def _level(self, parameters: Mapping[str, Any]) -> int:
+        """Priority 0, or beyond the configured levels, means the default level (as Triton)."""
+        if self.batching is None or self.batching.priority_levels == 0:
+            return 1
+        priority = parameters.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise invalid(f"request parameter 'priority' must be an integer, got {priority!r}")
+        if 1 <= priority <= self.batching.priority_levels:
+            return priority
+        return self.batching.default_priority_level
+
+    @staticmethod
+    def _timeout_us(policy: QueuePolicy, parameters: Mapping[str, Any]) -> int:
+        timeout = policy.default_timeout_us
+        requested = parameters.get("timeout")
+        if requested is not None and policy.allow_timeout_override:
+            if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+                raise invalid(f"request parameter 'timeout' must be a non-negative integer (µs), got {requested!r}")
+            if requested and (timeout == 0 or requested < timeout):
+                timeout = requested
+        return timeout
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            executor = await self.runner.acquire()
+            try:
+                batch = await self._next_batch()
+            except BaseException:
+                self.runner.release(executor)
+                raise
+            task = asyncio.create_task(self._execute(executor, batch))
+            self._executions.add(task)
+            task.add_done_callback(self._executions.discard)
+
+    async def _next_batch(self) -> list[Pending]:
+        while True:
+            now = time.monotonic_ns()
+            self._expire(now)
+            batch, wait_ns = self._plan(now)
+            if batch:
+                for pending in batch:
+                    self._queues[pending.level].remove(pending)
+                return batch
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), None if wait_ns is None else wait_ns / 1e9)
+            except TimeoutError:
+                pass
+
+    def _expire(self, now: int) -> None:
+        """Drop cancelled requests; requests past their queue timeout are rejected or delayed."""
+        for queue in self._queues.values():
+            for pending in list(queue):
+                if pending.future.done():
+                    queue.remove(pending)
+                    self._settle(pending, None)
+                elif pending.deadline_ns is not None and now >= pending.deadline_ns and not pending.delayed:
+                    if pending.delay_on_timeout:
+                        pending.delayed = True
+                    else:
+                        queue.remove(pending)
+                        self.statistics.record_failure(now - pending.arrival_ns)
+                        self._settle(pending, ShoalError(ErrorCode.UNAVAILABLE, "Request timeout expired"))
+
+    def _candidates(self) -> list[Pending]:
+        ordered = [p for level in sorted(self._queues) for p in self._queues[level] if not p.delayed]
+        return ordered + [p for level in sorted(self._queues) for p in self._queues[level] if p.delayed]
+
+    def _plan(self, now: int) -> tuple[list[Pending], int | None]:
+        """The batch to send now, or nothing and how long to wait (None: until a request arrives)."""
+        candidates = self._candidates()
+        if not candidates:
+            return [], None
+        if self.max_batch_size == 0:
+            return candidates[:1], None
+        chosen: list[Pending] = []
+        rows = 0
+        cut: int | None = None
+        closed = False
+        for pending in candidates:
+            if chosen:
+                if pending.signature != chosen[0].signature or rows + pending.size > self.max_batch_size:
+                    closed = True
+                    break
+                if rows + pending.size > self.max_preferred:
+                    cut = len(chosen)
+                    break
+            chosen.append(pending)
+            rows += pending.size
+            if rows in self.preferred:
+                cut = len(chosen)
+        age = now - min(p.arrival_ns for p in chosen)
+        delay_exceeded = self.delay_ns > 0 and age >= self.delay_ns
+        if cut is not None and not delay_exceeded:
+            return chosen[:cut], None
+        if closed or rows >= self.max_preferred or delay_exceeded or self.delay_ns == 0:
+            return chosen, None
+        wait = self.delay_ns - age
+        deadlines = [p.deadline_ns - now for p in candidates if p.deadline_ns is not None and not p.delayed]
+        return [], max(0, min([wait, *deadlines]))
+
+    # -- execution ----------------------------------------------------------------------------------
+
+    async def _execute(self, executor: Executor, batch: list[Pending]) -> None:
+        start = time.monotonic_ns()
+        try:
+            outputs = list(dict.fromkeys(name for pending in batch for name in pending.outputs))
+            feed = gather([pending.feed for pending in batch]) if len(batch) > 1 else batch[0].feed
+            gathered = time.monotonic_ns()
+            results = await executor.run(feed, outputs)
+            executed = time.monotonic_ns()
+            parts = scatter(results, [p.size for p in batch], [p.outputs for p in batch])
+            done = time.monotonic_ns()
+        except BaseException as exc:  # noqa: BLE001 - fails this batch's requests only
+            self.runner.release(executor)
+            if isinstance(exc, Exception) and not isinstance(exc, ShoalError):
+                logger.error("a batch of %d request(s) failed", len(batch), exc_info=exc)
+            now = time.monotonic_ns()
+            for pending in batch:
+                self.statistics.record_failure(now - pending.arrival_ns)
+                self._settle(pending, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.runner.release(executor)
+        phases = Phases(gathered - start, executed - gathered, done - executed)
+        self.statistics.record_execution(sum(p.size for p in batch), phases)
+        for pending, part in zip(batch, parts, strict=True):
+            self.statistics.record_success(done - pending.arrival_ns, start - pending.arrival_ns, phases)
+            self._settle(pending, part)
+
+    def _settle(self, pending: Pending, outcome: Outputs | BaseException | None) -> None:
+        """Complete a request; with ``preserve_ordering`` completions are released in arrival order."""
+        if not (self.batching and self.batching.preserve_ordering):
+            _complete(pending, outcome)
+            return
+        self._settled[pending.sequence] = (pending, outcome)
+        while self._next_release in self._settled:
+            _complete(*self._settled.pop(self._next_release))
+            self._next_release += 1
+
+    # -- stop ---------------------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Finish what is queued and executing, then stop the loop. New requests are refused."""
+        self._stopping = True
+        while self.queued and self._loop_task is not None and not self._loop_task.done():
+            await asyncio.sleep(0.01)
+        if self._executions:
+            await asyncio.gather(*self._executions, return_exceptions=True)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+
+
+def _complete(pending: Pending, outcome: Outputs | BaseException | None) -> None:
+    if pending.future.done() or outcome is None:
+        return
+    if isinstance(outcome, BaseException):
+        pending.future.set_exception(outcome)
+    else:
+        pending.future.set_result(outcome)

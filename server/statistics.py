@@ -1,0 +1,78 @@
+"""Per model-version inference statistics, with Triton's meaning (ModelStatistics RPC).
+
+- ``success``/``fail``: count of requests and the sum of their end-to-end durations
+  (from arrival at the model to the response being ready);
+- ``queue``: per successful request, time from enqueue to the start of its batch;
+- ``compute_input``/``compute_infer``/``compute_output``: per successful request, the
+  durations of its batch's phases (gather inputs, execute, scatter outputs);
+- ``inference_count``: batch elements inferred; ``execution_count``: executions;
+- ``batch_stats``: per executed batch size, the count of executions and their phase times.
+
+Durations are nanoseconds from ``time.monotonic_ns``; ``last_inference`` is milliseconds
+since the epoch. Updated from the event loop only, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+
+@dataclass
+class BatchStats:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Phase durations of one executed batch, in nanoseconds."""
+
+    input_ns: int
+    infer_ns: int
+    output_ns: int
+
+
+@dataclass
+class ModelStatistics:
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    batch_stats: dict[int, BatchStats] = field(default_factory=dict)
+
+    def record_execution(self, batch_size: int, phases: Phases) -> None:
+        """One successful execution of ``batch_size`` elements."""
+        self.execution_count += 1
+        self.inference_count += batch_size
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        stats = self.batch_stats.setdefault(batch_size, BatchStats())
+        stats.compute_input.add(phases.input_ns)
+        stats.compute_infer.add(phases.infer_ns)
+        stats.compute_output.add(phases.output_ns)
+
+    def record_success(self, total_ns: int, queue_ns: int, phases: Phases) -> None:
+        self.success.add(total_ns)
+        self.queue.add(queue_ns)
+        self.compute_input.add(phases.input_ns)
+        self.compute_infer.add(phases.infer_ns)
+        self.compute_output.add(phases.output_ns)
+
+    def record_failure(self, total_ns: int) -> None:
+        self.fail.add(total_ns)

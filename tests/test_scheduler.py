@@ -1,0 +1,310 @@
+"""The scheduler's rules, with a fake runner whose executions the test opens and closes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from server.errors import ShoalError
+from server.repository.config import DynamicBatching, QueuePolicy
+from server.scheduling.dynamic import Scheduler
+from server.statistics import ModelStatistics
+
+FAIL_VALUE = -999
+
+
+class GatedExecutor:
+    """Identity executor; each run waits for the test to open the gate when ``gated``."""
+
+    def __init__(self, runner: FakeRunner, name: str) -> None:
+        self.runner = runner
+        self.name = name
+
+    async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        rows = inputs["IN"]
+        self.runner.batches.append(rows[:, 0].tolist())
+        self.runner.started.set()
+        if self.runner.gated:
+            gate = asyncio.Event()
+            self.runner.gates.append(gate)
+            await gate.wait()
+        if (rows == FAIL_VALUE).any():
+            raise RuntimeError("the model raised")
+        return {"OUT": rows.copy()}
+
+
+class FakeRunner:
+    def __init__(self, count: int = 1, gated: bool = False) -> None:
+        self.free: asyncio.Queue[GatedExecutor] = asyncio.Queue()
+        for index in range(count):
+            self.free.put_nowait(GatedExecutor(self, f"e{index}"))
+        self.gated = gated
+        self.gates: list[asyncio.Event] = []
+        self.batches: list[list[int]] = []
+        self.started = asyncio.Event()
+
+    async def acquire(self) -> GatedExecutor:
+        return await self.free.get()
+
+    def release(self, executor: GatedExecutor) -> None:
+        self.free.put_nowait(executor)
+
+    async def open_next_gate(self) -> None:
+        while not self.gates:
+            await asyncio.sleep(0.001)
+        self.gates.pop(0).set()
+
+
+def make(runner: FakeRunner, max_batch_size: int = 8, **batching: Any) -> Scheduler:
+    config = DynamicBatching(**batching) if batching is not None else None
+    return Scheduler(runner, ModelStatistics(), max_batch_size, config)
+
+
+def submit(scheduler: Scheduler, value: int, rows: int = 1, **parameters: Any) -> asyncio.Task[Any]:
+    feed = {"IN": np.full((rows, 2), value, dtype=np.int64)}
+    return asyncio.ensure_future(scheduler.submit(feed, ["OUT"], rows, parameters))
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def run(coroutine: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coroutine, timeout=20))
+
+
+def test_queued_requests_merge_and_each_gets_its_own_rows() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner)
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        tasks = [submit(scheduler, value, rows=value) for value in (1, 2, 3)]  # 6 rows
+        await settle()
+        await runner.open_next_gate()
+        await runner.open_next_gate()
+        results = await asyncio.gather(blocker, *tasks)
+        assert runner.batches == [[0], [1, 2, 2, 3, 3, 3]]
+        for value, result in zip((0, 1, 2, 3), results, strict=True):
+            assert result["OUT"].shape == (max(1, value), 2) and (result["OUT"] == value).all()
+        stats = scheduler.statistics
+        assert (stats.execution_count, stats.inference_count) == (2, 7)
+        assert sorted(stats.batch_stats) == [1, 6]
+        assert stats.success.count == 4 and stats.queue.count == 4
+
+    run(scenario())
+
+
+def test_batch_never_exceeds_max_batch_size_and_requests_are_not_split() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner, max_batch_size=4)
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        tasks = [submit(scheduler, 1, rows=3), submit(scheduler, 2, rows=2), submit(scheduler, 3, rows=1)]
+        await settle()
+        for _ in range(3):
+            await runner.open_next_gate()
+        await asyncio.gather(blocker, *tasks)
+        assert runner.batches == [[0], [1, 1, 1], [2, 2, 3]]
+
+    run(scenario())
+
+
+def test_different_shapes_are_not_merged() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner)
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        wide = asyncio.ensure_future(scheduler.submit({"IN": np.full((1, 3), 5, np.int64)}, ["OUT"], 1, {}))
+        narrow = submit(scheduler, 6)
+        await settle()
+        for _ in range(3):
+            await runner.open_next_gate()
+        await asyncio.gather(blocker, wide, narrow)
+        assert runner.batches == [[0], [5], [6]]
+
+    run(scenario())
+
+
+def test_preferred_size_goes_at_once_and_the_rest_waits_for_the_delay() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner()
+        scheduler = make(runner, preferred_batch_sizes=(4,), max_queue_delay_us=200_000)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks = [submit(scheduler, value) for value in range(6)]
+        first = await asyncio.gather(*tasks[:4])
+        first_done = loop.time() - start
+        await asyncio.gather(*tasks[4:])
+        rest_done = loop.time() - start
+        assert runner.batches == [[0, 1, 2, 3], [4, 5]]
+        assert [int(r["OUT"][0, 0]) for r in first] == [0, 1, 2, 3]
+        assert first_done < 0.15, "a preferred batch must not wait for the delay"
+        assert rest_done >= 0.19, "a partial batch waits for the oldest request's delay"
+
+    run(scenario())
+
+
+def test_full_queue_is_rejected_at_once() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner, default_queue_policy=QueuePolicy(max_queue_size=2))
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        queued = [submit(scheduler, 1), submit(scheduler, 2)]
+        await settle()
+        with pytest.raises(ShoalError, match="Exceeds maximum queue size") as caught:
+            await submit(scheduler, 3)
+        assert caught.value.code.name == "UNAVAILABLE"
+        await runner.open_next_gate()
+        await runner.open_next_gate()
+        await asyncio.gather(blocker, *queued)
+        assert scheduler.statistics.fail.count == 1
+
+    run(scenario())
+
+
+def test_queue_timeout_rejects_promptly_while_executors_are_busy() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner, default_queue_policy=QueuePolicy(default_timeout_us=50_000))
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(ShoalError, match="Request timeout expired"):
+            await submit(scheduler, 1)
+        assert loop.time() - start < 1.0
+        await runner.open_next_gate()
+        await blocker
+
+    run(scenario())
+
+
+def test_request_timeout_override_only_when_allowed() -> None:
+    async def scenario(allow: bool) -> bool:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner, default_queue_policy=QueuePolicy(allow_timeout_override=allow))
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        task = submit(scheduler, 1, timeout=20_000)
+        await asyncio.sleep(0.1)
+        expired = task.done()
+        if not expired:
+            await runner.open_next_gate()
+        await runner.open_next_gate()
+        await asyncio.gather(blocker, task, return_exceptions=True)
+        return expired
+
+    assert run(scenario(allow=True)) is True
+    assert run(scenario(allow=False)) is False
+
+
+def test_delayed_requests_go_after_the_others() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        policy = QueuePolicy(delay_on_timeout=True, default_timeout_us=10_000, allow_timeout_override=True)
+        scheduler = make(runner, max_batch_size=1, default_queue_policy=policy)
+        blocker = submit(scheduler, 0, timeout=10_000_000)
+        await runner.started.wait()
+        late = submit(scheduler, 1)  # times out while queued: moved behind the others
+        await asyncio.sleep(0.05)
+        fresh = submit(scheduler, 2, timeout=10_000_000)
+        await settle()
+        for _ in range(3):
+            await runner.open_next_gate()
+        await asyncio.gather(blocker, late, fresh)
+        assert runner.batches == [[0], [2], [1]]
+
+    run(scenario())
+
+
+def test_high_priority_overtakes_queued_low_priority() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner, max_batch_size=1, priority_levels=2, default_priority_level=2)
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        low = [submit(scheduler, value) for value in (1, 2)]
+        high = submit(scheduler, 9, priority=1)
+        out_of_range = submit(scheduler, 3, priority=7)  # beyond the levels: default level
+        await settle()
+        for _ in range(5):
+            await runner.open_next_gate()
+        await asyncio.gather(blocker, *low, high, out_of_range)
+        assert runner.batches == [[0], [9], [1], [2], [3]]
+
+    run(scenario())
+
+
+def test_preserve_ordering_releases_in_arrival_order() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner(count=2, gated=True)
+        scheduler = make(runner, max_batch_size=1, preserve_ordering=True)
+        first, second = submit(scheduler, 1), submit(scheduler, 2)
+        while len(runner.gates) < 2:
+            await asyncio.sleep(0.001)
+        runner.gates[1].set()  # the second request's execution finishes first
+        await asyncio.sleep(0.05)
+        assert not second.done(), "a later request must wait for the earlier one"
+        runner.gates[0].set()
+        await asyncio.gather(first, second)
+
+    run(scenario())
+
+
+def test_a_failing_batch_fails_only_its_requests() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner)
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        doomed = [submit(scheduler, FAIL_VALUE), submit(scheduler, 5)]  # batched together
+        await settle()
+        await runner.open_next_gate()
+        await runner.open_next_gate()
+        results = await asyncio.gather(blocker, *doomed, return_exceptions=True)
+        assert isinstance(results[1], RuntimeError) and isinstance(results[2], RuntimeError)
+        runner.gated = False
+        after = await submit(scheduler, 7)
+        assert (after["OUT"] == 7).all()
+        assert scheduler.statistics.fail.count == 2 and scheduler.statistics.success.count == 2
+
+    run(scenario())
+
+
+def test_without_dynamic_batching_each_request_runs_alone_in_fifo_order() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = Scheduler(runner, ModelStatistics(), 8, None)
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        tasks = [submit(scheduler, value, priority=1) for value in (1, 2, 3)]
+        await settle()
+        for _ in range(4):
+            await runner.open_next_gate()
+        await asyncio.gather(blocker, *tasks)
+        assert runner.batches == [[0], [1], [2], [3]]
+
+    run(scenario())
+
+
+def test_stop_finishes_queued_work_then_refuses() -> None:
+    async def scenario() -> None:
+        runner = FakeRunner()
+        scheduler = make(runner, max_batch_size=1)
+        tasks = [submit(scheduler, value) for value in range(3)]
+        await settle()
+        await scheduler.stop()
+        assert all(t.done() and not t.exception() for t in tasks)
+        with pytest.raises(ShoalError, match="unloading"):
+            await submit(scheduler, 9)
+
+    run(scenario())
