@@ -1,6 +1,6 @@
 """The backend contract and the one place that picks a backend by name.
 
-A backend module exposes ``load(spec, model_path, device) -> LoadedModel``. It checks
+A backend module exposes ``load(spec, model_path, device, threads) -> LoadedModel``. It checks
 the config against the model file and refuses to load on a mismatch, naming the
 tensor. A ``LoadedModel`` holds one copy of the weights on one device; its ``run``
 is called concurrently by every executor of that device, so it must be thread-safe.
@@ -40,7 +40,8 @@ def supported_backends() -> list[str]:
     return sorted(_BACKEND_MODULES)
 
 
-def load_model(spec: ModelSpec, model_path: Path, device: Device) -> LoadedModel:
+def load_model(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> LoadedModel:
+    """Load one copy; ``threads`` is this copy's share of the cores (backends may override from config)."""
     module_name = _BACKEND_MODULES.get(spec.backend)
     if module_name is None:
         raise load_failed(
@@ -48,5 +49,5 @@ def load_model(spec: ModelSpec, model_path: Path, device: Device) -> LoadedModel
             f"(supported: {', '.join(supported_backends())})"
         )
     module = importlib.import_module(module_name)
-    loaded: LoadedModel = module.load(spec, model_path, device)
+    loaded: LoadedModel = module.load(spec, model_path, device, threads)
     return loaded

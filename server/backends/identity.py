@@ -32,7 +32,7 @@ class IdentityModel:
         pass
 
 
-def load(spec: ModelSpec, model_path: Path, device: Device) -> IdentityModel:
+def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> IdentityModel:
     if len(spec.inputs) != len(spec.outputs):
         raise load_failed(f"model '{spec.name}': the identity backend needs as many outputs as inputs")
     for tensor_in, tensor_out in zip(spec.inputs, spec.outputs, strict=True):

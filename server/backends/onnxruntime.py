@@ -60,13 +60,14 @@ class OnnxModel:
         del self._session
 
 
-def load(spec: ModelSpec, model_path: Path, device: Device) -> OnnxModel:
+def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> OnnxModel:
     if not model_path.is_file():
         raise load_failed(f"model '{spec.name}': model file {model_path} not found")
     options = ort.SessionOptions()
-    threads = spec.parameters.get("intra_op_thread_count")
-    if threads:
-        options.intra_op_num_threads = int(threads)
+    configured = spec.parameters.get("intra_op_thread_count", "")
+    if configured and not configured.isdigit():
+        raise load_failed(f"model '{spec.name}': parameter intra_op_thread_count must be an integer")
+    options.intra_op_num_threads = int(configured) if configured else threads
     providers = _providers(spec, device)
     try:
         session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)

@@ -8,7 +8,8 @@ Execution never happens on the event loop; the scheduler decides what runs where
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -62,14 +63,47 @@ class InstancePool:
             model.close()
 
 
-def build_pool(
-    model_name: str, placements: list[tuple[str, Device, int]], models: dict[Device, LoadedModel]
-) -> InstancePool:
-    """``placements``: (group name, device, count) triples; ``models``: the one copy per device."""
-    instances = []
-    for group, device, count in placements:
-        for index in range(count):
-            name = f"{group}_{index}" if device.kind == "cpu" else f"{group}_{index}_gpu{device.index}"
-            thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model_name}:{name}")
-            instances.append(Instance(name, device, models[device], thread))
+@dataclass(frozen=True)
+class Placement:
+    """``count`` executors of instance group ``group`` on ``device``."""
+
+    group: str
+    device: Device
+    count: int
+
+
+LoadCopy = Callable[[Device, int], LoadedModel]  # (device, threads for this copy) -> one loaded copy
+
+
+def build_pool(model_name: str, placements: list[Placement], load: LoadCopy, share_weights: bool) -> InstancePool:
+    """Create the executors; one copy of the weights per device, or one per executor if not sharing.
+
+    Threads: a shared copy gets every core (its executors share its thread pool); separate
+    copies split the cores between them, so the machine is never oversubscribed.
+    """
+    cores = os.cpu_count() or 1
+    per_device: dict[Device, int] = {}
+    for placement in placements:
+        per_device[placement.device] = per_device.get(placement.device, 0) + placement.count
+    shared: dict[Device, LoadedModel] = {}
+    instances: list[Instance] = []
+    try:
+        for placement in placements:
+            device = placement.device
+            for index in range(placement.count):
+                if share_weights:
+                    if device not in shared:
+                        shared[device] = load(device, cores)
+                    model = shared[device]
+                else:
+                    model = load(device, max(1, cores // per_device[device]))
+                name = f"{placement.group}_{index}" + ("" if device.kind == "cpu" else f"_gpu{device.index}")
+                thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model_name}:{name}")
+                instances.append(Instance(name, device, model, thread))
+    except BaseException:
+        for model in {id(m): m for m in [*shared.values(), *(i.model for i in instances)]}.values():
+            model.close()
+        for instance in instances:
+            instance.thread.shutdown(wait=False)
+        raise
     return InstancePool(instances)

@@ -6,10 +6,10 @@ import asyncio
 import logging
 from pathlib import Path
 
-from server.backends.base import LoadedModel, load_model
+from server.backends.base import load_model
 from server.backends.devices import CPU, Device, cuda_device_count
 from server.errors import ErrorCode, ShoalError, load_failed
-from server.instances.pool import InstancePool, build_pool
+from server.instances.pool import InstancePool, Placement, build_pool
 from server.lifecycle import tensors
 from server.repository.config import InstanceKind, ModelSpec
 from server.scheduling.dynamic import Scheduler
@@ -19,8 +19,8 @@ from server.types import InferRequest, InferResponse
 logger = logging.getLogger(__name__)
 
 
-def placements(spec: ModelSpec) -> list[tuple[str, Device, int]]:
-    """(group, device, count) for each instance group; GPU groups get count per listed GPU."""
+def placements(spec: ModelSpec) -> list[Placement]:
+    """Where each instance group's executors go; GPU groups get ``count`` per listed GPU."""
     gpus = cuda_device_count()
     result = []
     for group in spec.instance_groups:
@@ -28,7 +28,7 @@ def placements(spec: ModelSpec) -> list[tuple[str, Device, int]]:
         if kind is InstanceKind.AUTO:
             kind = InstanceKind.GPU if gpus > 0 else InstanceKind.CPU
         if kind is not InstanceKind.GPU:
-            result.append((group.name, CPU, group.count))
+            result.append(Placement(group.name, CPU, group.count))
             continue
         if gpus == 0:
             raise load_failed(
@@ -42,7 +42,7 @@ def placements(spec: ModelSpec) -> list[tuple[str, Device, int]]:
                     f"model '{spec.name}': instance group '{group.name}' lists GPU {index}, "
                     f"but {gpus} GPU(s) exist"
                 )
-            result.append((group.name, Device("gpu", index), group.count))
+            result.append(Placement(group.name, Device("gpu", index), group.count))
     return result
 
 
@@ -58,20 +58,20 @@ class ModelVersion:
 
     @classmethod
     def load(cls, spec: ModelSpec, version: int, version_dir: Path) -> ModelVersion:
-        where = placements(spec)
         model_path = version_dir / spec.default_model_filename if spec.default_model_filename else version_dir
-        models: dict[Device, LoadedModel] = {}
-        try:
-            for device in sorted({device for _, device, _ in where}):
-                models[device] = load_model(spec, model_path, device)
-        except ShoalError:
-            for model in models.values():
-                model.close()
-            raise
-        pool = build_pool(spec.name, where, models)
+        share = spec.parameters.get("share_weights", "true").lower()
+        if share not in {"true", "false"}:
+            raise load_failed(f"model '{spec.name}': parameter share_weights must be true or false")
+        pool = build_pool(
+            spec.name,
+            placements(spec),
+            lambda device, threads: load_model(spec, model_path, device, threads),
+            share_weights=share == "true",
+        )
+        copies = len({id(instance.model) for instance in pool.instances})
         logger.info(
             "model %s version %d: %d instance(s) over %d loaded cop%s",
-            spec.name, version, len(pool.instances), len(models), "y" if len(models) == 1 else "ies",
+            spec.name, version, len(pool.instances), copies, "y" if copies == 1 else "ies",
         )
         return cls(spec, version, pool)
 
