@@ -19,7 +19,7 @@ OPSET = 17
 IR_VERSION = 9  # readable by every onnxruntime Shoal accepts
 
 
-def _save(graph: onnx.GraphProto, path: Path) -> None:
+def save(graph: onnx.GraphProto, path: Path) -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="shoal")
     model.ir_version = IR_VERSION
     onnx.checker.check_model(model)
@@ -63,8 +63,8 @@ def mlp_graph(width: int, layers: int, seed: int = 0) -> onnx.GraphProto:
 
 
 def main(repository: Path) -> None:
-    _save(simple_graph(), repository / "simple" / "1" / "model.onnx")
-    _save(mlp_graph(width=256, layers=4), repository / "mlp" / "1" / "model.onnx")
+    save(simple_graph(), repository / "simple" / "1" / "model.onnx")
+    save(mlp_graph(width=256, layers=4), repository / "mlp" / "1" / "model.onnx")
 
 
 if __name__ == "__main__":
