@@ -13,74 +13,18 @@ from __future__ import annotations
 
 import argparse
 import csv
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._perf import in_process, install_perf_analyzer, perf_analyzer  # noqa: E402
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
 
-PERF_ANALYZER = REPO_ROOT / ".bench-venv" / "bin" / "perf_analyzer"
 RESULTS = REPO_ROOT / "bench" / "results"
-
-
-def install_perf_analyzer() -> Path:
-    subprocess.run(["bash", str(REPO_ROOT / "bench" / "install_perf_analyzer.sh")], check=True)
-    return PERF_ANALYZER
-
-
-def perf_analyzer(url: str, concurrency: int, window_ms: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "pa.csv"
-        subprocess.run(
-            [str(PERF_ANALYZER), "-m", "simple", "-u", url, "-i", "grpc", "--input-data", "zero",
-             "--concurrency-range", f"{concurrency}:{concurrency}", "-p", str(window_ms),
-             "--max-trials", "10", "--stability-percentage", "20", "-f", str(out)],
-            check=True, capture_output=True, timeout=300,
-        )
-        row = next(csv.DictReader(out.read_text().splitlines()))
-    return {
-        "throughput": float(row["Inferences/Second"]),
-        "p50_us": float(row["p50 latency"]),
-        "p99_us": float(row["p99 latency"]),
-    }
-
-
-def in_process(concurrency: int, seconds: float) -> dict[str, float]:
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(
-        str(REPO_ROOT / "model_repository" / "simple" / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
-    feed = {"INPUT0": np.zeros((1, 16), np.int32), "INPUT1": np.zeros((1, 16), np.int32)}
-    latencies: list[float] = []
-    lock = threading.Lock()
-    stop_at = time.monotonic() + seconds
-
-    def worker() -> None:
-        local = []
-        while time.monotonic() < stop_at:
-            start = time.perf_counter()
-            session.run(None, feed)
-            local.append(time.perf_counter() - start)
-        with lock:
-            latencies.extend(local)
-
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    begin = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed = time.monotonic() - begin
-    us = np.array(latencies) * 1e6
-    return {"throughput": len(latencies) / elapsed, "p50_us": float(np.percentile(us, 50)),
-            "p99_us": float(np.percentile(us, 99))}
+SIMPLE = REPO_ROOT / "model_repository" / "simple" / "1" / "model.onnx"
+ZEROS = {"INPUT0": np.zeros((1, 16), np.int32), "INPUT1": np.zeros((1, 16), np.int32)}
 
 
 def plot(rows: list[dict[str, float]], path: Path) -> bool:
@@ -117,10 +61,10 @@ def main() -> None:
     rows = []
     with shoal_server(REPO_ROOT / "model_repository") as (url, _):
         for concurrency in args.concurrency:
-            shoal = perf_analyzer(url, concurrency, args.window_ms)
+            shoal = perf_analyzer(url, "simple", concurrency, args.window_ms)
             rows.append({"concurrency": concurrency, **{f"shoal_{k}": v for k, v in shoal.items()}})
     for row in rows:  # after the server has stopped, so the two never share the cores
-        ort = in_process(int(row["concurrency"]), args.window_ms / 1000)
+        ort = in_process(SIMPLE, ZEROS, int(row["concurrency"]), args.window_ms / 1000)
         row.update({f"ort_{k}": v for k, v in ort.items()})
     header = f"{'conc':>4} | {'Shoal infer/s':>13} {'p50 µs':>8} {'p99 µs':>8} | {'ORT infer/s':>11} " \
              f"{'p50 µs':>7} {'p99 µs':>7} | Shoal/ORT"

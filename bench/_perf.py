@@ -1,0 +1,75 @@
+"""Helpers shared by the benchmarks: perf_analyzer runs and in-process ONNX Runtime loops."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench._server import REPO_ROOT
+
+PERF_ANALYZER = REPO_ROOT / ".bench-venv" / "bin" / "perf_analyzer"
+
+
+def install_perf_analyzer() -> Path:
+    subprocess.run(["bash", str(REPO_ROOT / "bench" / "install_perf_analyzer.sh")], check=True)
+    return PERF_ANALYZER
+
+
+def perf_analyzer(url: str, model: str, concurrency: int, window_ms: int = 2000, batch: int = 1) -> dict[str, float]:
+    """One perf_analyzer measurement (gRPC, zero inputs); throughput in inferences/s, latencies in µs."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "pa.csv"
+        subprocess.run(
+            [str(PERF_ANALYZER), "-m", model, "-u", url, "-i", "grpc", "--input-data", "zero",
+             "-b", str(batch), "--concurrency-range", f"{concurrency}:{concurrency}", "-p", str(window_ms),
+             "--max-trials", "10", "--stability-percentage", "20", "-f", str(out)],
+            check=True, capture_output=True, timeout=600,
+        )
+        row = next(csv.DictReader(out.read_text().splitlines()))
+    return {
+        "throughput": float(row["Inferences/Second"]),
+        "p50_us": float(row["p50 latency"]),
+        "p99_us": float(row["p99 latency"]),
+        "server_queue_us": float(row.get("Server Queue", 0) or 0),
+        "server_infer_us": float(row.get("Server Compute Infer", 0) or 0),
+    }
+
+
+def in_process(model: Path, feed: dict[str, np.ndarray], concurrency: int, seconds: float, threads: int = 0) -> dict:
+    """``concurrency`` threads calling one ONNX Runtime session for ``seconds``; rows/s and latency."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    session.run(None, feed)
+    rows = next(iter(feed.values())).shape[0]
+    latencies: list[float] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+
+    def worker() -> None:
+        local = []
+        while time.monotonic() < stop_at:
+            start = time.perf_counter()
+            session.run(None, feed)
+            local.append(time.perf_counter() - start)
+        with lock:
+            latencies.extend(local)
+
+    workers = [threading.Thread(target=worker) for _ in range(concurrency)]
+    begin = time.monotonic()
+    for worker_thread in workers:
+        worker_thread.start()
+    for worker_thread in workers:
+        worker_thread.join()
+    elapsed = time.monotonic() - begin
+    us = np.array(latencies) * 1e6
+    return {"throughput": rows * len(latencies) / elapsed, "p50_us": float(np.percentile(us, 50)),
+            "p99_us": float(np.percentile(us, 99))}
