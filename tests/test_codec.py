@@ -10,8 +10,8 @@ import pytest
 
 from server.errors import ErrorCode, ShoalError
 from server.grpc import convert
-from server.pb import service_pb2
-from server.types import DataType, Tensor
+from server.pb import service_pb2, tensors
+from server.types import DataType
 
 AWKWARD_BYTES = [b"", b"\x00", b"a\x00b", b"\xff\xfe\x80", "é".encode(), b"x" * 300]
 
@@ -19,7 +19,7 @@ AWKWARD_BYTES = [b"", b"\x00", b"a\x00b", b"\xff\xfe\x80", "é".encode(), b"x" *
 def test_bytes_round_trip_exactly() -> None:
     array = np.empty(len(AWKWARD_BYTES), dtype=object)
     array[:] = AWKWARD_BYTES
-    raw = convert.serialize_bytes(array)
+    raw = tensors.serialize_bytes(array)
     assert raw[:4] == struct.pack("<I", 0) and raw[4:8] == struct.pack("<I", 1)
     decoded = convert.decode_raw("x", DataType.BYTES, (2, 3), raw)
     assert decoded.shape == (2, 3)
@@ -44,7 +44,7 @@ def test_malformed_bytes_are_invalid(raw: bytes, phrase: str) -> None:
 def test_numeric_raw_round_trip(datatype: DataType) -> None:
     rng = np.random.default_rng(1)
     array = (rng.standard_normal((2, 3)) * 50).astype(datatype.numpy_dtype)
-    raw = convert.encode_raw(Tensor("t", datatype, array.shape, array))
+    raw = tensors.to_raw(datatype, array)
     assert len(raw) == array.size * datatype.item_size
     back = convert.decode_raw("t", datatype, (2, 3), raw)
     assert back.dtype == datatype.numpy_dtype
@@ -53,7 +53,7 @@ def test_numeric_raw_round_trip(datatype: DataType) -> None:
 
 def test_bf16_wire_format_is_upper_half_of_fp32() -> None:
     value = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)
-    raw = convert.encode_raw(Tensor("t", DataType.BF16, (2,), value))
+    raw = tensors.to_raw(DataType.BF16, value)
     assert raw == struct.pack("<f", 1.5)[2:4] + struct.pack("<f", -2.0)[2:4]
 
 

@@ -8,7 +8,7 @@ import pytest
 import tritonclient.grpc as triton
 
 from server.grpc.convert import _CONTENTS_FIELD
-from server.pb import InferenceStub
+from server.pb import InferenceStub, tensors
 from server.pb import service_pb2 as pb
 from server.types import DataType
 from tests.conftest import RunningServer
@@ -72,9 +72,7 @@ def test_typed_contents_round_trip(stub: InferenceStub, datatype: str) -> None:
     assert list(response.outputs[0].shape) == list(data.shape)
     raw = response.raw_output_contents[0]
     if datatype == "BYTES":
-        from server.grpc.convert import deserialize_bytes
-
-        assert list(deserialize_bytes("OUT", raw, data.size)) == AWKWARD_BYTES
+        assert list(tensors.deserialize_bytes(raw, data.size)) == AWKWARD_BYTES
     else:
         np.testing.assert_array_equal(np.frombuffer(raw, dtype=data.dtype).reshape(data.shape), data)
 

@@ -1,15 +1,13 @@
-"""Protobuf ↔ core types, one pair of functions per message, and the tensor codec.
+"""Protobuf ↔ core types, one pair of functions per message.
 
 Tensor data arrives either as ``raw_input_contents`` (one entry per input, in input
-order; little-endian, row-major; BYTES as 4-byte little-endian length + bytes per
-element) or as typed ``contents``. Replies always use ``raw_output_contents``, which
+order; wire format in ``server.pb.tensors``) or as typed ``contents``. Replies always use ``raw_output_contents``, which
 is what tritonclient and perf_analyzer read.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any
 
 import numpy as np
@@ -18,7 +16,7 @@ from google.protobuf import json_format
 from server.core import ModelMetadata, ServerMetadata
 from server.errors import invalid
 from server.lifecycle.manager import IndexEntry
-from server.pb import config_pb2, service_pb2
+from server.pb import config_pb2, service_pb2, tensors
 from server.statistics import Duration, ModelStatistics
 from server.types import DataType, InferRequest, InferResponse, Tensor
 
@@ -36,54 +34,16 @@ _CONTENTS_FIELD = {
     DataType.FP64: "fp64_contents",
     DataType.BYTES: "bytes_contents",
 }
-_LENGTH = struct.Struct("<I")
 
 
-# -- tensor codec ------------------------------------------------------------------------------
-
-
-def serialize_bytes(array: np.ndarray) -> bytes:
-    """BYTES elements, row-major, each as a 4-byte little-endian length and the bytes."""
-    parts = []
-    for item in array.reshape(-1):
-        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
-        parts += [_LENGTH.pack(len(data)), data]
-    return b"".join(parts)
-
-
-def deserialize_bytes(name: str, raw: bytes, count: int) -> np.ndarray:
-    items = []
-    offset = 0
-    view = memoryview(raw)
-    while offset < len(raw):
-        if offset + 4 > len(raw):
-            raise invalid(f"input '{name}': BYTES content ends inside a length prefix")
-        (length,) = _LENGTH.unpack_from(view, offset)
-        offset += 4
-        if offset + length > len(raw):
-            raise invalid(f"input '{name}': BYTES element of {length} bytes runs past the content")
-        items.append(bytes(view[offset : offset + length]))
-        offset += length
-    if len(items) != count:
-        raise invalid(f"input '{name}': BYTES content holds {len(items)} elements, the shape needs {count}")
-    array = np.empty(len(items), dtype=object)
-    array[:] = items
-    return array
+# -- tensors -------------------------------------------------------------------------------------
 
 
 def decode_raw(name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
-    count = math.prod(shape)
-    if datatype is DataType.BYTES:
-        return deserialize_bytes(name, raw, count).reshape(shape)
-    expected = count * datatype.item_size
-    if len(raw) != expected:
-        raise invalid(
-            f"input '{name}': raw content has {len(raw)} bytes, but shape {list(shape)} of "
-            f"{datatype.value} needs {expected}"
-        )
-    dtype = datatype.numpy_dtype.newbyteorder("<") if datatype.item_size > 1 else datatype.numpy_dtype
-    array = np.frombuffer(raw, dtype=dtype).reshape(shape)
-    return array.astype(datatype.numpy_dtype, copy=False)
+    try:
+        return tensors.from_raw(datatype, shape, raw)
+    except tensors.WireFormatError as exc:
+        raise invalid(f"input '{name}': {exc}") from None
 
 
 def decode_contents(
@@ -106,15 +66,6 @@ def decode_contents(
         return np.array(values, dtype=datatype.numpy_dtype).reshape(shape)
     except OverflowError as exc:
         raise invalid(f"input '{name}': a value does not fit {datatype.value}") from exc
-
-
-def encode_raw(tensor: Tensor) -> bytes:
-    if tensor.datatype is DataType.BYTES:
-        return serialize_bytes(tensor.data)
-    data = np.ascontiguousarray(tensor.data)
-    if data.dtype.byteorder == ">":
-        data = data.byteswap().view(data.dtype.newbyteorder("<"))
-    return data.tobytes()
 
 
 # -- messages -------------------------------------------------------------------------------------
@@ -167,7 +118,7 @@ def infer_response(response: InferResponse) -> service_pb2.ModelInferResponse:
     )
     for tensor in response.outputs:
         message.outputs.add(name=tensor.name, datatype=tensor.datatype.value, shape=tensor.shape)
-        message.raw_output_contents.append(encode_raw(tensor))
+        message.raw_output_contents.append(tensors.to_raw(tensor.datatype, tensor.data))
     return message
 
 
@@ -175,8 +126,8 @@ def model_metadata(metadata: ModelMetadata) -> service_pb2.ModelMetadataResponse
     message = service_pb2.ModelMetadataResponse(
         name=metadata.name, versions=metadata.versions, platform=metadata.platform
     )
-    for target, tensors in ((message.inputs, metadata.inputs), (message.outputs, metadata.outputs)):
-        for t in tensors:
+    for target, listed in ((message.inputs, metadata.inputs), (message.outputs, metadata.outputs)):
+        for t in listed:
             target.add(name=t.name, datatype=t.datatype, shape=t.shape)
     return message
 

@@ -1,0 +1,74 @@
+"""The wire format of tensor data, shared by the server and the clients.
+
+Raw contents are little-endian and row-major with no padding; BYTES elements are each a
+4-byte little-endian length followed by the bytes; BF16 is the upper half of each
+little-endian float32 (``ml_dtypes.bfloat16`` holds exactly that).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from server.types import DataType
+
+_LENGTH = struct.Struct("<I")
+
+
+class WireFormatError(ValueError):
+    """Raw tensor content that does not match its declared datatype and shape."""
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """BYTES elements, row-major; ``str`` elements are UTF-8 encoded."""
+    parts = []
+    for item in np.asarray(array, dtype=object).reshape(-1):
+        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+        parts += [_LENGTH.pack(len(data)), data]
+    return b"".join(parts)
+
+
+def deserialize_bytes(raw: bytes, count: int) -> np.ndarray:
+    """``count`` BYTES elements as a 1-D object array of ``bytes``."""
+    items = []
+    offset = 0
+    view = memoryview(raw)
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise WireFormatError("BYTES content ends inside a length prefix")
+        (length,) = _LENGTH.unpack_from(view, offset)
+        offset += 4
+        if offset + length > len(raw):
+            raise WireFormatError(f"BYTES element of {length} bytes runs past the content")
+        items.append(bytes(view[offset : offset + length]))
+        offset += length
+    if len(items) != count:
+        raise WireFormatError(f"BYTES content holds {len(items)} elements, the shape needs {count}")
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    return array
+
+
+def from_raw(datatype: DataType, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
+    """Decode raw content; the array has the datatype's native numpy dtype and ``shape``."""
+    count = math.prod(shape)
+    if datatype is DataType.BYTES:
+        return deserialize_bytes(raw, count).reshape(shape)
+    expected = count * datatype.item_size
+    if len(raw) != expected:
+        raise WireFormatError(
+            f"raw content has {len(raw)} bytes, but shape {list(shape)} of {datatype.value} needs {expected}"
+        )
+    dtype = datatype.numpy_dtype.newbyteorder("<") if datatype.item_size > 1 else datatype.numpy_dtype
+    return np.frombuffer(raw, dtype=dtype).reshape(shape).astype(datatype.numpy_dtype, copy=False)
+
+
+def to_raw(datatype: DataType, array: np.ndarray) -> bytes:
+    if datatype is DataType.BYTES:
+        return serialize_bytes(array)
+    data = np.ascontiguousarray(array, dtype=datatype.numpy_dtype)
+    if data.dtype.byteorder == ">":
+        data = data.byteswap().view(data.dtype.newbyteorder("<"))
+    return data.tobytes()
