@@ -1,0 +1,209 @@
+"""``shoal-load``: measure a KServe v2 / Triton gRPC model under load.
+
+    shoal-load -m simple --concurrency 1:32:x2 --csv out.csv --plot out.png
+    shoal-load -m mlp --request-rate 100,200,400 --distribution poisson --max-seconds 60
+
+Closed loop (``--concurrency``: N requests always in flight) or open loop
+(``--request-rate``: requests/s on a schedule). Each step warms up, then measures windows
+until three agree within ``--stability`` (or ``--max-windows`` pass, or ``--request-count``
+requests complete); the whole run stops at ``--max-seconds``. Prints a table (live progress
+on a terminal), and writes CSV with perf_analyzer's column names, JSON and a plot on request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.table import Table
+
+from clients import ClientError, InferenceClient
+from clients.loadtest import report
+from clients.loadtest.inputs import InputError, build_inputs, parse_shape, serialize_request
+from clients.loadtest.measure import LoadTester, Settings, StepResult
+
+
+def parse_steps(text: str, integer: bool) -> list[float]:
+    """``4``, ``1,2,4``, ``1:8:2`` (start:end:step) or ``1:32:x2`` (start:end:×factor)."""
+    convert = int if integer else float
+    try:
+        if ":" not in text:
+            values = [convert(v) for v in text.split(",")]
+        else:
+            parts = text.split(":")
+            if len(parts) not in (2, 3):
+                raise ValueError
+            start, end = convert(parts[0]), convert(parts[1])
+            step = parts[2] if len(parts) == 3 else "1"
+            values = []
+            current = start
+            if step.startswith("x"):
+                factor = float(step[1:])
+                if factor <= 1:
+                    raise ValueError
+                while current <= end:
+                    values.append(current)
+                    current = convert(current * factor)
+            else:
+                increment = convert(step)
+                if increment <= 0:
+                    raise ValueError
+                while current <= end:
+                    values.append(current)
+                    current = current + increment
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected N, a list N,M,..., START:END:STEP or START:END:xFACTOR"
+        ) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal-load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-m", "--model", required=True)
+    parser.add_argument("-x", "--model-version", default="")
+    parser.add_argument("-u", "--url", default="localhost:8001", help="server address (default localhost:8001)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=lambda t: parse_steps(t, True), help="closed loop, e.g. 1:32:x2")
+    load.add_argument("--request-rate", type=lambda t: parse_steps(t, False), help="open loop, requests/s")
+    parser.add_argument("--distribution", choices=["constant", "poisson"], default="constant")
+    parser.add_argument("-b", "--batch-size", type=_positive_int, default=1)
+    parser.add_argument("--shape", action="append", default=[], metavar="NAME:DIMS",
+                        help="dims of an input with variable dims (without the batch dim), e.g. IN:3,224")
+    parser.add_argument("--input-data", default="random", help="random | zeros | FILE.json")
+    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--window-s", type=float, default=2.0, help="measurement window (default 2 s)")
+    parser.add_argument("--stability", type=float, default=10.0, help="percent (default 10)")
+    parser.add_argument("--max-windows", type=_positive_int, default=10)
+    parser.add_argument("--request-count", type=int, default=0, help="measure this many requests per step instead")
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="bound on the whole run (default 300)")
+    parser.add_argument("--processes", type=_positive_int, default=1, help="load processes (default 1)")
+    parser.add_argument("--workers-per-channel", type=_positive_int, default=8)
+    parser.add_argument("--csv", type=Path)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="PNG of latency percentiles vs throughput (needs matplotlib)")
+    parser.add_argument("--no-progress", action="store_true", help="plain lines even on a terminal")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.window_s <= 0 or args.warmup_s < 0 or args.max_seconds <= 0 or not 0 < args.stability < 1000:
+        parser.error("--window-s and --max-seconds must be positive, --warmup-s >= 0, --stability in (0, 1000)")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'shoal[bench]'")
+    if args.request_rate and args.processes > 1 and any(r / args.processes < 1 for r in args.request_rate):
+        parser.error("--request-rate per process must be at least 1/s")
+    steps = args.request_rate or args.concurrency or [1]
+    try:
+        shapes = dict(parse_shape(text) for text in args.shape)
+        with InferenceClient(args.url, timeout_s=10) as client:
+            inputs = build_inputs(client, args.model, args.model_version, args.batch_size, shapes, args.input_data)
+    except InputError as exc:
+        parser.error(str(exc))
+    except ClientError as exc:
+        print(f"shoal-load: error: cannot prepare the requests for model '{args.model}' at {args.url}: {exc}",
+              file=sys.stderr)
+        return 1
+    settings = Settings(
+        url=args.url, model=args.model, version=args.model_version,
+        request=serialize_request(args.model, args.model_version, inputs), batch_size=args.batch_size,
+        processes=args.processes, workers_per_channel=args.workers_per_channel, warmup_s=args.warmup_s,
+        window_s=args.window_s, stability=args.stability / 100, max_windows=args.max_windows,
+        request_count=args.request_count, poisson=args.distribution == "poisson",
+    )
+    results = run(settings, steps, bool(args.request_rate), args.max_seconds, progress=not args.no_progress)
+    if args.csv:
+        report.write_csv(results, args.csv)
+    if args.json:
+        described = {k: v for k, v in asdict(settings).items() if k != "request"}
+        report.write_json(results, args.json, described)
+    if args.plot:
+        report.plot(results, args.plot, f"{args.model} @ {args.url}")
+    return 0
+
+
+def run(
+    settings: Settings, steps: list[float], open_loop: bool, max_seconds: float, progress: bool
+) -> list[StepResult]:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    live_display = progress and console.is_terminal
+    deadline = time.monotonic() + max_seconds
+    results: list[StepResult] = []
+
+    def plain(result: StepResult, windows: int) -> None:
+        print(f"{report.step_label(result)}: window {windows}: {result.throughput:,.1f} infer/s, "
+              f"p99 {result.latency_us['p99'] / 1000:.2f} ms, errors {sum(result.errors.values())}",
+              file=sys.stderr, flush=True)
+
+    with LoadTester(settings) as tester:
+        if live_display:
+            from rich.live import Live
+
+            with Live(_table(results, None), console=console, refresh_per_second=4) as live:
+                tester.on_window = lambda result, windows: live.update(_table(results, (result, windows)))
+                _run_steps(tester, steps, open_loop, deadline, results, lambda: live.update(_table(results, None)))
+        else:
+            tester.on_window = plain
+            _run_steps(tester, steps, open_loop, deadline, results, lambda: None)
+    if live_display:
+        Console().print(_table(results, None))
+    else:
+        _print_plain(results)
+    return results
+
+
+def _run_steps(tester: LoadTester, steps: list[float], open_loop: bool, deadline: float,
+               results: list[StepResult], refresh: object) -> None:
+    for value in steps:
+        if time.monotonic() >= deadline:
+            print(f"shoal-load: --max-seconds reached; {len(steps) - len(results)} step(s) not run", file=sys.stderr)
+            break
+        if open_loop:
+            results.append(tester.run_step(request_rate=float(value), deadline=deadline))
+        else:
+            results.append(tester.run_step(concurrency=int(value), deadline=deadline))
+        if callable(refresh):
+            refresh()
+
+
+def _table(results: list[StepResult], current: tuple[StepResult, int] | None) -> Table:
+    table = Table(title="shoal-load")
+    for name in report.TABLE_HEADER:
+        table.add_column(name, justify="left" if name in {"step", "errors"} else "right")
+    for row in report.table_rows(results):
+        table.add_row(*row)
+    if current is not None:
+        result, windows = current
+        row = report.table_rows([result])[0]
+        row[0] = f"{row[0]} (window {windows})"
+        table.add_row(*row, style="dim")
+    return table
+
+
+def _print_plain(results: list[StepResult]) -> None:
+    rows = [report.TABLE_HEADER, *report.table_rows(results)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = (c.ljust(w) if i in (0, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        print("  ".join(cells))

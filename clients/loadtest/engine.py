@@ -1,0 +1,164 @@
+"""The load-generating worker process: asyncio, pre-serialized requests, one channel per N workers.
+
+A worker process receives steps on a command queue and, for each, sends requests from
+``start_at`` on (closed loop: ``concurrency`` coroutines each waiting for its reply; open
+loop: sends on a constant or Poisson schedule). Requests completing after the warm-up are
+counted in fixed windows and each window is reported to the parent on a result queue:
+(worker index, step index, window index, latencies in µs, errors by status).
+Everything runs until the parent sets the step's stop event or its deadline passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing.synchronize
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from server.pb import METHODS
+
+INFER_PATH = METHODS["ModelInfer"].path
+MAX_MESSAGE_BYTES = 2**31 - 1
+OPEN_LOOP_MAX_OUTSTANDING = 10_000
+
+
+@dataclass(frozen=True)
+class Step:
+    index: int
+    concurrency: int  # closed loop: coroutines in this process (0 in open loop)
+    request_rate: float  # open loop: requests/s from this process (0 in closed loop)
+    poisson: bool
+    start_at: float  # time.monotonic() value, shared by all processes on the machine
+    warmup_s: float
+    window_s: float
+    deadline: float  # monotonic time after which the step ends regardless
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    worker: int
+    step: int
+    window: int
+    latencies_us: np.ndarray
+    errors: dict[str, int]
+
+
+class _Windows:
+    """Counts completions into windows by completion time; flushes whole windows to the parent."""
+
+    def __init__(self, worker: int, step: Step, results: Any) -> None:
+        self.worker, self.step, self.results = worker, step, results
+        self.measure_from = step.start_at + step.warmup_s
+        self.current = 0
+        self.latencies: list[float] = []
+        self.errors: Counter[str] = Counter()
+
+    def record(self, finished: float, latency_s: float, error: str | None) -> None:
+        if finished < self.measure_from:
+            return
+        window = int((finished - self.measure_from) / self.step.window_s)
+        while window > self.current:
+            self.flush()
+        if error is None:
+            self.latencies.append(latency_s * 1e6)
+        else:
+            self.errors[error] += 1
+
+    def flush(self) -> None:
+        self.results.put(
+            WindowReport(self.worker, self.step.index, self.current,
+                         np.asarray(self.latencies, dtype=np.float64), dict(self.errors))
+        )
+        self.current += 1
+        self.latencies = []
+        self.errors = Counter()
+
+    def flush_until(self, now: float) -> None:
+        """Report windows that ended without a completion (a stalled server must still show up)."""
+        if now >= self.measure_from:
+            while int((now - self.measure_from) / self.step.window_s) > self.current:
+                self.flush()
+
+
+async def _run_step(worker: int, url: str, request: bytes, step: Step, workers_per_channel: int,
+                    stop: multiprocessing.synchronize.Event, results: Any) -> None:
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    coroutines = max(1, step.concurrency)
+    channels = [grpc.aio.insecure_channel(url, options) for _ in range(-(-coroutines // workers_per_channel))]
+    calls = [c.unary_unary(INFER_PATH, request_serializer=None, response_deserializer=None) for c in channels]
+    windows = _Windows(worker, step, results)
+
+    def running() -> bool:
+        return not stop.is_set() and time.monotonic() < step.deadline
+
+    async def send(call: Any) -> None:
+        sent = time.monotonic()
+        error = None
+        try:
+            await call(request, timeout=max(1.0, step.deadline - sent))
+        except grpc.aio.AioRpcError as exc:
+            error = exc.code().name
+        finished = time.monotonic()
+        windows.record(finished, finished - sent, error)
+
+    async def closed_loop(index: int) -> None:
+        call = calls[index // workers_per_channel]
+        while running():
+            await send(call)
+
+    async def open_loop() -> None:
+        pending: set[asyncio.Task[None]] = set()
+        next_send = step.start_at
+        rng = random.Random(worker)
+        turn = 0
+        while running():
+            delay = next_send - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if len(pending) >= OPEN_LOOP_MAX_OUTSTANDING:
+                windows.record(time.monotonic(), 0.0, "CLIENT_OVERLOADED")
+            else:
+                task = asyncio.create_task(send(calls[turn % len(calls)]))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            turn += 1
+            gap = 1.0 / step.request_rate
+            next_send += rng.expovariate(1.0 / gap) if step.poisson else gap
+        if pending:
+            await asyncio.wait(pending, timeout=max(0.0, step.deadline - time.monotonic()))
+
+    async def ticker() -> None:
+        while running():
+            await asyncio.sleep(step.window_s / 4)
+            windows.flush_until(time.monotonic())
+
+    delay = step.start_at - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    tick = asyncio.create_task(ticker())
+    if step.concurrency > 0:
+        await asyncio.gather(*(closed_loop(i) for i in range(step.concurrency)))
+    else:
+        await open_loop()
+    tick.cancel()
+    windows.flush()
+    results.put(("done", worker, step.index))
+    for channel in channels:
+        await channel.close()
+
+
+def worker_main(worker: int, url: str, request: bytes, workers_per_channel: int, commands: Any, results: Any,
+                stop: multiprocessing.synchronize.Event) -> None:
+    """Entry point of a load process: run steps from ``commands`` until it sends None."""
+    while True:
+        step = commands.get()
+        if step is None:
+            return
+        asyncio.run(_run_step(worker, url, request, step, workers_per_channel, stop, results))

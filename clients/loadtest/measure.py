@@ -1,0 +1,256 @@
+"""The parent of a load test: runs steps on the worker processes, decides when a step is stable.
+
+A step measures windows of ``window_s`` after a warm-up until the last three windows agree
+within ``stability`` (throughput and mean latency: max/min − 1), or ``max_windows`` pass, or
+— with ``request_count`` — until that many requests completed. The step's figures are those
+of its last three windows (all measured windows with ``request_count``). The server-side
+breakdown comes from ModelStatistics snapshots taken at window boundaries, when the server
+offers statistics.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from clients import ClientError, InferenceClient
+from clients.loadtest.engine import Step, WindowReport, worker_main
+
+STABLE_WINDOWS = 3
+STATISTICS = ("queue", "compute_input", "compute_infer", "compute_output", "success")
+
+
+@dataclass(frozen=True)
+class Settings:
+    url: str
+    model: str
+    version: str
+    request: bytes  # one serialized ModelInferRequest
+    batch_size: int
+    processes: int = 1
+    workers_per_channel: int = 8
+    warmup_s: float = 1.0
+    window_s: float = 2.0
+    stability: float = 0.10
+    max_windows: int = 10
+    request_count: int = 0
+    poisson: bool = False
+
+
+@dataclass
+class StepResult:
+    concurrency: int
+    request_rate: float
+    throughput: float  # inferences/s: successful requests/s × batch size
+    requests: int
+    latency_us: dict[str, float]  # avg, p50, p90, p95, p99, max
+    errors: dict[str, int]
+    stable: bool
+    windows: int
+    server_us: dict[str, float] | None = None  # per request: queue, compute_input/infer/output, request
+    window_throughputs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class WindowStats:
+    index: int
+    latencies_us: np.ndarray
+    errors: Counter[str]
+    seconds: float
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies_us) / self.seconds
+
+    @property
+    def mean_us(self) -> float:
+        return float(self.latencies_us.mean()) if len(self.latencies_us) else 0.0
+
+
+class LoadTester:
+    """Owns the worker processes; ``run_step`` measures one concurrency or request rate."""
+
+    def __init__(self, settings: Settings, on_window: Callable[[StepResult, int], None] | None = None) -> None:
+        self.settings = settings
+        self.on_window = on_window
+        context = multiprocessing.get_context("spawn")  # no fork: grpc does not survive it
+        self._results: Any = context.Queue()
+        self._stop = context.Event()
+        self._commands = [context.Queue() for _ in range(settings.processes)]
+        self._processes = [
+            context.Process(
+                target=worker_main,
+                args=(index, settings.url, settings.request, settings.workers_per_channel, self._commands[index],
+                      self._results, self._stop),
+                daemon=True,
+            )
+            for index in range(settings.processes)
+        ]
+        self._step_index = 0
+        self._client = InferenceClient(settings.url, timeout_s=10)
+        self._has_statistics = self._server_has_statistics()
+
+    def __enter__(self) -> LoadTester:
+        for process in self._processes:
+            process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        for command in self._commands:
+            command.put(None)
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+        self._client.close()
+
+    def _server_has_statistics(self) -> bool:
+        try:
+            return "statistics" in self._client.server_metadata().extensions
+        except ClientError:
+            return False
+
+    def _snapshot(self) -> dict[str, tuple[int, int]] | None:
+        """Summed (count, ns) per statistic over this model's versions, or None without statistics."""
+        if not self._has_statistics:
+            return None
+        try:
+            rows = self._client.statistics(self.settings.model, self.settings.version)
+        except ClientError:
+            return None
+        totals = {key: (0, 0) for key in STATISTICS}
+        for row in rows:
+            stats = row.get("inference_stats", {})
+            for key in STATISTICS:
+                entry = stats.get(key, {})
+                count, ns = totals[key]
+                totals[key] = (count + int(entry.get("count", 0)), ns + int(entry.get("ns", 0)))
+        return totals
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def run_step(self, concurrency: int = 0, request_rate: float = 0.0, deadline: float | None = None) -> StepResult:
+        """Measure one step; ``deadline`` (monotonic) bounds it, on top of ``max_windows``."""
+        s = self.settings
+        self._stop.clear()
+        start_at = time.monotonic() + 0.5  # every process starts at the same moment
+        budget = s.warmup_s + s.window_s * (s.max_windows + 1) + 5
+        step_deadline = min(start_at + budget, deadline) if deadline else start_at + budget
+        step_index = self._step_index
+        self._step_index += 1
+        for index, command in enumerate(self._commands):
+            share = _share(concurrency, s.processes, index)
+            command.put(Step(step_index, share, request_rate / s.processes, s.poisson, start_at, s.warmup_s,
+                             s.window_s, step_deadline))
+        wait = start_at + s.warmup_s - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        snapshots = [self._snapshot()]
+        windows: list[WindowStats] = []
+        pending: dict[int, list[WindowReport]] = {}
+        result = _summarize(concurrency, request_rate, [], s, None)
+        while time.monotonic() < step_deadline:
+            try:
+                report = self._results.get(timeout=max(0.05, step_deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if not isinstance(report, WindowReport) or report.step != step_index:
+                continue  # a "done" message or a late window of an earlier step
+            pending.setdefault(report.window, []).append(report)
+            if len(pending[report.window]) < s.processes or report.window != len(windows):
+                continue
+            parts = pending.pop(report.window)
+            errors: Counter[str] = Counter()
+            for part in parts:
+                errors.update(part.errors)
+            windows.append(WindowStats(report.window, np.concatenate([p.latencies_us for p in parts]), errors,
+                                       s.window_s))
+            snapshots.append(self._snapshot())
+            result = _summarize(concurrency, request_rate, windows, s, snapshots)
+            if self.on_window:
+                self.on_window(result, len(windows))
+            if self._finished(windows, result):
+                break
+        self._stop.set()
+        self._drain(step_index)
+        return result
+
+    def _finished(self, windows: list[WindowStats], result: StepResult) -> bool:
+        s = self.settings
+        if s.request_count:
+            return sum(len(w.latencies_us) + sum(w.errors.values()) for w in windows) >= s.request_count
+        return result.stable or len(windows) >= s.max_windows
+
+    def _drain(self, step_index: int) -> None:
+        """Wait until every process finished the step, so the next one starts clean."""
+        done = 0
+        deadline = time.monotonic() + 30
+        while done < self.settings.processes and time.monotonic() < deadline:
+            try:
+                message = self._results.get(timeout=1)
+            except queue.Empty:
+                continue
+            if isinstance(message, tuple) and message[0] == "done" and message[2] == step_index:
+                done += 1
+
+
+def _share(total: int, parts: int, index: int) -> int:
+    return total // parts + (1 if index < total % parts else 0)
+
+
+def _summarize(concurrency: int, request_rate: float, windows: list[WindowStats], s: Settings,
+               snapshots: list[Any] | None) -> StepResult:
+    used = windows if s.request_count else windows[-STABLE_WINDOWS:]
+    latencies = np.concatenate([w.latencies_us for w in used]) if used else np.empty(0)
+    errors: Counter[str] = Counter()
+    for window in used:
+        errors.update(window.errors)
+    seconds = sum(w.seconds for w in used) or 1.0
+    stable = len(used) >= STABLE_WINDOWS and not s.request_count and _agree(used, s.stability)
+    latency = {"avg": float(latencies.mean()) if len(latencies) else 0.0}
+    for name, q in (("p50", 50), ("p90", 90), ("p95", 95), ("p99", 99), ("max", 100)):
+        latency[name] = float(np.percentile(latencies, q)) if len(latencies) else 0.0
+    server = None
+    if snapshots and len(snapshots) > len(used) and snapshots[-1] and snapshots[-1 - len(used)]:
+        server = _server_breakdown(snapshots[-1 - len(used)], snapshots[-1])
+    return StepResult(
+        concurrency=concurrency,
+        request_rate=request_rate,
+        throughput=len(latencies) * s.batch_size / seconds,
+        requests=len(latencies),
+        latency_us=latency,
+        errors=dict(errors),
+        stable=stable,
+        windows=len(windows),
+        server_us=server,
+        window_throughputs=[w.throughput * s.batch_size for w in windows],
+    )
+
+
+def _agree(windows: list[WindowStats], tolerance: float) -> bool:
+    for values in ([w.throughput for w in windows], [w.mean_us for w in windows]):
+        low, high = min(values), max(values)
+        if low <= 0 or high / low - 1 > tolerance:
+            return False
+    return True
+
+
+def _server_breakdown(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Average µs per request of each server-side phase between two snapshots."""
+    result = {}
+    for key in STATISTICS:
+        count = after[key][0] - before[key][0]
+        average_us = (after[key][1] - before[key][1]) / count / 1000 if count else 0.0
+        result["request" if key == "success" else key] = average_us
+    return result
