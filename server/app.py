@@ -19,7 +19,7 @@ async def serve(settings: ServerSettings) -> None:
     manager = ModelManager(settings.model_repository)
     await asyncio.to_thread(manager.load_all)
     core = InferenceCore(manager, strict_readiness=settings.strict_readiness)
-    server, port = build_server(InferenceServicer(core), settings.grpc_address, settings.grpc_port)
+    server, port = build_server(InferenceServicer(core), settings.grpc_address, settings.grpc_port, settings.tls)
     await server.start()
     logger.info("Started GRPCInferenceService at %s:%d", settings.grpc_address, port)
     if settings.port_file is not None:

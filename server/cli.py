@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from server import __version__
-from server.settings import ServerSettings
+from server.settings import ServerSettings, TlsSettings
 
 SUBCOMMANDS = ("serve",)
 
@@ -48,14 +48,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, how long in-flight requests may take to finish",
     )
     serve.add_argument("--port-file", type=Path, help="write the bound gRPC port to this file once serving")
+    tls = serve.add_argument_group("TLS (Triton's flag names)")
+    tls.add_argument("--grpc-use-ssl", type=_bool, default=False, help="serve gRPC over TLS")
+    tls.add_argument("--grpc-server-cert", type=Path, help="PEM certificate chain of the server")
+    tls.add_argument("--grpc-server-key", type=Path, help="PEM private key of the server")
+    tls.add_argument("--grpc-root-cert", type=Path, help="PEM CA that signs client certificates (for mTLS)")
+    tls.add_argument("--grpc-use-ssl-mutual", type=_bool, default=False, help="require client certificates")
     return parser
+
+
+def _tls_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TlsSettings | None:
+    if not (args.grpc_use_ssl or args.grpc_use_ssl_mutual):
+        return None
+    if not args.grpc_server_cert or not args.grpc_server_key:
+        parser.error("--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key")
+    if args.grpc_use_ssl_mutual and not args.grpc_root_cert:
+        parser.error("--grpc-use-ssl-mutual needs --grpc-root-cert")
+    for path in (args.grpc_server_cert, args.grpc_server_key, args.grpc_root_cert):
+        if path is not None and not path.is_file():
+            parser.error(f"TLS file {path} does not exist")
+    return TlsSettings(args.grpc_server_cert, args.grpc_server_key, args.grpc_root_cert, args.grpc_use_ssl_mutual)
 
 
 def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0].startswith("--") and args_list[0] not in {"--help", "--version"}:
         args_list.insert(0, "serve")  # `python -m server --model-repository ...` means serve
-    args = build_parser().parse_args(args_list)
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    tls = _tls_settings(parser, args)
     logging.basicConfig(
         level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
         format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
@@ -70,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         strict_readiness=args.strict_readiness,
         exit_timeout_s=args.exit_timeout_secs,
         port_file=args.port_file,
+        tls=tls,
     )
     asyncio.run(_serve(settings))
     return 0

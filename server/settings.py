@@ -15,3 +15,15 @@ class ServerSettings:
     exit_timeout_s: float = 30.0
     # Written with the bound port once serving: lets a caller start on port 0 without a race.
     port_file: Path | None = None
+    tls: TlsSettings | None = None
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """PEM files: the server's certificate and key; with ``mutual``, clients must present a
+    certificate signed by ``root_cert``."""
+
+    server_cert: Path
+    server_key: Path
+    root_cert: Path | None = None
+    mutual: bool = False

@@ -44,7 +44,11 @@ class RunningServer:
         return self.process.returncode
 
 
-def start_server(repository: Path, tmp_path: Path, *extra_args: str) -> RunningServer:
+def start_server(
+    repository: Path, tmp_path: Path, *extra_args: str, credentials: grpc.ChannelCredentials | None = None
+) -> RunningServer:
+    """Start ``python -m server`` on a free loopback port; readiness is polled over RPC
+    (through TLS with ``credentials``)."""
     port_file = tmp_path / "port"
     log_path = tmp_path / "server.log"
     with log_path.open("wb") as log:  # the child keeps its own copy of the descriptor
@@ -61,7 +65,11 @@ def start_server(repository: Path, tmp_path: Path, *extra_args: str) -> RunningS
             raise RuntimeError(f"server did not start:\n{log_path.read_text(errors='replace')}")
         time.sleep(0.05)
     server = RunningServer(process, int(port_file.read_text()), log_path)
-    with grpc.insecure_channel(server.url) as channel:  # readiness polled over RPC
+    channel = (
+        grpc.secure_channel(server.url, credentials, [("grpc.ssl_target_name_override", "localhost")])
+        if credentials else grpc.insecure_channel(server.url)
+    )
+    with channel:
         stub = InferenceStub(channel)
         while True:
             try:
@@ -79,8 +87,10 @@ def start_server(repository: Path, tmp_path: Path, *extra_args: str) -> RunningS
 def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., RunningServer]]:
     started: list[RunningServer] = []
 
-    def factory(repository: Path, *extra_args: str) -> RunningServer:
-        server = start_server(repository, tmp_path_factory.mktemp("server"), *extra_args)
+    def factory(
+        repository: Path, *extra_args: str, credentials: grpc.ChannelCredentials | None = None
+    ) -> RunningServer:
+        server = start_server(repository, tmp_path_factory.mktemp("server"), *extra_args, credentials=credentials)
         started.append(server)
         return server
 

@@ -54,8 +54,10 @@ def test_shoal_entry_point_serves_and_exits_zero_on_sigterm(tmp_path: Path, serv
     assert "Started GRPCInferenceService" in server.log()
 
 
-def test_console_script_is_installed() -> None:
-    shoal = shutil.which("shoal", path=str(Path(sys.executable).parent))
-    assert shoal is not None, "the `shoal` console script is missing: pip install -e ."
-    result = subprocess.run([shoal, "--version"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and result.stdout.startswith("shoal ")
+@pytest.mark.parametrize(("script", "expected"), [("shoal", "shoal "), ("shoal-load", "usage: shoal-load")])
+def test_console_scripts_are_installed(script: str, expected: str) -> None:
+    path = shutil.which(script, path=str(Path(sys.executable).parent))
+    assert path is not None, f"the `{script}` console script is missing: pip install -e ."
+    result = subprocess.run([path, "--version" if script == "shoal" else "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith(expected)

@@ -94,6 +94,7 @@ class LoadTester:
             for index in range(settings.processes)
         ]
         self._step_index = 0
+        self._active = settings.processes  # processes taking part in the current step
         self._client = InferenceClient(settings.url, timeout_s=10)
         self._has_statistics = self._server_has_statistics()
 
@@ -149,9 +150,12 @@ class LoadTester:
         step_deadline = min(start_at + budget, deadline) if deadline else start_at + budget
         step_index = self._step_index
         self._step_index += 1
-        for index, command in enumerate(self._commands):
-            share = _share(concurrency, s.processes, index)
-            command.put(Step(step_index, share, request_rate / s.processes, s.poisson, start_at, s.warmup_s,
+        # Closed loop: no more processes than requests in flight; open loop: the rate is split.
+        active = min(s.processes, concurrency) if concurrency else s.processes
+        self._active = active
+        for index, command in enumerate(self._commands[:active]):
+            share = _share(concurrency, active, index)
+            command.put(Step(step_index, share, request_rate / active, s.poisson, start_at, s.warmup_s,
                              s.window_s, step_deadline))
         wait = start_at + s.warmup_s - time.monotonic()
         if wait > 0:
@@ -168,7 +172,7 @@ class LoadTester:
             if not isinstance(report, WindowReport) or report.step != step_index:
                 continue  # a "done" message or a late window of an earlier step
             pending.setdefault(report.window, []).append(report)
-            if len(pending[report.window]) < s.processes or report.window != len(windows):
+            if len(pending[report.window]) < active or report.window != len(windows):
                 continue
             parts = pending.pop(report.window)
             errors: Counter[str] = Counter()
@@ -196,7 +200,7 @@ class LoadTester:
         """Wait until every process finished the step, so the next one starts clean."""
         done = 0
         deadline = time.monotonic() + 30
-        while done < self.settings.processes and time.monotonic() < deadline:
+        while done < self._active and time.monotonic() < deadline:
             try:
                 message = self._results.get(timeout=1)
             except queue.Empty:

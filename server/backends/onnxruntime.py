@@ -18,7 +18,8 @@ import onnxruntime as ort
 
 from server.backends.devices import Device
 from server.errors import invalid, load_failed
-from server.repository.config import ModelSpec, TensorSpec
+from server.repository.config import ModelSpec
+from server.repository.model_io import IOTensor, ModelIO, check_io
 from server.types import DataType
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,11 @@ def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> Onn
             f"model '{spec.name}': the CUDA execution provider did not load (session runs on "
             f"{session.get_providers()}); check the CUDA libraries"
         )
-    check_io(spec, [_io(a) for a in session.get_inputs()], [_io(a) for a in session.get_outputs()])
+    io = _model_io(session)
+    check_io(spec, io)
+    bf16 = [t.name for t in io.inputs + io.outputs if t.datatype is DataType.BF16]
+    if bf16:
+        raise load_failed(f"model '{spec.name}': BF16 tensors {bf16} cannot be fed through the ONNX Runtime Python API")
     logger.info("model %s: ONNX Runtime session on %s (%s)", spec.name, device, session.get_providers()[0])
     return OnnxModel(session, spec)
 
@@ -100,72 +105,21 @@ def _providers(spec: ModelSpec, device: Device) -> list[Any]:
     return [("CUDAExecutionProvider", {"device_id": device.index}), "CPUExecutionProvider"]
 
 
-def _io(arg: Any) -> tuple[str, str, list[int | None]]:
-    shape = [d if isinstance(d, int) and d >= 0 else None for d in (arg.shape or [])]
-    return arg.name, arg.type, shape
+def describe(model_path: Path) -> ModelIO:
+    """The model file's inputs and outputs (names, datatypes, shapes), read through a CPU session."""
+    try:
+        session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - ORT raises several private exception types for corrupt files
+        raise load_failed(f"ONNX Runtime cannot load {model_path}: {exc}") from exc
+    return _model_io(session)
 
 
-def check_io(
-    spec: ModelSpec,
-    model_inputs: list[tuple[str, str, list[int | None]]],
-    model_outputs: list[tuple[str, str, list[int | None]]],
-) -> None:
-    """Refuse a config whose tensors contradict the model; the message names the tensor."""
-    by_name_in = {name: (t, s) for name, t, s in model_inputs}
-    by_name_out = {name: (t, s) for name, t, s in model_outputs}
-    for tensor in spec.inputs:
-        if tensor.name not in by_name_in:
-            raise load_failed(
-                f"model '{spec.name}': input '{tensor.name}' is not an input of the model "
-                f"(model inputs: {sorted(by_name_in)})"
-            )
-        _check_tensor(spec, "input", tensor, *by_name_in[tensor.name])
-    configured = {t.name for t in spec.inputs}
-    missing = [name for name in by_name_in if name not in configured]
-    if missing:
-        raise load_failed(f"model '{spec.name}': model input(s) {missing} are missing from the config")
-    for tensor in spec.outputs:
-        if tensor.name not in by_name_out:
-            raise load_failed(
-                f"model '{spec.name}': output '{tensor.name}' is not an output of the model "
-                f"(model outputs: {sorted(by_name_out)})"
-            )
-        _check_tensor(spec, "output", tensor, *by_name_out[tensor.name])
+def _model_io(session: ort.InferenceSession) -> ModelIO:
+    def tensor(arg: Any) -> IOTensor:
+        shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in (arg.shape or []))
+        return IOTensor(arg.name, _ORT_TYPES.get(arg.type), shape, arg.type)
 
-
-def _check_tensor(
-    spec: ModelSpec, kind: str, tensor: TensorSpec, ort_type: str, model_shape: list[int | None]
-) -> None:
-    label = f"model '{spec.name}': {kind} '{tensor.name}'"
-    model_type = _ORT_TYPES.get(ort_type)
-    if model_type is None:
-        raise load_failed(f"{label} has type {ort_type}, which Shoal does not support")
-    if model_type is not tensor.datatype:
-        raise load_failed(
-            f"{label} is {tensor.datatype.config_name} in the config but {model_type.config_name} in the model"
-        )
-    if model_type is DataType.BF16:
-        raise load_failed(f"{label}: BF16 tensors cannot be fed through the ONNX Runtime Python API")
-    expected = list(tensor.reshape if tensor.reshape is not None else tensor.dims)
-    shape = model_shape
-    if spec.max_batch_size > 0:
-        if not model_shape or model_shape[0] is not None:
-            raise load_failed(
-                f"{label}: max_batch_size is {spec.max_batch_size} but the model's first dimension "
-                f"is not variable (model shape {_show(model_shape)}); set max_batch_size: 0"
-            )
-        shape = model_shape[1:]
-    if len(shape) != len(expected) or any(
-        m is not None and m != c for m, c in zip(shape, expected, strict=True)
-    ):
-        batch = "[-1] + " if spec.max_batch_size > 0 else ""
-        raise load_failed(
-            f"{label} has dims {batch}{expected} in the config but shape {_show(model_shape)} in the model"
-        )
-
-
-def _show(shape: list[int | None]) -> str:
-    return "[" + ", ".join("-1" if d is None else str(d) for d in shape) + "]"
+    return ModelIO(tuple(tensor(a) for a in session.get_inputs()), tuple(tensor(a) for a in session.get_outputs()))
 
 
 def _to_ort_strings(name: str, array: np.ndarray) -> np.ndarray:

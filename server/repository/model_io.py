@@ -1,0 +1,134 @@
+"""What a model file declares about its tensors, and the two things done with it.
+
+- ``complete``: Triton's auto-complete (strict model config off): fill ``max_batch_size``,
+  ``input``, ``output`` and ``dynamic_batching`` from the model file;
+- ``check_io``: refuse a config whose tensors contradict the model, naming the tensor.
+
+Backends describe their files (``describe`` in each backend module); this module is pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.errors import load_failed
+from server.pb import config_pb2
+from server.repository.config import ModelSpec, TensorSpec
+from server.types import DataType
+
+# Triton's --backend-config=default-max-batch-size default.
+DEFAULT_MAX_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class IOTensor:
+    name: str
+    datatype: DataType | None  # None: a type Shoal does not support
+    shape: tuple[int | None, ...]  # None marks a variable dimension
+    type_name: str = ""  # the framework's own spelling, for messages
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    inputs: tuple[IOTensor, ...]
+    outputs: tuple[IOTensor, ...]
+
+    @property
+    def can_batch(self) -> bool:
+        """Batching is possible when every input and output has a variable first dimension."""
+        tensors = self.inputs + self.outputs
+        return bool(tensors) and all(t.shape and t.shape[0] is None for t in tensors)
+
+
+def complete(config: config_pb2.ModelConfig, io: ModelIO) -> tuple[config_pb2.ModelConfig, dict[str, str]]:
+    """A completed copy of ``config`` and, per field it chose, why (for generated comments)."""
+    out = config_pb2.ModelConfig()
+    out.CopyFrom(config)
+    reasons: dict[str, str] = {}
+    if out.input and out.output:
+        return out, reasons  # as Triton: inputs and outputs already given, nothing to complete
+    if out.max_batch_size == 0 and io.can_batch:
+        out.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+        reasons["max_batch_size"] = (
+            f"every input and output has a variable first dimension, so the model can batch; "
+            f"{DEFAULT_MAX_BATCH_SIZE} is Triton's default (raise it for throughput, see `shoal config tune`)"
+        )
+    elif out.max_batch_size > 0 and not io.can_batch:
+        raise load_failed(
+            f"model '{out.name}': max_batch_size is {out.max_batch_size} but not every input and output "
+            "of the model has a variable first dimension"
+        )
+    elif out.max_batch_size == 0:
+        reasons["max_batch_size"] = "a tensor has a fixed first dimension, so the model cannot batch"
+    batching = out.max_batch_size > 0
+    if out.max_batch_size > 1 and out.WhichOneof("scheduling_choice") is None:
+        out.dynamic_batching.SetInParent()
+        reasons["dynamic_batching"] = "the model batches: queued requests are merged up to max_batch_size"
+    for target, tensors, kind in ((out.input, io.inputs, "input"), (out.output, io.outputs, "output")):
+        present = {t.name for t in target}
+        for tensor in tensors:
+            if tensor.name in present:
+                continue
+            if tensor.datatype is None:
+                raise load_failed(f"model '{out.name}': {kind} '{tensor.name}' has type {tensor.type_name}, "
+                                  "which Shoal does not support")
+            added = target.add(name=tensor.name, data_type=config_pb2.DataType.Value(tensor.datatype.config_name))
+            dims = tensor.shape[1:] if batching else tensor.shape
+            if dims:
+                added.dims.extend(-1 if d is None else d for d in dims)
+            else:  # a per-sample scalar: Triton's [1] with an empty reshape
+                added.dims.append(1)
+                added.reshape.SetInParent()
+    return out, reasons
+
+
+def check_io(spec: ModelSpec, io: ModelIO) -> None:
+    """Refuse a config whose tensors contradict the model; the message names the tensor."""
+    by_name_in = {t.name: t for t in io.inputs}
+    by_name_out = {t.name: t for t in io.outputs}
+    for tensor in spec.inputs:
+        if tensor.name not in by_name_in:
+            raise load_failed(
+                f"model '{spec.name}': input '{tensor.name}' is not an input of the model "
+                f"(model inputs: {sorted(by_name_in)})"
+            )
+        _check_tensor(spec, "input", tensor, by_name_in[tensor.name])
+    configured = {t.name for t in spec.inputs}
+    missing = [name for name in by_name_in if name not in configured]
+    if missing:
+        raise load_failed(f"model '{spec.name}': model input(s) {missing} are missing from the config")
+    for tensor in spec.outputs:
+        if tensor.name not in by_name_out:
+            raise load_failed(
+                f"model '{spec.name}': output '{tensor.name}' is not an output of the model "
+                f"(model outputs: {sorted(by_name_out)})"
+            )
+        _check_tensor(spec, "output", tensor, by_name_out[tensor.name])
+
+
+def _check_tensor(spec: ModelSpec, kind: str, tensor: TensorSpec, model: IOTensor) -> None:
+    label = f"model '{spec.name}': {kind} '{tensor.name}'"
+    if model.datatype is None:
+        raise load_failed(f"{label} has type {model.type_name}, which Shoal does not support")
+    if model.datatype is not tensor.datatype:
+        raise load_failed(
+            f"{label} is {tensor.datatype.config_name} in the config but {model.datatype.config_name} in the model"
+        )
+    expected = list(tensor.reshape if tensor.reshape is not None else tensor.dims)
+    shape = list(model.shape)
+    if spec.max_batch_size > 0:
+        if not shape or shape[0] is not None:
+            raise load_failed(
+                f"{label}: max_batch_size is {spec.max_batch_size} but the model's first dimension "
+                f"is not variable (model shape {_show(model.shape)}); set max_batch_size: 0"
+            )
+        shape = shape[1:]
+    if len(shape) != len(expected) or any(m is not None and m != c for m, c in zip(shape, expected, strict=True)):
+        batch = "[-1] + " if spec.max_batch_size > 0 else ""
+        raise load_failed(
+            f"{label} has dims {batch}{expected} in the config but shape {_show(model.shape)} in the model"
+        )
+
+
+def _show(shape: tuple[int | None, ...]) -> str:
+    return "[" + ", ".join("-1" if d is None else str(d) for d in shape) + "]"
