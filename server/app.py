@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 async def serve(settings: ServerSettings) -> None:
-    manager = ModelManager(settings.model_repository)
+    manager = ModelManager(settings.model_repository, settings.strict_model_config)
     await asyncio.to_thread(manager.load_all)
     core = InferenceCore(manager, strict_readiness=settings.strict_readiness)
     server, port = build_server(InferenceServicer(core), settings.grpc_address, settings.grpc_port, settings.tls)

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="ServerReady is true only while every model is ready (default true, as Triton)",
     )
     serve.add_argument(
+        "--strict-model-config", type=_bool, default=False,
+        help="require complete config.pbtxt files; false (default) completes them from the model file",
+    )
+    serve.add_argument(
         "--exit-timeout-secs", type=float, default=30.0,
         help="on SIGTERM/SIGINT, how long in-flight requests may take to finish",
     )
@@ -54,7 +58,31 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--grpc-server-key", type=Path, help="PEM private key of the server")
     tls.add_argument("--grpc-root-cert", type=Path, help="PEM CA that signs client certificates (for mTLS)")
     tls.add_argument("--grpc-use-ssl-mutual", type=_bool, default=False, help="require client certificates")
+    _add_config_commands(commands)
     return parser
+
+
+def _add_config_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    config = commands.add_parser("config", help="generate, check and tune model configs")
+    actions = config.add_subparsers(dest="action", required=True)
+    generate = actions.add_parser("generate", help="write a config.pbtxt completed from the model file")
+    generate.add_argument("path", type=Path, help="a model folder, or a bare model.onnx (the folder is created)")
+    generate.add_argument("--name", help="model name (default: the folder or file name)")
+    generate.add_argument("--max-batch-size", type=int, help="instead of Triton's default of 4 when batching")
+    generate.add_argument("--instance-count", type=int, help="executors per device (default 1)")
+    generate.add_argument("--kind", choices=["KIND_AUTO", "KIND_CPU", "KIND_GPU"])
+    generate.add_argument("--output", help="where to write (default <folder>/config.pbtxt; - for stdout)")
+    generate.add_argument("--force", action="store_true", help="overwrite an existing config.pbtxt")
+    check = actions.add_parser("check", help="validate every config of a repository without serving")
+    check.add_argument("repository", type=Path)
+    check.add_argument("--strict-model-config", type=_bool, default=False)
+    tune = actions.add_parser("tune", help="search instance count and batching for the best throughput in a p99 budget")
+    tune.add_argument("model_dir", type=Path)
+    tune.add_argument("--latency-budget-ms", type=float, required=True, help="p99 latency budget")
+    tune.add_argument("--max-minutes", type=float, default=10.0, help="time bound of the search (default 10)")
+    tune.add_argument("--concurrency", default="1,4,16", help="client concurrencies measured per candidate")
+    tune.add_argument("--window-s", type=float, default=1.0)
+    tune.add_argument("--output-dir", type=Path, help="CSV and PNG (default <model_dir>/tuning)")
 
 
 def _tls_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TlsSettings | None:
@@ -76,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         args_list.insert(0, "serve")  # `python -m server --model-repository ...` means serve
     parser = build_parser()
     args = parser.parse_args(args_list)
+    if args.command == "config":
+        logging.basicConfig(level=logging.WARNING, format="%(levelname).1s %(name)s: %(message)s")
+        return _config(parser, args)
     tls = _tls_settings(parser, args)
     logging.basicConfig(
         level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
@@ -89,12 +120,43 @@ def main(argv: list[str] | None = None) -> int:
         grpc_address=args.grpc_address,
         grpc_port=args.grpc_port,
         strict_readiness=args.strict_readiness,
+        strict_model_config=args.strict_model_config,
         exit_timeout_s=args.exit_timeout_secs,
         port_file=args.port_file,
         tls=tls,
     )
     asyncio.run(_serve(settings))
     return 0
+
+
+def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from server import config_commands
+    from server.errors import ShoalError
+
+    try:
+        if args.action == "check":
+            if not args.repository.is_dir():
+                parser.error(f"model repository {args.repository} is not a folder")
+            return config_commands.run_check(args.repository, args.strict_model_config)
+        if args.action == "generate":
+            folder = config_commands.prepare_folder(args.path, args.name)
+            target = folder / "config.pbtxt" if args.output is None else Path(args.output)
+            if args.output != "-" and target.exists() and not args.force:
+                parser.error(f"{target} exists; pass --force to overwrite it or --output - to print")
+            options = config_commands.GenerateOptions(args.max_batch_size, args.instance_count, args.kind, args.name)
+            text = config_commands.generate(folder, options)
+            if args.output == "-":
+                sys.stdout.write(text)
+            else:
+                target.write_text(text)
+                print(f"wrote {target}")
+            return 0
+        from clients.tune import run_tune  # the tuner drives a server with the load tester
+
+        return run_tune(args)
+    except ShoalError as exc:
+        print(f"shoal config {args.action}: error: {exc.message}", file=sys.stderr)
+        return 1
 
 
 async def _serve(settings: ServerSettings) -> None:

@@ -12,6 +12,7 @@ class ServerSettings:
     grpc_address: str = "0.0.0.0"
     grpc_port: int = 8001
     strict_readiness: bool = True
+    strict_model_config: bool = False
     exit_timeout_s: float = 30.0
     # Written with the bound port once serving: lets a caller start on port 0 without a race.
     port_file: Path | None = None

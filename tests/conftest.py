@@ -2,85 +2,29 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
-from server.pb import InferenceStub, service_pb2
+from clients import local_server
+from clients.local_server import LocalServer
+from server.pb import InferenceStub
 from tests import models
 
 STARTUP_TIMEOUT_S = 60.0
 
 
-@dataclass
-class RunningServer:
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+RunningServer = LocalServer
 
 
 def start_server(
     repository: Path, tmp_path: Path, *extra_args: str, credentials: grpc.ChannelCredentials | None = None
 ) -> RunningServer:
-    """Start ``python -m server`` on a free loopback port; readiness is polled over RPC
-    (through TLS with ``credentials``)."""
-    port_file = tmp_path / "port"
-    log_path = tmp_path / "server.log"
-    with log_path.open("wb") as log:  # the child keeps its own copy of the descriptor
-        process = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
-             "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--port-file", str(port_file),
-             "--exit-timeout-secs", "5", *extra_args],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not port_file.exists() or not port_file.read_text().strip():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"server did not start:\n{log_path.read_text(errors='replace')}")
-        time.sleep(0.05)
-    server = RunningServer(process, int(port_file.read_text()), log_path)
-    channel = (
-        grpc.secure_channel(server.url, credentials, [("grpc.ssl_target_name_override", "localhost")])
-        if credentials else grpc.insecure_channel(server.url)
-    )
-    with channel:
-        stub = InferenceStub(channel)
-        while True:
-            try:
-                if stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=1).live:
-                    break
-            except grpc.RpcError:
-                if time.monotonic() > deadline:
-                    server.stop()
-                    raise
-                time.sleep(0.05)
-    return server
+    """A real server on a free loopback port, its log kept in ``tmp_path`` for failure messages."""
+    return local_server.start(repository, "--exit-timeout-secs", "5", *extra_args, work_dir=tmp_path,
+                              log_path=tmp_path / "server.log", credentials=credentials, timeout_s=STARTUP_TIMEOUT_S)
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from server.errors import ErrorCode, ShoalError
+from server.lifecycle.configure import configure
 from server.repository import scanner
-from server.repository.config import InstanceKind, VersionPolicy, load_spec, normalize, parse_config, validate
+from server.repository.config import InstanceKind, VersionPolicy, normalize, parse_config, validate
 from server.types import DataType
 from tests.models import EXAMPLES, write_config
 
@@ -51,7 +52,7 @@ def test_triton_config_parses_and_converts() -> None:
 
 
 def test_spec_from_example_folder() -> None:
-    spec = load_spec(EXAMPLES / "simple")
+    spec = configure(EXAMPLES / "simple", strict=True).spec
     assert spec.name == "simple" and spec.backend == "onnxruntime" and spec.max_batch_size == 8
     assert [(t.name, t.datatype, t.dims) for t in spec.inputs] == [
         ("INPUT0", DataType.INT32, (16,)), ("INPUT1", DataType.INT32, (16,))
@@ -73,7 +74,7 @@ def test_normalize_fills_triton_defaults() -> None:
 def test_parse_error_names_file_line_and_column(tmp_path: Path) -> None:
     write_config(tmp_path / "m", 'name: "m"\nmax_batch_size: "eight"\n')
     with pytest.raises(ShoalError) as caught:
-        load_spec(tmp_path / "m")
+        configure(tmp_path / "m", strict=True)
     assert caught.value.code is ErrorCode.LOAD_FAILED
     assert f"{tmp_path / 'm' / 'config.pbtxt'}:2:" in caught.value.message
 

@@ -19,6 +19,7 @@ import numpy as np
 from server.backends.devices import Device
 from server.errors import load_failed
 from server.repository.config import ModelSpec
+from server.repository.model_io import ModelIO
 
 _BACKEND_MODULES = {
     "onnxruntime": "server.backends.onnxruntime",
@@ -38,6 +39,20 @@ class LoadedModel(Protocol):
 
 def supported_backends() -> list[str]:
     return sorted(_BACKEND_MODULES)
+
+
+def describe_model(backend: str, model_path: Path) -> ModelIO:
+    """What a model file declares about its tensors (for auto-complete and config checks)."""
+    module_name = _BACKEND_MODULES.get(backend)
+    if module_name is None:
+        raise load_failed(f"backend '{backend}' is not supported (supported: {', '.join(supported_backends())})")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, "describe"):
+        raise load_failed(f"backend '{backend}' has no model file to read tensors from; list them in the config")
+    if not model_path.exists():
+        raise load_failed(f"model file {model_path} not found")
+    io: ModelIO = module.describe(model_path)
+    return io
 
 
 def load_model(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> LoadedModel:

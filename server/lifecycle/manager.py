@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.errors import ErrorCode, ShoalError, unknown_model
+from server.lifecycle.configure import configure
 from server.lifecycle.model import ModelVersion
 from server.lifecycle.state import ModelState
 from server.repository import scanner
-from server.repository.config import ModelSpec, load_spec
+from server.repository.config import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,9 @@ class IndexEntry:
 
 
 class ModelManager:
-    def __init__(self, repository: Path) -> None:
+    def __init__(self, repository: Path, strict_model_config: bool = False) -> None:
         self.repository = repository
+        self.strict_model_config = strict_model_config
         self._models: dict[str, ModelEntry] = {}
 
     def load_all(self) -> None:
@@ -61,7 +63,7 @@ class ModelManager:
     def _load_model(self, name: str) -> ModelEntry:
         folder = scanner.model_dir(self.repository, name)
         try:
-            spec = load_spec(folder)
+            spec = configure(folder, self.strict_model_config).spec
         except ShoalError as exc:
             logger.error("model %s: %s", name, exc.message)
             return ModelEntry(name, None, ModelState.UNAVAILABLE, exc.message)

@@ -1,9 +1,11 @@
 """config.pbtxt → validated, normalized ``ModelSpec`` (a frozen dataclass).
 
 Named steps, each testable alone (as Triton's model_config_utils): ``parse_config``
-(text format against our ModelConfig schema) → ``normalize`` (defaults Triton fills
-in) → ``validate`` (rules that need no model file) → ``to_spec`` (plain dataclasses).
-Checks that need the model file (tensor names, types and dims) belong to the backend.
+(text format against our ModelConfig schema) → ``detect_backend`` → auto-complete from
+the model file (``model_io.complete``) → ``normalize`` (defaults Triton fills in) →
+``validate`` (rules that need no model file) → ``to_spec`` (plain dataclasses).
+``server.lifecycle.configure`` runs them in that order. Checks that need the model file
+(tensor names, types and dims) are ``model_io.check_io``.
 This and ``server/grpc`` are the only places that touch protobuf.
 """
 
@@ -271,12 +273,18 @@ def to_spec(config: config_pb2.ModelConfig) -> ModelSpec:
     )
 
 
-def load_spec(model_dir: Path) -> ModelSpec:
-    """The whole pipeline for one model folder: read → normalize → validate → spec."""
-    name = model_dir.name
-    config = normalize(read_config(model_dir), name)
-    validate(config, name)
-    return to_spec(config)
+def detect_backend(config: config_pb2.ModelConfig, version_dirs: list[Path]) -> None:
+    """Triton's auto-complete of backend fields: with neither platform nor backend set, the
+    model file in the newest version folder decides (model.onnx → onnxruntime, model.pt → pytorch)."""
+    if config.platform or config.backend:
+        return
+    by_file = {filename: backend for backend, filename in DEFAULT_MODEL_FILENAMES.items()}
+    for folder in sorted(version_dirs, key=lambda p: int(p.name), reverse=True):
+        candidates = [config.default_model_filename] if config.default_model_filename else list(by_file)
+        for filename in candidates:
+            if (folder / filename).exists() and filename in by_file:
+                config.backend = by_file[filename]
+                return
 
 
 def _dynamic_batching(config: config_pb2.ModelConfig) -> DynamicBatching:

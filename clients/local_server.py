@@ -1,0 +1,105 @@
+"""Start a Shoal server as a subprocess on a free loopback port, ready when it answers over RPC.
+
+Used by ``shoal config tune``, the benchmarks and the tests. The port comes from the server
+itself (``--grpc-port 0 --port-file``), so there is no pick-a-port-then-release race.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from server.pb import InferenceStub, service_pb2
+
+
+@dataclass
+class LocalServer:
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path | None
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def stop(self, timeout_s: float = 30) -> int:
+        """SIGTERM (graceful), then SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start(
+    repository: Path,
+    *extra_args: str,
+    work_dir: Path,
+    log_path: Path | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+    timeout_s: float = 120.0,
+) -> LocalServer:
+    """Start ``python -m server serve`` on 127.0.0.1 and wait until ServerLive answers."""
+    port_file = work_dir / "port"
+    port_file.unlink(missing_ok=True)
+    with open(log_path or os.devnull, "wb") as log:  # the child keeps its own descriptor
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
+             "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--port-file", str(port_file), *extra_args],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    deadline = time.monotonic() + timeout_s
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            detail = log_path.read_text(errors="replace") if log_path else "(no log kept)"
+            raise RuntimeError(f"the server did not start:\n{detail}")
+        time.sleep(0.05)
+    server = LocalServer(process, int(port_file.read_text()), log_path)
+    options = [("grpc.ssl_target_name_override", "localhost")] if credentials else []
+    channel = (
+        grpc.secure_channel(server.url, credentials, options) if credentials else grpc.insecure_channel(server.url)
+    )
+    with channel:
+        stub = InferenceStub(channel)
+        while True:
+            try:
+                if stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=1).live:
+                    return server
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    server.stop()
+                    raise
+                time.sleep(0.05)
+
+
+@contextmanager
+def running(repository: Path, *extra_args: str, timeout_s: float = 120.0) -> Iterator[LocalServer]:
+    """A server for the duration of a ``with`` block, stopped gracefully afterwards."""
+    with tempfile.TemporaryDirectory() as folder:
+        server = start(repository, *extra_args, work_dir=Path(folder), timeout_s=timeout_s)
+        try:
+            yield server
+        finally:
+            server.stop()

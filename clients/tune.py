@@ -1,0 +1,237 @@
+"""``shoal config tune``: find the config with the highest throughput whose p99 stays in a budget.
+
+Each candidate (instance count, max_batch_size, preferred_batch_size, max_queue_delay) is
+served by a private Shoal server on a free loopback port and measured with the load
+tester at a few concurrencies; its score is the best throughput among the concurrencies
+whose p99 latency is within the budget. The search is a hill climb from the starting
+config (as Model Analyzer's quick mode): measure every unmeasured neighbour of the best
+candidate (one knob one step away), move to the best of them while it improves the score
+by more than 2%, stop when none does or the time is up. Every measured point goes to a
+CSV, the top candidates to a PNG, and the winner to ``config.tuned.pbtxt`` beside the
+original, which is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from clients import InferenceClient, local_server
+from clients.loadtest.inputs import build_inputs, serialize_request
+from clients.loadtest.measure import LoadTester, Settings
+from server.lifecycle.configure import configure
+from server.pb import config_pb2
+from server.repository import scanner
+
+DELAYS_US = (0, 100, 500, 2000)
+MAX_INSTANCES = 4
+MAX_BATCH_LIMIT = 64
+MIN_GAIN = 0.02
+
+
+@dataclass(frozen=True)
+class Candidate:
+    instances: int
+    max_batch_size: int
+    delay_us: int = 0
+    preferred_half: bool = False  # preferred_batch_size [max/2, max] instead of [max]
+
+    def label(self) -> str:
+        batching = (f", batch ≤{self.max_batch_size}, delay {self.delay_us} µs"
+                    f"{', preferred half' if self.preferred_half else ''}") if self.max_batch_size > 1 else ""
+        return f"{self.instances} instance(s){batching}"
+
+
+@dataclass
+class Measured:
+    candidate: Candidate
+    points: list[dict[str, float]] = field(default_factory=list)  # per concurrency
+    rss_mb: float = 0.0
+
+    def score(self, budget_ms: float) -> float:
+        within = [p["throughput"] for p in self.points if p["p99_ms"] <= budget_ms]
+        return max(within, default=0.0)
+
+
+def candidate_config(base: config_pb2.ModelConfig, candidate: Candidate) -> config_pb2.ModelConfig:
+    config = config_pb2.ModelConfig()
+    config.CopyFrom(base)
+    kind = base.instance_group[0].kind if base.instance_group else config_pb2.ModelInstanceGroup.KIND_AUTO
+    del config.instance_group[:]
+    config.instance_group.add(count=candidate.instances, kind=kind)
+    if base.max_batch_size > 0:
+        config.max_batch_size = candidate.max_batch_size
+        config.ClearField("dynamic_batching")
+        if candidate.max_batch_size > 1:
+            batching = config.dynamic_batching
+            batching.max_queue_delay_microseconds = candidate.delay_us
+            if candidate.preferred_half and candidate.max_batch_size >= 4:
+                batching.preferred_batch_size.extend([candidate.max_batch_size // 2, candidate.max_batch_size])
+            else:
+                batching.preferred_batch_size.append(candidate.max_batch_size)
+    return config
+
+
+def neighbours(candidate: Candidate, can_batch: bool) -> list[Candidate]:
+    options = [replace(candidate, instances=n) for n in (candidate.instances - 1, candidate.instances + 1)
+               if 1 <= n <= MAX_INSTANCES]
+    if can_batch:
+        options += [replace(candidate, max_batch_size=b) for b in (candidate.max_batch_size // 2,
+                                                                   candidate.max_batch_size * 2)
+                    if 1 <= b <= MAX_BATCH_LIMIT]
+        if candidate.max_batch_size > 1:
+            index = DELAYS_US.index(candidate.delay_us)
+            options += [replace(candidate, delay_us=DELAYS_US[i]) for i in (index - 1, index + 1)
+                        if 0 <= i < len(DELAYS_US)]
+            if candidate.max_batch_size >= 4:
+                options.append(replace(candidate, preferred_half=not candidate.preferred_half))
+    return options
+
+
+class Tuner:
+    def __init__(self, model_dir: Path, budget_ms: float, concurrencies: list[int], window_s: float,
+                 deadline: float) -> None:
+        self.model_dir = model_dir
+        self.budget_ms = budget_ms
+        self.concurrencies = concurrencies
+        self.window_s = window_s
+        self.deadline = deadline
+        self.base = configure(model_dir, strict=False).config
+        self.name = self.base.name
+        self.measured: dict[Candidate, Measured] = {}
+
+    def start(self) -> Candidate:
+        mbs = self.base.max_batch_size
+        delay = self.base.dynamic_batching.max_queue_delay_microseconds if self.base.HasField("dynamic_batching") else 0
+        instances = sum(g.count for g in self.base.instance_group) or 1
+        return Candidate(min(instances, MAX_INSTANCES), mbs, delay if delay in DELAYS_US else 0)
+
+    def search(self) -> Measured:
+        best = self.evaluate(self.start())
+        can_batch = self.base.max_batch_size > 0
+        while time.monotonic() < self.deadline:
+            fresh = [n for n in neighbours(best.candidate, can_batch) if n not in self.measured]
+            if not fresh:
+                break
+            results = [self.evaluate(n) for n in fresh if time.monotonic() < self.deadline]
+            if not results:
+                break
+            challenger = max(results, key=lambda m: m.score(self.budget_ms))
+            if challenger.score(self.budget_ms) <= best.score(self.budget_ms) * (1 + MIN_GAIN):
+                break
+            best = challenger
+        return max(self.measured.values(), key=lambda m: m.score(self.budget_ms))
+
+    def evaluate(self, candidate: Candidate) -> Measured:
+        measured = Measured(candidate)
+        self.measured[candidate] = measured
+        with tempfile.TemporaryDirectory() as folder:
+            repo = Path(folder)
+            target = repo / self.name
+            target.mkdir()
+            for version in scanner.list_versions(self.model_dir):
+                (target / str(version)).symlink_to((self.model_dir / str(version)).resolve(), target_is_directory=True)
+            (target / "config.pbtxt").write_text(text_format.MessageToString(candidate_config(self.base, candidate)))
+            with local_server.running(repo) as server:
+                with InferenceClient(server.url, timeout_s=30) as client:
+                    inputs = build_inputs(client, self.name, "", 1, {}, "random")
+                settings = Settings(server.url, self.name, "", serialize_request(self.name, "", inputs), 1,
+                                    warmup_s=0.3, window_s=self.window_s, stability=0.15, max_windows=5)
+                with LoadTester(settings) as tester:
+                    for concurrency in self.concurrencies:
+                        if time.monotonic() >= self.deadline and measured.points:
+                            break
+                        step = tester.run_step(concurrency=concurrency, deadline=self.deadline + 30)
+                        measured.points.append({
+                            "concurrency": concurrency, "throughput": step.throughput,
+                            "p50_ms": step.latency_us["p50"] / 1000, "p99_ms": step.latency_us["p99"] / 1000,
+                            "errors": sum(step.errors.values()),
+                        })
+                measured.rss_mb = _rss_mb(server.pid)
+        score = measured.score(self.budget_ms)
+        print(f"  {candidate.label():<58} best in budget {score:>9.1f} infer/s   RSS {measured.rss_mb:>6.0f} MB",
+              flush=True)
+        return measured
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Rss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def write_csv(measured: list[Measured], path: Path, budget_ms: float) -> None:
+    with path.open("w", newline="") as handle:
+        fields = ["instances", "max_batch_size", "delay_us", "preferred_half", "concurrency", "throughput",
+                  "p50_ms", "p99_ms", "errors", "within_budget", "rss_mb"]
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for m in measured:
+            for point in m.points:
+                writer.writerow({**asdict(m.candidate), **point, "within_budget": point["p99_ms"] <= budget_ms,
+                                 "rss_mb": round(m.rss_mb, 1)})
+
+
+def plot(measured: list[Measured], path: Path, budget_ms: float, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    top = sorted(measured, key=lambda m: m.score(budget_ms), reverse=True)[:5]
+    figure, axes = plt.subplots(figsize=(8, 4.8))
+    for m in top:
+        axes.plot([p["p99_ms"] for p in m.points], [p["throughput"] for p in m.points], "o-",
+                  label=m.candidate.label())
+    axes.axvline(budget_ms, color="grey", linestyle="--", label=f"p99 budget {budget_ms:g} ms")
+    axes.set(xlabel="p99 latency (ms)", ylabel="throughput (inferences/s)", title=title)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    model_dir: Path = args.model_dir.resolve()
+    concurrencies = [int(c) for c in str(args.concurrency).split(",")]
+    out_dir: Path = args.output_dir or model_dir / "tuning"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.max_minutes * 60
+    tuner = Tuner(model_dir, args.latency_budget_ms, concurrencies, args.window_s, deadline)
+    print(f"tuning '{tuner.name}' for p99 ≤ {args.latency_budget_ms:g} ms at concurrencies {concurrencies}, "
+          f"at most {args.max_minutes:g} min", flush=True)
+    best = tuner.search()
+    measured = list(tuner.measured.values())
+    start = tuner.measured[tuner.start()]
+    write_csv(measured, out_dir / "tune.csv", args.latency_budget_ms)
+    plotted = plot(measured, out_dir / "tune.png", args.latency_budget_ms, f"shoal config tune: {tuner.name}")
+    score, base_score = best.score(args.latency_budget_ms), start.score(args.latency_budget_ms)
+    if score == 0:
+        print(f"no candidate kept p99 within {args.latency_budget_ms:g} ms; see {out_dir / 'tune.csv'}",
+              file=sys.stderr)
+        return 1
+    tuned = model_dir / "config.tuned.pbtxt"
+    gain = f"{score / base_score:.2f}x the starting config" if base_score else "the starting config met no budget"
+    header = (f"# Tuned by `shoal config tune` for p99 <= {args.latency_budget_ms:g} ms: {best.candidate.label()}\n"
+              f"# {score:.1f} inferences/s within the budget ({gain}, {start.candidate.label()}),\n"
+              f"# server RSS {best.rss_mb:.0f} MB. {len(measured)} candidates measured; see {out_dir}.\n"
+              f"# To use it: cp config.tuned.pbtxt config.pbtxt\n")
+    tuned.write_text(header + text_format.MessageToString(candidate_config(tuner.base, best.candidate)))
+    print(f"\nbest: {best.candidate.label()}: {score:.1f} infer/s within budget ({gain})")
+    print(f"wrote {tuned}, {out_dir / 'tune.csv'}" + (f", {out_dir / 'tune.png'}" if plotted else ""))
+    return 0

@@ -1,0 +1,188 @@
+"""shoal config generate / check / tune, and auto-complete at load."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from onnx import TensorProto, helper
+
+from clients import InferenceClient
+from server.lifecycle.configure import configure
+from server.pb import config_pb2
+from server.repository.config import parse_config
+from tests import models
+from tests.models import EXAMPLES
+
+
+def shoal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def multi_io_model(path: Path, batch: str | int = "batch") -> None:
+    """Two inputs (FP16 [b,3], INT64 [b]) and two outputs (FP16 [b,3], BOOL [b]); ``batch`` is dim 0."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["pixels"], ["scaled"]),
+            helper.make_node("Cast", ["ids"], ["flags"], to=TensorProto.BOOL),
+        ],
+        "multi",
+        [helper.make_tensor_value_info("pixels", TensorProto.FLOAT16, [batch, 3]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, [batch])],
+        [helper.make_tensor_value_info("scaled", TensorProto.FLOAT16, [batch, 3]),
+         helper.make_tensor_value_info("flags", TensorProto.BOOL, [batch])],
+    )
+    models.save_onnx(graph, path)
+
+
+def test_generate_for_a_dynamic_batch_model(tmp_path: Path) -> None:
+    multi_io_model(tmp_path / "multi.onnx")
+    result = shoal("config", "generate", str(tmp_path / "multi.onnx"))
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / "multi"
+    assert (folder / "1" / "model.onnx").is_file() and (tmp_path / "multi.onnx").is_file()
+    text = (folder / "config.pbtxt").read_text()
+    assert "# every input and output has a variable first dimension" in text
+    config = parse_config(text)
+    assert config.name == "multi" and config.backend == "onnxruntime" and config.max_batch_size == 4
+    assert [(i.name, config_pb2.DataType.Name(i.data_type), list(i.dims)) for i in config.input] == [
+        ("pixels", "TYPE_FP16", [3]), ("ids", "TYPE_INT64", [1])
+    ]
+    assert config.input[1].HasField("reshape") and list(config.input[1].reshape.shape) == []
+    assert [(o.name, config_pb2.DataType.Name(o.data_type)) for o in config.output] == [
+        ("scaled", "TYPE_FP16"), ("flags", "TYPE_BOOL")
+    ]
+    assert config.HasField("dynamic_batching") and config.version_policy.latest.num_versions == 1
+    assert shoal("config", "generate", str(folder)).returncode == 2  # exists: refuses without --force
+    again = shoal("config", "generate", str(folder), "--output", "-")
+    assert again.stdout == text, "generation is stable"
+
+
+def test_generate_for_a_fixed_batch_model(tmp_path: Path) -> None:
+    multi_io_model(tmp_path / "fixed" / "1" / "model.onnx", batch=2)
+    result = shoal("config", "generate", str(tmp_path / "fixed"), "--instance-count", "3", "--kind", "KIND_CPU")
+    assert result.returncode == 0, result.stderr
+    config = parse_config((tmp_path / "fixed" / "config.pbtxt").read_text())
+    assert config.max_batch_size == 0 and not config.HasField("dynamic_batching")
+    assert list(config.input[0].dims) == [2, 3] and list(config.input[1].dims) == [2]
+    assert config.instance_group[0].count == 3
+
+
+def test_generated_config_loads_and_serves(tmp_path: Path, server_factory) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    multi_io_model(repo / "multi.onnx")
+    assert shoal("config", "generate", str(repo / "multi.onnx"), "--max-batch-size", "8").returncode == 0
+    (repo / "multi.onnx").unlink()
+    server = server_factory(repo, "--strict-model-config", "true")
+    import numpy as np
+
+    with InferenceClient(server.url, timeout_s=30) as client:
+        served = client.model_config("multi")
+        written = configure(repo / "multi", strict=True).config
+        assert served["max_batch_size"] == written.max_batch_size == 8
+        assert [i["name"] for i in served["input"]] == [i.name for i in written.input]
+        # ids has dims [1] with an empty reshape (Triton's form for per-sample scalars): sent as [2, 1]
+        outputs = client.infer("multi", {"pixels": np.ones((2, 3), np.float16), "ids": np.array([[0], [5]])})
+    assert outputs["flags"].tolist() == [[False], [True]] and outputs["scaled"].dtype == np.float16
+
+
+def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory) -> None:
+    repo = tmp_path / "repo"
+    (repo / "bare").mkdir(parents=True)
+    shutil.copytree(EXAMPLES / "simple" / "1", repo / "bare" / "1")  # no config.pbtxt at all
+    (repo / "partial").mkdir()
+    shutil.copytree(EXAMPLES / "simple" / "1", repo / "partial" / "1")
+    (repo / "partial" / "config.pbtxt").write_text('max_batch_size: 2\ninstance_group [ { count: 3 } ]\n')
+    server = server_factory(repo)
+    with InferenceClient(server.url, timeout_s=30) as client:
+        bare = client.model_config("bare")
+        assert bare["backend"] == "onnxruntime" and bare["max_batch_size"] == 4
+        assert [i["name"] for i in bare["input"]] == ["INPUT0", "INPUT1"] and "dynamic_batching" in bare
+        partial = client.model_config("partial")
+        assert partial["max_batch_size"] == 2 and partial["instance_group"][0]["count"] == 3
+        assert [o["name"] for o in partial["output"]] == ["OUTPUT0", "OUTPUT1"]
+    strict = server_factory(repo, "--strict-model-config", "true", "--strict-readiness", "false")
+    with InferenceClient(strict.url, timeout_s=30) as client:
+        index = {e.name: e for e in client.repository_index()}
+    assert index["bare"].state == "UNAVAILABLE" and "no config.pbtxt" in index["bare"].reason
+    assert "strict-model-config" in index["partial"].reason
+
+
+def test_check_reports_each_class_of_error(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    models.copy_example(repo, "simple")
+    models.add_broken_models(repo)  # bad_syntax, corrupt_file, wrong_dims
+    for name, text in {
+        "unknown_field": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nmax_batch: 3\n',
+        "preferred_too_big": (EXAMPLES / "simple" / "config.pbtxt").read_text()
+        .replace('"simple"', '"preferred_too_big"')
+        + "dynamic_batching { preferred_batch_size: [ 16 ] }\n",
+        "priority_out_of_range": (EXAMPLES / "simple" / "config.pbtxt").read_text()
+        .replace('"simple"', '"priority_out_of_range"')
+        + "dynamic_batching { priority_levels: 2 default_priority_level: 3 }\n",
+    }.items():
+        shutil.copytree(EXAMPLES / "simple" / "1", repo / name / "1")
+        (repo / name / "config.pbtxt").write_text(text)
+    result = shoal("config", "check", str(repo))
+    assert result.returncode == 1
+    lines = {line.split()[1].rstrip(":"): line for line in result.stdout.splitlines()}
+    assert lines["simple"].startswith("ok")
+    expectations = {
+        "bad_syntax": "config.pbtxt:4:",
+        "corrupt_file": "cannot load",
+        "wrong_dims": "input 'INPUT0' has dims [-1] + [15] in the config but shape [-1, 16] in the model",
+        "unknown_field": "config.pbtxt:3:",
+        "preferred_too_big": "preferred_batch_size 16 must be between 1 and max_batch_size 8",
+        "priority_out_of_range": "default_priority_level must be between 1 and priority_levels 2",
+    }
+    for name, phrase in expectations.items():
+        assert lines[name].startswith("FAIL") and phrase in lines[name], lines[name]
+    assert "max_batch" in lines["unknown_field"]
+    assert "1 ok, 6 failed" in result.stderr
+
+
+def test_check_passes_the_shipped_repository() -> None:
+    result = shoal("config", "check", str(EXAMPLES))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 ok, 0 failed" in result.stderr
+
+
+def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> None:
+    folder = tmp_path / "simple"
+    shutil.copytree(EXAMPLES / "simple", folder)
+    result = shoal("config", "tune", str(folder), "--latency-budget-ms", "200", "--max-minutes", "0.4",
+                   "--concurrency", "1,4", "--window-s", "0.3", timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = list(csv.DictReader((folder / "tuning" / "tune.csv").read_text().splitlines()))
+    candidates = {(r["instances"], r["max_batch_size"], r["delay_us"], r["preferred_half"]) for r in rows}
+    assert len(candidates) >= 2 and len(rows) >= 4, "the search measured several points"
+    assert (folder / "tuning" / "tune.png").read_bytes()[:4] == b"\x89PNG"
+    assert (folder / "config.pbtxt").read_text() == (EXAMPLES / "simple" / "config.pbtxt").read_text()
+    tuned_text = (folder / "config.tuned.pbtxt").read_text()
+    tuned = parse_config(tuned_text)
+    start = [float(r["throughput"]) for r in rows
+             if (r["instances"], r["max_batch_size"], r["delay_us"], r["preferred_half"]) == ("1", "8", "0", "False")]
+    best = max(float(r["throughput"]) for r in rows if r["within_budget"] == "True")
+    assert best >= max(start)
+    assert tuned.name == "simple" and tuned.instance_group[0].count >= 1
+    # The tuned config is valid: it passes the server's own pipeline.
+    (folder / "config.pbtxt").write_text(tuned_text)
+    assert configure(folder, strict=True).spec.max_batch_size == tuned.max_batch_size
+
+
+@pytest.mark.parametrize(
+    ("args", "phrase"),
+    [
+        (["config", "generate", "/nonexistent/model.onnx"], "neither a model folder nor a model file"),
+        (["config", "check", "/nonexistent"], "is not a folder"),
+    ],
+)
+def test_config_commands_fail_clearly(args: list[str], phrase: str) -> None:
+    result = shoal(*args)
+    assert result.returncode in (1, 2) and phrase in result.stderr
