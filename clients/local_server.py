@@ -27,6 +27,7 @@ class LocalServer:
     process: subprocess.Popen[bytes]
     port: int
     log_path: Path | None
+    metrics_port: int = 0  # 0 when metrics are off
 
     @property
     def url(self) -> str:
@@ -62,6 +63,8 @@ def start(
     """Start ``python -m server serve`` on 127.0.0.1 and wait until ServerLive answers."""
     port_file = work_dir / "port"
     port_file.unlink(missing_ok=True)
+    if "--metrics-port" not in extra_args:  # never collide on Triton's default 8002
+        extra_args = (*extra_args, "--metrics-port", "0", "--metrics-address", "127.0.0.1")
     with open(log_path or os.devnull, "wb") as log:  # the child keeps its own descriptor
         process = subprocess.Popen(
             [sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
@@ -69,14 +72,15 @@ def start(
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     deadline = time.monotonic() + timeout_s
-    while not (port_file.exists() and port_file.read_text().strip()):
+    while not (port_file.exists() and len(port_file.read_text().split()) == 2):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             process.wait()
             detail = log_path.read_text(errors="replace") if log_path else "(no log kept)"
             raise RuntimeError(f"the server did not start:\n{detail}")
         time.sleep(0.05)
-    server = LocalServer(process, int(port_file.read_text()), log_path)
+    grpc_port, metrics_port = (int(p) for p in port_file.read_text().split())
+    server = LocalServer(process, grpc_port, log_path, metrics_port)
     options = [("grpc.ssl_target_name_override", "localhost")] if credentials else []
     channel = (
         grpc.secure_channel(server.url, credentials, options) if credentials else grpc.insecure_channel(server.url)

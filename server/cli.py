@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from server import __version__
-from server.settings import ServerSettings, TlsSettings
+from server.grpc.restrict import parse_restriction
+from server.settings import GrpcLimits, ServerSettings, TlsSettings
 
 SUBCOMMANDS = ("serve",)
 
@@ -51,7 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-timeout-secs", type=float, default=30.0,
         help="on SIGTERM/SIGINT, how long in-flight requests may take to finish",
     )
-    serve.add_argument("--port-file", type=Path, help="write the bound gRPC port to this file once serving")
+    serve.add_argument("--port-file", type=Path,
+                       help="once serving, write the bound gRPC port (line 1) and metrics port (line 2) here")
+    serve.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",
+                       help="none: load all at start; poll: also follow repository changes; explicit: load on request")
+    serve.add_argument("--repository-poll-secs", type=float, default=15.0, help="poll interval (default 15)")
+    serve.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                       help="explicit mode: load NAME at start (repeatable; '*' for all)")
+    serve.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics (default true)")
+    serve.add_argument("--metrics-address", default="0.0.0.0")
+    serve.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002; 0 = any free)")
+    serve.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
+                       help="require header KEY=VALUE for these RPC categories, e.g. model-repository:admin-key=s3cret")
+    serve.add_argument("--grpc-max-message-mb", type=float, default=2048.0,
+                       help="largest request or reply in MiB (default 2048, as Triton)")
+    serve.add_argument("--grpc-max-concurrent-streams", type=int, default=0,
+                       help="concurrent RPCs per client connection (default: grpc's)")
     tls = serve.add_argument_group("TLS (Triton's flag names)")
     tls.add_argument("--grpc-use-ssl", type=_bool, default=False, help="serve gRPC over TLS")
     tls.add_argument("--grpc-server-cert", type=Path, help="PEM certificate chain of the server")
@@ -108,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(levelname).1s %(name)s: %(message)s")
         return _config(parser, args)
     tls = _tls_settings(parser, args)
+    try:
+        restrictions = tuple(parse_restriction(text) for text in args.grpc_restricted_protocol)
+    except ValueError as exc:
+        parser.error(f"--grpc-restricted-protocol {exc}")
+    if args.load_model and args.model_control_mode != "explicit":
+        parser.error("--load-model needs --model-control-mode explicit")
+    if args.repository_poll_secs <= 0 or args.grpc_max_message_mb <= 0:
+        parser.error("--repository-poll-secs and --grpc-max-message-mb must be positive")
     logging.basicConfig(
         level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
         format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
@@ -124,6 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         exit_timeout_s=args.exit_timeout_secs,
         port_file=args.port_file,
         tls=tls,
+        control_mode=args.model_control_mode,
+        poll_interval_s=args.repository_poll_secs,
+        startup_models=tuple(args.load_model),
+        allow_metrics=args.allow_metrics,
+        metrics_address=args.metrics_address,
+        metrics_port=args.metrics_port,
+        grpc=GrpcLimits(
+            max_message_bytes=min(2**31 - 1, int(args.grpc_max_message_mb * 2**20)),
+            max_concurrent_streams=args.grpc_max_concurrent_streams,
+            restrictions=restrictions,
+        ),
     )
     asyncio.run(_serve(settings))
     return 0

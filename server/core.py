@@ -16,7 +16,13 @@ from server.types import InferRequest, InferResponse
 
 SERVER_NAME = "shoal"
 # Only what is implemented end to end; clients gate features on these strings.
-EXTENSIONS = ("model_configuration", "statistics", "schedule_policy")
+EXTENSIONS = (
+    "model_configuration",
+    "statistics",
+    "schedule_policy",
+    "model_repository",
+    "model_repository(unload_dependents)",
+)
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,10 @@ class InferenceCore:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
     def server_metadata(self) -> ServerMetadata:
         return ServerMetadata(SERVER_NAME, __version__, EXTENSIONS)
 
@@ -95,6 +105,23 @@ class InferenceCore:
             (served.spec.name, str(served.version), served.statistics)
             for served in self.manager.statistics(name, version)
         ]
+
+    async def load_model(self, name: str, config_override: str | None) -> None:
+        self._require_explicit()
+        await self.manager.load(name, config_override)
+
+    async def unload_model(self, name: str) -> None:
+        self._require_explicit()
+        await self.manager.unload(name)
+
+    def _require_explicit(self) -> None:
+        if self.manager.control_mode == "poll":
+            raise ShoalError(ErrorCode.UNAVAILABLE, "explicit model load / unload is not allowed if polling is enabled")
+        if self.manager.control_mode != "explicit":
+            raise ShoalError(
+                ErrorCode.UNAVAILABLE,
+                "explicit model load / unload is not allowed: start the server with --model-control-mode explicit",
+            )
 
     def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
         return self.manager.index(ready_only)

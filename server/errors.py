@@ -11,6 +11,7 @@ Exception tree::
         ALREADY_EXISTS     a name that is taken
         INTERNAL           a backend failed while executing
         LOAD_FAILED        a model could not be loaded (config, model file, device)
+        PERMISSION_DENIED  a restricted RPC without the configured header
 
 The gRPC layer maps each code to a status in one table (server/grpc/status.py).
 """
@@ -28,6 +29,7 @@ class ErrorCode(enum.Enum):
     ALREADY_EXISTS = "already_exists"
     INTERNAL = "internal"
     LOAD_FAILED = "load_failed"
+    PERMISSION_DENIED = "permission_denied"
 
 
 class ShoalError(Exception):

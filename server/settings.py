@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.grpc.restrict import Restriction
+
+
+@dataclass(frozen=True)
+class GrpcLimits:
+    # Triton and tritonclient accept messages up to INT32_MAX bytes; grpc's default is 4 MiB.
+    max_message_bytes: int = 2**31 - 1
+    max_concurrent_streams: int = 0  # per connection; 0 = grpc's default
+    restrictions: tuple[Restriction, ...] = ()
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -17,6 +27,13 @@ class ServerSettings:
     # Written with the bound port once serving: lets a caller start on port 0 without a race.
     port_file: Path | None = None
     tls: TlsSettings | None = None
+    control_mode: str = "none"  # none | poll | explicit
+    poll_interval_s: float = 15.0
+    startup_models: tuple[str, ...] = ()  # explicit mode; "*" for all
+    allow_metrics: bool = True
+    metrics_address: str = "0.0.0.0"
+    metrics_port: int = 8002
+    grpc: GrpcLimits = GrpcLimits()
 
 
 @dataclass(frozen=True)

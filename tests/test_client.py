@@ -65,7 +65,10 @@ def test_errors_carry_the_grpc_status(client: InferenceClient) -> None:
         client.infer("simple", {"INPUT0": A.astype(np.float32), "INPUT1": A})
     assert caught.value.status == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(ClientError) as caught:
-        client.unload_model("simple")
+        client.unload_model("simple")  # control mode none: no repository control
+    assert caught.value.status == grpc.StatusCode.UNAVAILABLE and "not allowed" in caught.value.message
+    with pytest.raises(ClientError) as caught:
+        client._call("TraceSetting", service_pb2.TraceSettingRequest())
     assert caught.value.status == grpc.StatusCode.UNIMPLEMENTED
 
 

@@ -47,7 +47,10 @@ def test_health_and_server_metadata(stub: InferenceStub) -> None:
     assert not stub.ModelReady(pb.ModelReadyRequest(name="nope")).ready
     metadata = stub.ServerMetadata(pb.ServerMetadataRequest())
     assert metadata.name == "shoal" and metadata.version
-    assert list(metadata.extensions) == ["model_configuration", "statistics", "schedule_policy"]
+    assert list(metadata.extensions) == [
+        "model_configuration", "statistics", "schedule_policy", "model_repository",
+        "model_repository(unload_dependents)",
+    ]
 
 
 def test_model_metadata_reports_batch_dimension(stub: InferenceStub) -> None:
@@ -105,7 +108,7 @@ def test_repository_index(stub: InferenceStub) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["RepositoryModelLoad", "RepositoryModelUnload", "SystemSharedMemoryStatus",
+    ["SystemSharedMemoryStatus",
      "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus",
      "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister", "TraceSetting", "LogSettings"],
 )

@@ -143,10 +143,24 @@ def model_config(config_json: dict[str, Any]) -> service_pb2.ModelConfigResponse
     return service_pb2.ModelConfigResponse(config=config)
 
 
+def load_parameters(message: service_pb2.RepositoryModelLoadRequest) -> str | None:
+    """The ``config`` override (JSON) of a load; model files sent inline are refused."""
+    files = [key for key in message.parameters if key.startswith("file:")]
+    if files:
+        raise invalid(f"loading model files sent with the request ({files[0]}) is not supported")
+    if "config" not in message.parameters:
+        return None
+    value = parameter_value(message.parameters["config"])
+    if not isinstance(value, str | bytes):
+        raise invalid("the 'config' parameter must be a JSON string")
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def repository_index(entries: list[IndexEntry]) -> service_pb2.RepositoryIndexResponse:
     message = service_pb2.RepositoryIndexResponse()
     for e in entries:
-        message.models.add(name=e.name, version=e.version, state=e.state.value, reason=e.reason)
+        state = e.state.value if e.state else ""
+        message.models.add(name=e.name, version=e.version, state=state, reason=e.reason)
     return message
 
 

@@ -74,13 +74,20 @@ class InferenceServicer:
     ) -> pb.RepositoryIndexResponse:
         return convert.repository_index(self.core.repository_index(ready_only=request.ready))
 
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> pb.RepositoryModelLoadResponse:
+        await self.core.load_model(request.model_name, convert.load_parameters(request))
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> pb.RepositoryModelUnloadResponse:
+        # unload_dependents is accepted; Shoal has no ensembles, so there are no dependents.
+        await self.core.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
     # RPCs of extensions Shoal does not implement (yet) answer UNIMPLEMENTED.
-
-    async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
-        raise unsupported("RepositoryModelLoad")
-
-    async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
-        raise unsupported("RepositoryModelUnload")
 
     async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
         raise unsupported("system shared memory")

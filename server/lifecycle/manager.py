@@ -1,24 +1,39 @@
-"""The registry of models: load the repository, track each version's state, resolve requests.
+"""The registry of models: load, reload and unload without dropping a request; resolve requests.
 
-Control mode ``none`` (Triton's default): every model in the repository is loaded at
-start and stays. A model whose config or file is broken is UNAVAILABLE with its reason;
-the others load and serve.
+Control modes, as Triton's: ``none`` loads every model at start and never changes; ``poll``
+also rescans the repository every ``poll_secs`` (added, removed and changed models);
+``explicit`` loads only the ``startup_models`` and then what RepositoryModelLoad asks.
+
+A (re)load builds the new entry off the event loop (load, then warm up every copy) while
+the old one keeps serving; the registry then swaps in one assignment on the event loop,
+and the old entry drains (its queued and running requests finish) before its weights are
+freed. A request resolves its version and enqueues without yielding to the loop in
+between, so it lands either on the old entry before its drain starts, or on the new one.
+A failed reload leaves the old entry serving and records the reason.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.errors import ErrorCode, ShoalError, unknown_model
+from google.protobuf import json_format
+
+from server.errors import ErrorCode, ShoalError, invalid, unknown_model
 from server.lifecycle.configure import configure
 from server.lifecycle.model import ModelVersion
 from server.lifecycle.state import ModelState
+from server.pb import config_pb2
 from server.repository import scanner
-from server.repository.config import ModelSpec
+from server.repository.config import CONFIG_FILENAME, ModelSpec
 
 logger = logging.getLogger(__name__)
+
+CONTROL_MODES = ("none", "poll", "explicit")
 
 
 @dataclass
@@ -36,6 +51,7 @@ class ModelEntry:
     state: ModelState
     reason: str = ""
     versions: dict[int, VersionEntry] = field(default_factory=dict)
+    fingerprint: str = ""
 
     def ready_versions(self) -> list[int]:
         return sorted(v for v, e in self.versions.items() if e.state is ModelState.READY)
@@ -45,55 +61,140 @@ class ModelEntry:
 class IndexEntry:
     name: str
     version: str
-    state: ModelState
+    state: ModelState | None  # None: in the repository, never loaded
     reason: str
 
 
 class ModelManager:
-    def __init__(self, repository: Path, strict_model_config: bool = False) -> None:
+    def __init__(
+        self,
+        repository: Path,
+        strict_model_config: bool = False,
+        control_mode: str = "none",
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        if control_mode not in CONTROL_MODES:
+            raise ValueError(f"control mode must be one of {CONTROL_MODES}")
         self.repository = repository
         self.strict_model_config = strict_model_config
+        self.control_mode = control_mode
+        self.on_change = on_change
         self._models: dict[str, ModelEntry] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
 
-    def load_all(self) -> None:
-        """Load every model in the repository; failures are recorded, never raised."""
-        for name in scanner.list_models(self.repository):
-            self._models[name] = self._load_model(name)
+    # -- loading -------------------------------------------------------------------------------------
 
-    def _load_model(self, name: str) -> ModelEntry:
+    async def start(self, startup_models: tuple[str, ...] = ()) -> None:
+        """Load what the control mode says to load at start."""
+        if self.control_mode == "explicit" and "*" not in startup_models:
+            names = list(startup_models)
+        else:
+            names = scanner.list_models(self.repository)
+        for name in names:
+            try:
+                await self.load(name)
+            except ShoalError as exc:
+                logger.error("model %s: %s", name, exc.message)
+
+    async def load(self, name: str, config_override: str | None = None) -> None:
+        """Load or reload ``name``; ``config_override`` is a ModelConfig as JSON (RepositoryModelLoad)."""
         folder = scanner.model_dir(self.repository, name)
+        if not folder.is_dir():
+            raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': no such model folder in the repository")
+        base = _parse_override(name, config_override) if config_override else None
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            entry = await asyncio.to_thread(self._build_entry, name, folder, base)
+            old = self._models.get(name)
+            if not entry.ready_versions():
+                if old is not None and old.ready_versions():
+                    old.reason = f"reload failed, previous version kept serving: {entry.reason}"
+                    self._changed()
+                    raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': {entry.reason}")
+                self._models[name] = entry
+                self._changed()
+                if old is not None:
+                    await self._retire(old)
+                raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': {entry.reason}")
+            self._models[name] = entry  # the switch: one assignment on the event loop
+            self._changed()
+            if old is not None:
+                await self._retire(old)
+
+    async def unload(self, name: str) -> None:
+        """Stop routing to ``name``, let its queued and running requests finish, free the weights."""
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            old = self._models.get(name)
+            if old is None or old.spec is None and not old.versions:
+                raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to unload '{name}': the model is not loaded")
+            self._models[name] = ModelEntry(name, old.spec, ModelState.UNAVAILABLE, "unloaded")
+            self._changed()
+            await self._retire(old)
+
+    def _build_entry(self, name: str, folder: Path, base: config_pb2.ModelConfig | None) -> ModelEntry:
+        """Runs in a worker thread: configure, load and warm every version the policy selects."""
+        fingerprint = fingerprint_of(folder)
         try:
-            spec = configure(folder, self.strict_model_config).spec
+            spec = configure(folder, self.strict_model_config, base=base).spec
         except ShoalError as exc:
-            logger.error("model %s: %s", name, exc.message)
-            return ModelEntry(name, None, ModelState.UNAVAILABLE, exc.message)
+            return ModelEntry(name, None, ModelState.UNAVAILABLE, exc.message, fingerprint=fingerprint)
         available = scanner.list_versions(folder)
         chosen = spec.version_policy.select(available)
         if not chosen:
             reason = f"model '{name}': no version folder matches the version policy (found {available})"
-            logger.error(reason)
-            return ModelEntry(name, spec, ModelState.UNAVAILABLE, reason)
-        entry = ModelEntry(name, spec, ModelState.READY)
+            return ModelEntry(name, spec, ModelState.UNAVAILABLE, reason, fingerprint=fingerprint)
+        entry = ModelEntry(name, spec, ModelState.READY, fingerprint=fingerprint)
         for version in chosen:
-            entry.versions[version] = self._load_version(spec, version, folder / str(version))
+            entry.versions[version] = _load_version(spec, version, folder / str(version))
         if not entry.ready_versions():
             entry.state = ModelState.UNAVAILABLE
             entry.reason = "; ".join(e.reason for e in entry.versions.values())
         return entry
 
-    @staticmethod
-    def _load_version(spec: ModelSpec, version: int, folder: Path) -> VersionEntry:
-        try:
-            served = ModelVersion.load(spec, version, folder)
-        except ShoalError as exc:
-            logger.error("model %s version %d: %s", spec.name, version, exc.message)
-            return VersionEntry(version, ModelState.UNAVAILABLE, exc.message)
-        except Exception as exc:  # a backend bug must not take the other models down
-            logger.exception("model %s version %d: unexpected load failure", spec.name, version)
-            return VersionEntry(version, ModelState.UNAVAILABLE, f"unexpected load failure: {exc}")
-        return VersionEntry(version, ModelState.READY, served=served)
+    async def _retire(self, entry: ModelEntry) -> None:
+        for version in entry.versions.values():
+            if version.served is not None:
+                served, version.served = version.served, None
+                version.state = ModelState.UNLOADING
+                await served.close()
+                version.state = ModelState.UNAVAILABLE
+                version.reason = "unloaded"
+        logger.info("model %s: previous instance drained and unloaded", entry.name)
 
-    # -- queries ---------------------------------------------------------------------------------
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    # -- polling -------------------------------------------------------------------------------------
+
+    async def poll_once(self) -> None:
+        """Pick up added, removed and changed model folders (poll mode)."""
+        present = set(scanner.list_models(self.repository))
+        for name in sorted(present):
+            entry = self._models.get(name)
+            changed = entry is None or fingerprint_of(self.repository / name) != entry.fingerprint
+            if changed:
+                logger.info("model %s: %s, loading", name, "new" if entry is None else "changed")
+                try:
+                    await self.load(name)
+                except ShoalError as exc:
+                    logger.error("model %s: %s", name, exc.message)
+        for name in sorted(set(self._models) - present):
+            if self._models[name].versions:
+                logger.info("model %s: folder removed, unloading", name)
+                await self.unload(name)
+            del self._models[name]
+            self._changed()
+
+    async def poll_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # noqa: BLE001 - a bad scan must not stop polling
+                logger.exception("repository poll failed")
+
+    # -- queries -------------------------------------------------------------------------------------
 
     def entry(self, name: str) -> ModelEntry:
         model = self._models.get(name)
@@ -107,9 +208,7 @@ class ModelManager:
         if not version:
             ready = model.ready_versions()
             if not ready:
-                raise ShoalError(
-                    ErrorCode.UNAVAILABLE, f"model '{name}' has no available versions: {model.reason}"
-                )
+                raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{name}' has no available versions: {model.reason}")
             chosen = model.versions[ready[-1]]
         else:
             number = int(version) if version.isdigit() else None
@@ -119,8 +218,7 @@ class ModelManager:
             chosen = found
         if chosen.served is None:
             raise ShoalError(
-                ErrorCode.UNAVAILABLE,
-                f"model '{name}' version {chosen.version} is not ready: {chosen.reason}",
+                ErrorCode.UNAVAILABLE, f"model '{name}' version {chosen.version} is not ready: {chosen.reason}"
             )
         return chosen.served
 
@@ -131,8 +229,11 @@ class ModelManager:
             return False
         return True
 
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
     def all_ready(self) -> bool:
-        return all(m.state is ModelState.READY for m in self._models.values())
+        return all(m.state is ModelState.READY for m in self._models.values() if m.reason != "unloaded")
 
     def index(self, ready_only: bool = False) -> list[IndexEntry]:
         rows = []
@@ -140,7 +241,12 @@ class ModelManager:
             if not model.versions:
                 rows.append(IndexEntry(model.name, "", model.state, model.reason))
             for version in sorted(model.versions.values(), key=lambda v: v.version):
-                rows.append(IndexEntry(model.name, str(version.version), version.state, version.reason))
+                reason = version.reason or (model.reason if version.state is ModelState.READY else "")
+                rows.append(IndexEntry(model.name, str(version.version), version.state, reason))
+        if not ready_only and self.control_mode == "explicit":
+            loaded = set(self._models)
+            rows += [IndexEntry(n, "", None, "") for n in scanner.list_models(self.repository) if n not in loaded]
+            rows.sort(key=lambda r: r.name)
         return [r for r in rows if not ready_only or r.state is ModelState.READY]
 
     def statistics(self, name: str, version: str) -> list[ModelVersion]:
@@ -153,10 +259,46 @@ class ModelManager:
         return [e.served for e in model.versions.values() if e.served]
 
     async def close(self) -> None:
-        for model in self._models.values():
-            for version in model.versions.values():
-                if version.served is not None:
-                    await version.served.close()
-                    version.served = None
-                    version.state = ModelState.UNAVAILABLE
-                    version.reason = "unloaded"
+        """Drain and unload everything (shutdown)."""
+        for entry in list(self._models.values()):
+            await self._retire(entry)
+
+
+def _load_version(spec: ModelSpec, version: int, folder: Path) -> VersionEntry:
+    try:
+        served = ModelVersion.load(spec, version, folder)
+    except ShoalError as exc:
+        logger.error("model %s version %d: %s", spec.name, version, exc.message)
+        return VersionEntry(version, ModelState.UNAVAILABLE, exc.message)
+    except Exception as exc:  # a backend bug must not take the other models down
+        logger.exception("model %s version %d: unexpected load failure", spec.name, version)
+        return VersionEntry(version, ModelState.UNAVAILABLE, f"unexpected load failure: {exc}")
+    try:
+        served.warm_up()
+    except Exception as exc:  # noqa: BLE001 - zeros may be no valid input; real requests decide
+        logger.warning("model %s version %d: warm-up with zero inputs failed: %s", spec.name, version, exc)
+    return VersionEntry(version, ModelState.READY, served=served)
+
+
+def _parse_override(name: str, text: str) -> config_pb2.ModelConfig:
+    """A load's ``config`` parameter: a whole ModelConfig as JSON, replacing config.pbtxt."""
+    try:
+        config = json_format.Parse(text, config_pb2.ModelConfig())
+    except json_format.ParseError as exc:
+        raise invalid(f"failed to load '{name}': the config parameter is not a valid ModelConfig: {exc}") from None
+    if config.name and config.name != name:
+        raise invalid(f"failed to load '{name}': the config override names model '{config.name}'")
+    return config
+
+
+def fingerprint_of(folder: Path) -> str:
+    """Changes when config.pbtxt, a version folder or a file in one changes (poll mode)."""
+    digest = hashlib.sha256()
+    config = folder / CONFIG_FILENAME
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for version in scanner.list_versions(folder, warn=False) if folder.is_dir() else []:
+        digest.update(f"|{version}".encode())
+        for path in sorted((folder / str(version)).rglob("*")):
+            stat = path.stat()
+            digest.update(f"|{path.relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 
-from server.backends.base import load_model
+from server.backends.base import LoadedModel, load_model
 from server.backends.devices import CPU, Device, cuda_device_count
 from server.errors import ErrorCode, ShoalError, load_failed
 from server.instances.pool import InstancePool, Placement, build_pool
@@ -17,6 +18,15 @@ from server.statistics import ModelStatistics
 from server.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 def placements(spec: ModelSpec) -> list[Placement]:
@@ -49,10 +59,15 @@ def placements(spec: ModelSpec) -> list[Placement]:
 class ModelVersion:
     """A READY version: ``infer`` checks the request, queues it with the scheduler, shapes the reply."""
 
-    def __init__(self, spec: ModelSpec, version: int, pool: InstancePool) -> None:
+    def __init__(
+        self, spec: ModelSpec, version: int, pool: InstancePool, memory_bytes: dict[Device, int] | None = None
+    ) -> None:
         self.spec = spec
         self.version = version
         self.pool = pool
+        # Process memory the copies took while loading, per device (measured, so approximate when
+        # other work runs at the same time; 0 for backends that allocate lazily).
+        self.memory_bytes = {d: max(0, b) for d, b in (memory_bytes or {}).items()}
         self.statistics = ModelStatistics()
         self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching)
 
@@ -62,18 +77,30 @@ class ModelVersion:
         share = spec.parameters.get("share_weights", "true").lower()
         if share not in {"true", "false"}:
             raise load_failed(f"model '{spec.name}': parameter share_weights must be true or false")
-        pool = build_pool(
-            spec.name,
-            placements(spec),
-            lambda device, threads: load_model(spec, model_path, device, threads),
-            share_weights=share == "true",
-        )
+        measured: dict[Device, tuple[int, int]] = {}
+
+        def load_copy(device: Device, threads: int) -> LoadedModel:
+            before = resident_bytes()
+            model = load_model(spec, model_path, device, threads)
+            first, _ = measured.get(device, (before, 0))
+            measured[device] = (first, resident_bytes())
+            return model
+
+        pool = build_pool(spec.name, placements(spec), load_copy, share_weights=share == "true")
         copies = len({id(instance.model) for instance in pool.instances})
+        memory_bytes = {device: rss_after - rss_before for device, (rss_before, rss_after) in measured.items()}
         logger.info(
             "model %s version %d: %d instance(s) over %d loaded cop%s",
             spec.name, version, len(pool.instances), copies, "y" if copies == 1 else "ies",
         )
-        return cls(spec, version, pool)
+        return cls(spec, version, pool, memory_bytes)
+
+    def warm_up(self) -> None:
+        """Run one zero-filled request (batch 1) on every loaded copy, off the event loop."""
+        feed = tensors.zeros_feed(self.spec)
+        outputs = [t.name for t in self.spec.outputs]
+        for model in {id(i.model): i.model for i in self.pool.instances}.values():
+            model.run(feed, outputs)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         prepared = tensors.prepare(self.spec, request)

@@ -13,7 +13,7 @@ import numpy as np
 
 from server.errors import ErrorCode, ShoalError, invalid
 from server.repository.config import ModelSpec, TensorSpec
-from server.types import InferRequest, Tensor
+from server.types import DataType, InferRequest, Tensor
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,18 @@ def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray
             data = data.astype(wanted)
         tensors.append(Tensor(name, tensor_spec.datatype, tuple(data.shape), data))
     return tuple(tensors)
+
+
+def zeros_feed(spec: ModelSpec) -> dict[str, np.ndarray]:
+    """A batch-1 feed of zeros (empty BYTES) in the backend's shapes; variable dims become 1."""
+    feed = {}
+    for tensor in spec.inputs:
+        dims = [1 if d == -1 else d for d in (tensor.reshape if tensor.reshape is not None else tensor.dims)]
+        shape = ([1] if spec.max_batch_size > 0 else []) + dims
+        if tensor.datatype is DataType.BYTES:
+            array = np.empty(shape, dtype=object)
+            array.reshape(-1)[:] = [b""] * array.size
+            feed[tensor.name] = array
+        else:
+            feed[tensor.name] = np.zeros(shape, dtype=tensor.datatype.numpy_dtype)
+    return feed

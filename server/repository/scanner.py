@@ -46,16 +46,18 @@ def list_models(repository: Path) -> list[str]:
     return names
 
 
-def list_versions(folder: Path) -> list[int]:
-    """Integer version folders of a model; others are skipped with a warning."""
+def list_versions(folder: Path, warn: bool = True) -> list[int]:
+    """Integer version folders of a model; others are skipped (with a warning unless ``warn`` is off)."""
     versions = []
     for entry in sorted(folder.iterdir()):
         if not entry.is_dir():
             continue
         if _VERSION_NAME.match(entry.name):
             versions.append(int(entry.name))
+        elif not warn:
+            continue
         elif entry.name.isdigit():
             logger.warning("model %s: skipping version folder %r (zero-padded)", folder.name, entry.name)
-        elif entry.name not in {"configs", "__pycache__"}:
+        elif entry.name not in {"configs", "tuning", "__pycache__"}:  # tuning/: `shoal config tune` output
             logger.warning("model %s: skipping folder %r (not an integer version)", folder.name, entry.name)
     return sorted(versions)

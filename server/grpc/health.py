@@ -1,0 +1,31 @@
+"""The standard ``grpc.health.v1`` service (grpcio-health-checking), kept in step with the core.
+
+Service ``""`` (the server) and ``inference.GRPCInferenceService`` are SERVING while the server
+is ready; each model name is SERVING while a version of it is ready.
+"""
+
+from __future__ import annotations
+
+from grpc_health.v1 import health, health_pb2
+
+from server.core import InferenceCore
+from server.pb import SERVICE_NAME
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class HealthReporter:
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self._known: set[str] = set()
+
+    async def sync(self, core: InferenceCore) -> None:
+        ready = core.ready()
+        for service in ("", SERVICE_NAME):
+            await self.servicer.set(service, SERVING if ready else NOT_SERVING)
+        names = set(core.manager.names())
+        for name in names | self._known:
+            serving = core.accepting and name in names and core.model_ready(name, "")
+            await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+        self._known |= names

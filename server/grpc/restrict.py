@@ -1,0 +1,82 @@
+"""Triton's ``--grpc-restricted-protocol``: RPC categories that need a header key and value.
+
+    --grpc-restricted-protocol model-repository,statistics:admin-key=s3cret
+
+A call in a restricted category without that metadata is refused with PERMISSION_DENIED.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from server.errors import ErrorCode, ShoalError
+
+CATEGORIES: dict[str, str] = {
+    "ServerLive": "health", "ServerReady": "health", "ModelReady": "health",
+    "ServerMetadata": "metadata", "ModelMetadata": "metadata",
+    "ModelInfer": "inference", "ModelStreamInfer": "inference",
+    "ModelConfig": "model-config", "ModelStatistics": "statistics",
+    "RepositoryIndex": "model-repository", "RepositoryModelLoad": "model-repository",
+    "RepositoryModelUnload": "model-repository",
+    "SystemSharedMemoryStatus": "shared-memory", "SystemSharedMemoryRegister": "shared-memory",
+    "SystemSharedMemoryUnregister": "shared-memory", "CudaSharedMemoryStatus": "shared-memory",
+    "CudaSharedMemoryRegister": "shared-memory", "CudaSharedMemoryUnregister": "shared-memory",
+    "TraceSetting": "trace", "LogSettings": "logging",
+}
+
+
+@dataclass(frozen=True)
+class Restriction:
+    categories: frozenset[str]
+    key: str
+    value: str
+
+
+def parse_restriction(text: str) -> Restriction:
+    """``CATEGORY[,CATEGORY...]:KEY=VALUE``; raises ValueError with a message for the user."""
+    categories, _, header = text.partition(":")
+    key, _, value = header.partition("=")
+    names = frozenset(c.strip() for c in categories.split(",") if c.strip())
+    unknown = names - set(CATEGORIES.values())
+    if not names or not key or not value or unknown:
+        raise ValueError(
+            f"{text!r}: expected CATEGORY[,CATEGORY]:KEY=VALUE with categories from "
+            f"{sorted(set(CATEGORIES.values()))}" + (f"; unknown {sorted(unknown)}" if unknown else "")
+        )
+    return Restriction(names, key.lower(), value)
+
+
+def restricted(
+    method: str, handler: Callable[..., Any], restrictions: tuple[Restriction, ...]
+) -> Callable[..., Any]:
+    """``handler`` behind the check for ``method``'s category, or ``handler`` itself if unrestricted."""
+    rules = [r for r in restrictions if CATEGORIES[method] in r.categories]
+    if not rules:
+        return handler
+
+    def check(context: grpc.aio.ServicerContext) -> None:
+        metadata = {key.lower(): value for key, value in (context.invocation_metadata() or ())}
+        for rule in rules:
+            if metadata.get(rule.key) != rule.value:
+                message = f"this protocol is restricted, expecting header '{rule.key}'"
+                raise ShoalError(ErrorCode.PERMISSION_DENIED, message)
+
+    if inspect.isasyncgenfunction(handler):
+
+        async def checked_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            check(context)
+            async for response in handler(requests, context):
+                yield response
+
+        return checked_stream
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        check(context)
+        return await handler(request, context)
+
+    return checked
