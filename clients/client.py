@@ -63,8 +63,18 @@ def _credentials(tls: TlsOptions) -> grpc.ChannelCredentials:
 
 
 class InferenceClient:
-    def __init__(self, url: str, *, tls: TlsOptions | None = None, timeout_s: float | None = None) -> None:
+    """``headers`` go with every call (e.g. the key of a server's restricted protocol)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        tls: TlsOptions | None = None,
+        timeout_s: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         options = _channel_options(tls)
+        self.metadata = tuple((k.lower(), v) for k, v in (headers or {}).items())
         self._channel = (
             grpc.secure_channel(url, _credentials(tls), options) if tls else grpc.insecure_channel(url, options)
         )
@@ -82,7 +92,7 @@ class InferenceClient:
 
     def _call(self, method: str, request: Any) -> Any:
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout_s)
+            return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as error:
             raise ClientError.from_rpc_error(error) from None
 
@@ -139,8 +149,16 @@ class InferenceClient:
 class AsyncInferenceClient:
     """The asyncio twin of ``InferenceClient``: the same methods, awaited."""
 
-    def __init__(self, url: str, *, tls: TlsOptions | None = None, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        tls: TlsOptions | None = None,
+        timeout_s: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         options = _channel_options(tls)
+        self.metadata = tuple((k.lower(), v) for k, v in (headers or {}).items())
         self._channel = (
             grpc.aio.secure_channel(url, _credentials(tls), options) if tls else grpc.aio.insecure_channel(url, options)
         )
@@ -158,7 +176,7 @@ class AsyncInferenceClient:
 
     async def _call(self, method: str, request: Any) -> Any:
         try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as error:
             raise ClientError.from_rpc_error(error) from None
 

@@ -187,6 +187,10 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
             raise load_failed(
                 f"{where}: platform '{config.platform}' does not match backend '{config.backend}'"
             )
+    filename = config.default_model_filename
+    if filename and (Path(filename).name != filename or filename in {".", ".."}):
+        raise load_failed(f"{where}: default_model_filename must be a file name inside the version folder, "
+                          f"got {filename!r}")
     if config.max_batch_size < 0:
         raise load_failed(f"{where}: max_batch_size must be >= 0, got {config.max_batch_size}")
     if not config.input or not config.output:
