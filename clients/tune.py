@@ -23,7 +23,7 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from clients import InferenceClient, local_server
+from clients import ClientError, InferenceClient, local_server
 from clients.loadtest.inputs import build_inputs, serialize_request
 from clients.loadtest.measure import LoadTester, Settings
 from server.lifecycle.configure import configure
@@ -132,6 +132,17 @@ class Tuner:
     def evaluate(self, candidate: Candidate) -> Measured:
         measured = Measured(candidate)
         self.measured[candidate] = measured
+        try:
+            self._measure(candidate, measured)
+        except (RuntimeError, ClientError) as exc:  # a candidate that cannot serve scores 0
+            print(f"  {candidate.label():<58} failed: {str(exc).splitlines()[0]}", flush=True)
+            return measured
+        score = measured.score(self.budget_ms)
+        print(f"  {candidate.label():<58} best in budget {score:>9.1f} infer/s   RSS {measured.rss_mb:>6.0f} MB",
+              flush=True)
+        return measured
+
+    def _measure(self, candidate: Candidate, measured: Measured) -> None:
         with tempfile.TemporaryDirectory() as folder:
             repo = Path(folder)
             target = repo / self.name
@@ -155,10 +166,6 @@ class Tuner:
                             "errors": sum(step.errors.values()),
                         })
                 measured.rss_mb = _rss_mb(server.pid)
-        score = measured.score(self.budget_ms)
-        print(f"  {candidate.label():<58} best in budget {score:>9.1f} infer/s   RSS {measured.rss_mb:>6.0f} MB",
-              flush=True)
-        return measured
 
 
 def _rss_mb(pid: int) -> float:
