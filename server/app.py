@@ -30,7 +30,11 @@ async def serve(settings: ServerSettings) -> None:
         task.add_done_callback(background.discard)
 
     manager = ModelManager(
-        settings.model_repository, settings.strict_model_config, settings.control_mode, on_change=refresh_health
+        settings.model_repository,
+        settings.strict_model_config,
+        settings.control_mode,
+        on_change=refresh_health,
+        memory_budgets=dict(settings.memory_budgets),
     )
     core = InferenceCore(manager, strict_readiness=settings.strict_readiness)
     await manager.start(settings.startup_models)

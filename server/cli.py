@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require header KEY=VALUE for these RPC categories, e.g. model-repository:admin-key=s3cret")
     serve.add_argument("--grpc-max-message-mb", type=float, default=2048.0,
                        help="largest request or reply in MiB (default 2048, as Triton)")
+    serve.add_argument("--memory-budget-mb", action="append", default=[], metavar="DEVICE=MB",
+                       help="memory all models may hold on a device (cpu, gpu:0, ...); loads beyond it are refused")
     serve.add_argument("--grpc-max-concurrent-streams", type=int, default=0,
                        help="concurrent RPCs per client connection (default: grpc's)")
     tls = serve.add_argument_group("TLS (Triton's flag names)")
@@ -128,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         restrictions = tuple(parse_restriction(text) for text in args.grpc_restricted_protocol)
     except ValueError as exc:
         parser.error(f"--grpc-restricted-protocol {exc}")
+    budgets = []
+    for text in args.memory_budget_mb:
+        device, _, megabytes = text.partition("=")
+        try:
+            budgets.append((device, int(float(megabytes) * 2**20)))
+        except ValueError:
+            parser.error(f"--memory-budget-mb {text!r}: expected DEVICE=MB, e.g. cpu=4096")
+        if device != "cpu" and not device.startswith("gpu:"):
+            parser.error(f"--memory-budget-mb {text!r}: the device is cpu or gpu:N")
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model needs --model-control-mode explicit")
     if args.repository_poll_secs <= 0 or args.grpc_max_message_mb <= 0:
@@ -154,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         allow_metrics=args.allow_metrics,
         metrics_address=args.metrics_address,
         metrics_port=args.metrics_port,
+        memory_budgets=tuple(budgets),
         grpc=GrpcLimits(
             max_message_bytes=min(2**31 - 1, int(args.grpc_max_message_mb * 2**20)),
             max_concurrent_streams=args.grpc_max_concurrent_streams,

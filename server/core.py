@@ -42,6 +42,14 @@ class ModelMetadata:
 
 
 @dataclass(frozen=True)
+class StatisticsRow:
+    name: str
+    version: str
+    statistics: ModelStatistics
+    memory_bytes: dict[tuple[str, int], int]  # (CPU|GPU, device id) -> bytes
+
+
+@dataclass(frozen=True)
 class ServerMetadata:
     name: str
     version: str
@@ -99,10 +107,11 @@ class InferenceCore:
         served = self.manager.resolve(request.model_name, request.model_version)
         return await served.infer(request)
 
-    def model_statistics(self, name: str, version: str) -> list[tuple[str, str, ModelStatistics]]:
-        """(model, version, statistics) rows; name ``""`` means every model."""
+    def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
+        """One row per model version; name ``""`` means every model."""
         return [
-            (served.spec.name, str(served.version), served.statistics)
+            StatisticsRow(served.spec.name, str(served.version), served.statistics,
+                          {(d.kind.upper(), d.index): b for d, b in served.memory_bytes.items()})
             for served in self.manager.statistics(name, version)
         ]
 

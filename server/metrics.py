@@ -55,10 +55,11 @@ class ModelCollector(Collector):
         durations = {name: CounterMetricFamily(name, text, labels=labels) for name, (_, text) in _DURATIONS.items()}
         pending = GaugeMetricFamily("nv_inference_pending_request_count",
                                     "Instantaneous number of pending requests awaiting execution", labels=labels)
-        memory = GaugeMetricFamily("shoal_model_memory_bytes", "Memory a model version's weights took at load",
+        memory = GaugeMetricFamily("shoal_model_memory_bytes", "Bytes of weights a model version holds on a device",
                                    labels=[*labels, "device"])
         instances = GaugeMetricFamily("shoal_model_instances", "Executors of a model version", labels=labels)
-        for name, version, stats in self.core.model_statistics("", ""):
+        for row in self.core.model_statistics("", ""):
+            name, version, stats = row.name, row.version, row.statistics
             served = self.core.manager.resolve(name, version)
             values = [name, version]
             success.add_metric(values, stats.success.count)

@@ -34,6 +34,7 @@ class ServerSettings:
     metrics_address: str = "0.0.0.0"
     metrics_port: int = 8002
     grpc: GrpcLimits = GrpcLimits()
+    memory_budgets: tuple[tuple[str, int], ...] = ()  # (device, bytes): "cpu", "gpu:0"
 
 
 @dataclass(frozen=True)

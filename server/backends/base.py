@@ -24,10 +24,15 @@ from server.repository.model_io import ModelIO
 _BACKEND_MODULES = {
     "onnxruntime": "server.backends.onnxruntime",
     "identity": "server.backends.identity",
+    "pytorch": "server.backends.pytorch",
 }
 
 
 class LoadedModel(Protocol):
+    # Bytes of weights this copy holds on its device: counted where the framework can (PyTorch:
+    # parameters and buffers), else the model file's size, which the weights dominate (ONNX).
+    weight_bytes: int
+
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """Execute one batch: config-named inputs in, the requested config-named outputs back."""
         ...

@@ -19,6 +19,8 @@ from server.repository.config import ModelSpec
 
 
 class IdentityModel:
+    weight_bytes = 0
+
     def __init__(self, pairs: dict[str, str], delay_s: float) -> None:
         self._input_for_output = pairs
         self._delay_s = delay_s

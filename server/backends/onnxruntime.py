@@ -43,8 +43,9 @@ _ORT_TYPES = {
 
 
 class OnnxModel:
-    def __init__(self, session: ort.InferenceSession, spec: ModelSpec) -> None:
+    def __init__(self, session: ort.InferenceSession, spec: ModelSpec, weight_bytes: int) -> None:
         self._session = session
+        self.weight_bytes = weight_bytes  # the model file's size: ORT does not report its initializers
         self._string_inputs = {t.name for t in spec.inputs if t.datatype is DataType.BYTES}
         self._string_outputs = {t.name for t in spec.outputs if t.datatype is DataType.BYTES}
 
@@ -85,7 +86,7 @@ def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> Onn
     if bf16:
         raise load_failed(f"model '{spec.name}': BF16 tensors {bf16} cannot be fed through the ONNX Runtime Python API")
     logger.info("model %s: ONNX Runtime session on %s (%s)", spec.name, device, session.get_providers()[0])
-    return OnnxModel(session, spec)
+    return OnnxModel(session, spec, model_path.stat().st_size)
 
 
 def _providers(spec: ModelSpec, device: Device) -> list[Any]:

@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
-from server.core import ModelMetadata, ServerMetadata
+from server.core import ModelMetadata, ServerMetadata, StatisticsRow
 from server.errors import invalid
 from server.lifecycle.manager import IndexEntry
 from server.pb import config_pb2, service_pb2, tensors
-from server.statistics import Duration, ModelStatistics
+from server.statistics import Duration
 from server.types import DataType, InferRequest, InferResponse, Tensor
 
 _CONTENTS_FIELD = {
@@ -169,12 +169,13 @@ def _duration(target: service_pb2.StatisticDuration, source: Duration) -> None:
     target.ns = source.ns
 
 
-def model_statistics(rows: list[tuple[str, str, ModelStatistics]]) -> service_pb2.ModelStatisticsResponse:
+def model_statistics(rows: list[StatisticsRow]) -> service_pb2.ModelStatisticsResponse:
     message = service_pb2.ModelStatisticsResponse()
-    for name, version, stats in rows:
+    for row in rows:
+        stats = row.statistics
         entry = message.model_stats.add(
-            name=name,
-            version=version,
+            name=row.name,
+            version=row.version,
             last_inference=stats.last_inference_ms,
             inference_count=stats.inference_count,
             execution_count=stats.execution_count,
@@ -184,8 +185,10 @@ def model_statistics(rows: list[tuple[str, str, ModelStatistics]]) -> service_pb
             _duration(getattr(inference, field), getattr(stats, field))
         for size in sorted(stats.batch_stats):
             batch = stats.batch_stats[size]
-            row = entry.batch_stats.add(batch_size=size)
-            _duration(row.compute_input, batch.compute_input)
-            _duration(row.compute_infer, batch.compute_infer)
-            _duration(row.compute_output, batch.compute_output)
+            batch_row = entry.batch_stats.add(batch_size=size)
+            _duration(batch_row.compute_input, batch.compute_input)
+            _duration(batch_row.compute_infer, batch.compute_infer)
+            _duration(batch_row.compute_output, batch.compute_output)
+        for (kind, device_id), byte_size in sorted(row.memory_bytes.items()):
+            entry.memory_usage.add(type=kind, id=device_id, byte_size=byte_size)
     return message

@@ -20,12 +20,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from google.protobuf import json_format
 
 from server.errors import ErrorCode, ShoalError, invalid, unknown_model
 from server.lifecycle.configure import configure
-from server.lifecycle.model import ModelVersion
+from server.lifecycle.model import ModelVersion, placements
 from server.lifecycle.state import ModelState
 from server.pb import config_pb2
 from server.repository import scanner
@@ -72,6 +73,7 @@ class ModelManager:
         strict_model_config: bool = False,
         control_mode: str = "none",
         on_change: Callable[[], None] | None = None,
+        memory_budgets: dict[str, int] | None = None,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise ValueError(f"control mode must be one of {CONTROL_MODES}")
@@ -79,6 +81,8 @@ class ModelManager:
         self.strict_model_config = strict_model_config
         self.control_mode = control_mode
         self.on_change = on_change
+        # Device ("cpu", "gpu:0") -> bytes all loaded models together may hold there.
+        self.memory_budgets = memory_budgets or {}
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._retiring: set[asyncio.Task[None]] = set()
@@ -104,7 +108,7 @@ class ModelManager:
             raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': no such model folder in the repository")
         base = _parse_override(name, config_override) if config_override else None
         async with self._locks.setdefault(name, asyncio.Lock()):
-            entry = await asyncio.to_thread(self._build_entry, name, folder, base)
+            entry = await asyncio.to_thread(self._build_entry, name, folder, base, self.memory_in_use())
             old = self._models.get(name)
             if not entry.ready_versions():
                 if old is not None and old.ready_versions():
@@ -131,7 +135,19 @@ class ModelManager:
             self._changed()
             await self._retire(old)
 
-    def _build_entry(self, name: str, folder: Path, base: config_pb2.ModelConfig | None) -> ModelEntry:
+    def memory_in_use(self) -> dict[str, int]:
+        """Bytes the loaded versions hold, per device."""
+        used: dict[str, int] = {}
+        for model in self._models.values():
+            for version in model.versions.values():
+                if version.served is not None:
+                    for device, byte_size in version.served.memory_bytes.items():
+                        used[str(device)] = used.get(str(device), 0) + byte_size
+        return used
+
+    def _build_entry(
+        self, name: str, folder: Path, base: config_pb2.ModelConfig | None, in_use: dict[str, int]
+    ) -> ModelEntry:
         """Runs in a worker thread: configure, load and warm every version the policy selects."""
         fingerprint = fingerprint_of(folder)
         try:
@@ -144,8 +160,18 @@ class ModelManager:
             reason = f"model '{name}': no version folder matches the version policy (found {available})"
             return ModelEntry(name, spec, ModelState.UNAVAILABLE, reason, fingerprint=fingerprint)
         entry = ModelEntry(name, spec, ModelState.READY, fingerprint=fingerprint)
+        budgets = MemoryBudgets(self.memory_budgets, in_use, spec)
         for version in chosen:
-            entry.versions[version] = _load_version(spec, version, folder / str(version))
+            refusal = budgets.refuse_before(folder / str(version), spec)
+            loaded = VersionEntry(version, ModelState.UNAVAILABLE, refusal) if refusal else _load_version(
+                spec, version, folder / str(version)
+            )
+            if loaded.served is not None:
+                refusal = budgets.refuse_after(loaded.served.memory_bytes)
+                if refusal:
+                    loaded.served.pool.close()
+                    loaded = VersionEntry(version, ModelState.UNAVAILABLE, refusal)
+            entry.versions[version] = loaded
         if not entry.ready_versions():
             entry.state = ModelState.UNAVAILABLE
             entry.reason = "; ".join(e.reason for e in entry.versions.values())
@@ -262,6 +288,60 @@ class ModelManager:
         """Drain and unload everything (shutdown)."""
         for entry in list(self._models.values()):
             await self._retire(entry)
+
+
+class MemoryBudgets:
+    """Per-device budgets for all models together, and a model's own ``memory_budget_mb`` parameter.
+
+    Before a load the model file's size stands in for what it will take; after the load the
+    measured bytes decide. A refused load leaves every loaded model as it was.
+    """
+
+    def __init__(self, budgets: dict[str, int], in_use: dict[str, int], spec: ModelSpec) -> None:
+        self.budgets = budgets
+        self.used = dict(in_use)
+        own = spec.parameters.get("memory_budget_mb", "")
+        try:
+            self.own = int(float(own) * 2**20) if own else None
+        except ValueError:
+            self.own = None
+        self.spec = spec
+        self.taken = 0
+
+    def refuse_before(self, version_dir: Path, spec: ModelSpec) -> str:
+        path = version_dir / spec.default_model_filename if spec.default_model_filename else version_dir
+        estimate = path.stat().st_size if path.is_file() else 0
+        devices = {str(d) for d in _devices(spec)}
+        return self._check({d: estimate for d in devices}, "about ")
+
+    def refuse_after(self, measured: dict[Any, int]) -> str:
+        per_device = {str(d): b for d, b in measured.items()}
+        refusal = self._check(per_device, "")
+        if not refusal:
+            for device, byte_size in per_device.items():
+                self.used[device] = self.used.get(device, 0) + byte_size
+            self.taken += sum(per_device.values())
+        return refusal
+
+    def _check(self, needed: dict[str, int], qualifier: str) -> str:
+        mb = 2**20
+        if self.own is not None and self.taken + sum(needed.values()) > self.own:
+            return (f"memory budget: model '{self.spec.name}' needs {qualifier}{sum(needed.values()) / mb:.1f} MB, "
+                    f"over its memory_budget_mb of {self.own / mb:.1f} MB")
+        for device, byte_size in needed.items():
+            budget = self.budgets.get(device)
+            used = self.used.get(device, 0)
+            if budget is not None and used + byte_size > budget:
+                return (f"memory budget: model '{self.spec.name}' needs {qualifier}{byte_size / mb:.1f} MB on "
+                        f"{device}, but {used / mb:.1f} MB of the {budget / mb:.1f} MB budget are in use")
+        return ""
+
+
+def _devices(spec: ModelSpec) -> set[Any]:
+    try:
+        return {p.device for p in placements(spec)}
+    except ShoalError:
+        return set()
 
 
 def _load_version(spec: ModelSpec, version: int, folder: Path) -> VersionEntry:

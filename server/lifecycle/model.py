@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 
 from server.backends.base import LoadedModel, load_model
@@ -18,15 +17,6 @@ from server.statistics import ModelStatistics
 from server.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
 
 
 def placements(spec: ModelSpec) -> list[Placement]:
@@ -65,9 +55,9 @@ class ModelVersion:
         self.spec = spec
         self.version = version
         self.pool = pool
-        # Process memory the copies took while loading, per device (measured, so approximate when
-        # other work runs at the same time; 0 for backends that allocate lazily).
-        self.memory_bytes = {d: max(0, b) for d, b in (memory_bytes or {}).items()}
+        # Weight bytes the loaded copies hold, per device (each backend counts its own; see
+        # LoadedModel.weight_bytes). Budgets and the memory metrics use these figures.
+        self.memory_bytes = dict(memory_bytes or {})
         self.statistics = ModelStatistics()
         self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching)
 
@@ -77,18 +67,15 @@ class ModelVersion:
         share = spec.parameters.get("share_weights", "true").lower()
         if share not in {"true", "false"}:
             raise load_failed(f"model '{spec.name}': parameter share_weights must be true or false")
-        measured: dict[Device, tuple[int, int]] = {}
+        memory_bytes: dict[Device, int] = {}
 
         def load_copy(device: Device, threads: int) -> LoadedModel:
-            before = resident_bytes()
             model = load_model(spec, model_path, device, threads)
-            first, _ = measured.get(device, (before, 0))
-            measured[device] = (first, resident_bytes())
+            memory_bytes[device] = memory_bytes.get(device, 0) + model.weight_bytes
             return model
 
         pool = build_pool(spec.name, placements(spec), load_copy, share_weights=share == "true")
         copies = len({id(instance.model) for instance in pool.instances})
-        memory_bytes = {device: rss_after - rss_before for device, (rss_before, rss_after) in measured.items()}
         logger.info(
             "model %s version %d: %d instance(s) over %d loaded cop%s",
             spec.name, version, len(pool.instances), copies, "y" if copies == 1 else "ies",

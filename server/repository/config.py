@@ -283,11 +283,14 @@ def detect_backend(config: config_pb2.ModelConfig, version_dirs: list[Path]) -> 
     if config.platform or config.backend:
         return
     by_file = {filename: backend for backend, filename in DEFAULT_MODEL_FILENAMES.items()}
+    by_file["model.pt2"] = "pytorch"  # a torch.export program
     for folder in sorted(version_dirs, key=lambda p: int(p.name), reverse=True):
         candidates = [config.default_model_filename] if config.default_model_filename else list(by_file)
         for filename in candidates:
             if (folder / filename).exists() and filename in by_file:
                 config.backend = by_file[filename]
+                if filename != DEFAULT_MODEL_FILENAMES.get(config.backend):
+                    config.default_model_filename = filename
                 return
 
 

@@ -1,0 +1,194 @@
+"""PyTorch backend: TorchScript (``model.pt``) and ``torch.export`` programs (``model.pt2``).
+
+One module per device, in eval mode, run under ``torch.inference_mode`` by every executor of
+that device; on a GPU each executor thread gets its own CUDA stream. Inputs follow Triton's
+PyTorch conventions: names ``<NAME>__<index>`` are passed by index, names matching the
+module's forward arguments by those names, anything else in config order. Outputs: a tensor,
+a tuple/list (``<NAME>__<index>`` or config order) or a dict (by name).
+
+TorchScript carries no types or shapes, so the load runs the module once on zeros of the
+config's shapes and refuses, naming the tensor, when an output's type or shape contradicts
+the config.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from server.backends.devices import Device
+from server.errors import invalid, load_failed
+from server.repository.config import ModelSpec, TensorSpec
+from server.types import DataType
+
+logger = logging.getLogger(__name__)
+
+_TORCH_TYPES = {
+    DataType.BOOL: torch.bool, DataType.UINT8: torch.uint8, DataType.INT8: torch.int8,
+    DataType.INT16: torch.int16, DataType.INT32: torch.int32, DataType.INT64: torch.int64,
+    DataType.FP16: torch.float16, DataType.FP32: torch.float32, DataType.FP64: torch.float64,
+    DataType.BF16: torch.bfloat16,
+}
+_INDEXED = re.compile(r"^.+__(\d+)$")
+
+
+def _index(name: str) -> int | None:
+    match = _INDEXED.match(name)
+    return int(match.group(1)) if match else None
+
+
+class TorchModel:
+    def __init__(self, module: Any, spec: ModelSpec, device: torch.device, argument_names: list[str]) -> None:
+        self._module = module
+        self._device = device
+        self._spec = spec
+        self._input_order = _input_order(spec, argument_names)
+        self._streams = threading.local()
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in _tensors_of(module))
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        with torch.inference_mode():
+            if self._device.type == "cuda":
+                stream = getattr(self._streams, "stream", None)
+                if stream is None:
+                    stream = self._streams.stream = torch.cuda.Stream(device=self._device)
+                with torch.cuda.stream(stream):
+                    result = self._module(*self._arguments(inputs))
+                    values = self._outputs(result)
+                stream.synchronize()
+            else:
+                values = self._outputs(self._module(*self._arguments(inputs)))
+        return {name: _to_numpy(values[name]) for name in outputs}
+
+    def _arguments(self, inputs: Mapping[str, np.ndarray]) -> list[torch.Tensor]:
+        return [_to_torch(name, inputs[name]).to(self._device, non_blocking=True) for name in self._input_order]
+
+    def _outputs(self, result: Any) -> dict[str, torch.Tensor]:
+        names = [t.name for t in self._spec.outputs]
+        if isinstance(result, torch.Tensor):
+            result = (result,)
+        if isinstance(result, Mapping):
+            missing = [n for n in names if n not in result]
+            if missing:
+                raise RuntimeError(f"the model returned no output named {missing[0]!r} (keys: {sorted(result)})")
+            return {n: result[n] for n in names}
+        values = list(result)
+        indices = [_index(n) for n in names]
+        positions = [i for i in indices if i is not None]
+        if len(positions) != len(names):
+            positions = list(range(len(names)))
+        if max(positions, default=-1) >= len(values):
+            raise RuntimeError(f"the model returned {len(values)} output(s), the config lists {len(names)}")
+        return {n: values[p] for n, p in zip(names, positions, strict=True)}
+
+    def close(self) -> None:
+        del self._module
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> TorchModel:
+    if not model_path.is_file():
+        raise load_failed(f"model '{spec.name}': model file {model_path} not found")
+    unsupported = [t.name for t in (*spec.inputs, *spec.outputs) if t.datatype not in _TORCH_TYPES]
+    if unsupported:
+        raise load_failed(f"model '{spec.name}': tensor(s) {unsupported} have a type the PyTorch backend lacks")
+    target = _torch_device(spec, device)
+    configured = spec.parameters.get("intra_op_thread_count", "")
+    torch.set_num_threads(int(configured) if configured.isdigit() else threads)  # process-wide in torch
+    try:
+        if model_path.suffix == ".pt2":
+            program = torch.export.load(str(model_path))
+            names = [spec_.arg.name for spec_ in program.graph_signature.input_specs
+                     if spec_.kind.name == "USER_INPUT"]
+            module = program.module().to(target)
+        else:
+            module = torch.jit.load(str(model_path), map_location=target)
+            names = [a.name for a in module.forward.schema.arguments][1:]  # without self
+            module.eval()
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for unreadable files
+        raise load_failed(f"model '{spec.name}': PyTorch cannot load {model_path}: {exc}") from exc
+    if names and len(names) != len(spec.inputs):
+        raise load_failed(
+            f"model '{spec.name}': the model's forward takes {len(names)} input(s) {names}, "
+            f"the config lists {len(spec.inputs)} {[t.name for t in spec.inputs]}"
+        )
+    model = TorchModel(module, spec, target, names)
+    _trial_run(spec, model)
+    logger.info("model %s: PyTorch module on %s (%.1f MB of weights)", spec.name, target, model.weight_bytes / 2**20)
+    return model
+
+
+def _torch_device(spec: ModelSpec, device: Device) -> torch.device:
+    if device.kind != "gpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise load_failed(f"model '{spec.name}': a GPU instance group needs a CUDA build of torch and a GPU")
+    return torch.device("cuda", device.index)
+
+
+def _input_order(spec: ModelSpec, argument_names: list[str]) -> list[str]:
+    names = [t.name for t in spec.inputs]
+    indices = [_index(n) for n in names]
+    if all(i is not None for i in indices):
+        return [name for _, name in sorted(zip(indices, names, strict=True))]
+    if argument_names and set(argument_names) == set(names):
+        return list(argument_names)
+    return names
+
+
+def _trial_run(spec: ModelSpec, model: TorchModel) -> None:
+    """Run zeros of the config's shapes once; refuse outputs whose type or shape contradict the config."""
+    batch = [1] if spec.max_batch_size > 0 else []
+    feed = {t.name: np.zeros(batch + [1 if d == -1 else d for d in t.dims], t.datatype.numpy_dtype)
+            for t in spec.inputs}
+    try:
+        results = model.run(feed, [t.name for t in spec.outputs])
+    except Exception as exc:  # noqa: BLE001 - any failure here means the config does not fit the model
+        raise load_failed(
+            f"model '{spec.name}': a trial run on zeros of the config's input shapes failed: {exc}"
+        ) from exc
+    for tensor in spec.outputs:
+        _check_output(spec, tensor, results[tensor.name], batch)
+
+
+def _check_output(spec: ModelSpec, tensor: TensorSpec, value: np.ndarray, batch: list[int]) -> None:
+    label = f"model '{spec.name}': output '{tensor.name}'"
+    produced = DataType.from_numpy(value.dtype)
+    if produced is not tensor.datatype:
+        raise load_failed(f"{label} is {tensor.datatype.config_name} in the config but the model "
+                          f"returns {produced.config_name}")
+    expected = batch + list(tensor.dims)
+    shape = list(value.shape)
+    if len(shape) != len(expected) or any(e not in (-1, s) for e, s in zip(expected, shape, strict=True)):
+        raise load_failed(f"{label} has dims {expected} in the config (batch 1) but the model returns {shape}")
+
+
+def _to_torch(name: str, array: np.ndarray) -> torch.Tensor:
+    if array.dtype == np.dtype(ml_dtypes.bfloat16):
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    if array.dtype.kind in "OSU":
+        raise invalid(f"input '{name}': the PyTorch backend takes no BYTES tensors")
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _to_numpy(value: torch.Tensor) -> np.ndarray:
+    value = value.detach().cpu()
+    if value.dtype == torch.bfloat16:
+        return value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return value.numpy()
+
+
+def _tensors_of(module: Any) -> list[torch.Tensor]:
+    try:
+        return [*module.parameters(), *module.buffers()]
+    except (AttributeError, RuntimeError):
+        return []
