@@ -89,6 +89,8 @@ def _add_config_commands(commands: argparse._SubParsersAction) -> None:  # type:
     generate.add_argument("--max-batch-size", type=int, help="instead of Triton's default of 4 when batching")
     generate.add_argument("--instance-count", type=int, help="executors per device (default 1)")
     generate.add_argument("--kind", choices=["KIND_AUTO", "KIND_CPU", "KIND_GPU"])
+    generate.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:DIMS",
+                          help="an input of a TorchScript model (one sample's dims), e.g. INPUT__0:FP32:3,224,224")
     generate.add_argument("--output", help="where to write (default <folder>/config.pbtxt; - for stdout)")
     generate.add_argument("--force", action="store_true", help="overwrite an existing config.pbtxt")
     check = actions.add_parser("check", help="validate every config of a repository without serving")
@@ -190,7 +192,9 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             target = folder / "config.pbtxt" if args.output is None else Path(args.output)
             if args.output != "-" and target.exists() and not args.force:
                 parser.error(f"{target} exists; pass --force to overwrite it or --output - to print")
-            options = config_commands.GenerateOptions(args.max_batch_size, args.instance_count, args.kind, args.name)
+            options = config_commands.GenerateOptions(
+                args.max_batch_size, args.instance_count, args.kind, args.name, tuple(args.input)
+            )
             text = config_commands.generate(folder, options)
             if args.output == "-":
                 sys.stdout.write(text)

@@ -14,11 +14,15 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
+from server.backends.base import load_model, probe_model
+from server.backends.devices import CPU
 from server.errors import ShoalError, load_failed
 from server.lifecycle.configure import Configured, check_against_model, configure
 from server.pb import config_pb2
 from server.repository import scanner
-from server.repository.config import DEFAULT_MODEL_FILENAMES
+from server.repository.config import CONFIG_FILENAME, DEFAULT_MODEL_FILENAMES
+from server.repository.model_io import complete
+from server.types import DataType
 
 MODEL_SUFFIXES = {".onnx": "model.onnx", ".pt": "model.pt"}
 
@@ -29,6 +33,23 @@ class GenerateOptions:
     instance_count: int | None = None
     kind: str | None = None  # KIND_CPU, KIND_GPU, KIND_AUTO
     name: str | None = None
+    inputs: tuple[str, ...] = ()  # NAME:DTYPE:DIMS, for models without a signature (TorchScript)
+
+
+def parse_input(text: str) -> tuple[str, DataType, tuple[int, ...]]:
+    """``NAME:DTYPE:DIMS``, e.g. ``INPUT__0:FP32:3,224,224`` (DIMS of one sample, no batch dimension)."""
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise load_failed(f"--input {text!r}: expected NAME:DTYPE:DIMS, e.g. INPUT__0:FP32:3,224,224")
+    name, dtype, dims = parts
+    try:
+        datatype = DataType(dtype.removeprefix("TYPE_").replace("STRING", "BYTES"))
+        shape = tuple(int(d) for d in dims.split(","))
+    except ValueError:
+        raise load_failed(f"--input {text!r}: unknown datatype or non-integer dims") from None
+    if any(d < 1 for d in shape):
+        raise load_failed(f"--input {text!r}: dims must be positive (the model is run on them)")
+    return name, datatype, shape
 
 
 def prepare_folder(path: Path, name: str | None) -> Path:
@@ -51,19 +72,31 @@ def prepare_folder(path: Path, name: str | None) -> Path:
 def generate(folder: Path, options: GenerateOptions) -> str:
     """The completed config for ``folder`` as commented text format."""
     base = config_pb2.ModelConfig(name=options.name or folder.name)
-    versions = scanner.list_versions(folder)
-    if versions and (folder / str(versions[-1]) / DEFAULT_MODEL_FILENAMES["pytorch"]).exists():
-        raise load_failed(
-            f"{folder}: TorchScript models carry no input/output signature; generating their config "
-            "arrives with the PyTorch backend. Write the inputs and outputs in config.pbtxt by hand."
-        )
     if options.max_batch_size is not None:
         base.max_batch_size = options.max_batch_size
     if options.instance_count is not None or options.kind is not None:
         group = base.instance_group.add(count=options.instance_count or 1)
         group.kind = config_pb2.ModelInstanceGroup.Kind.Value(options.kind or "KIND_AUTO")
-    configured = configure(folder, strict=False, base=base)
-    check_against_model(configured, folder)
+    versions = scanner.list_versions(folder)
+    torch_file = next((folder / str(versions[-1]) / f for f in ("model.pt", "model.pt2")
+                       if versions and (folder / str(versions[-1]) / f).exists()), None)
+    if torch_file is None:
+        configured = configure(folder, strict=False, base=base)
+        check_against_model(configured, folder)
+        return render(configured, source=folder)
+    # TorchScript has no signature: run the model on the given input shapes to learn the rest.
+    if not options.inputs:
+        raise load_failed(f"{torch_file}: PyTorch models carry no input signature; "
+                          "give each input as --input NAME:DTYPE:DIMS")
+    base.backend = "pytorch"
+    if torch_file.name != DEFAULT_MODEL_FILENAMES["pytorch"]:
+        base.default_model_filename = torch_file.name
+    io = probe_model("pytorch", torch_file, [parse_input(text) for text in options.inputs])
+    completed, reasons = complete(base, io)
+    reasons["input"] = "as given with --input; the outputs were found by running the model on zeros of them"
+    configured = configure(folder, strict=True if (folder / CONFIG_FILENAME).exists() else False, base=completed)
+    configured.reasons = {**reasons, **configured.reasons}
+    load_model(configured.spec, torch_file, CPU, 1).close()  # the load's own trial run agrees
     return render(configured, source=folder)
 
 

@@ -159,3 +159,26 @@ def test_model_memory_is_reported(tmp_path: Path, server_factory) -> None:
     with InferenceClient(server.url, timeout_s=30) as client:
         usage = client.statistics("linear")[0]["memory_usage"]
     assert usage == [{"type": "CPU", "byte_size": str((256 * 256 + 256) * 4)}]  # one copy for 3 executors
+
+
+def test_generate_a_torchscript_config_from_input_shapes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from server.repository.config import parse_config
+
+    torch.jit.script(AddSub()).save(str(tmp_path / "addsub.pt"))
+    command = [sys.executable, "-m", "server", "config", "generate", str(tmp_path / "addsub.pt")]
+    missing = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "--input NAME:DTYPE:DIMS" in missing.stderr
+    result = subprocess.run([*command, "--input", "INPUT__0:INT32:4", "--input", "INPUT__1:INT32:4"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "addsub" / "config.pbtxt").read_text()
+    config = parse_config(text)
+    assert config.backend == "pytorch" and config.max_batch_size == 4
+    assert [(o.name, list(o.dims)) for o in config.output] == [("OUTPUT__0", [4]), ("OUTPUT__1", [4])]
+    assert "found by running the model" in text
+    wrong = subprocess.run([*command, "--input", "INPUT__0:INT32:4", "--force"], capture_output=True, text=True,
+                           timeout=120)
+    assert wrong.returncode == 1 and "does not run on zeros" in wrong.stderr

@@ -20,6 +20,7 @@ from server.backends.devices import Device
 from server.errors import load_failed
 from server.repository.config import ModelSpec
 from server.repository.model_io import ModelIO
+from server.types import DataType
 
 _BACKEND_MODULES = {
     "onnxruntime": "server.backends.onnxruntime",
@@ -57,6 +58,17 @@ def describe_model(backend: str, model_path: Path) -> ModelIO:
     if not model_path.exists():
         raise load_failed(f"model file {model_path} not found")
     io: ModelIO = module.describe(model_path)
+    return io
+
+
+def probe_model(backend: str, model_path: Path, inputs: list[tuple[str, DataType, tuple[int, ...]]]) -> ModelIO:
+    """Run a model without a signature (TorchScript) on zeros of ``inputs`` to learn its outputs."""
+    module = importlib.import_module(_BACKEND_MODULES[backend])
+    if not hasattr(module, "probe"):
+        raise load_failed(f"backend '{backend}' cannot probe a model")
+    if not model_path.exists():
+        raise load_failed(f"model file {model_path} not found")
+    io: ModelIO = module.probe(model_path, inputs)
     return io
 
 

@@ -27,6 +27,7 @@ import torch
 from server.backends.devices import Device
 from server.errors import invalid, load_failed
 from server.repository.config import ModelSpec, TensorSpec
+from server.repository.model_io import IOTensor, ModelIO
 from server.types import DataType
 
 logger = logging.getLogger(__name__)
@@ -192,3 +193,46 @@ def _tensors_of(module: Any) -> list[torch.Tensor]:
         return [*module.parameters(), *module.buffers()]
     except (AttributeError, RuntimeError):
         return []
+
+
+def probe(model_path: Path, inputs: list[tuple[str, DataType, tuple[int, ...]]]) -> ModelIO:
+    """What a TorchScript/exported model does with zero inputs of these per-sample shapes.
+
+    Tried with a batch dimension first (batches of 1 and 2: every output must follow the batch),
+    then without. Outputs are named as Triton's PyTorch convention (``OUTPUT__<i>``), or by key
+    when the model returns a dict.
+    """
+    if model_path.suffix == ".pt2":
+        module = torch.export.load(str(model_path)).module()
+    else:
+        module = torch.jit.load(str(model_path), map_location="cpu").eval()
+
+    def run(batch: list[int]) -> list[tuple[str, torch.Tensor]]:
+        arguments = [torch.zeros(batch + list(dims), dtype=_TORCH_TYPES[datatype]) for _, datatype, dims in inputs]
+        with torch.inference_mode():
+            result = module(*arguments)
+        if isinstance(result, torch.Tensor):
+            result = (result,)
+        if isinstance(result, Mapping):
+            return [(str(k), v) for k, v in result.items()]
+        return [(f"OUTPUT__{i}", v) for i, v in enumerate(result)]
+
+    errors = []
+    for batched in (True, False):
+        try:
+            first = run([1] if batched else [])
+            if batched:
+                second = run([2])
+                pairs = zip(first, second, strict=True)
+                if not all(a.shape[:1] == (1,) and b.shape[:1] == (2,) for (_, a), (_, b) in pairs):
+                    raise RuntimeError("an output does not follow the batch dimension")
+        except Exception as exc:  # noqa: BLE001 - the next form is tried; both failing is reported
+            errors.append(f"{'with' if batched else 'without'} a batch dimension: {exc}")
+            continue
+        lead: tuple[int | None, ...] = (None,) if batched else ()
+        return ModelIO(
+            tuple(IOTensor(name, datatype, lead + dims) for name, datatype, dims in inputs),
+            tuple(IOTensor(name, DataType.from_numpy(_to_numpy(value).dtype), lead + tuple(value.shape[len(lead):]))
+                  for name, value in first),
+        )
+    raise load_failed(f"{model_path}: the model does not run on zeros of the given inputs: {'; '.join(errors)}")
