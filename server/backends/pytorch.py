@@ -55,6 +55,10 @@ class TorchModel:
         self._streams = threading.local()
         self.weight_bytes = sum(t.numel() * t.element_size() for t in _tensors_of(module))
 
+    @property
+    def module(self) -> Any:
+        return self._module
+
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         with torch.inference_mode():
             if self._device.type == "cuda":

@@ -46,6 +46,13 @@ def placements(spec: ModelSpec) -> list[Placement]:
     return result
 
 
+def _flag(spec: ModelSpec, key: str, default: bool) -> bool:
+    value = spec.parameters.get(key, "true" if default else "false").lower()
+    if value not in {"true", "false"}:
+        raise load_failed(f"model '{spec.name}': parameter {key} must be true or false")
+    return value == "true"
+
+
 class ModelVersion:
     """A READY version: ``infer`` checks the request, queues it with the scheduler, shapes the reply."""
 
@@ -58,29 +65,48 @@ class ModelVersion:
         # Weight bytes the loaded copies hold, per device (each backend counts its own; see
         # LoadedModel.weight_bytes). Budgets and the memory metrics use these figures.
         self.memory_bytes = dict(memory_bytes or {})
+        self.shared_copies: list[LoadedModel] = []  # process instances: the copies the workers share
         self.statistics = ModelStatistics()
         self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching)
 
     @classmethod
     def load(cls, spec: ModelSpec, version: int, version_dir: Path) -> ModelVersion:
         model_path = version_dir / spec.default_model_filename if spec.default_model_filename else version_dir
-        share = spec.parameters.get("share_weights", "true").lower()
-        if share not in {"true", "false"}:
-            raise load_failed(f"model '{spec.name}': parameter share_weights must be true or false")
+        share = _flag(spec, "share_weights", True)
+        processes = _flag(spec, "process_instances", False)
+        if processes and spec.backend != "pytorch":
+            raise load_failed(f"model '{spec.name}': process_instances needs the pytorch backend")
         memory_bytes: dict[Device, int] = {}
+        shared_copies: dict[Device, tuple[LoadedModel, dict[str, object]]] = {}
 
         def load_copy(device: Device, threads: int) -> LoadedModel:
+            if processes:  # one copy in this process, its weights in shared memory, a worker per executor
+                from server.instances.process import ProcessModel, share_weights
+
+                if device not in shared_copies:
+                    parent = load_model(spec, model_path, device, threads)
+                    shared_copies[device] = (parent, share_weights(parent))
+                    memory_bytes[device] = parent.weight_bytes
+                return ProcessModel(spec, model_path, device, shared_copies[device][1], threads)
             model = load_model(spec, model_path, device, threads)
             memory_bytes[device] = memory_bytes.get(device, 0) + model.weight_bytes
             return model
 
-        pool = build_pool(spec.name, placements(spec), load_copy, share_weights=share == "true")
-        copies = len({id(instance.model) for instance in pool.instances})
+        try:
+            pool = build_pool(spec.name, placements(spec), load_copy, share_weights=share and not processes)
+        except BaseException:
+            for parent, _ in shared_copies.values():
+                parent.close()
+            raise
+        copies = len(shared_copies) or len({id(instance.model) for instance in pool.instances})
         logger.info(
-            "model %s version %d: %d instance(s) over %d loaded cop%s",
-            spec.name, version, len(pool.instances), copies, "y" if copies == 1 else "ies",
+            "model %s version %d: %d %sinstance(s) over %d loaded cop%s",
+            spec.name, version, len(pool.instances), "process " if processes else "", copies,
+            "y" if copies == 1 else "ies",
         )
-        return cls(spec, version, pool, memory_bytes)
+        version_model = cls(spec, version, pool, memory_bytes)
+        version_model.shared_copies = [parent for parent, _ in shared_copies.values()]
+        return version_model
 
     def warm_up(self) -> None:
         """Run one zero-filled request (batch 1) on every loaded copy, off the event loop."""
@@ -112,3 +138,5 @@ class ModelVersion:
         """Finish queued and running requests, then release the instances and the weights."""
         await self.scheduler.stop()
         await asyncio.to_thread(self.pool.close)
+        for copy in self.shared_copies:
+            copy.close()
