@@ -221,11 +221,14 @@ def _heavy_repo(repo: Path) -> None:
     )
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
 def _worker_pids(server_pid: int) -> list[int]:
-    children: list[int] = []
-    for task in Path(f"/proc/{server_pid}/task").iterdir():
-        children += [int(p) for p in (task / "children").read_text().split()]
-    return sorted(p for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes())
+    """Workers are forked by the server's fork server (a child of the server)."""
+    servers = [p for p in _children(server_pid) if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return sorted(worker for fork_server in servers for worker in _children(fork_server))
 
 
 def _cpu_ticks(pid: int) -> int:

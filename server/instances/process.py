@@ -76,12 +76,20 @@ def _worker(spec: ModelSpec, model_path: str, device: str, shared: dict[str, Any
     if model_path.endswith(".pt2"):
         module = torch.export.load(model_path).module().to(target)
         names: list[str] = []
+        with torch.no_grad():
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                tensor.set_(shared[name])  # our own copy is dropped: the weights are the server's
     else:
-        module = torch.jit.load(model_path, map_location=target).eval()
+        # The code only: loaded onto the meta device, no weight is allocated here; then every
+        # parameter and buffer is pointed at the server's shared tensor.
+        module = torch.jit.load(model_path, map_location=torch.device("meta")).eval()
         names = [a.name for a in module.forward.schema.arguments][1:]
-    with torch.no_grad():
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            tensor.set_(shared[name])  # our own copy is dropped: the weights are the server's
+        for name in [*dict(module.named_parameters()), *dict(module.named_buffers())]:
+            owner = module
+            *path, attribute = name.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            owner._c.setattr(attribute, shared[name])  # ScriptModules only take attributes this way
     model = pytorch.TorchModel(module, spec, target, names)
     conn.send("ready")
     while True:
@@ -115,7 +123,10 @@ class ProcessModel:
 
         self._spec, self._path, self._shared, self._threads = spec, model_path, shared, threads
         self._device = "cpu" if device.kind == "cpu" else f"cuda:{device.index}"
-        self._context = mp.get_context("spawn")
+        # Workers fork from a fork server that imported torch once (never from this process: its
+        # gRPC threads do not survive a fork), so the libraries' pages are shared, not repeated.
+        self._context = mp.get_context("forkserver")
+        self._context.set_forkserver_preload(["torch", "server.backends.pytorch", "server.instances.process"])
         self._lock = threading.Lock()
         self._start()
 
