@@ -283,3 +283,30 @@ def test_a_killed_worker_fails_only_its_request_and_is_restarted(tmp_path: Path,
     with InferenceClient(server.url, timeout_s=60) as client:  # restarted: the model serves again
         assert [float(client.infer("heavy", {"x": np.full(4, 3.0, np.float32)})["y"][0]) for _ in range(4)] == [6.0] * 4
     assert len(_worker_pids(server.pid)) == 2 and busy[0] not in _worker_pids(server.pid)
+
+
+def test_pickled_eager_module_in_threads_and_processes(tmp_path: Path, server_factory) -> None:
+    from bench.python_model import PythonHeavy
+
+    repo = tmp_path / "repo"
+    torch.manual_seed(0)
+    module = PythonHeavy(rounds=10)
+    for name, processes in (("eager_threads", "false"), ("eager_processes", "true"), ("not_opted_in", None)):
+        (repo / name / "1").mkdir(parents=True)
+        torch.save(module, repo / name / "1" / "model.pt")
+        opt_in = 'parameters { key: "pickled_module" value: { string_value: "true" } }\n' if processes else ""
+        (repo / name / "config.pbtxt").write_text(
+            'backend: "pytorch"\nmax_batch_size: 0\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 3, 4 ] } ]\n'
+            'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 3, 8 ] } ]\ninstance_group [ { count: 2 } ]\n'
+            + opt_in
+            + (f'parameters {{ key: "process_instances" value: {{ string_value: "{processes}" }} }}\n'
+               if processes else "")
+        )
+    server = server_factory(repo, "--strict-readiness", "false")
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    expected = module(torch.from_numpy(x)).detach().numpy()
+    with InferenceClient(server.url, timeout_s=60) as client:
+        for name in ("eager_threads", "eager_processes"):
+            np.testing.assert_allclose(client.infer(name, {"x": x})["OUTPUT__0"], expected, rtol=1e-6)
+        refused = next(e for e in client.repository_index() if e.name == "not_opted_in")
+    assert refused.state == "UNAVAILABLE" and "PyTorch cannot load" in refused.reason

@@ -1,4 +1,5 @@
-"""PyTorch backend: TorchScript (``model.pt``) and ``torch.export`` programs (``model.pt2``).
+"""PyTorch backend: TorchScript (``model.pt``), ``torch.export`` programs (``model.pt2``), and
+eager modules saved whole with ``torch.save`` (parameter ``pickled_module: true``).
 
 One module per device, in eval mode, run under ``torch.inference_mode`` by every executor of
 that device; on a GPU each executor thread gets its own CUDA stream. Inputs follow Triton's
@@ -13,6 +14,7 @@ the config.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import threading
@@ -110,15 +112,7 @@ def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> Tor
     configured = spec.parameters.get("intra_op_thread_count", "")
     torch.set_num_threads(int(configured) if configured.isdigit() else threads)  # process-wide in torch
     try:
-        if model_path.suffix == ".pt2":
-            program = torch.export.load(str(model_path))
-            names = [spec_.arg.name for spec_ in program.graph_signature.input_specs
-                     if spec_.kind.name == "USER_INPUT"]
-            module = program.module().to(target)
-        else:
-            module = torch.jit.load(str(model_path), map_location=target)
-            names = [a.name for a in module.forward.schema.arguments][1:]  # without self
-            module.eval()
+        module, names = read_module(spec, model_path, target)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for unreadable files
         raise load_failed(f"model '{spec.name}': PyTorch cannot load {model_path}: {exc}") from exc
     if names and len(names) != len(spec.inputs):
@@ -130,6 +124,26 @@ def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> Tor
     _trial_run(spec, model)
     logger.info("model %s: PyTorch module on %s (%.1f MB of weights)", spec.name, target, model.weight_bytes / 2**20)
     return model
+
+
+def is_pickled(spec: ModelSpec) -> bool:
+    """An eager ``nn.Module`` saved whole with ``torch.save`` (opt-in: unpickling runs code)."""
+    return spec.parameters.get("pickled_module", "false").lower() == "true"
+
+
+def read_module(spec: ModelSpec, model_path: Path, target: torch.device) -> tuple[Any, list[str]]:
+    """The module and its forward's argument names; ``target`` may be the meta device (no weights)."""
+    if is_pickled(spec):
+        module = torch.load(str(model_path), map_location=target, weights_only=False)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"the file holds a {type(module).__name__}, not a torch.nn.Module")
+        return module.eval(), list(inspect.signature(module.forward).parameters)
+    if model_path.suffix == ".pt2":
+        program = torch.export.load(str(model_path))
+        names = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+        return program.module().to(target), names
+    module = torch.jit.load(str(model_path), map_location=target)
+    return module.eval(), [a.name for a in module.forward.schema.arguments][1:]  # without self
 
 
 def _torch_device(spec: ModelSpec, device: Device) -> torch.device:

@@ -73,23 +73,24 @@ def _worker(spec: ModelSpec, model_path: str, device: str, shared: dict[str, Any
 
     torch.set_num_threads(threads)
     target = torch.device(device)
-    if model_path.endswith(".pt2"):
-        module = torch.export.load(model_path).module().to(target)
-        names: list[str] = []
+    if model_path.endswith(".pt2") and not pytorch.is_pickled(spec):
+        module, names = pytorch.read_module(spec, Path(model_path), target)
         with torch.no_grad():
             for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
                 tensor.set_(shared[name])  # our own copy is dropped: the weights are the server's
     else:
-        # The code only: loaded onto the meta device, no weight is allocated here; then every
-        # parameter and buffer is pointed at the server's shared tensor.
-        module = torch.jit.load(model_path, map_location=torch.device("meta")).eval()
-        names = [a.name for a in module.forward.schema.arguments][1:]
-        for name in [*dict(module.named_parameters()), *dict(module.named_buffers())]:
-            owner = module
-            *path, attribute = name.split(".")
-            for part in path:
-                owner = getattr(owner, part)
-            owner._c.setattr(attribute, shared[name])  # ScriptModules only take attributes this way
+        # The code only, onto the meta device (no weight allocated here), then every parameter
+        # and buffer pointed at the server's shared tensor.
+        module, names = pytorch.read_module(spec, Path(model_path), torch.device("meta"))
+        if pytorch.is_pickled(spec):
+            module.load_state_dict({k: shared[k] for k in module.state_dict()}, strict=True, assign=True)
+        else:
+            for name in [*dict(module.named_parameters()), *dict(module.named_buffers())]:
+                owner = module
+                *path, attribute = name.split(".")
+                for part in path:
+                    owner = getattr(owner, part)
+                owner._c.setattr(attribute, shared[name])  # ScriptModules take attributes only this way
     model = pytorch.TorchModel(module, spec, target, names)
     conn.send("ready")
     while True:
