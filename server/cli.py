@@ -12,8 +12,6 @@ from server import __version__
 from server.grpc.restrict import parse_restriction
 from server.settings import GrpcLimits, ServerSettings, TlsSettings
 
-SUBCOMMANDS = ("serve",)
-
 
 def _bool(text: str) -> bool:
     lowered = text.lower()

@@ -85,7 +85,6 @@ class ModelManager:
         self.memory_budgets = memory_budgets or {}
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._retiring: set[asyncio.Task[None]] = set()
 
     # -- loading -------------------------------------------------------------------------------------
 
@@ -108,8 +107,10 @@ class ModelManager:
             raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': no such model folder in the repository")
         base = _parse_override(name, config_override) if config_override else None
         async with self._locks.setdefault(name, asyncio.Lock()):
-            entry = await asyncio.to_thread(self._build_entry, name, folder, base, self.memory_in_use())
             old = self._models.get(name)
+            if old is None or not old.ready_versions():  # nothing serving: the index shows LOADING
+                self._models[name] = ModelEntry(name, None, ModelState.LOADING)
+            entry = await asyncio.to_thread(self._build_entry, name, folder, base, self.memory_in_use())
             if not entry.ready_versions():
                 if old is not None and old.ready_versions():
                     old.reason = f"reload failed, previous version kept serving: {entry.reason}"
