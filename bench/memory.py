@@ -19,6 +19,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +65,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=10)
     args = parser.parse_args()
     weights_mb = args.width * args.width * 4 * args.layers / 2**20
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
         model_file = None
         for label, extra in CONFIGS.items():

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5000)
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
         model = Path(folder) / "model.pt"
         torch.save(PythonHeavy(args.rounds), model)

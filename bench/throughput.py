@@ -87,6 +87,7 @@ def main() -> None:
                 rows.append(row)
             batch8 = {name: perf_analyzer(url, name, 16, args.window_ms, batch=8) for name in ("plain", "batched")}
             ten = {name: perf_analyzer(url, name, 10, args.window_ms) for name in CONFIGS}
+        assert model_file is not None
         # In-process runs after the server stopped, so they never share the cores with it.
         cores = os.cpu_count() or 1
         one = {"INPUT0": np.zeros((1, WIDTH), np.float32)}

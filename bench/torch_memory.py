@@ -19,6 +19,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -98,7 +99,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=3200)
     parser.add_argument("--layers", type=int, default=10)
     args = parser.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
         model = Path(folder) / "model.pt"
         save_model(model, args.width, args.layers)
