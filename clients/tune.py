@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +56,7 @@ class Measured:
     candidate: Candidate
     points: list[dict[str, float]] = field(default_factory=list)  # per concurrency
     rss_mb: float = 0.0
+    gpu_mb: float | None = None  # None without a GPU
 
     def score(self, budget_ms: float) -> float:
         within = [p["throughput"] for p in self.points if p["p99_ms"] <= budget_ms]
@@ -138,7 +141,8 @@ class Tuner:
             print(f"  {candidate.label():<58} failed: {str(exc).splitlines()[0]}", flush=True)
             return measured
         score = measured.score(self.budget_ms)
-        print(f"  {candidate.label():<58} best in budget {score:>9.1f} infer/s   RSS {measured.rss_mb:>6.0f} MB",
+        gpu = "" if measured.gpu_mb is None else f"   GPU {measured.gpu_mb:>6.0f} MB"
+        print(f"  {candidate.label():<58} best in budget {score:>9.1f} infer/s   RSS {measured.rss_mb:>6.0f} MB{gpu}",
               flush=True)
         return measured
 
@@ -166,6 +170,22 @@ class Tuner:
                             "errors": sum(step.errors.values()),
                         })
                 measured.rss_mb = _rss_mb(server.pid)
+                measured.gpu_mb = _gpu_mb(server.pid)
+
+
+def _gpu_mb(pid: int) -> float | None:
+    """GPU memory the server process holds (nvidia-smi); None where there is no NVIDIA GPU."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    used = [float(mb) for line in result.stdout.splitlines() for p, mb in [line.split(",")] if int(p) == pid]
+    return sum(used)
 
 
 def _rss_mb(pid: int) -> float:
@@ -181,13 +201,13 @@ def _rss_mb(pid: int) -> float:
 def write_csv(measured: list[Measured], path: Path, budget_ms: float) -> None:
     with path.open("w", newline="") as handle:
         fields = ["instances", "max_batch_size", "delay_us", "preferred_half", "concurrency", "throughput",
-                  "p50_ms", "p99_ms", "errors", "within_budget", "rss_mb"]
+                  "p50_ms", "p99_ms", "errors", "within_budget", "rss_mb", "gpu_mb"]
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         for m in measured:
             for point in m.points:
                 writer.writerow({**asdict(m.candidate), **point, "within_budget": point["p99_ms"] <= budget_ms,
-                                 "rss_mb": round(m.rss_mb, 1)})
+                                 "rss_mb": round(m.rss_mb, 1), "gpu_mb": "" if m.gpu_mb is None else m.gpu_mb})
 
 
 def plot(measured: list[Measured], path: Path, budget_ms: float, title: str) -> bool:
