@@ -73,3 +73,20 @@ def in_process(model: Path, feed: dict[str, np.ndarray], concurrency: int, secon
     us = np.array(latencies) * 1e6
     return {"throughput": rows * len(latencies) / elapsed, "p50_us": float(np.percentile(us, 50)),
             "p99_us": float(np.percentile(us, 99))}
+
+
+def shoal_load(url: str, model: str, concurrency: int, window_s: float = 2.0, processes: int = 1,
+               stability_percent: float = 20.0) -> float:
+    """Throughput (inferences/s) that shoal-load measures for one closed-loop step."""
+    import json
+    import sys
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "r.json"
+        subprocess.run(
+            [sys.executable, "-m", "clients.loadtest", "-m", model, "-u", url, "--concurrency", str(concurrency),
+             "--processes", str(processes), "--input-data", "zeros", "--window-s", str(window_s),
+             "--stability", str(stability_percent), "--max-windows", "10", "--json", str(out), "--no-progress"],
+            check=True, capture_output=True, timeout=600,
+        )
+        return float(json.loads(out.read_text())["steps"][0]["throughput"])

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import install_perf_analyzer, perf_analyzer  # noqa: E402
+from bench._perf import install_perf_analyzer, perf_analyzer, shoal_load  # noqa: E402
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -32,18 +30,6 @@ input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
 output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
 instance_group [ { count: 2 kind: KIND_CPU } ]
 """
-
-
-def shoal_load(url: str, model: str, concurrency: int, processes: int, window_s: float) -> float:
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "r.json"
-        subprocess.run(
-            [sys.executable, "-m", "clients.loadtest", "-m", model, "-u", url, "--concurrency", str(concurrency),
-             "--processes", str(processes), "--input-data", "zeros", "--window-s", str(window_s),
-             "--stability", "20", "--max-windows", "10", "--json", str(out), "--no-progress"],
-            check=True, capture_output=True, timeout=600,
-        )
-        return float(json.loads(out.read_text())["steps"][0]["throughput"])
 
 
 def main() -> None:
@@ -63,11 +49,11 @@ def main() -> None:
             for model in ("simple", "mlp"):
                 for concurrency in args.concurrency:
                     pa = perf_analyzer(url, model, concurrency, int(args.window_s * 1000))["throughput"]
-                    one = shoal_load(url, model, concurrency, 1, args.window_s)
-                    two = shoal_load(url, model, concurrency, 2, args.window_s)
+                    one = shoal_load(url, model, concurrency, args.window_s, processes=1)
+                    two = shoal_load(url, model, concurrency, args.window_s, processes=2)
                     rows.append({"model": model, "concurrency": concurrency, "perf_analyzer": pa,
                                  "shoal_load_1proc": one, "shoal_load_2proc": two})
-            ceiling = {p: shoal_load(url, "noop", 32, p, args.window_s) for p in (1, 2)}
+            ceiling = {p: shoal_load(url, "noop", 32, args.window_s, processes=p) for p in (1, 2)}
             pa_noop = perf_analyzer(url, "noop", 32, int(args.window_s * 1000))["throughput"]
     print(f"{'model':<7} {'conc':>4} | {'perf_analyzer':>13} | {'shoal-load 1p':>13} {'ratio':>6} | "
           f"{'shoal-load 2p':>13} {'ratio':>6}")

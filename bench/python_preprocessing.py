@@ -12,29 +12,17 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._perf import shoal_load  # noqa: E402
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
 from bench.python_model import PythonHeavy  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
-
-
-def throughput(url: str, concurrency: int) -> float:
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "r.json"
-        subprocess.run(
-            [sys.executable, "-m", "clients.loadtest", "-m", "heavy", "-u", url, "--concurrency", str(concurrency),
-             "--input-data", "zeros", "--window-s", "2", "--stability", "15", "--json", str(out), "--no-progress"],
-            check=True, capture_output=True, timeout=600,
-        )
-        return float(json.loads(out.read_text())["steps"][0]["throughput"])
 
 
 def main() -> None:
@@ -63,7 +51,8 @@ def main() -> None:
                 )
                 with shoal_server(repo, timeout_s=300) as (url, _):
                     label = f"{'process' if processes == 'true' else 'thread'} instances, count {count}"
-                    rows.append({"config": label, "throughput": throughput(url, args.concurrency)})
+                    rows.append({"config": label, "throughput": shoal_load(url, "heavy", args.concurrency,
+                                                                           stability_percent=15)})
     base = rows[0]["throughput"]
     print(f"Python-heavy model ({args.rounds} rounds), shoal-load concurrency {args.concurrency}")
     for row in rows:

@@ -110,7 +110,14 @@ class ModelManager:
             old = self._models.get(name)
             if old is None or not old.ready_versions():  # nothing serving: the index shows LOADING
                 self._models[name] = ModelEntry(name, None, ModelState.LOADING)
-            entry = await asyncio.to_thread(self._build_entry, name, folder, base, self.memory_in_use())
+            try:
+                entry = await asyncio.to_thread(self._build_entry, name, folder, base, self.memory_in_use())
+            except BaseException:
+                if old is not None:
+                    self._models[name] = old
+                else:
+                    self._models.pop(name, None)
+                raise
             if not entry.ready_versions():
                 if old is not None and old.ready_versions():
                     old.reason = f"reload failed, previous version kept serving: {entry.reason}"
