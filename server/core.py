@@ -47,6 +47,8 @@ class StatisticsRow:
     version: str
     statistics: ModelStatistics
     memory_bytes: dict[tuple[str, int], int]  # (CPU|GPU, device id) -> bytes
+    pending: int  # requests queued, waiting for an executor
+    instances: int
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class InferenceCore:
 
     def server_metadata(self) -> ServerMetadata:
         return ServerMetadata(SERVER_NAME, __version__, EXTENSIONS)
+
+    def model_names(self) -> list[str]:
+        return self.manager.names()
 
     def model_ready(self, name: str, version: str) -> bool:
         return self.manager.is_ready(name, version)
@@ -111,7 +116,8 @@ class InferenceCore:
         """One row per model version; name ``""`` means every model."""
         return [
             StatisticsRow(served.spec.name, str(served.version), served.statistics,
-                          {(d.kind.upper(), d.index): b for d, b in served.memory_bytes.items()})
+                          {(d.kind.upper(), d.index): b for d, b in served.memory_bytes.items()},
+                          served.scheduler.queued, len(served.pool.instances))
             for served in self.manager.statistics(name, version)
         ]
 

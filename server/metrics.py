@@ -59,19 +59,18 @@ class ModelCollector(Collector):
                                    labels=[*labels, "device"])
         instances = GaugeMetricFamily("shoal_model_instances", "Executors of a model version", labels=labels)
         for row in self.core.model_statistics("", ""):
-            name, version, stats = row.name, row.version, row.statistics
-            served = self.core.manager.resolve(name, version)
-            values = [name, version]
+            stats = row.statistics
+            values = [row.name, row.version]
             success.add_metric(values, stats.success.count)
             failure.add_metric(values, stats.fail.count)
             count.add_metric(values, stats.inference_count)
             executions.add_metric(values, stats.execution_count)
             for metric_name, (field, _) in _DURATIONS.items():
                 durations[metric_name].add_metric(values, getattr(stats, field).ns / 1000)
-            pending.add_metric(values, served.scheduler.queued)
-            instances.add_metric(values, len(served.pool.instances))
-            for device, byte_size in served.memory_bytes.items():
-                memory.add_metric([*values, str(device)], byte_size)
+            pending.add_metric(values, row.pending)
+            instances.add_metric(values, row.instances)
+            for (kind, index), byte_size in row.memory_bytes.items():
+                memory.add_metric([*values, "cpu" if kind == "CPU" else f"gpu:{index}"], byte_size)
         yield from (success, failure, count, executions, *durations.values(), pending, memory, instances)
 
 

@@ -24,7 +24,7 @@ class HealthReporter:
         ready = core.ready()
         for service in ("", SERVICE_NAME):
             await self.servicer.set(service, SERVING if ready else NOT_SERVING)
-        names = set(core.manager.names())
+        names = set(core.model_names())
         for name in names | self._known:
             serving = core.accepting and name in names and core.model_ready(name, "")
             await self.servicer.set(name, SERVING if serving else NOT_SERVING)
