@@ -11,6 +11,8 @@ from typing import Any
 from server import __version__
 from server.errors import ErrorCode, ShoalError
 from server.lifecycle.manager import IndexEntry, ModelManager
+
+__all__ = ["IndexEntry", "InferenceCore", "ModelMetadata", "ServerMetadata", "StatisticsRow", "TensorMetadata"]
 from server.statistics import ModelStatistics
 from server.types import InferRequest, InferResponse
 

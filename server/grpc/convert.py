@@ -13,9 +13,8 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
-from server.core import ModelMetadata, ServerMetadata, StatisticsRow
+from server.core import IndexEntry, ModelMetadata, ServerMetadata, StatisticsRow
 from server.errors import invalid
-from server.lifecycle.manager import IndexEntry
 from server.pb import config_pb2, service_pb2, tensors
 from server.statistics import Duration
 from server.types import DataType, InferRequest, InferResponse, Tensor
