@@ -8,6 +8,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -90,3 +91,15 @@ def shoal_load(url: str, model: str, concurrency: int, window_s: float = 2.0, pr
             check=True, capture_output=True, timeout=600,
         )
         return float(json.loads(out.read_text())["steps"][0]["throughput"])
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on a headless backend, or None without matplotlib (the bench extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

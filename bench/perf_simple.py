@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import in_process, install_perf_analyzer, perf_analyzer  # noqa: E402
+from bench._perf import in_process, install_perf_analyzer, perf_analyzer, pyplot  # noqa: E402
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -28,12 +28,8 @@ ZEROS = {"INPUT0": np.zeros((1, 16), np.int32), "INPUT1": np.zeros((1, 16), np.i
 
 
 def plot(rows: list[dict[str, float]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     c = [r["concurrency"] for r in rows]

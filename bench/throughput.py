@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._models import write_mlp  # noqa: E402
-from bench._perf import in_process, install_perf_analyzer, perf_analyzer  # noqa: E402
+from bench._perf import in_process, install_perf_analyzer, perf_analyzer, pyplot  # noqa: E402
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -39,12 +39,8 @@ CONFIGS = {
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     c = [r["concurrency"] for r in rows]

@@ -15,30 +15,7 @@ from google.protobuf import json_format
 
 from server.pb import service_pb2 as pb
 from server.pb import tensors
-from server.types import DataType
-
-
-@dataclass(frozen=True)
-class ServerMetadata:
-    name: str
-    version: str
-    extensions: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class TensorMetadata:
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ModelMetadata:
-    name: str
-    versions: tuple[str, ...]
-    platform: str
-    inputs: tuple[TensorMetadata, ...]
-    outputs: tuple[TensorMetadata, ...]
+from server.types import DataType, ModelMetadata, ServerMetadata, TensorMetadata
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from server.lifecycle.manager import IndexEntry, ModelManager
 
 __all__ = ["IndexEntry", "InferenceCore", "ModelMetadata", "ServerMetadata", "StatisticsRow", "TensorMetadata"]
 from server.statistics import ModelStatistics
-from server.types import InferRequest, InferResponse
+from server.types import InferRequest, InferResponse, ModelMetadata, ServerMetadata, TensorMetadata
 
 SERVER_NAME = "shoal"
 # Only what is implemented end to end; clients gate features on these strings.
@@ -27,20 +27,6 @@ EXTENSIONS = (
 )
 
 
-@dataclass(frozen=True)
-class TensorMetadata:
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ModelMetadata:
-    name: str
-    versions: tuple[str, ...]
-    platform: str
-    inputs: tuple[TensorMetadata, ...]
-    outputs: tuple[TensorMetadata, ...]
 
 
 @dataclass(frozen=True)
@@ -52,12 +38,6 @@ class StatisticsRow:
     pending: int  # requests queued, waiting for an executor
     instances: int
 
-
-@dataclass(frozen=True)
-class ServerMetadata:
-    name: str
-    version: str
-    extensions: tuple[str, ...]
 
 
 class InferenceCore:

@@ -105,3 +105,28 @@ class InferResponse:
     model_version: str
     id: str
     outputs: tuple[Tensor, ...]
+
+
+@dataclass(frozen=True)
+class TensorMetadata:
+    name: str
+    datatype: str  # protocol name, e.g. "FP32"
+    shape: tuple[int, ...]  # -1 for variable dimensions (and the batch dimension)
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    """What ModelMetadata answers; the server builds it, the clients read it."""
+
+    name: str
+    versions: tuple[str, ...]
+    platform: str
+    inputs: tuple[TensorMetadata, ...]
+    outputs: tuple[TensorMetadata, ...]
+
+
+@dataclass(frozen=True)
+class ServerMetadata:
+    name: str
+    version: str
+    extensions: tuple[str, ...]
