@@ -83,27 +83,23 @@ def complete(config: config_pb2.ModelConfig, io: ModelIO) -> tuple[config_pb2.Mo
 
 
 def check_io(spec: ModelSpec, io: ModelIO) -> None:
-    """Refuse a config whose tensors contradict the model; the message names the tensor."""
-    by_name_in = {t.name: t for t in io.inputs}
-    by_name_out = {t.name: t for t in io.outputs}
-    for tensor in spec.inputs:
-        if tensor.name not in by_name_in:
-            raise load_failed(
-                f"model '{spec.name}': input '{tensor.name}' is not an input of the model "
-                f"(model inputs: {sorted(by_name_in)})"
-            )
-        _check_tensor(spec, "input", tensor, by_name_in[tensor.name])
-    configured = {t.name for t in spec.inputs}
-    missing = [name for name in by_name_in if name not in configured]
+    """Refuse a config whose tensors contradict the model; the message names the tensor.
+
+    Every config tensor must exist in the model and agree with it; every model input must be
+    in the config (a config may list fewer outputs than the model has).
+    """
+    for kind, configured, declared in (("input", spec.inputs, io.inputs), ("output", spec.outputs, io.outputs)):
+        by_name = {t.name: t for t in declared}
+        for tensor in configured:
+            if tensor.name not in by_name:
+                raise load_failed(
+                    f"model '{spec.name}': {kind} '{tensor.name}' is not an {kind} of the model "
+                    f"(model {kind}s: {sorted(by_name)})"
+                )
+            _check_tensor(spec, kind, tensor, by_name[tensor.name])
+    missing = [t.name for t in io.inputs if spec.input(t.name) is None]
     if missing:
         raise load_failed(f"model '{spec.name}': model input(s) {missing} are missing from the config")
-    for tensor in spec.outputs:
-        if tensor.name not in by_name_out:
-            raise load_failed(
-                f"model '{spec.name}': output '{tensor.name}' is not an output of the model "
-                f"(model outputs: {sorted(by_name_out)})"
-            )
-        _check_tensor(spec, "output", tensor, by_name_out[tensor.name])
 
 
 def _check_tensor(spec: ModelSpec, kind: str, tensor: TensorSpec, model: IOTensor) -> None:
