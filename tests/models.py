@@ -38,6 +38,21 @@ def copy_example(repo: Path, name: str) -> None:
     shutil.copytree(EXAMPLES / name, repo / name)
 
 
+def repository(tmp_path: Path, *examples: str) -> Path:
+    """A fresh ``tmp_path/repo`` holding copies of these shipped example models."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in examples:
+        copy_example(repo, name)
+    return repo
+
+
+def set_instance_kind(model_dir: Path, kind: str) -> None:
+    """Rewrite an example config's KIND_CPU instance group to ``kind``."""
+    config = model_dir / "config.pbtxt"
+    config.write_text(config.read_text().replace("KIND_CPU", kind))
+
+
 def add_identity(repo: Path, name: str, datatype: str, max_batch_size: int = 8, dims: str = "[ -1 ]") -> None:
     """An identity-backend model: OUT = IN, for one datatype."""
     write_config(

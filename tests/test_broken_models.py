@@ -15,9 +15,7 @@ from tests.test_rpcs import A, B, decode, simple_request
 
 
 def test_broken_models_beside_healthy(tmp_path: Path, server_factory) -> None:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    models.copy_example(repo, "simple")
+    repo = models.repository(tmp_path, "simple")
     reasons = models.add_broken_models(repo)
     server = server_factory(repo)
     with grpc.insecure_channel(server.url) as channel:
@@ -69,11 +67,8 @@ def test_gpu_instance_group_without_a_gpu_is_a_clear_load_error(tmp_path: Path, 
 
     if cuda_device_count() > 0:
         pytest.skip("this machine has a GPU; the no-GPU error cannot happen here")
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    models.copy_example(repo, "simple")
-    config = repo / "simple" / "config.pbtxt"
-    config.write_text(config.read_text().replace("KIND_CPU", "KIND_GPU"))
+    repo = models.repository(tmp_path, "simple")
+    models.set_instance_kind(repo / "simple", "KIND_GPU")
     server = server_factory(repo)
     with grpc.insecure_channel(server.url) as channel:
         index = InferenceStub(channel).RepositoryIndex(pb.RepositoryIndexRequest()).models

@@ -44,9 +44,7 @@ def test_bad_arguments_fail_clearly(args: list[str], phrase: str) -> None:
 
 def test_shoal_entry_point_serves_and_exits_zero_on_sigterm(tmp_path: Path, server_factory) -> None:
     """`python -m server --model-repository ...` (no subcommand) means serve."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    models.copy_example(repo, "simple")
+    repo = models.repository(tmp_path, "simple")
     server = server_factory(repo)
     with grpc.insecure_channel(server.url) as channel:
         assert InferenceStub(channel).ModelReady(pb.ModelReadyRequest(name="simple")).ready

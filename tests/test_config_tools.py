@@ -114,9 +114,7 @@ def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory) -
 
 
 def test_check_reports_each_class_of_error(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    models.copy_example(repo, "simple")
+    repo = models.repository(tmp_path, "simple")
     models.add_broken_models(repo)  # bad_syntax, corrupt_file, wrong_dims
     for name, text in {
         "unknown_field": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nmax_batch: 3\n',

@@ -30,11 +30,8 @@ pytestmark = [
 def test_kind_gpu_serves_on_the_cuda_provider(tmp_path: Path, server_factory) -> None:
     if not _cuda_provider():
         pytest.skip("the installed onnxruntime has no CUDA execution provider")
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    models.copy_example(repo, "simple")
-    config = repo / "simple" / "config.pbtxt"
-    config.write_text(config.read_text().replace("KIND_CPU", "KIND_GPU"))
+    repo = models.repository(tmp_path, "simple")
+    models.set_instance_kind(repo / "simple", "KIND_GPU")
     server = server_factory(repo)
     with grpc.insecure_channel(server.url) as channel:
         stub = InferenceStub(channel)

@@ -32,14 +32,6 @@ def wait_until(condition, timeout_s: float = 20.0, interval_s: float = 0.1) -> b
     return False
 
 
-def repo_with(tmp_path: Path, *names: str) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in names:
-        models.copy_example(repo, name)
-    return repo
-
-
 def slow_model(repo: Path, name: str, delay_ms: int, extra: str = "", count: int = 2) -> None:
     models.write_config(
         repo / name,
@@ -57,7 +49,7 @@ def slow_model(repo: Path, name: str, delay_ms: int, extra: str = "", count: int
 
 
 def test_explicit_mode_load_unload_and_config_override(tmp_path: Path, server_factory) -> None:
-    repo = repo_with(tmp_path, "simple", "mlp")
+    repo = models.repository(tmp_path, "simple", "mlp")
     server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "simple")
     with InferenceClient(server.url, timeout_s=60) as client:
         index = {e.name: e for e in client.repository_index()}
@@ -90,7 +82,7 @@ def test_explicit_mode_load_unload_and_config_override(tmp_path: Path, server_fa
 
 
 def test_poll_mode_follows_the_repository(tmp_path: Path, server_factory) -> None:
-    repo = repo_with(tmp_path, "simple")
+    repo = models.repository(tmp_path, "simple")
     server = server_factory(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.3")
     with InferenceClient(server.url, timeout_s=30) as client:
         with pytest.raises(ClientError, match="polling is enabled"):
@@ -113,7 +105,7 @@ def test_poll_mode_follows_the_repository(tmp_path: Path, server_factory) -> Non
 
 
 def test_reload_under_load_drops_no_request(tmp_path: Path, server_factory) -> None:
-    repo = repo_with(tmp_path, "simple")
+    repo = models.repository(tmp_path, "simple")
     server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "*")
     out = tmp_path / "load.json"
     load = subprocess.Popen(

@@ -20,9 +20,7 @@ A = np.arange(16, dtype=np.int32).reshape(1, 16)
 
 @pytest.fixture
 def running(tmp_path: Path, server_factory):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    models.copy_example(repo, "simple")
+    repo = models.repository(tmp_path, "simple")
     models.add_broken_models(repo)
     return server_factory(repo, "--model-control-mode", "explicit", "--load-model", "simple", "--load-model",
                           "bad_syntax", "--grpc-restricted-protocol", "model-repository:admin-key=s3cret")
@@ -75,9 +73,7 @@ def test_metrics_use_tritons_names(running) -> None:
 
 
 def test_metrics_can_be_turned_off(tmp_path: Path, server_factory) -> None:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    models.copy_example(repo, "simple")
+    repo = models.repository(tmp_path, "simple")
     server = server_factory(repo, "--allow-metrics", "false")
     assert server.metrics_port == 0
 

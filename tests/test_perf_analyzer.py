@@ -23,9 +23,7 @@ BINARY = Path(os.environ.get("SHOAL_PERF_ANALYZER", REPO_ROOT / ".bench-venv" / 
 @pytest.mark.skipif(not BINARY.exists(), reason=f"perf_analyzer not installed at {BINARY}: "
                     "run bench/install_perf_analyzer.sh")
 def test_perf_analyzer_concurrency_sweep(tmp_path: Path, server_factory) -> None:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    models.copy_example(repo, "simple")
+    repo = models.repository(tmp_path, "simple")
     server = server_factory(repo)
     out = tmp_path / "pa.csv"
     result = subprocess.run(

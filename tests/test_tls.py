@@ -34,13 +34,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    models.copy_example(repo, "simple")
-    return repo
-
-
 def _client_tls(pki: Path, with_certificate: bool) -> TlsOptions:
     return TlsOptions(
         root_certificates=(pki / "ca.pem").read_bytes(),
@@ -52,7 +45,8 @@ def _client_tls(pki: Path, with_certificate: bool) -> TlsOptions:
 
 def test_tls(pki: Path, tmp_path: Path, server_factory) -> None:
     credentials = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
-    server = server_factory(_repo(tmp_path), "--grpc-use-ssl", "true", "--grpc-server-cert", str(pki / "server.pem"),
+    repo = models.repository(tmp_path, "simple")
+    server = server_factory(repo, "--grpc-use-ssl", "true", "--grpc-server-cert", str(pki / "server.pem"),
                             "--grpc-server-key", str(pki / "server.key"), credentials=credentials)
     with InferenceClient(server.url, tls=_client_tls(pki, with_certificate=False), timeout_s=10) as client:
         assert client.is_model_ready("simple")
@@ -66,8 +60,9 @@ def test_mutual_tls_requires_a_client_certificate(pki: Path, tmp_path: Path, ser
     credentials = grpc.ssl_channel_credentials(
         (pki / "ca.pem").read_bytes(), (pki / "client.key").read_bytes(), (pki / "client.pem").read_bytes()
     )
+    repo = models.repository(tmp_path, "simple")
     server = server_factory(
-        _repo(tmp_path), "--grpc-use-ssl-mutual", "true", "--grpc-server-cert", str(pki / "server.pem"),
+        repo, "--grpc-use-ssl-mutual", "true", "--grpc-server-cert", str(pki / "server.pem"),
         "--grpc-server-key", str(pki / "server.key"), "--grpc-root-cert", str(pki / "ca.pem"),
         credentials=credentials,
     )
