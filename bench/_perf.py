@@ -103,3 +103,20 @@ def pyplot() -> Any:
     except ImportError:
         return None
     return plt
+
+
+RESULTS = REPO_ROOT / "bench" / "results"
+
+
+def save_results(rows: list[dict[str, Any]], filename: str) -> Path:
+    """Write benchmark rows as CSV under bench/results/ and say where."""
+    import csv
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / filename
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+    return path

@@ -12,17 +12,15 @@ bench/results/loadtest_vs_perf_analyzer.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import install_perf_analyzer, perf_analyzer, shoal_load  # noqa: E402
+from bench._perf import install_perf_analyzer, perf_analyzer, save_results, shoal_load  # noqa: E402
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
 
-RESULTS = REPO_ROOT / "bench" / "results"
 NOOP_CONFIG = """
 backend: "identity"
 max_batch_size: 0
@@ -63,12 +61,7 @@ def main() -> None:
               f"{r['shoal_load_2proc'] / r['perf_analyzer']:>6.2f}")
     print(f"\nno-op model at concurrency 32: shoal-load 1 process {ceiling[1]:.0f}/s, 2 processes {ceiling[2]:.0f}/s, "
           f"perf_analyzer {pa_noop:.0f}/s")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with (RESULTS / "loadtest_vs_perf_analyzer.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {RESULTS / 'loadtest_vs_perf_analyzer.csv'}")
+    save_results(rows, "loadtest_vs_perf_analyzer.csv")
 
 
 if __name__ == "__main__":

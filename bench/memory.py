@@ -14,7 +14,6 @@ writes bench/results/memory.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._models import write_mlp  # noqa: E402
-from bench._server import REPO_ROOT, shoal_server  # noqa: E402
-
-RESULTS = REPO_ROOT / "bench" / "results"
+from bench._perf import save_results  # noqa: E402
+from bench._server import shoal_server  # noqa: E402
 
 CONFIGS = {
     "count 1": 'instance_group [ { count: 1 kind: KIND_CPU } ]',
@@ -88,12 +86,7 @@ def main() -> None:
         row["pss_ratio"] = row["pss"] / base["pss"]
         print(f"{row['config']:<30} {row['rss']:>8.0f} {row['pss']:>8.0f} {row['rss_ratio']:>14.2f} "
               f"{row['pss_ratio']:>14.2f}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with (RESULTS / "memory.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {RESULTS / 'memory.csv'}")
+    save_results(rows, "memory.csv")
 
 
 if __name__ == "__main__":

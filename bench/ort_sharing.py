@@ -16,7 +16,6 @@ Writes bench/results/ort_sharing.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._perf import save_results  # noqa: E402
 from bench._server import REPO_ROOT  # noqa: E402
 
 DESIGNS = ("shared-session", "shared-initializers", "copy-per-executor")
@@ -135,13 +135,7 @@ def main() -> None:
     for row in rows:
         print(f"{row['design']:<22} {row['rss']:>8.0f} {row['pss']:>8.0f} {row['throughput']:>9.1f} "
               f"{row['pss'] / base['pss']:>10.2f} {row['throughput'] / base['throughput']:>12.2f}")
-    out = REPO_ROOT / "bench" / "results" / "ort_sharing.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}")
+    save_results(rows, "ort_sharing.csv")
 
 
 if __name__ == "__main__":

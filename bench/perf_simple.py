@@ -12,17 +12,15 @@ Writes bench/results/perf_simple.csv and, when matplotlib is installed, perf_sim
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import in_process, install_perf_analyzer, perf_analyzer, pyplot  # noqa: E402
+from bench._perf import RESULTS, in_process, install_perf_analyzer, perf_analyzer, pyplot, save_results  # noqa: E402
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
 
-RESULTS = REPO_ROOT / "bench" / "results"
 SIMPLE = REPO_ROOT / "model_repository" / "simple" / "1" / "model.onnx"
 ZEROS = {"INPUT0": np.zeros((1, 16), np.int32), "INPUT1": np.zeros((1, 16), np.int32)}
 
@@ -53,7 +51,6 @@ def main() -> None:
     parser.add_argument("--window-ms", type=int, default=2000)
     args = parser.parse_args()
     install_perf_analyzer()
-    RESULTS.mkdir(parents=True, exist_ok=True)
     rows = []
     with shoal_server(REPO_ROOT / "model_repository") as (url, _):
         for concurrency in args.concurrency:
@@ -70,11 +67,7 @@ def main() -> None:
         print(f"{r['concurrency']:>4} | {r['shoal_throughput']:>13.0f} {r['shoal_p50_us']:>8.0f} "
               f"{r['shoal_p99_us']:>8.0f} | {r['ort_throughput']:>11.0f} {r['ort_p50_us']:>7.0f} "
               f"{r['ort_p99_us']:>7.0f} | {r['shoal_throughput'] / r['ort_throughput']:.3f}")
-    with (RESULTS / "perf_simple.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {RESULTS / 'perf_simple.csv'}")
+    save_results(rows, "perf_simple.csv")
     if plot(rows, RESULTS / "perf_simple.png"):
         print(f"wrote {RESULTS / 'perf_simple.png'}")
 

@@ -11,18 +11,15 @@ instances, count 1 and 4. Writes bench/results/python_preprocessing.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import shoal_load  # noqa: E402
-from bench._server import REPO_ROOT, shoal_server  # noqa: E402
+from bench._perf import save_results, shoal_load  # noqa: E402
+from bench._server import shoal_server  # noqa: E402
 from bench.python_model import PythonHeavy  # noqa: E402
-
-RESULTS = REPO_ROOT / "bench" / "results"
 
 
 def main() -> None:
@@ -58,12 +55,7 @@ def main() -> None:
     for row in rows:
         row["ratio"] = row["throughput"] / base
         print(f"  {row['config']:<28} {row['throughput']:>8.1f} infer/s  {row['ratio']:.2f}x thread count 1")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with (RESULTS / "python_preprocessing.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {RESULTS / 'python_preprocessing.csv'}")
+    save_results(rows, "python_preprocessing.csv")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Writes bench/results/throughput.csv and throughput.png (matplotlib, the bench ex
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import tempfile
@@ -26,10 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._models import write_mlp  # noqa: E402
-from bench._perf import in_process, install_perf_analyzer, perf_analyzer, pyplot  # noqa: E402
-from bench._server import REPO_ROOT, shoal_server  # noqa: E402
+from bench._perf import RESULTS, in_process, install_perf_analyzer, perf_analyzer, pyplot, save_results  # noqa: E402
+from bench._server import shoal_server  # noqa: E402
 
-RESULTS = REPO_ROOT / "bench" / "results"
 WIDTH, LAYERS = 1024, 4
 CONFIGS = {
     "plain": "instance_group [ { count: 1 kind: KIND_CPU } ]",
@@ -63,7 +61,6 @@ def main() -> None:
     parser.add_argument("--window-ms", type=int, default=2000)
     args = parser.parse_args()
     install_perf_analyzer()
-    RESULTS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
         repo = Path(folder)
         model_file = None
@@ -112,11 +109,7 @@ def main() -> None:
     for name, result in ten.items():
         print(f"  {labels[name]:<28} {result['throughput']:>8.0f} {result['p50_us'] / 1000:>7.2f} "
               f"{result['p99_us'] / 1000:>7.2f} {result['server_queue_us']:>9.0f} {result['server_infer_us']:>9.0f}")
-    with (RESULTS / "throughput.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {RESULTS / 'throughput.csv'}")
+    save_results(rows, "throughput.csv")
     if plot(rows, RESULTS / "throughput.png"):
         print(f"wrote {RESULTS / 'throughput.png'}")
 

@@ -12,7 +12,6 @@ load the model. Writes bench/results/torch_memory.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import subprocess
 import sys
 import tempfile
@@ -24,11 +23,11 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._server import REPO_ROOT, shoal_server  # noqa: E402
+from bench._perf import save_results  # noqa: E402
+from bench._server import shoal_server  # noqa: E402
 from bench.memory import memory_mb  # noqa: E402
 from clients import InferenceClient  # noqa: E402
 
-RESULTS = REPO_ROOT / "bench" / "results"
 NAIVE_WORKER = """
 import sys, time, torch
 model = torch.jit.load(sys.argv[1]).eval()
@@ -127,12 +126,7 @@ def main() -> None:
         row["pss_ratio"] = row["pss"] / base[kind]
         print(f"{row['config']:<36} {row['processes']:>5.0f} {row['rss']:>8.0f} {row['pss']:>8.0f}  "
               f"{row['pss_ratio']:.2f}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with (RESULTS / "torch_memory.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {RESULTS / 'torch_memory.csv'}")
+    save_results(rows, "torch_memory.csv")
 
 
 if __name__ == "__main__":
