@@ -170,10 +170,13 @@ class ModelManager:
         Returns the entry and the memory it reserved in the ledger (the caller ends the reservation)."""
         try:
             fingerprint = fingerprint_of(folder)
+        except ShoalError:
+            fingerprint = ""  # a path leads outside: configure says which
+        try:
             spec = configure(folder, self.strict_model_config, base=base).spec
             available = scanner.list_versions(folder, warn=False)
         except ShoalError as exc:
-            return ModelEntry(name, None, ModelState.UNAVAILABLE, exc.message), {}
+            return ModelEntry(name, None, ModelState.UNAVAILABLE, exc.message, fingerprint=fingerprint), {}
         chosen = spec.version_policy.select(available)
         if not chosen:
             reason = f"model '{name}': no version folder matches the version policy (found {available})"
