@@ -64,8 +64,9 @@ def outside(tmp_path: Path) -> Path:
 
 
 def test_symlinks_out_of_the_repository_are_refused_alike(tmp_path: Path, outside: Path, server_factory) -> None:
-    """A symlinked version folder, model file or config.pbtxt that leads outside is refused with the
-    same message whether its target exists or not; the target is never named."""
+    """A symlinked version folder, model file, other file in a version folder or config.pbtxt that
+    leads outside is refused with the same message whether its target exists or not; the target is
+    never named."""
     repo = tmp_path / "repo"
     repo.mkdir()
     for suffix, exists in (("there", True), ("missing", False)):
@@ -80,12 +81,16 @@ def test_symlinks_out_of_the_repository_are_refused_alike(tmp_path: Path, outsid
         config = repo / f"config_{suffix}"
         (config / "1").mkdir(parents=True)
         (config / "config.pbtxt").symlink_to(outside / ("identity_config.pbtxt" if exists else "no.pbtxt"))
+
+        extra = copy_simple(repo, f"extra_{suffix}")  # e.g. ONNX external weights beside the model file
+        (extra / "1" / "weights.bin").symlink_to(outside / "model" / "1" / ("model.onnx" if exists else "no.bin"))
     server = server_factory(repo)
     index = index_of(server.url)
     expected = {
         "version": "'version_{}/1' " + OUTSIDE,
         "model_file": "'model_file_{}/1/model.onnx' " + OUTSIDE,
         "config": "'config_{}/config.pbtxt' " + OUTSIDE,
+        "extra": "'extra_{}/1/weights.bin' " + OUTSIDE,
     }
     for kind, phrase in expected.items():
         there, missing = index[f"{kind}_there"], index[f"{kind}_missing"]

@@ -93,6 +93,7 @@ def describe(config: config_pb2.ModelConfig, folder: Path) -> ModelIO:
         raise load_failed(f"model '{config.name}': no version folder to read the model file from")
     filename = config.default_model_filename or DEFAULT_MODEL_FILENAMES.get(config.backend, "")
     label = PurePath(folder.name, str(versions[-1]), filename)
+    scanner.checked_version_dir(folder, versions[-1])  # the model file may name others beside it
     return describe_model(config.backend, scanner.checked_path(folder.parent, label), str(label))
 
 
@@ -101,5 +102,6 @@ def check_against_model(configured: Configured, folder: Path) -> None:
     spec = configured.spec
     folder = Path(os.path.abspath(folder))
     for version in spec.version_policy.select(scanner.list_versions(folder)):
+        scanner.checked_version_dir(folder, version)
         path = model_file(configured.config.default_model_filename, folder, version)
         check_io(spec, describe_model(spec.backend, path, scanner.relative_name(folder.parent, path)))

@@ -199,7 +199,7 @@ class ModelManager:
     @staticmethod
     def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget) -> VersionEntry:
         try:  # every path checked before anything is opened or stat'ed
-            version_dir = scanner.checked_path(folder.parent, PurePath(folder.name, str(version)))
+            version_dir = scanner.checked_version_dir(folder, version)
             path = model_file(spec.default_model_filename, folder, version)
         except ShoalError as exc:
             return VersionEntry(version, ModelState.UNAVAILABLE, exc.message)

@@ -64,6 +64,17 @@ def checked_path(repository: Path, relative: str | PurePath) -> Path:
     return real
 
 
+def checked_version_dir(folder: Path, version: int) -> Path:
+    """The real path of a version folder of model folder ``folder``, after checking it and every
+    entry in it (external weight files, a ``model.onnx/`` folder) with ``checked_path``."""
+    relative = PurePath(folder.name, str(version))
+    real = checked_path(folder.parent, relative)
+    if real.is_dir():
+        for entry in real.rglob("*"):  # rglob does not descend into symlinked folders
+            checked_path(folder.parent, relative / entry.relative_to(real))
+    return real
+
+
 def relative_name(repository: Path, path: Path) -> str:
     """``path`` as messages name it: relative to the repository where it lies inside."""
     for root in (repository, repository.resolve()):
