@@ -53,7 +53,7 @@ def write_config(repo: Path, name: str, width: int, count: int, kind: str, proce
 def serve_variant(folder: Path, model: Path, width: int, count: int, kind: str, processes: bool) -> dict[str, Any]:
     repo = folder / f"repo-{count}-{processes}-{width}"
     (repo / "m" / "1").mkdir(parents=True)
-    (repo / "m" / "1" / "model.pt").symlink_to(model)
+    (repo / "m" / "1" / "model.pt").hardlink_to(model)
     write_config(repo, "m", width, count, kind, processes)
     x = np.linspace(-1, 1, 4 * width, dtype=np.float32).reshape(4, width)
     with shoal_server(repo, timeout_s=600) as (url, pid):
@@ -102,7 +102,7 @@ def main() -> int:
         for count in (1, 4):
             repo = folder / f"small-{count}"
             (repo / "m" / "1").mkdir(parents=True)
-            (repo / "m" / "1" / "model.pt").symlink_to(small)
+            (repo / "m" / "1" / "model.pt").hardlink_to(small)
             write_config(repo, "m", 256, count, kind, False)
             with shoal_server(repo, timeout_s=600) as (url, _):
                 rates[count] = shoal_load(url, "m", 16)

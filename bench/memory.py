@@ -71,7 +71,7 @@ def main() -> None:
             repo.mkdir()
             if model_file is not None:  # build the model once, link it into each repository
                 (repo / "big" / "1").mkdir(parents=True)
-                (repo / "big" / "1" / "model.onnx").symlink_to(model_file)
+                (repo / "big" / "1" / "model.onnx").hardlink_to(model_file)
             write_mlp(repo, "big", args.width, args.layers, extra, max_batch_size=8)
             model_file = repo / "big" / "1" / "model.onnx"
             model_file = model_file.resolve()

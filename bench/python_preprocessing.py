@@ -37,7 +37,7 @@ def main() -> None:
             for count in (1, 4):
                 repo = Path(folder) / f"repo-{processes}-{count}"
                 (repo / "heavy" / "1").mkdir(parents=True)
-                (repo / "heavy" / "1" / "model.pt").symlink_to(model)
+                (repo / "heavy" / "1" / "model.pt").hardlink_to(model)
                 (repo / "heavy" / "config.pbtxt").write_text(
                     'backend: "pytorch"\nmax_batch_size: 0\n'
                     'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1, 4 ] } ]\n'

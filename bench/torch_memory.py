@@ -106,7 +106,7 @@ def main() -> None:
             for count in (1, 4):
                 repo = Path(folder) / f"repo-{processes}-{count}"
                 (repo / "big" / "1").mkdir(parents=True)
-                (repo / "big" / "1" / "model.pt").symlink_to(model)
+                (repo / "big" / "1" / "model.pt").hardlink_to(model)
                 (repo / "big" / "config.pbtxt").write_text(
                     f'backend: "pytorch"\nmax_batch_size: 8\n'
                     f'input [ {{ name: "INPUT__0" data_type: TYPE_FP32 dims: [ {args.width} ] }} ]\n'

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import shutil
 import subprocess
 import sys
@@ -152,7 +153,8 @@ class Tuner:
             target = repo / self.name
             target.mkdir()
             for version in scanner.list_versions(self.model_dir):
-                (target / str(version)).symlink_to((self.model_dir / str(version)).resolve(), target_is_directory=True)
+                # Hard links (copies across file systems): the server refuses symlinks out of its repository.
+                shutil.copytree(self.model_dir / str(version), target / str(version), copy_function=_link_or_copy)
             (target / "config.pbtxt").write_text(text_format.MessageToString(candidate_config(self.base, candidate)))
             with local_server.running(repo) as server:
                 with InferenceClient(server.url, timeout_s=30) as client:
@@ -186,6 +188,13 @@ def _gpu_mb(pid: int) -> float | None:
         return None
     used = [float(mb) for line in result.stdout.splitlines() for p, mb in [line.split(",")] if int(p) == pid]
     return sum(used)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def _rss_mb(pid: int) -> float:

@@ -150,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model_repository.is_dir():
         print(f"shoal: error: model repository {args.model_repository} is not a folder", file=sys.stderr)
         return 2
+    from server.repository.scanner import model_folder_problem
+
+    if problem := model_folder_problem(args.model_repository):
+        print(f"shoal: error: {problem}", file=sys.stderr)
+        return 2
     settings = ServerSettings(
         model_repository=args.model_repository,
         grpc_address=args.grpc_address,

@@ -25,6 +25,7 @@ def test_broken_models_beside_healthy(tmp_path: Path, server_factory) -> None:
         for name, phrase in reasons.items():
             assert index[name].state == "UNAVAILABLE", name
             assert phrase in index[name].reason, (name, index[name].reason)
+            assert str(tmp_path) not in index[name].reason  # files named relative to the repository
             assert not stub.ModelReady(pb.ModelReadyRequest(name=name)).ready
             bad = simple_request()
             bad.model_name = name

@@ -72,16 +72,23 @@ def test_normalize_fills_triton_defaults() -> None:
 
 
 def test_parse_error_names_file_line_and_column(tmp_path: Path) -> None:
+    """Named relative to the repository (the model folder's parent), never by its absolute path."""
     write_config(tmp_path / "m", 'name: "m"\nmax_batch_size: "eight"\n')
     with pytest.raises(ShoalError) as caught:
         configure(tmp_path / "m", strict=True)
     assert caught.value.code is ErrorCode.LOAD_FAILED
-    assert f"{tmp_path / 'm' / 'config.pbtxt'}:2:" in caught.value.message
+    assert caught.value.message.startswith("m/config.pbtxt:2:")
+    assert str(tmp_path) not in caught.value.message
 
 
 def test_unknown_field_is_refused() -> None:
     with pytest.raises(ShoalError, match="max_batch"):
         parse_config("max_batch: 4")
+
+
+def _with_reshape(dims: str, reshape: str) -> str:
+    return (f'backend: "identity" input [{{ name: "a" data_type: TYPE_FP32 dims: {dims} '
+            f'reshape {{ shape: {reshape} }} }}] output [{{ name: "b" data_type: TYPE_FP32 dims: [1] }}]')
 
 
 @pytest.mark.parametrize(
@@ -98,6 +105,12 @@ def test_unknown_field_is_refused() -> None:
         ('backend: "onnxruntime" input [{ name: "a" data_type: TYPE_FP32 dims: [0] }] '
          'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }]', "invalid dims"),
         ('platform: "pytorch_libtorch" backend: "onnxruntime"', "does not match backend"),
+        (_with_reshape("[4]", "[3]"), "different size for dims [4] and reshape [3]"),
+        (_with_reshape("[2, -1]", "[-1, 2]"), "different size for dims"),
+        (_with_reshape("[-1]", "[-1, -1]"), "different size for dims"),
+        (_with_reshape("[2]", "[]"), "dims must hold one element"),
+        (_with_reshape("[-1, -1]", "[-1, -1]"), "more than one variable dimension"),
+        (_with_reshape("[4]", "[0, 4]"), "invalid reshape"),
     ],
 )
 def test_validation_names_the_problem(text: str, phrase: str) -> None:
@@ -145,3 +158,52 @@ def test_symlink_out_of_the_repository_is_skipped(tmp_path: Path) -> None:
     assert scanner.list_models(repo) == ["good"]
     with pytest.raises(ShoalError):
         scanner.model_dir(repo, "escape")
+
+
+@pytest.mark.parametrize(("dims", "reshape"), [("[1]", "[]"), ("[4]", "[2, 2]"), ("[-1, 4]", "[-1, 2, 2]"),
+                                               ("[3, -1, 4]", "[3, -1, 2, 2]"), ("[-1]", "[-1, 1]")])
+def test_reshape_with_the_same_elements_is_valid(dims: str, reshape: str) -> None:
+    validate(normalize(parse_config(_with_reshape(dims, reshape)), "m"), "m")
+
+
+def test_checked_path_refuses_every_way_out_alike(tmp_path: Path) -> None:
+    repo, outside = tmp_path / "repo", tmp_path / "outside"
+    (repo / "m" / "1").mkdir(parents=True)
+    (outside / "there").mkdir(parents=True)
+    (repo / "m" / "inside").symlink_to(repo / "m" / "1", target_is_directory=True)
+    assert scanner.checked_path(repo, "m/inside") == (repo / "m" / "1").resolve()
+    for suffix in ("there", "missing"):
+        (repo / "m" / f"link_{suffix}").symlink_to(outside / suffix)
+    refusals = []
+    for relative in ("/etc/passwd", "m/../../outside/there", "m/../../outside/missing", "m/link_there",
+                     "m/link_missing", "m/link_there/deeper", "m/" + "x" * 300):
+        with pytest.raises(ShoalError) as caught:
+            scanner.checked_path(repo, relative)
+        assert caught.value.code is ErrorCode.LOAD_FAILED
+        refusals.append(caught.value.message.replace(scanner.shown(relative), "<path>"))
+    assert set(refusals) == {"'<path>' is not a path inside the model repository"}
+
+
+def test_version_folder_symlinked_out_refuses_the_model(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "m" / "1").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (repo / "m" / "2").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(ShoalError, match="'m/2' is not a path inside the model repository"):
+        scanner.list_versions(repo / "m")
+
+
+def test_a_model_folder_is_no_repository(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ShoalError, match="pass its parent folder"):
+        scanner.list_models(EXAMPLES / "simple")
+    bare = tmp_path / "bare"
+    (bare / "3").mkdir(parents=True)
+    (bare / "3" / "model.onnx").write_bytes(b"")
+    with pytest.raises(ShoalError, match="pass its parent folder"):
+        scanner.list_models(bare)
+    assert scanner.list_models(EXAMPLES) == ["mlp", "simple"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with caplog.at_level(logging.WARNING):
+        assert scanner.list_models(empty) == []
+    assert "holds no model folders" in caplog.text

@@ -47,8 +47,11 @@ def supported_backends() -> list[str]:
     return sorted(_BACKEND_MODULES)
 
 
-def describe_model(backend: str, model_path: Path) -> ModelIO:
-    """What a model file declares about its tensors (for auto-complete and config checks)."""
+def describe_model(backend: str, model_path: Path, label: str = "") -> ModelIO:
+    """What a model file declares about its tensors (for auto-complete and config checks).
+
+    ``model_path`` is a checked real path (``scanner.checked_path``); ``label`` names it in messages.
+    """
     module_name = _BACKEND_MODULES.get(backend)
     if module_name is None:
         raise load_failed(f"backend '{backend}' is not supported (supported: {', '.join(supported_backends())})")
@@ -56,7 +59,7 @@ def describe_model(backend: str, model_path: Path) -> ModelIO:
     if not hasattr(module, "describe"):
         raise load_failed(f"backend '{backend}' has no model file to read tensors from; list them in the config")
     if not model_path.exists():
-        raise load_failed(f"model file {model_path} not found")
+        raise load_failed(f"model file {label or model_path} not found")
     io: ModelIO = module.describe(model_path)
     return io
 

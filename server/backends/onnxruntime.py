@@ -4,17 +4,25 @@ ORT sessions are thread-safe for ``run``, so every executor of a device shares t
 session and with it one copy of the weights. The CPU execution provider is the
 default; instance groups of kind GPU use the CUDA execution provider and the load
 fails, with a clear message, when it is missing or silently falls back to CPU.
+ONNX Runtime's telemetry is turned off before the library loads.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
+
+# ONNX Runtime's telemetry (on by default in its wheels) starts when the library loads: it writes a
+# device id and an event database (error messages, paths, CPU details) under
+# ~/.cache/Microsoft/DeveloperTools/.onnxruntime/ and uploads them. Only this variable, set before
+# the import, stops all of it; the API call below also stops the events of this process.
+os.environ["ORT_DISABLE_TELEMETRY"] = "1"
+import onnxruntime as ort  # noqa: E402 - after the telemetry switch above
 
 from server.backends.devices import Device
 from server.errors import invalid, load_failed
@@ -23,6 +31,7 @@ from server.repository.model_io import IOTensor, ModelIO, check_io
 from server.types import DataType
 
 logger = logging.getLogger(__name__)
+ort.disable_telemetry_events()
 
 _ORT_TYPES = {
     "tensor(bool)": DataType.BOOL,

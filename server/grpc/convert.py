@@ -149,10 +149,10 @@ def load_parameters(message: service_pb2.RepositoryModelLoadRequest) -> str | No
         raise invalid(f"loading model files sent with the request ({files[0]}) is not supported")
     if "config" not in message.parameters:
         return None
-    value = parameter_value(message.parameters["config"])
-    if not isinstance(value, str | bytes):
-        raise invalid("the 'config' parameter must be a JSON string")
-    return value.decode() if isinstance(value, bytes) else value
+    param = message.parameters["config"]
+    if param.WhichOneof("parameter_choice") != "string_param":  # as Triton: text only, never bytes
+        raise invalid("invalid value type for load parameter 'config', expected string_param.")
+    return param.string_param
 
 
 def repository_index(entries: list[IndexEntry]) -> service_pb2.RepositoryIndexResponse:

@@ -3,16 +3,18 @@ and ``shoal config generate`` share.
 
 read config.pbtxt (optional unless strict) → backend fields from the model file → auto-complete
 from the model file when inputs or outputs are missing (not in strict mode) → normalize →
-validate → spec.
+validate → spec. Every file is reached through ``scanner.checked_path`` (nothing outside the
+repository is opened) and messages name files relative to the repository.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from server.backends.base import describe_model
-from server.errors import load_failed
+from server.errors import ShoalError, load_failed
 from server.pb import config_pb2
 from server.repository import scanner
 from server.repository.config import (
@@ -23,6 +25,7 @@ from server.repository.config import (
     normalize,
     read_config,
     to_spec,
+    validate_filename,
 )
 from server.repository.config import validate as validate_config
 from server.repository.model_io import ModelIO, check_io, complete
@@ -36,22 +39,34 @@ class Configured:
     completed: bool = False  # whether anything came from the model file
 
 
-def model_file(config: config_pb2.ModelConfig, version_dir: Path) -> Path:
-    return version_dir / config.default_model_filename if config.default_model_filename else version_dir
+def model_file(filename: str, folder: Path, version: int) -> Path:
+    """The checked real path of a version's model file (the version folder itself without a file name)."""
+    parts = (str(version), filename) if filename else (str(version),)
+    return scanner.checked_path(folder.parent, PurePath(folder.name, *parts))
 
 
 def configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None = None) -> Configured:
-    """The spec for ``folder``; ``base`` replaces config.pbtxt (the generator passes overrides)."""
+    """The spec for ``folder`` (a model folder; its parent is the repository); ``base`` replaces
+    config.pbtxt (the generator passes overrides). Messages name files relative to the repository."""
+    folder = Path(os.path.abspath(folder))  # "." names its folder; symlinks stay for checked_path
+    try:
+        return _configure(folder, strict, base)
+    except ShoalError as exc:
+        raise ShoalError(exc.code, scanner.without_repository_path(folder.parent, exc.message)) from None
+
+
+def _configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None) -> Configured:
     name = folder.name
     if base is not None:
         config = config_pb2.ModelConfig()
         config.CopyFrom(base)
-    elif (folder / CONFIG_FILENAME).is_file() or strict:
-        config = read_config(folder)  # in strict mode a missing file is an error, with its path
+    elif strict or scanner.checked_path(folder.parent, PurePath(name, CONFIG_FILENAME)).is_file():
+        config = read_config(folder)  # in strict mode a missing file is an error
     else:
         config = config_pb2.ModelConfig()
     if not config.name:
         config.name = name
+    validate_filename(config, name)  # before any file is looked for under that name
     versions = [folder / str(v) for v in scanner.list_versions(folder)]
     detect_backend(config, versions)
     reasons: dict[str, str] = {}
@@ -62,26 +77,31 @@ def configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None = 
                 f"model '{name}': config lists no {'inputs' if not config.input else 'outputs'} and "
                 "--strict-model-config is on, so Shoal does not complete it from the model file"
             )
-        config, reasons = complete(config, describe(config, versions))
+        config, reasons = complete(config, describe(config, folder))
         completed = True
     config = normalize(config, name)
     validate_config(config, name)
     return Configured(to_spec(config), config, reasons, completed)
 
 
-def describe(config: config_pb2.ModelConfig, versions: list[Path]) -> ModelIO:
+def describe(config: config_pb2.ModelConfig, folder: Path) -> ModelIO:
     """What the newest version's model file declares."""
     if not config.backend:
         raise load_failed(f"model '{config.name}': no platform or backend set, and no model file to tell")
+    versions = scanner.list_versions(folder, warn=False)
     if not versions:
         raise load_failed(f"model '{config.name}': no version folder to read the model file from")
     filename = config.default_model_filename or DEFAULT_MODEL_FILENAMES.get(config.backend, "")
-    return describe_model(config.backend, versions[-1] / filename)
+    label = PurePath(folder.name, str(versions[-1]), filename)
+    scanner.checked_version_dir(folder, versions[-1])  # the model file may name others beside it
+    return describe_model(config.backend, scanner.checked_path(folder.parent, label), str(label))
 
 
 def check_against_model(configured: Configured, folder: Path) -> None:
     """Every version's model file against the config (what the backend checks at load)."""
     spec = configured.spec
+    folder = Path(os.path.abspath(folder))
     for version in spec.version_policy.select(scanner.list_versions(folder)):
-        path = model_file(configured.config, folder / str(version))
-        check_io(spec, describe_model(spec.backend, path))
+        scanner.checked_version_dir(folder, version)
+        path = model_file(configured.config.default_model_filename, folder, version)
+        check_io(spec, describe_model(spec.backend, path, scanner.relative_name(folder.parent, path)))

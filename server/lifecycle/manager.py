@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from google.protobuf import json_format
 
 from server.errors import ErrorCode, ShoalError, invalid, unknown_model
-from server.lifecycle.configure import configure
+from server.lifecycle.budgets import LoadBudget, MemoryLedger
+from server.lifecycle.configure import configure, model_file
 from server.lifecycle.model import ModelVersion, placements
 from server.lifecycle.state import ModelState
 from server.pb import config_pb2
@@ -35,6 +38,8 @@ from server.repository.config import CONFIG_FILENAME, ModelSpec
 logger = logging.getLogger(__name__)
 
 CONTROL_MODES = ("none", "poll", "explicit")
+# A requested version: ASCII digits only ('²' is a digit to str.isdigit, not to int).
+_VERSION = re.compile(r"^[0-9]{1,18}$")
 
 
 @dataclass
@@ -83,6 +88,7 @@ class ModelManager:
         self.on_change = on_change
         # Device ("cpu", "gpu:0") -> bytes all loaded models together may hold there.
         self.memory_budgets = memory_budgets or {}
+        self._ledger = MemoryLedger(self.memory_budgets, self.memory_in_use)
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -111,7 +117,7 @@ class ModelManager:
             if old is None or not old.ready_versions():  # nothing serving: the index shows LOADING
                 self._models[name] = ModelEntry(name, None, ModelState.LOADING)
             try:
-                entry = await asyncio.to_thread(self._build_entry, name, folder, base, self.memory_in_use())
+                entry, reserved = await asyncio.to_thread(self._build_entry, name, folder, base)
             except BaseException:
                 if old is not None:
                     self._models[name] = old
@@ -119,6 +125,7 @@ class ModelManager:
                     self._models.pop(name, None)
                 raise
             if not entry.ready_versions():
+                self._ledger.release(reserved)
                 if old is not None and old.ready_versions():
                     old.reason = f"reload failed, previous version kept serving: {entry.reason}"
                     self._changed()
@@ -128,7 +135,8 @@ class ModelManager:
                 if old is not None:
                     await self._retire(old)
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': {entry.reason}")
-            self._models[name] = entry  # the switch: one assignment on the event loop
+            with self._ledger.settling(reserved):  # the entry's bytes now count as in use, not reserved
+                self._models[name] = entry  # the switch: one assignment on the event loop
             self._changed()
             if old is not None:
                 await self._retire(old)
@@ -144,46 +152,69 @@ class ModelManager:
             await self._retire(old)
 
     def memory_in_use(self) -> dict[str, int]:
-        """Bytes the loaded versions hold, per device."""
+        """Bytes the loaded versions hold, per device (also read from load threads: copies first)."""
         used: dict[str, int] = {}
-        for model in self._models.values():
-            for version in model.versions.values():
-                if version.served is not None:
-                    for device, byte_size in version.served.memory_bytes.items():
+        for model in list(self._models.values()):
+            for version in list(model.versions.values()):
+                served = version.served
+                if served is not None:
+                    for device, byte_size in served.memory_bytes.items():
                         used[str(device)] = used.get(str(device), 0) + byte_size
         return used
 
     def _build_entry(
-        self, name: str, folder: Path, base: config_pb2.ModelConfig | None, in_use: dict[str, int]
-    ) -> ModelEntry:
-        """Runs in a worker thread: configure, load and warm every version the policy selects."""
-        fingerprint = fingerprint_of(folder)
+        self, name: str, folder: Path, base: config_pb2.ModelConfig | None
+    ) -> tuple[ModelEntry, dict[str, int]]:
+        """Runs in a worker thread: configure, load and warm every version the policy selects.
+
+        Returns the entry and the memory it reserved in the ledger (the caller ends the reservation)."""
+        try:
+            fingerprint = fingerprint_of(folder)
+        except ShoalError:
+            fingerprint = ""  # a path leads outside: configure says which
         try:
             spec = configure(folder, self.strict_model_config, base=base).spec
+            available = scanner.list_versions(folder, warn=False)
         except ShoalError as exc:
-            return ModelEntry(name, None, ModelState.UNAVAILABLE, exc.message, fingerprint=fingerprint)
-        available = scanner.list_versions(folder)
+            return ModelEntry(name, None, ModelState.UNAVAILABLE, exc.message, fingerprint=fingerprint), {}
         chosen = spec.version_policy.select(available)
         if not chosen:
             reason = f"model '{name}': no version folder matches the version policy (found {available})"
-            return ModelEntry(name, spec, ModelState.UNAVAILABLE, reason, fingerprint=fingerprint)
+            return ModelEntry(name, spec, ModelState.UNAVAILABLE, reason, fingerprint=fingerprint), {}
         entry = ModelEntry(name, spec, ModelState.READY, fingerprint=fingerprint)
-        budgets = MemoryBudgets(self.memory_budgets, in_use, spec)
-        for version in chosen:
-            refusal = budgets.refuse_before(folder / str(version), spec)
-            loaded = VersionEntry(version, ModelState.UNAVAILABLE, refusal) if refusal else _load_version(
-                spec, version, folder / str(version)
-            )
-            if loaded.served is not None:
-                refusal = budgets.refuse_after(loaded.served.memory_bytes)
-                if refusal:
-                    loaded.served.pool.close()
-                    loaded = VersionEntry(version, ModelState.UNAVAILABLE, refusal)
-            entry.versions[version] = loaded
+        budget = LoadBudget(self._ledger, spec, {str(d) for d in _devices(spec)})
+        try:
+            for version in chosen:
+                loaded = self._load_within_budget(spec, folder, version, budget)
+                loaded.reason = scanner.without_repository_path(self.repository, loaded.reason)
+                entry.versions[version] = loaded
+        except BaseException:
+            self._ledger.release(budget.reserved)
+            raise
         if not entry.ready_versions():
             entry.state = ModelState.UNAVAILABLE
             entry.reason = "; ".join(e.reason for e in entry.versions.values())
-        return entry
+        return entry, budget.reserved
+
+    @staticmethod
+    def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget) -> VersionEntry:
+        try:  # every path checked before anything is opened or stat'ed
+            version_dir = scanner.checked_version_dir(folder, version)
+            path = model_file(spec.default_model_filename, folder, version)
+        except ShoalError as exc:
+            return VersionEntry(version, ModelState.UNAVAILABLE, exc.message)
+        refusal = budget.refuse_before(path)
+        if refusal:
+            return VersionEntry(version, ModelState.UNAVAILABLE, refusal)
+        loaded = _load_version(spec, version, version_dir)
+        if loaded.served is None:
+            budget.forget_estimate()
+            return loaded
+        refusal = budget.refuse_after({str(d): b for d, b in loaded.served.memory_bytes.items()})
+        if refusal:
+            loaded.served.pool.close()
+            return VersionEntry(version, ModelState.UNAVAILABLE, refusal)
+        return loaded
 
     async def _retire(self, entry: ModelEntry) -> None:
         for version in entry.versions.values():
@@ -203,10 +234,14 @@ class ModelManager:
 
     async def poll_once(self) -> None:
         """Pick up added, removed and changed model folders (poll mode)."""
-        present = set(scanner.list_models(self.repository))
+        present = set(scanner.list_models(self.repository, warn=False))
         for name in sorted(present):
             entry = self._models.get(name)
-            changed = entry is None or fingerprint_of(self.repository / name) != entry.fingerprint
+            try:
+                fingerprint = fingerprint_of(self.repository / name)
+            except ShoalError:
+                fingerprint = ""  # a path that leads outside: the load says so
+            changed = entry is None or fingerprint != entry.fingerprint
             if changed:
                 logger.info("model %s: %s, loading", name, "new" if entry is None else "changed")
                 try:
@@ -225,6 +260,8 @@ class ModelManager:
             await asyncio.sleep(interval_s)
             try:
                 await self.poll_once()
+            except ShoalError as exc:  # e.g. the repository now looks like a model folder
+                logger.error("repository poll: %s", exc.message)
             except Exception:  # noqa: BLE001 - a bad scan must not stop polling
                 logger.exception("repository poll failed")
 
@@ -233,7 +270,7 @@ class ModelManager:
     def entry(self, name: str) -> ModelEntry:
         model = self._models.get(name)
         if model is None:
-            raise unknown_model(name)
+            raise unknown_model(scanner.shown(name))
         return model
 
     def resolve(self, name: str, version: str) -> ModelVersion:
@@ -245,10 +282,10 @@ class ModelManager:
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{name}' has no available versions: {model.reason}")
             chosen = model.versions[ready[-1]]
         else:
-            number = int(version) if version.isdigit() else None
+            number = int(version) if _VERSION.match(version) else None
             found = model.versions.get(number) if number is not None else None
             if found is None:
-                raise unknown_model(name, version)
+                raise unknown_model(name, scanner.shown(version))
             chosen = found
         if chosen.served is None:
             raise ShoalError(
@@ -279,7 +316,8 @@ class ModelManager:
                 rows.append(IndexEntry(model.name, str(version.version), version.state, reason))
         if not ready_only and self.control_mode == "explicit":
             loaded = set(self._models)
-            rows += [IndexEntry(n, "", None, "") for n in scanner.list_models(self.repository) if n not in loaded]
+            rows += [IndexEntry(n, "", None, "") for n in scanner.list_models(self.repository, warn=False)
+                     if n not in loaded]
             rows.sort(key=lambda r: r.name)
         return [r for r in rows if not ready_only or r.state is ModelState.READY]
 
@@ -296,53 +334,6 @@ class ModelManager:
         """Drain and unload everything (shutdown)."""
         for entry in list(self._models.values()):
             await self._retire(entry)
-
-
-class MemoryBudgets:
-    """Per-device budgets for all models together, and a model's own ``memory_budget_mb`` parameter.
-
-    Before a load the model file's size stands in for what it will take; after the load the
-    measured bytes decide. A refused load leaves every loaded model as it was.
-    """
-
-    def __init__(self, budgets: dict[str, int], in_use: dict[str, int], spec: ModelSpec) -> None:
-        self.budgets = budgets
-        self.used = dict(in_use)
-        own = spec.parameters.get("memory_budget_mb", "")
-        try:
-            self.own = int(float(own) * 2**20) if own else None
-        except ValueError:
-            self.own = None
-        self.spec = spec
-        self.taken = 0
-
-    def refuse_before(self, version_dir: Path, spec: ModelSpec) -> str:
-        path = version_dir / spec.default_model_filename if spec.default_model_filename else version_dir
-        estimate = path.stat().st_size if path.is_file() else 0
-        devices = {str(d) for d in _devices(spec)}
-        return self._check({d: estimate for d in devices}, "about ")
-
-    def refuse_after(self, measured: dict[Any, int]) -> str:
-        per_device = {str(d): b for d, b in measured.items()}
-        refusal = self._check(per_device, "")
-        if not refusal:
-            for device, byte_size in per_device.items():
-                self.used[device] = self.used.get(device, 0) + byte_size
-            self.taken += sum(per_device.values())
-        return refusal
-
-    def _check(self, needed: dict[str, int], qualifier: str) -> str:
-        mb = 2**20
-        if self.own is not None and self.taken + sum(needed.values()) > self.own:
-            return (f"memory budget: model '{self.spec.name}' needs {qualifier}{sum(needed.values()) / mb:.1f} MB, "
-                    f"over its memory_budget_mb of {self.own / mb:.1f} MB")
-        for device, byte_size in needed.items():
-            budget = self.budgets.get(device)
-            used = self.used.get(device, 0)
-            if budget is not None and used + byte_size > budget:
-                return (f"memory budget: model '{self.spec.name}' needs {qualifier}{byte_size / mb:.1f} MB on "
-                        f"{device}, but {used / mb:.1f} MB of the {budget / mb:.1f} MB budget are in use")
-        return ""
 
 
 def _devices(spec: ModelSpec) -> set[Any]:
@@ -369,9 +360,16 @@ def _load_version(spec: ModelSpec, version: int, folder: Path) -> VersionEntry:
 
 
 def _parse_override(name: str, text: str) -> config_pb2.ModelConfig:
-    """A load's ``config`` parameter: a whole ModelConfig as JSON, replacing config.pbtxt."""
+    """A load's ``config`` parameter: a whole ModelConfig as a JSON object, replacing config.pbtxt."""
     try:
-        config = json_format.Parse(text, config_pb2.ModelConfig())
+        document = json.loads(text)
+    except ValueError as exc:
+        raise invalid(f"failed to load '{name}': the config parameter is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise invalid(f"failed to load '{name}': the config parameter must be a JSON object (a ModelConfig), "
+                      f"got a JSON {type(document).__name__}")
+    try:
+        config = json_format.ParseDict(document, config_pb2.ModelConfig())
     except json_format.ParseError as exc:
         raise invalid(f"failed to load '{name}': the config parameter is not a valid ModelConfig: {exc}") from None
     if config.name and config.name != name:
@@ -380,13 +378,24 @@ def _parse_override(name: str, text: str) -> config_pb2.ModelConfig:
 
 
 def fingerprint_of(folder: Path) -> str:
-    """Changes when config.pbtxt, a version folder or a file in one changes (poll mode)."""
+    """Changes when config.pbtxt, a version folder or a file in one changes (poll mode).
+
+    Every path is checked first; a file whose real path is outside the repository counts by name only.
+    """
+    repository = folder.parent
     digest = hashlib.sha256()
-    config = folder / CONFIG_FILENAME
+    config = scanner.checked_path(repository, PurePath(folder.name, CONFIG_FILENAME))
     digest.update(config.read_bytes() if config.is_file() else b"")
     for version in scanner.list_versions(folder, warn=False) if folder.is_dir() else []:
         digest.update(f"|{version}".encode())
-        for path in sorted((folder / str(version)).rglob("*")):
-            stat = path.stat()
-            digest.update(f"|{path.relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        version_dir = scanner.checked_path(repository, PurePath(folder.name, str(version)))
+        for path in sorted(version_dir.rglob("*")):
+            relative = path.relative_to(version_dir)
+            try:
+                real = scanner.checked_path(repository, PurePath(folder.name, str(version), relative))
+            except ShoalError:
+                digest.update(f"|{version}/{relative}:outside".encode())
+                continue
+            stat = real.stat()
+            digest.update(f"|{version}/{relative}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return digest.hexdigest()

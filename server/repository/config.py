@@ -20,9 +20,9 @@ from google.protobuf import json_format, text_format
 
 from server.errors import load_failed
 from server.pb import config_pb2
+from server.repository.scanner import CONFIG_FILENAME as CONFIG_FILENAME
+from server.repository.scanner import checked_path, shown
 from server.types import DataType
-
-CONFIG_FILENAME = "config.pbtxt"
 
 # platform string → backend name, as Triton's auto-complete of backend fields.
 PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch"}
@@ -125,15 +125,19 @@ class ModelSpec:
 
 
 def read_config(model_dir: Path) -> config_pb2.ModelConfig:
-    """Read and parse ``<model_dir>/config.pbtxt``; errors name the file, line and column."""
-    path = model_dir / CONFIG_FILENAME
+    """Read and parse ``<model_dir>/config.pbtxt`` (``model_dir`` lies in its repository, the parent
+    folder); errors name the file relative to the repository, with line and column."""
+    label = f"{model_dir.name}/{CONFIG_FILENAME}"
+    path = checked_path(model_dir.parent, label)
     if not path.is_file():
-        raise load_failed(f"{path}: no {CONFIG_FILENAME} in the model folder")
+        raise load_failed(f"{label}: no {CONFIG_FILENAME} in the model folder")
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise load_failed(f"{path}: cannot read: {exc}") from exc
-    return parse_config(text, source=str(path))
+    except UnicodeDecodeError:
+        raise load_failed(f"{label}: not UTF-8 text") from None
+    except OSError as exc:
+        raise load_failed(f"{label}: cannot read: {exc.strerror}") from None
+    return parse_config(text, source=label)
 
 
 def parse_config(text: str, source: str = CONFIG_FILENAME) -> config_pb2.ModelConfig:
@@ -187,10 +191,7 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
             raise load_failed(
                 f"{where}: platform '{config.platform}' does not match backend '{config.backend}'"
             )
-    filename = config.default_model_filename
-    if filename and (Path(filename).name != filename or filename in {".", ".."}):
-        raise load_failed(f"{where}: default_model_filename must be a file name inside the version folder, "
-                          f"got {filename!r}")
+    validate_filename(config, model_name)
     if config.max_batch_size < 0:
         raise load_failed(f"{where}: max_batch_size must be >= 0, got {config.max_batch_size}")
     if not config.input or not config.output:
@@ -210,6 +211,8 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
                 raise load_failed(f"{label} must have at least one dim")
             if any(d < -1 or d == 0 for d in tensor.dims):
                 raise load_failed(f"{label} has invalid dims {list(tensor.dims)}: use positive sizes or -1")
+            if tensor.HasField("reshape"):
+                _validate_reshape(label, list(tensor.dims), list(tensor.reshape.shape))
     for group in config.instance_group:
         if group.count < 1:
             raise load_failed(f"{where}: instance group '{group.name}' has count {group.count}")
@@ -223,6 +226,43 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
         raise load_failed(f"{where}: version_policy specific lists no versions")
     if config.HasField("dynamic_batching"):
         _validate_dynamic_batching(config, where)
+
+
+def validate_filename(config: config_pb2.ModelConfig, model_name: str) -> None:
+    """``default_model_filename`` is a plain file name in the version folder (checked before any open)."""
+    filename = config.default_model_filename
+    if filename and (Path(filename).name != filename or filename in {".", ".."}):
+        raise load_failed(f"model '{model_name}': default_model_filename must be a file name inside the "
+                          f"version folder, got {shown(filename)!r}")
+
+
+def _validate_reshape(label: str, dims: list[int], reshape: list[int]) -> None:
+    """Triton's rule: dims and reshape hold the same elements. With variable dims (-1), each run of
+    fixed dims between them must hold as many elements in both; an empty reshape (a scalar) needs
+    dims of one element. At most one -1 on each side (a reshape can fill in only one)."""
+    if any(d < -1 or d == 0 for d in reshape):
+        raise load_failed(f"{label} has invalid reshape {reshape}: use positive sizes or -1")
+    if not reshape:
+        if _runs(dims) != (1,):
+            raise load_failed(f"{label} has an empty reshape (a scalar), so its dims must hold one element, "
+                              f"got {dims}")
+        return
+    if _runs(dims) != _runs(reshape):
+        raise load_failed(f"{label} has different size for dims {dims} and reshape {reshape}")
+    if reshape.count(-1) > 1:
+        raise load_failed(f"{label}: reshape {reshape} has more than one variable dimension, which Shoal "
+                          "cannot reshape to")
+
+
+def _runs(shape: list[int]) -> tuple[int, ...]:
+    """Element counts of the runs of fixed dims that the variable dims (-1) separate."""
+    counts = [1]
+    for dim in shape:
+        if dim == -1:
+            counts.append(1)
+        else:
+            counts[-1] *= dim
+    return tuple(counts)
 
 
 def _validate_dynamic_batching(config: config_pb2.ModelConfig, where: str) -> None:
@@ -287,7 +327,10 @@ def detect_backend(config: config_pb2.ModelConfig, version_dirs: list[Path]) -> 
     for folder in sorted(version_dirs, key=lambda p: int(p.name), reverse=True):
         candidates = [config.default_model_filename] if config.default_model_filename else list(by_file)
         for filename in candidates:
-            if (folder / filename).exists() and filename in by_file:
+            if filename not in by_file:
+                continue
+            model_dir = folder.parent
+            if checked_path(model_dir.parent, Path(model_dir.name, folder.name, filename)).exists():
                 config.backend = by_file[filename]
                 if filename != DEFAULT_MODEL_FILENAMES.get(config.backend):
                     config.default_model_filename = filename

@@ -1,12 +1,20 @@
-"""Model folders and version folders in a repository, and safe model-name resolution."""
+"""Model folders and version folders in a repository, and the one check every path goes through.
+
+Nothing in a repository is opened, stat'ed or listed before ``checked_path`` has turned its
+repository-relative name into a real path (symlinks resolved) inside the repository. A path
+that leads outside is refused with one message that names only what the caller gave, so the
+answer is the same whether or not the target exists. Messages name files relative to the
+repository (``simple/1/model.onnx``), never by their absolute path on the server.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePath
 
-from server.errors import load_failed, unknown_model
+from server.errors import ShoalError, load_failed, unknown_model
 
 logger = logging.getLogger(__name__)
 
@@ -14,47 +22,141 @@ logger = logging.getLogger(__name__)
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 # Triton ignores version folders that are not integers or that start with '0'.
 _VERSION_NAME = re.compile(r"^[1-9][0-9]*$")
+# The longest file name the usual file systems take (NAME_MAX); longer ones cannot exist.
+MAX_NAME_BYTES = 255
+CONFIG_FILENAME = "config.pbtxt"
+# Files whose presence in an integer folder marks it as a version folder (see looks_like_model_folder).
+_MODEL_FILENAMES = ("model.onnx", "model.pt", "model.pt2")
 
 
 def is_safe_model_name(name: str) -> bool:
-    return bool(_MODEL_NAME.match(name)) and ".." not in name
+    return bool(_MODEL_NAME.match(name)) and ".." not in name and len(name.encode()) <= MAX_NAME_BYTES
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """A client-given name as messages echo it: a long one is cut, so that an error stays far below
+    gRPC's 8 KB metadata limit (past it the client gets RESOURCE_EXHAUSTED instead of the error)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def outside(relative: str | PurePath) -> ShoalError:
+    """The one refusal for a path that leads out of the repository (or cannot be a path in it)."""
+    return load_failed(f"'{shown(str(relative))}' is not a path inside the model repository")
+
+
+def checked_path(repository: Path, relative: str | PurePath) -> Path:
+    """The real path of ``relative`` (a path inside ``repository``), every symlink resolved.
+
+    Refuses absolute paths, ``..`` that climbs out, symlinks (at any depth) whose target is
+    outside the repository, and names too long to exist, all with the same ``outside`` message;
+    nothing is opened and the target's existence plays no part.
+    """
+    path = PurePath(relative)
+    if path.is_absolute() or any(len(os.fsencode(part)) > MAX_NAME_BYTES for part in path.parts):
+        raise outside(relative)
+    root = repository.resolve()
+    try:
+        real = (root / path).resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        raise outside(relative) from None
+    if not real.is_relative_to(root):
+        raise outside(relative)
+    return real
+
+
+def checked_version_dir(folder: Path, version: int) -> Path:
+    """The real path of a version folder of model folder ``folder``, after checking it and every
+    entry in it (external weight files, a ``model.onnx/`` folder) with ``checked_path``."""
+    relative = PurePath(folder.name, str(version))
+    real = checked_path(folder.parent, relative)
+    if real.is_dir():
+        for entry in real.rglob("*"):  # rglob does not descend into symlinked folders
+            checked_path(folder.parent, relative / entry.relative_to(real))
+    return real
+
+
+def relative_name(repository: Path, path: Path) -> str:
+    """``path`` as messages name it: relative to the repository where it lies inside."""
+    for root in (repository, repository.resolve()):
+        if path.is_relative_to(root):
+            return str(path.relative_to(root))
+    return path.name
+
+
+def without_repository_path(repository: Path, text: str) -> str:
+    """``text`` with the repository's absolute path taken out, so the files it names read relative."""
+    for root in {str(repository.resolve()), str(repository.absolute())}:
+        text = text.replace(root + os.sep, "").replace(root, ".")
+    return text
 
 
 def model_dir(repository: Path, name: str) -> Path:
     """The folder of model ``name``, refusing names that could point outside the repository."""
     if not is_safe_model_name(name):
-        raise unknown_model(name)
+        raise unknown_model(shown(name))
     root = repository.resolve()
     path = (root / name).resolve()
     if path.parent != root:
-        raise unknown_model(name)
+        raise unknown_model(shown(name))
     return path
 
 
-def list_models(repository: Path) -> list[str]:
-    """Names of the model folders in the repository, sorted; unsafe names are skipped."""
+def looks_like_model_folder(folder: Path) -> bool:
+    """A model folder rather than a repository: it holds a config.pbtxt, or an integer folder
+    with a model file in it."""
+    if (folder / CONFIG_FILENAME).is_file():
+        return True
+    return any(
+        _VERSION_NAME.match(entry.name) and any((entry / f).exists() for f in _MODEL_FILENAMES)
+        for entry in folder.iterdir() if entry.is_dir()
+    )
+
+
+def model_folder_problem(repository: Path) -> str:
+    """What to tell an operator who passed a model folder as the repository; "" when it is none."""
+    if not looks_like_model_folder(repository):
+        return ""
+    return (f"{repository} is a model folder, not a model repository: pass its parent folder "
+            f"({repository.resolve().parent})")
+
+
+def list_models(repository: Path, warn: bool = True) -> list[str]:
+    """Names of the model folders in the repository, sorted; unsafe names are skipped.
+
+    Refuses a model folder given as the repository; warns (unless ``warn`` is off) when the
+    repository holds no model folder.
+    """
     if not repository.is_dir():
         raise load_failed(f"model repository {repository} is not a folder")
+    problem = model_folder_problem(repository)
+    if problem:
+        raise load_failed(problem)
     names = []
     for entry in sorted(repository.iterdir()):
-        if not entry.is_dir() or entry.name.startswith("."):
+        if entry.name.startswith(".") or not entry.is_dir():
             continue
         if not is_safe_model_name(entry.name) or entry.resolve().parent != repository.resolve():
-            logger.warning("skipping model folder %r: unsafe name or it points outside the repository", entry)
+            logger.warning("skipping model folder %r: unsafe name or it points outside the repository", entry.name)
             continue
         names.append(entry.name)
+    if not names and warn:
+        logger.warning("model repository %s holds no model folders", repository)
     return names
 
 
 def list_versions(folder: Path, warn: bool = True) -> list[int]:
-    """Integer version folders of a model; others are skipped (with a warning unless ``warn`` is off)."""
+    """Integer version folders of a model; others are skipped (with a warning unless ``warn`` is off).
+
+    ``folder`` is a model folder in a repository (its parent); a version folder that leads
+    outside the repository refuses the model.
+    """
+    repository = folder.parent
     versions = []
     for entry in sorted(folder.iterdir()):
-        if not entry.is_dir():
-            continue
         if _VERSION_NAME.match(entry.name):
-            versions.append(int(entry.name))
-        elif not warn:
+            if checked_path(repository, PurePath(folder.name, entry.name)).is_dir():
+                versions.append(int(entry.name))
+        elif not warn or not entry.is_dir():
             continue
         elif entry.name.isdigit():
             logger.warning("model %s: skipping version folder %r (zero-padded)", folder.name, entry.name)
