@@ -3,7 +3,6 @@ memory is accounted per model and budgets refuse what does not fit."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from clients import ClientError, InferenceClient
 from tests import models
+from tests.polling import wait_until
 
 torch = pytest.importorskip("torch", reason="the PyTorch backend needs torch (installed by .ci/run)")
 
@@ -268,12 +268,13 @@ def test_a_killed_worker_fails_only_its_request_and_is_restarted(tmp_path: Path,
     with ThreadPoolExecutor(2) as pool:
         before = {pid: _cpu_ticks(pid) for pid in workers}
         running = [pool.submit(heavy, 1.0), pool.submit(heavy, 2.0)]
-        deadline = time.monotonic() + 10
         busy: list[int] = []
-        while not busy and time.monotonic() < deadline:  # a worker that is computing a request
-            time.sleep(0.05)
-            busy = [pid for pid in workers if _cpu_ticks(pid) > before[pid] + 2]
-        assert busy, "no worker started computing"
+
+        def computing() -> bool:  # a worker that is computing a request
+            busy[:] = [pid for pid in workers if _cpu_ticks(pid) > before[pid] + 2]
+            return bool(busy)
+
+        wait_until(computing, timeout_s=10, what="a worker computing a request")
         os.kill(busy[0], signal.SIGKILL)
         results = [f.result(timeout=120) for f in running]
     failures = [r for r in results if isinstance(r, ClientError)]

@@ -237,6 +237,13 @@ class Scheduler:
     # -- execution ----------------------------------------------------------------------------------
 
     async def _execute(self, executor: Executor, batch: list[Pending]) -> None:
+        self.statistics.executing += len(batch)
+        try:
+            await self._execute_batch(executor, batch)
+        finally:
+            self.statistics.executing -= len(batch)
+
+    async def _execute_batch(self, executor: Executor, batch: list[Pending]) -> None:
         start = time.monotonic_ns()
         try:
             outputs = list(dict.fromkeys(name for pending in batch for name in pending.outputs))
