@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 from server.backends.base import LoadedModel, load_model
@@ -116,7 +117,12 @@ class ModelVersion:
             model.run(feed, outputs)
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        prepared = tensors.prepare(self.spec, request)
+        arrival_ns = time.monotonic_ns()
+        try:
+            prepared = tensors.prepare(self.spec, request)
+        except ShoalError:  # rejected for bad input: a failed request of this version, as Triton counts it
+            self.statistics.record_failure(time.monotonic_ns() - arrival_ns)
+            raise
         try:
             results = await self.scheduler.submit(
                 prepared.feed, prepared.outputs, prepared.batch_size, request.parameters
