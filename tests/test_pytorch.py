@@ -3,6 +3,7 @@ memory is accounted per model and budgets refuse what does not fit."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -311,3 +312,108 @@ def test_pickled_eager_module_in_threads_and_processes(tmp_path: Path, server_fa
             np.testing.assert_allclose(client.infer(name, {"x": x})["OUTPUT__0"], expected, rtol=1e-6)
         refused = next(e for e in client.repository_index() if e.name == "not_opted_in")
     assert refused.state == "UNAVAILABLE" and "PyTorch cannot load" in refused.reason
+
+
+def _one_process_model(repo: Path, name: str, parameters: dict[str, str], count: int = 1) -> Path:
+    """A TorchScript Linear(8) served by ``count`` worker processes; returns its model file."""
+    (repo / name / "1").mkdir(parents=True)
+    torch.jit.script(Linear(8)).save(str(repo / name / "1" / "model.pt"))
+    extra = "".join(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+                    for key, value in {"process_instances": "true", **parameters}.items())
+    (repo / name / "config.pbtxt").write_text(_config(
+        name, [("x", "TYPE_FP32", "[ 8 ]")], [("y", "TYPE_FP32", "[ 8 ]")],
+        f"instance_group [ {{ count: {count} }} ]\n{extra}",
+    ))
+    return repo / name / "1" / "model.pt"
+
+
+def _resume_and_kill(pids: list[int]) -> None:
+    """Leave nothing stopped behind, whatever the test's outcome."""
+    import os
+    import signal
+
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                break
+
+
+def test_execution_timeout_fails_the_request_of_a_stopped_worker_and_replaces_it(
+    tmp_path: Path, server_factory
+) -> None:
+    import os
+    import signal
+
+    repo = tmp_path / "repo"
+    _one_process_model(repo, "guarded", {"execution_timeout_ms": "1500", "liveness_check_interval_ms": "0"})
+    server = server_factory(repo)
+    (stopped,) = _worker_pids(server.pid)
+    x = np.ones((1, 8), np.float32)
+    try:
+        os.kill(stopped, signal.SIGSTOP)
+        with InferenceClient(server.url, timeout_s=60) as client:
+            with pytest.raises(ClientError) as caught:
+                client.infer("guarded", {"x": x})
+            assert caught.value.status == grpc.StatusCode.UNAVAILABLE
+            assert "did not answer within 1500 ms (execution_timeout_ms); it was killed and restarted" in \
+                caught.value.message
+            assert client.infer("guarded", {"x": x})["y"].shape == (1, 8)  # the new worker serves
+            stats = client.statistics("guarded")[0]["inference_stats"]
+        assert int(stats["fail"]["count"]) == 1 and int(stats["success"]["count"]) == 1
+        workers = _worker_pids(server.pid)
+        assert len(workers) == 1 and stopped not in workers
+    finally:
+        _resume_and_kill([stopped])
+
+
+def test_a_stopped_idle_worker_is_found_and_readiness_follows_its_replacement(tmp_path: Path, server_factory) -> None:
+    import os
+    import signal
+
+    repo = tmp_path / "repo"
+    model_file = _one_process_model(repo, "watched", {"liveness_check_interval_ms": "300"})
+    server = server_factory(repo)
+    (stopped,) = _worker_pids(server.pid)
+    x = np.ones((1, 8), np.float32)
+    try:
+        with InferenceClient(server.url, timeout_s=60) as client:
+            assert client.is_model_ready("watched")
+            model_file.rename(model_file.with_suffix(".away"))  # a replacement worker cannot load it now
+            os.kill(stopped, signal.SIGSTOP)
+            wait_until(lambda: not client.is_model_ready("watched"), what="ModelReady false")
+            assert not client.is_model_ready("watched", "1")
+            with pytest.raises(ClientError) as caught:
+                client.infer("watched", {"x": x})
+            assert caught.value.status == grpc.StatusCode.UNAVAILABLE
+            assert "did not answer a liveness check within 300 ms" in caught.value.message
+            assert "could not be restarted" in caught.value.message
+            model_file.with_suffix(".away").rename(model_file)
+            wait_until(lambda: client.is_model_ready("watched"), what="ModelReady true again")
+            assert client.infer("watched", {"x": x})["y"].shape == (1, 8)
+        workers = _worker_pids(server.pid)
+        assert len(workers) == 1 and stopped not in workers
+    finally:
+        _resume_and_kill([stopped])
+
+
+def test_shutdown_is_bounded_when_workers_are_stopped(tmp_path: Path, server_factory) -> None:
+    import os
+    import signal
+
+    repo = tmp_path / "repo"
+    _one_process_model(repo, "frozen", {}, count=2)
+    server = server_factory(repo)
+    workers = _worker_pids(server.pid)
+    assert len(workers) == 2
+    try:
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        assert server.stop(timeout_s=60) == 0, server.log()
+        assert time.monotonic() - start < 10, "closing stopped workers must not wait long for each"
+        assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
+                    and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1]]
+    finally:
+        _resume_and_kill(workers)

@@ -11,6 +11,7 @@ from server.backends.base import LoadedModel, load_model
 from server.backends.devices import CPU, Device, cuda_device_count
 from server.errors import ErrorCode, ShoalError, load_failed
 from server.instances.pool import InstancePool, Placement, build_pool
+from server.instances.process import WORKER_PARAMETERS
 from server.lifecycle import tensors
 from server.repository.config import InstanceKind, ModelSpec
 from server.scheduling.dynamic import Scheduler
@@ -77,6 +78,10 @@ class ModelVersion:
         processes = _flag(spec, "process_instances", False)
         if processes and spec.backend != "pytorch":
             raise load_failed(f"model '{spec.name}': process_instances needs the pytorch backend")
+        for key in WORKER_PARAMETERS:
+            if key in spec.parameters and not processes:
+                raise load_failed(f"model '{spec.name}': parameter {key} needs process_instances: true "
+                                  "(a worker process can be killed and restarted, a thread cannot)")
         memory_bytes: dict[Device, int] = {}
         shared_copies: dict[Device, tuple[LoadedModel, dict[str, object]]] = {}
 
@@ -108,6 +113,10 @@ class ModelVersion:
         version_model = cls(spec, version, pool, memory_bytes)
         version_model.shared_copies = [parent for parent, _ in shared_copies.values()]
         return version_model
+
+    def can_serve(self) -> bool:
+        """At least one instance can take a request (a process instance whose worker is dead or hung cannot)."""
+        return any(getattr(instance.model, "healthy", True) for instance in self.pool.instances)
 
     def warm_up(self) -> None:
         """Run one zero-filled request (batch 1) on every loaded copy, off the event loop."""
