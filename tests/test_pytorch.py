@@ -417,3 +417,69 @@ def test_shutdown_is_bounded_when_workers_are_stopped(tmp_path: Path, server_fac
                     and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1]]
     finally:
         _resume_and_kill(workers)
+
+
+def _memory_kb(pid: int, field: str) -> int:
+    """A line of /proc/PID/smaps_rollup; "Anonymous:" is private memory, which weights in shared memory are not."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} line in smaps_rollup")
+
+
+def _exported(repo: Path, name: str, width: int, kind: str = "KIND_CPU") -> torch.nn.Module:
+    (repo / name / "1").mkdir(parents=True)
+    module = torch.nn.Linear(width, width, bias=False).eval()
+    program = torch.export.export(module, (torch.zeros(2, width),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},))
+    torch.export.save(program, str(repo / name / "1" / "model.pt2"))
+    (repo / name / "config.pbtxt").write_text(_config(
+        name, [("x", "TYPE_FP32", f"[ {width} ]")], [("y", "TYPE_FP32", f"[ {width} ]")],
+        f'default_model_filename: "model.pt2"\ninstance_group [ {{ count: 1 kind: {kind} }} ]\n'
+        'parameters { key: "process_instances" value: { string_value: "true" } }',
+    ))
+    return module
+
+
+def test_an_exported_program_worker_holds_no_copy_of_the_weights(tmp_path: Path, server_factory) -> None:
+    repo = tmp_path / "repo"
+    _exported(repo, "small", 8)
+    big = _exported(repo, "big", 4096)  # 64 MB of weights
+    server = server_factory(repo)
+    x = np.random.default_rng(0).standard_normal((2, 4096)).astype(np.float32)
+    with InferenceClient(server.url, timeout_s=60) as client:
+        expected = big(torch.from_numpy(x)).detach().numpy()
+        np.testing.assert_allclose(client.infer("big", {"x": x})["y"], expected, rtol=1e-4, atol=1e-4)
+        assert client.infer("small", {"x": np.ones((1, 8), np.float32)})["y"].shape == (1, 8)
+    # The big model's worker maps its 64 MB of shared weights, the small one's does not.
+    small_worker, big_worker = sorted(_worker_pids(server.pid), key=lambda pid: _memory_kb(pid, "Rss:"))
+    extra_kb = _memory_kb(big_worker, "Anonymous:") - _memory_kb(small_worker, "Anonymous:")
+    assert extra_kb < 16 * 1024, f"the big model's worker holds {extra_kb} kB more private memory (weights 64 MB)"
+
+
+def _gpu_memory_mb(pid: int) -> int:
+    """Device memory a process holds, as nvidia-smi reports it (its CUDA context included)."""
+    import subprocess
+
+    listing = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    used = [int(mb) for line in listing.splitlines() for owner, mb in [line.split(",")] if int(owner) == pid]
+    assert used, f"process {pid} holds no device memory"
+    return sum(used)
+
+
+@pytest.mark.gpu
+def test_an_exported_program_gpu_worker_holds_no_copy_of_the_weights(tmp_path: Path, server_factory) -> None:
+    import shutil
+
+    if not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        pytest.skip("needs a CUDA build of torch, a GPU and nvidia-smi")
+    repo = tmp_path / "repo"
+    _exported(repo, "big", 8192, "KIND_GPU")  # 256 MB of weights, held by the server, shared by CUDA IPC
+    server = server_factory(repo)
+    with InferenceClient(server.url, timeout_s=120) as client:
+        assert client.infer("big", {"x": np.ones((1, 8192), np.float32)})["y"].shape == (1, 8192)
+    (worker,) = _worker_pids(server.pid)
+    own_mb, server_mb = _gpu_memory_mb(worker), _gpu_memory_mb(server.pid)
+    # Both hold a CUDA context; only the server holds the weights.
+    assert own_mb < server_mb - 128, f"the worker holds {own_mb} MB of device memory, the server {server_mb} MB"

@@ -88,10 +88,12 @@ def _worker(spec: ModelSpec, model_path: str, device: str, shared: dict[str, Any
     torch.set_num_threads(threads)
     target = torch.device(device)
     if model_path.endswith(".pt2") and not pytorch.is_pickled(spec):
-        module, names = pytorch.read_module(spec, Path(model_path), target)
-        with torch.no_grad():
-            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-                tensor.set_(shared[name])  # our own copy is dropped: the weights are the server's
+        # torch.export reads weights onto the CPU only. The module is pointed at the server's shared
+        # tensors while still there, so its own copy is dropped and never reaches the device; only
+        # then do the few tensors that are not parameters or buffers (lifted constants) move.
+        module, names = pytorch.read_module(spec, Path(model_path), torch.device("cpu"))
+        _point_at_shared(module, shared)
+        module.to(target)  # parameters and buffers are there already: nothing of theirs is copied
     else:
         # The code only, onto the meta device (no weight allocated here), then every parameter
         # and buffer pointed at the server's shared tensor.
@@ -128,6 +130,27 @@ def _worker(spec: ModelSpec, model_path: str, device: str, shared: dict[str, Any
             conn.send(("error", f"{type(exc).__name__}: {exc}", None))
         finally:
             block.close()
+
+
+def _point_at_shared(module: Any, shared: dict[str, Any]) -> None:
+    """Replace every parameter and buffer of an ``nn.Module`` by the server's shared tensor (no copy).
+
+    Aliases (tied weights) get the tensor of the first name, as ``named_parameters`` reports them.
+    """
+    import torch
+
+    first_name: dict[int, str] = {}
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        source = shared[first_name.setdefault(id(tensor), name)]
+        owner = module
+        *path, attribute = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        if attribute in owner._parameters:
+            owner._parameters[attribute] = torch.nn.Parameter(source, requires_grad=False)
+        else:
+            owner._buffers[attribute] = source
 
 
 @dataclass(frozen=True)
