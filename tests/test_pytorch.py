@@ -71,6 +71,8 @@ def torch_server(tmp_path_factory: pytest.TempPathFactory):
     add_torchscript(repo, "wrong_dims", INDEXED_IN, [("OUTPUT__0", "TYPE_INT32", "[ 5 ]"), INDEXED_OUT[1]])
     add_torchscript(repo, "wrong_type", INDEXED_IN, [("OUTPUT__0", "TYPE_FP32", "[ 4 ]"), INDEXED_OUT[1]])
     add_torchscript(repo, "three_inputs", [*INDEXED_IN, ("INPUT__2", "TYPE_INT32", "[ 4 ]")], INDEXED_OUT)
+    add_torchscript(repo, "timeout_in_threads", INDEXED_IN, INDEXED_OUT,
+                    'parameters { key: "execution_timeout_ms" value: { string_value: "100" } }')
     server = start_server(repo, tmp_path_factory.mktemp("server"), "--strict-readiness", "false")
     yield server
     assert server.stop() == 0, server.log()
@@ -121,6 +123,7 @@ def test_executors_sharing_one_module_batch_and_stay_correct(torch_server) -> No
         ("wrong_dims", "output 'OUTPUT__0' has dims [1, 5] in the config (batch 1) but the model returns [1, 4]"),
         ("wrong_type", "output 'OUTPUT__0' is TYPE_FP32 in the config but the model returns TYPE_INT32"),
         ("three_inputs", "the model's forward takes 2 input(s) ['a', 'b'], the config lists 3"),
+        ("timeout_in_threads", "parameter execution_timeout_ms needs process_instances: true"),
     ],
 )
 def test_config_model_mismatch_is_a_clear_load_error(torch_server, model: str, phrase: str) -> None:

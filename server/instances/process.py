@@ -303,11 +303,13 @@ class ProcessModel:
                 pass
             if not self._process.is_alive():
                 code = self._process.exitcode
+                if self._closing.is_set():
+                    raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{self._spec.name}' is unloading")
                 self._replace(f"died (exit code {code})")
                 raise ShoalError(
                     ErrorCode.UNAVAILABLE,
                     f"model '{self._spec.name}': the instance process running this request died "
-                    f"(exit code {code}); it has been restarted",
+                    f"(exit code {code}); {'it has been restarted' if self.healthy else 'it could not be restarted'}",
                 )
             if deadline is not None and time.monotonic() > deadline:
                 limit_ms = round(timeout_s * 1000)
@@ -354,7 +356,8 @@ class ProcessModel:
             try:
                 if self._process.is_alive():
                     try:
-                        os.kill(self._process.pid or 0, signal.SIGCONT)  # a stopped worker can read the request
+                        if self._process.pid:
+                            os.kill(self._process.pid, signal.SIGCONT)  # a stopped worker can read the request
                         self._conn.send(None)
                     except (OSError, ValueError):
                         pass
