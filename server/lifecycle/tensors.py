@@ -56,7 +56,13 @@ def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
         data = tensor.data
         if tensor_spec.reshape is not None:
             lead = list(tensor.shape[:1]) if spec.max_batch_size > 0 else []
-            data = data.reshape(lead + list(tensor_spec.reshape))
+            try:
+                data = data.reshape(lead + list(tensor_spec.reshape))
+            except ValueError:  # e.g. a -1 in the reshape with no element to infer it from
+                raise invalid(
+                    f"input '{tensor.name}' for model '{spec.name}': shape {list(tensor.shape)} cannot be "
+                    f"reshaped to {lead + list(tensor_spec.reshape)}"
+                ) from None
         feed[tensor.name] = data
     if len(batch_sizes) > 1:
         raise invalid(f"inputs for model '{spec.name}' have different batch sizes {sorted(batch_sizes)}")
