@@ -401,6 +401,43 @@ def test_a_stopped_idle_worker_is_found_and_readiness_follows_its_replacement(tm
         _resume_and_kill([stopped])
 
 
+def test_a_dead_idle_worker_is_replaced_before_any_request(tmp_path: Path, server_factory) -> None:
+    import os
+    import signal
+
+    repo = tmp_path / "repo"
+    _one_process_model(repo, "watched", {"liveness_check_interval_ms": "300"})
+    server = server_factory(repo)
+    (dead,) = _worker_pids(server.pid)
+    os.kill(dead, signal.SIGKILL)
+    with InferenceClient(server.url, timeout_s=60) as client:
+        wait_until(lambda: dead not in _worker_pids(server.pid) and len(_worker_pids(server.pid)) == 1
+                   and client.is_model_ready("watched"), what="a new worker, ready")
+        assert client.infer("watched", {"x": np.ones((1, 8), np.float32)})["y"].shape == (1, 8)
+        assert int(client.statistics("watched")[0]["inference_stats"]["fail"].get("count", 0)) == 0
+    assert "died (exit code -9); restarting" in server.log()
+
+
+def test_without_liveness_checks_a_dead_idle_worker_fails_one_request_and_is_replaced(
+    tmp_path: Path, server_factory
+) -> None:
+    import os
+    import signal
+
+    repo = tmp_path / "repo"
+    _one_process_model(repo, "unwatched", {"liveness_check_interval_ms": "0"})
+    server = server_factory(repo)
+    (dead,) = _worker_pids(server.pid)
+    os.kill(dead, signal.SIGKILL)
+    x = np.ones((1, 8), np.float32)
+    with InferenceClient(server.url, timeout_s=60) as client:
+        with pytest.raises(ClientError) as caught:
+            client.infer("unwatched", {"x": x})
+        assert caught.value.status == grpc.StatusCode.UNAVAILABLE
+        assert "died (exit code -9); it has been restarted" in caught.value.message
+        assert client.infer("unwatched", {"x": x})["y"].shape == (1, 8)
+
+
 def test_shutdown_is_bounded_when_workers_are_stopped(tmp_path: Path, server_factory) -> None:
     import os
     import signal

@@ -276,7 +276,10 @@ class ProcessModel:
                                                         f"{self._failure or 'is stopping'}")
             block, layout = _pack(inputs)
             try:
-                self._conn.send((block.name, layout, list(outputs)))
+                try:
+                    self._conn.send((block.name, layout, list(outputs)))
+                except OSError:
+                    pass  # the worker is gone: the wait finds it dead and replaces it
                 reply = self._wait()
             finally:
                 block.close()
