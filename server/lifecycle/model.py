@@ -129,7 +129,7 @@ class ModelVersion:
         arrival_ns = time.monotonic_ns()
         try:
             prepared = tensors.prepare(self.spec, request)
-        except ShoalError:  # rejected for bad input: a failed request of this version, as Triton counts it
+        except ShoalError:  # rejected for bad input: still a failed request of this version
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns)
             raise
         try:
