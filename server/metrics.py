@@ -7,8 +7,8 @@ cumulative durations in µs: ``nv_inference_request_duration_us``,
 ``nv_inference_queue_duration_us``, ``nv_inference_compute_input_duration_us``,
 ``nv_inference_compute_infer_duration_us``, ``nv_inference_compute_output_duration_us``;
 gauge ``nv_inference_pending_request_count``. Shoal's own: ``shoal_model_memory_bytes``
-(measured at load, per device) and ``shoal_model_instances``, plus the process collector's
-``process_resident_memory_bytes``. Labels: ``model`` and ``version``.
+(measured at load, per device), ``shoal_model_instances`` and ``shoal_model_executing_requests``,
+plus the process collector's ``process_resident_memory_bytes``. Labels: ``model`` and ``version``.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class ModelCollector(Collector):
         memory = GaugeMetricFamily("shoal_model_memory_bytes", "Bytes of weights a model version holds on a device",
                                    labels=[*labels, "device"])
         instances = GaugeMetricFamily("shoal_model_instances", "Executors of a model version", labels=labels)
+        executing = GaugeMetricFamily("shoal_model_executing_requests", "Requests whose batch is executing now",
+                                      labels=labels)
         for row in self.core.model_statistics("", ""):
             stats = row.statistics
             values = [row.name, row.version]
@@ -69,9 +71,10 @@ class ModelCollector(Collector):
                 durations[metric_name].add_metric(values, getattr(stats, field).ns / 1000)
             pending.add_metric(values, row.pending)
             instances.add_metric(values, row.instances)
+            executing.add_metric(values, stats.executing)
             for (kind, index), byte_size in row.memory_bytes.items():
                 memory.add_metric([*values, "cpu" if kind == "CPU" else f"gpu:{index}"], byte_size)
-        yield from (success, failure, count, executions, *durations.values(), pending, memory, instances)
+        yield from (success, failure, count, executions, *durations.values(), pending, memory, instances, executing)
 
 
 def start_metrics_server(core: InferenceCore, address: str, port: int) -> int:

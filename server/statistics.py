@@ -6,7 +6,8 @@
 - ``compute_input``/``compute_infer``/``compute_output``: per successful request, the
   durations of its batch's phases (gather inputs, execute, scatter outputs);
 - ``inference_count``: batch elements inferred; ``execution_count``: executions;
-- ``batch_stats``: per executed batch size, the count of executions and their phase times.
+- ``batch_stats``: per executed batch size, the count of executions and their phase times;
+- ``executing`` (Shoal's own, a gauge): requests whose batch is executing now.
 
 Durations are nanoseconds from ``time.monotonic_ns``; ``last_inference`` is milliseconds
 since the epoch. Updated from the event loop only, so no lock is needed.
@@ -56,6 +57,7 @@ class ModelStatistics:
     execution_count: int = 0
     last_inference_ms: int = 0
     batch_stats: dict[int, BatchStats] = field(default_factory=dict)
+    executing: int = 0
 
     def record_execution(self, batch_size: int, phases: Phases) -> None:
         """One successful execution of ``batch_size`` elements."""

@@ -15,6 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests import models
 from tests.conftest import RunningServer
+from tests.polling import metric, wait_until
 
 SLOW_MS = 400
 
@@ -90,6 +91,16 @@ def statistics(url: str, model: str) -> dict:
         return client.get_inference_statistics(model, as_json=True)["model_stats"][0]
 
 
+def wait_executing(server: RunningServer, model: str, count: int = 1) -> None:
+    wait_until(lambda: metric(server, "shoal_model_executing_requests", model) == count,
+               what=f"{count} executing request(s) of '{model}'")
+
+
+def wait_queued(server: RunningServer, model: str, count: int) -> None:
+    wait_until(lambda: metric(server, "nv_inference_pending_request_count", model) == count,
+               what=f"{count} queued request(s) of '{model}'")
+
+
 def test_responses_never_mix_rows_under_concurrency(batching_server: RunningServer) -> None:
     with ThreadPoolExecutor(16) as pool:
         futures = {value: pool.submit(infer, batching_server.url, "fast", value, 1 + value % 3) for value in range(64)}
@@ -106,8 +117,9 @@ def test_held_back_requests_execute_as_batches_of_2_and_6(batching_server: Runni
     with ThreadPoolExecutor(8) as pool:
         for held in (2, 6):
             blocker = pool.submit(infer, url, "batched", 100)
-            time.sleep(SLOW_MS / 4000)  # the blocker is executing; the next ones queue behind it
+            wait_executing(batching_server, "batched")  # the next ones queue behind the blocker
             queued = [pool.submit(infer, url, "batched", value) for value in range(held)]
+            wait_queued(batching_server, "batched", held)
             assert (blocker.result(timeout=60) == 100).all()
             for value, future in enumerate(queued):
                 assert (future.result(timeout=60) == value).all()
@@ -133,11 +145,11 @@ def test_high_priority_request_overtakes_queued_low_ones(batching_server: Runnin
 
     with ThreadPoolExecutor(4) as pool:
         blocker = pool.submit(call, 0)
-        time.sleep(SLOW_MS / 4000)
+        wait_executing(batching_server, "prioritized")
         low = [pool.submit(call, 1)]
-        time.sleep(0.02)
+        wait_queued(batching_server, "prioritized", 1)
         low.append(pool.submit(call, 2))
-        time.sleep(0.02)
+        wait_queued(batching_server, "prioritized", 2)
         high = pool.submit(call, 9, priority=1)  # tritonclient sends it as uint64_param
         for future in (blocker, *low, high):
             future.result(timeout=60)
@@ -148,9 +160,9 @@ def test_full_queue_is_rejected_at_once_while_the_server_keeps_serving(batching_
     url = batching_server.url
     with ThreadPoolExecutor(4) as pool:
         running = pool.submit(infer, url, "bounded", 1)
-        time.sleep(SLOW_MS / 4000)
+        wait_executing(batching_server, "bounded")
         queued = pool.submit(infer, url, "bounded", 2)
-        time.sleep(0.05)
+        wait_queued(batching_server, "bounded", 1)
         start = time.monotonic()
         with pytest.raises(InferenceServerException) as caught:
             infer(url, "bounded", 3)

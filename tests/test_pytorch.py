@@ -1,9 +1,9 @@
 """The PyTorch backend: TorchScript and torch.export models load, serve, batch and refuse mismatches;
-memory is accounted per model and budgets refuse what does not fit."""
+memory is accounted per model and budgets refuse what does not fit. Process instances:
+tests/test_process_instances.py."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,6 +70,8 @@ def torch_server(tmp_path_factory: pytest.TempPathFactory):
     add_torchscript(repo, "wrong_dims", INDEXED_IN, [("OUTPUT__0", "TYPE_INT32", "[ 5 ]"), INDEXED_OUT[1]])
     add_torchscript(repo, "wrong_type", INDEXED_IN, [("OUTPUT__0", "TYPE_FP32", "[ 4 ]"), INDEXED_OUT[1]])
     add_torchscript(repo, "three_inputs", [*INDEXED_IN, ("INPUT__2", "TYPE_INT32", "[ 4 ]")], INDEXED_OUT)
+    add_torchscript(repo, "timeout_in_threads", INDEXED_IN, INDEXED_OUT,
+                    'parameters { key: "execution_timeout_ms" value: { string_value: "100" } }')
     server = start_server(repo, tmp_path_factory.mktemp("server"), "--strict-readiness", "false")
     yield server
     assert server.stop() == 0, server.log()
@@ -120,6 +122,7 @@ def test_executors_sharing_one_module_batch_and_stay_correct(torch_server) -> No
         ("wrong_dims", "output 'OUTPUT__0' has dims [1, 5] in the config (batch 1) but the model returns [1, 4]"),
         ("wrong_type", "output 'OUTPUT__0' is TYPE_FP32 in the config but the model returns TYPE_INT32"),
         ("three_inputs", "the model's forward takes 2 input(s) ['a', 'b'], the config lists 3"),
+        ("timeout_in_threads", "parameter execution_timeout_ms needs process_instances: true"),
     ],
 )
 def test_config_model_mismatch_is_a_clear_load_error(torch_server, model: str, phrase: str) -> None:
@@ -183,130 +186,3 @@ def test_generate_a_torchscript_config_from_input_shapes(tmp_path: Path) -> None
     wrong = subprocess.run([*command, "--input", "INPUT__0:INT32:4", "--force"], capture_output=True, text=True,
                            timeout=120)
     assert wrong.returncode == 1 and "does not run on zeros" in wrong.stderr
-
-
-class Heavy(torch.nn.Module):
-    """About 0.3 s of matrix products per call on this machine: long enough to kill a worker mid-request."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.eye(384) * 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.weight
-        for _ in range(150):
-            y = torch.mm(self.weight, y)
-        return x * 2.0 + y[0, 0] * 0.0
-
-
-def _process_repo(repo: Path) -> None:
-    for name, processes in (("threads", "false"), ("processes", "true")):
-        (repo / name / "1").mkdir(parents=True)
-        torch.manual_seed(0)
-        torch.jit.script(Linear(32)).save(str(repo / name / "1" / "model.pt"))
-        (repo / name / "config.pbtxt").write_text(_config(
-            name, [("x", "TYPE_FP32", "[ 32 ]")], [("y", "TYPE_FP32", "[ 32 ]")],
-            f'instance_group [ {{ count: 2 }} ]\nparameters {{ key: "process_instances" value: '
-            f'{{ string_value: "{processes}" }} }}',
-        ))
-
-
-def _heavy_repo(repo: Path) -> None:
-    (repo / "heavy" / "1").mkdir(parents=True)
-    torch.jit.script(Heavy()).save(str(repo / "heavy" / "1" / "model.pt"))
-    (repo / "heavy" / "config.pbtxt").write_text(
-        'backend: "pytorch"\nmax_batch_size: 0\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 4 ] } ]\ninstance_group [ { count: 2 } ]\n'
-        'parameters { key: "process_instances" value: { string_value: "true" } }\n'
-    )
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-
-
-def _worker_pids(server_pid: int) -> list[int]:
-    """Workers are forked by the server's fork server (a child of the server)."""
-    servers = [p for p in _children(server_pid) if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
-    return sorted(worker for fork_server in servers for worker in _children(fork_server))
-
-
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
-def test_process_instances_give_the_same_outputs_as_threads(tmp_path: Path, server_factory) -> None:
-    repo = tmp_path / "repo"
-    _process_repo(repo)
-    server = server_factory(repo)
-    x = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
-    with InferenceClient(server.url, timeout_s=60) as client:
-        np.testing.assert_allclose(client.infer("processes", {"x": x})["y"], client.infer("threads", {"x": x})["y"],
-                                   rtol=1e-6)
-        assert client.statistics("processes")[0]["memory_usage"] == client.statistics("threads")[0]["memory_usage"]
-    assert len(_worker_pids(server.pid)) == 2
-
-
-def test_a_killed_worker_fails_only_its_request_and_is_restarted(tmp_path: Path, server_factory) -> None:
-    import os
-    import signal
-
-    repo = tmp_path / "repo"
-    _heavy_repo(repo)
-    server = server_factory(repo)
-    workers = _worker_pids(server.pid)
-    assert len(workers) == 2
-
-    def heavy(value: float) -> object:
-        with InferenceClient(server.url, timeout_s=60) as client:
-            try:
-                return float(client.infer("heavy", {"x": np.full(4, value, np.float32)})["y"][0])
-            except ClientError as error:
-                return error
-
-    with ThreadPoolExecutor(2) as pool:
-        before = {pid: _cpu_ticks(pid) for pid in workers}
-        running = [pool.submit(heavy, 1.0), pool.submit(heavy, 2.0)]
-        deadline = time.monotonic() + 10
-        busy: list[int] = []
-        while not busy and time.monotonic() < deadline:  # a worker that is computing a request
-            time.sleep(0.05)
-            busy = [pid for pid in workers if _cpu_ticks(pid) > before[pid] + 2]
-        assert busy, "no worker started computing"
-        os.kill(busy[0], signal.SIGKILL)
-        results = [f.result(timeout=120) for f in running]
-    failures = [r for r in results if isinstance(r, ClientError)]
-    assert len(failures) == 1 and failures[0].status == grpc.StatusCode.UNAVAILABLE
-    assert "instance process running this request died" in failures[0].message
-    assert [r for r in results if not isinstance(r, ClientError)][0] in (2.0, 4.0)
-    with InferenceClient(server.url, timeout_s=60) as client:  # restarted: the model serves again
-        assert [float(client.infer("heavy", {"x": np.full(4, 3.0, np.float32)})["y"][0]) for _ in range(4)] == [6.0] * 4
-    assert len(_worker_pids(server.pid)) == 2 and busy[0] not in _worker_pids(server.pid)
-
-
-def test_pickled_eager_module_in_threads_and_processes(tmp_path: Path, server_factory) -> None:
-    from bench.python_model import PythonHeavy
-
-    repo = tmp_path / "repo"
-    torch.manual_seed(0)
-    module = PythonHeavy(rounds=10)
-    for name, processes in (("eager_threads", "false"), ("eager_processes", "true"), ("not_opted_in", None)):
-        (repo / name / "1").mkdir(parents=True)
-        torch.save(module, repo / name / "1" / "model.pt")
-        opt_in = 'parameters { key: "pickled_module" value: { string_value: "true" } }\n' if processes else ""
-        (repo / name / "config.pbtxt").write_text(
-            'backend: "pytorch"\nmax_batch_size: 0\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 3, 4 ] } ]\n'
-            'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 3, 8 ] } ]\ninstance_group [ { count: 2 } ]\n'
-            + opt_in
-            + (f'parameters {{ key: "process_instances" value: {{ string_value: "{processes}" }} }}\n'
-               if processes else "")
-        )
-    server = server_factory(repo, "--strict-readiness", "false")
-    x = np.arange(12, dtype=np.float32).reshape(3, 4)
-    expected = module(torch.from_numpy(x)).detach().numpy()
-    with InferenceClient(server.url, timeout_s=60) as client:
-        for name in ("eager_threads", "eager_processes"):
-            np.testing.assert_allclose(client.infer(name, {"x": x})["OUTPUT__0"], expected, rtol=1e-6)
-        refused = next(e for e in client.repository_index() if e.name == "not_opted_in")
-    assert refused.state == "UNAVAILABLE" and "PyTorch cannot load" in refused.reason

@@ -41,11 +41,19 @@ def test_arbitrary_bytes_get_a_clean_status(channel: grpc.Channel, raw: bytes) -
     assert _call_raw(channel, raw) in CLEAN | {grpc.StatusCode.OK}
 
 
+# Small shapes, shapes with huge or int64-extreme dims (zero-element ones included), and shapes
+# around numpy's limit of 64 dims.
+SHAPES = st.one_of(
+    st.lists(st.integers(min_value=-2, max_value=20), max_size=3),
+    st.lists(st.sampled_from([0, 0, 1, 3, 2**31, 2**32, 2**62, 2**63 - 1, -(2**63)]), max_size=6),
+    st.lists(st.sampled_from([0, 1, 1, 1, 2]), min_size=60, max_size=70),
+)
 tensors = st.fixed_dictionaries({
     "name": st.sampled_from(["INPUT0", "INPUT1", "IN", "x", ""]),
     "datatype": st.sampled_from(DATATYPES),
-    "shape": st.lists(st.integers(min_value=-2, max_value=20), max_size=3),
+    "shape": SHAPES,
     "raw": st.binary(max_size=200),
+    "typed": st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), max_size=8),
 })
 
 
@@ -53,18 +61,22 @@ tensors = st.fixed_dictionaries({
 @given(model=st.sampled_from(MODELS), version=st.sampled_from(["", "1", "2", "x"]),
        inputs=st.lists(tensors, max_size=3), raw_count_delta=st.sampled_from([0, 0, 0, -1, 1]),
        outputs=st.lists(st.sampled_from(["OUTPUT0", "OUT", "zzz"]), max_size=2),
-       priority=st.integers(min_value=0, max_value=2**63))
+       priority=st.integers(min_value=0, max_value=2**63), typed=st.booleans())
 def test_well_formed_but_wrong_requests_get_a_clean_status(
     channel: grpc.Channel, model: str, version: str, inputs: list[dict], raw_count_delta: int,
-    outputs: list[str], priority: int,
+    outputs: list[str], priority: int, typed: bool,
 ) -> None:
+    """Raw or typed ``contents`` inputs: any shape/dims combination gets a clean status, never INTERNAL."""
     request = pb.ModelInferRequest(model_name=model, model_version=version)
     for tensor in inputs:
-        request.inputs.add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
-    raws = [t["raw"] for t in inputs][: max(0, len(inputs) + raw_count_delta)]
-    if raw_count_delta > 0:
-        raws.append(b"\x00")
-    request.raw_input_contents.extend(raws)
+        added = request.inputs.add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
+        if typed:
+            added.contents.int_contents.extend(tensor["typed"])
+    if not typed:
+        raws = [t["raw"] for t in inputs][: max(0, len(inputs) + raw_count_delta)]
+        if raw_count_delta > 0:
+            raws.append(b"\x00")
+        request.raw_input_contents.extend(raws)
     for name in outputs:
         request.outputs.add(name=name)
     if priority:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,8 +54,7 @@ class FakeRunner:
         self.free.put_nowait(executor)
 
     async def open_next_gate(self) -> None:
-        while not self.gates:
-            await asyncio.sleep(0.001)
+        await until(lambda: bool(self.gates))
         self.gates.pop(0).set()
 
 
@@ -69,9 +68,19 @@ def submit(scheduler: Scheduler, value: int, rows: int = 1, **parameters: Any) -
     return asyncio.ensure_future(scheduler.submit(feed, ["OUT"], rows, parameters))
 
 
-async def settle() -> None:
-    for _ in range(20):
-        await asyncio.sleep(0)
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll ``condition`` on the event loop until it holds; fail after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not reached within {timeout_s} s")
+        await asyncio.sleep(0.001)
+
+
+async def queued(scheduler: Scheduler, count: int) -> None:
+    """Wait until ``count`` requests are queued (submitted and waiting for an executor)."""
+    await until(lambda: scheduler.queued == count)
 
 
 def run(coroutine: Any) -> Any:
@@ -85,7 +94,7 @@ def test_queued_requests_merge_and_each_gets_its_own_rows() -> None:
         blocker = submit(scheduler, 0)
         await runner.started.wait()
         tasks = [submit(scheduler, value, rows=value) for value in (1, 2, 3)]  # 6 rows
-        await settle()
+        await queued(scheduler, 3)
         await runner.open_next_gate()
         await runner.open_next_gate()
         results = await asyncio.gather(blocker, *tasks)
@@ -107,7 +116,7 @@ def test_batch_never_exceeds_max_batch_size_and_requests_are_not_split() -> None
         blocker = submit(scheduler, 0)
         await runner.started.wait()
         tasks = [submit(scheduler, 1, rows=3), submit(scheduler, 2, rows=2), submit(scheduler, 3, rows=1)]
-        await settle()
+        await queued(scheduler, 3)
         for _ in range(3):
             await runner.open_next_gate()
         await asyncio.gather(blocker, *tasks)
@@ -124,7 +133,7 @@ def test_different_shapes_are_not_merged() -> None:
         await runner.started.wait()
         wide = asyncio.ensure_future(scheduler.submit({"IN": np.full((1, 3), 5, np.int64)}, ["OUT"], 1, {}))
         narrow = submit(scheduler, 6)
-        await settle()
+        await queued(scheduler, 2)
         for _ in range(3):
             await runner.open_next_gate()
         await asyncio.gather(blocker, wide, narrow)
@@ -158,14 +167,14 @@ def test_full_queue_is_rejected_at_once() -> None:
         scheduler = make(runner, default_queue_policy=QueuePolicy(max_queue_size=2))
         blocker = submit(scheduler, 0)
         await runner.started.wait()
-        queued = [submit(scheduler, 1), submit(scheduler, 2)]
-        await settle()
+        waiting = [submit(scheduler, 1), submit(scheduler, 2)]
+        await queued(scheduler, 2)
         with pytest.raises(ShoalError, match="Exceeds maximum queue size") as caught:
             await submit(scheduler, 3)
         assert caught.value.code.name == "UNAVAILABLE"
         await runner.open_next_gate()
         await runner.open_next_gate()
-        await asyncio.gather(blocker, *queued)
+        await asyncio.gather(blocker, *waiting)
         assert scheduler.statistics.fail.count == 1
 
     run(scenario())
@@ -195,8 +204,10 @@ def test_request_timeout_override_only_when_allowed() -> None:
         blocker = submit(scheduler, 0)
         await runner.started.wait()
         task = submit(scheduler, 1, timeout=20_000)
-        await asyncio.sleep(0.1)
-        expired = task.done()
+        # Allowed: the 20 ms override expires it while the executor is busy. Not allowed: no timeout
+        # applies, so it is still queued when the wait (well past 20 ms) ends.
+        done, _ = await asyncio.wait({task}, timeout=10.0 if allow else 0.2)
+        expired = task in done
         if not expired:
             await runner.open_next_gate()
         await runner.open_next_gate()
@@ -210,14 +221,13 @@ def test_request_timeout_override_only_when_allowed() -> None:
 def test_delayed_requests_go_after_the_others() -> None:
     async def scenario() -> None:
         runner = FakeRunner(gated=True)
-        policy = QueuePolicy(delay_on_timeout=True, default_timeout_us=10_000, allow_timeout_override=True)
+        policy = QueuePolicy(delay_on_timeout=True, allow_timeout_override=True)
         scheduler = make(runner, max_batch_size=1, default_queue_policy=policy)
-        blocker = submit(scheduler, 0, timeout=10_000_000)
+        blocker = submit(scheduler, 0)
         await runner.started.wait()
-        late = submit(scheduler, 1)  # times out while queued: moved behind the others
-        await asyncio.sleep(0.05)
-        fresh = submit(scheduler, 2, timeout=10_000_000)
-        await settle()
+        late = submit(scheduler, 1, timeout=1)  # 1 µs: times out while queued, moved behind the others
+        fresh = submit(scheduler, 2)  # no timeout
+        await queued(scheduler, 2)
         for _ in range(3):
             await runner.open_next_gate()
         await asyncio.gather(blocker, late, fresh)
@@ -235,7 +245,7 @@ def test_high_priority_overtakes_queued_low_priority() -> None:
         low = [submit(scheduler, value) for value in (1, 2)]
         high = submit(scheduler, 9, priority=1)
         out_of_range = submit(scheduler, 3, priority=7)  # beyond the levels: default level
-        await settle()
+        await queued(scheduler, 4)
         for _ in range(5):
             await runner.open_next_gate()
         await asyncio.gather(blocker, *low, high, out_of_range)
@@ -249,11 +259,11 @@ def test_preserve_ordering_releases_in_arrival_order() -> None:
         runner = FakeRunner(count=2, gated=True)
         scheduler = make(runner, max_batch_size=1, preserve_ordering=True)
         first, second = submit(scheduler, 1), submit(scheduler, 2)
-        while len(runner.gates) < 2:
-            await asyncio.sleep(0.001)
+        await until(lambda: len(runner.gates) == 2)
         runner.gates[1].set()  # the second request's execution finishes first
-        await asyncio.sleep(0.05)
-        assert not second.done(), "a later request must wait for the earlier one"
+        await until(lambda: scheduler.statistics.success.count == 1)  # executed, its outputs split
+        done, _ = await asyncio.wait({second}, timeout=0.1)
+        assert not done, "a later request must wait for the earlier one"
         runner.gates[0].set()
         await asyncio.gather(first, second)
 
@@ -267,7 +277,7 @@ def test_a_failing_batch_fails_only_its_requests() -> None:
         blocker = submit(scheduler, 0)
         await runner.started.wait()
         doomed = [submit(scheduler, FAIL_VALUE), submit(scheduler, 5)]  # batched together
-        await settle()
+        await queued(scheduler, 2)
         await runner.open_next_gate()
         await runner.open_next_gate()
         results = await asyncio.gather(blocker, *doomed, return_exceptions=True)
@@ -287,7 +297,7 @@ def test_without_dynamic_batching_each_request_runs_alone_in_fifo_order() -> Non
         blocker = submit(scheduler, 0)
         await runner.started.wait()
         tasks = [submit(scheduler, value, priority=1) for value in (1, 2, 3)]
-        await settle()
+        await queued(scheduler, 3)
         for _ in range(4):
             await runner.open_next_gate()
         await asyncio.gather(blocker, *tasks)
@@ -301,7 +311,7 @@ def test_stop_finishes_queued_work_then_refuses() -> None:
         runner = FakeRunner()
         scheduler = make(runner, max_batch_size=1)
         tasks = [submit(scheduler, value) for value in range(3)]
-        await settle()
+        await until(lambda: scheduler.queued + len(runner.batches) == 3)  # all three submitted
         await scheduler.stop()
         assert all(t.done() and not t.exception() for t in tasks)
         with pytest.raises(ShoalError, match="unloading"):

@@ -89,8 +89,10 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
         except ValueError:
             raise invalid(f"input '{tensor.name}': unknown datatype '{tensor.datatype}'") from None
         shape = tuple(int(d) for d in tensor.shape)
-        if any(d < 0 for d in shape):
-            raise invalid(f"input '{tensor.name}': shape {list(shape)} has a negative dimension")
+        try:
+            tensors.check_shape(datatype, shape)
+        except tensors.WireFormatError as exc:
+            raise invalid(f"input '{tensor.name}': {exc}") from None
         if raw:
             if tensor.HasField("contents"):
                 raise invalid(f"input '{tensor.name}': contents and raw_input_contents are both set")

@@ -295,10 +295,10 @@ class ModelManager:
 
     def is_ready(self, name: str, version: str) -> bool:
         try:
-            self.resolve(name, version)
+            served = self.resolve(name, version)
         except ShoalError:
             return False
-        return True
+        return served.can_serve()
 
     def names(self) -> list[str]:
         return sorted(self._models)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 from server.backends.base import LoadedModel, load_model
 from server.backends.devices import CPU, Device, cuda_device_count
 from server.errors import ErrorCode, ShoalError, load_failed
 from server.instances.pool import InstancePool, Placement, build_pool
+from server.instances.process import WORKER_PARAMETERS
 from server.lifecycle import tensors
 from server.repository.config import InstanceKind, ModelSpec
 from server.scheduling.dynamic import Scheduler
@@ -76,6 +78,10 @@ class ModelVersion:
         processes = _flag(spec, "process_instances", False)
         if processes and spec.backend != "pytorch":
             raise load_failed(f"model '{spec.name}': process_instances needs the pytorch backend")
+        for key in WORKER_PARAMETERS:
+            if key in spec.parameters and not processes:
+                raise load_failed(f"model '{spec.name}': parameter {key} needs process_instances: true "
+                                  "(a worker process can be killed and restarted, a thread cannot)")
         memory_bytes: dict[Device, int] = {}
         shared_copies: dict[Device, tuple[LoadedModel, dict[str, object]]] = {}
 
@@ -108,6 +114,10 @@ class ModelVersion:
         version_model.shared_copies = [parent for parent, _ in shared_copies.values()]
         return version_model
 
+    def can_serve(self) -> bool:
+        """At least one instance can take a request (a process instance whose worker is dead or hung cannot)."""
+        return any(getattr(instance.model, "healthy", True) for instance in self.pool.instances)
+
     def warm_up(self) -> None:
         """Run one zero-filled request (batch 1) on every loaded copy, off the event loop."""
         feed = tensors.zeros_feed(self.spec)
@@ -116,7 +126,12 @@ class ModelVersion:
             model.run(feed, outputs)
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        prepared = tensors.prepare(self.spec, request)
+        arrival_ns = time.monotonic_ns()
+        try:
+            prepared = tensors.prepare(self.spec, request)
+        except ShoalError:  # rejected for bad input: still a failed request of this version
+            self.statistics.record_failure(time.monotonic_ns() - arrival_ns)
+            raise
         try:
             results = await self.scheduler.submit(
                 prepared.feed, prepared.outputs, prepared.batch_size, request.parameters

@@ -15,10 +15,28 @@ import numpy as np
 from server.types import DataType
 
 _LENGTH = struct.Struct("<I")
+MAX_DIMS = 64  # numpy's limit on dimensions
+_MAX_BYTES = 2**63 - 1  # numpy's limit on an array's size in bytes (intp)
+_OBJECT_SIZE = np.dtype(object).itemsize  # BYTES elements are held as Python objects
 
 
 class WireFormatError(ValueError):
     """Raw tensor content that does not match its declared datatype and shape."""
+
+
+def check_shape(datatype: DataType, shape: tuple[int, ...]) -> None:
+    """Refuse shapes no array can have: negative dims, over 64 dims, or a size past numpy's limit.
+
+    numpy counts every non-zero dim, so ``[0, 2**62]`` of INT32 is refused although it holds
+    no element.
+    """
+    if any(d < 0 for d in shape):
+        raise WireFormatError(f"shape {list(shape)} has a negative dimension")
+    if len(shape) > MAX_DIMS:
+        raise WireFormatError(f"shape has {len(shape)} dimensions, at most {MAX_DIMS} are supported")
+    item_size = _OBJECT_SIZE if datatype is DataType.BYTES else datatype.item_size
+    if math.prod(d for d in shape if d) * item_size > _MAX_BYTES:
+        raise WireFormatError(f"shape {list(shape)} of {datatype.value} is larger than any array can be")
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:
@@ -53,6 +71,7 @@ def deserialize_bytes(raw: bytes, count: int) -> np.ndarray:
 
 def from_raw(datatype: DataType, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
     """Decode raw content; the array has the datatype's native numpy dtype and ``shape``."""
+    check_shape(datatype, shape)
     count = math.prod(shape)
     if datatype is DataType.BYTES:
         return deserialize_bytes(raw, count).reshape(shape)

@@ -100,13 +100,17 @@ class Scheduler:
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._run(), name="scheduler")
         now = time.monotonic_ns()
-        level = self._level(parameters)
-        policy = self.batching.queue_policy(level) if self.batching else QueuePolicy()
+        try:
+            level = self._level(parameters)
+            policy = self.batching.queue_policy(level) if self.batching else QueuePolicy()
+            timeout_us = self._timeout_us(policy, parameters)
+        except ShoalError:  # a bad request parameter: the request failed here
+            self.statistics.record_failure(time.monotonic_ns() - now)
+            raise
         queue = self._queues[level]
         if policy.max_queue_size and len(queue) >= policy.max_queue_size:
             self.statistics.record_failure(0)
             raise ShoalError(ErrorCode.UNAVAILABLE, "Exceeds maximum queue size")
-        timeout_us = self._timeout_us(policy, parameters)
         pending = Pending(
             feed=feed,
             outputs=tuple(outputs),
@@ -237,6 +241,13 @@ class Scheduler:
     # -- execution ----------------------------------------------------------------------------------
 
     async def _execute(self, executor: Executor, batch: list[Pending]) -> None:
+        self.statistics.executing += len(batch)
+        try:
+            await self._execute_batch(executor, batch)
+        finally:
+            self.statistics.executing -= len(batch)
+
+    async def _execute_batch(self, executor: Executor, batch: list[Pending]) -> None:
         start = time.monotonic_ns()
         try:
             outputs = list(dict.fromkeys(name for pending in batch for name in pending.outputs))

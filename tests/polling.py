@@ -1,0 +1,31 @@
+"""Wait for a condition instead of sleeping: poll it until it holds, with a bounded deadline."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable
+
+from clients.local_server import LocalServer
+
+POLL_INTERVAL_S = 0.01
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "the condition") -> None:
+    """Return as soon as ``condition()`` holds; fail the test if it does not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(POLL_INTERVAL_S)
+
+
+def metric(server: LocalServer, name: str, model: str) -> float:
+    """One model's (version 1) value of a Prometheus metric (a counter's ``_total``), from /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    labels = f'{{model="{model}",version="1"}} '
+    for line in text.splitlines():
+        for prefix in (name + labels, name + "_total" + labels):
+            if line.startswith(prefix):
+                return float(line[len(prefix):])
+    raise AssertionError(f"no {name} for model {model} in /metrics")
