@@ -27,6 +27,7 @@ from pathlib import Path
 from google.protobuf import text_format
 
 from clients import ClientError, InferenceClient, local_server
+from clients.loadtest import plot as loadplot
 from clients.loadtest.inputs import build_inputs, serialize_request
 from clients.loadtest.measure import LoadTester, Settings
 from server.lifecycle.configure import configure
@@ -220,25 +221,17 @@ def write_csv(measured: list[Measured], path: Path, budget_ms: float) -> None:
 
 
 def plot(measured: list[Measured], path: Path, budget_ms: float, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """p99 latency against throughput of the five best candidates, in shoal-load's convention."""
+    if loadplot.pyplot() is None:
         return False
     top = sorted(measured, key=lambda m: m.score(budget_ms), reverse=True)[:5]
-    figure, axes = plt.subplots(figsize=(8, 4.8))
-    for m in top:
-        axes.plot([p["p99_ms"] for p in m.points], [p["throughput"] for p in m.points], "o-",
-                  label=m.candidate.label())
-    axes.axvline(budget_ms, color="grey", linestyle="--", label=f"p99 budget {budget_ms:g} ms")
-    axes.set(xlabel="p99 latency (ms)", ylabel="throughput (inferences/s)", title=title)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    curves = [
+        loadplot.Curve(m.candidate.label(),
+                       tuple(loadplot.Point(p["throughput"], p["p99_ms"], f"c={p['concurrency']:g}") for p in m.points),
+                       annotate=index == 0)
+        for index, m in enumerate(top) if m.points
+    ]
+    loadplot.save(curves, path, title, budget_ms=budget_ms, ylabel="p99 latency (ms)")
     return True
 
 
