@@ -60,6 +60,32 @@ def test_generate_for_a_dynamic_batch_model(tmp_path: Path) -> None:
     assert shoal("config", "generate", str(folder)).returncode == 2  # exists: refuses without --force
     again = shoal("config", "generate", str(folder), "--output", "-")
     assert again.stdout == text, "generation is stable"
+    # Written as Triton's docs and our examples write it: lists of blocks, dims as lists, the kind.
+    assert "input [\n  {\n    name: \"pixels\"" in text and "\ninput {" not in text
+    assert "dims: [ 3 ]" in text and "dims: 3" not in text
+    assert "preferred_batch_size: [ 4 ]" in text
+    assert "kind: KIND_AUTO" in text and config.instance_group[0].kind == config_pb2.ModelInstanceGroup.KIND_AUTO
+
+
+def test_generate_replaces_a_stale_copy_of_the_model_file(tmp_path: Path) -> None:
+    model_file = tmp_path / "net.onnx"
+    model_file.write_bytes(b"not an onnx model")
+    failed = shoal("config", "generate", str(model_file))
+    assert failed.returncode != 0 and "cannot load" in failed.stderr, failed.stderr
+    multi_io_model(model_file)  # the user fixes the file and runs again: the broken copy must not be reused
+    result = shoal("config", "generate", str(model_file), "--kind", "KIND_CPU")
+    assert result.returncode == 0, result.stderr
+    copy = tmp_path / "net" / "1" / "model.onnx"
+    assert copy.read_bytes() == model_file.read_bytes()
+    assert [i.name for i in parse_config((tmp_path / "net" / "config.pbtxt").read_text()).input] == ["pixels", "ids"]
+    multi_io_model(model_file, batch=2)  # a changed model, regenerated with --force
+    result = shoal("config", "generate", str(model_file), "--kind", "KIND_CPU", "--force")
+    assert result.returncode == 0, result.stderr
+    assert copy.read_bytes() == model_file.read_bytes()
+    config = parse_config((tmp_path / "net" / "config.pbtxt").read_text())
+    assert config.max_batch_size == 0 and list(config.input[0].dims) == [2, 3]
+    assert "kind: KIND_CPU" in (tmp_path / "net" / "config.pbtxt").read_text()
+    assert not list((tmp_path / "net" / "1").glob(".*partial")), "no partial copy is left behind"
 
 
 def test_generate_for_a_fixed_batch_model(tmp_path: Path) -> None:
@@ -184,3 +210,21 @@ def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> No
 def test_config_commands_fail_clearly(args: list[str], phrase: str) -> None:
     result = shoal(*args)
     assert result.returncode in (1, 2) and phrase in result.stderr
+
+
+def test_triton_style_text_parses_back_to_the_same_config() -> None:
+    from server.config_text import format_config
+
+    config = parse_config((EXAMPLES / "simple" / "config.pbtxt").read_text())
+    config.input[0].reshape.SetInParent()  # an empty reshape (per-sample scalars) must survive
+    config.parameters["execute_delay_ms"].string_value = 'say "10"'
+    config.parameters["a"].string_value = "b"
+    config.dynamic_batching.priority_levels = 2
+    config.dynamic_batching.priority_queue_policy[1].max_queue_size = 4
+    config.instance_group[0].ClearField("kind")
+    config.instance_group[0].gpus.extend([0, 1])
+    text = format_config(config)
+    assert parse_config(text) == config
+    assert "reshape { }" in text and "gpus: [ 0, 1 ]" in text and "kind: KIND_AUTO" in text
+    assert text.index('key: "a"') < text.index('key: "execute_delay_ms"'), "map entries in key order"
+    assert format_config(parse_config(text)) == text
