@@ -9,6 +9,12 @@ candidate (one knob one step away), move to the best of them while it improves t
 by more than 2%, stop when none does or the time is up. Every measured point goes to a
 CSV, the top candidates to a PNG, and the winner to ``config.tuned.pbtxt`` beside the
 original, which is kept.
+
+A candidate's config is the original config.pbtxt with only the tuned fields changed, in
+place (``server.config_text.ConfigEditor``): every instance group's ``count``,
+``max_batch_size``, and ``dynamic_batching``'s ``max_queue_delay_microseconds`` and
+``preferred_batch_size``. Everything else (priority levels, queue policies,
+``preserve_ordering``, ``gpus``, parameters) and the comments stay as they were.
 """
 
 from __future__ import annotations
@@ -24,20 +30,21 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from google.protobuf import text_format
-
 from clients import ClientError, InferenceClient, local_server
 from clients.loadtest import plot as loadplot
 from clients.loadtest.inputs import build_inputs, serialize_request
 from clients.loadtest.measure import LoadTester, Settings
+from server.config_text import ConfigEditor, format_config
 from server.lifecycle.configure import configure
 from server.pb import config_pb2
 from server.repository import scanner
+from server.repository.config import CONFIG_FILENAME, parse_config
 
 DELAYS_US = (0, 100, 500, 2000)
 MAX_INSTANCES = 4
 MAX_BATCH_LIMIT = 64
 MIN_GAIN = 0.02
+HEADER_PREFIX = "# shoal config tune:"
 
 
 @dataclass(frozen=True)
@@ -65,23 +72,71 @@ class Measured:
         return max(within, default=0.0)
 
 
-def candidate_config(base: config_pb2.ModelConfig, candidate: Candidate) -> config_pb2.ModelConfig:
+def candidate_config(original: config_pb2.ModelConfig, candidate: Candidate,
+                     can_batch: bool) -> config_pb2.ModelConfig:
+    """What ``candidate`` means for the parsed original config: the tuned fields, nothing else."""
     config = config_pb2.ModelConfig()
-    config.CopyFrom(base)
-    kind = base.instance_group[0].kind if base.instance_group else config_pb2.ModelInstanceGroup.KIND_AUTO
-    del config.instance_group[:]
-    config.instance_group.add(count=candidate.instances, kind=kind)
-    if base.max_batch_size > 0:
+    config.CopyFrom(original)
+    for group in config.instance_group:
+        group.count = candidate.instances
+    if not config.instance_group:
+        config.instance_group.add(count=candidate.instances)
+    if can_batch:
         config.max_batch_size = candidate.max_batch_size
-        config.ClearField("dynamic_batching")
         if candidate.max_batch_size > 1:
             batching = config.dynamic_batching
             batching.max_queue_delay_microseconds = candidate.delay_us
-            if candidate.preferred_half and candidate.max_batch_size >= 4:
-                batching.preferred_batch_size.extend([candidate.max_batch_size // 2, candidate.max_batch_size])
-            else:
-                batching.preferred_batch_size.append(candidate.max_batch_size)
+            del batching.preferred_batch_size[:]
+            batching.preferred_batch_size.extend(_preferred(candidate))
+        elif config.HasField("dynamic_batching"):  # queue policies and priorities stay; no preferred size > 1
+            del config.dynamic_batching.preferred_batch_size[:]
     return config
+
+
+def _preferred(candidate: Candidate) -> list[int]:
+    if candidate.preferred_half and candidate.max_batch_size >= 4:
+        return [candidate.max_batch_size // 2, candidate.max_batch_size]
+    return [candidate.max_batch_size]
+
+
+def candidate_text(original_text: str, candidate: Candidate, can_batch: bool) -> str:
+    """The original config text with the tuned fields edited in place; comments and the rest kept."""
+    editor = ConfigEditor(original_text)
+    top = editor.top
+    groups = editor.messages(top, "instance_group")
+    for group in groups:
+        editor.set_scalar(group, "count", str(candidate.instances))
+    if not groups:
+        editor.insert(top, f"instance_group [ {{ count: {candidate.instances} kind: KIND_AUTO }} ]")
+    if can_batch:
+        editor.set_scalar(top, "max_batch_size", str(candidate.max_batch_size))
+        batching = editor.messages(top, "dynamic_batching")
+        if candidate.max_batch_size > 1:
+            preferred = [str(b) for b in _preferred(candidate)]
+            if batching:
+                editor.set_list(batching[0], "preferred_batch_size", preferred)
+                editor.set_scalar(batching[0], "max_queue_delay_microseconds", str(candidate.delay_us))
+            else:
+                editor.insert(top, f"dynamic_batching {{\n  preferred_batch_size: [ {', '.join(preferred)} ]\n"
+                                   f"  max_queue_delay_microseconds: {candidate.delay_us}\n}}")
+        elif batching:
+            editor.remove(batching[0], "preferred_batch_size")
+    text = editor.text()
+    expected = candidate_config(parse_config(original_text), candidate, can_batch)
+    if parse_config(text) != expected:  # the editor must change exactly what the candidate means
+        raise RuntimeError(f"editing the config for {candidate.label()} went wrong:\n{text}")
+    return text
+
+
+def _original_text(model_dir: Path, base: config_pb2.ModelConfig) -> str:
+    """The model's config.pbtxt without an earlier tuning header; the completed config if there is none."""
+    path = model_dir / CONFIG_FILENAME
+    if not path.is_file():
+        return format_config(base)
+    lines = path.read_text().splitlines(keepends=True)
+    while lines and lines[0].startswith(HEADER_PREFIX):
+        lines.pop(0)
+    return "".join(lines)
 
 
 def neighbours(candidate: Candidate, can_batch: bool) -> list[Candidate]:
@@ -110,19 +165,20 @@ class Tuner:
         self.deadline = deadline
         self.base = configure(model_dir, strict=False).config
         self.name = self.base.name
+        self.original_text = _original_text(model_dir, self.base)
+        self.can_batch = self.base.max_batch_size > 0
         self.measured: dict[Candidate, Measured] = {}
 
     def start(self) -> Candidate:
         mbs = self.base.max_batch_size
         delay = self.base.dynamic_batching.max_queue_delay_microseconds if self.base.HasField("dynamic_batching") else 0
-        instances = sum(g.count for g in self.base.instance_group) or 1
+        instances = max((g.count for g in self.base.instance_group), default=1) or 1  # count per group
         return Candidate(min(instances, MAX_INSTANCES), mbs, delay if delay in DELAYS_US else 0)
 
     def search(self) -> Measured:
         best = self.evaluate(self.start())
-        can_batch = self.base.max_batch_size > 0
         while time.monotonic() < self.deadline:
-            fresh = [n for n in neighbours(best.candidate, can_batch) if n not in self.measured]
+            fresh = [n for n in neighbours(best.candidate, self.can_batch) if n not in self.measured]
             if not fresh:
                 break
             results = [self.evaluate(n) for n in fresh if time.monotonic() < self.deadline]
@@ -133,6 +189,9 @@ class Tuner:
                 break
             best = challenger
         return max(self.measured.values(), key=lambda m: m.score(self.budget_ms))
+
+    def text(self, candidate: Candidate) -> str:
+        return candidate_text(self.original_text, candidate, self.can_batch)
 
     def evaluate(self, candidate: Candidate) -> Measured:
         measured = Measured(candidate)
@@ -156,7 +215,7 @@ class Tuner:
             for version in scanner.list_versions(self.model_dir):
                 # Hard links (copies across file systems): the server refuses symlinks out of its repository.
                 shutil.copytree(self.model_dir / str(version), target / str(version), copy_function=_link_or_copy)
-            (target / "config.pbtxt").write_text(text_format.MessageToString(candidate_config(self.base, candidate)))
+            (target / CONFIG_FILENAME).write_text(self.text(candidate))
             with local_server.running(repo) as server:
                 with InferenceClient(server.url, timeout_s=30) as client:
                     inputs = build_inputs(client, self.name, "", 1, {}, "random")
@@ -256,11 +315,14 @@ def run_tune(args: argparse.Namespace) -> int:
         return 1
     tuned = model_dir / "config.tuned.pbtxt"
     gain = f"{score / base_score:.2f}x the starting config" if base_score else "the starting config met no budget"
-    header = (f"# Tuned by `shoal config tune` for p99 <= {args.latency_budget_ms:g} ms: {best.candidate.label()}\n"
-              f"# {score:.1f} inferences/s within the budget ({gain}, {start.candidate.label()}),\n"
-              f"# server RSS {best.rss_mb:.0f} MB. {len(measured)} candidates measured; see {out_dir}.\n"
-              f"# To use it: cp config.tuned.pbtxt config.pbtxt\n")
-    tuned.write_text(header + text_format.MessageToString(candidate_config(tuner.base, best.candidate)))
+    where = os.path.relpath(out_dir, model_dir)  # no absolute path: the folder may move, or be shared
+    header = "".join(f"{HEADER_PREFIX} {line}\n" for line in (
+        f"p99 <= {args.latency_budget_ms:g} ms: {best.candidate.label()}",
+        f"{score:.1f} inferences/s within the budget ({gain}, {start.candidate.label()}),",
+        f"server RSS {best.rss_mb:.0f} MB. {len(measured)} candidates measured; see {where}/tune.csv.",
+        "Only the tuned fields differ from config.pbtxt. To use it: cp config.tuned.pbtxt config.pbtxt",
+    ))
+    tuned.write_text(header + tuner.text(best.candidate))
     print(f"\nbest: {best.candidate.label()}: {score:.1f} infer/s within budget ({gain})")
     print(f"wrote {tuned}, {out_dir / 'tune.csv'}" + (f", {out_dir / 'tune.png'}" if plotted else ""))
     return 0

@@ -6,6 +6,7 @@ import csv
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -177,9 +178,40 @@ def test_check_passes_the_shipped_repository() -> None:
     assert "2 ok, 0 failed" in result.stderr
 
 
+RICH_CONFIG_EXTRA = """
+# Two priorities; the urgent ones may not wait.
+dynamic_batching {
+  priority_levels: 2
+  default_priority_level: 2
+  preserve_ordering: true  # replies in request order
+  default_queue_policy { max_queue_size: 64 }
+  priority_queue_policy { key: 1 value: { timeout_action: REJECT default_timeout_microseconds: 5000 } }
+}
+parameters { key: "note" value: { string_value: "kept" } }
+"""
+
+
+def _untuned(config: config_pb2.ModelConfig) -> config_pb2.ModelConfig:
+    """``config`` without the fields the tuner may change."""
+    out = config_pb2.ModelConfig()
+    out.CopyFrom(config)
+    out.ClearField("max_batch_size")
+    for group in out.instance_group:
+        group.ClearField("count")
+    out.dynamic_batching.ClearField("max_queue_delay_microseconds")
+    out.dynamic_batching.ClearField("preferred_batch_size")
+    return out
+
+
+def _comments(text: str) -> list[str]:
+    return [line.split("#", 1)[1] for line in text.splitlines() if "#" in line]
+
+
 def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> None:
     folder = tmp_path / "simple"
     shutil.copytree(EXAMPLES / "simple", folder)
+    (folder / "config.pbtxt").write_text((EXAMPLES / "simple" / "config.pbtxt").read_text() + RICH_CONFIG_EXTRA)
+    original_text = (folder / "config.pbtxt").read_text()
     result = shoal("config", "tune", str(folder), "--latency-budget-ms", "200", "--max-minutes", "0.4",
                    "--concurrency", "1,4", "--window-s", "0.3", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -187,7 +219,7 @@ def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> No
     candidates = {(r["instances"], r["max_batch_size"], r["delay_us"], r["preferred_half"]) for r in rows}
     assert len(candidates) >= 2 and len(rows) >= 4, "the search measured several points"
     assert (folder / "tuning" / "tune.png").read_bytes()[:4] == b"\x89PNG"
-    assert (folder / "config.pbtxt").read_text() == (EXAMPLES / "simple" / "config.pbtxt").read_text()
+    assert (folder / "config.pbtxt").read_text() == original_text
     tuned_text = (folder / "config.tuned.pbtxt").read_text()
     tuned = parse_config(tuned_text)
     start = [float(r["throughput"]) for r in rows
@@ -195,9 +227,80 @@ def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> No
     best = max(float(r["throughput"]) for r in rows if r["within_budget"] == "True")
     assert best >= max(start)
     assert tuned.name == "simple" and tuned.instance_group[0].count >= 1
+    # Only the tuned fields changed: priorities, queue policies, preserve_ordering, parameters and
+    # every comment are kept, and the header names no absolute path.
+    assert _untuned(tuned) == _untuned(parse_config(original_text))
+    assert tuned.dynamic_batching.priority_levels == 2 and tuned.dynamic_batching.preserve_ordering
+    assert set(_comments(original_text)) <= set(_comments(tuned_text))
+    assert str(tmp_path) not in tuned_text and "tuning/tune.csv" in tuned_text
     # The tuned config is valid: it passes the server's own pipeline.
     (folder / "config.pbtxt").write_text(tuned_text)
     assert configure(folder, strict=True).spec.max_batch_size == tuned.max_batch_size
+
+
+@pytest.mark.parametrize(
+    "candidate",
+    [(3, 16, 500, True), (1, 1, 0, False), (2, 4, 0, False)],
+    ids=["bigger", "no-batching", "smaller"],
+)
+def test_a_tuned_config_changes_only_the_tuned_fields(candidate: tuple[int, int, int, bool]) -> None:
+    from clients.tune import Candidate, candidate_text
+
+    original = textwrap.dedent("""\
+        # A GPU model with everything the tuner must keep.
+        name: "rich"
+        backend: "onnxruntime"
+        max_batch_size: 8  # the tuner changes this
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        instance_group [
+          { count: 2 kind: KIND_GPU gpus: [ 0, 1 ] },  # two per GPU
+          { name: "spare" count: 1 kind: KIND_CPU }
+        ]
+        dynamic_batching {
+          preferred_batch_size: 4
+          preferred_batch_size: 8
+          max_queue_delay_microseconds: 100
+          priority_levels: 3
+          default_priority_level: 2
+          preserve_ordering: true
+          default_queue_policy { max_queue_size: 16 allow_timeout_override: true }
+          priority_queue_policy { key: 1 value { timeout_action: DELAY } }
+        }
+        parameters { key: "p" value: { string_value: "v" } }
+        # the end
+        """)
+    chosen = Candidate(*candidate)
+    text = candidate_text(original, chosen, can_batch=True)
+    tuned, before = parse_config(text), parse_config(original)
+    assert _untuned(tuned) == _untuned(before)
+    assert [g.count for g in tuned.instance_group] == [chosen.instances] * 2
+    assert list(tuned.instance_group[0].gpus) == [0, 1] and tuned.max_batch_size == chosen.max_batch_size
+    batching = tuned.dynamic_batching
+    if chosen.max_batch_size > 1:
+        assert batching.max_queue_delay_microseconds == chosen.delay_us
+        assert list(batching.preferred_batch_size) == (
+            [chosen.max_batch_size // 2, chosen.max_batch_size] if chosen.preferred_half else [chosen.max_batch_size])
+    else:
+        assert not batching.preferred_batch_size and batching.max_queue_delay_microseconds == 100
+    assert batching.priority_levels == 3 and batching.preserve_ordering
+    assert _comments(text) == _comments(original)
+    # Untouched lines are byte for byte the same.
+    kept = [line for line in original.splitlines() if not any(
+        key in line for key in ("max_batch_size", "count", "preferred_batch_size", "max_queue_delay"))]
+    assert all(line in text.splitlines() for line in kept)
+
+
+def test_a_tuned_config_adds_what_the_original_left_to_defaults() -> None:
+    from clients.tune import Candidate, candidate_text
+
+    original = 'backend: "identity"\n# no batching settings, no instance group\nmax_batch_size: 4\n'
+    text = candidate_text(original, Candidate(2, 8, 100), can_batch=True)
+    tuned = parse_config(text)
+    assert tuned.instance_group[0].count == 2 and tuned.max_batch_size == 8
+    assert list(tuned.dynamic_batching.preferred_batch_size) == [8]
+    assert tuned.dynamic_batching.max_queue_delay_microseconds == 100
+    assert text.startswith(original.replace("max_batch_size: 4", "max_batch_size: 8"))
 
 
 @pytest.mark.parametrize(
