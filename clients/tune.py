@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from clients import ClientError, InferenceClient, local_server
+from clients import ClientError, InferenceClient, local_server, nvidia_smi
 from clients.loadtest import plot as loadplot
 from clients.loadtest.inputs import build_inputs, serialize_request
 from clients.loadtest.measure import LoadTester, Settings
@@ -232,22 +230,7 @@ class Tuner:
                             "errors": sum(step.errors.values()),
                         })
                 measured.rss_mb = _rss_mb(server.pid)
-                measured.gpu_mb = _gpu_mb(server.pid)
-
-
-def _gpu_mb(pid: int) -> float | None:
-    """GPU memory the server process holds (nvidia-smi); None where there is no NVIDIA GPU."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        result = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    used = [float(mb) for line in result.stdout.splitlines() for p, mb in [line.split(",")] if int(p) == pid]
-    return sum(used)
+                measured.gpu_mb = nvidia_smi.used_mb([server.pid])
 
 
 def _link_or_copy(source: str, target: str) -> None:

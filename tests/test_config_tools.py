@@ -103,7 +103,9 @@ def test_generated_config_loads_and_serves(tmp_path: Path, server_factory) -> No
     repo = tmp_path / "repo"
     repo.mkdir()
     multi_io_model(repo / "multi.onnx")
-    assert shoal("config", "generate", str(repo / "multi.onnx"), "--max-batch-size", "8").returncode == 0
+    # KIND_CPU: with KIND_AUTO a GPU host would place it on the GPU (and need onnxruntime-gpu).
+    assert shoal("config", "generate", str(repo / "multi.onnx"), "--max-batch-size", "8",
+                 "--kind", "KIND_CPU").returncode == 0
     (repo / "multi.onnx").unlink()
     server = server_factory(repo, "--strict-model-config", "true")
     import numpy as np
@@ -118,13 +120,18 @@ def test_generated_config_loads_and_serves(tmp_path: Path, server_factory) -> No
     assert outputs["flags"].tolist() == [[False], [True]] and outputs["scaled"].dtype == np.float16
 
 
-def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory) -> None:
+def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # "bare" has no config, so no instance kind: KIND_AUTO, which means the GPU on a GPU host.
+    # Auto-complete is what this tests, on the CPU wherever it runs: hide the GPUs from the servers.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     repo = tmp_path / "repo"
     (repo / "bare").mkdir(parents=True)
     shutil.copytree(EXAMPLES / "simple" / "1", repo / "bare" / "1")  # no config.pbtxt at all
     (repo / "partial").mkdir()
     shutil.copytree(EXAMPLES / "simple" / "1", repo / "partial" / "1")
-    (repo / "partial" / "config.pbtxt").write_text('max_batch_size: 2\ninstance_group [ { count: 3 } ]\n')
+    (repo / "partial" / "config.pbtxt").write_text(
+        'max_batch_size: 2\ninstance_group [ { count: 3 kind: KIND_CPU } ]\n')
     server = server_factory(repo)
     with InferenceClient(server.url, timeout_s=30) as client:
         bare = client.model_config("bare")
