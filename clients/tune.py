@@ -224,6 +224,8 @@ class Tuner:
                         if time.monotonic() >= self.deadline and measured.points:
                             break
                         step = tester.run_step(concurrency=concurrency, deadline=self.deadline + 30)
+                        if step.interrupted:  # Ctrl-C: the load tester stopped the step; stop the search
+                            raise KeyboardInterrupt
                         measured.points.append({
                             "concurrency": concurrency, "throughput": step.throughput,
                             "p50_ms": step.latency_us["p50"] / 1000, "p99_ms": step.latency_us["p99"] / 1000,
@@ -286,7 +288,17 @@ def run_tune(args: argparse.Namespace) -> int:
     tuner = Tuner(model_dir, args.latency_budget_ms, concurrencies, args.window_s, deadline)
     print(f"tuning '{tuner.name}' for p99 ≤ {args.latency_budget_ms:g} ms at concurrencies {concurrencies}, "
           f"at most {args.max_minutes:g} min", flush=True)
-    best = tuner.search()
+    try:
+        best = tuner.search()
+    except KeyboardInterrupt:
+        measured = [m for m in tuner.measured.values() if m.points]
+        if measured:
+            write_csv(measured, out_dir / "tune.csv", args.latency_budget_ms)
+            plot(measured, out_dir / "tune.png", args.latency_budget_ms, f"shoal config tune: {tuner.name}")
+        print(f"interrupted: {len(measured)} candidate(s) measured"
+              + (f", see {out_dir / 'tune.csv'}" if measured else "") + "; no config.tuned.pbtxt written",
+              file=sys.stderr)
+        return 130
     measured = list(tuner.measured.values())
     start = tuner.measured[tuner.start()]
     write_csv(measured, out_dir / "tune.csv", args.latency_budget_ms)

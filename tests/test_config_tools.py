@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,6 +20,7 @@ from server.pb import config_pb2
 from server.repository.config import parse_config
 from tests import models
 from tests.models import EXAMPLES
+from tests.polling import wait_until
 
 
 def shoal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -338,3 +341,41 @@ def test_triton_style_text_parses_back_to_the_same_config() -> None:
     assert "reshape { }" in text and "gpus: [ 0, 1 ]" in text and "kind: KIND_AUTO" in text
     assert text.index('key: "a"') < text.index('key: "execute_delay_ms"'), "map entries in key order"
     assert format_config(parse_config(text)) == text
+
+
+def test_ctrl_c_stops_the_tuner_with_what_it_measured(tmp_path: Path) -> None:
+    folder = tmp_path / "simple"
+    shutil.copytree(EXAMPLES / "simple", folder)
+    tune = subprocess.Popen(
+        [sys.executable, "-m", "server", "config", "tune", str(folder), "--latency-budget-ms", "200",
+         "--max-minutes", "5", "--concurrency", "1,2", "--window-s", "0.3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        assert tune.stdout is not None
+        for line in tune.stdout:  # bounded by --max-minutes
+            if "best in budget" in line:  # the first candidate is measured, the second is starting
+                break
+        os.killpg(tune.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+        _, stderr = tune.communicate(timeout=120)
+    finally:
+        if tune.poll() is None:
+            os.killpg(tune.pid, signal.SIGKILL)
+        tune.wait()
+    assert tune.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    assert (folder / "tuning" / "tune.csv").is_file() and not (folder / "config.tuned.pbtxt").exists()
+    assert wait_until(lambda: not _session_members(tune.pid), timeout_s=30), "a server outlived the tuner"
+
+
+def _session_members(session: int) -> list[int]:
+    """Processes of the session that ``start_new_session`` gave the tuner (servers, load processes)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":  # field 6 of stat, after pid and (comm)
+            members.append(int(stat.parent.name))
+    return members
