@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shutil
 import sys
 import tempfile
 import time

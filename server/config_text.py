@@ -47,7 +47,9 @@ def _is_map(fd: descriptor.FieldDescriptor) -> bool:
 
 
 def _is_repeated(fd: descriptor.FieldDescriptor) -> bool:
-    return bool(getattr(fd, "is_repeated", fd.label == descriptor.FieldDescriptor.LABEL_REPEATED))
+    if hasattr(fd, "is_repeated"):  # protobuf >= 5.29 (``label`` is deprecated there)
+        return bool(fd.is_repeated)
+    return bool(fd.label == descriptor.FieldDescriptor.LABEL_REPEATED)
 
 
 def _field_lines(fd: descriptor.FieldDescriptor, value: Any, depth: int) -> list[str]:
