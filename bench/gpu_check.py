@@ -10,14 +10,13 @@
    thread has its own CUDA stream), shoal-load at concurrency 16.
 3. CUDA IPC: process instances (weights handed over as CUDA IPC handles) return the same
    outputs as thread instances.
-Prints every figure; exits 1 if a check fails, 0 with a note when no CUDA device exists.
+Prints every figure; exits 1 if a check fails, or if the driver reports a GPU that torch cannot
+use (a CPU-only torch on a GPU host); 0 with a note when the driver reports no CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,15 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import shoal_load  # noqa: E402
 from bench._server import shoal_server  # noqa: E402
 from bench.torch_memory import save_model, tree_pids  # noqa: E402
-from clients import InferenceClient  # noqa: E402
+from clients import InferenceClient, nvidia_smi  # noqa: E402
+from server.backends.devices import cuda_device_count  # noqa: E402
 
 
-def nvidia_smi_mb(pids: list[int]) -> float | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return sum(float(mb) for line in out.splitlines() for pid, mb in [line.split(",")] if int(pid) in pids)
+def cuda_problem(torch_devices: int, driver_devices: int, torch_version: str) -> str | None:
+    """Why the check cannot run on a host whose driver sees GPUs, or None (no GPU at all is no problem)."""
+    if driver_devices > 0 and torch_devices == 0:
+        return (f"the driver reports {driver_devices} CUDA device(s) but torch {torch_version} sees none: "
+                "install a CUDA build of torch (or check CUDA_VISIBLE_DEVICES)")
+    return None
 
 
 def write_config(repo: Path, name: str, width: int, count: int, kind: str, processes: bool) -> None:
@@ -61,7 +61,7 @@ def serve_variant(folder: Path, model: Path, width: int, count: int, kind: str, 
             outputs = [client.infer("m", {"INPUT__0": x})["OUTPUT__0"] for _ in range(2 * count)]
             usage = client.statistics("m")[0].get("memory_usage", [])
         return {"outputs": outputs[0], "weights_mb": sum(int(u["byte_size"]) for u in usage) / 2**20,
-                "nvidia_smi_mb": nvidia_smi_mb(tree_pids(pid)), "url": url}
+                "nvidia_smi_mb": nvidia_smi.used_mb(tree_pids(pid)), "url": url}
 
 
 def main() -> int:
@@ -72,9 +72,15 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: nothing to check (use --device cpu to rehearse)")
-        return 0
+    if args.device == "cuda":
+        problem = cuda_problem(torch.cuda.device_count() if torch.cuda.is_available() else 0, cuda_device_count(),
+                               torch.__version__)
+        if problem is not None:
+            print(f"FAIL: {problem}")
+            return 1
+        if cuda_device_count() == 0:
+            print("no CUDA device: nothing to check (use --device cpu to rehearse)")
+            return 0
     kind = "KIND_GPU" if args.device == "cuda" else "KIND_CPU"
     failures = []
     with tempfile.TemporaryDirectory() as name:

@@ -9,6 +9,12 @@ candidate (one knob one step away), move to the best of them while it improves t
 by more than 2%, stop when none does or the time is up. Every measured point goes to a
 CSV, the top candidates to a PNG, and the winner to ``config.tuned.pbtxt`` beside the
 original, which is kept.
+
+A candidate's config is the original config.pbtxt with only the tuned fields changed, in
+place (``server.config_text.ConfigEditor``): every instance group's ``count``,
+``max_batch_size``, and ``dynamic_batching``'s ``max_queue_delay_microseconds`` and
+``preferred_batch_size``. Everything else (priority levels, queue policies,
+``preserve_ordering``, ``gpus``, parameters) and the comments stay as they were.
 """
 
 from __future__ import annotations
@@ -17,26 +23,27 @@ import argparse
 import csv
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from google.protobuf import text_format
-
-from clients import ClientError, InferenceClient, local_server
+from clients import ClientError, InferenceClient, local_server, nvidia_smi
+from clients.loadtest import plot as loadplot
 from clients.loadtest.inputs import build_inputs, serialize_request
 from clients.loadtest.measure import LoadTester, Settings
+from server.config_text import ConfigEditor, format_config
 from server.lifecycle.configure import configure
 from server.pb import config_pb2
 from server.repository import scanner
+from server.repository.config import CONFIG_FILENAME, parse_config
 
 DELAYS_US = (0, 100, 500, 2000)
 MAX_INSTANCES = 4
 MAX_BATCH_LIMIT = 64
 MIN_GAIN = 0.02
+HEADER_PREFIX = "# shoal config tune:"
 
 
 @dataclass(frozen=True)
@@ -64,23 +71,71 @@ class Measured:
         return max(within, default=0.0)
 
 
-def candidate_config(base: config_pb2.ModelConfig, candidate: Candidate) -> config_pb2.ModelConfig:
+def candidate_config(original: config_pb2.ModelConfig, candidate: Candidate,
+                     can_batch: bool) -> config_pb2.ModelConfig:
+    """What ``candidate`` means for the parsed original config: the tuned fields, nothing else."""
     config = config_pb2.ModelConfig()
-    config.CopyFrom(base)
-    kind = base.instance_group[0].kind if base.instance_group else config_pb2.ModelInstanceGroup.KIND_AUTO
-    del config.instance_group[:]
-    config.instance_group.add(count=candidate.instances, kind=kind)
-    if base.max_batch_size > 0:
+    config.CopyFrom(original)
+    for group in config.instance_group:
+        group.count = candidate.instances
+    if not config.instance_group:
+        config.instance_group.add(count=candidate.instances)
+    if can_batch:
         config.max_batch_size = candidate.max_batch_size
-        config.ClearField("dynamic_batching")
         if candidate.max_batch_size > 1:
             batching = config.dynamic_batching
             batching.max_queue_delay_microseconds = candidate.delay_us
-            if candidate.preferred_half and candidate.max_batch_size >= 4:
-                batching.preferred_batch_size.extend([candidate.max_batch_size // 2, candidate.max_batch_size])
-            else:
-                batching.preferred_batch_size.append(candidate.max_batch_size)
+            del batching.preferred_batch_size[:]
+            batching.preferred_batch_size.extend(_preferred(candidate))
+        elif config.HasField("dynamic_batching"):  # queue policies and priorities stay; no preferred size > 1
+            del config.dynamic_batching.preferred_batch_size[:]
     return config
+
+
+def _preferred(candidate: Candidate) -> list[int]:
+    if candidate.preferred_half and candidate.max_batch_size >= 4:
+        return [candidate.max_batch_size // 2, candidate.max_batch_size]
+    return [candidate.max_batch_size]
+
+
+def candidate_text(original_text: str, candidate: Candidate, can_batch: bool) -> str:
+    """The original config text with the tuned fields edited in place; comments and the rest kept."""
+    editor = ConfigEditor(original_text)
+    top = editor.top
+    groups = editor.messages(top, "instance_group")
+    for group in groups:
+        editor.set_scalar(group, "count", str(candidate.instances))
+    if not groups:
+        editor.insert(top, f"instance_group [ {{ count: {candidate.instances} kind: KIND_AUTO }} ]")
+    if can_batch:
+        editor.set_scalar(top, "max_batch_size", str(candidate.max_batch_size))
+        batching = editor.messages(top, "dynamic_batching")
+        if candidate.max_batch_size > 1:
+            preferred = [str(b) for b in _preferred(candidate)]
+            if batching:
+                editor.set_list(batching[0], "preferred_batch_size", preferred)
+                editor.set_scalar(batching[0], "max_queue_delay_microseconds", str(candidate.delay_us))
+            else:
+                editor.insert(top, f"dynamic_batching {{\n  preferred_batch_size: [ {', '.join(preferred)} ]\n"
+                                   f"  max_queue_delay_microseconds: {candidate.delay_us}\n}}")
+        elif batching:
+            editor.remove(batching[0], "preferred_batch_size")
+    text = editor.text()
+    expected = candidate_config(parse_config(original_text), candidate, can_batch)
+    if parse_config(text) != expected:  # the editor must change exactly what the candidate means
+        raise RuntimeError(f"editing the config for {candidate.label()} went wrong:\n{text}")
+    return text
+
+
+def _original_text(model_dir: Path, base: config_pb2.ModelConfig) -> str:
+    """The model's config.pbtxt without an earlier tuning header; the completed config if there is none."""
+    path = model_dir / CONFIG_FILENAME
+    if not path.is_file():
+        return format_config(base)
+    lines = path.read_text().splitlines(keepends=True)
+    while lines and lines[0].startswith(HEADER_PREFIX):
+        lines.pop(0)
+    return "".join(lines)
 
 
 def neighbours(candidate: Candidate, can_batch: bool) -> list[Candidate]:
@@ -109,19 +164,20 @@ class Tuner:
         self.deadline = deadline
         self.base = configure(model_dir, strict=False).config
         self.name = self.base.name
+        self.original_text = _original_text(model_dir, self.base)
+        self.can_batch = self.base.max_batch_size > 0
         self.measured: dict[Candidate, Measured] = {}
 
     def start(self) -> Candidate:
         mbs = self.base.max_batch_size
         delay = self.base.dynamic_batching.max_queue_delay_microseconds if self.base.HasField("dynamic_batching") else 0
-        instances = sum(g.count for g in self.base.instance_group) or 1
+        instances = max((g.count for g in self.base.instance_group), default=1) or 1  # count per group
         return Candidate(min(instances, MAX_INSTANCES), mbs, delay if delay in DELAYS_US else 0)
 
     def search(self) -> Measured:
         best = self.evaluate(self.start())
-        can_batch = self.base.max_batch_size > 0
         while time.monotonic() < self.deadline:
-            fresh = [n for n in neighbours(best.candidate, can_batch) if n not in self.measured]
+            fresh = [n for n in neighbours(best.candidate, self.can_batch) if n not in self.measured]
             if not fresh:
                 break
             results = [self.evaluate(n) for n in fresh if time.monotonic() < self.deadline]
@@ -132,6 +188,9 @@ class Tuner:
                 break
             best = challenger
         return max(self.measured.values(), key=lambda m: m.score(self.budget_ms))
+
+    def text(self, candidate: Candidate) -> str:
+        return candidate_text(self.original_text, candidate, self.can_batch)
 
     def evaluate(self, candidate: Candidate) -> Measured:
         measured = Measured(candidate)
@@ -155,7 +214,7 @@ class Tuner:
             for version in scanner.list_versions(self.model_dir):
                 # Hard links (copies across file systems): the server refuses symlinks out of its repository.
                 shutil.copytree(self.model_dir / str(version), target / str(version), copy_function=_link_or_copy)
-            (target / "config.pbtxt").write_text(text_format.MessageToString(candidate_config(self.base, candidate)))
+            (target / CONFIG_FILENAME).write_text(self.text(candidate))
             with local_server.running(repo) as server:
                 with InferenceClient(server.url, timeout_s=30) as client:
                     inputs = build_inputs(client, self.name, "", 1, {}, "random")
@@ -166,28 +225,15 @@ class Tuner:
                         if time.monotonic() >= self.deadline and measured.points:
                             break
                         step = tester.run_step(concurrency=concurrency, deadline=self.deadline + 30)
+                        if step.interrupted:  # Ctrl-C: the load tester stopped the step; stop the search
+                            raise KeyboardInterrupt
                         measured.points.append({
                             "concurrency": concurrency, "throughput": step.throughput,
                             "p50_ms": step.latency_us["p50"] / 1000, "p99_ms": step.latency_us["p99"] / 1000,
                             "errors": sum(step.errors.values()),
                         })
                 measured.rss_mb = _rss_mb(server.pid)
-                measured.gpu_mb = _gpu_mb(server.pid)
-
-
-def _gpu_mb(pid: int) -> float | None:
-    """GPU memory the server process holds (nvidia-smi); None where there is no NVIDIA GPU."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        result = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    used = [float(mb) for line in result.stdout.splitlines() for p, mb in [line.split(",")] if int(p) == pid]
-    return sum(used)
+                measured.gpu_mb = nvidia_smi.used_mb([server.pid])
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -220,25 +266,17 @@ def write_csv(measured: list[Measured], path: Path, budget_ms: float) -> None:
 
 
 def plot(measured: list[Measured], path: Path, budget_ms: float, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """p99 latency against throughput of the five best candidates, in shoal-load's convention."""
+    if loadplot.pyplot() is None:
         return False
     top = sorted(measured, key=lambda m: m.score(budget_ms), reverse=True)[:5]
-    figure, axes = plt.subplots(figsize=(8, 4.8))
-    for m in top:
-        axes.plot([p["p99_ms"] for p in m.points], [p["throughput"] for p in m.points], "o-",
-                  label=m.candidate.label())
-    axes.axvline(budget_ms, color="grey", linestyle="--", label=f"p99 budget {budget_ms:g} ms")
-    axes.set(xlabel="p99 latency (ms)", ylabel="throughput (inferences/s)", title=title)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    curves = [
+        loadplot.Curve(m.candidate.label(),
+                       tuple(loadplot.Point(p["throughput"], p["p99_ms"], f"c={p['concurrency']:g}") for p in m.points),
+                       annotate=index == 0)
+        for index, m in enumerate(top) if m.points
+    ]
+    loadplot.save(curves, path, title, budget_ms=budget_ms, ylabel="p99 latency (ms)")
     return True
 
 
@@ -251,7 +289,17 @@ def run_tune(args: argparse.Namespace) -> int:
     tuner = Tuner(model_dir, args.latency_budget_ms, concurrencies, args.window_s, deadline)
     print(f"tuning '{tuner.name}' for p99 ≤ {args.latency_budget_ms:g} ms at concurrencies {concurrencies}, "
           f"at most {args.max_minutes:g} min", flush=True)
-    best = tuner.search()
+    try:
+        best = tuner.search()
+    except KeyboardInterrupt:
+        measured = [m for m in tuner.measured.values() if m.points]
+        if measured:
+            write_csv(measured, out_dir / "tune.csv", args.latency_budget_ms)
+            plot(measured, out_dir / "tune.png", args.latency_budget_ms, f"shoal config tune: {tuner.name}")
+        print(f"interrupted: {len(measured)} candidate(s) measured"
+              + (f", see {out_dir / 'tune.csv'}" if measured else "") + "; no config.tuned.pbtxt written",
+              file=sys.stderr)
+        return 130
     measured = list(tuner.measured.values())
     start = tuner.measured[tuner.start()]
     write_csv(measured, out_dir / "tune.csv", args.latency_budget_ms)
@@ -263,11 +311,14 @@ def run_tune(args: argparse.Namespace) -> int:
         return 1
     tuned = model_dir / "config.tuned.pbtxt"
     gain = f"{score / base_score:.2f}x the starting config" if base_score else "the starting config met no budget"
-    header = (f"# Tuned by `shoal config tune` for p99 <= {args.latency_budget_ms:g} ms: {best.candidate.label()}\n"
-              f"# {score:.1f} inferences/s within the budget ({gain}, {start.candidate.label()}),\n"
-              f"# server RSS {best.rss_mb:.0f} MB. {len(measured)} candidates measured; see {out_dir}.\n"
-              f"# To use it: cp config.tuned.pbtxt config.pbtxt\n")
-    tuned.write_text(header + text_format.MessageToString(candidate_config(tuner.base, best.candidate)))
+    where = os.path.relpath(out_dir, model_dir)  # no absolute path: the folder may move, or be shared
+    header = "".join(f"{HEADER_PREFIX} {line}\n" for line in (
+        f"p99 <= {args.latency_budget_ms:g} ms: {best.candidate.label()}",
+        f"{score:.1f} inferences/s within the budget ({gain}, {start.candidate.label()}),",
+        f"server RSS {best.rss_mb:.0f} MB. {len(measured)} candidates measured; see {where}/tune.csv.",
+        "Only the tuned fields differ from config.pbtxt. To use it: cp config.tuned.pbtxt config.pbtxt",
+    ))
+    tuned.write_text(header + tuner.text(best.candidate))
     print(f"\nbest: {best.candidate.label()}: {score:.1f} infer/s within budget ({gain})")
     print(f"wrote {tuned}, {out_dir / 'tune.csv'}" + (f", {out_dir / 'tune.png'}" if plotted else ""))
     return 0

@@ -83,6 +83,7 @@ def add_onnx_strings(repo: Path, name: str = "strings") -> None:
         max_batch_size: 0
         input [ { name: "IN" data_type: TYPE_STRING dims: [ -1 ] } ]
         output [ { name: "OUT" data_type: TYPE_STRING dims: [ -1 ] } ]
+        instance_group [ { count: 1 kind: KIND_CPU } ]
         """,
     )
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from server.pb import config_pb2
 from server.repository.config import parse_config
 from tests import models
 from tests.models import EXAMPLES
+from tests.polling import wait_until
 
 
 def shoal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -60,6 +64,32 @@ def test_generate_for_a_dynamic_batch_model(tmp_path: Path) -> None:
     assert shoal("config", "generate", str(folder)).returncode == 2  # exists: refuses without --force
     again = shoal("config", "generate", str(folder), "--output", "-")
     assert again.stdout == text, "generation is stable"
+    # Written as Triton's docs and our examples write it: lists of blocks, dims as lists, the kind.
+    assert "input [\n  {\n    name: \"pixels\"" in text and "\ninput {" not in text
+    assert "dims: [ 3 ]" in text and "dims: 3" not in text
+    assert "preferred_batch_size: [ 4 ]" in text
+    assert "kind: KIND_AUTO" in text and config.instance_group[0].kind == config_pb2.ModelInstanceGroup.KIND_AUTO
+
+
+def test_generate_replaces_a_stale_copy_of_the_model_file(tmp_path: Path) -> None:
+    model_file = tmp_path / "net.onnx"
+    model_file.write_bytes(b"not an onnx model")
+    failed = shoal("config", "generate", str(model_file))
+    assert failed.returncode != 0 and "cannot load" in failed.stderr, failed.stderr
+    multi_io_model(model_file)  # the user fixes the file and runs again: the broken copy must not be reused
+    result = shoal("config", "generate", str(model_file), "--kind", "KIND_CPU")
+    assert result.returncode == 0, result.stderr
+    copy = tmp_path / "net" / "1" / "model.onnx"
+    assert copy.read_bytes() == model_file.read_bytes()
+    assert [i.name for i in parse_config((tmp_path / "net" / "config.pbtxt").read_text()).input] == ["pixels", "ids"]
+    multi_io_model(model_file, batch=2)  # a changed model, regenerated with --force
+    result = shoal("config", "generate", str(model_file), "--kind", "KIND_CPU", "--force")
+    assert result.returncode == 0, result.stderr
+    assert copy.read_bytes() == model_file.read_bytes()
+    config = parse_config((tmp_path / "net" / "config.pbtxt").read_text())
+    assert config.max_batch_size == 0 and list(config.input[0].dims) == [2, 3]
+    assert "kind: KIND_CPU" in (tmp_path / "net" / "config.pbtxt").read_text()
+    assert not list((tmp_path / "net" / "1").glob(".*partial")), "no partial copy is left behind"
 
 
 def test_generate_for_a_fixed_batch_model(tmp_path: Path) -> None:
@@ -76,7 +106,9 @@ def test_generated_config_loads_and_serves(tmp_path: Path, server_factory) -> No
     repo = tmp_path / "repo"
     repo.mkdir()
     multi_io_model(repo / "multi.onnx")
-    assert shoal("config", "generate", str(repo / "multi.onnx"), "--max-batch-size", "8").returncode == 0
+    # KIND_CPU: with KIND_AUTO a GPU host would place it on the GPU (and need onnxruntime-gpu).
+    assert shoal("config", "generate", str(repo / "multi.onnx"), "--max-batch-size", "8",
+                 "--kind", "KIND_CPU").returncode == 0
     (repo / "multi.onnx").unlink()
     server = server_factory(repo, "--strict-model-config", "true")
     import numpy as np
@@ -91,13 +123,18 @@ def test_generated_config_loads_and_serves(tmp_path: Path, server_factory) -> No
     assert outputs["flags"].tolist() == [[False], [True]] and outputs["scaled"].dtype == np.float16
 
 
-def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory) -> None:
+def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # "bare" has no config, so no instance kind: KIND_AUTO, which means the GPU on a GPU host.
+    # Auto-complete is what this tests, on the CPU wherever it runs: hide the GPUs from the servers.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     repo = tmp_path / "repo"
     (repo / "bare").mkdir(parents=True)
     shutil.copytree(EXAMPLES / "simple" / "1", repo / "bare" / "1")  # no config.pbtxt at all
     (repo / "partial").mkdir()
     shutil.copytree(EXAMPLES / "simple" / "1", repo / "partial" / "1")
-    (repo / "partial" / "config.pbtxt").write_text('max_batch_size: 2\ninstance_group [ { count: 3 } ]\n')
+    (repo / "partial" / "config.pbtxt").write_text(
+        'max_batch_size: 2\ninstance_group [ { count: 3 kind: KIND_CPU } ]\n')
     server = server_factory(repo)
     with InferenceClient(server.url, timeout_s=30) as client:
         bare = client.model_config("bare")
@@ -151,9 +188,40 @@ def test_check_passes_the_shipped_repository() -> None:
     assert "2 ok, 0 failed" in result.stderr
 
 
+RICH_CONFIG_EXTRA = """
+# Two priorities; the urgent ones may not wait.
+dynamic_batching {
+  priority_levels: 2
+  default_priority_level: 2
+  preserve_ordering: true  # replies in request order
+  default_queue_policy { max_queue_size: 64 }
+  priority_queue_policy { key: 1 value: { timeout_action: REJECT default_timeout_microseconds: 5000 } }
+}
+parameters { key: "note" value: { string_value: "kept" } }
+"""
+
+
+def _untuned(config: config_pb2.ModelConfig) -> config_pb2.ModelConfig:
+    """``config`` without the fields the tuner may change."""
+    out = config_pb2.ModelConfig()
+    out.CopyFrom(config)
+    out.ClearField("max_batch_size")
+    for group in out.instance_group:
+        group.ClearField("count")
+    out.dynamic_batching.ClearField("max_queue_delay_microseconds")
+    out.dynamic_batching.ClearField("preferred_batch_size")
+    return out
+
+
+def _comments(text: str) -> list[str]:
+    return [line.split("#", 1)[1] for line in text.splitlines() if "#" in line]
+
+
 def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> None:
     folder = tmp_path / "simple"
     shutil.copytree(EXAMPLES / "simple", folder)
+    (folder / "config.pbtxt").write_text((EXAMPLES / "simple" / "config.pbtxt").read_text() + RICH_CONFIG_EXTRA)
+    original_text = (folder / "config.pbtxt").read_text()
     result = shoal("config", "tune", str(folder), "--latency-budget-ms", "200", "--max-minutes", "0.4",
                    "--concurrency", "1,4", "--window-s", "0.3", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -161,7 +229,7 @@ def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> No
     candidates = {(r["instances"], r["max_batch_size"], r["delay_us"], r["preferred_half"]) for r in rows}
     assert len(candidates) >= 2 and len(rows) >= 4, "the search measured several points"
     assert (folder / "tuning" / "tune.png").read_bytes()[:4] == b"\x89PNG"
-    assert (folder / "config.pbtxt").read_text() == (EXAMPLES / "simple" / "config.pbtxt").read_text()
+    assert (folder / "config.pbtxt").read_text() == original_text
     tuned_text = (folder / "config.tuned.pbtxt").read_text()
     tuned = parse_config(tuned_text)
     start = [float(r["throughput"]) for r in rows
@@ -169,9 +237,80 @@ def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> No
     best = max(float(r["throughput"]) for r in rows if r["within_budget"] == "True")
     assert best >= max(start)
     assert tuned.name == "simple" and tuned.instance_group[0].count >= 1
+    # Only the tuned fields changed: priorities, queue policies, preserve_ordering, parameters and
+    # every comment are kept, and the header names no absolute path.
+    assert _untuned(tuned) == _untuned(parse_config(original_text))
+    assert tuned.dynamic_batching.priority_levels == 2 and tuned.dynamic_batching.preserve_ordering
+    assert set(_comments(original_text)) <= set(_comments(tuned_text))
+    assert str(tmp_path) not in tuned_text and "tuning/tune.csv" in tuned_text
     # The tuned config is valid: it passes the server's own pipeline.
     (folder / "config.pbtxt").write_text(tuned_text)
     assert configure(folder, strict=True).spec.max_batch_size == tuned.max_batch_size
+
+
+@pytest.mark.parametrize(
+    "candidate",
+    [(3, 16, 500, True), (1, 1, 0, False), (2, 4, 0, False)],
+    ids=["bigger", "no-batching", "smaller"],
+)
+def test_a_tuned_config_changes_only_the_tuned_fields(candidate: tuple[int, int, int, bool]) -> None:
+    from clients.tune import Candidate, candidate_text
+
+    original = textwrap.dedent("""\
+        # A GPU model with everything the tuner must keep.
+        name: "rich"
+        backend: "onnxruntime"
+        max_batch_size: 8  # the tuner changes this
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        instance_group [
+          { count: 2 kind: KIND_GPU gpus: [ 0, 1 ] },  # two per GPU
+          { name: "spare" count: 1 kind: KIND_CPU }
+        ]
+        dynamic_batching {
+          preferred_batch_size: 4
+          preferred_batch_size: 8
+          max_queue_delay_microseconds: 100
+          priority_levels: 3
+          default_priority_level: 2
+          preserve_ordering: true
+          default_queue_policy { max_queue_size: 16 allow_timeout_override: true }
+          priority_queue_policy { key: 1 value { timeout_action: DELAY } }
+        }
+        parameters { key: "p" value: { string_value: "v" } }
+        # the end
+        """)
+    chosen = Candidate(*candidate)
+    text = candidate_text(original, chosen, can_batch=True)
+    tuned, before = parse_config(text), parse_config(original)
+    assert _untuned(tuned) == _untuned(before)
+    assert [g.count for g in tuned.instance_group] == [chosen.instances] * 2
+    assert list(tuned.instance_group[0].gpus) == [0, 1] and tuned.max_batch_size == chosen.max_batch_size
+    batching = tuned.dynamic_batching
+    if chosen.max_batch_size > 1:
+        assert batching.max_queue_delay_microseconds == chosen.delay_us
+        assert list(batching.preferred_batch_size) == (
+            [chosen.max_batch_size // 2, chosen.max_batch_size] if chosen.preferred_half else [chosen.max_batch_size])
+    else:
+        assert not batching.preferred_batch_size and batching.max_queue_delay_microseconds == 100
+    assert batching.priority_levels == 3 and batching.preserve_ordering
+    assert _comments(text) == _comments(original)
+    # Untouched lines are byte for byte the same.
+    kept = [line for line in original.splitlines() if not any(
+        key in line for key in ("max_batch_size", "count", "preferred_batch_size", "max_queue_delay"))]
+    assert all(line in text.splitlines() for line in kept)
+
+
+def test_a_tuned_config_adds_what_the_original_left_to_defaults() -> None:
+    from clients.tune import Candidate, candidate_text
+
+    original = 'backend: "identity"\n# no batching settings, no instance group\nmax_batch_size: 4\n'
+    text = candidate_text(original, Candidate(2, 8, 100), can_batch=True)
+    tuned = parse_config(text)
+    assert tuned.instance_group[0].count == 2 and tuned.max_batch_size == 8
+    assert list(tuned.dynamic_batching.preferred_batch_size) == [8]
+    assert tuned.dynamic_batching.max_queue_delay_microseconds == 100
+    assert text.startswith(original.replace("max_batch_size: 4", "max_batch_size: 8"))
 
 
 @pytest.mark.parametrize(
@@ -184,3 +323,59 @@ def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> No
 def test_config_commands_fail_clearly(args: list[str], phrase: str) -> None:
     result = shoal(*args)
     assert result.returncode in (1, 2) and phrase in result.stderr
+
+
+def test_triton_style_text_parses_back_to_the_same_config() -> None:
+    from server.config_text import format_config
+
+    config = parse_config((EXAMPLES / "simple" / "config.pbtxt").read_text())
+    config.input[0].reshape.SetInParent()  # an empty reshape (per-sample scalars) must survive
+    config.parameters["execute_delay_ms"].string_value = 'say "10"'
+    config.parameters["a"].string_value = "b"
+    config.dynamic_batching.priority_levels = 2
+    config.dynamic_batching.priority_queue_policy[1].max_queue_size = 4
+    config.instance_group[0].ClearField("kind")
+    config.instance_group[0].gpus.extend([0, 1])
+    text = format_config(config)
+    assert parse_config(text) == config
+    assert "reshape { }" in text and "gpus: [ 0, 1 ]" in text and "kind: KIND_AUTO" in text
+    assert text.index('key: "a"') < text.index('key: "execute_delay_ms"'), "map entries in key order"
+    assert format_config(parse_config(text)) == text
+
+
+def test_ctrl_c_stops_the_tuner_with_what_it_measured(tmp_path: Path) -> None:
+    folder = tmp_path / "simple"
+    shutil.copytree(EXAMPLES / "simple", folder)
+    tune = subprocess.Popen(
+        [sys.executable, "-m", "server", "config", "tune", str(folder), "--latency-budget-ms", "200",
+         "--max-minutes", "5", "--concurrency", "1,2", "--window-s", "0.3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        assert tune.stdout is not None
+        for line in tune.stdout:  # bounded by --max-minutes
+            if "best in budget" in line:  # the first candidate is measured, the second is starting
+                break
+        os.killpg(tune.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+        _, stderr = tune.communicate(timeout=120)
+    finally:
+        if tune.poll() is None:
+            os.killpg(tune.pid, signal.SIGKILL)
+        tune.wait()
+    assert tune.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    assert (folder / "tuning" / "tune.csv").is_file() and not (folder / "config.tuned.pbtxt").exists()
+    assert wait_until(lambda: not _session_members(tune.pid), timeout_s=30), "a server outlived the tuner"
+
+
+def _session_members(session: int) -> list[int]:
+    """Processes of the session that ``start_new_session`` gave the tuner (servers, load processes)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":  # field 6 of stat, after pid and (comm)
+            members.append(int(stat.parent.name))
+    return members

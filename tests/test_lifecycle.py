@@ -19,17 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients import ClientError, InferenceClient
 from tests import models
+from tests.polling import metric, success_count, wait_until
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
-
-
-def wait_until(condition, timeout_s: float = 20.0, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval_s)
-    return False
 
 
 def slow_model(repo: Path, name: str, delay_ms: int, extra: str = "", count: int = 2) -> None:
@@ -108,27 +100,36 @@ def test_reload_under_load_drops_no_request(tmp_path: Path, server_factory) -> N
     repo = models.repository(tmp_path, "simple")
     server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "*")
     out = tmp_path / "load.json"
+    # Runs until interrupted (at most 120 s): its one step then counts every request it sent.
     load = subprocess.Popen(
         [sys.executable, "-m", "clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency", "16",
-         "--warmup-s", "0", "--window-s", "1", "--max-windows", "6", "--stability", "0.001",
-         "--json", str(out), "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+         "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "240", "--stability", "0.001",
+         "--max-seconds", "120", "--json", str(out), "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
+        served = []  # requests each configuration served, at least: statistics restart with each reload
         with InferenceClient(server.url, timeout_s=60) as client:
-            time.sleep(2.0)
+            assert wait_until(lambda: success_count(client, "simple") >= 50, timeout_s=60), "no load arrived"
             for batch in (4, 8, 2):  # three reloads while 16 requests are always in flight
+                served.append(success_count(client, "simple"))
                 config = client.model_config("simple")
                 config["max_batch_size"] = batch
                 client.load_model("simple", config=config)
                 assert client.model_config("simple")["max_batch_size"] == batch
-                time.sleep(0.5)
-        assert load.wait(timeout=120) == 0
+                assert wait_until(lambda: success_count(client, "simple") >= 50, timeout_s=60)
+            served.append(success_count(client, "simple"))
+        assert load.poll() is None, "the load ended before the reloads did"
+        load.send_signal(signal.SIGINT)
+        _, stderr = load.communicate(timeout=60)
     finally:
         load.kill()
+        load.wait()
+    assert load.returncode == 130, stderr  # interrupted, with every request so far accounted for
     step = json.loads(out.read_text())["steps"][0]
-    assert step["requests"] > 100
-    assert step["errors"] == {}, step["errors"]
+    assert step["interrupted"] and step["errors"] == {}, step["errors"]
+    assert step["requests"] >= sum(served), (step["requests"], served)
+    assert step["requests"] >= sum(step["window_throughputs"]) * 0.5 * 0.99  # every window, not the last three
 
 
 def test_graceful_shutdown_completes_every_accepted_request(tmp_path: Path, server_factory) -> None:
@@ -147,7 +148,8 @@ def test_graceful_shutdown_completes_every_accepted_request(tmp_path: Path, serv
 
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(call, float(i)) for i in range(6)]  # 2 run, 4 queue
-        time.sleep(0.2)
+        wait_until(lambda: metric(server, "nv_inference_pending_request_count", "slow") == 4, timeout_s=30,
+                   what="4 requests queued")
         server.process.send_signal(signal.SIGTERM)
         for future in futures:
             future.result(timeout=60)
@@ -181,14 +183,19 @@ def test_overload_is_answered_promptly_while_health_stays_responsive(tmp_path: P
 
     with ThreadPoolExecutor(8) as pool:
         floods = [pool.submit(flood) for _ in range(8)]
+        checks_under_overload = 0
         with grpc.insecure_channel(server.url) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            for _ in range(10):
+            while checks_under_overload < 10 and time.monotonic() < stop:  # bounded by the flood's end
+                with lock:
+                    overloaded = "UNAVAILABLE" in statuses
                 started = time.monotonic()
                 reply = health.Check(health_pb2.HealthCheckRequest(service="bounded"), timeout=2)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
                 assert time.monotonic() - started < 0.5
-                time.sleep(0.2)
+                if overloaded:
+                    checks_under_overload += 1
+        assert checks_under_overload >= 10, "health was not checked while the model rejected requests"
         for future in floods:
             future.result(timeout=60)
     assert "UNAVAILABLE" in statuses and "OK" in statuses

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from clients import InferenceClient
 from clients.loadtest.cli import parse_steps
 from clients.loadtest.report import PERF_ANALYZER_COLUMNS
 from tests import models
 from tests.conftest import RunningServer
+from tests.polling import success_count, wait_until
 
 FAST = ["--warmup-s", "0.3", "--window-s", "0.5", "--max-windows", "4", "--max-seconds", "60", "--no-progress"]
 
@@ -69,14 +73,83 @@ def test_sweep_writes_csv_json_and_png(load_server: RunningServer, tmp_path: Pat
     assert imread(out_png).shape[0] > 100
 
 
-def test_rejections_are_counted_by_status(load_server: RunningServer, tmp_path: Path) -> None:
+def test_rejections_are_counted_by_status_and_fail_the_run(load_server: RunningServer, tmp_path: Path) -> None:
     out_csv = tmp_path / "r.csv"
     result = shoal_load("-m", "bounded", "-u", load_server.url, "--concurrency", "6", "--csv", str(out_csv), *FAST)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr
     row = next(csv.DictReader(out_csv.read_text().splitlines()))
     errors = dict(item.split("=") for item in row["Errors"].split(";"))
     assert set(errors) == {"UNAVAILABLE"} and int(errors["UNAVAILABLE"]) > 0
+    assert f"{int(errors['UNAVAILABLE']):,} request(s) failed" in result.stderr
     assert float(row["Inferences/Second"]) > 0  # the accepted requests still complete
+
+
+def test_a_server_killed_mid_run_fails_the_run_with_bounded_retries(tmp_path: Path, server_factory) -> None:
+    repo = models.repository(tmp_path, "simple")
+    server = server_factory(repo)
+    out_json = tmp_path / "r.json"
+    concurrency = 4
+    load = subprocess.Popen(
+        [sys.executable, "-m", "clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency",
+         f"{concurrency},8,16", "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "8", "--stability", "0.001",
+         "--json", str(out_json), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        with InferenceClient(server.url, timeout_s=10) as client:
+            assert wait_until(lambda: success_count(client, "simple") >= 200), "no load reached the server"
+            served_before_kill = success_count(client, "simple")
+        server.process.kill()
+        stdout, stderr = load.communicate(timeout=60)
+    finally:
+        load.kill()
+        load.wait()
+    assert load.returncode == 1, stderr
+    steps = json.loads(out_json.read_text())["steps"]
+    # Step 2 found the server dead: no request succeeded, so the sweep ended there.
+    assert [s["concurrency"] for s in steps] == [concurrency, 8], stderr
+    assert steps[1]["requests"] == 0 and "no request succeeded in concurrency 8" in stderr
+    assert "1 step(s) not run" in stderr
+    step = steps[0]
+    # The totals cover the whole step: every success before the kill (the server may have counted
+    # at most `concurrency` replies the client never received), every failure after it.
+    assert step["requests"] >= served_before_kill - concurrency
+    failures = sum(step["errors"].values())
+    assert failures > 0 and set(step["errors"]) <= {"UNAVAILABLE", "CANCELLED", "INTERNAL", "UNKNOWN"}
+    # Back-off: a few failures per second per coroutine, not a busy loop (~70,000/s before).
+    assert failures / step["seconds"] < 30 * concurrency, (failures, step["seconds"])
+    assert "request(s) failed" in stderr and "concurrency 4" in stdout
+    assert "Traceback" not in stderr
+
+
+def test_ctrl_c_prints_the_partial_table_and_exits_130(load_server: RunningServer, tmp_path: Path) -> None:
+    out_json = tmp_path / "r.json"
+    load = subprocess.Popen(
+        [sys.executable, "-m", "clients.loadtest", "-m", "simple", "-u", load_server.url, "--concurrency", "1,2",
+         "--processes", "2", "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "100", "--stability",
+         "0.001", "--json", str(out_json), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        lines: list[str] = []
+        assert load.stderr is not None
+        for line in load.stderr:  # bounded: the step runs 100 windows of 0.5 s at most
+            lines.append(line)
+            if "window 2:" in line:
+                break
+        os.killpg(load.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+        stdout, stderr = load.communicate(timeout=60)
+    finally:
+        if load.poll() is None:
+            load.kill()
+        load.wait()
+    stderr = "".join(lines) + stderr
+    assert load.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert "interrupted" in stderr
+    assert "concurrency 1 (interrupted)" in stdout
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert step["interrupted"] and step["requests"] > 0 and step["windows"] >= 2 and not step["errors"]
 
 
 def test_open_loop_with_two_processes(load_server: RunningServer, tmp_path: Path) -> None:
@@ -134,3 +207,46 @@ def test_more_processes_than_concurrency(load_server: RunningServer, tmp_path: P
                         "--json", str(out_json), *FAST)
     assert result.returncode == 0, result.stderr
     assert json.loads(out_json.read_text())["steps"][0]["throughput"] > 0
+
+
+def test_one_plot_convention_for_shoal_load_and_the_tuner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from clients import tune
+    from clients.loadtest import plot, report
+    from clients.loadtest.measure import StepResult
+
+    def step(concurrency: int, throughput: float, p99_ms: float) -> StepResult:
+        latency = {k: p99_ms * 1000 * f for k, f in (("avg", 0.5), ("p50", 0.5), ("p90", 0.8), ("p95", 0.9),
+                                                      ("p99", 1.0), ("max", 1.2))}
+        return StepResult(concurrency, 0.0, throughput, 100, latency, {}, True, 3)
+
+    # Throughput falls at concurrency 8: joined in step order the line would turn back (zig-zag).
+    steps = [step(1, 100.0, 2.0), step(4, 900.0, 4.0), step(8, 700.0, 9.0), step(16, 950.0, 30.0)]
+    measured = [tune.Measured(tune.Candidate(n, 8), [
+        {"concurrency": c, "throughput": s.throughput * n, "p99_ms": s.latency_us["p99"] / 1000}
+        for c, s in zip((1, 4, 8, 16), steps, strict=True)]) for n in (1, 2)]
+    captured = {}
+    real_save = plot.save
+
+    def spy(curves, path, title, budget_ms=None, ylabel=plot.YLABEL):
+        captured[path.name] = plot.figure(curves, title, budget_ms, ylabel)
+        real_save(curves, path, title, budget_ms, ylabel)
+
+    monkeypatch.setattr(plot, "save", spy)  # keep each figure to inspect it
+    report.save_plot(steps, tmp_path / "load.png", "shoal-load: a rather long title for a model @ 127.0.0.1:1")
+    assert tune.plot(measured, tmp_path / "tune.png", 20.0, "shoal config tune: simple")
+    for name, fig in captured.items():
+        axes = fig.axes[0]
+        assert axes.get_xlabel() == plot.XLABEL and "latency (ms)" in axes.get_ylabel(), name
+        for line in axes.get_lines():
+            xs = list(line.get_xdata())
+            assert xs == sorted(xs), f"{name}: {line.get_label()} is not drawn in order of throughput"
+        fig.canvas.draw()
+        box = fig.bbox
+        texts = [*axes.texts, *axes.get_legend().get_texts(), axes.title]
+        assert len(axes.texts) == 4, name  # one label per step (p99 curve / best candidate)
+        for text in texts:
+            extent = text.get_window_extent()
+            assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0 and extent.y1 <= box.y1, (
+                f"{name}: {text.get_text()!r} is clipped")
+        plot.pyplot().close(fig)
+    assert (tmp_path / "load.png").read_bytes()[:4] == (tmp_path / "tune.png").read_bytes()[:4] == b"\x89PNG"

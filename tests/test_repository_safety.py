@@ -23,6 +23,7 @@ from server.pb import InferenceStub
 from server.pb import service_pb2 as pb
 from server.repository import scanner
 from tests import models
+from tests.polling import wait_until
 
 IDENTITY_CONFIG = """
 backend: "identity"
@@ -167,8 +168,6 @@ def test_poll_mode_fingerprint_does_not_follow_symlinks_out(tmp_path: Path, outs
     server = server_factory(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2")
     models.copy_example(repo, "mlp")  # a later scan must still work
     with InferenceClient(server.url, timeout_s=60) as client:
-        from tests.test_lifecycle import wait_until
-
         assert wait_until(lambda: client.is_model_ready("mlp"))
         escape = [e for e in client.repository_index() if e.name == "escape"][0]
     assert escape.state == "UNAVAILABLE" and OUTSIDE in escape.reason

@@ -8,11 +8,16 @@ Closed loop (``--concurrency``: N requests always in flight) or open loop
 until three agree within ``--stability`` (or ``--max-windows`` pass, or ``--request-count``
 requests complete); the whole run stops at ``--max-seconds``. Prints a table (live progress
 on a terminal), and writes CSV with perf_analyzer's column names, JSON and a plot on request.
+
+Exit status: 0 when every request succeeded; 1 when any failed (the table, CSV and JSON are
+still written; a step in which no request succeeded ends the sweep); 130 on Ctrl-C, after
+printing and writing what was measured until then; 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -112,6 +117,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--plot needs matplotlib: pip install 'shoal[bench]'")
     if args.request_rate and args.processes > 1 and any(r / args.processes < 1 for r in args.request_rate):
         parser.error("--request-rate per process must be at least 1/s")
+    previous_handler = signal.signal(signal.SIGINT, _interrupt)
+    try:
+        return _run_main(parser, args)
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+
+
+def _run_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     steps = args.request_rate or args.concurrency or [1]
     try:
         shapes = dict(parse_shape(text) for text in args.shape)
@@ -123,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shoal-load: error: cannot prepare the requests for model '{args.model}' at {args.url}: {exc}",
               file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("shoal-load: interrupted before the run started", file=sys.stderr)
+        return 130
     settings = Settings(
         url=args.url, model=args.model, version=args.model_version,
         request=serialize_request(args.model, args.model_version, inputs), batch_size=args.batch_size,
@@ -130,47 +146,69 @@ def main(argv: list[str] | None = None) -> int:
         window_s=args.window_s, stability=args.stability / 100, max_windows=args.max_windows,
         request_count=args.request_count, poisson=args.distribution == "poisson",
     )
-    results = run(settings, steps, bool(args.request_rate), args.max_seconds, progress=not args.no_progress)
+    results, interrupted = run(settings, steps, bool(args.request_rate), args.max_seconds,
+                               progress=not args.no_progress)
     if args.csv:
         report.write_csv(results, args.csv)
     if args.json:
         described = {k: v for k, v in asdict(settings).items() if k != "request"}
         report.write_json(results, args.json, described)
-    if args.plot:
-        report.plot(results, args.plot, f"{args.model} @ {args.url}")
+    if args.plot and results:
+        report.save_plot(results, args.plot, f"{args.model} @ {args.url}")
+    if interrupted:
+        print("shoal-load: interrupted; the table shows what was measured until then", file=sys.stderr)
+        return 130
+    failed = sum(sum(r.errors.values()) for r in results)
+    if failed:
+        print(f"shoal-load: {failed:,} request(s) failed", file=sys.stderr)
+        return 1
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """First Ctrl-C: stop the run (KeyboardInterrupt); later ones wait for the bounded cleanup."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def run(
     settings: Settings, steps: list[float], open_loop: bool, max_seconds: float, progress: bool
-) -> list[StepResult]:
+) -> tuple[list[StepResult], bool]:
+    """Run the steps; returns their results and whether Ctrl-C stopped the run."""
     from rich.console import Console
 
     console = Console(stderr=True)
     live_display = progress and console.is_terminal
     deadline = time.monotonic() + max_seconds
     results: list[StepResult] = []
+    interrupted = False
 
     def plain(result: StepResult, windows: int) -> None:
         print(f"{report.step_label(result)}: window {windows}: {result.throughput:,.1f} infer/s, "
               f"p99 {result.latency_us['p99'] / 1000:.2f} ms, errors {sum(result.errors.values())}",
               file=sys.stderr, flush=True)
 
-    with LoadTester(settings) as tester:
-        if live_display:
-            from rich.live import Live
+    try:
+        with LoadTester(settings) as tester:
+            if live_display:
+                from rich.live import Live
 
-            with Live(_table(results, None), console=console, refresh_per_second=4) as live:
-                tester.on_window = lambda result, windows: live.update(_table(results, (result, windows)))
-                _run_steps(tester, steps, open_loop, deadline, results, lambda: live.update(_table(results, None)))
-        else:
-            tester.on_window = plain
-            _run_steps(tester, steps, open_loop, deadline, results, lambda: None)
+                with Live(_table(results, None), console=console, refresh_per_second=4) as live:
+                    tester.on_window = lambda result, windows: live.update(_table(results, (result, windows)))
+                    _run_steps(tester, steps, open_loop, deadline, results,
+                               lambda: live.update(_table(results, None)))
+            else:
+                tester.on_window = plain
+                _run_steps(tester, steps, open_loop, deadline, results, lambda: None)
+    except KeyboardInterrupt:  # between steps, or while the load processes start or stop
+        if len(results) < len(steps) and not (results and results[-1].interrupted):
+            results.append(_nothing_measured(steps[len(results)], open_loop))
+        interrupted = True
     if live_display:
         Console().print(_table(results, None))
     else:
         _print_plain(results)
-    return results
+    return results, interrupted or any(r.interrupted for r in results)
 
 
 def _run_steps(tester: LoadTester, steps: list[float], open_loop: bool, deadline: float,
@@ -180,11 +218,28 @@ def _run_steps(tester: LoadTester, steps: list[float], open_loop: bool, deadline
             print(f"shoal-load: --max-seconds reached; {len(steps) - len(results)} step(s) not run", file=sys.stderr)
             break
         if open_loop:
-            results.append(tester.run_step(request_rate=float(value), deadline=deadline))
+            result = tester.run_step(request_rate=float(value), deadline=deadline)
         else:
-            results.append(tester.run_step(concurrency=int(value), deadline=deadline))
+            result = tester.run_step(concurrency=int(value), deadline=deadline)
+        results.append(result)
         if callable(refresh):
             refresh()
+        if result.interrupted:
+            break
+        if result.errors and not result.requests:
+            print(f"shoal-load: no request succeeded in {report.step_label(result)} "
+                  f"({', '.join(f'{k}: {v}' for k, v in sorted(result.errors.items()))}); "
+                  f"{len(steps) - len(results)} step(s) not run", file=sys.stderr)
+            break
+
+
+def _nothing_measured(value: float, open_loop: bool) -> StepResult:
+    """The row of a step interrupted before it measured anything."""
+    return StepResult(
+        concurrency=0 if open_loop else int(value), request_rate=float(value) if open_loop else 0.0,
+        throughput=0.0, requests=0, latency_us=dict.fromkeys(("avg", "p50", "p90", "p95", "p99", "max"), 0.0),
+        errors={}, stable=False, windows=0, interrupted=True,
+    )
 
 
 def _table(results: list[StepResult], current: tuple[StepResult, int] | None) -> Table:

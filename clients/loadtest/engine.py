@@ -5,14 +5,23 @@ A worker process receives steps on a command queue and, for each, sends requests
 loop: sends on a constant or Poisson schedule). Requests completing after the warm-up are
 counted in fixed windows and each window is reported to the parent on a result queue:
 (worker index, step index, window index, latencies in µs, errors by status).
-Everything runs until the parent sets the step's stop event or its deadline passes.
+Everything runs until the parent sets the step's stop event or its deadline passes; requests
+then in flight get ``STOP_GRACE_S`` to complete (and are counted), the rest are cancelled.
+
+A closed-loop coroutine whose requests fail backs off exponentially (``BACKOFF_FIRST_S``
+doubling up to ``BACKOFF_MAX_S``, reset by a success): a dead server costs a few failures
+per second per coroutine, not a busy loop. The open loop keeps its schedule (its rate bounds it).
+A load process ignores SIGINT (the parent stops it) and exits when its parent is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import multiprocessing.synchronize
+import queue
 import random
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +35,9 @@ from server.pb import METHODS
 INFER_PATH = METHODS["ModelInfer"].path
 MAX_MESSAGE_BYTES = 2**31 - 1
 OPEN_LOOP_MAX_OUTSTANDING = 10_000
+BACKOFF_FIRST_S = 0.001
+BACKOFF_MAX_S = 0.5
+STOP_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -98,7 +110,7 @@ async def _run_step(worker: int, url: str, request: bytes, step: Step, workers_p
     def running() -> bool:
         return not stop.is_set() and time.monotonic() < step.deadline
 
-    async def send(call: Any) -> None:
+    async def send(call: Any) -> bool:
         sent = time.monotonic()
         error = None
         try:
@@ -107,14 +119,21 @@ async def _run_step(worker: int, url: str, request: bytes, step: Step, workers_p
             error = exc.code().name
         finished = time.monotonic()
         windows.record(finished, finished - sent, error)
+        return error is None
 
     async def closed_loop(index: int) -> None:
         call = calls[index // workers_per_channel]
+        failures = 0
         while running():
-            await send(call)
+            if await send(call):
+                failures = 0
+                continue
+            failures += 1
+            await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** min(failures - 1, 20)))
+
+    in_flight: set[asyncio.Task[bool]] = set()  # open loop: sent, not yet answered
 
     async def open_loop() -> None:
-        pending: set[asyncio.Task[None]] = set()
         next_send = step.start_at
         rng = random.Random(worker)
         turn = 0
@@ -122,34 +141,32 @@ async def _run_step(worker: int, url: str, request: bytes, step: Step, workers_p
             delay = next_send - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if len(pending) >= OPEN_LOOP_MAX_OUTSTANDING:
+            if len(in_flight) >= OPEN_LOOP_MAX_OUTSTANDING:
                 windows.record(time.monotonic(), 0.0, "CLIENT_OVERLOADED")
             else:
                 task = asyncio.create_task(send(calls[turn % len(calls)]))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
             turn += 1
             gap = 1.0 / step.request_rate
             next_send += rng.expovariate(1.0 / gap) if step.poisson else gap
-        if pending:
-            await asyncio.wait(pending, timeout=max(0.0, step.deadline - time.monotonic()))
-
-    async def ticker() -> None:
-        while running():
-            await asyncio.sleep(step.window_s / 4)
-            windows.flush_until(time.monotonic())
 
     delay = step.start_at - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
-    tick = asyncio.create_task(ticker())
-    if step.concurrency > 0:
-        await asyncio.gather(*(closed_loop(i) for i in range(step.concurrency)))
-    else:
-        await open_loop()
-    tick.cancel()
+    loops = [asyncio.create_task(closed_loop(i)) for i in range(step.concurrency)] if step.concurrency > 0 else [
+        asyncio.create_task(open_loop())]
+    while running() and not all(task.done() for task in loops):
+        await asyncio.wait(loops, timeout=step.window_s / 4)
+        windows.flush_until(time.monotonic())
+    # Requests in flight get STOP_GRACE_S to complete (and are counted); the rest are cancelled.
+    tasks = [*loops, *in_flight]
+    _, unfinished = await asyncio.wait(tasks, timeout=STOP_GRACE_S)
+    for task in unfinished:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     windows.flush()
-    results.put(("done", worker, step.index))
+    results.put(("done", worker, step.index, time.monotonic()))
     for channel in channels:
         await channel.close()
 
@@ -157,8 +174,15 @@ async def _run_step(worker: int, url: str, request: bytes, step: Step, workers_p
 def worker_main(worker: int, url: str, request: bytes, workers_per_channel: int, commands: Any, results: Any,
                 stop: multiprocessing.synchronize.Event) -> None:
     """Entry point of a load process: run steps from ``commands`` until it sends None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
+    parent = multiprocessing.parent_process()
     while True:
-        step = commands.get()
+        try:
+            step = commands.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return
+            continue
         if step is None:
             return
         asyncio.run(_run_step(worker, url, request, step, workers_per_channel, stop, results))

@@ -2,10 +2,14 @@
 
 A step measures windows of ``window_s`` after a warm-up until the last three windows agree
 within ``stability`` (throughput and mean latency: max/min − 1), or ``max_windows`` pass, or
-— with ``request_count`` — until that many requests completed. The step's figures are those
-of its last three windows (all measured windows with ``request_count``). The server-side
-breakdown comes from ModelStatistics snapshots taken at window boundaries, when the server
-offers statistics.
+— with ``request_count`` — until that many requests completed. The step's throughput and
+latencies are those of its last three windows (all measured windows with ``request_count``);
+its ``requests``, ``errors`` and ``seconds`` count the whole step after the warm-up: every
+window, and the requests still in flight when it ended. The server-side breakdown comes from
+ModelStatistics snapshots taken at window boundaries, when the server offers statistics.
+
+Ctrl-C (KeyboardInterrupt) during a step stops it: ``run_step`` returns what was measured so
+far, marked ``interrupted``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class StepResult:
     windows: int
     server_us: dict[str, float] | None = None  # per request: queue, compute_input/infer/output, request
     window_throughputs: list[float] = field(default_factory=list)
+    seconds: float = 0.0  # the time ``requests`` and ``errors`` cover: from the warm-up's end to the step's end
+    interrupted: bool = False  # stopped by Ctrl-C: what was measured until then
 
 
 @dataclass
@@ -72,6 +78,27 @@ class WindowStats:
     @property
     def mean_us(self) -> float:
         return float(self.latencies_us.mean()) if len(self.latencies_us) else 0.0
+
+
+class _Totals:
+    """Every request of a step after the warm-up, whichever window it fell in."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.errors: Counter[str] = Counter()
+        self.finished_workers = 0
+        self.ended_at = 0.0  # monotonic time the last worker finished the step
+
+    def add(self, message: object, step_index: int) -> WindowReport | None:
+        """Count one message from a worker; returns it when it is a window of this step."""
+        if isinstance(message, WindowReport) and message.step == step_index:
+            self.requests += len(message.latencies_us)
+            self.errors.update(message.errors)
+            return message
+        if isinstance(message, tuple) and message[0] == "done" and message[2] == step_index:
+            self.finished_workers += 1
+            self.ended_at = max(self.ended_at, message[3])
+        return None  # a late message of an earlier step, or "done"
 
 
 class LoadTester:
@@ -157,22 +184,40 @@ class LoadTester:
             share = _share(concurrency, active, index)
             command.put(Step(step_index, share, request_rate / active, s.poisson, start_at, s.warmup_s,
                              s.window_s, step_deadline))
-        wait = start_at + s.warmup_s - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
-        snapshots = [self._snapshot()]
         windows: list[WindowStats] = []
+        totals = _Totals()
+        snapshots: list[Any] = []
+        interrupted = False
+        try:
+            wait = start_at + s.warmup_s - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            snapshots.append(self._snapshot())
+            self._measure(step_index, step_deadline, concurrency, request_rate, windows, totals, snapshots)
+        except KeyboardInterrupt:
+            interrupted = True
+        self._stop.set()
+        self._drain(step_index, totals, timeout_s=10 if interrupted else 30)
+        result = _summarize(concurrency, request_rate, windows, s, snapshots, totals)
+        result.seconds = max(0.0, (totals.ended_at or time.monotonic()) - (start_at + s.warmup_s))
+        result.interrupted = interrupted
+        return result
+
+    def _measure(self, step_index: int, step_deadline: float, concurrency: int, request_rate: float,
+                 windows: list[WindowStats], totals: _Totals, snapshots: list[Any]) -> None:
+        """Collect windows until the step is finished or its deadline passes."""
+        s = self.settings
         pending: dict[int, list[WindowReport]] = {}
-        result = _summarize(concurrency, request_rate, [], s, None)
         while time.monotonic() < step_deadline:
             try:
-                report = self._results.get(timeout=max(0.05, step_deadline - time.monotonic()))
+                message = self._results.get(timeout=max(0.05, step_deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if not isinstance(report, WindowReport) or report.step != step_index:
-                continue  # a "done" message or a late window of an earlier step
+            report = totals.add(message, step_index)
+            if report is None:
+                continue
             pending.setdefault(report.window, []).append(report)
-            if len(pending[report.window]) < active or report.window != len(windows):
+            if len(pending[report.window]) < self._active or report.window != len(windows):
                 continue
             parts = pending.pop(report.window)
             errors: Counter[str] = Counter()
@@ -181,14 +226,11 @@ class LoadTester:
             windows.append(WindowStats(report.window, np.concatenate([p.latencies_us for p in parts]), errors,
                                        s.window_s))
             snapshots.append(self._snapshot())
-            result = _summarize(concurrency, request_rate, windows, s, snapshots)
+            result = _summarize(concurrency, request_rate, windows, s, snapshots, totals)
             if self.on_window:
                 self.on_window(result, len(windows))
             if self._finished(windows, result):
-                break
-        self._stop.set()
-        self._drain(step_index)
-        return result
+                return
 
     def _finished(self, windows: list[WindowStats], result: StepResult) -> bool:
         s = self.settings
@@ -196,17 +238,14 @@ class LoadTester:
             return sum(len(w.latencies_us) + sum(w.errors.values()) for w in windows) >= s.request_count
         return result.stable or len(windows) >= s.max_windows
 
-    def _drain(self, step_index: int) -> None:
-        """Wait until every process finished the step, so the next one starts clean."""
-        done = 0
-        deadline = time.monotonic() + 30
-        while done < self._active and time.monotonic() < deadline:
+    def _drain(self, step_index: int, totals: _Totals, timeout_s: float) -> None:
+        """Count the step's last windows until every process finished it, so the next one starts clean."""
+        deadline = time.monotonic() + timeout_s
+        while totals.finished_workers < self._active and time.monotonic() < deadline:
             try:
-                message = self._results.get(timeout=1)
+                totals.add(self._results.get(timeout=0.5), step_index)
             except queue.Empty:
                 continue
-            if isinstance(message, tuple) and message[0] == "done" and message[2] == step_index:
-                done += 1
 
 
 def _share(total: int, parts: int, index: int) -> int:
@@ -214,12 +253,9 @@ def _share(total: int, parts: int, index: int) -> int:
 
 
 def _summarize(concurrency: int, request_rate: float, windows: list[WindowStats], s: Settings,
-               snapshots: list[Any] | None) -> StepResult:
+               snapshots: list[Any] | None, totals: _Totals) -> StepResult:
     used = windows if s.request_count else windows[-STABLE_WINDOWS:]
     latencies = np.concatenate([w.latencies_us for w in used]) if used else np.empty(0)
-    errors: Counter[str] = Counter()
-    for window in used:
-        errors.update(window.errors)
     seconds = sum(w.seconds for w in used) or 1.0
     stable = len(used) >= STABLE_WINDOWS and not s.request_count and _agree(used, s.stability)
     latency = {"avg": float(latencies.mean()) if len(latencies) else 0.0}
@@ -232,9 +268,9 @@ def _summarize(concurrency: int, request_rate: float, windows: list[WindowStats]
         concurrency=concurrency,
         request_rate=request_rate,
         throughput=len(latencies) * s.batch_size / seconds,
-        requests=len(latencies),
+        requests=totals.requests,
         latency_us=latency,
-        errors=dict(errors),
+        errors=dict(totals.errors),
         stable=stable,
         windows=len(windows),
         server_us=server,

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from clients.loadtest import plot
 from clients.loadtest.measure import StepResult
 
 # perf_analyzer's columns, in its order (µs), so existing spreadsheets read our files.
@@ -69,7 +70,7 @@ def table_rows(steps: list[StepResult]) -> list[list[str]]:
         latency = step.latency_us
         server = step.server_us
         rows.append([
-            step_label(step),
+            step_label(step) + (" (interrupted)" if step.interrupted else ""),
             f"{step.throughput:,.1f}",
             *(f"{latency[k] / 1000:.2f}" for k in ("p50", "p90", "p95", "p99", "max")),
             ", ".join(f"{k}: {v}" for k, v in sorted(step.errors.items())) or "0",
@@ -83,24 +84,18 @@ TABLE_HEADER = ["step", "infer/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max 
                 "server queue / infer µs", "stable"]
 
 
-def plot(steps: list[StepResult], path: Path, title: str) -> None:
-    """Latency percentiles against throughput, one point per step, labelled with the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7.5, 4.5))
-    throughput = [s.throughput for s in steps]
+def curves(steps: list[StepResult]) -> list[plot.Curve]:
+    """p50, p90 and p99 against throughput, one point per step; the p99 points carry the step."""
+    result = []
     for key, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^-")):
-        axes.plot(throughput, [s.latency_us[key] / 1000 for s in steps], style, label=key)
-    for step in steps:
-        label = f"{step.request_rate:g}/s" if step.request_rate else f"c={step.concurrency}"
-        axes.annotate(label, (step.throughput, step.latency_us["p99"] / 1000), textcoords="offset points",
-                      xytext=(4, 6), fontsize=8)
-    axes.set(xlabel="throughput (inferences/s)", ylabel="latency (ms)", title=title)
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+        points = tuple(
+            plot.Point(s.throughput, s.latency_us[key] / 1000,
+                       f"{s.request_rate:g}/s" if s.request_rate else f"c={s.concurrency}")
+            for s in steps
+        )
+        result.append(plot.Curve(key, points, style, annotate=key == "p99"))
+    return result
+
+
+def save_plot(steps: list[StepResult], path: Path, title: str) -> None:
+    plot.save(curves(steps), path, title)
