@@ -137,24 +137,3 @@ def test_bad_bytes_never_fail_their_batch_mates(tmp_path: Path, server_factory) 
     assert {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats["batch_stats"]} == {3: 1}
     assert int(stats["inference_stats"]["success"]["count"]) == 3
     assert int(stats["inference_stats"]["fail"]["count"]) == 1
-
-
-def test_a_shape_the_config_reshape_cannot_take_is_invalid_argument(tmp_path: Path, server_factory) -> None:
-    models.write_config(
-        tmp_path / "repo" / "pairs",
-        """
-        backend: "identity"
-        max_batch_size: 4
-        input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] reshape: { shape: [ 2, -1 ] } } ]
-        output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] reshape: { shape: [ 2, -1 ] } } ]
-        """,
-    )
-    (tmp_path / "repo" / "pairs" / "1").mkdir()
-    server = server_factory(tmp_path / "repo")
-    with InferenceClient(server.url, timeout_s=30) as client:
-        assert client.infer("pairs", {"IN": np.arange(4, dtype=np.int32).reshape(1, 4)})["OUT"].shape == (1, 4)
-        with pytest.raises(ClientError) as caught:
-            client.infer("pairs", {"IN": np.arange(3, dtype=np.int32).reshape(1, 3)})
-    assert caught.value.status == grpc.StatusCode.INVALID_ARGUMENT
-    assert "input 'IN' for model 'pairs': shape [1, 3] cannot be reshaped to [1, 2, -1]" in caught.value.message
-    assert "Traceback" not in server.log()

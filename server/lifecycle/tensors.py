@@ -58,7 +58,7 @@ def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
             lead = list(tensor.shape[:1]) if spec.max_batch_size > 0 else []
             try:
                 data = data.reshape(lead + list(tensor_spec.reshape))
-            except ValueError:  # e.g. a -1 in the reshape with no element to infer it from
+            except ValueError:  # load-time validation of reshape against dims should make this unreachable
                 raise invalid(
                     f"input '{tensor.name}' for model '{spec.name}': shape {list(tensor.shape)} cannot be "
                     f"reshaped to {lead + list(tensor_spec.reshape)}"
