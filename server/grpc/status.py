@@ -53,8 +53,14 @@ def guard_unary(handler: UnaryHandler, request_type: Any) -> Callable[[bytes, An
     async def guarded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await handler(parse(request_type, raw), context)
+        except grpc.aio.AbortError:
+            raise  # the handler chose its status itself
         except Exception as exc:  # noqa: BLE001 - every failure becomes a clean status
             code, message = to_status(exc)
+        finally:
+            # The abort below raises an exception whose traceback holds this frame until the
+            # cyclic collector runs: the request's bytes must not be in it.
+            del raw
         await context.abort(code, message)
 
     guarded.__shoal_guarded__ = True  # type: ignore[attr-defined]
@@ -74,6 +80,8 @@ def guard_stream(handler: StreamHandler, request_type: Any) -> Callable[[Any, An
             async for response in handler(parsed(raw_requests), context):
                 yield response
             return
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:  # noqa: BLE001
             code, message = to_status(exc)
         await context.abort(code, message)
