@@ -5,8 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
 
+from server.errors import MAX_MESSAGE_BYTES
 from server.pb import InferenceStub
 from server.pb import service_pb2 as pb
 from tests import models
@@ -45,3 +49,29 @@ def test_rejected_large_requests_do_not_pile_up(tmp_path: Path, server_factory, 
     # Kept alive, 12 payloads would be 384 MB; freed, a couple are in flight at a time.
     assert growth_mb < 4 * PAYLOAD_BYTES / 2**20, f"RSS grew {growth_mb:.0f} MB over {count} rejected requests"
 
+
+def test_long_client_input_is_shortened_in_errors(tmp_path: Path, server_factory) -> None:
+    """A 100 KB name gets the real error back, not 'metadata size exceeds hard limit'."""
+    repo = models.repository(tmp_path, "simple")
+    server = server_factory(repo)
+    long_name = "m" * 100_000
+    with open_channel(server.url) as channel:
+        stub = InferenceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelMetadata(pb.ModelMetadataRequest(name=long_name, version="9" * 50_000))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert caught.value.details().startswith("Request for unknown model: 'mmmm")
+        assert "(100000 characters)" in caught.value.details()
+        request = pb.ModelInferRequest(model_name="simple")
+        request.inputs.add(name="é" * 100_000, datatype="INT32", shape=[1, 16])
+        request.raw_input_contents.append(bytes(64))
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelInfer(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(caught.value.details().encode()) <= MAX_MESSAGE_BYTES
+        assert "message truncated" in caught.value.details()
+    with triton.InferenceServerClient(server.url) as client:
+        inputs = [triton.InferInput("INPUT0", [1, 16], "INT32")]
+        inputs[0].set_data_from_numpy(np.zeros((1, 16), np.int32))
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            client.infer(long_name, inputs)

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from server.errors import ErrorCode, ShoalError, invalid
+from server.errors import ErrorCode, ShoalError, bounded, invalid
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +27,11 @@ STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
 
 
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Status and message for any exception; unexpected ones are logged once with traceback."""
+    """Status and a bounded message for any exception; unexpected ones are logged once with traceback."""
     if isinstance(exc, ShoalError):
-        return STATUS_BY_CODE[exc.code], exc.message
+        return STATUS_BY_CODE[exc.code], bounded(exc.message)
     logger.error("unexpected error while serving an RPC", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(exc).__name__}: {exc}")
 
 
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
