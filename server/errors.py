@@ -12,6 +12,7 @@ Exception tree::
         INTERNAL           a backend failed while executing
         LOAD_FAILED        a model could not be loaded (config, model file, device)
         PERMISSION_DENIED  a restricted RPC without the configured header
+    StartupError(message)  the server cannot start (a port in use): a clear line and exit 1
 
 The gRPC layer maps each code to a status in one table (server/grpc/status.py).
 
@@ -47,6 +48,10 @@ class ShoalError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class StartupError(Exception):
+    """The server cannot start as asked; the message says why, for the command line."""
 
 
 def shown(text: str) -> str:
