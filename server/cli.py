@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request or reply in MiB (default 2048, as Triton)")
     serve.add_argument("--memory-budget-mb", action="append", default=[], metavar="DEVICE=MB",
                        help="memory all models may hold on a device (cpu, gpu:0, ...); loads beyond it are refused")
-    serve.add_argument("--grpc-max-concurrent-streams", type=int, default=0,
-                       help="concurrent RPCs per client connection (default: grpc's)")
+    serve.add_argument("--grpc-max-concurrent-streams", type=int, default=100,
+                       help="concurrent RPCs per client connection (default 100; 0 = grpc's, unbounded, which "
+                            "leaves the server open to HTTP/2 rapid reset)")
     serve.add_argument("--reuse-grpc-port", type=_bool, default=False,
                        help="let other servers bind the gRPC port too (SO_REUSEPORT); default false: a port in use "
                             "is an error")

@@ -16,7 +16,7 @@ EXIT_FORCED = 3  # --exit-timeout-secs passed before the drain ended: workers ki
 class GrpcLimits:
     # Triton and tritonclient accept messages up to INT32_MAX bytes; grpc's default is 4 MiB.
     max_message_bytes: int = 2**31 - 1
-    max_concurrent_streams: int = 0  # per connection; 0 = grpc's default
+    max_concurrent_streams: int = 100  # per connection; 0 = grpc's default (unbounded, open to rapid reset)
     restrictions: tuple[Restriction, ...] = ()
     reuse_port: bool = False  # SO_REUSEPORT: let other servers bind this port too (Triton's --reuse-grpc-port)
 

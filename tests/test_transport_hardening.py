@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from bench import rapid_reset
 from clients import ClientError, InferenceClient
 from server.errors import MAX_MESSAGE_BYTES
 from server.pb import InferenceStub
@@ -241,7 +243,8 @@ def test_health_says_not_serving_during_the_drain(tmp_path: Path, server_factory
     server = server_factory(repo, "--exit-timeout-secs", "30")
     with ThreadPoolExecutor(2) as pool, open_channel(server.url) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
         futures = start_two_requests(server, pool)
         server.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -259,3 +262,47 @@ def test_health_says_not_serving_during_the_drain(tmp_path: Path, server_factory
         results = [future.result(timeout=30) for future in futures]
     assert server.process.wait(timeout=30) == 0, server.log()
     assert [list(result) for result in results] == [[1.0] * 4] * 2  # type: ignore[call-overload]
+
+
+# -- HTTP/2 stream churn ---------------------------------------------------------------------------
+
+
+def server_settings(port: int) -> dict[int, int]:
+    """The SETTINGS the server sends first on a fresh HTTP/2 connection: identifier → value."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(rapid_reset.PREFACE + rapid_reset.frame(rapid_reset.SETTINGS, 0, 0))
+        received = b""
+        while len(received) < 9 or len(received) < 9 + int.from_bytes(received[:3], "big"):
+            chunk = connection.recv(4096)
+            assert chunk, "the server closed the connection"
+            received += chunk
+    assert received[3] == rapid_reset.SETTINGS
+    payload = received[9:9 + int.from_bytes(received[:3], "big")]
+    return {int.from_bytes(payload[i:i + 2], "big"): int.from_bytes(payload[i + 2:i + 6], "big")
+            for i in range(0, len(payload), 6)}
+
+
+def test_rapid_reset_on_one_connection_does_not_fail_another(tmp_path: Path, server_factory) -> None:
+    """Streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS 100), so 50,000 streams
+    opened and reset at once on one connection leave another connection's requests answered."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    models.add_identity(repo, "identity", "FP32", dims="[ 16 ]")
+    server = server_factory(repo)
+    assert server_settings(server.port).get(0x3) == 100  # SETTINGS_MAX_CONCURRENT_STREAMS
+    statuses: list[str] = []
+    with InferenceClient(server.url, timeout_s=20) as client:
+        client.infer("identity", {"IN": np.ones((1, 16), np.float32)})  # connected before the attack
+        attacker = rapid_reset.Attacker(server.port)
+        with ThreadPoolExecutor(1) as pool:
+            attack = pool.submit(attacker.run, server.port, 50_000, time.monotonic() + 60)
+            while not attack.done() and len(statuses) < 10_000:
+                try:
+                    client.infer("identity", {"IN": np.ones((1, 16), np.float32)})
+                    statuses.append("OK")
+                except ClientError as error:
+                    statuses.append(error.status.name)
+            sent = attack.result(timeout=60)
+        attacker.close()
+    assert sent == 50_000
+    assert statuses and set(statuses) == {"OK"}, collections.Counter(statuses)

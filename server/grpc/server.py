@@ -80,6 +80,10 @@ def build_server(
         ("grpc.so_reuseport", 1 if limits.reuse_port else 0),
     ]
     if limits.max_concurrent_streams:
+        # Also grpc core's bound on stream churn: streams past the limit are refused in the
+        # transport, so a client that opens and resets streams at once (HTTP/2 rapid reset) no
+        # longer floods the queue of calls waiting for the server, which cancels other
+        # connections' calls when it overflows (bench/rapid_reset.py).
         options.append(("grpc.max_concurrent_streams", limits.max_concurrent_streams))
     server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers((
