@@ -7,7 +7,7 @@ Stop (SIGTERM/SIGINT), all within ``--exit-timeout-secs``:
 
 1. stop accepting inference; ServerReady and health turn NOT_SERVING;
 2. wait for the requests in flight while gRPC still answers, so a client sees NOT_SERVING;
-3. stop gRPC, unload the models, exit 0.
+3. stop gRPC (open streams get ``STREAM_GRACE_S``), unload the models, exit 0.
 
 If the bound passes first, the worker processes are killed and the process exits with
 ``EXIT_FORCED`` (3): a watchdog thread does it even if the event loop is stuck.
@@ -34,6 +34,8 @@ from server.lifecycle.manager import ModelManager
 from server.settings import EXIT_FORCED, ServerSettings
 
 logger = logging.getLogger(__name__)
+
+STREAM_GRACE_S = 1.0  # after the drain, for RPCs that are open but carry no request
 
 
 async def serve(settings: ServerSettings) -> int:
@@ -101,7 +103,9 @@ async def serve(settings: ServerSettings) -> int:
         task.cancel()
     if not await core.drain(deadline - time.monotonic()):
         force_exit(core, settings.exit_timeout_s)
-    await server.stop(grace=max(0.0, deadline - time.monotonic()))
+    # Nothing is in flight now: what is left open (health Watch streams, idle inference streams)
+    # would otherwise hold the stop until the deadline.
+    await server.stop(grace=min(STREAM_GRACE_S, max(0.0, deadline - time.monotonic())))
     await manager.close()
     watchdog.cancel()
     logger.info("stopped")

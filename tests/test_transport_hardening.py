@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import signal
 import socket
 import subprocess
@@ -195,19 +196,21 @@ def slow_identity(repo: Path, delay_ms: int) -> None:
     (repo / "slow" / "1").mkdir()
 
 
-def start_two_requests(server: RunningServer, pool: ThreadPoolExecutor) -> list[Future[object]]:
-    """Two requests to ``slow``: one executing, one queued behind it (seen in the pending gauge)."""
+def start_two_requests(
+    server: RunningServer, pool: ThreadPoolExecutor, model: str = "slow", tensor: str = "IN"
+) -> list[Future[object]]:
+    """Two requests to a one-executor ``model``: one executing, one queued behind it (seen in the pending gauge)."""
 
     def call() -> object:
         with InferenceClient(server.url, timeout_s=60) as client:
             try:
-                return client.infer("slow", {"IN": np.ones(4, np.float32)})["OUT"]
+                return list(client.infer(model, {tensor: np.ones(4, np.float32)}).values())[0]
             except ClientError as error:
                 return error
 
     futures = [pool.submit(call) for _ in range(2)]
     deadline = time.monotonic() + 30
-    while 'nv_inference_pending_request_count{model="slow",version="1"} 1.0' not in metrics_text(server):
+    while f'nv_inference_pending_request_count{{model="{model}",version="1"}} 1.0' not in metrics_text(server):
         assert time.monotonic() < deadline, "the second request never queued"
         time.sleep(0.05)
     return futures
@@ -236,7 +239,8 @@ def test_exit_timeout_is_a_hard_bound(tmp_path: Path, server_factory) -> None:
 
 
 def test_health_says_not_serving_during_the_drain(tmp_path: Path, server_factory) -> None:
-    """During the drain gRPC still answers: health NOT_SERVING, new requests refused; then exit 0."""
+    """During the drain gRPC still answers: health NOT_SERVING (Check and an open Watch), new requests
+    refused; then exit 0, without waiting out the exit timeout for the Watch stream."""
     repo = tmp_path / "repo"
     repo.mkdir()
     slow_identity(repo, delay_ms=1500)
@@ -245,8 +249,12 @@ def test_health_says_not_serving_during_the_drain(tmp_path: Path, server_factory
         health = health_pb2_grpc.HealthStub(channel)
         serving = health_pb2.HealthCheckResponse.SERVING
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
+        watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=60)
+        assert next(watch).status == serving
         futures = start_two_requests(server, pool)
+        signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
         deadline = time.monotonic() + 10
         seen = []
         while not seen or seen[-1] != health_pb2.HealthCheckResponse.NOT_SERVING:
@@ -260,8 +268,54 @@ def test_health_says_not_serving_during_the_drain(tmp_path: Path, server_factory
             client.infer("slow", {"IN": np.ones(4, np.float32)})
         assert refused.value.status == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.message
         results = [future.result(timeout=30) for future in futures]
-    assert server.process.wait(timeout=30) == 0, server.log()
+        assert server.process.wait(timeout=30) == 0, server.log()
+    assert time.monotonic() - signalled < 15, "the shutdown waited out the exit timeout"
     assert [list(result) for result in results] == [[1.0] * 4] * 2  # type: ignore[call-overload]
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped; not gone and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stopped_worker_processes_do_not_hold_the_exit(tmp_path: Path, server_factory) -> None:
+    """A process instance's worker stopped (SIGSTOP) with a request on it: SIGTERM still exits within
+    --exit-timeout-secs, code 3, and the worker is killed, not left behind."""
+    torch = pytest.importorskip("torch", reason="process instances are a PyTorch backend feature")
+    repo = tmp_path / "repo"
+    (repo / "relu" / "1").mkdir(parents=True)
+    torch.jit.script(torch.nn.ReLU()).save(str(repo / "relu" / "1" / "model.pt"))
+    (repo / "relu" / "config.pbtxt").write_text(
+        'backend: "pytorch"\nmax_batch_size: 0\ninput [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]\ninstance_group [ { count: 1 } ]\n'
+        'parameters { key: "process_instances" value: { string_value: "true" } }\n'
+    )
+    server = server_factory(repo, "--exit-timeout-secs", "2")
+    fork_servers = [p for p in children(server.pid) if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    workers = [worker for fork_server in fork_servers for worker in children(fork_server)]
+    assert len(workers) == 1
+    os.kill(workers[0], signal.SIGSTOP)
+    with ThreadPoolExecutor(2) as pool:
+        futures = start_two_requests(server, pool, model="relu", tensor="INPUT__0")
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=30)
+        took_s = time.monotonic() - signalled
+        results = [future.result(timeout=30) for future in futures]
+    assert code == EXIT_FORCED, server.log()
+    assert took_s < 2 + 4, f"exited {took_s:.1f} s after SIGTERM"
+    assert all(isinstance(result, ClientError) for result in results)
+    deadline = time.monotonic() + 10
+    while alive(workers[0]):
+        assert time.monotonic() < deadline, "the stopped worker was left behind"
+        time.sleep(0.05)
 
 
 # -- HTTP/2 stream churn ---------------------------------------------------------------------------
