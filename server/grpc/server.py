@@ -1,4 +1,5 @@
-"""Build the grpc.aio server: every RPC of the table under the error guard, plus health and reflection.
+"""Build the grpc.aio server: every RPC of the table, and grpc.health.v1, under the error guard and the
+restrictions; plus reflection. The port is never shared by accident (``grpc.so_reuseport`` off).
 
 Requests are handed to the guard as bytes and decoded there (see ``status.parse``).
 """
