@@ -74,7 +74,7 @@ def test_long_client_input_is_shortened_in_errors(tmp_path: Path, server_factory
             stub.ModelMetadata(pb.ModelMetadataRequest(name=long_name, version="9" * 50_000))
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         assert caught.value.details().startswith("Request for unknown model: 'mmmm")
-        assert "(100000 characters)" in caught.value.details()
+        assert len(caught.value.details()) < 1000  # the name shortened, the version too
         request = pb.ModelInferRequest(model_name="simple")
         request.inputs.add(name="é" * 100_000, datatype="INT32", shape=[1, 16])
         request.raw_input_contents.append(bytes(64))
@@ -243,7 +243,7 @@ def test_health_says_not_serving_during_the_drain(tmp_path: Path, server_factory
     refused; then exit 0, without waiting out the exit timeout for the Watch stream."""
     repo = tmp_path / "repo"
     repo.mkdir()
-    slow_identity(repo, delay_ms=1500)
+    slow_identity(repo, delay_ms=3000)  # the drain lasts 3 s or more after SIGTERM
     server = server_factory(repo, "--exit-timeout-secs", "30")
     with ThreadPoolExecutor(2) as pool, open_channel(server.url) as channel:
         health = health_pb2_grpc.HealthStub(channel)
