@@ -36,7 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import save_results  # noqa: E402
 from clients import local_server  # noqa: E402
 from clients.client import ClientError, InferenceClient  # noqa: E402
-from tests import models  # noqa: E402
+
+IDENTITY_CONFIG = """backend: "identity"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 16 ] } ]
+"""
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7
@@ -197,9 +202,10 @@ def main() -> None:
         "after: 100 streams (default)": ((), args.streams),
     }
     with tempfile.TemporaryDirectory() as folder:
-        repo = Path(folder) / "repo"
-        repo.mkdir()
-        models.add_identity(repo, "identity", "FP32", dims="[ 16 ]")
+        model = Path(folder) / "repo" / "identity"
+        (model / "1").mkdir(parents=True)
+        (model / "config.pbtxt").write_text(IDENTITY_CONFIG)
+        repo = model.parent
         rows = [measure(repo, label, extra, streams, args.max_seconds)
                 for label, (extra, streams) in configurations.items()]
     save_results(rows, "rapid_reset.csv")
