@@ -91,7 +91,9 @@ def start(
             try:
                 if stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=1).live:
                     return server
-            except grpc.RpcError:
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    return server  # it answers: health is restricted (--grpc-restricted-protocol health:...)
                 if time.monotonic() > deadline:
                     server.stop()
                     raise

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from server import __version__
 from server.grpc.restrict import parse_restriction
-from server.settings import GrpcLimits, ServerSettings, TlsSettings
+from server.settings import EXIT_STARTUP_FAILED, GrpcLimits, ServerSettings, TlsSettings
 
 
 def _bool(text: str) -> bool:
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--load-model", action="append", default=[], metavar="NAME",
                        help="explicit mode: load NAME at start (repeatable; '*' for all)")
     serve.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics (default true)")
-    serve.add_argument("--metrics-address", default="0.0.0.0")
+    serve.add_argument("--metrics-address", help="address of the metrics endpoint (default: --grpc-address)")
     serve.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002; 0 = any free)")
     serve.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
                        help="require header KEY=VALUE for these RPC categories, e.g. model-repository:admin-key=s3cret")
@@ -66,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request or reply in MiB (default 2048, as Triton)")
     serve.add_argument("--memory-budget-mb", action="append", default=[], metavar="DEVICE=MB",
                        help="memory all models may hold on a device (cpu, gpu:0, ...); loads beyond it are refused")
-    serve.add_argument("--grpc-max-concurrent-streams", type=int, default=0,
-                       help="concurrent RPCs per client connection (default: grpc's)")
+    serve.add_argument("--grpc-max-concurrent-streams", type=int, default=100,
+                       help="concurrent RPCs per client connection (default 100; 0 = grpc's, unbounded, which "
+                            "leaves the server open to HTTP/2 rapid reset)")
+    serve.add_argument("--reuse-grpc-port", type=_bool, default=False,
+                       help="let other servers bind the gRPC port too (SO_REUSEPORT); default false: a port in use "
+                            "is an error")
     tls = serve.add_argument_group("TLS (Triton's flag names)")
     tls.add_argument("--grpc-use-ssl", type=_bool, default=False, help="serve gRPC over TLS")
     tls.add_argument("--grpc-server-cert", type=Path, help="PEM certificate chain of the server")
@@ -168,17 +172,17 @@ def main(argv: list[str] | None = None) -> int:
         poll_interval_s=args.repository_poll_secs,
         startup_models=tuple(args.load_model),
         allow_metrics=args.allow_metrics,
-        metrics_address=args.metrics_address,
+        metrics_address=args.metrics_address or args.grpc_address,
         metrics_port=args.metrics_port,
         memory_budgets=tuple(budgets),
         grpc=GrpcLimits(
             max_message_bytes=min(2**31 - 1, int(args.grpc_max_message_mb * 2**20)),
             max_concurrent_streams=args.grpc_max_concurrent_streams,
             restrictions=restrictions,
+            reuse_port=args.reuse_grpc_port,
         ),
     )
-    asyncio.run(_serve(settings))
-    return 0
+    return asyncio.run(_serve(settings))
 
 
 def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -213,7 +217,12 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
 
 
-async def _serve(settings: ServerSettings) -> None:
+async def _serve(settings: ServerSettings) -> int:
     from server.app import serve  # imported late so --help stays fast
+    from server.errors import StartupError
 
-    await serve(settings)
+    try:
+        return await serve(settings)
+    except StartupError as exc:
+        print(f"shoal: error: {exc}", file=sys.stderr)
+        return EXIT_STARTUP_FAILED

@@ -5,6 +5,7 @@ Speaks plain dataclasses and numpy; knows nothing of gRPC or protobuf.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,9 @@ class InferenceCore:
         self.manager = manager
         self.strict_readiness = strict_readiness
         self._accepting = True
+        self._in_flight = 0  # inference requests accepted and not yet answered
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def live(self) -> bool:
         return True
@@ -59,6 +63,18 @@ class InferenceCore:
     @property
     def accepting(self) -> bool:
         return self._accepting
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no inference request is in flight, at most ``timeout_s``; True if none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
+        except TimeoutError:
+            return False
+        return True
 
     def server_metadata(self) -> ServerMetadata:
         return ServerMetadata(SERVER_NAME, __version__, EXTENSIONS)
@@ -91,8 +107,15 @@ class InferenceCore:
     async def infer(self, request: InferRequest) -> InferResponse:
         if not self._accepting:
             raise ShoalError(ErrorCode.UNAVAILABLE, "the server is shutting down")
-        served = self.manager.resolve(request.model_name, request.model_version)
-        return await served.infer(request)
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            served = self.manager.resolve(request.model_name, request.model_version)
+            return await served.infer(request)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
 
     def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
         """One row per model version; name ``""`` means every model."""

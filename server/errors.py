@@ -12,13 +12,22 @@ Exception tree::
         INTERNAL           a backend failed while executing
         LOAD_FAILED        a model could not be loaded (config, model file, device)
         PERMISSION_DENIED  a restricted RPC without the configured header
+    StartupError(message)  the server cannot start (a port in use): a clear line and exit 1
 
 The gRPC layer maps each code to a status in one table (server/grpc/status.py).
+
+Messages go back to clients in a header (grpc's ``grpc-message`` trailer, under a metadata
+limit of a few KiB), so names a client sent are echoed shortened (``shown``) and a whole
+message is cut to ``MAX_MESSAGE_BYTES`` (``bounded``) on its way out.
 """
 
 from __future__ import annotations
 
 import enum
+
+MAX_ECHO_CHARS = 200  # of a name or other text a client sent, quoted back in a message
+# UTF-8 bytes of a message sent back; percent-encoding in the trailer can triple it.
+MAX_MESSAGE_BYTES = 2048
 
 
 class ErrorCode(enum.Enum):
@@ -41,6 +50,26 @@ class ShoalError(Exception):
         self.message = message
 
 
+class StartupError(Exception):
+    """The server cannot start as asked; the message says why, for the command line."""
+
+
+def shown(text: str) -> str:
+    """Client input to quote in a message: whole when short, else its start and its length."""
+    if len(text) <= MAX_ECHO_CHARS:
+        return text
+    return f"{text[:MAX_ECHO_CHARS]}...({len(text)} characters)"
+
+
+def bounded(message: str) -> str:
+    """``message`` cut to ``MAX_MESSAGE_BYTES`` of UTF-8, saying so."""
+    encoded = message.encode("utf-8", errors="replace")
+    if len(encoded) <= MAX_MESSAGE_BYTES:
+        return message
+    suffix = f"...(message truncated, {len(encoded)} bytes)"
+    return encoded[: MAX_MESSAGE_BYTES - len(suffix)].decode("utf-8", errors="ignore") + suffix
+
+
 def invalid(message: str) -> ShoalError:
     return ShoalError(ErrorCode.INVALID_ARGUMENT, message)
 
@@ -55,6 +84,7 @@ def unsupported(what: str) -> ShoalError:
 
 def unknown_model(name: str, version: str = "") -> ShoalError:
     """Triton's wording, which tritonclient users match on."""
+    name, version = shown(name), shown(version)
     if version:
         return ShoalError(
             ErrorCode.UNAVAILABLE, f"Request for unknown model: '{name}' version {version} is not found"

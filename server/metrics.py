@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from server.core import InferenceCore
+from server.errors import StartupError
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,10 @@ def start_metrics_server(core: InferenceCore, address: str, port: int) -> int:
     registry = CollectorRegistry()
     registry.register(ModelCollector(core))
     ProcessCollector(registry=registry)
-    server, _thread = start_http_server(port, addr=address, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=address, registry=registry)
+    except OSError as exc:
+        raise StartupError(f"cannot serve metrics on {address}:{port}: {exc.strerror}") from None
     bound = int(server.server_port)
     logger.info("Started Metrics Service at %s:%d", address, bound)
     return bound

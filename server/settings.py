@@ -7,13 +7,18 @@ from pathlib import Path
 
 from server.grpc.restrict import Restriction
 
+# Exit codes of ``shoal serve`` (2 is argparse's for a bad command line).
+EXIT_STARTUP_FAILED = 1  # the server cannot start as asked: a port in use
+EXIT_FORCED = 3  # --exit-timeout-secs passed before the drain ended: workers killed
+
 
 @dataclass(frozen=True)
 class GrpcLimits:
     # Triton and tritonclient accept messages up to INT32_MAX bytes; grpc's default is 4 MiB.
     max_message_bytes: int = 2**31 - 1
-    max_concurrent_streams: int = 0  # per connection; 0 = grpc's default
+    max_concurrent_streams: int = 100  # per connection; 0 = grpc's default (unbounded, open to rapid reset)
     restrictions: tuple[Restriction, ...] = ()
+    reuse_port: bool = False  # SO_REUSEPORT: let other servers bind this port too (Triton's --reuse-grpc-port)
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,7 @@ class ServerSettings:
     poll_interval_s: float = 15.0
     startup_models: tuple[str, ...] = ()  # explicit mode; "*" for all
     allow_metrics: bool = True
-    metrics_address: str = "0.0.0.0"
+    metrics_address: str = "0.0.0.0"  # the CLI defaults it to --grpc-address
     metrics_port: int = 8002
     grpc: GrpcLimits = GrpcLimits()
     memory_budgets: tuple[tuple[str, int], ...] = ()  # (device, bytes): "cpu", "gpu:0"

@@ -22,7 +22,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_triton_flag_names() -> None:
     result = run("serve", "--help")
     assert result.returncode == 0
-    for flag in ("--model-repository", "--grpc-port", "--grpc-address", "--log-verbose"):
+    for flag in ("--model-repository", "--grpc-port", "--grpc-address", "--log-verbose", "--reuse-grpc-port",
+                 "--exit-timeout-secs", "--metrics-address"):
         assert flag in result.stdout
 
 

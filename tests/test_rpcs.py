@@ -119,13 +119,18 @@ def test_unimplemented_rpcs_say_so(stub: InferenceStub, name: str) -> None:
 
 
 def test_every_rpc_runs_under_the_error_guard() -> None:
-    from server.grpc.server import method_handlers
+    from grpc_health.v1 import health_pb2
+
+    from server.grpc.health import HealthReporter
+    from server.grpc.server import health_handlers, method_handlers
     from server.grpc.servicer import InferenceServicer
 
     handlers = method_handlers(InferenceServicer(core=None))  # type: ignore[arg-type]
     assert set(handlers) == set(METHODS)
-    for handler in handlers.values():
-        behaviour = handler.unary_unary or handler.stream_stream
+    health = health_handlers(HealthReporter())
+    assert set(health) == {m.name for m in health_pb2.DESCRIPTOR.services_by_name["Health"].methods}
+    for handler in [*handlers.values(), *health.values()]:
+        behaviour = handler.unary_unary or handler.unary_stream or handler.stream_stream
         assert getattr(behaviour, "__shoal_guarded__", False)
 
 

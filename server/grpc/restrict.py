@@ -3,6 +3,7 @@
     --grpc-restricted-protocol model-repository,statistics:admin-key=s3cret
 
 A call in a restricted category without that metadata is refused with PERMISSION_DENIED.
+``grpc.health.v1.Health`` (per-model status) falls under ``health``, as ModelReady does.
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ def parse_restriction(text: str) -> Restriction:
 
 
 def restricted(
-    method: str, handler: Callable[..., Any], restrictions: tuple[Restriction, ...]
+    category: str, handler: Callable[..., Any], restrictions: tuple[Restriction, ...]
 ) -> Callable[..., Any]:
-    """``handler`` behind the check for ``method``'s category, or ``handler`` itself if unrestricted."""
-    rules = [r for r in restrictions if CATEGORIES[method] in r.categories]
+    """``handler`` behind the check for ``category``, or ``handler`` itself if unrestricted."""
+    rules = [r for r in restrictions if category in r.categories]
     if not rules:
         return handler
 

@@ -1,4 +1,5 @@
-"""Build the grpc.aio server: every RPC of the table under the error guard, plus health and reflection.
+"""Build the grpc.aio server: every RPC of the table, and grpc.health.v1, under the error guard and the
+restrictions; plus reflection. The port is never shared by accident (``grpc.so_reuseport`` off).
 
 Requests are handed to the guard as bytes and decoded there (see ``status.parse``).
 """
@@ -6,11 +7,12 @@ Requests are handed to the guard as bytes and decoded there (see ``status.parse`
 from __future__ import annotations
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
+from server.errors import StartupError
 from server.grpc import reflection
 from server.grpc.health import HealthReporter
-from server.grpc.restrict import Restriction, restricted
+from server.grpc.restrict import CATEGORIES, Restriction, restricted
 from server.grpc.servicer import InferenceServicer
 from server.grpc.status import guard_stream, guard_unary
 from server.pb import METHODS, SERVICE_NAME
@@ -24,7 +26,7 @@ def method_handlers(
 ) -> dict[str, grpc.RpcMethodHandler]:
     handlers = {}
     for method in METHODS.values():
-        implementation = restricted(method.name, getattr(servicer, method.name), restrictions)
+        implementation = restricted(CATEGORIES[method.name], getattr(servicer, method.name), restrictions)
         if method.client_streaming and method.server_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
                 guard_stream(implementation, method.request_type),
@@ -36,6 +38,23 @@ def method_handlers(
                 response_serializer=method.response_type.SerializeToString,
             )
     return handlers
+
+
+def health_handlers(
+    health: HealthReporter, restrictions: tuple[Restriction, ...] = ()
+) -> dict[str, grpc.RpcMethodHandler]:
+    """``grpc.health.v1.Health`` under the same guard, and the ``health`` restriction (it tells model state)."""
+    serialize = health_pb2.HealthCheckResponse.SerializeToString
+    check = restricted("health", health.servicer.Check, restrictions)
+    watch = restricted("health", health.servicer.Watch, restrictions)  # writes through its context
+    return {
+        "Check": grpc.unary_unary_rpc_method_handler(
+            guard_unary(check, health_pb2.HealthCheckRequest), response_serializer=serialize
+        ),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            guard_unary(watch, health_pb2.HealthCheckRequest), response_serializer=serialize
+        ),
+    }
 
 
 def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
@@ -57,17 +76,27 @@ def build_server(
     options: list[tuple[str, int]] = [
         ("grpc.max_send_message_length", limits.max_message_bytes),
         ("grpc.max_receive_message_length", limits.max_message_bytes),
+        # grpc shares ports by default: a second server on this port would silently take half the
+        # connections. Only on purpose (--reuse-grpc-port).
+        ("grpc.so_reuseport", 1 if limits.reuse_port else 0),
     ]
     if limits.max_concurrent_streams:
+        # Also grpc core's bound on stream churn: streams past the limit are refused in the
+        # transport, so a client that opens and resets streams at once (HTTP/2 rapid reset) no
+        # longer floods the queue of calls waiting for the server, which cancels other
+        # connections' calls when it overflows (bench/rapid_reset.py).
         options.append(("grpc.max_concurrent_streams", limits.max_concurrent_streams))
     server = grpc.aio.server(options=options)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(servicer, limits.restrictions)),)
-    )
-    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    server.add_generic_rpc_handlers((
+        grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(servicer, limits.restrictions)),
+        grpc.method_handlers_generic_handler(HEALTH_SERVICE, health_handlers(health, limits.restrictions)),
+    ))
     reflection.enable(server, (HEALTH_SERVICE,))
     target = f"{address}:{port}"
-    bound = server.add_secure_port(target, server_credentials(tls)) if tls else server.add_insecure_port(target)
+    try:
+        bound = server.add_secure_port(target, server_credentials(tls)) if tls else server.add_insecure_port(target)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind gRPC on {address}:{port}")
+        raise StartupError(f"cannot serve gRPC on {target}: the port is in use or the address is not this host's")
     return server, bound

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from server.errors import ErrorCode, ShoalError, invalid
+from server.errors import ErrorCode, ShoalError, bounded, invalid
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +27,11 @@ STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
 
 
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Status and message for any exception; unexpected ones are logged once with traceback."""
+    """Status and a bounded message for any exception; unexpected ones are logged once with traceback."""
     if isinstance(exc, ShoalError):
-        return STATUS_BY_CODE[exc.code], exc.message
+        return STATUS_BY_CODE[exc.code], bounded(exc.message)
     logger.error("unexpected error while serving an RPC", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(exc).__name__}: {exc}")
 
 
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -53,8 +53,14 @@ def guard_unary(handler: UnaryHandler, request_type: Any) -> Callable[[bytes, An
     async def guarded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await handler(parse(request_type, raw), context)
+        except grpc.aio.AbortError:
+            raise  # the handler chose its status itself
         except Exception as exc:  # noqa: BLE001 - every failure becomes a clean status
             code, message = to_status(exc)
+        finally:
+            # The abort below raises an exception whose traceback holds this frame until the
+            # cyclic collector runs: the request's bytes must not be in it.
+            del raw
         await context.abort(code, message)
 
     guarded.__shoal_guarded__ = True  # type: ignore[attr-defined]
@@ -74,6 +80,8 @@ def guard_stream(handler: StreamHandler, request_type: Any) -> Callable[[Any, An
             async for response in handler(parsed(raw_requests), context):
                 yield response
             return
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:  # noqa: BLE001
             code, message = to_status(exc)
         await context.abort(code, message)
