@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server.errors import ErrorCode, ShoalError
+from server.errors import ErrorCode, ShoalError, shown
 from server.lifecycle.configure import configure
 from server.repository import scanner
 from server.repository.config import InstanceKind, VersionPolicy, normalize, parse_config, validate
@@ -180,7 +180,7 @@ def test_checked_path_refuses_every_way_out_alike(tmp_path: Path) -> None:
         with pytest.raises(ShoalError) as caught:
             scanner.checked_path(repo, relative)
         assert caught.value.code is ErrorCode.LOAD_FAILED
-        refusals.append(caught.value.message.replace(scanner.shown(relative), "<path>"))
+        refusals.append(caught.value.message.replace(shown(relative), "<path>"))
     assert set(refusals) == {"'<path>' is not a path inside the model repository"}
 
 

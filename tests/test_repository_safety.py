@@ -19,9 +19,9 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from clients import ClientError, InferenceClient
+from server.errors import shown
 from server.pb import InferenceStub
 from server.pb import service_pb2 as pb
-from server.repository import scanner
 from tests import models
 from tests.polling import wait_until
 
@@ -122,7 +122,7 @@ def test_override_filename_outside_is_refused_before_any_open(tmp_path: Path, ou
                 with pytest.raises(ClientError) as caught:
                     client.load_model("m", config={"backend": "onnxruntime", "default_model_filename": filename})
                 message = caught.value.message
-                assert message.endswith(f"got {scanner.shown(filename)!r}"), message  # only what the client sent
+                assert message.endswith(f"got {shown(filename)!r}"), message  # only what the client sent
                 answers.append((caught.value.status, message.rpartition(", got ")[0]))
     assert len(set(answers)) == 1, "\n".join(map(str, answers))
     status, message = answers[0]

@@ -270,7 +270,7 @@ class ModelManager:
     def entry(self, name: str) -> ModelEntry:
         model = self._models.get(name)
         if model is None:
-            raise unknown_model(scanner.shown(name))
+            raise unknown_model(name)
         return model
 
     def resolve(self, name: str, version: str) -> ModelVersion:
@@ -285,7 +285,7 @@ class ModelManager:
             number = int(version) if _VERSION.match(version) else None
             found = model.versions.get(number) if number is not None else None
             if found is None:
-                raise unknown_model(name, scanner.shown(version))
+                raise unknown_model(name, version)
             chosen = found
         if chosen.served is None:
             raise ShoalError(

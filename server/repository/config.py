@@ -18,10 +18,10 @@ from typing import Any
 
 from google.protobuf import json_format, text_format
 
-from server.errors import load_failed
+from server.errors import load_failed, shown
 from server.pb import config_pb2
 from server.repository.scanner import CONFIG_FILENAME as CONFIG_FILENAME
-from server.repository.scanner import checked_path, shown
+from server.repository.scanner import checked_path
 from server.types import DataType
 
 # platform string → backend name, as Triton's auto-complete of backend fields.

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path, PurePath
 
-from server.errors import ShoalError, load_failed, unknown_model
+from server.errors import ShoalError, load_failed, shown, unknown_model
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +31,6 @@ _MODEL_FILENAMES = ("model.onnx", "model.pt", "model.pt2")
 
 def is_safe_model_name(name: str) -> bool:
     return bool(_MODEL_NAME.match(name)) and ".." not in name and len(name.encode()) <= MAX_NAME_BYTES
-
-
-def shown(text: str, limit: int = 80) -> str:
-    """A client-given name as messages echo it: a long one is cut, so that an error stays far below
-    gRPC's 8 KB metadata limit (past it the client gets RESOURCE_EXHAUSTED instead of the error)."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def outside(relative: str | PurePath) -> ShoalError:
@@ -93,11 +87,11 @@ def without_repository_path(repository: Path, text: str) -> str:
 def model_dir(repository: Path, name: str) -> Path:
     """The folder of model ``name``, refusing names that could point outside the repository."""
     if not is_safe_model_name(name):
-        raise unknown_model(shown(name))
+        raise unknown_model(name)
     root = repository.resolve()
     path = (root / name).resolve()
     if path.parent != root:
-        raise unknown_model(shown(name))
+        raise unknown_model(name)
     return path
 
 
