@@ -70,7 +70,8 @@ def batching_server(tmp_path_factory: pytest.TempPathFactory):
     slow_identity(repo, "bounded", "dynamic_batching { default_queue_policy { max_queue_size: 1 } }", 1)
     models.add_identity(repo, "fast", "INT64", max_batch_size=8, dims="[ 2 ]")
     (repo / "fast" / "config.pbtxt").write_text(
-        (repo / "fast" / "config.pbtxt").read_text() + "\ndynamic_batching { }\ninstance_group [ { count: 2 } ]\n"
+        (repo / "fast" / "config.pbtxt").read_text()
+        + "\ndynamic_batching { }\ninstance_group [ { count: 2 kind: KIND_CPU } ]\n"
     )
     gather_model(repo)
     server = start_server(repo, tmp_path_factory.mktemp("server"))

@@ -63,11 +63,10 @@ def test_mismatch_messages_name_the_tensor(tmp_path: Path, server_factory) -> No
     assert "input 'INPUT0' has dims [16] in the config but shape [-1, 16] in the model" in index["no_batch"]
 
 
-def test_gpu_instance_group_without_a_gpu_is_a_clear_load_error(tmp_path: Path, server_factory) -> None:
-    from server.backends.devices import cuda_device_count
-
-    if cuda_device_count() > 0:
-        pytest.skip("this machine has a GPU; the no-GPU error cannot happen here")
+def test_gpu_instance_group_without_a_gpu_is_a_clear_load_error(
+    tmp_path: Path, server_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a GPU host too: the server sees no CUDA device
     repo = models.repository(tmp_path, "simple")
     models.set_instance_kind(repo / "simple", "KIND_GPU")
     server = server_factory(repo)

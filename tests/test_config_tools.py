@@ -106,7 +106,7 @@ def test_generated_config_loads_and_serves(tmp_path: Path, server_factory) -> No
     repo = tmp_path / "repo"
     repo.mkdir()
     multi_io_model(repo / "multi.onnx")
-    # KIND_CPU: with KIND_AUTO a GPU host would place it on the GPU (and need onnxruntime-gpu).
+    # KIND_CPU: with KIND_AUTO a GPU host whose onnxruntime has the CUDA provider would place it on the GPU.
     assert shoal("config", "generate", str(repo / "multi.onnx"), "--max-batch-size", "8",
                  "--kind", "KIND_CPU").returncode == 0
     (repo / "multi.onnx").unlink()
@@ -125,7 +125,7 @@ def test_generated_config_loads_and_serves(tmp_path: Path, server_factory) -> No
 
 def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    # "bare" has no config, so no instance kind: KIND_AUTO, which means the GPU on a GPU host.
+    # "bare" has no config, so no instance kind: KIND_AUTO, the GPU on a host with onnxruntime-gpu.
     # Auto-complete is what this tests, on the CPU wherever it runs: hide the GPUs from the servers.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     repo = tmp_path / "repo"

@@ -67,7 +67,26 @@ def test_kind_auto_places_a_model_on_the_gpu(tmp_path: Path, server_factory) -> 
     server = server_factory(repo)
     with InferenceClient(server.url, timeout_s=60) as client:
         assert client.infer("lin", {"x": np.ones((1, 8), np.float32)})["y"].shape == (1, 8)
-        assert client.statistics("lin")[0]["memory_usage"][0]["type"] == "GPU"  # KIND_AUTO: the GPU
+        assert client.statistics("lin")[0]["memory_usage"][0]["type"] == "GPU"  # KIND_AUTO: torch can use it
+
+
+@needs_cuda
+def test_kind_auto_is_the_gpu_only_for_a_backend_that_can_use_it(tmp_path: Path, server_factory) -> None:
+    """As Triton: an ONNX model goes to the GPU only when onnxruntime offers the CUDA execution
+    provider (a CPU-only onnxruntime serves it on the CPU), the identity backend always to the CPU."""
+    from clients import InferenceClient
+
+    repo = models.repository(tmp_path, "simple")
+    models.set_instance_kind(repo / "simple", "KIND_AUTO")
+    models.add_identity(repo, "copy", "FP32")  # no instance group: KIND_AUTO
+    server = server_factory(repo)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    with InferenceClient(server.url, timeout_s=60) as client:
+        np.testing.assert_array_equal(client.infer("simple", {"INPUT0": a, "INPUT1": a})["OUTPUT0"], 2 * a)
+        simple = client.statistics("simple")[0]["memory_usage"]
+        identity = client.statistics("copy")[0]["memory_usage"]
+    assert {u["type"] for u in simple} == {"GPU" if _cuda_provider() else "CPU"}, server.log()
+    assert [u["type"] for u in identity] == ["CPU"]
 
 
 @needs_cuda

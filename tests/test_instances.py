@@ -1,13 +1,18 @@
-"""Instance pools: how many copies of the weights get loaded, and how the cores are split."""
+"""Instance pools: where the instances go (KIND_AUTO's resolution), how many copies of the weights
+get loaded, and how the cores are split."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from server.backends.devices import CPU, Device
+from server.errors import ShoalError
 from server.instances.pool import Placement, build_pool
+from server.lifecycle import model
+from server.repository.config import ModelSpec, normalize, parse_config, to_spec, validate
 
 
 class Copy:
@@ -63,3 +68,103 @@ def test_a_failed_load_closes_the_copies_already_loaded() -> None:
     with pytest.raises(RuntimeError, match="out of memory"):
         build_pool("m", [Placement("a", CPU, 3)], load, share_weights=False)
     assert len(loads) == 2 and all(copy.closed for copy in loads)
+
+
+def spec_of(backend: str, instance_group: str) -> ModelSpec:
+    text = (f'backend: "{backend}"\nmax_batch_size: 8\n'
+            'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+            'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n' + instance_group)
+    config = normalize(parse_config(text), "m")
+    validate(config, "m")
+    return to_spec(config)
+
+
+def fake_host(monkeypatch: pytest.MonkeyPatch, gpus: int, backend_can_use_them: bool) -> list[str]:
+    """``gpus`` CUDA devices and a backend answer for KIND_AUTO; returns the backends asked."""
+    asked: list[str] = []
+
+    def answer(backend: str) -> bool:
+        asked.append(backend)
+        return backend_can_use_them
+
+    monkeypatch.setattr(model, "cuda_device_count", lambda: gpus)
+    monkeypatch.setattr(model, "backend_gpu_available", answer)
+    return asked
+
+
+def test_kind_auto_is_the_cpu_without_a_gpu_and_the_backend_is_not_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = fake_host(monkeypatch, gpus=0, backend_can_use_them=True)
+    assert model.placements(spec_of("pytorch", "instance_group [ { count: 2 } ]")) == [Placement("m_0", CPU, 2)]
+    assert asked == []  # no framework import on a host without CUDA devices
+
+
+@pytest.mark.parametrize(
+    "config", ["", "instance_group [ { count: 2 } ]", "instance_group [ { count: 2 kind: KIND_AUTO } ]"]
+)
+def test_kind_auto_is_each_gpu_where_the_backend_can_use_them(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
+    asked = fake_host(monkeypatch, gpus=2, backend_can_use_them=True)
+    count = 2 if config else 1  # no instance group: one of KIND_AUTO, count 1
+    assert model.placements(spec_of("pytorch", config)) == [
+        Placement("m_0", Device("gpu", 0), count), Placement("m_0", Device("gpu", 1), count)
+    ]
+    assert asked == ["pytorch"]
+
+
+def test_kind_auto_is_the_cpu_where_the_backend_cannot_use_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's rule: a GPU only when GPUs exist AND the backend supports them (e.g. onnxruntime
+    without the CUDA execution provider on a GPU host)."""
+    fake_host(monkeypatch, gpus=2, backend_can_use_them=False)
+    assert model.placements(spec_of("onnxruntime", "instance_group [ { count: 2 } ]")) == [Placement("m_0", CPU, 2)]
+
+
+def test_kind_auto_listing_a_missing_gpu_is_the_cpu_where_kind_gpu_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_host(monkeypatch, gpus=1, backend_can_use_them=True)
+    auto = spec_of("pytorch", "instance_group [ { count: 1 kind: KIND_AUTO gpus: [ 1 ] } ]")
+    assert model.placements(auto) == [Placement("m_0", CPU, 1)]
+    gpu = spec_of("pytorch", "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 1 ] } ]")
+    with pytest.raises(ShoalError, match=r"lists GPU 1, but 1 GPU\(s\) exist"):
+        model.placements(gpu)
+
+
+def test_kind_cpu_and_kind_gpu_are_placed_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_host(monkeypatch, gpus=1, backend_can_use_them=False)
+    spec = spec_of("pytorch", "instance_group [ { count: 1 kind: KIND_CPU }, { count: 3 kind: KIND_GPU } ]")
+    # KIND_GPU is not second-guessed: the backend's load refuses it with its own message.
+    assert model.placements(spec) == [Placement("m_0", CPU, 1), Placement("m_1", Device("gpu", 0), 3)]
+    monkeypatch.setattr(model, "cuda_device_count", lambda: 0)
+    with pytest.raises(ShoalError, match="asks for KIND_GPU but no CUDA device is available"):
+        model.placements(spec)
+
+
+def test_the_identity_backend_stays_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.backends import identity
+
+    monkeypatch.setattr(model, "cuda_device_count", lambda: 1)  # the backend's own answer: never a GPU
+    assert model.placements(spec_of("identity", "")) == [Placement("m_0", CPU, 1)]
+    spec = spec_of("identity", "instance_group [ { kind: KIND_GPU } ]")
+    with pytest.raises(ShoalError, match="the identity backend runs on the CPU only"):
+        identity.load(spec, Path("unused"), Device("gpu", 0), 1)
+
+
+def test_onnxruntime_can_use_a_gpu_only_with_the_cuda_provider(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.backends import base, onnxruntime
+
+    monkeypatch.setattr(onnxruntime.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert not base.backend_gpu_available("onnxruntime")
+    monkeypatch.setattr(onnxruntime.ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert base.backend_gpu_available("onnxruntime")
+    assert not base.backend_gpu_available("identity") and not base.backend_gpu_available("tensorflow")
+
+
+def test_pytorch_can_use_a_gpu_only_as_a_cuda_build_that_sees_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from server.backends import base
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not base.backend_gpu_available("pytorch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert not base.backend_gpu_available("pytorch")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert base.backend_gpu_available("pytorch")

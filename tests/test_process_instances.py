@@ -1,5 +1,6 @@
 """Process instances of the PyTorch backend: one copy of the weights, workers that die, hang or are
-stopped are replaced, readiness follows them, shutdown stays bounded, .pt2 workers copy no weights."""
+stopped are replaced, readiness follows them, shutdown stays bounded, .pt2 workers copy no weights.
+The models pin KIND_CPU (a GPU host would put KIND_AUTO on the GPU); the GPU variant is marked gpu."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _process_repo(repo: Path) -> None:
         torch.jit.script(Linear(32)).save(str(repo / name / "1" / "model.pt"))
         (repo / name / "config.pbtxt").write_text(_config(
             name, [("x", "TYPE_FP32", "[ 32 ]")], [("y", "TYPE_FP32", "[ 32 ]")],
-            f'instance_group [ {{ count: 2 }} ]\nparameters {{ key: "process_instances" value: '
+            f'instance_group [ {{ count: 2 kind: KIND_CPU }} ]\nparameters {{ key: "process_instances" value: '
             f'{{ string_value: "{processes}" }} }}',
         ))
 
@@ -54,7 +55,7 @@ def _heavy_repo(repo: Path) -> None:
     torch.jit.script(Heavy()).save(str(repo / "heavy" / "1" / "model.pt"))
     (repo / "heavy" / "config.pbtxt").write_text(
         'backend: "pytorch"\nmax_batch_size: 0\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 4 ] } ]\ninstance_group [ { count: 2 } ]\n'
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 4 ] } ]\ninstance_group [ { count: 2 kind: KIND_CPU } ]\n'
         'parameters { key: "process_instances" value: { string_value: "true" } }\n'
     )
 
@@ -133,7 +134,8 @@ def test_pickled_eager_module_in_threads_and_processes(tmp_path: Path, server_fa
         opt_in = 'parameters { key: "pickled_module" value: { string_value: "true" } }\n' if processes else ""
         (repo / name / "config.pbtxt").write_text(
             'backend: "pytorch"\nmax_batch_size: 0\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 3, 4 ] } ]\n'
-            'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 3, 8 ] } ]\ninstance_group [ { count: 2 } ]\n'
+            'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 3, 8 ] } ]\n'
+            'instance_group [ { count: 2 kind: KIND_CPU } ]\n'
             + opt_in
             + (f'parameters {{ key: "process_instances" value: {{ string_value: "{processes}" }} }}\n'
                if processes else "")
@@ -156,7 +158,7 @@ def _one_process_model(repo: Path, name: str, parameters: dict[str, str], count:
                     for key, value in {"process_instances": "true", **parameters}.items())
     (repo / name / "config.pbtxt").write_text(_config(
         name, [("x", "TYPE_FP32", "[ 8 ]")], [("y", "TYPE_FP32", "[ 8 ]")],
-        f"instance_group [ {{ count: {count} }} ]\n{extra}",
+        f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n{extra}",
     ))
     return repo / name / "1" / "model.pt"
 

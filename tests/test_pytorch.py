@@ -31,6 +31,11 @@ class Linear(torch.nn.Module):
         return torch.relu(self.layer(x))
 
 
+# Most tests here are about loading and serving, not placement: they pin the CPU, so that a GPU host
+# (where KIND_AUTO puts a PyTorch model on the GPU) runs them as written. GPU paths: tests/test_gpu.py.
+ON_CPU = "instance_group [ { count: 1 kind: KIND_CPU } ]"
+
+
 def _config(name: str, inputs: list[tuple[str, str, str]], outputs: list[tuple[str, str, str]], extra: str) -> str:
     def tensors(items: list[tuple[str, str, str]]) -> str:
         return ", ".join(f'{{ name: "{n}" data_type: {t} dims: {d} }}' for n, t, d in items)
@@ -40,7 +45,7 @@ def _config(name: str, inputs: list[tuple[str, str, str]], outputs: list[tuple[s
 
 
 def add_torchscript(repo: Path, name: str, inputs: list[tuple[str, str, str]],
-                    outputs: list[tuple[str, str, str]], extra: str = "") -> None:
+                    outputs: list[tuple[str, str, str]], extra: str = ON_CPU) -> None:
     (repo / name / "1").mkdir(parents=True)
     torch.jit.script(AddSub()).save(str(repo / name / "1" / "model.pt"))
     (repo / name / "config.pbtxt").write_text(_config(name, inputs, outputs, extra))
@@ -55,8 +60,8 @@ def torch_server(tmp_path_factory: pytest.TempPathFactory):
     from tests.conftest import start_server
 
     repo = tmp_path_factory.mktemp("repo")
-    add_torchscript(repo, "addsub", INDEXED_IN, INDEXED_OUT,
-                    "dynamic_batching { max_queue_delay_microseconds: 20000 }\ninstance_group [ { count: 4 } ]")
+    add_torchscript(repo, "addsub", INDEXED_IN, INDEXED_OUT, "dynamic_batching { max_queue_delay_microseconds: 20000 }"
+                                                             "\ninstance_group [ { count: 4 kind: KIND_CPU } ]")
     add_torchscript(repo, "named", [("b", "TYPE_FP32", "[ 2 ]"), ("a", "TYPE_FP32", "[ 2 ]")],
                     [("SUM", "TYPE_FP32", "[ 2 ]"), ("DIFF", "TYPE_FP32", "[ 2 ]")])
     (repo / "exported" / "1").mkdir(parents=True)
@@ -65,13 +70,13 @@ def torch_server(tmp_path_factory: pytest.TempPathFactory):
     torch.export.save(program, str(repo / "exported" / "1" / "model.pt2"))
     (repo / "exported" / "config.pbtxt").write_text(
         _config("exported", [("x", "TYPE_FP32", "[ 8 ]")], [("y", "TYPE_FP32", "[ 8 ]")],
-                'default_model_filename: "model.pt2"')
+                f'default_model_filename: "model.pt2"\n{ON_CPU}')
     )
     add_torchscript(repo, "wrong_dims", INDEXED_IN, [("OUTPUT__0", "TYPE_INT32", "[ 5 ]"), INDEXED_OUT[1]])
     add_torchscript(repo, "wrong_type", INDEXED_IN, [("OUTPUT__0", "TYPE_FP32", "[ 4 ]"), INDEXED_OUT[1]])
     add_torchscript(repo, "three_inputs", [*INDEXED_IN, ("INPUT__2", "TYPE_INT32", "[ 4 ]")], INDEXED_OUT)
     add_torchscript(repo, "timeout_in_threads", INDEXED_IN, INDEXED_OUT,
-                    'parameters { key: "execution_timeout_ms" value: { string_value: "100" } }')
+                    f'{ON_CPU}\nparameters {{ key: "execution_timeout_ms" value: {{ string_value: "100" }} }}')
     server = start_server(repo, tmp_path_factory.mktemp("server"), "--strict-readiness", "false")
     yield server
     assert server.stop() == 0, server.log()
@@ -139,7 +144,7 @@ def test_memory_budget_refuses_an_oversized_model(tmp_path: Path, server_factory
     (repo / "big" / "1").mkdir(parents=True)
     torch.jit.script(Linear(1024)).save(str(repo / "big" / "1" / "model.pt"))  # 4 MB of weights
     (repo / "big" / "config.pbtxt").write_text(
-        _config("big", [("x", "TYPE_FP32", "[ 1024 ]")], [("y", "TYPE_FP32", "[ 1024 ]")], "")
+        _config("big", [("x", "TYPE_FP32", "[ 1024 ]")], [("y", "TYPE_FP32", "[ 1024 ]")], ON_CPU)
     )
     models.copy_example(repo, "simple")
     server = server_factory(repo, "--memory-budget-mb", "cpu=2", "--strict-readiness", "false")
@@ -152,6 +157,8 @@ def test_memory_budget_refuses_an_oversized_model(tmp_path: Path, server_factory
 
 
 def test_model_memory_is_reported(tmp_path: Path, server_factory) -> None:
+    """KIND_AUTO: one copy of the weights on each GPU where torch sees one, else one on the CPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     repo = tmp_path / "repo"
     (repo / "linear" / "1").mkdir(parents=True)
     torch.jit.script(Linear(256)).save(str(repo / "linear" / "1" / "model.pt"))
@@ -162,7 +169,8 @@ def test_model_memory_is_reported(tmp_path: Path, server_factory) -> None:
     server = server_factory(repo)
     with InferenceClient(server.url, timeout_s=30) as client:
         usage = client.statistics("linear")[0]["memory_usage"]
-    assert usage == [{"type": "CPU", "byte_size": str((256 * 256 + 256) * 4)}]  # one copy for 3 executors
+    weights = str((256 * 256 + 256) * 4)  # one copy for 3 executors
+    assert [(u["type"], u["byte_size"]) for u in usage] == ([("GPU", weights)] * gpus or [("CPU", weights)])
 
 
 def test_generate_a_torchscript_config_from_input_shapes(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The backend contract and the one place that picks a backend by name.
 
-A backend module exposes ``load(spec, model_path, device, threads) -> LoadedModel``. It checks
+A backend module exposes ``load(spec, model_path, device, threads) -> LoadedModel`` and
+``gpu_available() -> bool`` (whether it can run a model on a CUDA device here). ``load`` checks
 the config against the model file and refuses to load on a mismatch, naming the
 tensor. A ``LoadedModel`` holds one copy of the weights on one device; its ``run``
 is called concurrently by every executor of that device, so it must be thread-safe.
@@ -45,6 +46,18 @@ class LoadedModel(Protocol):
 
 def supported_backends() -> list[str]:
     return sorted(_BACKEND_MODULES)
+
+
+def backend_gpu_available(backend: str) -> bool:
+    """Whether ``backend`` can run a model on a CUDA device in this process (resolves KIND_AUTO).
+
+    An unknown backend answers False; its load fails with the unsupported-backend message.
+    """
+    module_name = _BACKEND_MODULES.get(backend)
+    if module_name is None:
+        return False
+    available: bool = importlib.import_module(module_name).gpu_available()
+    return available
 
 
 def describe_model(backend: str, model_path: Path, label: str = "") -> ModelIO:

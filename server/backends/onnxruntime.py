@@ -98,10 +98,15 @@ def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> Onn
     return OnnxModel(session, spec, model_path.stat().st_size)
 
 
+def gpu_available() -> bool:
+    """The installed onnxruntime offers the CUDA execution provider (onnxruntime-gpu, not onnxruntime)."""
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
 def _providers(spec: ModelSpec, device: Device) -> list[Any]:
     if device.kind != "gpu":
         return ["CPUExecutionProvider"]
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
+    if not gpu_available():
         raise load_failed(
             f"model '{spec.name}': a GPU instance group needs onnxruntime-gpu; the installed "
             f"onnxruntime offers {ort.get_available_providers()}"

@@ -146,10 +146,15 @@ def read_module(spec: ModelSpec, model_path: Path, target: torch.device) -> tupl
     return module.eval(), [a.name for a in module.forward.schema.arguments][1:]  # without self
 
 
+def gpu_available() -> bool:
+    """This torch is a CUDA build and sees a device (a CPU-only wheel on a GPU host does not)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
 def _torch_device(spec: ModelSpec, device: Device) -> torch.device:
     if device.kind != "gpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
+    if not gpu_available():
         raise load_failed(f"model '{spec.name}': a GPU instance group needs a CUDA build of torch and a GPU")
     return torch.device("cuda", device.index)
 

@@ -7,13 +7,13 @@ import logging
 import time
 from pathlib import Path
 
-from server.backends.base import LoadedModel, load_model
+from server.backends.base import LoadedModel, backend_gpu_available, load_model
 from server.backends.devices import CPU, Device, cuda_device_count
 from server.errors import ErrorCode, ShoalError, load_failed
 from server.instances.pool import InstancePool, Placement, build_pool
 from server.instances.process import WORKER_PARAMETERS
 from server.lifecycle import tensors
-from server.repository.config import InstanceKind, ModelSpec
+from server.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from server.scheduling.dynamic import Scheduler
 from server.statistics import ModelStatistics
 from server.types import InferRequest, InferResponse
@@ -21,14 +21,23 @@ from server.types import InferRequest, InferResponse
 logger = logging.getLogger(__name__)
 
 
+def resolve_kind(spec: ModelSpec, group: InstanceGroupSpec, gpus: int) -> InstanceKind:
+    """KIND_AUTO as Triton resolves it: the GPU when ``gpus`` CUDA devices exist, every GPU the
+    group lists is one of them and the model's backend can run on them here; else the CPU.
+    Other kinds stay as written (an impossible KIND_GPU fails later, with its own message)."""
+    if group.kind is not InstanceKind.AUTO:
+        return group.kind
+    if gpus == 0 or any(not 0 <= index < gpus for index in group.gpus):
+        return InstanceKind.CPU
+    return InstanceKind.GPU if backend_gpu_available(spec.backend) else InstanceKind.CPU
+
+
 def placements(spec: ModelSpec) -> list[Placement]:
     """Where each instance group's executors go; GPU groups get ``count`` per listed GPU."""
     gpus = cuda_device_count()
     result = []
     for group in spec.instance_groups:
-        kind = group.kind
-        if kind is InstanceKind.AUTO:
-            kind = InstanceKind.GPU if gpus > 0 else InstanceKind.CPU
+        kind = resolve_kind(spec, group, gpus)
         if kind is not InstanceKind.GPU:
             result.append(Placement(group.name, CPU, group.count))
             continue
