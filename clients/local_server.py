@@ -71,11 +71,22 @@ def start(
              "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--port-file", str(port_file), *extra_args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    deadline = time.monotonic() + timeout_s
-    while not (port_file.exists() and len(port_file.read_text().split()) == 2):
-        if process.poll() is not None or time.monotonic() > deadline:
+    try:
+        return _wait_until_serving(process, port_file, log_path, credentials, time.monotonic() + timeout_s)
+    except BaseException:  # Ctrl-C or a failure while waiting: never leave the server behind
+        if process.poll() is None:
             process.kill()
             process.wait()
+        raise
+
+
+def _wait_until_serving(
+    process: subprocess.Popen[bytes], port_file: Path, log_path: Path | None,
+    credentials: grpc.ChannelCredentials | None, deadline: float,
+) -> LocalServer:
+    """The started server once it has written its ports and answers ServerLive."""
+    while not (port_file.exists() and len(port_file.read_text().split()) == 2):
+        if process.poll() is not None or time.monotonic() > deadline:
             detail = log_path.read_text(errors="replace") if log_path else "(no log kept)"
             raise RuntimeError(f"the server did not start:\n{detail}")
         time.sleep(0.05)
@@ -95,7 +106,6 @@ def start(
                 if error.code() == grpc.StatusCode.PERMISSION_DENIED:
                     return server  # it answers: health is restricted (--grpc-restricted-protocol health:...)
                 if time.monotonic() > deadline:
-                    server.stop()
                     raise
                 time.sleep(0.05)
 

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+from pathlib import Path
+from typing import Any
 
 import grpc
 import ml_dtypes
 import numpy as np
 import pytest
 
-from clients import AsyncInferenceClient, ClientError, InferenceClient, TlsOptions
+from clients import AsyncInferenceClient, ClientError, InferenceClient, TlsOptions, local_server
 from clients.stubs import InferenceStub, service_pb2
+from tests import models
 from tests.conftest import RunningServer
 from tests.models import ALL_DATATYPES
 from tests.test_datatypes import sample
@@ -99,3 +103,23 @@ def test_tls_client_against_a_plaintext_server_fails_cleanly(example_server: Run
 def test_stubs_are_importable_alone(example_server: RunningServer) -> None:
     with grpc.insecure_channel(example_server.url) as channel:
         assert InferenceStub(channel).ServerLive(service_pb2.ServerLiveRequest()).live
+
+
+def test_local_server_start_leaves_no_server_behind_when_interrupted(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C while local_server.start waits for the server (as in `shoal config tune`) kills the child."""
+    started: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    def interrupt(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local_server.subprocess, "Popen", recording_popen)
+    monkeypatch.setattr(local_server.time, "sleep", interrupt)  # the first wait for the port file
+    with pytest.raises(KeyboardInterrupt):
+        local_server.start(models.repository(tmp_path, "simple"), work_dir=tmp_path)
+    monkeypatch.undo()
+    assert len(started) == 1 and started[0].poll() is not None, "the server outlived the interrupted start"
