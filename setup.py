@@ -1,17 +1,29 @@
-"""Build hook: generate the protobuf modules before the package is built.
+"""Build hook and package layout; everything else about the package lives in pyproject.toml.
 
-Everything else about the package lives in pyproject.toml. The generated modules
-are written into the source tree (server/pb/), so editable and regular installs
-both see them, and they are git-ignored.
+The repository's folders are installed under one import namespace, ``shoal``, so that no
+generic top-level name (``server``, ``clients``) lands in site-packages, where a user's own
+``server.py`` or ``clients/`` would shadow it: ``server/`` is the package ``shoal`` and
+``clients/`` is ``shoal.clients``.
+
+The protobuf modules are generated before the build into the source tree
+(``server/protocol/``), so editable and regular installs both see them; they are git-ignored.
 """
 
 import importlib.util
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
+PACKAGE_FOLDERS = {"shoal": "server", "shoal.clients": "clients"}
+
+
+def _packages() -> list[str]:
+    found = []
+    for package, folder in PACKAGE_FOLDERS.items():
+        found += [package, *(f"{package}.{sub}" for sub in find_packages(str(ROOT / folder)))]
+    return found
 
 
 def _generate_protos() -> None:
@@ -19,7 +31,7 @@ def _generate_protos() -> None:
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.generate(ROOT)
+    module.generate(ROOT / "server" / "protocol")
 
 
 class BuildPyWithProtos(build_py):
@@ -28,4 +40,9 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+setup(
+    packages=_packages(),
+    package_dir=PACKAGE_FOLDERS,
+    package_data={"shoal": ["py.typed"], "shoal.protocol": ["*.pyi"]},
+    cmdclass={"build_py": BuildPyWithProtos},
+)

@@ -85,7 +85,7 @@ def shoal_load(url: str, model: str, concurrency: int, window_s: float = 2.0, pr
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "r.json"
         subprocess.run(
-            [sys.executable, "-m", "clients.loadtest", "-m", model, "-u", url, "--concurrency", str(concurrency),
+            [sys.executable, "-m", "shoal.clients.loadtest", "-m", model, "-u", url, "--concurrency", str(concurrency),
              "--processes", str(processes), "--input-data", "zeros", "--window-s", str(window_s),
              "--stability", str(stability_percent), "--max-windows", "10", "--json", str(out), "--no-progress"],
             check=True, capture_output=True, timeout=600,

@@ -1,4 +1,4 @@
-"""Start a Shoal server for a benchmark (see clients.local_server)."""
+"""Start a Shoal server for a benchmark (see shoal.tools.local_server)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from clients import local_server
+from shoal.tools import local_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import shoal_load  # noqa: E402
 from bench._server import shoal_server  # noqa: E402
 from bench.torch_memory import save_model, tree_pids  # noqa: E402
-from clients import InferenceClient, nvidia_smi  # noqa: E402
-from server.backends.devices import cuda_device_count  # noqa: E402
+from shoal.backends.devices import cuda_device_count  # noqa: E402
+from shoal.clients import InferenceClient  # noqa: E402
+from shoal.tools import nvidia_smi  # noqa: E402
 
 
 def cuda_problem(torch_devices: int, driver_devices: int, torch_version: str) -> str | None:

@@ -29,7 +29,7 @@ from bench._models import write_mlp  # noqa: E402
 from bench._perf import save_results  # noqa: E402
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
 from bench.memory import memory_mb  # noqa: E402
-from clients import InferenceClient  # noqa: E402
+from shoal.clients import InferenceClient  # noqa: E402
 
 
 def memory_across_load(width: int, layers: int) -> None:
@@ -71,7 +71,7 @@ def reload_under_load() -> None:
         with shoal_server(repo, "--model-control-mode", "explicit", "--load-model", "*") as (url, _):
             out = repo.parent / f"{repo.name}-load.json"
             load = subprocess.Popen(
-                [sys.executable, "-m", "clients.loadtest", "-m", "simple", "-u", url, "--concurrency", "16",
+                [sys.executable, "-m", "shoal.clients.loadtest", "-m", "simple", "-u", url, "--concurrency", "16",
                  "--warmup-s", "0", "--window-s", "1", "--max-windows", "120", "--stability", "0.001",
                  "--max-seconds", "150", "--json", str(out), "--no-progress"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import save_results  # noqa: E402
 from bench._server import REPO_ROOT  # noqa: E402
-from clients import ClientError, InferenceClient, local_server  # noqa: E402
+from shoal.clients import ClientError, InferenceClient  # noqa: E402
+from shoal.tools import local_server  # noqa: E402
 
 
 def served(client: InferenceClient) -> int:
@@ -44,7 +45,7 @@ def main() -> None:
         out = Path(folder) / "load.json"
         with local_server.running(repo) as server:
             load = subprocess.Popen(
-                [sys.executable, "-m", "clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency",
+                [sys.executable, "-m", "shoal.clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency",
                  str(args.concurrency), "--warmup-s", "0", "--window-s", "1", "--max-windows", str(args.windows),
                  "--stability", "0.001", "--json", str(out), "--no-progress"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

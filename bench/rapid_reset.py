@@ -34,8 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import save_results  # noqa: E402
-from clients import local_server  # noqa: E402
-from clients.client import ClientError, InferenceClient  # noqa: E402
+from shoal.clients.client import ClientError, InferenceClient  # noqa: E402
+from shoal.tools import local_server  # noqa: E402
 
 IDENTITY_CONFIG = """backend: "identity"
 max_batch_size: 8

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import save_results  # noqa: E402
 from bench._server import shoal_server  # noqa: E402
 from bench.memory import memory_mb  # noqa: E402
-from clients import InferenceClient  # noqa: E402
+from shoal.clients import InferenceClient  # noqa: E402
 
 NAIVE_WORKER = """
 import sys, time, torch

@@ -1,6 +1,6 @@
 """Sync and asyncio clients for any KServe v2 / Triton gRPC server, numpy in and out.
 
-    from clients import InferenceClient
+    from shoal.clients import InferenceClient
     with InferenceClient("localhost:8001") as client:
         outputs = client.infer("simple", {"INPUT0": a, "INPUT1": b})
 
@@ -16,10 +16,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from clients import messages
-from clients.messages import ModelIndexEntry, ModelMetadata, ServerMetadata
-from server.pb import InferenceStub
-from server.pb import service_pb2 as pb
+from shoal.clients import messages
+from shoal.clients.messages import ModelIndexEntry, ModelMetadata, ServerMetadata
+from shoal.protocol import InferenceStub
+from shoal.protocol import service_pb2 as pb
 
 MAX_MESSAGE_BYTES = 2**31 - 1
 

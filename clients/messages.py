@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
-from server.pb import service_pb2 as pb
-from server.pb import tensors
-from server.types import DataType, ModelMetadata, ServerMetadata, TensorMetadata
+from shoal.protocol import service_pb2 as pb
+from shoal.protocol import tensors
+from shoal.protocol.types import DataType, ModelMetadata, ServerMetadata, TensorMetadata
 
 
 @dataclass(frozen=True)

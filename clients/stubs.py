@@ -1,7 +1,7 @@
 """The generated KServe v2 / Triton protocol: messages, config schema, and a stub for any channel.
 
     import grpc
-    from clients.stubs import InferenceStub, service_pb2
+    from shoal.clients.stubs import InferenceStub, service_pb2
     stub = InferenceStub(grpc.insecure_channel("localhost:8001"))
     stub.ServerLive(service_pb2.ServerLiveRequest())
 
@@ -9,7 +9,7 @@ The messages are generated under the proto package ``shoal.inference`` so they l
 tritonclient's; the stub calls ``/inference.GRPCInferenceService/<Rpc>`` like Triton's.
 """
 
-from server.pb import METHODS, SERVICE_NAME, InferenceStub, service_pb2
-from server.pb import config_pb2 as model_config_pb2
+from shoal.protocol import METHODS, SERVICE_NAME, InferenceStub, service_pb2
+from shoal.protocol import config_pb2 as model_config_pb2
 
 __all__ = ["METHODS", "SERVICE_NAME", "InferenceStub", "model_config_pb2", "service_pb2"]

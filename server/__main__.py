@@ -1,5 +1,5 @@
-"""``python -m server`` is the ``shoal`` command."""
+"""``python -m shoal`` is the ``shoal`` command."""
 
-from server.cli import main
+from shoal.cli import main
 
 raise SystemExit(main())

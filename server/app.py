@@ -25,13 +25,13 @@ import sys
 import threading
 import time
 
-from server.core import InferenceCore
-from server.errors import StartupError
-from server.grpc.health import HealthReporter
-from server.grpc.server import build_server
-from server.grpc.servicer import InferenceServicer
-from server.lifecycle.manager import ModelManager
-from server.settings import EXIT_FORCED, ServerSettings
+from shoal.core import InferenceCore
+from shoal.errors import StartupError
+from shoal.grpc.health import HealthReporter
+from shoal.grpc.server import build_server
+from shoal.grpc.servicer import InferenceServicer
+from shoal.lifecycle.manager import ModelManager
+from shoal.settings import EXIT_FORCED, ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ async def serve(settings: ServerSettings) -> int:
         )
         metrics_port = 0
         if settings.allow_metrics:
-            from server.metrics import start_metrics_server
+            from shoal.metrics import start_metrics_server
 
             try:
                 metrics_port = start_metrics_server(core, settings.metrics_address, settings.metrics_port)

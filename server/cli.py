@@ -1,4 +1,4 @@
-"""The ``shoal`` command (also ``python -m server``): argument parsing and logging setup."""
+"""The ``shoal`` command (also ``python -m shoal``): argument parsing and logging setup."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from server import __version__
-from server.grpc.restrict import parse_restriction
-from server.settings import EXIT_STARTUP_FAILED, GrpcLimits, ServerSettings, TlsSettings
+from shoal import __version__
+from shoal.settings import EXIT_STARTUP_FAILED, GrpcLimits, ServerSettings, TlsSettings, parse_restriction
 
 
 def _bool(text: str) -> bool:
@@ -123,7 +122,7 @@ def _tls_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0].startswith("--") and args_list[0] not in {"--help", "--version"}:
-        args_list.insert(0, "serve")  # `python -m server --model-repository ...` means serve
+        args_list.insert(0, "serve")  # `python -m shoal --model-repository ...` means serve
     parser = build_parser()
     args = parser.parse_args(args_list)
     if args.command == "config":
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model_repository.is_dir():
         print(f"shoal: error: model repository {args.model_repository} is not a folder", file=sys.stderr)
         return 2
-    from server.repository.scanner import model_folder_problem
+    from shoal.repository.scanner import model_folder_problem
 
     if problem := model_folder_problem(args.model_repository):
         print(f"shoal: error: {problem}", file=sys.stderr)
@@ -186,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from server import config_commands
-    from server.errors import ShoalError
+    from shoal import config_commands
+    from shoal.errors import ShoalError
 
     try:
         if args.action == "check":
@@ -209,7 +208,7 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 target.write_text(text)
                 print(f"wrote {target}")
             return 0
-        from clients.tune import run_tune  # the tuner drives a server with the load tester
+        from shoal.tools.tune import run_tune  # the tuner drives a server with the load tester
 
         return run_tune(args)
     except ShoalError as exc:
@@ -218,8 +217,8 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 async def _serve(settings: ServerSettings) -> int:
-    from server.app import serve  # imported late so --help stays fast
-    from server.errors import StartupError
+    from shoal.app import serve  # imported late so --help stays fast
+    from shoal.errors import StartupError
 
     try:
         return await serve(settings)

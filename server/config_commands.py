@@ -14,16 +14,16 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.backends.base import load_model, probe_model
-from server.backends.devices import CPU
-from server.config_text import format_fields
-from server.errors import ShoalError, load_failed
-from server.lifecycle.configure import Configured, check_against_model, configure
-from server.pb import config_pb2
-from server.repository import scanner
-from server.repository.config import CONFIG_FILENAME, DEFAULT_MODEL_FILENAMES
-from server.repository.model_io import complete
-from server.types import DataType
+from shoal.backends.base import load_model, probe_model
+from shoal.backends.devices import CPU
+from shoal.errors import ShoalError, load_failed
+from shoal.lifecycle.configure import Configured, check_against_model, configure
+from shoal.protocol import config_pb2
+from shoal.protocol.types import DataType
+from shoal.repository import scanner
+from shoal.repository.config import CONFIG_FILENAME, DEFAULT_MODEL_FILENAMES
+from shoal.repository.config_text import format_fields
+from shoal.repository.model_io import complete
 
 MODEL_SUFFIXES = {".onnx": "model.onnx", ".pt": "model.pt"}
 

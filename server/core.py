@@ -9,13 +9,14 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from server import __version__
-from server.errors import ErrorCode, ShoalError
-from server.lifecycle.manager import IndexEntry, ModelManager
+from shoal import __version__
+from shoal.errors import ErrorCode, ShoalError
+from shoal.lifecycle.manager import IndexEntry, ModelManager
 
 __all__ = ["IndexEntry", "InferenceCore", "ModelMetadata", "ServerMetadata", "StatisticsRow", "TensorMetadata"]
-from server.statistics import ModelStatistics
-from server.types import InferRequest, InferResponse, ModelMetadata, ServerMetadata, TensorMetadata
+from shoal.protocol.types import ModelMetadata, ServerMetadata, TensorMetadata
+from shoal.statistics import ModelStatistics
+from shoal.types import InferRequest, InferResponse
 
 SERVER_NAME = "shoal"
 # Only what is implemented end to end; clients gate features on these strings.

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from server.core import InferenceCore
-from server.errors import StartupError
+from shoal.core import InferenceCore
+from shoal.errors import StartupError
 
 logger = logging.getLogger(__name__)
 

@@ -5,11 +5,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.grpc.restrict import Restriction
-
 # Exit codes of ``shoal serve`` (2 is argparse's for a bad command line).
 EXIT_STARTUP_FAILED = 1  # the server cannot start as asked: a port in use
 EXIT_FORCED = 3  # --exit-timeout-secs passed before the drain ended: workers killed
+
+
+# Triton's categories for --grpc-restricted-protocol (which RPC is in which: shoal.grpc.restrict).
+RESTRICTION_CATEGORIES = (
+    "health", "metadata", "inference", "model-config", "statistics", "model-repository", "shared-memory", "trace",
+    "logging",
+)
+
+
+@dataclass(frozen=True)
+class Restriction:
+    """Calls in ``categories`` need the header ``key`` with ``value``."""
+
+    categories: frozenset[str]
+    key: str
+    value: str
+
+
+def parse_restriction(text: str) -> Restriction:
+    """``CATEGORY[,CATEGORY...]:KEY=VALUE``; raises ValueError with a message for the user."""
+    categories, _, header = text.partition(":")
+    key, _, value = header.partition("=")
+    names = frozenset(c.strip() for c in categories.split(",") if c.strip())
+    unknown = names - set(RESTRICTION_CATEGORIES)
+    if not names or not key or not value or unknown:
+        raise ValueError(
+            f"{text!r}: expected CATEGORY[,CATEGORY]:KEY=VALUE with categories from "
+            f"{sorted(RESTRICTION_CATEGORIES)}" + (f"; unknown {sorted(unknown)}" if unknown else "")
+        )
+    return Restriction(names, key.lower(), value)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from clients import ClientError, InferenceClient
-from clients.local_server import LocalServer
+from shoal.clients import ClientError, InferenceClient
+from shoal.tools.local_server import LocalServer
 
 POLL_INTERVAL_S = 0.01
 

@@ -8,8 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
-from server.pb import InferenceStub
-from server.pb import service_pb2 as pb
+from shoal.protocol import InferenceStub
+from shoal.protocol import service_pb2 as pb
 from tests.test_rpcs import A, B, decode, simple_request
 
 

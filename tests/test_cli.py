@@ -1,4 +1,4 @@
-"""The command line: serve from `shoal` and `python -m server`, clear errors, clean exit on SIGTERM."""
+"""The command line: serve from `shoal` and `python -m shoal`, clear errors, clean exit on SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from server.pb import InferenceStub
-from server.pb import service_pb2 as pb
+from shoal.protocol import InferenceStub
+from shoal.protocol import service_pb2 as pb
 from tests import models
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "shoal", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_help_lists_triton_flag_names() -> None:
@@ -44,7 +44,7 @@ def test_bad_arguments_fail_clearly(args: list[str], phrase: str) -> None:
 
 
 def test_shoal_entry_point_serves_and_exits_zero_on_sigterm(tmp_path: Path, server_factory) -> None:
-    """`python -m server --model-repository ...` (no subcommand) means serve."""
+    """`python -m shoal --model-repository ...` (no subcommand) means serve."""
     repo = models.repository(tmp_path, "simple")
     server = server_factory(repo)
     with grpc.insecure_channel(server.url) as channel:

@@ -12,8 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from clients import AsyncInferenceClient, ClientError, InferenceClient, TlsOptions, local_server
-from clients.stubs import InferenceStub, service_pb2
+from shoal.clients import AsyncInferenceClient, ClientError, InferenceClient, TlsOptions
+from shoal.clients.stubs import InferenceStub, service_pb2
+from shoal.tools import local_server
 from tests import models
 from tests.conftest import RunningServer
 from tests.models import ALL_DATATYPES

@@ -8,10 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from server.errors import ErrorCode, ShoalError
-from server.grpc import convert
-from server.pb import service_pb2, tensors
-from server.types import DataType
+from shoal.errors import ErrorCode, ShoalError
+from shoal.grpc import convert
+from shoal.protocol import service_pb2, tensors
+from shoal.protocol.types import DataType
 
 AWKWARD_BYTES = [b"", b"\x00", b"a\x00b", b"\xff\xfe\x80", "é".encode(), b"x" * 300]
 

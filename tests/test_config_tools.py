@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 from onnx import TensorProto, helper
 
-from clients import InferenceClient
-from server.lifecycle.configure import configure
-from server.pb import config_pb2
-from server.repository.config import parse_config
+from shoal.clients import InferenceClient
+from shoal.lifecycle.configure import configure
+from shoal.protocol import config_pb2
+from shoal.repository.config import parse_config
 from tests import models
 from tests.models import EXAMPLES
 from tests.polling import wait_until
 
 
 def shoal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "shoal", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def multi_io_model(path: Path, batch: str | int = "batch") -> None:
@@ -254,7 +254,7 @@ def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> No
     ids=["bigger", "no-batching", "smaller"],
 )
 def test_a_tuned_config_changes_only_the_tuned_fields(candidate: tuple[int, int, int, bool]) -> None:
-    from clients.tune import Candidate, candidate_text
+    from shoal.tools.tune import Candidate, candidate_text
 
     original = textwrap.dedent("""\
         # A GPU model with everything the tuner must keep.
@@ -302,7 +302,7 @@ def test_a_tuned_config_changes_only_the_tuned_fields(candidate: tuple[int, int,
 
 
 def test_a_tuned_config_adds_what_the_original_left_to_defaults() -> None:
-    from clients.tune import Candidate, candidate_text
+    from shoal.tools.tune import Candidate, candidate_text
 
     original = 'backend: "identity"\n# no batching settings, no instance group\nmax_batch_size: 4\n'
     text = candidate_text(original, Candidate(2, 8, 100), can_batch=True)
@@ -326,7 +326,7 @@ def test_config_commands_fail_clearly(args: list[str], phrase: str) -> None:
 
 
 def test_triton_style_text_parses_back_to_the_same_config() -> None:
-    from server.config_text import format_config
+    from shoal.repository.config_text import format_config
 
     config = parse_config((EXAMPLES / "simple" / "config.pbtxt").read_text())
     config.input[0].reshape.SetInParent()  # an empty reshape (per-sample scalars) must survive
@@ -347,7 +347,7 @@ def test_ctrl_c_stops_the_tuner_with_what_it_measured(tmp_path: Path) -> None:
     folder = tmp_path / "simple"
     shutil.copytree(EXAMPLES / "simple", folder)
     tune = subprocess.Popen(
-        [sys.executable, "-m", "server", "config", "tune", str(folder), "--latency-budget-ms", "200",
+        [sys.executable, "-m", "shoal", "config", "tune", str(folder), "--latency-budget-ms", "200",
          "--max-minutes", "5", "--concurrency", "1,2", "--window-s", "0.3"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from server.grpc.convert import _CONTENTS_FIELD
-from server.pb import InferenceStub, tensors
-from server.pb import service_pb2 as pb
-from server.types import DataType
+from shoal.grpc.convert import _CONTENTS_FIELD
+from shoal.protocol import InferenceStub, tensors
+from shoal.protocol import service_pb2 as pb
+from shoal.protocol.types import DataType
 from tests.conftest import RunningServer
 from tests.models import ALL_DATATYPES
 from tests.test_codec import AWKWARD_BYTES

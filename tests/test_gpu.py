@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from server.backends.devices import cuda_device_count
-from server.pb import InferenceStub
-from server.pb import service_pb2 as pb
+from shoal.backends.devices import cuda_device_count
+from shoal.protocol import InferenceStub
+from shoal.protocol import service_pb2 as pb
 from tests import models
 from tests.test_rpcs import A, B, decode, simple_request
 
@@ -34,7 +34,7 @@ NVIDIA_SMI_COMPUTE_APPS = "4121, 2050\n4188, [N/A]\n4200, 300\n4200, 700\n[N/A],
 
 
 def test_nvidia_smi_output_with_missing_figures_parses() -> None:
-    from clients import nvidia_smi
+    from shoal.tools import nvidia_smi
 
     used = nvidia_smi.parse_compute_apps(NVIDIA_SMI_COMPUTE_APPS)
     assert used == {4121: 2050.0, 4188: None, 4200: 1000.0}
@@ -55,7 +55,7 @@ def test_kind_auto_places_a_model_on_the_gpu(tmp_path: Path, server_factory) -> 
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("this torch build has no CUDA")
-    from clients import InferenceClient
+    from shoal.clients import InferenceClient
 
     repo = tmp_path / "repo"
     (repo / "lin" / "1").mkdir(parents=True)
@@ -74,7 +74,7 @@ def test_kind_auto_places_a_model_on_the_gpu(tmp_path: Path, server_factory) -> 
 def test_kind_auto_is_the_gpu_only_for_a_backend_that_can_use_it(tmp_path: Path, server_factory) -> None:
     """As Triton: an ONNX model goes to the GPU only when onnxruntime offers the CUDA execution
     provider (a CPU-only onnxruntime serves it on the CPU), the identity backend always to the CPU."""
-    from clients import InferenceClient
+    from shoal.clients import InferenceClient
 
     repo = models.repository(tmp_path, "simple")
     models.set_instance_kind(repo / "simple", "KIND_AUTO")
@@ -110,7 +110,7 @@ def test_pytorch_kind_gpu_runs_each_executor_on_its_own_stream(tmp_path: Path, s
         pytest.skip("this torch build has no CUDA")
     from concurrent.futures import ThreadPoolExecutor
 
-    from clients import InferenceClient
+    from shoal.clients import InferenceClient
 
     repo = tmp_path / "repo"
     (repo / "lin" / "1").mkdir(parents=True)

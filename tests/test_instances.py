@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from server.backends.devices import CPU, Device
-from server.errors import ShoalError
-from server.instances.pool import Placement, build_pool
-from server.lifecycle import model
-from server.repository.config import ModelSpec, normalize, parse_config, to_spec, validate
+from shoal.backends.devices import CPU, Device
+from shoal.errors import ShoalError
+from shoal.instances.pool import Placement, build_pool
+from shoal.lifecycle import model
+from shoal.repository.config import ModelSpec, normalize, parse_config, to_spec, validate
 
 
 class Copy:
@@ -137,7 +137,7 @@ def test_kind_cpu_and_kind_gpu_are_placed_as_written(monkeypatch: pytest.MonkeyP
 
 
 def test_the_identity_backend_stays_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from server.backends import identity
+    from shoal.backends import identity
 
     monkeypatch.setattr(model, "cuda_device_count", lambda: 1)  # the backend's own answer: never a GPU
     assert model.placements(spec_of("identity", "")) == [Placement("m_0", CPU, 1)]
@@ -147,7 +147,7 @@ def test_the_identity_backend_stays_on_the_cpu(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_onnxruntime_can_use_a_gpu_only_with_the_cuda_provider(monkeypatch: pytest.MonkeyPatch) -> None:
-    from server.backends import base, onnxruntime
+    from shoal.backends import base, onnxruntime
 
     monkeypatch.setattr(onnxruntime.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
     assert not base.backend_gpu_available("onnxruntime")
@@ -159,7 +159,7 @@ def test_onnxruntime_can_use_a_gpu_only_with_the_cuda_provider(monkeypatch: pyte
 
 def test_pytorch_can_use_a_gpu_only_as_a_cuda_build_that_sees_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
-    from server.backends import base
+    from shoal.backends import base
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not base.backend_gpu_available("pytorch")

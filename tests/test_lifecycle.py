@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients import ClientError, InferenceClient
+from shoal.clients import ClientError, InferenceClient
 from tests import models
 from tests.polling import metric, success_count, wait_until
 
@@ -102,7 +102,7 @@ def test_reload_under_load_drops_no_request(tmp_path: Path, server_factory) -> N
     out = tmp_path / "load.json"
     # Runs until interrupted (at most 120 s): its one step then counts every request it sent.
     load = subprocess.Popen(
-        [sys.executable, "-m", "clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency", "16",
+        [sys.executable, "-m", "shoal.clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency", "16",
          "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "240", "--stability", "0.001",
          "--max-seconds", "120", "--json", str(out), "--no-progress"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from clients import InferenceClient
-from clients.loadtest.cli import parse_steps
-from clients.loadtest.report import PERF_ANALYZER_COLUMNS
+from shoal.clients import InferenceClient
+from shoal.clients.loadtest.cli import parse_steps
+from shoal.clients.loadtest.report import PERF_ANALYZER_COLUMNS
 from tests import models
 from tests.conftest import RunningServer
 from tests.polling import success_count, wait_until
@@ -47,7 +47,7 @@ def load_server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def shoal_load(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clients.loadtest", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shoal.clients.loadtest", *args], capture_output=True, text=True,
                           timeout=120)
 
 
@@ -90,7 +90,7 @@ def test_a_server_killed_mid_run_fails_the_run_with_bounded_retries(tmp_path: Pa
     out_json = tmp_path / "r.json"
     concurrency = 4
     load = subprocess.Popen(
-        [sys.executable, "-m", "clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency",
+        [sys.executable, "-m", "shoal.clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency",
          f"{concurrency},8,16", "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "8", "--stability", "0.001",
          "--json", str(out_json), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -125,7 +125,7 @@ def test_a_server_killed_mid_run_fails_the_run_with_bounded_retries(tmp_path: Pa
 def test_ctrl_c_prints_the_partial_table_and_exits_130(load_server: RunningServer, tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
     load = subprocess.Popen(
-        [sys.executable, "-m", "clients.loadtest", "-m", "simple", "-u", load_server.url, "--concurrency", "1,2",
+        [sys.executable, "-m", "shoal.clients.loadtest", "-m", "simple", "-u", load_server.url, "--concurrency", "1,2",
          "--processes", "2", "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "100", "--stability",
          "0.001", "--json", str(out_json), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -210,9 +210,9 @@ def test_more_processes_than_concurrency(load_server: RunningServer, tmp_path: P
 
 
 def test_one_plot_convention_for_shoal_load_and_the_tuner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from clients import tune
-    from clients.loadtest import plot, report
-    from clients.loadtest.measure import StepResult
+    from shoal.clients.loadtest import plot, report
+    from shoal.clients.loadtest.measure import StepResult
+    from shoal.tools import tune
 
     def step(concurrency: int, throughput: float, p99_ms: float) -> StepResult:
         latency = {k: p99_ms * 1000 * f for k, f in (("avg", 0.5), ("p50", 0.5), ("p90", 0.8), ("p95", 0.9),

@@ -12,7 +12,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from clients import ClientError, InferenceClient
+from shoal.clients import ClientError, InferenceClient
 from tests import models
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)

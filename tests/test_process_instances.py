@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import ClientError, InferenceClient
+from shoal.clients import ClientError, InferenceClient
 from tests.polling import wait_until
 
 torch = pytest.importorskip("torch", reason="the PyTorch backend needs torch (installed by .ci/run)")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from google.protobuf.descriptor import Descriptor, EnumDescriptor
 
-from server.pb import METHODS, SERVICE_NAME, config_pb2, service_pb2
+from shoal.protocol import METHODS, SERVICE_NAME, config_pb2, service_pb2
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +27,7 @@ def test_generated_code_is_not_stale(tmp_path: Path) -> None:
     written = _load_generator().generate(tmp_path)
     assert written
     for fresh in written:
-        in_tree = REPO_ROOT / fresh.relative_to(tmp_path)
+        in_tree = REPO_ROOT / "server" / "protocol" / fresh.relative_to(tmp_path)
         assert in_tree.read_bytes() == fresh.read_bytes(), (
             f"{in_tree} is stale: reinstall (pip install -e .) to regenerate it from proto/"
         )
@@ -36,8 +36,8 @@ def test_generated_code_is_not_stale(tmp_path: Path) -> None:
 def test_tritonclient_and_shoal_messages_share_one_process() -> None:
     code = (
         "import tritonclient.grpc, tritonclient.grpc.model_config_pb2\n"
-        "from server.pb import service_pb2, InferenceStub\n"
-        "import server.grpc.server\n"
+        "from shoal.protocol import service_pb2, InferenceStub\n"
+        "import shoal.grpc.server\n"
         "print(service_pb2.ModelInferRequest.DESCRIPTOR.full_name)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

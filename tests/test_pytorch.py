@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import ClientError, InferenceClient
+from shoal.clients import ClientError, InferenceClient
 from tests import models
 
 torch = pytest.importorskip("torch", reason="the PyTorch backend needs torch (installed by .ci/run)")
@@ -177,10 +177,10 @@ def test_generate_a_torchscript_config_from_input_shapes(tmp_path: Path) -> None
     import subprocess
     import sys
 
-    from server.repository.config import parse_config
+    from shoal.repository.config import parse_config
 
     torch.jit.script(AddSub()).save(str(tmp_path / "addsub.pt"))
-    command = [sys.executable, "-m", "server", "config", "generate", str(tmp_path / "addsub.pt")]
+    command = [sys.executable, "-m", "shoal", "config", "generate", str(tmp_path / "addsub.pt")]
     missing = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "--input NAME:DTYPE:DIMS" in missing.stderr
     result = subprocess.run([*command, "--input", "INPUT__0:INT32:4", "--input", "INPUT__1:INT32:4"],

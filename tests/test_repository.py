@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from server.errors import ErrorCode, ShoalError, shown
-from server.lifecycle.configure import configure
-from server.repository import scanner
-from server.repository.config import InstanceKind, VersionPolicy, normalize, parse_config, validate
-from server.types import DataType
+from shoal.errors import ErrorCode, ShoalError, shown
+from shoal.lifecycle.configure import configure
+from shoal.protocol.types import DataType
+from shoal.repository import scanner
+from shoal.repository.config import InstanceKind, VersionPolicy, normalize, parse_config, validate
 from tests.models import EXAMPLES, write_config
 
 TRITON_STYLE = """

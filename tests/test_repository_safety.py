@@ -18,10 +18,10 @@ import tritonclient.grpc as triton
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
-from clients import ClientError, InferenceClient
-from server.errors import shown
-from server.pb import InferenceStub
-from server.pb import service_pb2 as pb
+from shoal.clients import ClientError, InferenceClient
+from shoal.errors import shown
+from shoal.protocol import InferenceStub
+from shoal.protocol import service_pb2 as pb
 from tests import models
 from tests.polling import wait_until
 
@@ -371,7 +371,7 @@ def test_memory_budget_holds_under_concurrent_loads(tmp_path: Path, server_facto
 
 
 def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shoal", *args], capture_output=True, text=True,
                           timeout=timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from clients import ClientError, InferenceClient
-from server.pb import InferenceStub
-from server.pb import service_pb2 as pb
+from shoal.clients import ClientError, InferenceClient
+from shoal.protocol import InferenceStub
+from shoal.protocol import service_pb2 as pb
 from tests import models
 from tests.conftest import RunningServer, open_channel
 from tests.polling import metric, wait_until

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.errors import ShoalError
-from server.pb import METHODS, InferenceStub
-from server.pb import service_pb2 as pb
-from server.repository.config import normalize, parse_config, validate
+from shoal.errors import ShoalError
+from shoal.protocol import METHODS, InferenceStub
+from shoal.protocol import service_pb2 as pb
+from shoal.repository.config import normalize, parse_config, validate
 from tests.conftest import RunningServer
 
 CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND}
@@ -112,8 +112,8 @@ config_fields = st.fixed_dictionaries({
 @settings(max_examples=300, deadline=None)
 @given(fields=config_fields)
 def test_structurally_valid_configs_validate_cleanly(fields: dict) -> None:
-    from server.pb import config_pb2
-    from server.repository.config import to_spec
+    from shoal.protocol import config_pb2
+    from shoal.repository.config import to_spec
 
     config = config_pb2.ModelConfig(backend=fields["backend"], max_batch_size=fields["max_batch_size"],
                                     default_model_filename=fields["filename"])

@@ -8,8 +8,8 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from server.pb import METHODS, InferenceStub
-from server.pb import service_pb2 as pb
+from shoal.protocol import METHODS, InferenceStub
+from shoal.protocol import service_pb2 as pb
 from tests.conftest import RunningServer
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
@@ -121,9 +121,9 @@ def test_unimplemented_rpcs_say_so(stub: InferenceStub, name: str) -> None:
 def test_every_rpc_runs_under_the_error_guard() -> None:
     from grpc_health.v1 import health_pb2
 
-    from server.grpc.health import HealthReporter
-    from server.grpc.server import health_handlers, method_handlers
-    from server.grpc.servicer import InferenceServicer
+    from shoal.grpc.health import HealthReporter
+    from shoal.grpc.server import health_handlers, method_handlers
+    from shoal.grpc.servicer import InferenceServicer
 
     handlers = method_handlers(InferenceServicer(core=None))  # type: ignore[arg-type]
     assert set(handlers) == set(METHODS)
@@ -192,3 +192,13 @@ def test_tritonclient_unknown_model_uses_tritons_wording(client: triton.Inferenc
         client.get_model_metadata("nope")
     assert caught.value.status() == "StatusCode.UNAVAILABLE"
     assert "Request for unknown model: 'nope' is not found" in caught.value.message()
+
+
+def test_every_rpc_has_one_of_the_restriction_categories() -> None:
+    """The flag accepts exactly the categories the RPC table uses (Triton's names)."""
+    from shoal.grpc.restrict import CATEGORIES
+    from shoal.protocol import METHODS
+    from shoal.settings import RESTRICTION_CATEGORIES
+
+    assert set(CATEGORIES) == set(METHODS)
+    assert set(CATEGORIES.values()) == set(RESTRICTION_CATEGORIES)

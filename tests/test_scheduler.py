@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from server.errors import ShoalError
-from server.repository.config import DynamicBatching, QueuePolicy
-from server.scheduling.dynamic import Scheduler
-from server.statistics import ModelStatistics
+from shoal.errors import ShoalError
+from shoal.repository.config import DynamicBatching, QueuePolicy
+from shoal.scheduling.dynamic import Scheduler
+from shoal.statistics import ModelStatistics
 
 FAIL_VALUE = -999
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients import ClientError, InferenceClient, TlsOptions
+from shoal.clients import ClientError, InferenceClient, TlsOptions
 from tests import models
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
@@ -46,8 +46,8 @@ def _client_tls(pki: Path, with_certificate: bool) -> TlsOptions:
 def test_tls(pki: Path, tmp_path: Path, server_factory) -> None:
     credentials = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
     repo = models.repository(tmp_path, "simple")
-    server = server_factory(repo, "--grpc-use-ssl", "true", "--grpc-server-cert", str(pki / "server.pem"),
-                            "--grpc-server-key", str(pki / "server.key"), credentials=credentials)
+    server = server_factory(repo, "--grpc-use-ssl", "true", "--grpc-server-cert", str(pki / "shoal.pem"),
+                            "--grpc-server-key", str(pki / "shoal.key"), credentials=credentials)
     with InferenceClient(server.url, tls=_client_tls(pki, with_certificate=False), timeout_s=10) as client:
         assert client.is_model_ready("simple")
     with InferenceClient(server.url, timeout_s=5) as plaintext:
@@ -62,8 +62,8 @@ def test_mutual_tls_requires_a_client_certificate(pki: Path, tmp_path: Path, ser
     )
     repo = models.repository(tmp_path, "simple")
     server = server_factory(
-        repo, "--grpc-use-ssl-mutual", "true", "--grpc-server-cert", str(pki / "server.pem"),
-        "--grpc-server-key", str(pki / "server.key"), "--grpc-root-cert", str(pki / "ca.pem"),
+        repo, "--grpc-use-ssl-mutual", "true", "--grpc-server-cert", str(pki / "shoal.pem"),
+        "--grpc-server-key", str(pki / "shoal.key"), "--grpc-root-cert", str(pki / "ca.pem"),
         credentials=credentials,
     )
     with InferenceClient(server.url, tls=_client_tls(pki, with_certificate=True), timeout_s=10) as client:
@@ -77,6 +77,6 @@ def test_mutual_tls_requires_a_client_certificate(pki: Path, tmp_path: Path, ser
 def test_tls_flags_are_checked() -> None:
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "server", "serve", "--model-repository", ".", "--grpc-use-ssl",
+    result = subprocess.run([sys.executable, "-m", "shoal", "serve", "--model-repository", ".", "--grpc-use-ssl",
                              "true"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "needs --grpc-server-cert and --grpc-server-key" in result.stderr

@@ -21,11 +21,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from bench import rapid_reset
-from clients import ClientError, InferenceClient
-from server.errors import MAX_MESSAGE_BYTES
-from server.pb import InferenceStub
-from server.pb import service_pb2 as pb
-from server.settings import EXIT_FORCED, EXIT_STARTUP_FAILED
+from shoal.clients import ClientError, InferenceClient
+from shoal.errors import MAX_MESSAGE_BYTES
+from shoal.protocol import InferenceStub
+from shoal.protocol import service_pb2 as pb
+from shoal.settings import EXIT_FORCED, EXIT_STARTUP_FAILED
 from tests import models
 from tests.conftest import RunningServer, open_channel
 
@@ -95,7 +95,7 @@ def test_long_client_input_is_shortened_in_errors(tmp_path: Path, server_factory
 
 def serve_beside(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """A second `shoal serve` on loopback, expected to refuse to start."""
-    command = [sys.executable, "-m", "server", "serve", "--model-repository", str(repo), "--grpc-address", "127.0.0.1",
+    command = [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repo), "--grpc-address", "127.0.0.1",
                *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 

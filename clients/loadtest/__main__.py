@@ -1,5 +1,5 @@
-"""``python -m clients.loadtest`` is ``shoal-load``."""
+"""``python -m shoal.clients.loadtest`` is ``shoal-load``."""
 
-from clients.loadtest.cli import main
+from shoal.clients.loadtest.cli import main
 
 raise SystemExit(main())

@@ -25,10 +25,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-from clients import ClientError, InferenceClient
-from clients.loadtest import report
-from clients.loadtest.inputs import InputError, build_inputs, parse_shape, serialize_request
-from clients.loadtest.measure import LoadTester, Settings, StepResult
+from shoal.clients import ClientError, InferenceClient
+from shoal.clients.loadtest import report
+from shoal.clients.loadtest.inputs import InputError, build_inputs, parse_shape, serialize_request
+from shoal.clients.loadtest.measure import LoadTester, Settings, StepResult
 
 
 def parse_steps(text: str, integer: bool) -> list[float]:

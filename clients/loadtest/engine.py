@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from server.pb import METHODS
+from shoal.protocol import METHODS
 
 INFER_PATH = METHODS["ModelInfer"].path
 MAX_MESSAGE_BYTES = 2**31 - 1

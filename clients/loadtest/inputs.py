@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from clients import InferenceClient, messages
-from server.types import DataType
+from shoal.clients import InferenceClient, messages
+from shoal.protocol.types import DataType
 
 
 class InputError(ValueError):

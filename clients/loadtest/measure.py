@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from clients import ClientError, InferenceClient
-from clients.loadtest.engine import Step, WindowReport, worker_main
+from shoal.clients import ClientError, InferenceClient
+from shoal.clients.loadtest.engine import Step, WindowReport, worker_main
 
 STABLE_WINDOWS = 3
 STATISTICS = ("queue", "compute_input", "compute_infer", "compute_output", "success")

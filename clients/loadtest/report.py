@@ -7,8 +7,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from clients.loadtest import plot
-from clients.loadtest.measure import StepResult
+from shoal.clients.loadtest import plot
+from shoal.clients.loadtest.measure import StepResult
 
 # perf_analyzer's columns, in its order (µs), so existing spreadsheets read our files.
 PERF_ANALYZER_COLUMNS = [

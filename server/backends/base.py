@@ -17,16 +17,16 @@ from typing import Protocol
 
 import numpy as np
 
-from server.backends.devices import Device
-from server.errors import load_failed
-from server.repository.config import ModelSpec
-from server.repository.model_io import ModelIO
-from server.types import DataType
+from shoal.backends.devices import Device
+from shoal.errors import load_failed
+from shoal.protocol.types import DataType
+from shoal.repository.config import ModelSpec
+from shoal.repository.model_io import ModelIO
 
 _BACKEND_MODULES = {
-    "onnxruntime": "server.backends.onnxruntime",
-    "identity": "server.backends.identity",
-    "pytorch": "server.backends.pytorch",
+    "onnxruntime": "shoal.backends.onnxruntime",
+    "identity": "shoal.backends.identity",
+    "pytorch": "shoal.backends.pytorch",
 }
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from server.backends.devices import Device
-from server.errors import load_failed
-from server.repository.config import ModelSpec
+from shoal.backends.devices import Device
+from shoal.errors import load_failed
+from shoal.repository.config import ModelSpec
 
 
 class IdentityModel:

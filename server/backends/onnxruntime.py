@@ -24,11 +24,11 @@ import numpy as np
 os.environ["ORT_DISABLE_TELEMETRY"] = "1"
 import onnxruntime as ort  # noqa: E402 - after the telemetry switch above
 
-from server.backends.devices import Device
-from server.errors import invalid, load_failed
-from server.repository.config import ModelSpec
-from server.repository.model_io import IOTensor, ModelIO, check_io
-from server.types import DataType
+from shoal.backends.devices import Device
+from shoal.errors import invalid, load_failed
+from shoal.protocol.types import DataType
+from shoal.repository.config import ModelSpec
+from shoal.repository.model_io import IOTensor, ModelIO, check_io
 
 logger = logging.getLogger(__name__)
 ort.disable_telemetry_events()

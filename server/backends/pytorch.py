@@ -26,11 +26,11 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from server.backends.devices import Device
-from server.errors import invalid, load_failed
-from server.repository.config import ModelSpec, TensorSpec
-from server.repository.model_io import IOTensor, ModelIO
-from server.types import DataType
+from shoal.backends.devices import Device
+from shoal.errors import invalid, load_failed
+from shoal.protocol.types import DataType
+from shoal.repository.config import ModelSpec, TensorSpec
+from shoal.repository.model_io import IOTensor, ModelIO
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Protobuf ↔ core types, one pair of functions per message.
 
-Tensor data arrives either as ``raw_input_contents`` (one entry per input, in input
-order; wire format in ``server.pb.tensors``) or as typed ``contents``. Replies always use ``raw_output_contents``, which
-is what tritonclient and perf_analyzer read.
+Tensor data arrives either as ``raw_input_contents`` (one entry per input, in input order;
+wire format in ``shoal.protocol.tensors``) or as typed ``contents``. Replies always use
+``raw_output_contents``, which is what tritonclient and perf_analyzer read.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
-from server.core import IndexEntry, ModelMetadata, ServerMetadata, StatisticsRow
-from server.errors import invalid
-from server.pb import config_pb2, service_pb2, tensors
-from server.statistics import Duration
-from server.types import DataType, InferRequest, InferResponse, Tensor
+from shoal.core import IndexEntry, ModelMetadata, ServerMetadata, StatisticsRow
+from shoal.errors import invalid
+from shoal.protocol import config_pb2, service_pb2, tensors
+from shoal.protocol.types import DataType
+from shoal.statistics import Duration
+from shoal.types import InferRequest, InferResponse, Tensor
 
 _CONTENTS_FIELD = {
     DataType.BOOL: "bool_contents",

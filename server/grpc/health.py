@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from grpc_health.v1 import health, health_pb2
 
-from server.core import InferenceCore
-from server.pb import SERVICE_NAME
+from shoal.core import InferenceCore
+from shoal.protocol import SERVICE_NAME
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -13,7 +13,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from server.pb import SERVICE_NAME, config_pb2, service_pb2
+from shoal.protocol import SERVICE_NAME, config_pb2, service_pb2
 
 _OURS, _WIRE = "shoal.inference", "inference"
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from server.errors import ErrorCode, ShoalError
+from shoal.errors import ErrorCode, ShoalError
+from shoal.settings import Restriction
 
 CATEGORIES: dict[str, str] = {
     "ServerLive": "health", "ServerReady": "health", "ModelReady": "health",
@@ -29,27 +29,6 @@ CATEGORIES: dict[str, str] = {
     "CudaSharedMemoryRegister": "shared-memory", "CudaSharedMemoryUnregister": "shared-memory",
     "TraceSetting": "trace", "LogSettings": "logging",
 }
-
-
-@dataclass(frozen=True)
-class Restriction:
-    categories: frozenset[str]
-    key: str
-    value: str
-
-
-def parse_restriction(text: str) -> Restriction:
-    """``CATEGORY[,CATEGORY...]:KEY=VALUE``; raises ValueError with a message for the user."""
-    categories, _, header = text.partition(":")
-    key, _, value = header.partition("=")
-    names = frozenset(c.strip() for c in categories.split(",") if c.strip())
-    unknown = names - set(CATEGORIES.values())
-    if not names or not key or not value or unknown:
-        raise ValueError(
-            f"{text!r}: expected CATEGORY[,CATEGORY]:KEY=VALUE with categories from "
-            f"{sorted(set(CATEGORIES.values()))}" + (f"; unknown {sorted(unknown)}" if unknown else "")
-        )
-    return Restriction(names, key.lower(), value)
 
 
 def restricted(

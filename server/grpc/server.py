@@ -9,14 +9,14 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2
 
-from server.errors import StartupError
-from server.grpc import reflection
-from server.grpc.health import HealthReporter
-from server.grpc.restrict import CATEGORIES, Restriction, restricted
-from server.grpc.servicer import InferenceServicer
-from server.grpc.status import guard_stream, guard_unary
-from server.pb import METHODS, SERVICE_NAME
-from server.settings import GrpcLimits, TlsSettings
+from shoal.errors import StartupError
+from shoal.grpc import reflection
+from shoal.grpc.health import HealthReporter
+from shoal.grpc.restrict import CATEGORIES, restricted
+from shoal.grpc.servicer import InferenceServicer
+from shoal.grpc.status import guard_stream, guard_unary
+from shoal.protocol import METHODS, SERVICE_NAME
+from shoal.settings import GrpcLimits, Restriction, TlsSettings
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 

@@ -11,11 +11,11 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from server.core import InferenceCore
-from server.errors import unsupported
-from server.grpc import convert
-from server.grpc.status import to_status
-from server.pb import service_pb2 as pb
+from shoal.core import InferenceCore
+from shoal.errors import unsupported
+from shoal.grpc import convert
+from shoal.grpc.status import to_status
+from shoal.protocol import service_pb2 as pb
 
 Context: TypeAlias = grpc.aio.ServicerContext
 

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from server.errors import ErrorCode, ShoalError, bounded, invalid
+from shoal.errors import ErrorCode, ShoalError, bounded, invalid
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.backends.base import LoadedModel
-from server.backends.devices import Device
+from shoal.backends.base import LoadedModel
+from shoal.backends.devices import Device
 
 
 @dataclass

@@ -28,9 +28,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from server.backends.devices import Device
-from server.errors import ErrorCode, ShoalError, load_failed
-from server.repository.config import ModelSpec
+from shoal.backends.devices import Device
+from shoal.errors import ErrorCode, ShoalError, load_failed
+from shoal.repository.config import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def _worker(spec: ModelSpec, model_path: str, device: str, shared: dict[str, Any
     """A worker process: the module's code, the server's weights, requests from the pipe."""
     import torch
 
-    from server.backends import pytorch
+    from shoal.backends import pytorch
 
     torch.set_num_threads(threads)
     target = torch.device(device)
@@ -194,7 +194,7 @@ class ProcessModel:
         # Workers fork from a fork server that imported torch once (never from this process: its
         # gRPC threads do not survive a fork), so the libraries' pages are shared, not repeated.
         self._context = mp.get_context("forkserver")
-        self._context.set_forkserver_preload(["torch", "server.backends.pytorch", "server.instances.process"])
+        self._context.set_forkserver_preload(["torch", "shoal.backends.pytorch", "shoal.instances.process"])
         self._lock = threading.Lock()  # one conversation with the worker at a time
         self._closing = threading.Event()
         self._failure = ""  # why no worker is running; "" while one is

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from server.repository.config import ModelSpec
+from shoal.repository.config import ModelSpec
 
 MB = 2**20
 

@@ -13,11 +13,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
-from server.backends.base import describe_model
-from server.errors import ShoalError, load_failed
-from server.pb import config_pb2
-from server.repository import scanner
-from server.repository.config import (
+from shoal.backends.base import describe_model
+from shoal.errors import ShoalError, load_failed
+from shoal.protocol import config_pb2
+from shoal.repository import scanner
+from shoal.repository.config import (
     CONFIG_FILENAME,
     DEFAULT_MODEL_FILENAMES,
     ModelSpec,
@@ -27,8 +27,8 @@ from server.repository.config import (
     to_spec,
     validate_filename,
 )
-from server.repository.config import validate as validate_config
-from server.repository.model_io import ModelIO, check_io, complete
+from shoal.repository.config import validate as validate_config
+from shoal.repository.model_io import ModelIO, check_io, complete
 
 
 @dataclass

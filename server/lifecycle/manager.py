@@ -26,14 +26,14 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from server.errors import ErrorCode, ShoalError, invalid, unknown_model
-from server.lifecycle.budgets import LoadBudget, MemoryLedger
-from server.lifecycle.configure import configure, model_file
-from server.lifecycle.model import ModelVersion, placements
-from server.lifecycle.state import ModelState
-from server.pb import config_pb2
-from server.repository import scanner
-from server.repository.config import CONFIG_FILENAME, ModelSpec
+from shoal.errors import ErrorCode, ShoalError, invalid, unknown_model
+from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
+from shoal.lifecycle.configure import configure, model_file
+from shoal.lifecycle.model import ModelVersion, placements
+from shoal.lifecycle.state import ModelState
+from shoal.protocol import config_pb2
+from shoal.repository import scanner
+from shoal.repository.config import CONFIG_FILENAME, ModelSpec
 
 logger = logging.getLogger(__name__)
 

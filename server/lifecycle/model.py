@@ -7,16 +7,16 @@ import logging
 import time
 from pathlib import Path
 
-from server.backends.base import LoadedModel, backend_gpu_available, load_model
-from server.backends.devices import CPU, Device, cuda_device_count
-from server.errors import ErrorCode, ShoalError, load_failed
-from server.instances.pool import InstancePool, Placement, build_pool
-from server.instances.process import WORKER_PARAMETERS
-from server.lifecycle import tensors
-from server.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
-from server.scheduling.dynamic import Scheduler
-from server.statistics import ModelStatistics
-from server.types import InferRequest, InferResponse
+from shoal.backends.base import LoadedModel, backend_gpu_available, load_model
+from shoal.backends.devices import CPU, Device, cuda_device_count
+from shoal.errors import ErrorCode, ShoalError, load_failed
+from shoal.instances.pool import InstancePool, Placement, build_pool
+from shoal.instances.process import WORKER_PARAMETERS
+from shoal.lifecycle import tensors
+from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
+from shoal.scheduling.dynamic import Scheduler
+from shoal.statistics import ModelStatistics
+from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ModelVersion:
 
         def load_copy(device: Device, threads: int) -> LoadedModel:
             if processes:  # one copy in this process, its weights in shared memory, a worker per executor
-                from server.instances.process import ProcessModel, share_weights
+                from shoal.instances.process import ProcessModel, share_weights
 
                 if device not in shared_copies:
                     parent = load_model(spec, model_path, device, threads)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.errors import ErrorCode, ShoalError, invalid
-from server.repository.config import ModelSpec, TensorSpec
-from server.types import DataType, InferRequest, Tensor
+from shoal.errors import ErrorCode, ShoalError, invalid
+from shoal.protocol.types import DataType
+from shoal.repository.config import ModelSpec, TensorSpec
+from shoal.types import InferRequest, Tensor
 
 # Backends whose string tensors hold text: their BYTES elements must be valid UTF-8. Checked per
 # request before it is queued, so a bad request never fails the batch it would have joined.

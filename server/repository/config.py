@@ -18,11 +18,11 @@ from typing import Any
 
 from google.protobuf import json_format, text_format
 
-from server.errors import load_failed, shown
-from server.pb import config_pb2
-from server.repository.scanner import CONFIG_FILENAME as CONFIG_FILENAME
-from server.repository.scanner import checked_path
-from server.types import DataType
+from shoal.errors import load_failed, shown
+from shoal.protocol import config_pb2
+from shoal.protocol.types import DataType
+from shoal.repository.scanner import CONFIG_FILENAME as CONFIG_FILENAME
+from shoal.repository.scanner import checked_path
 
 # platform string → backend name, as Triton's auto-complete of backend fields.
 PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch"}

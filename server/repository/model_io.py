@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.errors import load_failed
-from server.pb import config_pb2
-from server.repository.config import ModelSpec, TensorSpec
-from server.types import DataType
+from shoal.errors import load_failed
+from shoal.protocol import config_pb2
+from shoal.protocol.types import DataType
+from shoal.repository.config import ModelSpec, TensorSpec
 
 # Triton's --backend-config=default-max-batch-size default.
 DEFAULT_MAX_BATCH_SIZE = 4

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path, PurePath
 
-from server.errors import ShoalError, load_failed, shown, unknown_model
+from shoal.errors import ShoalError, load_failed, shown, unknown_model
 
 logger = logging.getLogger(__name__)
 

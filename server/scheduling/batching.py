@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from server.errors import ErrorCode, ShoalError
+from shoal.errors import ErrorCode, ShoalError
 
 
 def gather(feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from server.errors import ErrorCode, ShoalError, invalid
-from server.repository.config import DynamicBatching, QueuePolicy
-from server.scheduling.base import Executor, Runner
-from server.scheduling.batching import gather, scatter
-from server.statistics import ModelStatistics, Phases
+from shoal.errors import ErrorCode, ShoalError, invalid
+from shoal.repository.config import DynamicBatching, QueuePolicy
+from shoal.scheduling.base import Executor, Runner
+from shoal.scheduling.batching import gather, scatter
+from shoal.statistics import ModelStatistics, Phases
 
 logger = logging.getLogger(__name__)
 

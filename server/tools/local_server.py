@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from server.pb import InferenceStub, service_pb2
+from shoal.protocol import InferenceStub, service_pb2
 
 
 @dataclass
@@ -60,14 +60,14 @@ def start(
     credentials: grpc.ChannelCredentials | None = None,
     timeout_s: float = 120.0,
 ) -> LocalServer:
-    """Start ``python -m server serve`` on 127.0.0.1 and wait until ServerLive answers."""
+    """Start ``python -m shoal serve`` on 127.0.0.1 and wait until ServerLive answers."""
     port_file = work_dir / "port"
     port_file.unlink(missing_ok=True)
     if "--metrics-port" not in extra_args:  # never collide on Triton's default 8002
         extra_args = (*extra_args, "--metrics-port", "0", "--metrics-address", "127.0.0.1")
     with open(log_path or os.devnull, "wb") as log:  # the child keeps its own descriptor
         process = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
+            [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repository),
              "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--port-file", str(port_file), *extra_args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )

@@ -18,8 +18,8 @@ from typing import Any
 import grpc
 from google.protobuf import message_factory
 
-from server.pb import grpc_service_pb2 as service_pb2
-from server.pb import model_config_pb2 as config_pb2
+from shoal.protocol import grpc_service_pb2 as service_pb2
+from shoal.protocol import model_config_pb2 as config_pb2
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 

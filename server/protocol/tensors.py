@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-from server.types import DataType
+from shoal.protocol.types import DataType
 
 _LENGTH = struct.Struct("<I")
 MAX_DIMS = 64  # numpy's limit on dimensions

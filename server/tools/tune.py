@@ -11,7 +11,7 @@ CSV, the top candidates to a PNG, and the winner to ``config.tuned.pbtxt`` besid
 original, which is kept.
 
 A candidate's config is the original config.pbtxt with only the tuned fields changed, in
-place (``server.config_text.ConfigEditor``): every instance group's ``count``,
+place (``shoal.repository.config_text.ConfigEditor``): every instance group's ``count``,
 ``max_batch_size``, and ``dynamic_batching``'s ``max_queue_delay_microseconds`` and
 ``preferred_batch_size``. Everything else (priority levels, queue policies,
 ``preserve_ordering``, ``gpus``, parameters) and the comments stay as they were.
@@ -29,15 +29,16 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from clients import ClientError, InferenceClient, local_server, nvidia_smi
-from clients.loadtest import plot as loadplot
-from clients.loadtest.inputs import build_inputs, serialize_request
-from clients.loadtest.measure import LoadTester, Settings
-from server.config_text import ConfigEditor, format_config
-from server.lifecycle.configure import configure
-from server.pb import config_pb2
-from server.repository import scanner
-from server.repository.config import CONFIG_FILENAME, parse_config
+from shoal.clients import ClientError, InferenceClient
+from shoal.clients.loadtest import plot as loadplot
+from shoal.clients.loadtest.inputs import build_inputs, serialize_request
+from shoal.clients.loadtest.measure import LoadTester, Settings
+from shoal.lifecycle.configure import configure
+from shoal.protocol import config_pb2
+from shoal.repository import scanner
+from shoal.repository.config import CONFIG_FILENAME, parse_config
+from shoal.repository.config_text import ConfigEditor, format_config
+from shoal.tools import local_server, nvidia_smi
 
 DELAYS_US = (0, 100, 500, 2000)
 MAX_INSTANCES = 4
