@@ -42,7 +42,9 @@ def perf_analyzer(url: str, model: str, concurrency: int, window_ms: int = 2000,
     }
 
 
-def in_process(model: Path, feed: dict[str, np.ndarray], concurrency: int, seconds: float, threads: int = 0) -> dict:
+def in_process(
+    model: Path, feed: dict[str, np.ndarray], concurrency: int, seconds: float, threads: int = 0
+) -> dict[str, float]:
     """``concurrency`` threads calling one ONNX Runtime session for ``seconds``; rows/s and latency."""
     import onnxruntime as ort
 

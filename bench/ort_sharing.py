@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ def _memory_mb() -> dict[str, float]:
     return values
 
 
-def _sessions(design: str, model: Path, executors: int) -> list:
+def _sessions(design: str, model: Path, executors: int) -> list[Any]:
     import onnx
     import onnxruntime as ort
     from onnx import numpy_helper

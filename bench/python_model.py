@@ -26,4 +26,5 @@ class PythonHeavy(torch.nn.Module):
                 for item in row:
                     value = (value * 31 + int(item)) % 1024
             ids.append(value)
-        return self.linear(self.embedding(torch.tensor(ids)))
+        output: torch.Tensor = self.linear(self.embedding(torch.tensor(ids)))
+        return output

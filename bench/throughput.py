@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ CONFIGS = {
 }
 
 
-def plot(rows: list[dict], path: Path) -> bool:
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
@@ -70,10 +71,10 @@ def main() -> None:
                 (repo / name / "1" / "model.onnx").symlink_to(model_file)
             write_mlp(repo, name, WIDTH, LAYERS, extra, max_batch_size=32)
             model_file = (repo / name / "1" / "model.onnx").resolve()
-        rows: list[dict] = []
+        rows: list[dict[str, Any]] = []
         with shoal_server(repo) as (url, _):
             for concurrency in args.concurrency:
-                row: dict = {"concurrency": concurrency}
+                row: dict[str, Any] = {"concurrency": concurrency}
                 for name in ("plain", "batched"):
                     result = perf_analyzer(url, name, concurrency, args.window_ms)
                     row.update({f"{name}_{k}": v for k, v in result.items()})

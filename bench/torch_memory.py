@@ -48,7 +48,7 @@ def save_model(path: Path, width: int, layers: int) -> None:
     for _ in range(layers):
         layers_list += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.jit.script(torch.nn.Sequential(*layers_list[:-1]).eval()).save(str(path))
+    torch.jit.script(torch.nn.Sequential(*layers_list[:-1]).eval()).save(str(path))  # type: ignore[no-untyped-call]
 
 
 def tree_pids(pid: int) -> list[int]:

@@ -17,9 +17,10 @@ import grpc
 import numpy as np
 
 from shoal.clients import messages
-from shoal.clients.messages import ModelIndexEntry, ModelMetadata, ServerMetadata
+from shoal.clients.messages import ModelIndexEntry
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
+from shoal.protocol.types import ModelMetadata, ServerMetadata
 
 MAX_MESSAGE_BYTES = 2**31 - 1
 

@@ -111,7 +111,8 @@ def model_metadata(response: pb.ModelMetadataResponse) -> ModelMetadata:
 
 def to_dict(message: Any) -> dict[str, Any]:
     """A response as proto3 JSON with the .proto field names (as tritonclient's ``as_json``)."""
-    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+    as_dict: dict[str, Any] = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    return as_dict
 
 
 def repository_index(response: pb.RepositoryIndexResponse) -> list[ModelIndexEntry]:

@@ -66,7 +66,8 @@ def build_inputs(
 
 
 def serialize_request(model: str, version: str, inputs: Mapping[str, np.ndarray]) -> bytes:
-    return messages.infer_request(model, inputs, version=version).SerializeToString()
+    serialized: bytes = messages.infer_request(model, inputs, version=version).SerializeToString()
+    return serialized
 
 
 def _generate(datatype: DataType, shape: list[int], zeros: bool, rng: np.random.Generator) -> np.ndarray:

@@ -90,9 +90,9 @@ def _scalar(fd: descriptor.FieldDescriptor, value: Any) -> str:
         enum_value = fd.enum_type.values_by_number.get(value)
         return enum_value.name if enum_value is not None else str(value)
     if fd.type == descriptor.FieldDescriptor.TYPE_STRING:
-        return '"' + text_encoding.CEscape(value, as_utf8=True) + '"'
+        return '"' + str(text_encoding.CEscape(value, as_utf8=True)) + '"'
     if fd.type == descriptor.FieldDescriptor.TYPE_BYTES:
-        return '"' + text_encoding.CEscape(value, as_utf8=False) + '"'
+        return '"' + str(text_encoding.CEscape(value, as_utf8=False)) + '"'
     if fd.type == descriptor.FieldDescriptor.TYPE_BOOL:
         return "true" if value else "false"
     if fd.type == descriptor.FieldDescriptor.TYPE_FLOAT:
