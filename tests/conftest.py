@@ -24,7 +24,7 @@ def start_server(
 ) -> RunningServer:
     """A real server on a free loopback port, its log kept in ``tmp_path`` for failure messages."""
     return local_server.start(repository, "--exit-timeout-secs", "5", *extra_args, work_dir=tmp_path,
-                              log_path=tmp_path / "shoal.log", credentials=credentials, timeout_s=STARTUP_TIMEOUT_S)
+                              log_path=tmp_path / "server.log", credentials=credentials, timeout_s=STARTUP_TIMEOUT_S)
 
 
 @pytest.fixture

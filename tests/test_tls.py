@@ -46,8 +46,8 @@ def _client_tls(pki: Path, with_certificate: bool) -> TlsOptions:
 def test_tls(pki: Path, tmp_path: Path, server_factory) -> None:
     credentials = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
     repo = models.repository(tmp_path, "simple")
-    server = server_factory(repo, "--grpc-use-ssl", "true", "--grpc-server-cert", str(pki / "shoal.pem"),
-                            "--grpc-server-key", str(pki / "shoal.key"), credentials=credentials)
+    server = server_factory(repo, "--grpc-use-ssl", "true", "--grpc-server-cert", str(pki / "server.pem"),
+                            "--grpc-server-key", str(pki / "server.key"), credentials=credentials)
     with InferenceClient(server.url, tls=_client_tls(pki, with_certificate=False), timeout_s=10) as client:
         assert client.is_model_ready("simple")
     with InferenceClient(server.url, timeout_s=5) as plaintext:
@@ -62,8 +62,8 @@ def test_mutual_tls_requires_a_client_certificate(pki: Path, tmp_path: Path, ser
     )
     repo = models.repository(tmp_path, "simple")
     server = server_factory(
-        repo, "--grpc-use-ssl-mutual", "true", "--grpc-server-cert", str(pki / "shoal.pem"),
-        "--grpc-server-key", str(pki / "shoal.key"), "--grpc-root-cert", str(pki / "ca.pem"),
+        repo, "--grpc-use-ssl-mutual", "true", "--grpc-server-cert", str(pki / "server.pem"),
+        "--grpc-server-key", str(pki / "server.key"), "--grpc-root-cert", str(pki / "ca.pem"),
         credentials=credentials,
     )
     with InferenceClient(server.url, tls=_client_tls(pki, with_certificate=True), timeout_s=10) as client:
