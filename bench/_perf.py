@@ -95,18 +95,6 @@ def shoal_load(url: str, model: str, concurrency: int, window_s: float = 2.0, pr
         return float(json.loads(out.read_text())["steps"][0]["throughput"])
 
 
-def pyplot() -> Any:
-    """matplotlib's pyplot on a headless backend, or None without matplotlib (the bench extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 RESULTS = REPO_ROOT / "bench" / "results"
 
 

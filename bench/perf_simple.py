@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import RESULTS, in_process, install_perf_analyzer, perf_analyzer, pyplot, save_results  # noqa: E402
+from bench._perf import RESULTS, in_process, install_perf_analyzer, perf_analyzer, save_results  # noqa: E402
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
+from shoal.clients.loadtest.plot import pyplot  # noqa: E402
 
 SIMPLE = REPO_ROOT / "model_repository" / "simple" / "1" / "model.onnx"
 ZEROS = {"INPUT0": np.zeros((1, 16), np.int32), "INPUT1": np.zeros((1, 16), np.int32)}

@@ -26,8 +26,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._models import write_mlp  # noqa: E402
-from bench._perf import RESULTS, in_process, install_perf_analyzer, perf_analyzer, pyplot, save_results  # noqa: E402
+from bench._perf import RESULTS, in_process, install_perf_analyzer, perf_analyzer, save_results  # noqa: E402
 from bench._server import shoal_server  # noqa: E402
+from shoal.clients.loadtest.plot import pyplot  # noqa: E402
 
 WIDTH, LAYERS = 1024, 4
 CONFIGS = {
