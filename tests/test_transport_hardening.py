@@ -215,6 +215,20 @@ def start_two_requests(
         time.sleep(0.05)
     return futures
 
+def assert_forced_exit_with_two_in_flight(server: RunningServer, model: str = "slow", tensor: str = "IN") -> None:
+    """SIGTERM with two requests in flight under --exit-timeout-secs 2: exit 3 within the bound, both fail."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = start_two_requests(server, pool, model, tensor)
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=30)
+        took_s = time.monotonic() - signalled
+        results = [future.result(timeout=30) for future in futures]
+    assert code == EXIT_FORCED, server.log()
+    assert took_s < 2 + 4, f"exited {took_s:.1f} s after SIGTERM"
+    assert all(isinstance(result, ClientError) for result in results)
+
+
 
 def test_exit_timeout_is_a_hard_bound(tmp_path: Path, server_factory) -> None:
     """Executions of 12 s in flight: SIGTERM with --exit-timeout-secs 2 exits within seconds, code 3.
@@ -225,16 +239,7 @@ def test_exit_timeout_is_a_hard_bound(tmp_path: Path, server_factory) -> None:
     repo.mkdir()
     slow_identity(repo, delay_ms=12_000)
     server = server_factory(repo, "--exit-timeout-secs", "2")
-    with ThreadPoolExecutor(2) as pool:
-        futures = start_two_requests(server, pool)
-        signalled = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        code = server.process.wait(timeout=30)
-        took_s = time.monotonic() - signalled
-        results = [future.result(timeout=30) for future in futures]
-    assert code == EXIT_FORCED, server.log()
-    assert took_s < 2 + 4, f"exited {took_s:.1f} s after SIGTERM"
-    assert all(isinstance(result, ClientError) for result in results)
+    assert_forced_exit_with_two_in_flight(server)
     assert "exit timeout of 2 s passed with 2 requests in flight" in server.log()
 
 
@@ -302,16 +307,7 @@ def test_stopped_worker_processes_do_not_hold_the_exit(tmp_path: Path, server_fa
     workers = [worker for fork_server in fork_servers for worker in children(fork_server)]
     assert len(workers) == 1
     os.kill(workers[0], signal.SIGSTOP)
-    with ThreadPoolExecutor(2) as pool:
-        futures = start_two_requests(server, pool, model="relu", tensor="INPUT__0")
-        signalled = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        code = server.process.wait(timeout=30)
-        took_s = time.monotonic() - signalled
-        results = [future.result(timeout=30) for future in futures]
-    assert code == EXIT_FORCED, server.log()
-    assert took_s < 2 + 4, f"exited {took_s:.1f} s after SIGTERM"
-    assert all(isinstance(result, ClientError) for result in results)
+    assert_forced_exit_with_two_in_flight(server, model="relu", tensor="INPUT__0")
     deadline = time.monotonic() + 10
     while alive(workers[0]):
         assert time.monotonic() < deadline, "the stopped worker was left behind"
