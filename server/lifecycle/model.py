@@ -7,7 +7,7 @@ import logging
 import time
 from pathlib import Path
 
-from shoal.backends.base import LoadedModel, backend_gpu_available, load_model
+from shoal.backends.base import Backend, LoadedModel, backend_for, backend_gpu_available
 from shoal.backends.devices import CPU, Device, cuda_device_count
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances.pool import InstancePool, Placement, build_pool
@@ -68,7 +68,8 @@ class ModelVersion:
     """A READY version: ``infer`` checks the request, queues it with the scheduler, shapes the reply."""
 
     def __init__(
-        self, spec: ModelSpec, version: int, pool: InstancePool, memory_bytes: dict[Device, int] | None = None
+        self, spec: ModelSpec, version: int, pool: InstancePool, memory_bytes: dict[Device, int] | None = None,
+        backend: Backend | None = None,
     ) -> None:
         self.spec = spec
         self.version = version
@@ -76,6 +77,7 @@ class ModelVersion:
         # Weight bytes the loaded copies hold, per device (each backend counts its own; see
         # LoadedModel.weight_bytes). Budgets and the memory metrics use these figures.
         self.memory_bytes = dict(memory_bytes or {})
+        self._backend = backend  # for its per-request checks; None: none
         self.shared_copies: list[LoadedModel] = []  # process instances: the copies the workers share
         self.statistics = ModelStatistics()
         self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching)
@@ -83,6 +85,7 @@ class ModelVersion:
     @classmethod
     def load(cls, spec: ModelSpec, version: int, version_dir: Path) -> ModelVersion:
         model_path = version_dir / spec.default_model_filename if spec.default_model_filename else version_dir
+        backend = backend_for(spec)
         share = _flag(spec, "share_weights", True)
         processes = _flag(spec, "process_instances", False)
         if processes and spec.backend != "pytorch":
@@ -99,11 +102,11 @@ class ModelVersion:
                 from shoal.instances.process import ProcessModel, share_weights
 
                 if device not in shared_copies:
-                    parent = load_model(spec, model_path, device, threads)
+                    parent = backend.load(spec, model_path, device, threads)
                     shared_copies[device] = (parent, share_weights(parent))
                     memory_bytes[device] = parent.weight_bytes
                 return ProcessModel(spec, model_path, device, shared_copies[device][1], threads)
-            model = load_model(spec, model_path, device, threads)
+            model = backend.load(spec, model_path, device, threads)
             memory_bytes[device] = memory_bytes.get(device, 0) + model.weight_bytes
             return model
 
@@ -119,7 +122,7 @@ class ModelVersion:
             spec.name, version, len(pool.instances), "process " if processes else "", copies,
             "y" if copies == 1 else "ies",
         )
-        version_model = cls(spec, version, pool, memory_bytes)
+        version_model = cls(spec, version, pool, memory_bytes, backend)
         version_model.shared_copies = [parent for parent, _ in shared_copies.values()]
         return version_model
 
@@ -138,6 +141,8 @@ class ModelVersion:
         arrival_ns = time.monotonic_ns()
         try:
             prepared = tensors.prepare(self.spec, request)
+            if self._backend is not None:
+                self._backend.validate_request(self.spec, prepared.feed)
         except ShoalError:  # rejected for bad input: still a failed request of this version
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns)
             raise
