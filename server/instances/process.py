@@ -146,6 +146,9 @@ class ProcessModel:
         self._limits = limits
         # Workers fork from a fork server that imported the backend's libraries once (never from this
         # process: its gRPC threads do not survive a fork), so their pages are shared, not repeated.
+        # The handle travels with multiprocessing's pickler, where a framework registers how its
+        # objects cross processes (importing torch makes shared tensors travel as their memory
+        # segment or CUDA IPC handle, never by value): the same context torch.multiprocessing gives.
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload([*preload, __name__])
         self._lock = threading.Lock()  # one conversation with the worker at a time
