@@ -6,6 +6,19 @@ the config against the model file and refuses to load on a mismatch, naming the
 tensor. A ``LoadedModel`` holds one copy of the weights on one device; its ``run``
 is called concurrently by every executor of that device, so it must be thread-safe.
 Heavy libraries (onnxruntime, torch) are imported by their backend module alone.
+
+Optional hooks say what else a backend can do; ``Backend`` reads them, and the instance
+strategy (``shoal.instances.strategy``) chooses from them, so nothing above the backends
+names a framework:
+
+- ``share_weights(loaded) -> handle``: put a loaded copy's weights where other processes can
+  reach them (a picklable handle), and ``attach(spec, model_path, device, handle, threads) ->
+  LoadedModel``: run inside a worker process, build a copy over those weights without loading
+  them again. Together they make process instances possible; ``WORKER_PRELOAD`` names the
+  modules a worker's fork server imports once, so every worker shares their pages.
+- ``validate_request(spec, inputs)``: per-request checks the config cannot express (ONNX
+  Runtime's string tensors must hold UTF-8), run before the request is queued, so a bad request
+  fails alone instead of failing the batch it would have joined.
 """
 
 from __future__ import annotations
@@ -13,7 +26,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from types import ModuleType
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,6 +42,9 @@ _BACKEND_MODULES = {
     "identity": "shoal.backends.identity",
     "pytorch": "shoal.backends.pytorch",
 }
+# The backends whose module has ``share_weights`` and ``attach`` (process instances). Named here
+# so a refusal can list them without importing every framework; a test holds it to the modules.
+PROCESS_INSTANCE_BACKENDS = ("pytorch",)
 
 
 class LoadedModel(Protocol):
@@ -90,12 +107,60 @@ def probe_model(backend: str, model_path: Path, inputs: list[tuple[str, DataType
 
 def load_model(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> LoadedModel:
     """Load one copy; ``threads`` is this copy's share of the cores (backends may override from config)."""
+    return backend_for(spec).load(spec, model_path, device, threads)
+
+
+def backend_for(spec: ModelSpec) -> Backend:
+    """The backend ``spec`` names, its module imported; LOAD_FAILED when Shoal has no such backend."""
     module_name = _BACKEND_MODULES.get(spec.backend)
     if module_name is None:
         raise load_failed(
             f"model '{spec.name}': backend '{spec.backend}' is not supported "
             f"(supported: {', '.join(supported_backends())})"
         )
-    module = importlib.import_module(module_name)
-    loaded: LoadedModel = module.load(spec, model_path, device, threads)
-    return loaded
+    return Backend(spec.backend, importlib.import_module(module_name))
+
+
+class Backend:
+    """One backend's module and the hooks it offers (see the module docstring).
+
+    The hooks are looked up when called, not copied, so a backend module stays the one place
+    that defines them.
+    """
+
+    def __init__(self, name: str, module: ModuleType) -> None:
+        self.name = name
+        self._module = module
+
+    def load(self, spec: ModelSpec, model_path: Path, device: Device, threads: int) -> LoadedModel:
+        loaded: LoadedModel = self._module.load(spec, model_path, device, threads)
+        return loaded
+
+    def gpu_available(self) -> bool:
+        available: bool = self._module.gpu_available()
+        return available
+
+    @property
+    def shares_weights_with_processes(self) -> bool:
+        """Whether worker processes can attach to one loaded copy's weights (process instances)."""
+        return hasattr(self._module, "share_weights") and hasattr(self._module, "attach")
+
+    @property
+    def worker_preload(self) -> tuple[str, ...]:
+        """Modules a worker process needs: its fork server imports them once, before any worker."""
+        return tuple(getattr(self._module, "WORKER_PRELOAD", ()))
+
+    def share_weights(self, loaded: LoadedModel) -> Any:
+        """Move ``loaded``'s weights where worker processes can attach to them; a picklable handle."""
+        return self._module.share_weights(loaded)
+
+    def attach(self, spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int) -> LoadedModel:
+        """Inside a worker: a copy of the model over the weights behind ``handle`` (no second copy)."""
+        attached: LoadedModel = self._module.attach(spec, model_path, device, handle, threads)
+        return attached
+
+    def validate_request(self, spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> None:
+        """Refuse (INVALID_ARGUMENT) a request this backend cannot run; a no-op where it has no checks."""
+        check = getattr(self._module, "validate_request", None)
+        if check is not None:
+            check(spec, inputs)

@@ -103,6 +103,26 @@ def gpu_available() -> bool:
     return "CUDAExecutionProvider" in ort.get_available_providers()
 
 
+def validate_request(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> None:
+    """BYTES inputs must hold UTF-8 (ORT's Python API takes ``str``). Checked per request before it
+    is queued, so a bad request is refused alone and never fails the batch it would have joined."""
+    for tensor in spec.inputs:
+        if tensor.datatype is DataType.BYTES and tensor.name in inputs:
+            _check_utf8(spec, tensor.name, inputs[tensor.name])
+
+
+def _check_utf8(spec: ModelSpec, name: str, data: np.ndarray) -> None:
+    for index, item in enumerate(np.asarray(data, dtype=object).reshape(-1)):
+        if isinstance(item, bytes):
+            try:
+                item.decode("utf-8")
+            except UnicodeDecodeError:
+                raise invalid(
+                    f"input '{name}' for model '{spec.name}': BYTES element {index} is not valid UTF-8, "
+                    f"which {spec.backend} string tensors need"
+                ) from None
+
+
 def _providers(spec: ModelSpec, device: Device) -> list[Any]:
     if device.kind != "gpu":
         return ["CPUExecutionProvider"]

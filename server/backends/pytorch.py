@@ -41,6 +41,8 @@ _TORCH_TYPES = {
     DataType.BF16: torch.bfloat16,
 }
 _INDEXED = re.compile(r"^.+__(\d+)$")
+# What a worker process of a process instance imports; its fork server imports them once.
+WORKER_PRELOAD = ("torch", "shoal.backends.pytorch")
 
 
 def _index(name: str) -> int | None:
@@ -144,6 +146,67 @@ def read_module(spec: ModelSpec, model_path: Path, target: torch.device) -> tupl
         return program.module().to(target), names
     module = torch.jit.load(str(model_path), map_location=target)
     return module.eval(), [a.name for a in module.forward.schema.arguments][1:]  # without self
+
+
+def share_weights(model: TorchModel) -> dict[str, torch.Tensor]:
+    """Move a loaded module's parameters and buffers to shared memory; name → tensor.
+
+    The dict is the handle workers attach to: torch.multiprocessing pickles a shared CPU tensor as
+    its shared-memory segment and a CUDA tensor as a CUDA IPC handle, so no weight is copied.
+    """
+    shared = {}
+    for name, tensor in [*model.module.named_parameters(), *model.module.named_buffers()]:
+        if tensor.device.type == "cpu":
+            tensor.share_memory_()
+        shared[name] = tensor.detach()
+    return shared
+
+
+def attach(spec: ModelSpec, model_path: Path, device: Device, shared: dict[str, torch.Tensor],
+           threads: int) -> TorchModel:
+    """In a worker process: the module's code, with every parameter and buffer the server's shared tensor."""
+    torch.set_num_threads(threads)
+    target = torch.device("cpu") if device.kind == "cpu" else torch.device("cuda", device.index)
+    if model_path.suffix == ".pt2" and not is_pickled(spec):
+        # torch.export reads weights onto the CPU only. The module is pointed at the server's shared
+        # tensors while still there, so its own copy is dropped and never reaches the device; only
+        # then do the few tensors that are not parameters or buffers (lifted constants) move.
+        module, names = read_module(spec, model_path, torch.device("cpu"))
+        _point_at_shared(module, shared)
+        module.to(target)  # parameters and buffers are there already: nothing of theirs is copied
+    else:
+        # The code only, onto the meta device (no weight allocated here), then every parameter
+        # and buffer pointed at the server's shared tensor.
+        module, names = read_module(spec, model_path, torch.device("meta"))
+        if is_pickled(spec):
+            module.load_state_dict({k: shared[k] for k in module.state_dict()}, strict=True, assign=True)
+        else:
+            for name in [*dict(module.named_parameters()), *dict(module.named_buffers())]:
+                owner = module
+                *path, attribute = name.split(".")
+                for part in path:
+                    owner = getattr(owner, part)
+                owner._c.setattr(attribute, shared[name])  # ScriptModules take attributes only this way
+    return TorchModel(module, spec, target, names)
+
+
+def _point_at_shared(module: Any, shared: dict[str, torch.Tensor]) -> None:
+    """Replace every parameter and buffer of an ``nn.Module`` by the server's shared tensor (no copy).
+
+    Aliases (tied weights) get the tensor of the first name, as ``named_parameters`` reports them.
+    """
+    first_name: dict[int, str] = {}
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        source = shared[first_name.setdefault(id(tensor), name)]
+        owner = module
+        *path, attribute = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        if attribute in owner._parameters:
+            owner._parameters[attribute] = torch.nn.Parameter(source, requires_grad=False)
+        else:
+            owner._buffers[attribute] = source
 
 
 def gpu_available() -> bool:

@@ -34,12 +34,18 @@ class Instance:
 
 
 class InstancePool:
-    """The scheduler's ``Runner``: hands out free instances, first come, first served."""
+    """The scheduler's ``Runner``: hands out free instances, first come, first served.
 
-    def __init__(self, instances: list[Instance]) -> None:
+    ``shared_copies`` are loaded copies the instances reach without holding them (process
+    instances attach to their weights); the pool closes them after the instances, so closing the
+    pool frees everything the version loaded.
+    """
+
+    def __init__(self, instances: list[Instance], shared_copies: Sequence[LoadedModel] = ()) -> None:
         if not instances:
             raise ValueError("an instance pool needs at least one instance")
         self.instances = instances
+        self.shared_copies = tuple(shared_copies)
         self._free: asyncio.Queue[Instance] | None = None
 
     def _queue(self) -> asyncio.Queue[Instance]:
@@ -56,11 +62,21 @@ class InstancePool:
     def release(self, executor: Instance) -> None:
         self._queue().put_nowait(executor)
 
+    def can_serve(self) -> bool:
+        """At least one instance can take a request (a process instance whose worker is dead or hung cannot)."""
+        return any(getattr(instance.model, "healthy", True) for instance in self.instances)
+
+    def models(self) -> list[LoadedModel]:
+        """The distinct models the instances run (one per copy, or one per worker process)."""
+        return list({id(i.model): i.model for i in self.instances}.values())
+
     def close(self) -> None:
         for instance in self.instances:
             instance.thread.shutdown(wait=True)
-        for model in {id(i.model): i.model for i in self.instances}.values():
+        for model in self.models():
             model.close()
+        for copy in self.shared_copies:
+            copy.close()
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,21 @@
-"""Process instances: executors in worker processes over ONE copy of a PyTorch model's weights.
+"""Process instances: executors in worker processes over ONE copy of a model's weights.
 
-For models whose Python-side work holds the GIL. The server loads the module once and moves
-its parameters and buffers to shared memory (``share_memory_``; on a GPU, torch.multiprocessing
-passes CUDA tensors as CUDA IPC handles). Each worker loads the module's code, then points every
-parameter and buffer at the shared tensors, so the weights exist once. Requests and replies
-travel through ``multiprocessing.shared_memory`` blocks; the pipe carries only names, shapes
-and dtypes. A worker that dies, or passes the model's ``execution_timeout_ms``, fails the request
-it was running with UNAVAILABLE and is killed and started again; a watchdog pings idle workers
-every ``liveness_check_interval_ms`` and replaces one that is dead or does not answer (stopped,
-hung). While a worker cannot be started its instance is not ``healthy``; ModelReady is false when
-no instance of a version is.
+For models whose Python-side work holds the GIL (the pytorch backend today). The server loads
+the model once and the backend's ``share_weights`` hook puts its weights where other processes
+can reach them (PyTorch: shared memory, or CUDA IPC handles on a GPU). Each worker calls the
+backend's ``attach`` hook, which builds the model over those weights, so they exist once; this
+module knows no framework. Requests and replies travel through ``multiprocessing.shared_memory``
+blocks; the pipe carries only names, shapes and dtypes. A worker that dies, or passes the model's
+``execution_timeout_ms``, fails the request it was running with UNAVAILABLE and is killed and
+started again; a watchdog pings idle workers every ``liveness_check_interval_ms`` and replaces one
+that is dead or does not answer (stopped, hung). While a worker cannot be started its instance is
+not ``healthy``; ModelReady is false when no instance of a version is.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -28,6 +29,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from shoal.backends.base import backend_for
 from shoal.backends.devices import Device
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.repository.config import ModelSpec
@@ -79,35 +81,9 @@ def _dtype(name: str) -> np.dtype[Any]:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def _worker(spec: ModelSpec, model_path: str, device: str, shared: dict[str, Any], threads: int, conn: Any) -> None:
-    """A worker process: the module's code, the server's weights, requests from the pipe."""
-    import torch
-
-    from shoal.backends import pytorch
-
-    torch.set_num_threads(threads)
-    target = torch.device(device)
-    if model_path.endswith(".pt2") and not pytorch.is_pickled(spec):
-        # torch.export reads weights onto the CPU only. The module is pointed at the server's shared
-        # tensors while still there, so its own copy is dropped and never reaches the device; only
-        # then do the few tensors that are not parameters or buffers (lifted constants) move.
-        module, names = pytorch.read_module(spec, Path(model_path), torch.device("cpu"))
-        _point_at_shared(module, shared)
-        module.to(target)  # parameters and buffers are there already: nothing of theirs is copied
-    else:
-        # The code only, onto the meta device (no weight allocated here), then every parameter
-        # and buffer pointed at the server's shared tensor.
-        module, names = pytorch.read_module(spec, Path(model_path), torch.device("meta"))
-        if pytorch.is_pickled(spec):
-            module.load_state_dict({k: shared[k] for k in module.state_dict()}, strict=True, assign=True)
-        else:
-            for name in [*dict(module.named_parameters()), *dict(module.named_buffers())]:
-                owner = module
-                *path, attribute = name.split(".")
-                for part in path:
-                    owner = getattr(owner, part)
-                owner._c.setattr(attribute, shared[name])  # ScriptModules take attributes only this way
-    model = pytorch.TorchModel(module, spec, target, names)
+def _worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
+    """A worker process: the backend attaches the model to the server's weights, requests come from the pipe."""
+    model = backend_for(spec).attach(spec, model_path, device, handle, threads)
     conn.send("ready")
     while True:
         try:
@@ -130,27 +106,6 @@ def _worker(spec: ModelSpec, model_path: str, device: str, shared: dict[str, Any
             conn.send(("error", f"{type(exc).__name__}: {exc}", None))
         finally:
             block.close()
-
-
-def _point_at_shared(module: Any, shared: dict[str, Any]) -> None:
-    """Replace every parameter and buffer of an ``nn.Module`` by the server's shared tensor (no copy).
-
-    Aliases (tied weights) get the tensor of the first name, as ``named_parameters`` reports them.
-    """
-    import torch
-
-    first_name: dict[int, str] = {}
-    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    for name, tensor in named:
-        source = shared[first_name.setdefault(id(tensor), name)]
-        owner = module
-        *path, attribute = name.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        if attribute in owner._parameters:
-            owner._parameters[attribute] = torch.nn.Parameter(source, requires_grad=False)
-        else:
-            owner._buffers[attribute] = source
 
 
 @dataclass(frozen=True)
@@ -184,17 +139,18 @@ class ProcessModel:
 
     weight_bytes = 0  # the weights belong to the server's shared copy, counted there
 
-    def __init__(self, spec: ModelSpec, model_path: Path, device: Device, shared: dict[str, Any],
-                 threads: int) -> None:
-        import torch.multiprocessing as mp
-
-        self._spec, self._path, self._shared, self._threads = spec, model_path, shared, threads
-        self._limits = WorkerLimits.from_spec(spec)
-        self._device = "cpu" if device.kind == "cpu" else f"cuda:{device.index}"
-        # Workers fork from a fork server that imported torch once (never from this process: its
-        # gRPC threads do not survive a fork), so the libraries' pages are shared, not repeated.
-        self._context = mp.get_context("forkserver")
-        self._context.set_forkserver_preload(["torch", "shoal.backends.pytorch", "shoal.instances.process"])
+    def __init__(self, spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int,
+                 limits: WorkerLimits, preload: Sequence[str]) -> None:
+        """``handle``: what the backend's ``share_weights`` returned; ``preload``: its worker modules."""
+        self._spec, self._path, self._device, self._handle, self._threads = spec, model_path, device, handle, threads
+        self._limits = limits
+        # Workers fork from a fork server that imported the backend's libraries once (never from this
+        # process: its gRPC threads do not survive a fork), so their pages are shared, not repeated.
+        # The handle travels with multiprocessing's pickler, where a framework registers how its
+        # objects cross processes (importing torch makes shared tensors travel as their memory
+        # segment or CUDA IPC handle, never by value): the same context torch.multiprocessing gives.
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload([*preload, __name__])
         self._lock = threading.Lock()  # one conversation with the worker at a time
         self._closing = threading.Event()
         self._failure = ""  # why no worker is running; "" while one is
@@ -217,7 +173,7 @@ class ProcessModel:
     def _start(self) -> None:
         self._conn, child = self._context.Pipe()
         self._process = self._context.Process(
-            target=_worker, args=(self._spec, str(self._path), self._device, self._shared, self._threads, child),
+            target=_worker, args=(self._spec, self._path, self._device, self._handle, self._threads, child),
             daemon=True, name=f"shoal-{self._spec.name}-worker",
         )
         self._process.start()
@@ -373,13 +329,3 @@ class ProcessModel:
         if self._watchdog is not None:
             self._watchdog.join(timeout=KILL_TIMEOUT_S)
 
-
-def share_weights(model: Any) -> dict[str, Any]:
-    """Move a loaded TorchModel's parameters and buffers to shared memory; name → tensor."""
-    module = model.module
-    shared = {}
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if tensor.device.type == "cpu":
-            tensor.share_memory_()
-        shared[name] = tensor.detach()
-    return shared

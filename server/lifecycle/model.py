@@ -1,4 +1,9 @@
-"""One served model version: its config, one loaded copy per device, and its executors."""
+"""One served model version: its config, its executors over the loaded weights, its scheduler.
+
+This module only composes: where the executors go (``placements``), how they run over the
+weights (``shoal.instances.strategy``, which asks the backend what it can do), and the scheduler
+in front of them. It names no framework.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,11 @@ import logging
 import time
 from pathlib import Path
 
-from shoal.backends.base import LoadedModel, backend_gpu_available, load_model
+from shoal.backends.base import Backend, backend_for, backend_gpu_available
 from shoal.backends.devices import CPU, Device, cuda_device_count
 from shoal.errors import ErrorCode, ShoalError, load_failed
-from shoal.instances.pool import InstancePool, Placement, build_pool
-from shoal.instances.process import WORKER_PARAMETERS
+from shoal.instances import strategy
+from shoal.instances.pool import InstancePool, Placement
 from shoal.lifecycle import tensors
 from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from shoal.scheduling.dynamic import Scheduler
@@ -57,18 +62,12 @@ def placements(spec: ModelSpec) -> list[Placement]:
     return result
 
 
-def _flag(spec: ModelSpec, key: str, default: bool) -> bool:
-    value = spec.parameters.get(key, "true" if default else "false").lower()
-    if value not in {"true", "false"}:
-        raise load_failed(f"model '{spec.name}': parameter {key} must be true or false")
-    return value == "true"
-
-
 class ModelVersion:
     """A READY version: ``infer`` checks the request, queues it with the scheduler, shapes the reply."""
 
     def __init__(
-        self, spec: ModelSpec, version: int, pool: InstancePool, memory_bytes: dict[Device, int] | None = None
+        self, spec: ModelSpec, version: int, pool: InstancePool, memory_bytes: dict[Device, int] | None = None,
+        backend: Backend | None = None,
     ) -> None:
         self.spec = spec
         self.version = version
@@ -76,68 +75,41 @@ class ModelVersion:
         # Weight bytes the loaded copies hold, per device (each backend counts its own; see
         # LoadedModel.weight_bytes). Budgets and the memory metrics use these figures.
         self.memory_bytes = dict(memory_bytes or {})
-        self.shared_copies: list[LoadedModel] = []  # process instances: the copies the workers share
+        self._backend = backend  # for its per-request checks; None: none
         self.statistics = ModelStatistics()
         self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching)
 
     @classmethod
     def load(cls, spec: ModelSpec, version: int, version_dir: Path) -> ModelVersion:
+        """Choose how the executors run (refused before any weight loads), place them, load, start them."""
         model_path = version_dir / spec.default_model_filename if spec.default_model_filename else version_dir
-        share = _flag(spec, "share_weights", True)
-        processes = _flag(spec, "process_instances", False)
-        if processes and spec.backend != "pytorch":
-            raise load_failed(f"model '{spec.name}': process_instances needs the pytorch backend")
-        for key in WORKER_PARAMETERS:
-            if key in spec.parameters and not processes:
-                raise load_failed(f"model '{spec.name}': parameter {key} needs process_instances: true "
-                                  "(a worker process can be killed and restarted, a thread cannot)")
-        memory_bytes: dict[Device, int] = {}
-        shared_copies: dict[Device, tuple[LoadedModel, dict[str, object]]] = {}
-
-        def load_copy(device: Device, threads: int) -> LoadedModel:
-            if processes:  # one copy in this process, its weights in shared memory, a worker per executor
-                from shoal.instances.process import ProcessModel, share_weights
-
-                if device not in shared_copies:
-                    parent = load_model(spec, model_path, device, threads)
-                    shared_copies[device] = (parent, share_weights(parent))
-                    memory_bytes[device] = parent.weight_bytes
-                return ProcessModel(spec, model_path, device, shared_copies[device][1], threads)
-            model = load_model(spec, model_path, device, threads)
-            memory_bytes[device] = memory_bytes.get(device, 0) + model.weight_bytes
-            return model
-
-        try:
-            pool = build_pool(spec.name, placements(spec), load_copy, share_weights=share and not processes)
-        except BaseException:
-            for parent, _ in shared_copies.values():
-                parent.close()
-            raise
-        copies = len(shared_copies) or len({id(instance.model) for instance in pool.instances})
+        backend = backend_for(spec)
+        plan = strategy.choose(spec, backend)
+        built = strategy.build_instances(spec, model_path, placements(spec), backend, plan)
         logger.info(
-            "model %s version %d: %d %sinstance(s) over %d loaded cop%s",
-            spec.name, version, len(pool.instances), "process " if processes else "", copies,
-            "y" if copies == 1 else "ies",
+            "model %s version %d: %d instance(s), %s, over %d loaded cop%s",
+            spec.name, version, len(built.pool.instances), built.strategy.value, built.copies,
+            "y" if built.copies == 1 else "ies",
         )
-        version_model = cls(spec, version, pool, memory_bytes)
-        version_model.shared_copies = [parent for parent, _ in shared_copies.values()]
-        return version_model
+        return cls(spec, version, built.pool, built.memory_bytes, backend)
 
     def can_serve(self) -> bool:
         """At least one instance can take a request (a process instance whose worker is dead or hung cannot)."""
-        return any(getattr(instance.model, "healthy", True) for instance in self.pool.instances)
+        return self.pool.can_serve()
 
     def warm_up(self) -> None:
         """Run one zero-filled request (batch 1) on every loaded copy, off the event loop."""
         feed = tensors.zeros_feed(self.spec)
         outputs = [t.name for t in self.spec.outputs]
-        for model in {id(i.model): i.model for i in self.pool.instances}.values():
+        for model in self.pool.models():
             model.run(feed, outputs)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         arrival_ns = time.monotonic_ns()
         try:
             prepared = tensors.prepare(self.spec, request)
+            if self._backend is not None:
+                self._backend.validate_request(self.spec, prepared.feed)
         except ShoalError:  # rejected for bad input: still a failed request of this version
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns)
             raise
@@ -162,5 +134,3 @@ class ModelVersion:
         """Finish queued and running requests, then release the instances and the weights."""
         await self.scheduler.stop()
         await asyncio.to_thread(self.pool.close)
-        for copy in self.shared_copies:
-            copy.close()

@@ -16,10 +16,6 @@ from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec, TensorSpec
 from shoal.types import InferRequest, Tensor
 
-# Backends whose string tensors hold text: their BYTES elements must be valid UTF-8. Checked per
-# request before it is queued, so a bad request never fails the batch it would have joined.
-_UTF8_STRING_BACKENDS = frozenset({"onnxruntime"})
-
 
 @dataclass(frozen=True)
 class Prepared:
@@ -52,8 +48,6 @@ def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
         tensor_spec = spec.input(tensor.name)
         assert tensor_spec is not None
         batch_sizes.add(_check_input(spec, tensor_spec, tensor))
-        if tensor.datatype is DataType.BYTES and spec.backend in _UTF8_STRING_BACKENDS:
-            _check_utf8(spec, tensor)
         data = tensor.data
         if tensor_spec.reshape is not None:
             lead = list(tensor.shape[:1]) if spec.max_batch_size > 0 else []
@@ -102,18 +96,6 @@ def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> in
             f"Expected {expected}, got {shape}"
         )
     return batch
-
-
-def _check_utf8(spec: ModelSpec, tensor: Tensor) -> None:
-    for index, item in enumerate(np.asarray(tensor.data, dtype=object).reshape(-1)):
-        if isinstance(item, bytes):
-            try:
-                item.decode("utf-8")
-            except UnicodeDecodeError:
-                raise invalid(
-                    f"input '{tensor.name}' for model '{spec.name}': BYTES element {index} is not valid UTF-8, "
-                    f"which {spec.backend} string tensors need"
-                ) from None
 
 
 def _requested_outputs(spec: ModelSpec, request: InferRequest) -> tuple[str, ...]:
