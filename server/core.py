@@ -15,12 +15,14 @@ from typing import Any, Protocol
 from shoal import __version__
 from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle.manager import IndexEntry, ModelManager
+from shoal.lifecycle.state import ModelState
 from shoal.protocol.types import ModelMetadata, ServerMetadata, TensorMetadata
 from shoal.statistics import ModelStatistics
 from shoal.types import InferRequest, InferResponse
 
 __all__ = [
-    "Core", "IndexEntry", "LocalCore", "ModelMetadata", "ServerMetadata", "StatisticsRow", "TensorMetadata",
+    "Core", "IndexEntry", "LocalCore", "ModelMetadata", "ModelState", "ServerMetadata", "StatisticsRow",
+    "TensorMetadata",
 ]
 
 SERVER_NAME = "shoal"
@@ -77,7 +79,7 @@ class Core(Protocol):
 
     def repository_index(self, ready_only: bool = False) -> list[IndexEntry]: ...
 
-    async def load_model(self, name: str, config_override: str | None) -> None: ...
+    async def load_model(self, name: str, config_override: dict[str, Any] | None) -> None: ...
 
     async def unload_model(self, name: str) -> None: ...
 
@@ -169,7 +171,7 @@ class LocalCore:
             for served in self.manager.statistics(name, version)
         ]
 
-    async def load_model(self, name: str, config_override: str | None) -> None:
+    async def load_model(self, name: str, config_override: dict[str, Any] | None) -> None:
         self._require_explicit()
         await self.manager.load(name, config_override)
 
