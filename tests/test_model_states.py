@@ -5,6 +5,7 @@ Unit tests: the manager runs in this process on ``asyncio.run``, without a serve
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import inspect
 import itertools
@@ -275,3 +276,13 @@ def test_the_manager_turns_the_dict_into_a_model_config(tmp_path: Path) -> None:
         assert manager.names() == []  # refused before anything was built
 
     asyncio.run(scenario())
+
+
+def test_the_manager_touches_no_protobuf() -> None:
+    """protobuf stays in the transports and the config pipeline."""
+    source = models.REPO_ROOT / "server" / "lifecycle" / "manager.py"
+    imported = {alias.name for node in ast.walk(ast.parse(source.read_text())) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(ast.parse(source.read_text()))
+                 if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in imported if m.startswith(("shoal.protocol", "google.protobuf"))}, imported
