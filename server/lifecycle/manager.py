@@ -235,11 +235,12 @@ class ModelManager:
                 except ShoalError as exc:
                     logger.error("model %s: %s", name, exc.message)
         for name in sorted(set(self._models) - present):
-            if self._models[name].versions:
-                logger.info("model %s: folder removed, unloading", name)
-                await self.unload(name)
-            del self._models[name]
-            self._changed()
+            async with self._locks.setdefault(name, asyncio.Lock()):
+                entry = self._models.pop(name, None)  # unknown from now on, as it drains
+                self._changed()
+                if entry is not None and entry.versions:
+                    logger.info("model %s: folder removed, unloading", name)
+                    await self._retire(entry)
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
