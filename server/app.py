@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from shoal.core import InferenceCore
+from shoal.core import Core, LocalCore
 from shoal.errors import StartupError
 from shoal.grpc.health import HealthReporter
 from shoal.grpc.server import build_server
@@ -58,7 +58,7 @@ async def serve(settings: ServerSettings) -> int:
         on_change=refresh_health,
         memory_budgets=dict(settings.memory_budgets),
     )
-    core = InferenceCore(manager, strict_readiness=settings.strict_readiness)
+    core: Core = LocalCore(manager, strict_readiness=settings.strict_readiness)
     await manager.start(settings.startup_models)
     await health.sync(core)
     try:
@@ -112,7 +112,7 @@ async def serve(settings: ServerSettings) -> int:
     return 0
 
 
-def force_exit(core: InferenceCore, timeout_s: float) -> None:
+def force_exit(core: Core, timeout_s: float) -> None:
     """The exit timeout has passed: kill the worker processes and leave at once with EXIT_FORCED."""
     children = multiprocessing.active_children()
     logger.error("exit timeout of %.0f s passed with %d requests in flight: killing %d worker processes, "

@@ -1,22 +1,29 @@
 """The one facade every transport calls: health, metadata, config, inference, index.
 
-Speaks plain dataclasses and numpy; knows nothing of gRPC or protobuf.
+``Core`` is the interface: exactly what the transports (``grpc/``, ``metrics``) and the wiring
+(``app``) call, in plain dataclasses and numpy, with no gRPC or protobuf. ``LocalCore`` is its
+implementation in the process that holds the models; a remote one (a front-end worker talking to
+that process) can satisfy the same interface later, and the transports stay the same code.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from shoal import __version__
 from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle.manager import IndexEntry, ModelManager
-
-__all__ = ["IndexEntry", "InferenceCore", "ModelMetadata", "ServerMetadata", "StatisticsRow", "TensorMetadata"]
+from shoal.lifecycle.state import ModelState
 from shoal.protocol.types import ModelMetadata, ServerMetadata, TensorMetadata
 from shoal.statistics import ModelStatistics
 from shoal.types import InferRequest, InferResponse
+
+__all__ = [
+    "Core", "IndexEntry", "LocalCore", "ModelMetadata", "ModelState", "ServerMetadata", "StatisticsRow",
+    "TensorMetadata",
+]
 
 SERVER_NAME = "shoal"
 # Only what is implemented end to end; clients gate features on these strings.
@@ -29,8 +36,6 @@ EXTENSIONS = (
 )
 
 
-
-
 @dataclass(frozen=True)
 class StatisticsRow:
     name: str
@@ -41,8 +46,47 @@ class StatisticsRow:
     instances: int
 
 
+class Core(Protocol):
+    """What a transport may ask of the server; errors are ``ShoalError`` with an ``ErrorCode``."""
 
-class InferenceCore:
+    def live(self) -> bool: ...
+
+    def ready(self) -> bool: ...
+
+    @property
+    def accepting(self) -> bool: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def stop_accepting(self) -> None: ...
+
+    async def drain(self, timeout_s: float) -> bool: ...
+
+    def server_metadata(self) -> ServerMetadata: ...
+
+    def model_names(self) -> list[str]: ...
+
+    def model_ready(self, name: str, version: str) -> bool: ...
+
+    def model_metadata(self, name: str, version: str) -> ModelMetadata: ...
+
+    def model_config(self, name: str, version: str) -> dict[str, Any]: ...
+
+    async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    def model_statistics(self, name: str, version: str) -> list[StatisticsRow]: ...
+
+    def repository_index(self, ready_only: bool = False) -> list[IndexEntry]: ...
+
+    async def load_model(self, name: str, config_override: dict[str, Any] | None) -> None: ...
+
+    async def unload_model(self, name: str) -> None: ...
+
+
+class LocalCore:
+    """``Core`` over the models this process holds (its ``ModelManager``)."""
+
     def __init__(self, manager: ModelManager, strict_readiness: bool = True) -> None:
         self.manager = manager
         self.strict_readiness = strict_readiness
@@ -127,7 +171,7 @@ class InferenceCore:
             for served in self.manager.statistics(name, version)
         ]
 
-    async def load_model(self, name: str, config_override: str | None) -> None:
+    async def load_model(self, name: str, config_override: dict[str, Any] | None) -> None:
         self._require_explicit()
         await self.manager.load(name, config_override)
 

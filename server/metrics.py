@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shoal.core import InferenceCore
+from shoal.core import Core
 from shoal.errors import StartupError
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ _DURATIONS = {
 
 
 class ModelCollector(Collector):
-    def __init__(self, core: InferenceCore) -> None:
+    def __init__(self, core: Core) -> None:
         self.core = core
 
     def collect(self) -> Iterator[Any]:
@@ -78,7 +78,7 @@ class ModelCollector(Collector):
         yield from (success, failure, count, executions, *durations.values(), pending, memory, instances, executing)
 
 
-def start_metrics_server(core: InferenceCore, address: str, port: int) -> int:
+def start_metrics_server(core: Core, address: str, port: int) -> int:
     """Serve /metrics on a background thread; returns the bound port."""
     registry = CollectorRegistry()
     registry.register(ModelCollector(core))

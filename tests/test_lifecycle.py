@@ -200,3 +200,28 @@ def test_overload_is_answered_promptly_while_health_stays_responsive(tmp_path: P
             future.result(timeout=60)
     assert "UNAVAILABLE" in statuses and "OK" in statuses
     assert set(statuses) == {"OK", "UNAVAILABLE"}
+
+
+def test_an_unload_shows_unloading_while_its_requests_drain(tmp_path: Path, server_factory) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    slow_model(repo, "slow", delay_ms=300, count=1)
+    server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "slow")
+
+    def states(client: InferenceClient) -> list[tuple[str, str, str]]:
+        return [(e.version, e.state, e.reason) for e in client.repository_index() if e.name == "slow"]
+
+    def call(value: float) -> float:
+        with InferenceClient(server.url, timeout_s=30) as client:
+            return float(client.infer("slow", {"IN": np.full((4,), value, np.float32)})["OUT"][0])
+
+    with InferenceClient(server.url, timeout_s=30) as client, ThreadPoolExecutor(4) as pool:
+        assert states(client) == [("1", "READY", "")]
+        results = [pool.submit(call, float(i)) for i in range(3)]  # 1 runs, 2 queue
+        wait_until(lambda: metric(server, "nv_inference_pending_request_count", "slow") == 2, what="2 queued")
+        unload = pool.submit(client.unload_model, "slow")
+        wait_until(lambda: states(client) == [("1", "UNLOADING", "")], what="UNLOADING during the drain")
+        assert not client.is_model_ready("slow")
+        unload.result(timeout=30)
+        assert sorted(r.result(timeout=30) for r in results) == [0.0, 1.0, 2.0]  # the drain dropped none
+        assert states(client) == [("1", "UNAVAILABLE", "unloaded")] and client.is_ready()  # unloaded on purpose

@@ -7,13 +7,14 @@ wire format in ``shoal.protocol.tensors``) or as typed ``contents``. Replies alw
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 import numpy as np
 from google.protobuf import json_format
 
-from shoal.core import IndexEntry, ModelMetadata, ServerMetadata, StatisticsRow
+from shoal.core import IndexEntry, ModelMetadata, ModelState, ServerMetadata, StatisticsRow
 from shoal.errors import invalid
 from shoal.protocol import config_pb2, service_pb2, tensors
 from shoal.protocol.types import DataType
@@ -145,8 +146,9 @@ def model_config(config_json: dict[str, Any]) -> service_pb2.ModelConfigResponse
     return service_pb2.ModelConfigResponse(config=config)
 
 
-def load_parameters(message: service_pb2.RepositoryModelLoadRequest) -> str | None:
-    """The ``config`` override (JSON) of a load; model files sent inline are refused."""
+def load_parameters(message: service_pb2.RepositoryModelLoadRequest) -> dict[str, Any] | None:
+    """The ``config`` override of a load: a ModelConfig as a JSON object, decoded here (the config
+    pipeline turns it into a ModelConfig); model files sent inline are refused."""
     files = [key for key in message.parameters if key.startswith("file:")]
     if files:
         raise invalid(f"loading model files sent with the request ({files[0]}) is not supported")
@@ -155,13 +157,21 @@ def load_parameters(message: service_pb2.RepositoryModelLoadRequest) -> str | No
     param = message.parameters["config"]
     if param.WhichOneof("parameter_choice") != "string_param":  # as Triton: text only, never bytes
         raise invalid("invalid value type for load parameter 'config', expected string_param.")
-    return param.string_param
+    name = message.model_name
+    try:
+        document = json.loads(param.string_param)
+    except ValueError as exc:
+        raise invalid(f"failed to load '{name}': the config parameter is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise invalid(f"failed to load '{name}': the config parameter must be a JSON object (a ModelConfig), "
+                      f"got a JSON {type(document).__name__}")
+    return document
 
 
 def repository_index(entries: list[IndexEntry]) -> service_pb2.RepositoryIndexResponse:
     message = service_pb2.RepositoryIndexResponse()
     for e in entries:
-        state = e.state.value if e.state else ""
+        state = "" if e.state is ModelState.UNKNOWN else e.state.value  # never loaded: name only, as Triton
         message.models.add(name=e.name, version=e.version, state=state, reason=e.reason)
     return message
 

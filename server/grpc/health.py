@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from grpc_health.v1 import health, health_pb2
 
-from shoal.core import InferenceCore
+from shoal.core import Core
 from shoal.protocol import SERVICE_NAME
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -20,7 +20,7 @@ class HealthReporter:
         self.servicer = health.aio.HealthServicer()
         self._known: set[str] = set()
 
-    async def sync(self, core: InferenceCore) -> None:
+    async def sync(self, core: Core) -> None:
         ready = core.ready()
         for service in ("", SERVICE_NAME):
             await self.servicer.set(service, SERVING if ready else NOT_SERVING)

@@ -11,7 +11,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from shoal.core import InferenceCore
+from shoal.core import Core
 from shoal.errors import unsupported
 from shoal.grpc import convert
 from shoal.grpc.status import to_status
@@ -21,7 +21,7 @@ Context: TypeAlias = grpc.aio.ServicerContext
 
 
 class InferenceServicer:
-    def __init__(self, core: InferenceCore) -> None:
+    def __init__(self, core: Core) -> None:
         self.core = core
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
+from typing import Any
+
+from google.protobuf import json_format
 
 from shoal.backends.base import describe_model
-from shoal.errors import ShoalError, load_failed
+from shoal.errors import ShoalError, invalid, load_failed
 from shoal.protocol import config_pb2
 from shoal.repository import scanner
 from shoal.repository.config import (
@@ -43,6 +46,24 @@ def model_file(filename: str, folder: Path, version: int) -> Path:
     """The checked real path of a version's model file (the version folder itself without a file name)."""
     parts = (str(version), filename) if filename else (str(version),)
     return scanner.checked_path(folder.parent, PurePath(folder.name, *parts))
+
+
+@dataclass(frozen=True)
+class ConfigOverride:
+    """A load's ``config`` parameter: a whole ModelConfig that replaces config.pbtxt, checked at once."""
+
+    config: config_pb2.ModelConfig
+
+    @classmethod
+    def parse(cls, name: str, document: dict[str, Any]) -> ConfigOverride:
+        """``document`` is the JSON object the transport decoded (INVALID_ARGUMENT if it is no ModelConfig)."""
+        try:
+            config = json_format.ParseDict(document, config_pb2.ModelConfig())
+        except json_format.ParseError as exc:
+            raise invalid(f"failed to load '{name}': the config parameter is not a valid ModelConfig: {exc}") from None
+        if config.name and config.name != name:
+            raise invalid(f"failed to load '{name}': the config override names model '{config.name}'")
+        return cls(config)
 
 
 def configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None = None) -> Configured:

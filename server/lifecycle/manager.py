@@ -10,30 +10,29 @@ and the old entry drains (its queued and running requests finish) before its wei
 freed. A request resolves its version and enqueues without yielding to the loop in
 between, so it lands either on the old entry before its drain starts, or on the new one.
 A failed reload leaves the old entry serving and records the reason.
+
+Entries and versions change state only through ``transition()`` (``lifecycle/state.py``: one
+table of allowed moves); a loaded version is let go only through ``release``, whether it is
+unloaded, replaced by a reload, stopped at shutdown or refused by a budget after its load.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path, PurePath
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
-from google.protobuf import json_format
-
-from shoal.errors import ErrorCode, ShoalError, invalid, unknown_model
+from shoal.errors import ErrorCode, ShoalError, unknown_model
 from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
-from shoal.lifecycle.configure import configure, model_file
+from shoal.lifecycle.configure import ConfigOverride, configure, model_file
+from shoal.lifecycle.fingerprint import fingerprint_or_empty
 from shoal.lifecycle.model import ModelVersion, placements
-from shoal.lifecycle.state import ModelState
-from shoal.protocol import config_pb2
+from shoal.lifecycle.state import UNLOADED, IndexEntry, ModelEntry, ModelState, VersionEntry
 from shoal.repository import scanner
-from shoal.repository.config import CONFIG_FILENAME, ModelSpec
+from shoal.repository.config import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -41,34 +40,18 @@ CONTROL_MODES = ("none", "poll", "explicit")
 # A requested version: ASCII digits only ('²' is a digit to str.isdigit, not to int).
 _VERSION = re.compile(r"^[0-9]{1,18}$")
 
-
-@dataclass
-class VersionEntry:
-    version: int
-    state: ModelState
-    reason: str = ""
-    served: ModelVersion | None = None
+__all__ = ["CONTROL_MODES", "IndexEntry", "ModelEntry", "ModelManager", "release"]
 
 
-@dataclass
-class ModelEntry:
-    name: str
-    spec: ModelSpec | None
-    state: ModelState
-    reason: str = ""
-    versions: dict[int, VersionEntry] = field(default_factory=dict)
-    fingerprint: str = ""
-
-    def ready_versions(self) -> list[int]:
-        return sorted(v for v, e in self.versions.items() if e.state is ModelState.READY)
-
-
-@dataclass(frozen=True)
-class IndexEntry:
-    name: str
-    version: str
-    state: ModelState | None  # None: in the repository, never loaded
-    reason: str
+async def release(versions: Iterable[VersionEntry], reason: str = UNLOADED) -> None:
+    """The one teardown path (unload, reload, shutdown, a budget refusal after load): stop routing
+    to every given version at once, then let each finish its queued and running requests and free
+    its instances and weights (``ModelVersion.close``); each ends UNAVAILABLE with ``reason``."""
+    detached = [(version, version.detach()) for version in versions if version.served is not None]
+    for version, served in detached:  # nothing routes to any of them from here on
+        if served is not None:
+            await served.close()
+        version.transition(ModelState.UNAVAILABLE, reason)
 
 
 class ModelManager:
@@ -106,18 +89,20 @@ class ModelManager:
             except ShoalError as exc:
                 logger.error("model %s: %s", name, exc.message)
 
-    async def load(self, name: str, config_override: str | None = None) -> None:
-        """Load or reload ``name``; ``config_override`` is a ModelConfig as JSON (RepositoryModelLoad)."""
+    async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None:
+        """Load or reload ``name``; ``config_override`` is a ModelConfig as a JSON object (RepositoryModelLoad)."""
         folder = scanner.model_dir(self.repository, name)
         if not folder.is_dir():
             raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': no such model folder in the repository")
-        base = _parse_override(name, config_override) if config_override else None
+        override = ConfigOverride.parse(name, config_override) if config_override is not None else None
         async with self._locks.setdefault(name, asyncio.Lock()):
             old = self._models.get(name)
+            entry = ModelEntry(name)
+            entry.transition(ModelState.LOADING)
             if old is None or not old.ready_versions():  # nothing serving: the index shows LOADING
-                self._models[name] = ModelEntry(name, None, ModelState.LOADING)
+                self._models[name] = entry
             try:
-                entry, reserved = await asyncio.to_thread(self._build_entry, name, folder, base)
+                reason, reserved = await asyncio.to_thread(self._build, entry, folder, override)
             except BaseException:
                 if old is not None:
                     self._models[name] = old
@@ -126,6 +111,7 @@ class ModelManager:
                 raise
             if not entry.ready_versions():
                 self._ledger.release(reserved)
+                entry.transition(ModelState.UNAVAILABLE, reason)
                 if old is not None and old.ready_versions():
                     old.reason = f"reload failed, previous version kept serving: {entry.reason}"
                     self._changed()
@@ -135,6 +121,7 @@ class ModelManager:
                 if old is not None:
                     await self._retire(old)
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': {entry.reason}")
+            entry.transition(ModelState.READY)
             with self._ledger.settling(reserved):  # the entry's bytes now count as in use, not reserved
                 self._models[name] = entry  # the switch: one assignment on the event loop
             self._changed()
@@ -144,12 +131,15 @@ class ModelManager:
     async def unload(self, name: str) -> None:
         """Stop routing to ``name``, let its queued and running requests finish, free the weights."""
         async with self._locks.setdefault(name, asyncio.Lock()):
-            old = self._models.get(name)
-            if old is None or old.spec is None and not old.versions:
+            entry = self._models.get(name)
+            if entry is None or entry.spec is None and not entry.versions:
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to unload '{name}': the model is not loaded")
-            self._models[name] = ModelEntry(name, old.spec, ModelState.UNAVAILABLE, "unloaded")
+            entry.unloaded = True  # strict readiness stops waiting for it at once
+            if entry.state is not ModelState.READY:  # failed or unloaded already: nothing to release
+                entry.reason = UNLOADED
             self._changed()
-            await self._retire(old)
+            await self._retire(entry)
+            self._changed()
 
     def memory_in_use(self) -> dict[str, int]:
         """Bytes the loaded versions hold, per device (also read from load threads: copies first)."""
@@ -162,69 +152,69 @@ class ModelManager:
                         used[str(device)] = used.get(str(device), 0) + byte_size
         return used
 
-    def _build_entry(
-        self, name: str, folder: Path, base: config_pb2.ModelConfig | None
-    ) -> tuple[ModelEntry, dict[str, int]]:
-        """Runs in a worker thread: configure, load and warm every version the policy selects.
-
-        Returns the entry and the memory it reserved in the ledger (the caller ends the reservation)."""
+    def _build(self, entry: ModelEntry, folder: Path, override: ConfigOverride | None) -> tuple[str, dict[str, int]]:
+        """Runs in a worker thread: configure, load and warm every version the policy selects into
+        ``entry`` (LOADING). Returns why none is ready (if so) and the memory it reserved in the
+        ledger (the caller ends the reservation)."""
+        entry.fingerprint = fingerprint_or_empty(folder)  # a path outside: configure says which
         try:
-            fingerprint = fingerprint_of(folder)
-        except ShoalError:
-            fingerprint = ""  # a path leads outside: configure says which
-        try:
-            spec = configure(folder, self.strict_model_config, base=base).spec
+            spec = configure(folder, self.strict_model_config, base=override.config if override else None).spec
             available = scanner.list_versions(folder, warn=False)
         except ShoalError as exc:
-            return ModelEntry(name, None, ModelState.UNAVAILABLE, exc.message, fingerprint=fingerprint), {}
+            return exc.message, {}
+        entry.spec = spec
         chosen = spec.version_policy.select(available)
         if not chosen:
-            reason = f"model '{name}': no version folder matches the version policy (found {available})"
-            return ModelEntry(name, spec, ModelState.UNAVAILABLE, reason, fingerprint=fingerprint), {}
-        entry = ModelEntry(name, spec, ModelState.READY, fingerprint=fingerprint)
+            return f"model '{entry.name}': no version folder matches the version policy (found {available})", {}
         budget = LoadBudget(self._ledger, spec, {str(d) for d in _devices(spec)})
+        versions: dict[int, VersionEntry] = {}
         try:
             for version in chosen:
                 loaded = self._load_within_budget(spec, folder, version, budget)
                 loaded.reason = scanner.without_repository_path(self.repository, loaded.reason)
-                entry.versions[version] = loaded
+                versions[version] = loaded
         except BaseException:
             self._ledger.release(budget.reserved)
             raise
-        if not entry.ready_versions():
-            entry.state = ModelState.UNAVAILABLE
-            entry.reason = "; ".join(e.reason for e in entry.versions.values())
-        return entry, budget.reserved
+        entry.versions = versions  # one assignment: index() never sees the dict change
+        return "; ".join(v.reason for v in versions.values() if v.state is not ModelState.READY), budget.reserved
 
     @staticmethod
     def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget) -> VersionEntry:
+        entry = VersionEntry(version)
+        entry.transition(ModelState.LOADING)
         try:  # every path checked before anything is opened or stat'ed
             version_dir = scanner.checked_version_dir(folder, version)
             path = model_file(spec.default_model_filename, folder, version)
         except ShoalError as exc:
-            return VersionEntry(version, ModelState.UNAVAILABLE, exc.message)
+            entry.transition(ModelState.UNAVAILABLE, exc.message)
+            return entry
         refusal = budget.refuse_before(path)
         if refusal:
-            return VersionEntry(version, ModelState.UNAVAILABLE, refusal)
-        loaded = _load_version(spec, version, version_dir)
-        if loaded.served is None:
+            entry.transition(ModelState.UNAVAILABLE, refusal)
+            return entry
+        try:
+            served = _load_and_warm(spec, version, version_dir)
+        except ShoalError as exc:
             budget.forget_estimate()
-            return loaded
-        refusal = budget.refuse_after({str(d): b for d, b in loaded.served.memory_bytes.items()})
-        if refusal:
-            loaded.served.pool.close()
-            return VersionEntry(version, ModelState.UNAVAILABLE, refusal)
-        return loaded
+            entry.transition(ModelState.UNAVAILABLE, exc.message)
+            return entry
+        entry.attach(served)
+        refusal = budget.refuse_after({str(d): b for d, b in served.memory_bytes.items()})
+        if refusal:  # it never took a request (its scheduler never started): released on this thread's own loop
+            asyncio.run(release([entry], refusal))
+            return entry
+        entry.transition(ModelState.READY)
+        return entry
 
     async def _retire(self, entry: ModelEntry) -> None:
-        for version in entry.versions.values():
-            if version.served is not None:
-                served, version.served = version.served, None
-                version.state = ModelState.UNLOADING
-                await served.close()
-                version.state = ModelState.UNAVAILABLE
-                version.reason = "unloaded"
-        logger.info("model %s: previous instance drained and unloaded", entry.name)
+        """Let ``entry`` go: a READY one drains through ``release`` and ends UNAVAILABLE."""
+        if entry.state is not ModelState.READY:
+            return
+        entry.transition(ModelState.UNLOADING)
+        await release(entry.versions.values())
+        entry.transition(ModelState.UNAVAILABLE, UNLOADED)
+        logger.info("model %s: drained and unloaded", entry.name)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -237,11 +227,7 @@ class ModelManager:
         present = set(scanner.list_models(self.repository, warn=False))
         for name in sorted(present):
             entry = self._models.get(name)
-            try:
-                fingerprint = fingerprint_of(self.repository / name)
-            except ShoalError:
-                fingerprint = ""  # a path that leads outside: the load says so
-            changed = entry is None or fingerprint != entry.fingerprint
+            changed = entry is None or fingerprint_or_empty(self.repository / name) != entry.fingerprint
             if changed:
                 logger.info("model %s: %s, loading", name, "new" if entry is None else "changed")
                 try:
@@ -249,11 +235,12 @@ class ModelManager:
                 except ShoalError as exc:
                     logger.error("model %s: %s", name, exc.message)
         for name in sorted(set(self._models) - present):
-            if self._models[name].versions:
-                logger.info("model %s: folder removed, unloading", name)
-                await self.unload(name)
-            del self._models[name]
-            self._changed()
+            async with self._locks.setdefault(name, asyncio.Lock()):
+                entry = self._models.pop(name, None)  # unknown from now on, as it drains
+                self._changed()
+                if entry is not None and entry.versions:
+                    logger.info("model %s: folder removed, unloading", name)
+                    await self._retire(entry)
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
@@ -279,7 +266,8 @@ class ModelManager:
         if not version:
             ready = model.ready_versions()
             if not ready:
-                raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{name}' has no available versions: {model.reason}")
+                why = model.reason or model.state.value
+                raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{name}' has no available versions: {why}")
             chosen = model.versions[ready[-1]]
         else:
             number = int(version) if _VERSION.match(version) else None
@@ -304,7 +292,8 @@ class ModelManager:
         return sorted(self._models)
 
     def all_ready(self) -> bool:
-        return all(m.state is ModelState.READY for m in self._models.values() if m.reason != "unloaded")
+        """Every model the server is meant to serve is READY (one unloaded on purpose is not meant to)."""
+        return all(m.state is ModelState.READY for m in self._models.values() if not m.unloaded)
 
     def index(self, ready_only: bool = False) -> list[IndexEntry]:
         rows = []
@@ -316,7 +305,7 @@ class ModelManager:
                 rows.append(IndexEntry(model.name, str(version.version), version.state, reason))
         if not ready_only and self.control_mode == "explicit":
             loaded = set(self._models)
-            rows += [IndexEntry(n, "", None, "") for n in scanner.list_models(self.repository, warn=False)
+            rows += [IndexEntry(n, "", ModelState.UNKNOWN, "") for n in scanner.list_models(self.repository, warn=False)
                      if n not in loaded]
             rows.sort(key=lambda r: r.name)
         return [r for r in rows if not ready_only or r.state is ModelState.READY]
@@ -343,59 +332,18 @@ def _devices(spec: ModelSpec) -> set[Any]:
         return set()
 
 
-def _load_version(spec: ModelSpec, version: int, folder: Path) -> VersionEntry:
+def _load_and_warm(spec: ModelSpec, version: int, folder: Path) -> ModelVersion:
+    """Load one version and run a zero-filled request on every copy; ShoalError if it fails to load."""
     try:
         served = ModelVersion.load(spec, version, folder)
     except ShoalError as exc:
         logger.error("model %s version %d: %s", spec.name, version, exc.message)
-        return VersionEntry(version, ModelState.UNAVAILABLE, exc.message)
+        raise
     except Exception as exc:  # a backend bug must not take the other models down
         logger.exception("model %s version %d: unexpected load failure", spec.name, version)
-        return VersionEntry(version, ModelState.UNAVAILABLE, f"unexpected load failure: {exc}")
+        raise ShoalError(ErrorCode.UNAVAILABLE, f"unexpected load failure: {exc}") from exc
     try:
         served.warm_up()
     except Exception as exc:  # noqa: BLE001 - zeros may be no valid input; real requests decide
         logger.warning("model %s version %d: warm-up with zero inputs failed: %s", spec.name, version, exc)
-    return VersionEntry(version, ModelState.READY, served=served)
-
-
-def _parse_override(name: str, text: str) -> config_pb2.ModelConfig:
-    """A load's ``config`` parameter: a whole ModelConfig as a JSON object, replacing config.pbtxt."""
-    try:
-        document = json.loads(text)
-    except ValueError as exc:
-        raise invalid(f"failed to load '{name}': the config parameter is not valid JSON: {exc}") from None
-    if not isinstance(document, dict):
-        raise invalid(f"failed to load '{name}': the config parameter must be a JSON object (a ModelConfig), "
-                      f"got a JSON {type(document).__name__}")
-    try:
-        config = json_format.ParseDict(document, config_pb2.ModelConfig())
-    except json_format.ParseError as exc:
-        raise invalid(f"failed to load '{name}': the config parameter is not a valid ModelConfig: {exc}") from None
-    if config.name and config.name != name:
-        raise invalid(f"failed to load '{name}': the config override names model '{config.name}'")
-    return config
-
-
-def fingerprint_of(folder: Path) -> str:
-    """Changes when config.pbtxt, a version folder or a file in one changes (poll mode).
-
-    Every path is checked first; a file whose real path is outside the repository counts by name only.
-    """
-    repository = folder.parent
-    digest = hashlib.sha256()
-    config = scanner.checked_path(repository, PurePath(folder.name, CONFIG_FILENAME))
-    digest.update(config.read_bytes() if config.is_file() else b"")
-    for version in scanner.list_versions(folder, warn=False) if folder.is_dir() else []:
-        digest.update(f"|{version}".encode())
-        version_dir = scanner.checked_path(repository, PurePath(folder.name, str(version)))
-        for path in sorted(version_dir.rglob("*")):
-            relative = path.relative_to(version_dir)
-            try:
-                real = scanner.checked_path(repository, PurePath(folder.name, str(version), relative))
-            except ShoalError:
-                digest.update(f"|{version}/{relative}:outside".encode())
-                continue
-            stat = real.stat()
-            digest.update(f"|{version}/{relative}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()
+    return served

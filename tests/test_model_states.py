@@ -1,0 +1,288 @@
+"""The lifecycle state machine (lifecycle/state.py), its one teardown path, and the core's interface.
+
+Unit tests: the manager runs in this process on ``asyncio.run``, without a server.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from shoal.core import Core, LocalCore
+from shoal.errors import ErrorCode, ShoalError
+from shoal.grpc import convert
+from shoal.lifecycle.manager import ModelManager
+from shoal.lifecycle.model import ModelVersion
+from shoal.lifecycle.state import (
+    TRANSITIONS,
+    UNLOADED,
+    IllegalTransition,
+    Lifecycle,
+    ModelEntry,
+    ModelState,
+    VersionEntry,
+)
+from shoal.protocol import service_pb2
+from shoal.protocol.types import DataType
+from shoal.types import InferRequest, Tensor
+from tests import models
+
+S = ModelState
+# How each state is reached from UNKNOWN through allowed moves only.
+PATHS = {
+    S.UNKNOWN: [],
+    S.LOADING: [S.LOADING],
+    S.READY: [S.LOADING, S.READY],
+    S.UNAVAILABLE: [S.LOADING, S.UNAVAILABLE],
+    S.UNLOADING: [S.LOADING, S.READY, S.UNLOADING],
+}
+
+
+def _version_in(state: ModelState) -> VersionEntry:
+    entry = VersionEntry(1)
+    for step in PATHS[state]:
+        if step is S.READY:
+            entry.attach(object())  # type: ignore[arg-type]  # a stand-in: never served or closed
+        entry.transition(step)
+    return entry
+
+
+def _model_in(state: ModelState) -> ModelEntry:
+    entry = ModelEntry("m")
+    for step in PATHS[state]:
+        entry.transition(step)
+    return entry
+
+
+@pytest.mark.parametrize("make", [_version_in, _model_in], ids=["version", "model"])
+@pytest.mark.parametrize(("source", "target"), list(itertools.product(ModelState, repeat=2)))
+def test_every_move_in_the_table_is_allowed_and_every_other_refused(
+    make: Callable[[ModelState], Lifecycle], source: ModelState, target: ModelState
+) -> None:
+    entry = make(source)
+    assert entry.state is source
+    if (source, target) in TRANSITIONS:
+        if isinstance(entry, VersionEntry) and target is S.READY:
+            entry.attach(object())  # type: ignore[arg-type]
+        entry.transition(target, "why")
+        assert entry.state is target and entry.reason == "why"
+    else:
+        with pytest.raises(IllegalTransition, match=f"{source.name} -> {target.name}"):
+            entry.transition(target)
+        assert entry.state is source
+
+
+def test_the_table_is_triton_s_lifecycle() -> None:
+    assert ModelEntry("m").state is S.UNKNOWN and VersionEntry(1).state is S.UNKNOWN
+    assert {s for s, _ in TRANSITIONS} | {t for _, t in TRANSITIONS} == set(ModelState)
+    assert not [t for s, t in TRANSITIONS if s is S.UNAVAILABLE], "a reload builds new entries"
+
+
+def test_a_version_is_ready_only_with_a_loaded_model_and_stops_routing_when_detached() -> None:
+    entry = _version_in(S.LOADING)
+    with pytest.raises(IllegalTransition, match="READY without a loaded model"):
+        entry.transition(S.READY)
+    with pytest.raises(IllegalTransition, match="attach while UNKNOWN"):
+        VersionEntry(2).attach(object())  # type: ignore[arg-type]
+    ready = _version_in(S.READY)
+    assert ready.detach() is not None and ready.served is None and ready.state is S.UNLOADING
+    assert ready.detach() is None and ready.state is S.UNLOADING
+
+
+def test_local_core_has_exactly_the_protocol_s_members_and_signatures() -> None:
+    def members(cls: type) -> dict[str, Any]:
+        return {n: m for n, m in vars(cls).items() if not n.startswith("_")}
+
+    protocol, local = members(Core), {n: getattr(LocalCore, n) for n in members(Core)}
+    for name, declared in protocol.items():
+        implemented = local[name]
+        if isinstance(declared, property):
+            assert isinstance(implemented, property), name
+            assert inspect.signature(declared.fget) == inspect.signature(implemented.fget), name  # type: ignore
+        else:
+            assert inspect.signature(declared) == inspect.signature(implemented), name
+            assert inspect.iscoroutinefunction(declared) == inspect.iscoroutinefunction(implemented), name
+    called = set(members(LocalCore)) - {"manager", "strict_readiness"}
+    assert called == set(protocol), "LocalCore's public members are the interface"
+
+
+# -- the manager: states, the one teardown path --------------------------------------------------------
+
+
+@pytest.fixture
+def closes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every ModelVersion.close call, by model name (the real close still runs)."""
+    calls: list[str] = []
+    original = ModelVersion.close
+
+    async def counted(self: ModelVersion) -> None:
+        calls.append(self.spec.name)
+        await original(self)
+
+    monkeypatch.setattr(ModelVersion, "close", counted)
+    yield calls
+
+
+def _identity(repo: Path, name: str) -> None:
+    models.add_identity(repo, name, "FP32")
+
+
+def _onnx_two_copies(repo: Path, name: str) -> int:
+    """y = x + w with a 1 MB weight, two unshared copies: counted 2 MB after the load, 1 MB before."""
+    count = 2**20 // 4
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [count], np.zeros(count, np.float32).tobytes(), raw=True)
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])], name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [count])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [count])], initializer=[weight],
+    )
+    models.save_onnx(graph, repo / name / "1" / "model.onnx")
+    models.write_config(repo / name, f"""
+        platform: "onnxruntime_onnx"
+        max_batch_size: 0
+        input [ {{ name: "x" data_type: TYPE_FP32 dims: [ {count} ] }} ]
+        output [ {{ name: "y" data_type: TYPE_FP32 dims: [ {count} ] }} ]
+        instance_group [ {{ count: 2 kind: KIND_CPU }} ]
+        parameters {{ key: "share_weights" value: {{ string_value: "false" }} }}
+        """)
+    return (repo / name / "1" / "model.onnx").stat().st_size
+
+
+def _rows(manager: ModelManager, name: str) -> list[tuple[str, ModelState, str]]:
+    return [(r.version, r.state, r.reason) for r in manager.index() if r.name == name]
+
+
+def test_states_through_load_unload_and_shutdown(tmp_path: Path, closes: list[str]) -> None:
+    repo = tmp_path / "repo"
+    for name in ("a", "b"):
+        _identity(repo, name)
+    models.write_config(repo / "broken", """
+        backend: "identity"
+        max_batch_size: 0
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        """)  # the backend refuses it: a version that fails to load
+    (repo / "broken" / "1").mkdir()
+
+    async def scenario() -> None:
+        manager = ModelManager(repo, control_mode="explicit")
+        await manager.start(("a",))
+        assert _rows(manager, "a") == [("1", S.READY, "")]
+        assert _rows(manager, "b") == [("", S.UNKNOWN, "")]  # in the repository, never loaded
+        assert manager.all_ready()
+        with pytest.raises(ShoalError, match="failed to load 'broken'"):
+            await manager.load("broken")
+        assert _rows(manager, "broken")[0][1] is S.UNAVAILABLE and not manager.all_ready()
+        await manager.unload("broken")  # unloaded on purpose: readiness stops waiting for it
+        assert manager.all_ready() and closes == []
+        core = LocalCore(manager)
+        ones = np.ones((1, 3), np.float32)
+        request = InferRequest("a", "", "7", (Tensor("IN", DataType.FP32, (1, 3), ones),))
+        [output] = (await core.infer(request)).outputs
+        np.testing.assert_array_equal(output.data, ones)
+        await manager.unload("a")
+        assert _rows(manager, "a") == [("1", S.UNAVAILABLE, UNLOADED)] and manager.all_ready()
+        assert manager.entry("a").state is S.UNAVAILABLE and closes == ["a"]
+        with pytest.raises(ShoalError, match="not ready: unloaded"):
+            manager.resolve("a", "1")
+        await manager.load("a")
+        override = {**manager.resolve("a", "").spec.config_json, "max_batch_size": 4}
+        await manager.load("a", override)  # a reload: the previous load is released
+        assert closes == ["a", "a"] and manager.resolve("a", "").spec.max_batch_size == 4
+        await manager.close()
+        assert closes == ["a", "a", "a"] and manager.entry("a").state is S.UNAVAILABLE
+
+    asyncio.run(scenario())
+
+
+def test_a_budget_refusal_after_load_releases_through_model_version_close(
+    tmp_path: Path, closes: list[str]
+) -> None:
+    repo = tmp_path / "repo"
+    size = _onnx_two_copies(repo, "twice")
+    _identity(repo, "small")
+
+    async def scenario() -> None:
+        manager = ModelManager(repo, memory_budgets={"cpu": size * 3 // 2})  # one copy fits, two do not
+        await manager.start()
+        [(version, state, reason)] = _rows(manager, "twice")
+        assert state is S.UNAVAILABLE and "memory budget: model 'twice' needs 2.0 MB on cpu" in reason
+        assert closes == ["twice"] and not any(manager.memory_in_use().values())
+        assert manager.resolve("small", "").spec.name == "small"  # the other model is untouched
+        await manager.close()
+        assert closes == ["twice", "small"]
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_reload_releases_nothing_and_keeps_the_old_version_serving(
+    tmp_path: Path, closes: list[str]
+) -> None:
+    repo = tmp_path / "repo"
+    _identity(repo, "a")
+
+    async def scenario() -> None:
+        manager = ModelManager(repo, control_mode="explicit")
+        await manager.load("a")
+        with pytest.raises(ShoalError) as caught:
+            await manager.load("a", {"backend": "identity", "input": [{"name": "IN", "data_type": "TYPE_FP32"}]})
+        assert caught.value.code is ErrorCode.UNAVAILABLE
+        assert manager.entry("a").state is S.READY and "reload failed" in manager.entry("a").reason
+        assert closes == [] and manager.resolve("a", "1").spec.name == "a"
+        await manager.close()
+
+    asyncio.run(scenario())
+
+
+# -- the load override: JSON decoded at the edge, a ModelConfig in the config pipeline -------------------
+
+
+def _load_request(config: str) -> service_pb2.RepositoryModelLoadRequest:
+    request = service_pb2.RepositoryModelLoadRequest(model_name="m")
+    request.parameters["config"].string_param = config
+    return request
+
+
+def test_the_transport_decodes_the_override_to_a_plain_dict() -> None:
+    assert convert.load_parameters(_load_request('{"max_batch_size": 4}')) == {"max_batch_size": 4}
+    assert convert.load_parameters(service_pb2.RepositoryModelLoadRequest(model_name="m")) is None
+    for text, phrase in [("not json", "is not valid JSON"), ("[]", "must be a JSON object"),
+                         ("7", "got a JSON int")]:
+        with pytest.raises(ShoalError, match=phrase) as caught:
+            convert.load_parameters(_load_request(text))
+        assert caught.value.code is ErrorCode.INVALID_ARGUMENT and "failed to load 'm'" in caught.value.message
+
+
+def test_the_manager_turns_the_dict_into_a_model_config(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    _identity(repo, "a")
+
+    async def scenario() -> None:
+        manager = ModelManager(repo, control_mode="explicit")
+        for override, phrase in [({"name": "other"}, "names model 'other'"),
+                                 ({"max_batch_size": "many"}, "not a valid ModelConfig")]:
+            with pytest.raises(ShoalError, match=phrase) as caught:
+                await manager.load("a", override)
+            assert caught.value.code is ErrorCode.INVALID_ARGUMENT
+        assert manager.names() == []  # refused before anything was built
+
+    asyncio.run(scenario())
+
+
+def test_the_manager_touches_no_protobuf() -> None:
+    """protobuf stays in the transports and the config pipeline."""
+    source = models.REPO_ROOT / "server" / "lifecycle" / "manager.py"
+    imported = {alias.name for node in ast.walk(ast.parse(source.read_text())) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(ast.parse(source.read_text()))
+                 if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in imported if m.startswith(("shoal.protocol", "google.protobuf"))}, imported
