@@ -160,9 +160,10 @@ def _model_io(session: ort.InferenceSession) -> ModelIO:
 def _to_ort_strings(name: str, array: np.ndarray) -> np.ndarray:
     """ORT string tensors take Python str; BYTES elements must be UTF-8 to get there."""
     try:
-        return np.vectorize(lambda b: b.decode("utf-8") if isinstance(b, bytes) else str(b), otypes=[object])(
-            array
-        )
+        decoded: np.ndarray = np.vectorize(
+            lambda b: b.decode("utf-8") if isinstance(b, bytes) else str(b), otypes=[object]
+        )(array)
+        return decoded
     except UnicodeDecodeError as exc:
         raise invalid(
             f"input '{name}': a BYTES element is not valid UTF-8, which ONNX Runtime string tensors need"
@@ -170,6 +171,7 @@ def _to_ort_strings(name: str, array: np.ndarray) -> np.ndarray:
 
 
 def _from_ort_strings(array: np.ndarray) -> np.ndarray:
-    return np.vectorize(lambda s: s.encode("utf-8") if isinstance(s, str) else bytes(s), otypes=[object])(
-        np.asarray(array, dtype=object)
-    )
+    encoded: np.ndarray = np.vectorize(
+        lambda s: s.encode("utf-8") if isinstance(s, str) else bytes(s), otypes=[object]
+    )(np.asarray(array, dtype=object))
+    return encoded

@@ -68,7 +68,7 @@ class TorchModel:
             if self._device.type == "cuda":
                 stream = getattr(self._streams, "stream", None)
                 if stream is None:
-                    stream = self._streams.stream = torch.cuda.Stream(device=self._device)
+                    stream = self._streams.stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
                 with torch.cuda.stream(stream):
                     result = self._module(*self._arguments(inputs))
                     values = self._outputs(result)
@@ -144,7 +144,7 @@ def read_module(spec: ModelSpec, model_path: Path, target: torch.device) -> tupl
         program = torch.export.load(str(model_path))
         names = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
         return program.module().to(target), names
-    module = torch.jit.load(str(model_path), map_location=target)
+    module = torch.jit.load(str(model_path), map_location=target)  # type: ignore[no-untyped-call]
     return module.eval(), [a.name for a in module.forward.schema.arguments][1:]  # without self
 
 
@@ -291,7 +291,7 @@ def probe(model_path: Path, inputs: list[tuple[str, DataType, tuple[int, ...]]])
     if model_path.suffix == ".pt2":
         module = torch.export.load(str(model_path)).module()
     else:
-        module = torch.jit.load(str(model_path), map_location="cpu").eval()
+        module = torch.jit.load(str(model_path), map_location="cpu").eval()  # type: ignore[no-untyped-call]
 
     def run(batch: list[int]) -> list[tuple[str, torch.Tensor]]:
         arguments = [torch.zeros(batch + list(dims), dtype=_TORCH_TYPES[datatype]) for _, datatype, dims in inputs]
