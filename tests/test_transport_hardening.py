@@ -28,6 +28,7 @@ from shoal.protocol import service_pb2 as pb
 from shoal.settings import EXIT_FORCED, EXIT_STARTUP_FAILED
 from tests import models
 from tests.conftest import RunningServer, open_channel
+from tests.polling import metric, wait_until
 
 PAYLOAD_BYTES = 32 * 2**20
 
@@ -209,11 +210,10 @@ def start_two_requests(
                 return error
 
     futures = [pool.submit(call) for _ in range(2)]
-    deadline = time.monotonic() + 30
-    while f'nv_inference_pending_request_count{{model="{model}",version="1"}} 1.0' not in metrics_text(server):
-        assert time.monotonic() < deadline, "the second request never queued"
-        time.sleep(0.05)
+    wait_until(lambda: metric(server, "nv_inference_pending_request_count", model) == 1, timeout_s=30,
+               what="the second request to queue")
     return futures
+
 
 def assert_forced_exit_with_two_in_flight(server: RunningServer, model: str = "slow", tensor: str = "IN") -> None:
     """SIGTERM with two requests in flight under --exit-timeout-secs 2: exit 3 within the bound, both fail."""
@@ -308,10 +308,7 @@ def test_stopped_worker_processes_do_not_hold_the_exit(tmp_path: Path, server_fa
     assert len(workers) == 1
     os.kill(workers[0], signal.SIGSTOP)
     assert_forced_exit_with_two_in_flight(server, model="relu", tensor="INPUT__0")
-    deadline = time.monotonic() + 10
-    while alive(workers[0]):
-        assert time.monotonic() < deadline, "the stopped worker was left behind"
-        time.sleep(0.05)
+    wait_until(lambda: not alive(workers[0]), timeout_s=10, what="the stopped worker to be gone")
 
 
 # -- HTTP/2 stream churn ---------------------------------------------------------------------------
