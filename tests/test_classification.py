@@ -258,6 +258,16 @@ def test_classification_beside_a_plain_output_and_through_the_batcher(
     np.testing.assert_array_equal(whole.as_numpy("OUT"), inputs[0] * 2)
 
 
+def test_nan_ranks_last(client: triton.InferenceServerClient) -> None:
+    """Triton's std::sort leaves NaN's place unspecified; Shoal ranks it below every number, -inf too."""
+    data = np.array([[np.nan, 1.5, -np.inf, 2.0, np.nan, 1.5]], dtype=np.float32)
+    result = infer(client, "numeric_fp32", data, "FP32", 6)
+    numbers = [i for i, v in enumerate(data[0].tolist()) if not np.isnan(v)]
+    order = sorted(numbers, key=lambda i: (-data[0, i], i)) + [i for i in range(data.shape[1]) if i not in numbers]
+    want = [f"{data[0, i]:f}:{i}".encode() for i in order]
+    assert result.as_numpy("OUT").tolist() == [want]
+
+
 def test_stream_infer(client: triton.InferenceServerClient) -> None:
     """ModelStreamInfer takes the same parameter."""
     data = sample("UINT8", (2, 4), seed=5)

@@ -44,15 +44,29 @@ def top_k(data: np.ndarray, datatype: DataType, count: int, batched: bool,
     """The ``count`` highest-valued classes of each row of ``data`` as an object array of ``bytes``."""
     rows = data.reshape(data.shape[0] if batched else 1, math.prod(data.shape[1:] if batched else data.shape))
     width = min(count, rows.shape[1])
-    order = np.argsort(_descending_keys(rows, datatype), axis=1, kind="stable")[:, :width]
+    keys = _descending_keys(rows, datatype)
     text = _format_float if datatype in _FLOATS else _format_integer
     result = np.empty((rows.shape[0], width), dtype=object)
     for row_index, row in enumerate(rows):
-        for column, index in enumerate(order[row_index].tolist()):
+        for column, index in enumerate(_first(keys[row_index], width).tolist()):
             entry = f"{text(row[index])}:{index}".encode()
             label = labels[index] if index < len(labels) else b""
             result[row_index, column] = entry + b":" + label if label else entry
     return result if batched else result.reshape(width)
+
+
+def _first(keys: np.ndarray, width: int) -> np.ndarray:
+    """Indexes of the ``width`` smallest ``keys`` in stable order, without sorting the whole row:
+    every key below the width-th smallest, and the lowest indexes among those equal to it."""
+    if width == 0:
+        return np.empty(0, dtype=np.intp)
+    if width < keys.size:
+        kth = np.partition(keys, width - 1)[width - 1]
+        candidates = np.flatnonzero(~(keys > kth))  # NaN beyond a number stays out; a NaN kth keeps all
+    else:
+        candidates = np.arange(keys.size)
+    order: np.ndarray = candidates[np.argsort(keys[candidates], kind="stable")[:width]]
+    return order
 
 
 def _descending_keys(rows: np.ndarray, datatype: DataType) -> np.ndarray:
