@@ -33,6 +33,7 @@ EXTENSIONS = (
     "schedule_policy",
     "model_repository",
     "model_repository(unload_dependents)",
+    "classification",
 )
 
 

@@ -29,6 +29,9 @@ class InferRequest:
     # None: every output of the model; otherwise these names, in this order.
     requested_outputs: tuple[str, ...] | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    # Outputs requested as classifications (the ``classification`` parameter): name → how many
+    # of the highest-valued classes each batch row returns, as BYTES "value:index[:label]".
+    class_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -102,9 +102,6 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
         else:
             data = decode_contents(tensor.name, datatype, shape, tensor.contents)
         inputs.append(Tensor(tensor.name, datatype, shape, data))
-    for output in message.outputs:
-        if "classification" in output.parameters:
-            raise invalid(f"output '{output.name}': the classification extension is not supported")
     return InferRequest(
         model_name=message.model_name,
         model_version=message.model_version,
@@ -112,7 +109,26 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
         inputs=tuple(inputs),
         requested_outputs=tuple(o.name for o in message.outputs) if message.outputs else None,
         parameters={k: parameter_value(v) for k, v in message.parameters.items()},
+        class_counts=class_counts(message),
     )
+
+
+def class_counts(message: service_pb2.ModelInferRequest) -> dict[str, int]:
+    """The classification extension's per-output ``classification`` parameter: an int64_param
+    above 0, checked with Triton's wording (grpc_utils.cc ParseClassificationParams)."""
+    counts = {}
+    for output in message.outputs:
+        if "classification" not in output.parameters:
+            continue
+        param = output.parameters["classification"]
+        if param.WhichOneof("parameter_choice") != "int64_param":
+            raise invalid(f"output '{output.name}': invalid value type for 'classification' parameter, "
+                          "expected int64_param")
+        if param.int64_param <= 0:
+            raise invalid(f"output '{output.name}': invalid value for 'classification' parameter, "
+                          f"expected > 0, got {param.int64_param}")
+        counts[output.name] = param.int64_param
+    return counts
 
 
 def infer_response(response: InferResponse) -> service_pb2.ModelInferResponse:

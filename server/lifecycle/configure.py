@@ -3,7 +3,7 @@ and ``shoal config generate`` share.
 
 read config.pbtxt (optional unless strict) → backend fields from the model file → auto-complete
 from the model file when inputs or outputs are missing (not in strict mode) → normalize →
-validate → spec. Every file is reached through ``scanner.checked_path`` (nothing outside the
+validate → labels → spec. Every file is reached through ``scanner.checked_path`` (nothing outside the
 repository is opened) and messages name files relative to the repository.
 """
 
@@ -27,6 +27,7 @@ from shoal.repository.config import (
     detect_backend,
     normalize,
     read_config,
+    read_labels,
     to_spec,
     validate_filename,
 )
@@ -102,7 +103,7 @@ def _configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None) 
         completed = True
     config = normalize(config, name)
     validate_config(config, name)
-    return Configured(to_spec(config), config, reasons, completed)
+    return Configured(to_spec(config, read_labels(folder, config)), config, reasons, completed)
 
 
 def describe(config: config_pb2.ModelConfig, folder: Path) -> ModelIO:

@@ -7,11 +7,12 @@ tensor (wording close to Triton's, which users search for).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from shoal.errors import ErrorCode, ShoalError, invalid
+from shoal.lifecycle import classification
 from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec, TensorSpec
 from shoal.types import InferRequest, Tensor
@@ -22,6 +23,8 @@ class Prepared:
     feed: dict[str, np.ndarray]
     outputs: tuple[str, ...]
     batch_size: int  # 0 when the model does not batch
+    # Outputs returned as classifications: name → how many classes per batch row.
+    class_counts: Mapping[str, int] = field(default_factory=dict)
 
 
 def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
@@ -61,7 +64,9 @@ def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
         feed[tensor.name] = data
     if len(batch_sizes) > 1:
         raise invalid(f"inputs for model '{spec.name}' have different batch sizes {sorted(batch_sizes)}")
-    return Prepared(feed, _requested_outputs(spec, request), batch_sizes.pop() if batch_sizes else 0)
+    outputs = _requested_outputs(spec, request)
+    _check_classifications(spec, request, outputs)
+    return Prepared(feed, outputs, batch_sizes.pop() if batch_sizes else 0, request.class_counts)
 
 
 def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> int:
@@ -114,8 +119,21 @@ def _requested_outputs(spec: ModelSpec, request: InferRequest) -> tuple[str, ...
     return request.requested_outputs
 
 
+def _check_classifications(spec: ModelSpec, request: InferRequest, outputs: tuple[str, ...]) -> None:
+    for name, count in request.class_counts.items():
+        tensor_spec = spec.output(name)
+        if tensor_spec is None or name not in outputs:
+            raise invalid(f"classification asked for output '{name}', which model '{spec.name}' "
+                          f"does not return for this request; requested outputs are: {list(outputs)}")
+        if count < 1:
+            raise invalid(f"output '{name}': invalid value for 'classification' parameter, expected > 0, "
+                          f"got {count}")
+        classification.check_datatype(spec.name, name, tensor_spec.datatype)
+
+
 def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray]) -> tuple[Tensor, ...]:
-    """Turn backend results into response tensors: config datatypes and shapes."""
+    """Turn backend results into response tensors: config datatypes and shapes; an output
+    requested as a classification becomes its top classes per batch row (BYTES)."""
     tensors = []
     for name in prepared.outputs:
         tensor_spec = spec.output(name)
@@ -133,7 +151,13 @@ def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray
         wanted = tensor_spec.datatype.numpy_dtype
         if data.dtype != wanted:
             data = data.astype(wanted)
-        tensors.append(Tensor(name, tensor_spec.datatype, tuple(data.shape), data))
+        count = prepared.class_counts.get(name)
+        if count is None:
+            tensors.append(Tensor(name, tensor_spec.datatype, tuple(data.shape), data))
+            continue
+        batched = spec.max_batch_size > 0
+        classes = classification.top_k(data, tensor_spec.datatype, count, batched, tensor_spec.labels)
+        tensors.append(Tensor(name, DataType.BYTES, tuple(classes.shape), classes))
     return tuple(tensors)
 
 

@@ -12,13 +12,13 @@ This and ``server/grpc`` are the only places that touch protobuf.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
+from pathlib import Path, PurePath
 from typing import Any
 
 from google.protobuf import json_format, text_format
 
-from shoal.errors import load_failed, shown
+from shoal.errors import ShoalError, load_failed, shown
 from shoal.protocol import config_pb2
 from shoal.protocol.types import DataType
 from shoal.repository.scanner import CONFIG_FILENAME as CONFIG_FILENAME
@@ -48,6 +48,10 @@ class TensorSpec:
     dims: tuple[int, ...]
     reshape: tuple[int, ...] | None = None
     optional: bool = False
+    # An output's ``label_filename`` (in the model folder) and its lines, read at load; a line
+    # is the label of the class index equal to its line number (from 0).
+    label_filename: str = ""
+    labels: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -286,8 +290,41 @@ def _validate_dynamic_batching(config: config_pb2.ModelConfig, where: str) -> No
             raise load_failed(f"{where}: priority_queue_policy for level {level}, but priority_levels is {levels}")
 
 
-def to_spec(config: config_pb2.ModelConfig) -> ModelSpec:
-    """Convert a normalized, validated config into a ``ModelSpec``."""
+def read_labels(model_dir: Path, config: config_pb2.ModelConfig) -> dict[str, tuple[bytes, ...]]:
+    """Output name → the lines of its ``label_filename``, as Triton's LabelProvider reads them.
+
+    ``model_dir`` lies in its repository (the parent folder). The file is a path inside the model
+    folder (subfolders allowed); one that leads outside it, or is missing, refuses the model.
+    Lines are split on ``\\n`` only and kept as bytes (a label is returned as written, ``\\r``
+    included); the file's final newline ends the last label rather than adding an empty one.
+    """
+    model_root = checked_path(model_dir.parent, model_dir.name)
+    labels = {}
+    for output in config.output:
+        if not output.label_filename:
+            continue
+        relative = PurePath(model_dir.name, output.label_filename)
+        where = f"model '{config.name}': label file '{shown(output.label_filename)}' for output '{output.name}'"
+        try:
+            path = checked_path(model_dir.parent, relative)
+        except ShoalError:
+            path = model_root  # outside the repository: refused below with the same message
+        if path == model_root or not path.is_relative_to(model_root):
+            raise load_failed(f"{where} is outside the model folder")
+        if not path.is_file():
+            raise load_failed(f"{where} is missing or not a file ('{shown(str(relative))}')")
+        try:
+            lines = path.read_bytes().split(b"\n")
+        except OSError as exc:
+            raise load_failed(f"{where}: cannot read '{shown(str(relative))}': {exc.strerror}") from None
+        if lines[-1] == b"":
+            lines.pop()
+        labels[output.name] = tuple(lines)
+    return labels
+
+
+def to_spec(config: config_pb2.ModelConfig, labels: dict[str, tuple[bytes, ...]] | None = None) -> ModelSpec:
+    """Convert a normalized, validated config into a ``ModelSpec``; ``labels`` from ``read_labels``."""
     policy = config.version_policy
     choice = policy.WhichOneof("policy_choice")
     version_policy = VersionPolicy(
@@ -304,7 +341,11 @@ def to_spec(config: config_pb2.ModelConfig) -> ModelSpec:
         inputs=tuple(
             _tensor_spec(t.name, t.data_type, t.dims, t, optional=t.optional) for t in config.input
         ),
-        outputs=tuple(_tensor_spec(t.name, t.data_type, t.dims, t) for t in config.output),
+        outputs=tuple(
+            replace(_tensor_spec(t.name, t.data_type, t.dims, t), label_filename=t.label_filename,
+                    labels=(labels or {}).get(t.name, ()))
+            for t in config.output
+        ),
         instance_groups=tuple(
             InstanceGroupSpec(g.name, InstanceKind(kind_names.Name(g.kind)), g.count, tuple(g.gpus))
             for g in config.instance_group

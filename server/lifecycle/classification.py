@@ -1,0 +1,89 @@
+"""The classification extension: an output returned as its top-k classes, as Triton returns it.
+
+For each batch row (the whole tensor when the model does not batch), the row's elements are
+flattened, ranked by value (highest first; equal values by index, lowest first) and the first
+``k`` become BYTES strings ``"<value>:<index>"``, or ``"<value>:<index>:<label>"`` when the
+output's label file has a non-empty line ``index``. The result has shape ``[batch, min(k, n)]``
+(``[min(k, n)]`` without batching), n being the elements of one row.
+
+As Triton (server ``src/classification.cc``, ``AddClassResults``): values print as C++
+``std::to_string`` does, ``%f`` (six decimals) for floating point and plain decimal for
+integers (``nan``, ``-nan``, ``inf`` as glibc prints them). Triton orders equal values with
+``std::sort``, which leaves their order (and NaN's place) unspecified; Shoal's order is stable
+(lower index first) and NaN ranks last. Triton refuses FP16, BF16, BOOL and BYTES outputs;
+Shoal ranks FP16 and BF16 as well (printed as ``%f`` of their value) and refuses BOOL and BYTES
+(``check_datatype``), before the request is queued.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from shoal.errors import invalid
+from shoal.protocol.types import DataType
+
+_FLOATS = frozenset({DataType.FP16, DataType.BF16, DataType.FP32, DataType.FP64})
+_INTEGERS = frozenset({
+    DataType.UINT8, DataType.UINT16, DataType.UINT32, DataType.UINT64,
+    DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64,
+})
+
+
+def check_datatype(model: str, output: str, datatype: DataType) -> None:
+    """Refuse an output that has no order to rank by (Triton's wording, INVALID_ARGUMENT)."""
+    if datatype not in _FLOATS and datatype not in _INTEGERS:
+        raise invalid(f"class result not available for output '{output}' of model '{model}' due to "
+                      f"unsupported type '{datatype.value}'")
+
+
+def top_k(data: np.ndarray, datatype: DataType, count: int, batched: bool,
+          labels: Sequence[bytes] = ()) -> np.ndarray:
+    """The ``count`` highest-valued classes of each row of ``data`` as an object array of ``bytes``."""
+    rows = data.reshape(data.shape[0] if batched else 1, math.prod(data.shape[1:] if batched else data.shape))
+    width = min(count, rows.shape[1])
+    keys = _descending_keys(rows, datatype)
+    text = _format_float if datatype in _FLOATS else _format_integer
+    result = np.empty((rows.shape[0], width), dtype=object)
+    for row_index, row in enumerate(rows):
+        for column, index in enumerate(_first(keys[row_index], width).tolist()):
+            entry = f"{text(row[index])}:{index}".encode()
+            label = labels[index] if index < len(labels) else b""
+            result[row_index, column] = entry + b":" + label if label else entry
+    return result if batched else result.reshape(width)
+
+
+def _first(keys: np.ndarray, width: int) -> np.ndarray:
+    """Indexes of the ``width`` smallest ``keys`` in stable order, without sorting the whole row:
+    every key below the width-th smallest, and the lowest indexes among those equal to it."""
+    if width == 0:
+        return np.empty(0, dtype=np.intp)
+    if width < keys.size:
+        kth = np.partition(keys, width - 1)[width - 1]
+        candidates = np.flatnonzero(~(keys > kth))  # NaN beyond a number stays out; a NaN kth keeps all
+    else:
+        candidates = np.arange(keys.size)
+    order: np.ndarray = candidates[np.argsort(keys[candidates], kind="stable")[:width]]
+    return order
+
+
+def _descending_keys(rows: np.ndarray, datatype: DataType) -> np.ndarray:
+    """Keys whose ascending stable sort ranks ``rows`` highest first, equal values by lowest index."""
+    if datatype in _INTEGERS:
+        # ~x = -x - 1 reverses the order of signed and unsigned alike, without overflow.
+        inverted: np.ndarray = np.invert(rows)
+        return inverted
+    return -rows.astype(np.float64)  # FP16 and BF16 too, exactly; NaN stays NaN and sorts last
+
+
+def _format_float(value: np.generic) -> str:
+    number = float(value)
+    if math.isnan(number):  # glibc's %f keeps a NaN's sign; Python's drops it
+        return "-nan" if math.copysign(1.0, number) < 0 else "nan"
+    return f"{number:f}"
+
+
+def _format_integer(value: np.generic) -> str:
+    return str(int(value))
