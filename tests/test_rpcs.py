@@ -91,13 +91,16 @@ def test_infer_typed_contents_and_a_subset_of_outputs(stub: InferenceStub) -> No
 
 
 def test_stream_infer_answers_each_request_and_survives_errors(stub: InferenceStub) -> None:
-    bad = simple_request()
+    """Responses come in completion order, so they are matched by id (tests/test_stream_infer.py has more)."""
+    bad = simple_request(id="b")
     bad.inputs[0].datatype = "FP32"
     responses = list(stub.ModelStreamInfer(iter([simple_request(id="a"), bad, simple_request(id="c")])))
-    assert [r.error_message == "" for r in responses] == [True, False, True]
-    assert "data-type is 'FP32'" in responses[1].error_message
-    assert responses[2].infer_response.id == "c"
-    np.testing.assert_array_equal(decode(responses[0].infer_response, 0), A + B)
+    by_id = {r.infer_response.id: r for r in responses}
+    assert len(responses) == 3 and {i: r.error_message == "" for i, r in by_id.items()} == {
+        "a": True, "b": False, "c": True
+    }
+    assert "data-type is 'FP32'" in by_id["b"].error_message
+    np.testing.assert_array_equal(decode(by_id["a"].infer_response, 0), A + B)
 
 
 def test_repository_index(stub: InferenceStub) -> None:

@@ -1,11 +1,14 @@
 """The thin servicer: protobuf in on the first line, one core call, protobuf out on the last.
 
+ModelStreamInfer adds only the stream's plumbing: its requests run concurrently, bounded per stream.
+
 One method per RPC of ``inference.GRPCInferenceService``; ``server.grpc.server``
 registers each under the guard that maps errors to status.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
@@ -18,6 +21,12 @@ from shoal.grpc.status import to_status
 from shoal.protocol import service_pb2 as pb
 
 Context: TypeAlias = grpc.aio.ServicerContext
+
+# Requests one stream may have in flight (read and not yet answered on the wire). Deep enough for a
+# client pipelining on one stream to fill a dynamic batch; past it the stream is not read, so one
+# stream holds at most this many decoded requests and a client that sends faster than the models
+# answer is held back by grpc's flow control instead of being refused.
+MAX_IN_FLIGHT_PER_STREAM = 32
 
 
 class InferenceServicer:
@@ -52,17 +61,54 @@ class InferenceServicer:
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Each request gets one response; a failed one carries ``error_message`` and the stream goes on."""
-        async for request in requests:
+        """Each request starts as it is read; responses go out as they complete, each with its request's id.
+
+        A failed request gets ``error_message`` and the stream goes on. A slot is taken before a
+        request is read and freed once its response is written: with every slot taken the stream is
+        not read, so grpc's flow control holds the client back. When the client half-closes, every
+        request in flight is answered, then the stream ends; if it cancels, they are cancelled.
+        """
+        slots = asyncio.Semaphore(MAX_IN_FLIGHT_PER_STREAM)
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()  # None: no more
+        in_flight: set[asyncio.Task[None]] = set()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            answers.put_nowait(await self._stream_answer(request, context))
+
+        async def read() -> None:
             try:
-                response = convert.infer_response(await self.core.infer(convert.infer_request(request)))
-            except Exception as exc:  # noqa: BLE001 - reported in-stream, as Triton does
-                _, message = to_status(exc)
-                yield pb.ModelStreamInferResponse(
-                    error_message=message, infer_response=pb.ModelInferResponse(id=request.id)
-                )
-                continue
-            yield pb.ModelStreamInferResponse(infer_response=response)
+                await slots.acquire()
+                async for request in requests:
+                    task = asyncio.create_task(answer(request))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                    await slots.acquire()
+                if in_flight:  # half-closed: answer what is in flight
+                    await asyncio.wait(in_flight)
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await answers.get()) is not None:
+                yield response
+                slots.release()
+            await reader  # raises what ended the reading (a malformed message): the guard makes it a status
+        finally:
+            reader.cancel()
+            for task in in_flight:
+                task.cancel()
+
+    async def _stream_answer(
+        self, request: pb.ModelInferRequest, context: Context
+    ) -> pb.ModelStreamInferResponse:
+        """One request's answer on a stream; a failure is reported in-stream, as Triton does."""
+        try:
+            return pb.ModelStreamInferResponse(infer_response=await self.ModelInfer(request, context))
+        except Exception as exc:  # noqa: BLE001 - reported in-stream; the stream goes on
+            _, message = to_status(exc)
+            failed = pb.ModelInferResponse(id=request.id)  # so the client knows which request failed
+            return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Context
