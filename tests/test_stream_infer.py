@@ -135,8 +135,12 @@ def test_back_to_back_requests_on_one_stream_are_batched(server: RunningServer, 
     assert int(stats["execution_count"]) < count, stats["batch_stats"]
 
 
-def test_responses_come_back_in_completion_order(server: RunningServer, client) -> None:
-    """A slow request sent first does not hold back the quick ones after it."""
+def test_responses_come_back_in_arrival_order_while_requests_run_concurrently(
+    server: RunningServer, client
+) -> None:
+    """Triton's order for models that are not decoupled (src/grpc/stream_infer_handler.cc: each
+    request's response is queued "so that its response is sent in the same order as the request was
+    received"), while the requests run at once: the quick ones sent after a slow one finish first."""
     stream = Stream(client)
     stream.send("slow", "slow", rows(7, batched=False))
     quick_ids = [f"quick-{value}" for value in range(3)]
@@ -144,8 +148,10 @@ def test_responses_come_back_in_completion_order(server: RunningServer, client) 
         stream.send("fast", request_id, rows(value, batched=False))
     results = stream.take(4)
     client.stop_stream()
-    assert [result.get_response().id for result in results] == [*quick_ids, "slow"]
-    np.testing.assert_array_equal(results[-1].as_numpy("OUT"), rows(7, batched=False))
+    assert [result.get_response().id for result in results] == ["slow", *quick_ids]
+    np.testing.assert_array_equal(results[0].as_numpy("OUT"), rows(7, batched=False))
+    # Ran at once: the quick ones' last execution ended before the slow one's (one at a time, after it).
+    assert int(statistics(client, "fast")["last_inference"]) < int(statistics(client, "slow")["last_inference"])
 
 
 def test_a_failed_request_is_answered_with_its_id_and_the_stream_goes_on(server: RunningServer) -> None:

@@ -1,6 +1,7 @@
 """The thin servicer: protobuf in on the first line, one core call, protobuf out on the last.
 
-ModelStreamInfer adds only the stream's plumbing: its requests run concurrently, bounded per stream.
+ModelStreamInfer adds only the stream's plumbing: its requests run concurrently, bounded per stream,
+and are answered in arrival order.
 
 One method per RPC of ``inference.GRPCInferenceService``; ``server.grpc.server``
 registers each under the guard that maps errors to status.
@@ -61,37 +62,37 @@ class InferenceServicer:
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Each request starts as it is read; responses go out as they complete, each with its request's id.
+        """Each request starts as it is read; responses go out in the order the requests came, as Triton's.
 
-        A failed request gets ``error_message`` and the stream goes on. A slot is taken before a
-        request is read and freed once its response is written: with every slot taken the stream is
-        not read, so grpc's flow control holds the client back. When the client half-closes, every
-        request in flight is answered, then the stream ends; if it cancels, they are cancelled.
+        Triton's stream handler (src/grpc/stream_infer_handler.cc) runs a stream's requests
+        concurrently but, for models that are not decoupled, writes their responses in arrival order;
+        clients that send no ids rely on it. A failed request gets ``error_message`` and its id, and the
+        stream goes on. A slot is taken before a request is read and freed once its response is
+        written: with every slot taken the stream is not read, so grpc's flow control holds the client
+        back. When the client half-closes, every request in flight is answered, then the stream ends;
+        if it cancels, they are cancelled.
         """
         slots = asyncio.Semaphore(MAX_IN_FLIGHT_PER_STREAM)
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()  # None: no more
-        in_flight: set[asyncio.Task[None]] = set()
-
-        async def answer(request: pb.ModelInferRequest) -> None:
-            answers.put_nowait(await self._stream_answer(request, context))
+        # Answers in arrival order; None: the client sent its last request.
+        answers: asyncio.Queue[asyncio.Task[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
+        in_flight: set[asyncio.Task[pb.ModelStreamInferResponse]] = set()
 
         async def read() -> None:
             try:
                 await slots.acquire()
                 async for request in requests:
-                    task = asyncio.create_task(answer(request))
+                    task = asyncio.create_task(self._stream_answer(request, context))
                     in_flight.add(task)
                     task.add_done_callback(in_flight.discard)
+                    answers.put_nowait(task)
                     await slots.acquire()
-                if in_flight:  # half-closed: answer what is in flight
-                    await asyncio.wait(in_flight)
             finally:
                 answers.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
-            while (response := await answers.get()) is not None:
-                yield response
+            while (answer := await answers.get()) is not None:
+                yield await answer
                 slots.release()
             await reader  # raises what ended the reading (a malformed message): the guard makes it a status
         finally:
