@@ -7,7 +7,9 @@
   durations of its batch's phases (gather inputs, execute, scatter outputs);
 - ``inference_count``: batch elements inferred; ``execution_count``: executions;
 - ``batch_stats``: per executed batch size, the count of executions and their phase times;
-- ``executing`` (Shoal's own, a gauge): requests whose batch is executing now.
+- ``executing`` (Shoal's own, a gauge): requests whose batch is executing now;
+- ``failures``: failed requests by ``FailureReason`` (Triton's ``reason`` label of
+  ``nv_inference_request_failure``); they sum to ``fail.count``.
 
 Durations are nanoseconds from ``time.monotonic_ns``; ``last_inference`` is milliseconds
 since the epoch. Updated from the event loop only, so no lock is needed.
@@ -15,8 +17,18 @@ since the epoch. Updated from the event loop only, so no lock is needed.
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
+
+
+class FailureReason(enum.Enum):
+    """Why a request failed, in Triton's words (the ``reason`` label of its failure counter)."""
+
+    REJECTED = "REJECTED"  # turned away by the scheduler: its queue was full, or its queue timeout expired
+    CANCELED = "CANCELED"  # the client went away while the request waited in the queue
+    BACKEND = "BACKEND"  # the execution of its batch failed
+    OTHER = "OTHER"  # anything else: a request the model refused (inputs, parameters)
 
 
 @dataclass
@@ -58,6 +70,7 @@ class ModelStatistics:
     last_inference_ms: int = 0
     batch_stats: dict[int, BatchStats] = field(default_factory=dict)
     executing: int = 0
+    failures: dict[FailureReason, int] = field(default_factory=lambda: dict.fromkeys(FailureReason, 0))
 
     def record_execution(self, batch_size: int, phases: Phases) -> None:
         """One successful execution of ``batch_size`` elements."""
@@ -76,5 +89,6 @@ class ModelStatistics:
         self.compute_infer.add(phases.infer_ns)
         self.compute_output.add(phases.output_ns)
 
-    def record_failure(self, total_ns: int) -> None:
+    def record_failure(self, total_ns: int, reason: FailureReason) -> None:
         self.fail.add(total_ns)
+        self.failures[reason] += 1

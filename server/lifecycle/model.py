@@ -20,7 +20,7 @@ from shoal.instances.pool import InstancePool, Placement
 from shoal.lifecycle import tensors
 from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from shoal.scheduling.dynamic import Scheduler
-from shoal.statistics import ModelStatistics
+from shoal.statistics import FailureReason, ModelStatistics
 from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class ModelVersion:
             if self._backend is not None:
                 self._backend.validate_request(self.spec, prepared.feed)
         except ShoalError:  # rejected for bad input: still a failed request of this version
-            self.statistics.record_failure(time.monotonic_ns() - arrival_ns)
+            self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
             raise
         try:
             results = await self.scheduler.submit(

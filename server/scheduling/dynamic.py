@@ -39,7 +39,7 @@ from shoal.errors import ErrorCode, ShoalError, invalid
 from shoal.repository.config import DynamicBatching, QueuePolicy
 from shoal.scheduling.base import Executor, Runner
 from shoal.scheduling.batching import gather, scatter
-from shoal.statistics import ModelStatistics, Phases
+from shoal.statistics import FailureReason, ModelStatistics, Phases
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +105,11 @@ class Scheduler:
             policy = self.batching.queue_policy(level) if self.batching else QueuePolicy()
             timeout_us = self._timeout_us(policy, parameters)
         except ShoalError:  # a bad request parameter: the request failed here
-            self.statistics.record_failure(time.monotonic_ns() - now)
+            self.statistics.record_failure(time.monotonic_ns() - now, FailureReason.OTHER)
             raise
         queue = self._queues[level]
         if policy.max_queue_size and len(queue) >= policy.max_queue_size:
-            self.statistics.record_failure(0)
+            self.statistics.record_failure(0, FailureReason.REJECTED)
             raise ShoalError(ErrorCode.UNAVAILABLE, "Exceeds maximum queue size")
         pending = Pending(
             feed=feed,
@@ -192,13 +192,14 @@ class Scheduler:
             for pending in list(queue):
                 if pending.future.done():
                     queue.remove(pending)
+                    self.statistics.record_failure(now - pending.arrival_ns, FailureReason.CANCELED)
                     self._settle(pending, None)
                 elif pending.deadline_ns is not None and now >= pending.deadline_ns and not pending.delayed:
                     if pending.delay_on_timeout:
                         pending.delayed = True
                     else:
                         queue.remove(pending)
-                        self.statistics.record_failure(now - pending.arrival_ns)
+                        self.statistics.record_failure(now - pending.arrival_ns, FailureReason.REJECTED)
                         self._settle(pending, ShoalError(ErrorCode.UNAVAILABLE, "Request timeout expired"))
 
     def _candidates(self) -> list[Pending]:
@@ -263,7 +264,7 @@ class Scheduler:
                 logger.error("a batch of %d request(s) failed", len(batch), exc_info=exc)
             now = time.monotonic_ns()
             for pending in batch:
-                self.statistics.record_failure(now - pending.arrival_ns)
+                self.statistics.record_failure(now - pending.arrival_ns, FailureReason.BACKEND)
                 self._settle(pending, exc)
             if not isinstance(exc, Exception):
                 raise
