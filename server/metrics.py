@@ -1,92 +1,233 @@
-"""Prometheus metrics over HTTP, with Triton's metric names so existing dashboards work.
+"""Prometheus metrics over HTTP, written as Triton 2.51 writes them, so its dashboards and alerts work unchanged.
 
-Read from the same statistics ModelStatistics reports, at scrape time (nothing is added to
-the request path). Counters as Triton's: ``nv_inference_request_success``,
-``nv_inference_request_failure``, ``nv_inference_count``, ``nv_inference_exec_count``, and
-cumulative durations in µs: ``nv_inference_request_duration_us``,
-``nv_inference_queue_duration_us``, ``nv_inference_compute_input_duration_us``,
-``nv_inference_compute_infer_duration_us``, ``nv_inference_compute_output_duration_us``;
-gauge ``nv_inference_pending_request_count``. Shoal's own: ``shoal_model_memory_bytes``
-(measured at load, per device), ``shoal_model_instances`` and ``shoal_model_executing_requests``,
-plus the process collector's ``process_resident_memory_bytes``. Labels: ``model`` and ``version``.
+Read from the same statistics ModelStatistics reports, at scrape time (nothing is added to the
+request path). Triton's families, with its names, TYPE and HELP lines and labels (checked against a
+capture of a real Triton in ``tests/data/triton_metrics.txt``):
+
+- counters, labels ``model`` and ``version``: ``nv_inference_request_success``,
+  ``nv_inference_count``, ``nv_inference_exec_count`` and the cumulative durations in µs
+  ``nv_inference_{request,queue,compute_input,compute_infer,compute_output}_duration_us``;
+- counter ``nv_inference_request_failure``, labels ``model``, ``reason``, ``version``: one sample per
+  ``FailureReason`` (REJECTED, CANCELED, BACKEND, OTHER), all four from the first scrape, as Triton;
+- gauge ``nv_inference_pending_request_count``;
+- system-wide gauges, on Linux (from ``/proc``): ``nv_cpu_utilization`` (since the previous scrape),
+  ``nv_cpu_memory_total_bytes``, ``nv_cpu_memory_used_bytes`` (MemTotal - MemAvailable).
+
+A counter's sample carries the family's own name, with no ``_total`` suffix (Triton's prometheus-cpp
+writes them so; prometheus_client would add ``_total``), hence the small text writer here.
+Shoal's own families follow: ``shoal_model_memory_bytes{device}`` (measured at load),
+``shoal_model_instances`` and ``shoal_model_executing_requests``, then prometheus_client's process
+collector (``process_resident_memory_bytes`` and the rest).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any
+import socket
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
-from shoal.core import Core
+from shoal.core import Core, StatisticsRow
 from shoal.errors import StartupError
+from shoal.statistics import FailureReason
 
 logger = logging.getLogger(__name__)
 
-_DURATIONS = {
-    "nv_inference_request_duration_us": ("success", "Cumulative inference request duration in microseconds"),
-    "nv_inference_queue_duration_us": ("queue", "Cumulative inference queuing duration in microseconds"),
-    "nv_inference_compute_input_duration_us": ("compute_input", "Cumulative compute input duration in microseconds"),
+CONTENT_TYPE = "text/plain; charset=utf-8"  # what Triton's metrics endpoint answers
+
+Labels = dict[str, str]
+
+
+@dataclass
+class Family:
+    """One metric family: its TYPE and HELP lines and its samples, each named as the family."""
+
+    name: str
+    type: str  # "counter" or "gauge"
+    help: str
+    samples: list[tuple[Labels, float]] = field(default_factory=list)
+
+    def add(self, labels: Labels, value: float) -> None:
+        self.samples.append((labels, value))
+
+    def text(self) -> str:
+        lines = [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.type}"]
+        lines += [f"{self.name}{_labels(labels)} {_number(value)}" for labels, value in self.samples]
+        return "\n".join(lines) + "\n"
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _labels(labels: Labels) -> str:
+    if not labels:
+        return ""
+    pairs = sorted(labels.items())  # prometheus-cpp sorts a sample's labels by name
+    return "{" + ",".join(f'{name}="{_escape_label(value)}"' for name, value in pairs) + "}"
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    """Whole numbers without a decimal point, as Triton writes them."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+# Triton 2.51's families (metrics.cc): name -> (TYPE, HELP); the order is Triton's.
+TRITON_MODEL_FAMILIES: dict[str, tuple[str, str]] = {
+    "nv_inference_request_success": ("counter", "Number of successful inference requests, all batch sizes"),
+    "nv_inference_request_failure": ("counter", "Number of failed inference requests, all batch sizes"),
+    "nv_inference_count": ("counter", "Number of inferences performed (does not include cached requests)"),
+    "nv_inference_exec_count": ("counter", "Number of model executions performed (does not include cached requests)"),
+    "nv_inference_request_duration_us": (
+        "counter", "Cumulative inference request duration in microseconds (includes cached requests)"),
+    "nv_inference_queue_duration_us": (
+        "counter", "Cumulative inference queuing duration in microseconds (includes cached requests)"),
+    "nv_inference_compute_input_duration_us": (
+        "counter", "Cumulative compute input duration in microseconds (does not include cached requests)"),
     "nv_inference_compute_infer_duration_us": (
-        "compute_infer", "Cumulative compute inference duration in microseconds"
-    ),
+        "counter", "Cumulative compute inference duration in microseconds (does not include cached requests)"),
     "nv_inference_compute_output_duration_us": (
-        "compute_output", "Cumulative inference compute output duration in microseconds"
-    ),
+        "counter", "Cumulative inference compute output duration in microseconds (does not include cached requests)"),
+    "nv_inference_pending_request_count": (
+        "gauge", "Instantaneous number of pending requests awaiting execution per-model."),
+}
+TRITON_CPU_FAMILIES: dict[str, tuple[str, str]] = {
+    "nv_cpu_utilization": ("gauge", "CPU utilization rate [0.0 - 1.0]"),
+    "nv_cpu_memory_total_bytes": ("gauge", "CPU total memory (RAM), in bytes"),
+    "nv_cpu_memory_used_bytes": ("gauge", "CPU used memory (RAM), in bytes"),
+}
+# Duration families -> the ModelStatistics field they sum (ns there, whole µs here).
+_DURATION_FIELDS = {
+    "nv_inference_request_duration_us": "success",
+    "nv_inference_queue_duration_us": "queue",
+    "nv_inference_compute_input_duration_us": "compute_input",
+    "nv_inference_compute_infer_duration_us": "compute_infer",
+    "nv_inference_compute_output_duration_us": "compute_output",
 }
 
 
-class ModelCollector(Collector):
+def _family(name: str, table: dict[str, tuple[str, str]]) -> Family:
+    kind, text = table[name]
+    return Family(name, kind, text)
+
+
+def model_families(rows: Iterable[StatisticsRow]) -> list[Family]:
+    """Triton's per-model families, then Shoal's own, from one ModelStatistics snapshot."""
+    families = {name: _family(name, TRITON_MODEL_FAMILIES) for name in TRITON_MODEL_FAMILIES}
+    memory = Family("shoal_model_memory_bytes", "gauge", "Bytes of weights a model version holds on a device")
+    instances = Family("shoal_model_instances", "gauge", "Executors of a model version")
+    executing = Family("shoal_model_executing_requests", "gauge", "Requests whose batch is executing now")
+    for row in rows:
+        stats = row.statistics
+        labels = {"model": row.name, "version": row.version}
+        families["nv_inference_request_success"].add(labels, stats.success.count)
+        for reason in FailureReason:
+            families["nv_inference_request_failure"].add(
+                {"model": row.name, "reason": reason.value, "version": row.version}, stats.failures[reason])
+        families["nv_inference_count"].add(labels, stats.inference_count)
+        families["nv_inference_exec_count"].add(labels, stats.execution_count)
+        for name, stat in _DURATION_FIELDS.items():
+            families[name].add(labels, getattr(stats, stat).ns // 1000)
+        families["nv_inference_pending_request_count"].add(labels, row.pending)
+        instances.add(labels, row.instances)
+        executing.add(labels, stats.executing)
+        for (kind, index), byte_size in row.memory_bytes.items():
+            memory.add({"device": "cpu" if kind == "CPU" else f"gpu:{index}", **labels}, byte_size)
+    return [*families.values(), memory, instances, executing]
+
+
+class CpuMetrics:
+    """Triton's system-wide CPU families from /proc; utilization over the time since the previous scrape."""
+
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self.proc = proc
+        self._lock = threading.Lock()
+        self._previous: tuple[int, int] | None = None  # (busy, total) jiffies
+
+    def families(self) -> list[Family]:
+        try:
+            fields = [int(x) for x in (self.proc / "stat").read_text().splitlines()[0].split()[1:9]]
+            meminfo = dict(line.split(":", 1) for line in (self.proc / "meminfo").read_text().splitlines())
+            total_bytes = int(meminfo["MemTotal"].split()[0]) * 1024
+            available_bytes = int(meminfo["MemAvailable"].split()[0]) * 1024
+        except (OSError, ValueError, KeyError, IndexError):
+            return []  # not Linux: Triton has no CPU metrics there either
+        idle = fields[3] + fields[4]  # idle + iowait
+        total = sum(fields)
+        with self._lock:
+            busy_before, total_before = self._previous or (0, 0)
+            self._previous = (total - idle, total)
+        elapsed = total - total_before
+        utilization = Family(*_triton_cpu("nv_cpu_utilization"))
+        utilization.add({}, (total - idle - busy_before) / elapsed if elapsed > 0 else 0.0)
+        memory_total = Family(*_triton_cpu("nv_cpu_memory_total_bytes"))
+        memory_total.add({}, total_bytes)
+        memory_used = Family(*_triton_cpu("nv_cpu_memory_used_bytes"))
+        memory_used.add({}, total_bytes - available_bytes)
+        return [utilization, memory_total, memory_used]
+
+
+def _triton_cpu(name: str) -> tuple[str, str, str]:
+    kind, text = TRITON_CPU_FAMILIES[name]
+    return name, kind, text
+
+
+class MetricsPage:
+    """The whole /metrics text: Triton's families, Shoal's, then the process collector's."""
+
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.cpu = CpuMetrics()
+        self.process = CollectorRegistry()
+        ProcessCollector(registry=self.process)
 
-    def collect(self) -> Iterator[Any]:
-        labels = ["model", "version"]
-        success = CounterMetricFamily("nv_inference_request_success", "Number of successful inference requests",
-                                      labels=labels)
-        failure = CounterMetricFamily("nv_inference_request_failure", "Number of failed inference requests",
-                                      labels=labels)
-        count = CounterMetricFamily("nv_inference_count", "Number of inferences performed (batch rows)",
-                                    labels=labels)
-        executions = CounterMetricFamily("nv_inference_exec_count", "Number of model executions performed",
-                                         labels=labels)
-        durations = {name: CounterMetricFamily(name, text, labels=labels) for name, (_, text) in _DURATIONS.items()}
-        pending = GaugeMetricFamily("nv_inference_pending_request_count",
-                                    "Instantaneous number of pending requests awaiting execution", labels=labels)
-        memory = GaugeMetricFamily("shoal_model_memory_bytes", "Bytes of weights a model version holds on a device",
-                                   labels=[*labels, "device"])
-        instances = GaugeMetricFamily("shoal_model_instances", "Executors of a model version", labels=labels)
-        executing = GaugeMetricFamily("shoal_model_executing_requests", "Requests whose batch is executing now",
-                                      labels=labels)
-        for row in self.core.model_statistics("", ""):
-            stats = row.statistics
-            values = [row.name, row.version]
-            success.add_metric(values, stats.success.count)
-            failure.add_metric(values, stats.fail.count)
-            count.add_metric(values, stats.inference_count)
-            executions.add_metric(values, stats.execution_count)
-            for metric_name, (field, _) in _DURATIONS.items():
-                durations[metric_name].add_metric(values, getattr(stats, field).ns / 1000)
-            pending.add_metric(values, row.pending)
-            instances.add_metric(values, row.instances)
-            executing.add_metric(values, stats.executing)
-            for (kind, index), byte_size in row.memory_bytes.items():
-                memory.add_metric([*values, "cpu" if kind == "CPU" else f"gpu:{index}"], byte_size)
-        yield from (success, failure, count, executions, *durations.values(), pending, memory, instances, executing)
+    def families(self) -> Iterator[Family]:
+        families = model_families(self.core.model_statistics("", ""))
+        triton_count = len(TRITON_MODEL_FAMILIES)
+        yield from families[:triton_count]
+        yield from self.cpu.families()
+        yield from families[triton_count:]
+
+    def text(self) -> str:
+        return "".join(family.text() for family in self.families()) + generate_latest(self.process).decode()
 
 
 def start_metrics_server(core: Core, address: str, port: int) -> int:
     """Serve /metrics on a background thread; returns the bound port."""
-    registry = CollectorRegistry()
-    registry.register(ModelCollector(core))
-    ProcessCollector(registry=registry)
+    page = MetricsPage(core)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+            if self.path.split("?", 1)[0] != "/metrics":
+                self.send_error(404)
+                return
+            body = page.text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+            logger.debug("metrics: " + format, *args)
+
     try:
-        server, _thread = start_http_server(port, addr=address, registry=registry)
+        family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("MetricsServer", (ThreadingHTTPServer,), {"address_family": family})
+        server = server_class((address, port), Handler)
     except OSError as exc:
         raise StartupError(f"cannot serve metrics on {address}:{port}: {exc.strerror}") from None
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     bound = int(server.server_port)
     logger.info("Started Metrics Service at %s:%d", address, bound)
     return bound

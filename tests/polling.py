@@ -24,13 +24,12 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str
 
 
 def metric(server: LocalServer, name: str, model: str) -> float:
-    """One model's (version 1) value of a Prometheus metric (a counter's ``_total``), from /metrics."""
+    """One model's (version 1) value of a Prometheus metric, from /metrics (a counter's sample has no ``_total``)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    labels = f'{{model="{model}",version="1"}} '
+    prefix = f'{name}{{model="{model}",version="1"}} '
     for line in text.splitlines():
-        for prefix in (name + labels, name + "_total" + labels):
-            if line.startswith(prefix):
-                return float(line[len(prefix):])
+        if line.startswith(prefix):
+            return float(line[len(prefix):])
     raise AssertionError(f"no {name} for model {model} in /metrics")
 
 

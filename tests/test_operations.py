@@ -61,13 +61,15 @@ def test_metrics_use_tritons_names(running) -> None:
             client.infer("simple", {"INPUT0": A, "INPUT1": A, "EXTRA": A})
     text = urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics", timeout=10).read().decode()
     labels = '{model="simple",version="1"}'
-    assert f"nv_inference_request_success_total{labels} 3.0" in text
-    assert f"nv_inference_count_total{labels} 3.0" in text
-    assert f"nv_inference_exec_count_total{labels} 3.0" in text
+    assert f"nv_inference_request_success{labels} 3\n" in text
+    assert f"nv_inference_count{labels} 3\n" in text
+    assert f"nv_inference_exec_count{labels} 3\n" in text
+    assert 'nv_inference_request_failure{model="simple",reason="OTHER",version="1"} 1\n' in text  # the EXTRA input
     for name in ("nv_inference_request_duration_us", "nv_inference_queue_duration_us",
                  "nv_inference_compute_infer_duration_us"):
-        assert f"{name}_total{labels}" in text
-    assert f"nv_inference_pending_request_count{labels} 0.0" in text
+        assert f"{name}{labels}" in text
+    assert "_total{" not in text.split("# HELP shoal_")[0]  # Triton's families: no _total suffix
+    assert f"nv_inference_pending_request_count{labels} 0\n" in text
     assert 'shoal_model_memory_bytes{device="cpu",model="simple",version="1"}' in text
     assert "process_resident_memory_bytes" in text
 
