@@ -3,6 +3,7 @@ capture of a real Triton 2.51 (tests/data/triton_metrics.txt; bench/triton_metri
 
 from __future__ import annotations
 
+import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +21,9 @@ from tests.polling import wait_until
 from tests.prometheus_text import Family, parse, scrape
 from tests.test_batching_server import gather_model, infer, slow_identity, wait_executing, wait_queued
 
-TRITON = parse((Path(__file__).parent / "data" / "triton_metrics.txt").read_text())
+# bench/triton_metrics_peer.py points TRITON_METRICS_CAPTURE at a fresh capture.
+CAPTURE = Path(os.environ.get("TRITON_METRICS_CAPTURE", Path(__file__).parent / "data" / "triton_metrics.txt"))
+TRITON = parse(CAPTURE.read_text())
 # Triton families Shoal does not have, and why (README, Operations, Metrics).
 NOT_IN_SHOAL = {
     "nv_pinned_memory_pool_total_bytes",  # Shoal keeps no pinned host-memory pool
