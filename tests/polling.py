@@ -4,11 +4,11 @@ server-side counts tests poll."""
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Callable
 
 from shoal.clients import ClientError, InferenceClient
 from shoal.tools.local_server import LocalServer
+from tests.prometheus_text import parse, scrape
 
 POLL_INTERVAL_S = 0.01
 
@@ -24,13 +24,14 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str
 
 
 def metric(server: LocalServer, name: str, model: str) -> float:
-    """One model's (version 1) value of a Prometheus metric, from /metrics (a counter's sample has no ``_total``)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    prefix = f'{name}{{model="{model}",version="1"}} '
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            return float(line[len(prefix):])
-    raise AssertionError(f"no {name} for model {model} in /metrics")
+    """One model's (version 1) value of a Prometheus family, summed over its other labels (a failure's
+    ``reason``), from /metrics; a counter's sample carries the family's name, with no ``_total``, as Triton's."""
+    family = parse(scrape(server.metrics_port)).get(name)
+    samples = [s.value for s in family.samples if s.labels.get("model") == model
+               and s.labels.get("version") == "1"] if family else []
+    if not samples:
+        raise AssertionError(f"no {name} for model {model} in /metrics")
+    return sum(samples)
 
 
 def success_count(client: InferenceClient, model: str) -> int:
