@@ -15,6 +15,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
+from shoal.metrics import CpuMetrics
 from tests import models
 from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
@@ -150,3 +151,20 @@ def test_a_bad_input_is_other(server: RunningServer) -> None:
             client.infer("identity", [tensor])
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
     expect_failures(server, "identity", OTHER=1)
+
+
+def test_cpu_families_read_proc_as_triton(tmp_path: Path) -> None:
+    """Utilization is busy jiffies over all jiffies (idle and iowait are not busy) since the previous scrape;
+    used memory is MemTotal - MemAvailable."""
+    (tmp_path / "meminfo").write_text("MemTotal:       1000 kB\nMemFree:         100 kB\nMemAvailable:    250 kB\n")
+
+    def scrape_with(user: int, idle: int, iowait: int) -> dict[str, float]:
+        (tmp_path / "stat").write_text(f"cpu  {user} 0 0 {idle} {iowait} 0 0 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+        return {family.name: family.samples[0][1] for family in cpu.families()}
+
+    cpu = CpuMetrics(tmp_path)
+    first = scrape_with(user=300, idle=600, iowait=100)
+    assert first == {"nv_cpu_utilization": 0.3, "nv_cpu_memory_total_bytes": 1_024_000,
+                     "nv_cpu_memory_used_bytes": 768_000}
+    assert scrape_with(user=390, idle=610, iowait=100)["nv_cpu_utilization"] == 0.9  # 90 of 100 new jiffies busy
+    assert CpuMetrics(tmp_path / "absent").families() == []  # no /proc: no CPU families, as Triton off Linux
