@@ -115,14 +115,15 @@ _DURATION_FIELDS = {
 }
 
 
-def _family(name: str, table: dict[str, tuple[str, str]]) -> Family:
-    kind, text = table[name]
+def triton_family(name: str) -> Family:
+    """An empty family with Triton's TYPE and HELP."""
+    kind, text = {**TRITON_MODEL_FAMILIES, **TRITON_CPU_FAMILIES}[name]
     return Family(name, kind, text)
 
 
-def model_families(rows: Iterable[StatisticsRow]) -> list[Family]:
-    """Triton's per-model families, then Shoal's own, from one ModelStatistics snapshot."""
-    families = {name: _family(name, TRITON_MODEL_FAMILIES) for name in TRITON_MODEL_FAMILIES}
+def model_families(rows: Iterable[StatisticsRow]) -> tuple[list[Family], list[Family]]:
+    """Triton's per-model families and Shoal's own, from one ModelStatistics snapshot."""
+    families = {name: triton_family(name) for name in TRITON_MODEL_FAMILIES}
     memory = Family("shoal_model_memory_bytes", "gauge", "Bytes of weights a model version holds on a device")
     instances = Family("shoal_model_instances", "gauge", "Executors of a model version")
     executing = Family("shoal_model_executing_requests", "gauge", "Requests whose batch is executing now")
@@ -142,7 +143,7 @@ def model_families(rows: Iterable[StatisticsRow]) -> list[Family]:
         executing.add(labels, stats.executing)
         for (kind, index), byte_size in row.memory_bytes.items():
             memory.add({"device": "cpu" if kind == "CPU" else f"gpu:{index}", **labels}, byte_size)
-    return [*families.values(), memory, instances, executing]
+    return list(families.values()), [memory, instances, executing]
 
 
 class CpuMetrics:
@@ -167,18 +168,13 @@ class CpuMetrics:
             busy_before, total_before = self._previous or (0, 0)
             self._previous = (total - idle, total)
         elapsed = total - total_before
-        utilization = Family(*_triton_cpu("nv_cpu_utilization"))
+        utilization = triton_family("nv_cpu_utilization")
         utilization.add({}, (total - idle - busy_before) / elapsed if elapsed > 0 else 0.0)
-        memory_total = Family(*_triton_cpu("nv_cpu_memory_total_bytes"))
+        memory_total = triton_family("nv_cpu_memory_total_bytes")
         memory_total.add({}, total_bytes)
-        memory_used = Family(*_triton_cpu("nv_cpu_memory_used_bytes"))
+        memory_used = triton_family("nv_cpu_memory_used_bytes")
         memory_used.add({}, total_bytes - available_bytes)
         return [utilization, memory_total, memory_used]
-
-
-def _triton_cpu(name: str) -> tuple[str, str, str]:
-    kind, text = TRITON_CPU_FAMILIES[name]
-    return name, kind, text
 
 
 class MetricsPage:
@@ -191,11 +187,10 @@ class MetricsPage:
         ProcessCollector(registry=self.process)
 
     def families(self) -> Iterator[Family]:
-        families = model_families(self.core.model_statistics("", ""))
-        triton_count = len(TRITON_MODEL_FAMILIES)
-        yield from families[:triton_count]
-        yield from self.cpu.families()
-        yield from families[triton_count:]
+        tritons, shoals = model_families(self.core.model_statistics("", ""))
+        yield from tritons
+        yield from self.cpu.families()  # Triton's order: per-model families, then CPU
+        yield from shoals
 
     def text(self) -> str:
         return "".join(family.text() for family in self.families()) + generate_latest(self.process).decode()
@@ -210,7 +205,12 @@ def start_metrics_server(core: Core, address: str, port: int) -> int:
             if self.path.split("?", 1)[0] != "/metrics":
                 self.send_error(404)
                 return
-            body = page.text().encode()
+            try:
+                body = page.text().encode()
+            except Exception:
+                logger.exception("a metrics scrape failed")
+                self.send_error(500)
+                return
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE)
             self.send_header("Content-Length", str(len(body)))
