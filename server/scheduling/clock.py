@@ -41,6 +41,7 @@ _TFD_TIMER_ABSTIME = 1
 _TFD_NONBLOCK = os.O_NONBLOCK
 _TFD_CLOEXEC = 0o2000000
 MAX_LEAD_NS = 100_000  # the most the clock polls before a deadline, however late its wake-ups
+LEAD_STEP_NS = 2_000
 
 
 class _TimeSpec(ctypes.Structure):
@@ -108,7 +109,7 @@ class DeadlineClock:
     """Runs callbacks on ``loop`` at monotonic deadlines; use ``deadline_clock(loop)`` for the loop's one.
 
     Waking a sleeping thread takes the kernel tens of µs (more on a virtual machine after a long
-    idle), so the timerfd is armed that much early: the clock keeps a running average of how late
+    idle), so the timerfd is armed that much early: the clock tracks the 75th percentile of how late
     its wake-ups arrive (capped at ``MAX_LEAD_NS``) and, once woken within that lead of the earliest
     deadline, polls from the event loop (``call_soon``, so I/O is still served) until it is due.
     Nothing polls while no deadline is that close, and no callback runs before its deadline.
@@ -120,7 +121,7 @@ class DeadlineClock:
         self._sequence = itertools.count()
         self._armed_ns: int | None = None
         self._polling = False
-        self.lead_ns = 0  # running average of the timerfd's wake-up lateness, at most MAX_LEAD_NS
+        self.lead_ns = 0  # the timerfd's wake-up lateness (75th percentile), at most MAX_LEAD_NS
         self._timerfd: _TimerFd | None = None
         if _LIBC is not None:
             try:
@@ -163,8 +164,12 @@ class DeadlineClock:
         assert self._timerfd is not None
         self._timerfd.drain()
         if self._armed_ns is not None:
-            late_ns = min(max(0, time.monotonic_ns() - self._armed_ns), MAX_LEAD_NS)
-            self.lead_ns += (late_ns - self.lead_ns) // 8
+            # The lead follows the 75th percentile of the lateness: three steps up when a wake-up came
+            # later than the lead, one down otherwise (it settles where one in four is later).
+            if time.monotonic_ns() - self._armed_ns > self.lead_ns:
+                self.lead_ns = min(MAX_LEAD_NS, self.lead_ns + 3 * LEAD_STEP_NS)
+            else:
+                self.lead_ns = max(0, self.lead_ns - LEAD_STEP_NS)
             self._armed_ns = None
         self._run_due()
 
