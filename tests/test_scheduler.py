@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -11,6 +13,8 @@ import pytest
 
 from shoal.errors import ShoalError
 from shoal.repository.config import DynamicBatching, QueuePolicy
+from shoal.scheduling import clock
+from shoal.scheduling.clock import DeadlineClock, deadline_clock
 from shoal.scheduling.dynamic import Scheduler
 from shoal.statistics import ModelStatistics
 
@@ -25,6 +29,7 @@ class GatedExecutor:
         self.name = name
 
     async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        self.runner.departures_ns.append(time.monotonic_ns())
         rows = inputs["IN"]
         self.runner.batches.append(rows[:, 0].tolist())
         self.runner.started.set()
@@ -45,6 +50,7 @@ class FakeRunner:
         self.gated = gated
         self.gates: list[asyncio.Event] = []
         self.batches: list[list[int]] = []
+        self.departures_ns: list[int] = []  # time.monotonic_ns() as each batch reached an executor
         self.started = asyncio.Event()
 
     async def acquire(self) -> GatedExecutor:
@@ -318,3 +324,88 @@ def test_stop_finishes_queued_work_then_refuses() -> None:
             await submit(scheduler, 9)
 
     run(scenario())
+
+
+# -- the batcher's clock: sub-millisecond delays are kept ---------------------------------------------
+
+
+def test_a_sub_millisecond_delay_is_kept_not_rounded_up_to_a_millisecond() -> None:
+    """A lone request departs no earlier than the delay, and not a millisecond later.
+
+    asyncio's timers go through epoll, whose timeout is whole milliseconds: with them a 300 µs
+    delay never lets a batch go before 1 ms (every run, so the median too). The deadline clock
+    lets it go within tens of µs. The upper bound is on the median of 21 runs and leaves 600 µs
+    for scheduling noise, so a loaded machine that delays a few runs cannot fail it; only a clock
+    that rounds up (or never fires early enough) in most runs can.
+    """
+
+    async def scenario() -> None:
+        delay_ns = 300_000
+        runner = FakeRunner()
+        scheduler = make(runner, max_batch_size=8, max_queue_delay_us=delay_ns // 1000)
+        waits_ns = []
+        for value in range(21):
+            submitted = time.monotonic_ns()
+            await submit(scheduler, value)
+            waits_ns.append(runner.departures_ns[-1] - submitted)
+        assert runner.batches == [[value] for value in range(21)], "each lone request is its own batch"
+        assert min(waits_ns) >= delay_ns, "no batch may go before the oldest request's delay"
+        assert statistics.median(waits_ns) < 900_000, f"median wait {statistics.median(waits_ns) / 1000:.0f} µs"
+        await scheduler.stop()
+
+    run(scenario())
+
+
+def test_deadline_clock_runs_callbacks_in_order_never_early_and_not_when_cancelled() -> None:
+    async def scenario() -> None:
+        clock_ = deadline_clock()
+        assert clock_ is deadline_clock(), "one clock per event loop"
+        assert clock_.precise, "Linux has timerfd: deadlines are not left to asyncio's timers"
+        await _check_order_and_cancel(clock_)
+
+    run(scenario())
+
+
+def test_deadline_clock_falls_back_to_asyncio_timers_without_timerfd(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(clock, "_LIBC", None)
+
+    async def scenario() -> None:
+        fallback = DeadlineClock(asyncio.get_running_loop())
+        assert not fallback.precise
+        await _check_order_and_cancel(fallback)
+
+    run(scenario())
+
+
+async def _check_order_and_cancel(clock_: DeadlineClock) -> None:
+    fired: list[tuple[str, int, int]] = []  # (name, deadline, when it ran)
+    done = asyncio.Event()
+    start = time.monotonic_ns()
+
+    def at(name: str, offset_us: int) -> clock.Timer:
+        deadline = start + offset_us * 1000
+        return clock_.call_at(deadline, lambda: fired.append((name, deadline, time.monotonic_ns())))
+
+    at("c", 3000)
+    at("a", 200)
+    cancelled = at("x", 100)
+    at("b", 1000)
+    at("past", -1000)
+    clock_.call_at(start + 4_000_000, done.set)
+    cancelled.cancel()
+    await done.wait()
+    assert [name for name, _, _ in fired] == ["past", "a", "b", "c"]
+    assert all(ran >= deadline for _, deadline, ran in fired), "a callback ran before its deadline"
+
+
+def test_deadline_clock_does_not_spin_while_it_waits() -> None:
+    """Waiting 50 ms for a deadline costs the event loop's thread next to no CPU time (a spin costs 50 ms)."""
+
+    async def scenario() -> float:
+        done = asyncio.Event()
+        cpu_before = time.thread_time()
+        deadline_clock().call_at(time.monotonic_ns() + 50_000_000, done.set)
+        await done.wait()
+        return time.thread_time() - cpu_before
+
+    assert run(scenario()) < 0.02

@@ -17,7 +17,8 @@ preferred size (``max_batch_size`` when none is configured) and ``delay`` the ma
 4. A cut goes at once, unless the oldest request has waited ``delay``, in which case
    everything gathered goes. A closed or full batch goes at once. With ``delay == 0`` what
    is queued goes as soon as an executor is free. Otherwise the loop waits for more
-   requests until the oldest one's delay (or the next queue timeout) runs out.
+   requests until the oldest one's delay (or the next queue timeout) runs out, on the
+   deadline clock (``clock.py``), which keeps sub-millisecond delays to within tens of µs.
 
 Without ``dynamic_batching`` every request is its own execution, FIFO.
 """
@@ -39,6 +40,7 @@ from shoal.errors import ErrorCode, ShoalError, invalid
 from shoal.repository.config import DynamicBatching, QueuePolicy
 from shoal.scheduling.base import Executor, Runner
 from shoal.scheduling.batching import gather, scatter
+from shoal.scheduling.clock import deadline_clock
 from shoal.statistics import FailureReason, ModelStatistics, Phases
 
 logger = logging.getLogger(__name__)
@@ -126,8 +128,7 @@ class Scheduler:
         queue.append(pending)
         if pending.deadline_ns is not None and not pending.delay_on_timeout:
             # Reject promptly at the deadline, even while every executor is busy.
-            loop = asyncio.get_running_loop()
-            loop.call_later(timeout_us / 1e6, lambda: self._expire(time.monotonic_ns()))
+            deadline_clock().call_at(pending.deadline_ns, lambda: self._expire(time.monotonic_ns()))
         self._arrived.set()
         return await pending.future
 
@@ -180,11 +181,15 @@ class Scheduler:
                 for pending in batch:
                     self._queues[pending.level].remove(pending)
                 return batch
+            # Wait for the next arrival or the deadline, whichever comes first. The deadline clock
+            # keeps sub-millisecond delays (asyncio's own timers round up to a whole millisecond).
             self._arrived.clear()
+            timer = None if wait_ns is None else deadline_clock().call_at(now + wait_ns, self._arrived.set)
             try:
-                await asyncio.wait_for(self._arrived.wait(), None if wait_ns is None else wait_ns / 1e9)
-            except TimeoutError:
-                pass
+                await self._arrived.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
 
     def _expire(self, now: int) -> None:
         """Drop cancelled requests; requests past their queue timeout are rejected or delayed."""
