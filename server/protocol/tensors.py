@@ -82,7 +82,7 @@ def deserialize_bytes(raw: bytes, count: int) -> np.ndarray:
     """``count`` BYTES elements as a 1-D object array of ``bytes``; checked in Triton's order
     (core infer_request.cc ``ValidateBytesInputs``): a length prefix cut short, then one element
     more than ``count`` (reading stops there), then fewer elements than ``count``."""
-    items = []
+    items: list[bytes] = []
     offset = 0
     view = memoryview(raw)
     while offset < len(raw):
