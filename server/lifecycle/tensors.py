@@ -167,7 +167,10 @@ def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray
         tensor_spec = spec.output(name)
         assert tensor_spec is not None
         data = np.asarray(results[name])
-        if tensor_spec.reshape is not None:
+        scalar_for_ones = data.ndim == 0 and spec.max_batch_size == 0 and all(d == 1 for d in tensor_spec.dims)
+        if tensor_spec.reshape is not None or scalar_for_ones:
+            # a reshape back to the config dims; a scalar the model returns for config dims of 1s
+            # (no reshape) is reported with those dims, as Triton's ORT backend does
             lead = [prepared.batch_size] if spec.max_batch_size > 0 else []
             data = data.reshape(lead + list(tensor_spec.dims))
         if spec.max_batch_size > 0 and (data.ndim == 0 or data.shape[0] != prepared.batch_size):
