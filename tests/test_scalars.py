@@ -57,6 +57,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     _double(repo, "scalar_reshaped", [], config=SCALAR_IO % {"reshape": RESHAPE})
     _double(repo, "scalar_dims_2", [], config=SCALAR_IO.replace("[ 1 ]", "[ 2 ]") % {"reshape": ""})
     _double(repo, "scalar_string", [], elem=TensorProto.STRING)
+    _double(repo, "scalar_batching", [], config="max_batch_size: 8")
     _double(repo, "per_sample_auto", ["batch"])
     _double(repo, "per_sample_config", ["batch"], config="max_batch_size: 8\n" + SCALAR_IO % {"reshape": RESHAPE})
     _double(repo, "per_sample_no_reshape", ["batch"], config="max_batch_size: 8\n" + SCALAR_IO % {"reshape": ""})
@@ -131,6 +132,14 @@ def test_scalar_model_refuses_dims_other_than_ones(client: triton.InferenceServe
     state, reason = _state(client, "scalar_dims_2")
     assert state == "UNAVAILABLE"
     assert "'X' is a scalar in the model" in reason and "[2]" in reason
+
+
+def test_scalar_model_cannot_batch(client: triton.InferenceServerClient) -> None:
+    """AutoCompleteMaxBatch: a scalar has no batch dimension, so a non-zero max_batch_size fails."""
+    state, reason = _state(client, "scalar_batching")
+    assert state == "UNAVAILABLE"
+    assert ("autofill failed for model 'scalar_batching': model does not support batching while non-zero "
+            "max_batch_size is specified") in reason
 
 
 def test_string_scalar(client: triton.InferenceServerClient) -> None:
