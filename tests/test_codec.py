@@ -78,10 +78,18 @@ def test_typed_contents_decode() -> None:
 
 @pytest.mark.parametrize("datatype", ["FP16", "BF16"])
 def test_half_precision_needs_raw(datatype: str) -> None:
+    """No contents field holds FP16 or BF16; fp32_contents for them is the wrong type, as in Triton's
+    front end (server grpc/infer_handler.cc InferGRPCToInputHelper)."""
     request = service_pb2.ModelInferRequest(model_name="m")
-    request.inputs.add(name="a", datatype=datatype, shape=[1]).contents.fp32_contents.append(1.0)
+    tensor = request.inputs.add(name="a", datatype=datatype, shape=[1])
+    tensor.contents.SetInParent()
     with pytest.raises(ShoalError, match="can only be sent in raw_input_contents"):
         convert.infer_request(request)
+    tensor.contents.fp32_contents.append(1.0)
+    with pytest.raises(ShoalError) as caught:
+        convert.infer_request(request)
+    assert caught.value.message == (f"unexpected explicit tensor data for input tensor 'a' for model 'm' of type "
+                                    f"'FP32', expected datatype '{datatype}'")
 
 
 def test_request_parameters_of_every_kind() -> None:

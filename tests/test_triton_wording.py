@@ -224,6 +224,25 @@ def test_contents_beside_raw_contents(stub: service_pb2_grpc.GRPCInferenceServic
         "contents field must not be specified when using raw_input_contents for 'INPUT0' for model 'simple'")
 
 
+def test_contents_of_another_type(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+    """infer_handler.cc InferGRPCToInputHelper: typed contents in a field of another type."""
+    request = _simple_request([1, 16], [1, 16])
+    request.inputs[0].contents.int_contents.extend(range(16))
+    request.inputs[1].contents.fp32_contents.extend([1.0] * 16)
+    assert _raw_error(stub, request) == ("unexpected explicit tensor data for input tensor 'INPUT1' for model "
+                                         "'simple' of type 'FP32', expected datatype 'INT32'")
+
+
+def test_contents_in_two_fields(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+    """infer_handler.cc InferGRPCToInputHelper: a second non-empty field after the first."""
+    request = _simple_request([1, 16], [1, 16])
+    request.inputs[0].contents.int_contents.extend(range(16))
+    request.inputs[1].contents.int_contents.extend(range(16))
+    request.inputs[1].contents.fp32_contents.extend([1.0] * 16)
+    assert _raw_error(stub, request) == ("unexpected explicit tensor data for input tensor 'INPUT1' for model "
+                                         "'simple', binary data was already supplied.")
+
+
 def test_the_server_still_serves(client: triton.InferenceServerClient) -> None:
     result = client.infer("simple", [_input("INPUT0", A), _input("INPUT1", A)])
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + A)

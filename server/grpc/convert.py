@@ -71,6 +71,7 @@ def decode_contents(
     """Typed contents as an array. As Triton's gRPC front end turns them into bytes for the core
     to check (server src/grpc/infer_handler.cc ``InferGRPCToInput``), a wrong count is refused
     with the core's byte-size or string-count message."""
+    _check_contents_fields(name, datatype, contents, model)
     field = _CONTENTS_FIELD.get(datatype)
     if field is None:
         raise invalid(f"input '{name}': {datatype.value} data can only be sent in raw_input_contents")
@@ -91,6 +92,33 @@ def decode_contents(
         return np.array(values, dtype=datatype.numpy_dtype).reshape(shape)
     except OverflowError as exc:
         raise invalid(f"input '{name}': a value does not fit {datatype.value}") from exc
+
+
+def _contents_type(field: str, datatype: DataType) -> str:
+    """The type Triton reads a contents field as: int/uint fields serve the 8, 16 and 32 bit types."""
+    if field == "int_contents":
+        return datatype.value if datatype in (DataType.INT8, DataType.INT16) else "INT32"
+    if field == "uint_contents":
+        return datatype.value if datatype in (DataType.UINT8, DataType.UINT16) else "UINT32"
+    return {"bool_contents": "BOOL", "int64_contents": "INT64", "uint64_contents": "UINT64", "fp32_contents": "FP32",
+            "fp64_contents": "FP64", "bytes_contents": "BYTES"}[field]
+
+
+def _check_contents_fields(name: str, datatype: DataType, contents: service_pb2.InferTensorContents,
+                           model: str) -> None:
+    """Typed contents in a field of another type, or in two fields, refused as Triton's front end does:
+    fields read in its order, each checked by ``InferGRPCToInputHelper`` (server grpc/infer_handler.cc)."""
+    supplied = False
+    for field in ("bool_contents", "int_contents", "int64_contents", "uint_contents", "uint64_contents",
+                  "fp32_contents", "fp64_contents", "bytes_contents"):
+        if not getattr(contents, field):
+            continue
+        where = f"unexpected explicit tensor data for input tensor '{name}' for model '{model}'"
+        if supplied:
+            raise invalid(f"{where}, binary data was already supplied.")
+        if _contents_type(field, datatype) != datatype.value:
+            raise invalid(f"{where} of type '{_contents_type(field, datatype)}', expected datatype '{datatype.value}'")
+        supplied = True
 
 
 # -- messages -------------------------------------------------------------------------------------
