@@ -46,6 +46,11 @@ def _mixed_batch(r: pb.ModelInferRequest) -> None:
     r.raw_input_contents[1] = np.zeros((2, 16), dtype=np.int32).tobytes()
 
 
+def _zero_batch_beside_one(r: pb.ModelInferRequest) -> None:
+    r.inputs[0].shape[:] = [0, 16]
+    r.raw_input_contents[0] = b""
+
+
 def _raw_count(r: pb.ModelInferRequest) -> None:
     del r.raw_input_contents[1]
 
@@ -94,6 +99,9 @@ CASES = {
     "mixed batch sizes": (
         _mixed_batch, grpc.StatusCode.INVALID_ARGUMENT,
         "input 'INPUT1' batch size does not match other inputs for 'simple'",
+    ),
+    "zero batch beside a batch of one": (
+        _zero_batch_beside_one, grpc.StatusCode.INVALID_ARGUMENT, "input 'INPUT0' for model 'simple' has batch size 0",
     ),
     "negative dim": (
         lambda r: r.inputs[0].shape.__setitem__(0, -1),

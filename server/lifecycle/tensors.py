@@ -103,14 +103,14 @@ def _batch_size(spec: ModelSpec, tensors: list[Tensor]) -> int:
         if not tensor.shape:
             raise invalid(f"input '{tensor.name}' has no shape but model requires batch dimension for "
                           f"'{spec.name}'")
+        if tensor.shape[0] < 1:  # Shoal's own rule: Triton takes a 0 as "no batch size yet"
+            raise invalid(f"input '{tensor.name}' for model '{spec.name}' has batch size 0")
         if batch == 0:
             batch = tensor.shape[0]
         elif tensor.shape[0] != batch:
             raise invalid(f"input '{tensor.name}' batch size does not match other inputs for '{spec.name}'")
     if batch > spec.max_batch_size:
         raise invalid(f"inference request batch-size must be <= {spec.max_batch_size} for '{spec.name}'")
-    if tensors and batch < 1:
-        raise invalid(f"input '{tensors[0].name}' for model '{spec.name}' has batch size 0")
     return batch
 
 
