@@ -11,9 +11,10 @@ What Triton does, from its ONNX Runtime backend (onnxruntime_backend ``src/onnxr
   1"; other tensors go through ``CompareDimsSupported`` against the reshape if there is one, else dims;
 - ``SetInputTensors`` feeds a scalar model input as a scalar; ``scalar_outputs_`` keeps the config
   dims of a scalar output, so responses carry those dims.
-ModelMetadata shows the config dims, with -1 first when the model batches (core ``model.cc`` /
-server docs ``user_guide/model_configuration.md`` "Reshape": "the shape of the input tensor as
-seen by the client" is ``dims``).
+ModelMetadata shows the config ``dims`` (never the reshape), with -1 first when the model batches
+(core ``src/tritonserver.cc`` ``TRITONSERVER_ServerModelMetadata``: "If the model supports batching
+then must include '-1' for the batch dimension", then ``io.dims()``); server docs
+``user_guide/model_configuration.md`` "Reshape": ``dims`` is the shape the client sees.
 """
 
 from __future__ import annotations
