@@ -14,7 +14,8 @@ What Triton does, from its ONNX Runtime backend (onnxruntime_backend ``src/onnxr
 ModelMetadata shows the config ``dims`` (never the reshape), with -1 first when the model batches
 (core ``src/tritonserver.cc`` ``TRITONSERVER_ServerModelMetadata``: "If the model supports batching
 then must include '-1' for the batch dimension", then ``io.dims()``); server docs
-``user_guide/model_configuration.md`` "Reshape": ``dims`` is the shape the client sees.
+``model_configuration.md``: "Input shape specified by dims indicates the shape of input expected by
+the inference API"; the reshape is what the framework gets.
 """
 
 from __future__ import annotations
