@@ -46,6 +46,11 @@ def _mixed_batch(r: pb.ModelInferRequest) -> None:
     r.raw_input_contents[1] = np.zeros((2, 16), dtype=np.int32).tobytes()
 
 
+def _zero_batch_beside_one(r: pb.ModelInferRequest) -> None:
+    r.inputs[0].shape[:] = [0, 16]
+    r.raw_input_contents[0] = b""
+
+
 def _raw_count(r: pb.ModelInferRequest) -> None:
     del r.raw_input_contents[1]
 
@@ -69,23 +74,35 @@ CASES = {
     ),
     "wrong shape": (
         _wrong_shape, grpc.StatusCode.INVALID_ARGUMENT,
-        "unexpected shape for input 'INPUT0' for model 'simple'. Expected [-1, 16], got [1, 8]",
+        "unexpected shape for input 'INPUT0' for model 'simple'. Expected [-1,16], got [1,8]. NOTE:",
     ),
     "missing input": (_missing_input, grpc.StatusCode.INVALID_ARGUMENT, "missing required input(s) ['INPUT1']"),
-    "extra input": (_extra_input, grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference input 'INPUT9'"),
+    "extra input": (
+        _extra_input, grpc.StatusCode.INVALID_ARGUMENT, "expected 2 inputs but got 3 inputs for model 'simple'",
+    ),
     "unknown output": (
         lambda r: r.outputs.add(name="OUTPUT7"),
         grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference output 'OUTPUT7' for model 'simple'",
     ),
     "raw byte size": (
         lambda r: r.raw_input_contents.__setitem__(1, b"\x00" * 63),
-        grpc.StatusCode.INVALID_ARGUMENT, "input 'INPUT1': raw content has 63 bytes",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 63",
     ),
-    "raw entry count": (_raw_count, grpc.StatusCode.INVALID_ARGUMENT, "raw_input_contents entries"),
+    "raw entry count": (
+        _raw_count, grpc.StatusCode.INVALID_ARGUMENT,
+        "unable to find data for input tensor 'INPUT1' for model 'simple' in request.",
+    ),
     "batch too big": (
         _too_big_batch, grpc.StatusCode.INVALID_ARGUMENT, "batch-size must be <= 8 for 'simple'",
     ),
-    "mixed batch sizes": (_mixed_batch, grpc.StatusCode.INVALID_ARGUMENT, "different batch sizes"),
+    "mixed batch sizes": (
+        _mixed_batch, grpc.StatusCode.INVALID_ARGUMENT,
+        "input 'INPUT1' batch size does not match other inputs for 'simple'",
+    ),
+    "zero batch beside a batch of one": (
+        _zero_batch_beside_one, grpc.StatusCode.INVALID_ARGUMENT, "input 'INPUT0' for model 'simple' has batch size 0",
+    ),
     "negative dim": (
         lambda r: r.inputs[0].shape.__setitem__(0, -1),
         grpc.StatusCode.INVALID_ARGUMENT, "negative dimension",

@@ -29,14 +29,15 @@ def test_bytes_round_trip_exactly() -> None:
 @pytest.mark.parametrize(
     ("raw", "phrase"),
     [
-        (b"\x01\x00", "inside a length prefix"),
+        (b"\x01\x00", "incomplete string length indicator for inference input 'x' for model 'm', expecting 4 bytes "
+                        "but only 2 bytes available"),
         (struct.pack("<I", 9) + b"abc", "runs past the content"),
-        (struct.pack("<I", 1) + b"a", "holds 1 elements, the shape needs 2"),
+        (struct.pack("<I", 1) + b"a", "expected 2 string elements for inference input 'x' for model 'm', got 1"),
     ],
 )
 def test_malformed_bytes_are_invalid(raw: bytes, phrase: str) -> None:
     with pytest.raises(ShoalError) as caught:
-        convert.decode_raw("x", DataType.BYTES, (2,), raw)
+        convert.decode_raw("x", DataType.BYTES, (2,), raw, "m")
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT and phrase in caught.value.message
 
 
@@ -59,9 +60,8 @@ def test_bf16_wire_format_is_upper_half_of_fp32() -> None:
 
 def test_raw_size_mismatch_names_tensor_and_sizes() -> None:
     with pytest.raises(ShoalError) as caught:
-        convert.decode_raw("INPUT0", DataType.INT32, (1, 16), b"\x00" * 60)
-    assert "'INPUT0'" in caught.value.message and "60 bytes" in caught.value.message
-    assert "needs 64" in caught.value.message
+        convert.decode_raw("INPUT0", DataType.INT32, (1, 16), b"\x00" * 60, "m")
+    assert caught.value.message == "input byte size mismatch for input 'INPUT0' for model 'm'. Expected 64, got 60"
 
 
 def test_typed_contents_decode() -> None:
@@ -78,10 +78,18 @@ def test_typed_contents_decode() -> None:
 
 @pytest.mark.parametrize("datatype", ["FP16", "BF16"])
 def test_half_precision_needs_raw(datatype: str) -> None:
+    """No contents field holds FP16 or BF16; fp32_contents for them is the wrong type, as in Triton's
+    front end (server grpc/infer_handler.cc InferGRPCToInputHelper)."""
     request = service_pb2.ModelInferRequest(model_name="m")
-    request.inputs.add(name="a", datatype=datatype, shape=[1]).contents.fp32_contents.append(1.0)
+    tensor = request.inputs.add(name="a", datatype=datatype, shape=[1])
+    tensor.contents.SetInParent()
     with pytest.raises(ShoalError, match="can only be sent in raw_input_contents"):
         convert.infer_request(request)
+    tensor.contents.fp32_contents.append(1.0)
+    with pytest.raises(ShoalError) as caught:
+        convert.infer_request(request)
+    assert caught.value.message == (f"unexpected explicit tensor data for input tensor 'a' for model 'm' of type "
+                                    f"'FP32', expected datatype '{datatype}'")
 
 
 def test_request_parameters_of_every_kind() -> None:

@@ -57,10 +57,15 @@ class OnnxModel:
         self.weight_bytes = weight_bytes  # the model file's size: ORT does not report its initializers
         self._string_inputs = {t.name for t in spec.inputs if t.datatype is DataType.BYTES}
         self._string_outputs = {t.name for t in spec.outputs if t.datatype is DataType.BYTES}
+        # Inputs that are scalars in the model: fed as scalars whatever config dims of 1s they
+        # arrive in (dims [1] without a reshape), as Triton's ORT backend does.
+        self._scalar_inputs = {arg.name for arg in session.get_inputs() if not arg.shape}
 
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         feed = {name: _to_ort_strings(name, a) if name in self._string_inputs else a
                 for name, a in inputs.items()}
+        for name in self._scalar_inputs & feed.keys():
+            feed[name] = feed[name].reshape(())
         results = self._session.run(list(outputs), feed)
         return {
             name: _from_ort_strings(value) if name in self._string_outputs else value

@@ -40,25 +40,50 @@ _CONTENTS_FIELD = {
 # -- tensors -------------------------------------------------------------------------------------
 
 
-def decode_raw(name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
+def decode_raw(name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes, model: str = "") -> np.ndarray:
+    """Raw content as an array; a size that does not fit the shape is refused in Triton's words."""
     try:
         return tensors.from_raw(datatype, shape, raw)
     except tensors.WireFormatError as exc:
-        raise invalid(f"input '{name}': {exc}") from None
+        raise invalid(content_error(name, model, exc)) from None
+
+
+def content_error(name: str, model: str, exc: tensors.WireFormatError) -> str:
+    """Triton's message for tensor content that does not fit its shape (core infer_request.cc
+    ``Normalize`` and ``ValidateBytesInputs``); Shoal's own for the cases Triton has none."""
+    where = f"for inference input '{name}' for model '{model}'"
+    if isinstance(exc, tensors.ByteSizeMismatch):
+        return (f"input byte size mismatch for input '{name}' for model '{model}'. "
+                f"Expected {exc.expected}, got {exc.got}")
+    if isinstance(exc, tensors.StringCountMismatch):
+        if exc.too_many:
+            return f"unexpected number of string elements {exc.got} {where}, expecting {exc.expected}"
+        return f"expected {exc.expected} string elements {where}, got {exc.got}"
+    if isinstance(exc, tensors.IncompleteLengthPrefix):
+        return (f"incomplete string length indicator {where}, expecting 4 bytes but only {exc.available} bytes "
+                "available. Please make sure the string length indicator is in one buffer.")
+    return f"input '{name}' for model '{model}': {exc}"
 
 
 def decode_contents(
-    name: str, datatype: DataType, shape: tuple[int, ...], contents: service_pb2.InferTensorContents
+    name: str, datatype: DataType, shape: tuple[int, ...], contents: service_pb2.InferTensorContents, model: str = ""
 ) -> np.ndarray:
+    """Typed contents as an array. As Triton's gRPC front end turns them into bytes for the core
+    to check (server src/grpc/infer_handler.cc ``InferGRPCToInput``), a wrong count is refused
+    with the core's byte-size or string-count message."""
+    _check_contents_fields(name, datatype, contents, model)
     field = _CONTENTS_FIELD.get(datatype)
     if field is None:
         raise invalid(f"input '{name}': {datatype.value} data can only be sent in raw_input_contents")
     values = getattr(contents, field)
     count = math.prod(shape)
     if len(values) != count:
-        raise invalid(
-            f"input '{name}': contents hold {len(values)} {datatype.value} values, shape {list(shape)} needs {count}"
-        )
+        if datatype is DataType.BYTES:
+            mismatch: tensors.WireFormatError = tensors.StringCountMismatch(count, min(len(values), count + 1))
+        else:
+            mismatch = tensors.ByteSizeMismatch(datatype, shape, count * datatype.item_size,
+                                                len(values) * datatype.item_size)
+        raise invalid(content_error(name, model, mismatch))
     if datatype is DataType.BYTES:
         array = np.empty(count, dtype=object)
         array[:] = list(values)
@@ -67,6 +92,33 @@ def decode_contents(
         return np.array(values, dtype=datatype.numpy_dtype).reshape(shape)
     except OverflowError as exc:
         raise invalid(f"input '{name}': a value does not fit {datatype.value}") from exc
+
+
+def _contents_type(field: str, datatype: DataType) -> str:
+    """The type Triton reads a contents field as: int/uint fields serve the 8, 16 and 32 bit types."""
+    if field == "int_contents":
+        return datatype.value if datatype in (DataType.INT8, DataType.INT16) else "INT32"
+    if field == "uint_contents":
+        return datatype.value if datatype in (DataType.UINT8, DataType.UINT16) else "UINT32"
+    return {"bool_contents": "BOOL", "int64_contents": "INT64", "uint64_contents": "UINT64", "fp32_contents": "FP32",
+            "fp64_contents": "FP64", "bytes_contents": "BYTES"}[field]
+
+
+def _check_contents_fields(name: str, datatype: DataType, contents: service_pb2.InferTensorContents,
+                           model: str) -> None:
+    """Typed contents in a field of another type, or in two fields, refused as Triton's front end does:
+    fields read in its order, each checked by ``InferGRPCToInputHelper`` (server grpc/infer_handler.cc)."""
+    supplied = False
+    for field in ("bool_contents", "int_contents", "int64_contents", "uint_contents", "uint64_contents",
+                  "fp32_contents", "fp64_contents", "bytes_contents"):
+        if not getattr(contents, field):
+            continue
+        where = f"unexpected explicit tensor data for input tensor '{name}' for model '{model}'"
+        if supplied:
+            raise invalid(f"{where}, binary data was already supplied.")
+        if _contents_type(field, datatype) != datatype.value:
+            raise invalid(f"{where} of type '{_contents_type(field, datatype)}', expected datatype '{datatype.value}'")
+        supplied = True
 
 
 # -- messages -------------------------------------------------------------------------------------
@@ -80,7 +132,8 @@ def parameter_value(param: Any) -> Any:
 
 def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
     raw = message.raw_input_contents
-    if raw and len(raw) != len(message.inputs):
+    model = message.model_name
+    if len(raw) > len(message.inputs):
         raise invalid(
             f"expected {len(message.inputs)} raw_input_contents entries (one per input), got {len(raw)}"
         )
@@ -95,12 +148,16 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
             tensors.check_shape(datatype, shape)
         except tensors.WireFormatError as exc:
             raise invalid(f"input '{tensor.name}': {exc}") from None
-        if raw:
-            if tensor.HasField("contents"):
-                raise invalid(f"input '{tensor.name}': contents and raw_input_contents are both set")
-            data = decode_raw(tensor.name, datatype, shape, raw[index])
+        # Triton's front end (server src/grpc/infer_handler.cc InferGRPCToInput) words these three.
+        if raw and tensor.HasField("contents"):
+            raise invalid(f"contents field must not be specified when using raw_input_contents for "
+                          f"'{tensor.name}' for model '{model}'")
+        if raw and index < len(raw):
+            data = decode_raw(tensor.name, datatype, shape, raw[index], model)
+        elif tensor.HasField("contents"):
+            data = decode_contents(tensor.name, datatype, shape, tensor.contents, model)
         else:
-            data = decode_contents(tensor.name, datatype, shape, tensor.contents)
+            raise invalid(f"unable to find data for input tensor '{tensor.name}' for model '{model}' in request.")
         inputs.append(Tensor(tensor.name, datatype, shape, data))
     return InferRequest(
         model_name=message.model_name,

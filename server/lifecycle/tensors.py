@@ -1,12 +1,12 @@
 """Check a request against a model's config, build the backend feed, and shape the outputs.
 
 Every rule here answers INVALID_ARGUMENT with a message that names the model and the
-tensor (wording close to Triton's, which users search for).
+tensor, in Triton's words where Triton answers the same case (clients match on them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +16,14 @@ from shoal.lifecycle import classification
 from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec, TensorSpec
 from shoal.types import InferRequest, Tensor
+
+# Triton appends this to a shape mismatch when the model batches (core infer_request.cc Normalize).
+IMPLICIT_BATCH_NOTE = (
+    "NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
+    "prepended to each input shape. If you want to specify the full shape including the batch dim in "
+    "your input dims config, try setting max_batch_size to zero. See the model configuration docs for "
+    "more info on max_batch_size."
+)
 
 
 @dataclass(frozen=True)
@@ -28,29 +36,25 @@ class Prepared:
 
 
 def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
+    """Check a request in Triton's order, with its words (core infer_request.cc ``Normalize``,
+    ``ValidateRequestInputs``; model.cc ``GetInput``, ``GetOutput``): requested outputs, the
+    number of inputs, unknown inputs, batch sizes, then each input's datatype and shape."""
     given = {}
     for tensor in request.inputs:
-        if tensor.name in given:
-            raise invalid(f"input '{tensor.name}' appears twice in the request for model '{spec.name}'")
+        if tensor.name in given:  # Triton: InferenceRequest::AddOriginalInput
+            raise invalid(f"input '{tensor.name}' already exists in request")
         given[tensor.name] = tensor
+    outputs = _requested_outputs(spec, request)
+    _check_input_count(spec, given)
     unexpected = [name for name in given if spec.input(name) is None]
     if unexpected:
-        raise invalid(
-            f"unexpected inference input '{unexpected[0]}' for model '{spec.name}'; "
-            f"allowed inputs are: {[t.name for t in spec.inputs]}"
-        )
-    missing = [t.name for t in spec.inputs if t.name not in given and not t.optional]
-    if missing:
-        raise invalid(
-            f"expected {len(spec.inputs)} inputs but got {len(given)} inputs for model '{spec.name}'; "
-            f"missing required input(s) {missing}"
-        )
-    batch_sizes = set()
+        raise invalid(f"unexpected inference input '{unexpected[0]}' for model '{spec.name}'")
+    batch_size = _batch_size(spec, list(given.values()))
     feed = {}
     for tensor in given.values():
         tensor_spec = spec.input(tensor.name)
         assert tensor_spec is not None
-        batch_sizes.add(_check_input(spec, tensor_spec, tensor))
+        _check_input(spec, tensor_spec, tensor)
         data = tensor.data
         if tensor_spec.reshape is not None:
             lead = list(tensor.shape[:1]) if spec.max_batch_size > 0 else []
@@ -62,14 +66,55 @@ def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
                     f"reshaped to {lead + list(tensor_spec.reshape)}"
                 ) from None
         feed[tensor.name] = data
-    if len(batch_sizes) > 1:
-        raise invalid(f"inputs for model '{spec.name}' have different batch sizes {sorted(batch_sizes)}")
-    outputs = _requested_outputs(spec, request)
     _check_classifications(spec, request, outputs)
-    return Prepared(feed, outputs, batch_sizes.pop() if batch_sizes else 0, request.class_counts)
+    return Prepared(feed, outputs, batch_size, request.class_counts)
 
 
-def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> int:
+def _check_input_count(spec: ModelSpec, given: Mapping[str, Tensor]) -> None:
+    """Triton's ValidateRequestInputs: more inputs than the config lists, or fewer than it requires.
+    Lists print as Triton prints them: ``['A','B']``."""
+    required = [t for t in spec.inputs if not t.optional]
+    if len(required) <= len(given) <= len(spec.inputs):
+        return
+    missing = [t.name for t in required if t.name not in given]
+    expected = (f"expected {len(spec.inputs)} inputs" if len(required) == len(spec.inputs)
+                else f"expected number of inputs between {len(required)} and {len(spec.inputs)}")
+    raise invalid(
+        f"{expected} but got {len(given)} inputs for model '{spec.name}'. Got input(s) {_names(given)}, "
+        f"but missing required input(s) {_names(missing)}. Please provide all required input(s)."
+    )
+
+
+def _names(names: Iterable[str]) -> str:
+    return "[" + ",".join(f"'{name}'" for name in names) + "]"
+
+
+def _dims(shape: Iterable[int]) -> str:
+    """A shape as Triton's DimsListToString prints it: ``[-1,16]``."""
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _batch_size(spec: ModelSpec, tensors: list[Tensor]) -> int:
+    """The request's batch size (0 when the model does not batch), checked as Triton's Normalize."""
+    if spec.max_batch_size == 0:
+        return 0
+    batch = 0
+    for tensor in tensors:
+        if not tensor.shape:
+            raise invalid(f"input '{tensor.name}' has no shape but model requires batch dimension for "
+                          f"'{spec.name}'")
+        if tensor.shape[0] < 1:  # Shoal's own rule: Triton takes a 0 as "no batch size yet"
+            raise invalid(f"input '{tensor.name}' for model '{spec.name}' has batch size 0")
+        if batch == 0:
+            batch = tensor.shape[0]
+        elif tensor.shape[0] != batch:
+            raise invalid(f"input '{tensor.name}' batch size does not match other inputs for '{spec.name}'")
+    if batch > spec.max_batch_size:
+        raise invalid(f"inference request batch-size must be <= {spec.max_batch_size} for '{spec.name}'")
+    return batch
+
+
+def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> None:
     if tensor.datatype is not tensor_spec.datatype:
         raise invalid(
             f"inference input '{tensor.name}' data-type is '{tensor.datatype.value}', "
@@ -77,30 +122,16 @@ def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> in
         )
     dims = list(tensor_spec.dims)
     shape = list(tensor.shape)
-    batch = 0
-    if spec.max_batch_size > 0:
-        expected = [-1, *dims]
-        if shape:
-            batch = shape[0]
-            if batch > spec.max_batch_size:
-                raise invalid(
-                    f"inference request batch-size must be <= {spec.max_batch_size} for '{spec.name}'; "
-                    f"input '{tensor.name}' has batch size {batch}"
-                )
-            if batch < 1:
-                raise invalid(f"input '{tensor.name}' for model '{spec.name}' has batch size 0")
-        shape_to_check = shape[1:]
-    else:
-        expected = dims
-        shape_to_check = shape
-    if len(shape) != len(expected) or any(
+    batched = spec.max_batch_size > 0
+    shape_to_check = shape[1:] if batched else shape
+    if len(shape_to_check) != len(dims) or any(
         d != -1 and d != s for d, s in zip(dims, shape_to_check, strict=True)
     ):
+        expected = [-1, *dims] if batched else dims
         raise invalid(
             f"unexpected shape for input '{tensor.name}' for model '{spec.name}'. "
-            f"Expected {expected}, got {shape}"
+            f"Expected {_dims(expected)}, got {_dims(shape)}. {IMPLICIT_BATCH_NOTE if batched else ''}"
         )
-    return batch
 
 
 def _requested_outputs(spec: ModelSpec, request: InferRequest) -> tuple[str, ...]:
@@ -109,10 +140,7 @@ def _requested_outputs(spec: ModelSpec, request: InferRequest) -> tuple[str, ...
     seen = set()
     for name in request.requested_outputs:
         if spec.output(name) is None:
-            raise invalid(
-                f"unexpected inference output '{name}' for model '{spec.name}'; "
-                f"model outputs are: {[t.name for t in spec.outputs]}"
-            )
+            raise invalid(f"unexpected inference output '{name}' for model '{spec.name}'")
         if name in seen:
             raise invalid(f"output '{name}' is requested twice for model '{spec.name}'")
         seen.add(name)
@@ -139,7 +167,10 @@ def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray
         tensor_spec = spec.output(name)
         assert tensor_spec is not None
         data = np.asarray(results[name])
-        if tensor_spec.reshape is not None:
+        scalar_for_ones = data.ndim == 0 and spec.max_batch_size == 0 and all(d == 1 for d in tensor_spec.dims)
+        if tensor_spec.reshape is not None or scalar_for_ones:
+            # a reshape back to the config dims; a scalar the model returns for config dims of 1s
+            # (no reshape) is reported with those dims, as Triton's ORT backend does
             lead = [prepared.batch_size] if spec.max_batch_size > 0 else []
             data = data.reshape(lead + list(tensor_spec.dims))
         if spec.max_batch_size > 0 and (data.ndim == 0 or data.shape[0] != prepared.batch_size):

@@ -24,6 +24,36 @@ class WireFormatError(ValueError):
     """Raw tensor content that does not match its declared datatype and shape."""
 
 
+class ByteSizeMismatch(WireFormatError):
+    """Fixed-size content whose byte count is not what the shape needs."""
+
+    def __init__(self, datatype: DataType, shape: tuple[int, ...], expected: int, got: int) -> None:
+        super().__init__(f"raw content has {got} bytes, but shape {list(shape)} of {datatype.value} needs {expected}")
+        self.expected = expected
+        self.got = got
+
+
+class StringCountMismatch(WireFormatError):
+    """BYTES content with another number of elements than the shape needs. As Triton reads it
+    (core infer_request.cc ``ValidateBytesInputs``), reading stops at the first element past the
+    shape's count: ``got`` is then ``expected + 1`` and ``too_many`` is set."""
+
+    def __init__(self, expected: int, got: int) -> None:
+        super().__init__(f"BYTES content holds {'more than ' if got > expected else ''}"
+                         f"{expected if got > expected else got} elements, the shape needs {expected}")
+        self.expected = expected
+        self.got = got
+        self.too_many = got > expected
+
+
+class IncompleteLengthPrefix(WireFormatError):
+    """BYTES content that ends inside an element's 4-byte length prefix."""
+
+    def __init__(self, available: int) -> None:
+        super().__init__(f"BYTES content ends inside a length prefix ({available} of 4 bytes)")
+        self.available = available
+
+
 def check_shape(datatype: DataType, shape: tuple[int, ...]) -> None:
     """Refuse shapes no array can have: negative dims, over 64 dims, or a size past numpy's limit.
 
@@ -49,21 +79,25 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 
 
 def deserialize_bytes(raw: bytes, count: int) -> np.ndarray:
-    """``count`` BYTES elements as a 1-D object array of ``bytes``."""
-    items = []
+    """``count`` BYTES elements as a 1-D object array of ``bytes``; checked in Triton's order
+    (core infer_request.cc ``ValidateBytesInputs``): a length prefix cut short, then one element
+    more than ``count`` (reading stops there), then fewer elements than ``count``."""
+    items: list[bytes] = []
     offset = 0
     view = memoryview(raw)
     while offset < len(raw):
         if offset + 4 > len(raw):
-            raise WireFormatError("BYTES content ends inside a length prefix")
+            raise IncompleteLengthPrefix(len(raw) - offset)
         (length,) = _LENGTH.unpack_from(view, offset)
+        if len(items) == count:
+            raise StringCountMismatch(count, count + 1)
         offset += 4
         if offset + length > len(raw):
             raise WireFormatError(f"BYTES element of {length} bytes runs past the content")
         items.append(bytes(view[offset : offset + length]))
         offset += length
     if len(items) != count:
-        raise WireFormatError(f"BYTES content holds {len(items)} elements, the shape needs {count}")
+        raise StringCountMismatch(count, len(items))
     array = np.empty(len(items), dtype=object)
     array[:] = items
     return array
@@ -77,9 +111,7 @@ def from_raw(datatype: DataType, shape: tuple[int, ...], raw: bytes) -> np.ndarr
         return deserialize_bytes(raw, count).reshape(shape)
     expected = count * datatype.item_size
     if len(raw) != expected:
-        raise WireFormatError(
-            f"raw content has {len(raw)} bytes, but shape {list(shape)} of {datatype.value} needs {expected}"
-        )
+        raise ByteSizeMismatch(datatype, shape, expected, len(raw))
     dtype = datatype.numpy_dtype.newbyteorder("<") if datatype.item_size > 1 else datatype.numpy_dtype
     return np.frombuffer(raw, dtype=dtype).reshape(shape).astype(datatype.numpy_dtype, copy=False)
 

@@ -54,9 +54,10 @@ def complete(config: config_pb2.ModelConfig, io: ModelIO) -> tuple[config_pb2.Mo
             f"{DEFAULT_MAX_BATCH_SIZE} is Triton's default (raise it for throughput, see `shoal config tune`)"
         )
     elif out.max_batch_size > 0 and not io.can_batch:
-        raise load_failed(
-            f"model '{out.name}': max_batch_size is {out.max_batch_size} but not every input and output "
-            "of the model has a variable first dimension"
+        raise load_failed(  # Triton's words (onnxruntime.cc AutoCompleteMaxBatch), then why
+            f"autofill failed for model '{out.name}': model does not support batching while non-zero "
+            f"max_batch_size is specified (max_batch_size is {out.max_batch_size}, but not every input and "
+            "output of the model has a variable first dimension)"
         )
     elif out.max_batch_size == 0:
         reasons["max_batch_size"] = "a tensor has a fixed first dimension, so the model cannot batch"
@@ -76,9 +77,11 @@ def complete(config: config_pb2.ModelConfig, io: ModelIO) -> tuple[config_pb2.Mo
             dims = tensor.shape[1:] if batching else tensor.shape
             if dims:
                 added.dims.extend(-1 if d is None else d for d in dims)
-            else:  # a per-sample scalar: Triton's [1] with an empty reshape
+            else:  # a scalar: Triton's dims [1], with an empty reshape only when the model batches
+                # (onnxruntime.cc AutoCompleteIO; without batching the scalar is fed as check_io allows)
                 added.dims.append(1)
-                added.reshape.SetInParent()
+                if batching:
+                    added.reshape.SetInParent()
     return out, reasons
 
 
@@ -86,7 +89,8 @@ def check_io(spec: ModelSpec, io: ModelIO) -> None:
     """Refuse a config whose tensors contradict the model; the message names the tensor.
 
     Every config tensor must exist in the model and agree with it; every model input must be
-    in the config (a config may list fewer outputs than the model has).
+    in the config (a config may list fewer outputs than the model has). A scalar in the model
+    (shape ``[]``) agrees with config dims of 1s, with or without ``reshape: { shape: [] }``.
     """
     for kind, configured, declared in (("input", spec.inputs, io.inputs), ("output", spec.outputs, io.outputs)):
         by_name = {t.name: t for t in declared}
@@ -112,6 +116,13 @@ def _check_tensor(spec: ModelSpec, kind: str, tensor: TensorSpec, model: IOTenso
         )
     expected = list(tensor.reshape if tensor.reshape is not None else tensor.dims)
     shape = list(model.shape)
+    if not shape:  # a scalar in the model: Triton's ORT backend (onnxruntime.cc ValidateInputs,
+        # ValidateOutputs) takes any config dims made of 1s, feeds a scalar and reports the config dims
+        if any(d != 1 for d in expected):
+            raise load_failed(
+                f"{label} is a scalar in the model, so its config dims may only be 1s (as [1]), got {expected}"
+            )
+        return
     if spec.max_batch_size > 0:
         if not shape or shape[0] is not None:
             raise load_failed(
