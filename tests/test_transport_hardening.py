@@ -60,8 +60,10 @@ def test_rejected_large_requests_do_not_pile_up(tmp_path: Path, server_factory, 
                 stub.ModelInfer(request, timeout=30)
             assert caught.value.code() in {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT}
         growth_mb = resident_mb(server.pid) - before_mb
-    # Kept alive, 12 payloads would be 384 MB; freed, a couple are in flight at a time.
-    assert growth_mb < 4 * PAYLOAD_BYTES / 2**20, f"RSS grew {growth_mb:.0f} MB over {count} rejected requests"
+    # Kept alive, 12 payloads would be 384 MB (429-487 MB measured before the fix); freed, a few are in
+    # flight at a time and the allocator keeps some pages (up to 141 MB seen in a fresh CI run): half of it.
+    kept_alive_mb = count * PAYLOAD_BYTES / 2**20
+    assert growth_mb < kept_alive_mb / 2, f"RSS grew {growth_mb:.0f} MB over {count} rejected requests"
 
 
 def test_long_client_input_is_shortened_in_errors(tmp_path: Path, server_factory) -> None:
