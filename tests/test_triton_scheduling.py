@@ -1,0 +1,58 @@
+"""Triton's rules for default instance counts and for what a reload rebuilds, checked through a real
+server and tritonclient (the batcher's own edge rules are in test_scheduler.py, with a fake runner)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from shoal.protocol import config_pb2
+from shoal.repository.config import normalize, parse_config
+from tests import models
+
+CPU = config_pb2.ModelInstanceGroup.KIND_CPU
+GPU = config_pb2.ModelInstanceGroup.KIND_GPU
+
+
+def _counts(text: str, resolves_to: int) -> list[int]:
+    config = normalize(parse_config(text), "m", auto_kind=lambda backend, group: resolves_to)
+    return [group.count for group in config.instance_group]
+
+
+def test_the_default_instance_count_follows_the_kind_a_group_resolves_to() -> None:
+    """Triton's NormalizeInstanceGroup resolves KIND_AUTO first, then ``SetDefaultInstanceCount``
+    (core src/model_config_utils.cc) gives a group without a count 1, or 2 where the kind is
+    KIND_CPU and the backend onnxruntime (or tensorflow); a KIND_GPU count is per listed GPU."""
+    onnx = 'backend: "onnxruntime"\n'
+    assert _counts(onnx, resolves_to=CPU) == [2]  # no instance_group: one KIND_AUTO group
+    assert _counts(onnx, resolves_to=GPU) == [1]
+    assert _counts(onnx + "instance_group [ { kind: KIND_CPU }, { kind: KIND_GPU } ]", resolves_to=GPU) == [2, 1]
+    assert _counts(onnx + "instance_group [ { count: 3 } ]", resolves_to=CPU) == [3]  # a count given stays
+    assert _counts('backend: "pytorch"\n', resolves_to=CPU) == [1]  # pytorch did not opt into 2
+    assert _counts('backend: "identity"\n', resolves_to=CPU) == [1]
+    # Without the lifecycle's resolver (repository code knows no backend or device) KIND_AUTO counts as not CPU.
+    assert [g.count for g in normalize(parse_config(onnx), "m").instance_group] == [1]
+
+
+def test_a_kind_auto_onnx_model_on_a_cpu_host_gets_two_instances(
+    tmp_path: Path, server_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the server: a config-less ONNX model (KIND_AUTO) on a host without a usable GPU
+    resolves to KIND_CPU and so gets Triton's CPU default of 2 instances; an identity model, 1."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU wherever the test runs
+    repo = tmp_path / "repo"
+    (repo / "bare").mkdir(parents=True)
+    shutil.copytree(models.EXAMPLES / "simple" / "1", repo / "bare" / "1")  # no config.pbtxt
+    models.add_identity(repo, "copy", "FP32")
+    server = server_factory(repo)
+    client = grpcclient.InferenceServerClient(server.url)
+    try:
+        for name, count in (("bare", 2), ("copy", 1)):
+            [group] = client.get_model_config(name, as_json=True)["config"]["instance_group"]
+            assert group.get("kind", "KIND_AUTO") == "KIND_AUTO" and group["count"] == count, (name, group)
+    finally:
+        client.close()
+    assert "model bare version 1: 2 instance(s)" in server.log()
