@@ -3,15 +3,18 @@ server and tritonclient (the batcher's own edge rules are in test_scheduler.py, 
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from shoal.protocol import config_pb2
 from shoal.repository.config import normalize, parse_config
 from tests import models
+from tests.polling import wait_until
 
 CPU = config_pb2.ModelInstanceGroup.KIND_CPU
 GPU = config_pb2.ModelInstanceGroup.KIND_GPU
@@ -56,3 +59,53 @@ def test_a_kind_auto_onnx_model_on_a_cpu_host_gets_two_instances(
     finally:
         client.close()
     assert "model bare version 1: 2 instance(s)" in server.log()
+
+
+def _infer(client: grpcclient.InferenceServerClient, version: str, times: int) -> None:
+    data = np.arange(16, dtype=np.int32).reshape(1, 16)
+    for _ in range(times):
+        inputs = [grpcclient.InferInput(name, [1, 16], "INT32") for name in ("INPUT0", "INPUT1")]
+        for tensor in inputs:
+            tensor.set_data_from_numpy(data)
+        result = client.infer("simple", inputs, model_version=version)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * data)
+
+
+def _inference_count(client: grpcclient.InferenceServerClient, version: str) -> int:
+    [stats] = client.get_inference_statistics("simple", version, as_json=True)["model_stats"]
+    return int(stats.get("inference_count", 0))
+
+
+def test_a_reload_rebuilds_only_the_versions_whose_files_or_config_changed(tmp_path: Path, server_factory) -> None:
+    """Triton's ModelLifeCycle::AsyncLoad (core src/model_repository_manager/model_lifecycle.cc)
+    keeps a READY version serving (an in-place update, not a new model) unless
+    ``IsModelVersionModified`` (its version folder's timestamps, model_repository_manager.cc) or
+    ``ConfigChangeRequiresReload`` (any config change beyond instance_group and version_policy,
+    model_config_utils.cc) says otherwise. So in poll mode a change to version 2's files rebuilds
+    version 2 only: version 1's statistics survive; a config change then rebuilds both."""
+    repo = models.repository(tmp_path, "simple")
+    config = repo / "simple" / "config.pbtxt"
+    config.write_text(config.read_text() + "version_policy: { all { } }\n")
+    shutil.copytree(repo / "simple" / "1", repo / "simple" / "2")
+    server = server_factory(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2")
+    client = grpcclient.InferenceServerClient(server.url)
+    try:
+        assert client.is_model_ready("simple", "1") and client.is_model_ready("simple", "2")
+        _infer(client, "1", 3)
+        _infer(client, "2", 2)
+        assert (_inference_count(client, "1"), _inference_count(client, "2")) == (3, 2)
+
+        model_file = repo / "simple" / "2" / "model.onnx"
+        stat = model_file.stat()
+        os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5_000_000_000))  # version 2 changed
+        assert wait_until(lambda: _inference_count(client, "2") == 0, what="version 2 rebuilt")
+        assert _inference_count(client, "1") == 3, "version 1 was rebuilt though its files did not change"
+        assert client.is_model_ready("simple", "1") and client.is_model_ready("simple", "2")
+
+        config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: 4"))  # config changed
+        assert wait_until(lambda: client.get_model_config("simple", as_json=True)["config"]["max_batch_size"] == 4)
+        assert wait_until(lambda: _inference_count(client, "1") == 0, what="version 1 rebuilt")
+        _infer(client, "1", 1)
+        assert _inference_count(client, "1") == 1
+    finally:
+        client.close()
