@@ -3,6 +3,7 @@ server and tritonclient (the batcher's own edge rules are in test_scheduler.py, 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -107,5 +108,29 @@ def test_a_reload_rebuilds_only_the_versions_whose_files_or_config_changed(tmp_p
         assert wait_until(lambda: _inference_count(client, "1") == 0, what="version 1 rebuilt")
         _infer(client, "1", 1)
         assert _inference_count(client, "1") == 1
+    finally:
+        client.close()
+
+
+def test_an_explicit_load_that_changes_only_the_version_policy_keeps_the_version_it_still_selects(
+    tmp_path: Path, server_factory
+) -> None:
+    """``ConfigChangeRequiresReload`` (core src/model_config_utils.cc) ignores ``version_policy``:
+    a load whose config only narrows the policy unloads the version it drops and keeps serving the
+    one it still selects (its statistics survive), while an unchanged explicit load rebuilds nothing."""
+    repo = models.repository(tmp_path, "simple")
+    config = repo / "simple" / "config.pbtxt"
+    config.write_text(config.read_text() + "version_policy: { all { } }\n")
+    shutil.copytree(repo / "simple" / "1", repo / "simple" / "2")
+    server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "simple")
+    client = grpcclient.InferenceServerClient(server.url)
+    try:
+        _infer(client, "2", 2)
+        client.load_model("simple")  # nothing changed: nothing is rebuilt
+        assert _inference_count(client, "2") == 2
+        served = client.get_model_config("simple", as_json=True)["config"]
+        client.load_model("simple", config=json.dumps({**served, "version_policy": {"latest": {"num_versions": 1}}}))
+        assert not client.is_model_ready("simple", "1") and client.is_model_ready("simple", "2")
+        assert _inference_count(client, "2") == 2, "version 2 was rebuilt though only the version policy changed"
     finally:
         client.close()
