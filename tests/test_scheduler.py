@@ -206,12 +206,13 @@ def test_queue_timeout_rejects_promptly_while_executors_are_busy() -> None:
 def test_request_timeout_override_only_when_allowed() -> None:
     async def scenario(allow: bool) -> bool:
         runner = FakeRunner(gated=True)
-        scheduler = make(runner, default_queue_policy=QueuePolicy(allow_timeout_override=allow))
+        policy = QueuePolicy(default_timeout_us=60_000_000, allow_timeout_override=allow)
+        scheduler = make(runner, default_queue_policy=policy)
         blocker = submit(scheduler, 0)
         await runner.started.wait()
         task = submit(scheduler, 1, timeout=20_000)
-        # Allowed: the 20 ms override expires it while the executor is busy. Not allowed: no timeout
-        # applies, so it is still queued when the wait (well past 20 ms) ends.
+        # Allowed: the 20 ms override shortens the 60 s default and expires it while the executor is
+        # busy. Not allowed: the 60 s default applies, so it is still queued when the wait ends.
         done, _ = await asyncio.wait({task}, timeout=10.0 if allow else 0.2)
         expired = task in done
         if not expired:
@@ -227,7 +228,7 @@ def test_request_timeout_override_only_when_allowed() -> None:
 def test_delayed_requests_go_after_the_others() -> None:
     async def scenario() -> None:
         runner = FakeRunner(gated=True)
-        policy = QueuePolicy(delay_on_timeout=True, allow_timeout_override=True)
+        policy = QueuePolicy(delay_on_timeout=True, default_timeout_us=60_000_000, allow_timeout_override=True)
         scheduler = make(runner, max_batch_size=1, default_queue_policy=policy)
         blocker = submit(scheduler, 0)
         await runner.started.wait()
@@ -238,6 +239,99 @@ def test_delayed_requests_go_after_the_others() -> None:
             await runner.open_next_gate()
         await asyncio.gather(blocker, late, fresh)
         assert runner.batches == [[0], [2], [1]]
+
+    run(scenario())
+
+
+def test_a_request_timeout_is_ignored_when_the_policy_has_no_default_timeout() -> None:
+    """Triton's PolicyQueue::Enqueue (core src/scheduler_utils.cc) starts from
+    ``default_timeout_us_`` and takes the request's timeout only when ``allow_timeout_override``
+    and ``0 < override < default``: with the default 0 no override is ever smaller, so the request
+    has no timeout (model_config.proto: an override "may not increase the timeout")."""
+
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        policy = QueuePolicy(default_timeout_us=0, allow_timeout_override=True)
+        scheduler = make(runner, max_batch_size=1, default_queue_policy=policy)
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        task = submit(scheduler, 1, timeout=1)  # 1 µs: long past while the executor is busy
+        await queued(scheduler, 1)
+        done, _ = await asyncio.wait({task}, timeout=0.2)
+        assert not done, "a 1 µs override of no default timeout must not expire the request"
+        await runner.open_next_gate()
+        await runner.open_next_gate()
+        await asyncio.gather(blocker, task)
+        assert runner.batches == [[0], [1]] and scheduler.statistics.fail.count == 0
+
+    run(scenario())
+
+
+def test_a_delayed_request_goes_behind_its_own_level_only_not_behind_lower_levels() -> None:
+    """Triton's PriorityQueue keeps one PolicyQueue per priority level, and each PolicyQueue its own
+    ``delayed_queue_``: ``PolicyQueue::At`` reads the level's queue, then its delayed queue, before
+    the cursor moves to the next level (core src/scheduler_utils.cc). model_config.proto: DELAY
+    delays the request "until all other requests at the same (or higher) priority levels that have
+    not reached their timeouts are processed" - so it still goes before lower levels."""
+
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        delay = QueuePolicy(delay_on_timeout=True, default_timeout_us=60_000_000, allow_timeout_override=True)
+        scheduler = make(runner, max_batch_size=1, priority_levels=2, default_priority_level=2,
+                         priority_queue_policies={1: delay})
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        late = submit(scheduler, 1, priority=1, timeout=1)  # level 1, expires at once: delayed
+        fresh = submit(scheduler, 2, priority=1)  # level 1, no expiry: goes first
+        low = submit(scheduler, 3, priority=2)  # level 2: after everything of level 1, delayed or not
+        await queued(scheduler, 3)
+        for _ in range(4):
+            await runner.open_next_gate()
+        await asyncio.gather(blocker, late, fresh, low)
+        assert runner.batches == [[0], [2], [1], [3]]
+
+    run(scenario())
+
+
+def test_an_expired_queue_delay_sends_everything_queued_up_to_max_batch_size() -> None:
+    """Triton's GetDynamicBatch (core src/dynamic_batch_scheduler.cc) marks a cut when the next
+    request would pass the largest preferred size but keeps walking until ``max_batch_size``; the
+    cut goes only while the delay has not expired - once it has, "immediately execute whatever is
+    pending": here both 3-row requests (6 rows, past the preferred 4, within max_batch_size 8)."""
+
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner, max_batch_size=8, preferred_batch_sizes=(4,), max_queue_delay_us=1)
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        tasks = [submit(scheduler, 1, rows=3), submit(scheduler, 2, rows=3), submit(scheduler, 3, rows=3)]
+        await queued(scheduler, 3)  # all older than the 1 µs delay by the time the executor is free
+        for _ in range(3):
+            await runner.open_next_gate()
+        await asyncio.gather(blocker, *tasks)
+        assert runner.batches == [[0], [1, 1, 1, 2, 2, 2], [3, 3, 3]]  # 9 rows would pass max_batch_size
+
+    run(scenario())
+
+
+def test_before_the_delay_expires_the_largest_preferred_size_found_goes() -> None:
+    """GetDynamicBatch sets the "saturated" cut only when no preferred size was reached
+    (``best_preferred_batch_size == 0``), so a preferred size found earlier is the one that goes
+    (core src/dynamic_batch_scheduler.cc; batcher.md: "a batch of the largest possible preferred
+    size"). Preferred {2, 5}, rows 1+1 (=2, preferred) +2 (=4) and the next 2 would pass 5: the
+    batch is the 2 rows, not the 4 walked; each 2-row request left is a preferred size of its own."""
+
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner, max_batch_size=8, preferred_batch_sizes=(2, 5))
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        tasks = [submit(scheduler, 1), submit(scheduler, 2), submit(scheduler, 3, rows=2), submit(scheduler, 4, rows=2)]
+        await queued(scheduler, 4)
+        for _ in range(4):
+            await runner.open_next_gate()
+        await asyncio.gather(blocker, *tasks)
+        assert runner.batches == [[0], [1, 2], [3, 3], [4, 4]]
 
     run(scenario())
 

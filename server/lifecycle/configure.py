@@ -17,12 +17,16 @@ from typing import Any
 from google.protobuf import json_format
 
 from shoal.backends.base import describe_model
+from shoal.backends.devices import cuda_device_count
 from shoal.errors import ShoalError, invalid, load_failed
+from shoal.lifecycle.model import resolve_kind
 from shoal.protocol import config_pb2
 from shoal.repository import scanner
 from shoal.repository.config import (
     CONFIG_FILENAME,
     DEFAULT_MODEL_FILENAMES,
+    InstanceGroupSpec,
+    InstanceKind,
     ModelSpec,
     detect_backend,
     normalize,
@@ -101,9 +105,18 @@ def _configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None) 
             )
         config, reasons = complete(config, describe(config, folder))
         completed = True
-    config = normalize(config, name)
+    config = normalize(config, name, auto_kind=auto_kind)
     validate_config(config, name)
     return Configured(to_spec(config, read_labels(folder, config)), config, reasons, completed)
+
+
+def auto_kind(backend: str, group: config_pb2.ModelInstanceGroup) -> int:
+    """The kind a KIND_AUTO group resolves to on this host (as placement will resolve it), so that
+    its default instance count is Triton's for that kind (normalize)."""
+    spec = InstanceGroupSpec(group.name, InstanceKind.AUTO, group.count, tuple(group.gpus))
+    kind = resolve_kind(backend, spec, cuda_device_count())
+    value: int = config_pb2.ModelInstanceGroup.Kind.Value(kind.value)
+    return value
 
 
 def describe(config: config_pb2.ModelConfig, folder: Path) -> ModelIO:

@@ -11,6 +11,13 @@ freed. A request resolves its version and enqueues without yielding to the loop 
 between, so it lands either on the old entry before its drain starts, or on the new one.
 A failed reload leaves the old entry serving and records the reason.
 
+A reload rebuilds only the versions that changed, as Triton's ``ModelLifeCycle::AsyncLoad``
+(core src/model_repository_manager/model_lifecycle.cc): a READY version whose version folder is
+unchanged, under a config that differs at most in ``version_policy``, moves into the new entry
+as it is and keeps serving (its statistics too); a version whose files changed, or every version
+when anything else in the config changed, is built anew. (Triton also updates a changed
+``instance_group`` in place; Shoal rebuilds for it.)
+
 Entries and versions change state only through ``transition()`` (``lifecycle/state.py``: one
 table of allowed moves); a loaded version is let go only through ``release``, whether it is
 unloaded, replaced by a reload, stopped at shutdown or refused by a budget after its load.
@@ -21,18 +28,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from shoal.errors import ErrorCode, ShoalError, unknown_model
 from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
 from shoal.lifecycle.configure import ConfigOverride, configure, model_file
-from shoal.lifecycle.fingerprint import fingerprint_or_empty
+from shoal.lifecycle.fingerprint import fingerprint_or_none
 from shoal.lifecycle.model import ModelVersion, placements
 from shoal.lifecycle.state import UNLOADED, IndexEntry, ModelEntry, ModelState, VersionEntry
 from shoal.repository import scanner
-from shoal.repository.config import ModelSpec
+from shoal.repository.config import ModelSpec, VersionPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +110,7 @@ class ModelManager:
             if old is None or not old.ready_versions():  # nothing serving: the index shows LOADING
                 self._models[name] = entry
             try:
-                reason, reserved = await asyncio.to_thread(self._build, entry, folder, override)
+                reason, reserved, kept = await asyncio.to_thread(self._build, entry, folder, override, old)
             except BaseException:
                 if old is not None:
                     self._models[name] = old
@@ -126,7 +134,7 @@ class ModelManager:
                 self._models[name] = entry  # the switch: one assignment on the event loop
             self._changed()
             if old is not None:
-                await self._retire(old)
+                await self._retire(old, keep=kept)
 
     async def unload(self, name: str) -> None:
         """Stop routing to ``name``, let its queued and running requests finish, free the weights."""
@@ -152,24 +160,34 @@ class ModelManager:
                         used[str(device)] = used.get(str(device), 0) + byte_size
         return used
 
-    def _build(self, entry: ModelEntry, folder: Path, override: ConfigOverride | None) -> tuple[str, dict[str, int]]:
+    def _build(
+        self, entry: ModelEntry, folder: Path, override: ConfigOverride | None, old: ModelEntry | None
+    ) -> tuple[str, dict[str, int], list[VersionEntry]]:
         """Runs in a worker thread: configure, load and warm every version the policy selects into
-        ``entry`` (LOADING). Returns why none is ready (if so) and the memory it reserved in the
-        ledger (the caller ends the reservation)."""
-        entry.fingerprint = fingerprint_or_empty(folder)  # a path outside: configure says which
+        ``entry`` (LOADING), taking over from ``old`` the READY versions that did not change. Returns
+        why none is ready (if so), the memory it reserved in the ledger (the caller ends the
+        reservation) and the versions taken over from ``old``."""
+        entry.fingerprint = fingerprint_or_none(folder)  # a path outside: configure says which
         try:
             spec = configure(folder, self.strict_model_config, base=override.config if override else None).spec
             available = scanner.list_versions(folder, warn=False)
         except ShoalError as exc:
-            return exc.message, {}
+            return exc.message, {}, []
         entry.spec = spec
         chosen = spec.version_policy.select(available)
         if not chosen:
-            return f"model '{entry.name}': no version folder matches the version policy (found {available})", {}
+            return f"model '{entry.name}': no version folder matches the version policy (found {available})", {}, []
+        unchanged = _unchanged_versions(old, entry, chosen)
+        if unchanged:
+            logger.info("model %s: version(s) %s unchanged, kept serving", entry.name, sorted(unchanged))
         budget = LoadBudget(self._ledger, spec, {str(d) for d in _devices(spec)})
+        budget.taken += sum(sum(v.served.memory_bytes.values()) for v in unchanged.values() if v.served)
         versions: dict[int, VersionEntry] = {}
         try:
             for version in chosen:
+                if version in unchanged:
+                    versions[version] = unchanged[version]
+                    continue
                 loaded = self._load_within_budget(spec, folder, version, budget)
                 loaded.reason = scanner.without_repository_path(self.repository, loaded.reason)
                 versions[version] = loaded
@@ -177,7 +195,8 @@ class ModelManager:
             self._ledger.release(budget.reserved)
             raise
         entry.versions = versions  # one assignment: index() never sees the dict change
-        return "; ".join(v.reason for v in versions.values() if v.state is not ModelState.READY), budget.reserved
+        reason = "; ".join(v.reason for v in versions.values() if v.state is not ModelState.READY)
+        return reason, budget.reserved, list(unchanged.values())
 
     @staticmethod
     def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget) -> VersionEntry:
@@ -207,12 +226,13 @@ class ModelManager:
         entry.transition(ModelState.READY)
         return entry
 
-    async def _retire(self, entry: ModelEntry) -> None:
-        """Let ``entry`` go: a READY one drains through ``release`` and ends UNAVAILABLE."""
+    async def _retire(self, entry: ModelEntry, keep: Collection[VersionEntry] = ()) -> None:
+        """Let ``entry`` go: a READY one drains through ``release`` and ends UNAVAILABLE; the versions
+        in ``keep`` (taken over by the entry that replaced it) go on serving."""
         if entry.state is not ModelState.READY:
             return
         entry.transition(ModelState.UNLOADING)
-        await release(entry.versions.values())
+        await release(v for v in entry.versions.values() if v not in keep)
         entry.transition(ModelState.UNAVAILABLE, UNLOADED)
         logger.info("model %s: drained and unloaded", entry.name)
 
@@ -227,7 +247,7 @@ class ModelManager:
         present = set(scanner.list_models(self.repository, warn=False))
         for name in sorted(present):
             entry = self._models.get(name)
-            changed = entry is None or fingerprint_or_empty(self.repository / name) != entry.fingerprint
+            changed = entry is None or fingerprint_or_none(self.repository / name) != entry.fingerprint
             if changed:
                 logger.info("model %s: %s, loading", name, "new" if entry is None else "changed")
                 try:
@@ -323,6 +343,28 @@ class ModelManager:
         """Drain and unload everything (shutdown)."""
         for entry in list(self._models.values()):
             await self._retire(entry)
+
+
+def _unchanged_versions(old: ModelEntry | None, new: ModelEntry, chosen: list[int]) -> dict[int, VersionEntry]:
+    """The READY versions of ``old`` that ``new`` keeps serving rather than rebuilds: chosen again,
+    their version folder unchanged, and the config the same but for ``version_policy`` (Triton's
+    ``ModelLifeCycle::AsyncLoad`` updates such a version in place: ``IsModelVersionModified`` and
+    ``ConfigChangeRequiresReload``, which ignores ``version_policy`` and ``instance_group``)."""
+    if old is None or old.spec is None or new.spec is None or old.fingerprint is None or new.fingerprint is None:
+        return {}
+    if _apart_from_policy(old.spec) != _apart_from_policy(new.spec):
+        return {}
+    return {
+        number: version for number, version in old.versions.items()
+        if number in chosen and version.state is ModelState.READY and version.served is not None
+        and old.fingerprint.version(number) is not None
+        and old.fingerprint.version(number) == new.fingerprint.version(number)
+    }
+
+
+def _apart_from_policy(spec: ModelSpec) -> ModelSpec:
+    config = {key: value for key, value in spec.config_json.items() if key != "version_policy"}
+    return replace(spec, version_policy=VersionPolicy(), config_json=config)
 
 
 def _devices(spec: ModelSpec) -> set[Any]:

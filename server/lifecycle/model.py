@@ -26,15 +26,15 @@ from shoal.types import InferRequest, InferResponse
 logger = logging.getLogger(__name__)
 
 
-def resolve_kind(spec: ModelSpec, group: InstanceGroupSpec, gpus: int) -> InstanceKind:
+def resolve_kind(backend: str, group: InstanceGroupSpec, gpus: int) -> InstanceKind:
     """KIND_AUTO as Triton resolves it: the GPU when ``gpus`` CUDA devices exist, every GPU the
-    group lists is one of them and the model's backend can run on them here; else the CPU.
+    group lists is one of them and the model's ``backend`` can run on them here; else the CPU.
     Other kinds stay as written (an impossible KIND_GPU fails later, with its own message)."""
     if group.kind is not InstanceKind.AUTO:
         return group.kind
     if gpus == 0 or any(not 0 <= index < gpus for index in group.gpus):
         return InstanceKind.CPU
-    return InstanceKind.GPU if backend_gpu_available(spec.backend) else InstanceKind.CPU
+    return InstanceKind.GPU if backend_gpu_available(backend) else InstanceKind.CPU
 
 
 def placements(spec: ModelSpec) -> list[Placement]:
@@ -42,7 +42,7 @@ def placements(spec: ModelSpec) -> list[Placement]:
     gpus = cuda_device_count()
     result = []
     for group in spec.instance_groups:
-        kind = resolve_kind(spec, group, gpus)
+        kind = resolve_kind(spec.backend, group, gpus)
         if kind is not InstanceKind.GPU:
             result.append(Placement(group.name, CPU, group.count))
             continue

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from shoal.lifecycle.fingerprint import Fingerprint
     from shoal.lifecycle.model import ModelVersion
     from shoal.repository.config import ModelSpec
 
@@ -107,7 +108,7 @@ class ModelEntry(Lifecycle):
         self.name = name
         self.spec: ModelSpec | None = None
         self.versions: dict[int, VersionEntry] = {}
-        self.fingerprint = ""
+        self.fingerprint: Fingerprint | None = None  # the folder as this load read it (poll, reload)
         self.unloaded = False  # unloaded on purpose: strict readiness no longer waits for it
 
     def ready_versions(self) -> list[int]:

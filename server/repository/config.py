@@ -12,6 +12,7 @@ This and ``server/grpc`` are the only places that touch protobuf.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
 from typing import Any
@@ -154,8 +155,19 @@ def parse_config(text: str, source: str = CONFIG_FILENAME) -> config_pb2.ModelCo
     return config
 
 
-def normalize(config: config_pb2.ModelConfig, model_name: str) -> config_pb2.ModelConfig:
-    """Fill in the defaults Triton fills in; returns a new message."""
+def normalize(
+    config: config_pb2.ModelConfig,
+    model_name: str,
+    auto_kind: Callable[[str, config_pb2.ModelInstanceGroup], int] | None = None,
+) -> config_pb2.ModelConfig:
+    """Fill in the defaults Triton fills in; returns a new message.
+
+    A group without a ``count`` gets Triton's default for its kind (core model_config_utils.cc
+    ``SetDefaultInstanceCount``): 2 for KIND_CPU on the onnxruntime backend, else 1 (per GPU for
+    KIND_GPU). Triton resolves KIND_AUTO first; Shoal keeps the kind as written (placement resolves
+    it, with the backend's say), so ``auto_kind(backend, group)`` tells the kind a KIND_AUTO group resolves to here
+    (the lifecycle passes it; without it KIND_AUTO counts as not KIND_CPU).
+    """
     out = config_pb2.ModelConfig()
     out.CopyFrom(config)
     if not out.name:
@@ -173,13 +185,15 @@ def normalize(config: config_pb2.ModelConfig, model_name: str) -> config_pb2.Mod
             out.dynamic_batching.preferred_batch_size.append(out.max_batch_size)
     if not out.instance_group:
         out.instance_group.add()
-    kind_enum = config_pb2.ModelInstanceGroup.Kind
+    kinds = config_pb2.ModelInstanceGroup.Kind
     for index, group in enumerate(out.instance_group):
         if not group.name:
             group.name = f"{out.name}_{index}"
-        if group.count == 0 and not group.HasField("rate_limiter"):
-            cpu_default = DEFAULT_CPU_INSTANCE_COUNT.get(out.backend, 1)
-            group.count = cpu_default if group.kind == kind_enum.KIND_CPU else 1
+        if group.count < 1:
+            kind = group.kind
+            if kind == kinds.KIND_AUTO and auto_kind is not None:
+                kind = auto_kind(out.backend, group)
+            group.count = DEFAULT_CPU_INSTANCE_COUNT.get(out.backend, 1) if kind == kinds.KIND_CPU else 1
     return out
 
 

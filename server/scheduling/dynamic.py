@@ -4,21 +4,29 @@ One scheduler per model version, shared by all its instances (as Triton's). A lo
 for a free executor, then forms the next batch from the queue and hands it over; the
 executor runs it on its own thread while the loop forms the next one.
 
-Batch-forming rules (Triton's ``GetDynamicBatch``), with ``max_pref`` the largest
-preferred size (``max_batch_size`` when none is configured) and ``delay`` the max queue delay:
+Batch-forming rules (Triton's ``GetDynamicBatch``, core src/dynamic_batch_scheduler.cc), with
+``max_pref`` the largest preferred size (``max_batch_size`` when none is configured) and
+``delay`` the max queue delay:
 
-1. Requests are taken in priority order (level 1 first), FIFO within a level, then the
-   requests whose queue timeout expired with action DELAY. A request's own batch size
-   counts in full; requests are never split.
-2. The batch closes when the next request would exceed ``max_batch_size`` or its input
-   shapes (batch dimension aside) differ from the batch's.
-3. Reaching a preferred size marks a cut; when the next request would pass ``max_pref``,
-   the current size is the cut ("saturated").
-4. A cut goes at once, unless the oldest request has waited ``delay``, in which case
-   everything gathered goes. A closed or full batch goes at once. With ``delay == 0`` what
-   is queued goes as soon as an executor is free. Otherwise the loop waits for more
-   requests until the oldest one's delay (or the next queue timeout) runs out, on the
-   deadline clock (``clock.py``), which keeps sub-millisecond delays to within tens of µs.
+1. Requests are taken in priority order (level 1 first), FIFO within a level; within each level
+   the requests whose queue timeout expired with action DELAY come after that level's others and
+   before any lower level's (Triton's PolicyQueue keeps a delayed queue per level). A request's
+   own batch size counts in full; requests are never split.
+2. The batch closes when the next request would exceed ``max_batch_size`` or its input shapes
+   (batch dimension aside) differ from the batch's.
+3. Reaching a preferred size marks a cut; when the next request would pass ``max_pref`` and no
+   preferred size was reached, the current size is the cut ("saturated"). The walk goes on up to
+   ``max_batch_size``.
+4. A cut goes at once, unless the oldest request has waited ``delay``, in which case everything
+   gathered goes, up to ``max_batch_size``. A closed batch, or one at ``max_pref`` or more, goes at
+   once. With ``delay == 0`` what is queued goes as soon as an executor is free. Otherwise the loop
+   waits for more requests until the oldest one's delay (or the next queue timeout) runs out, on
+   the deadline clock (``clock.py``), which keeps sub-millisecond delays to within tens of µs.
+
+A request's queue timeout is the policy's ``default_timeout_microseconds``; with
+``allow_timeout_override`` the request's own ``timeout`` replaces it only when it is shorter, so a
+policy without a default timeout (0) ignores it (Triton's ``PolicyQueue::Enqueue``, core
+src/scheduler_utils.cc).
 
 Without ``dynamic_batching`` every request is its own execution, FIFO.
 """
@@ -83,6 +91,8 @@ class Scheduler:
         self.delay_ns = batching.max_queue_delay_us * 1000 if batching else 0
         self.levels = max(1, batching.priority_levels) if batching else 1
         self._queues: dict[int, deque[Pending]] = {level: deque() for level in range(1, self.levels + 1)}
+        # Per level, the requests whose timeout expired with action DELAY, in the order they expired.
+        self._delayed: dict[int, deque[Pending]] = {level: deque() for level in range(1, self.levels + 1)}
         self._sequence = itertools.count()
         self._next_release = 0
         self._settled: dict[int, tuple[Pending, Outputs | BaseException | None]] = {}
@@ -110,7 +120,7 @@ class Scheduler:
             self.statistics.record_failure(time.monotonic_ns() - now, FailureReason.OTHER)
             raise
         queue = self._queues[level]
-        if policy.max_queue_size and len(queue) >= policy.max_queue_size:
+        if policy.max_queue_size and len(queue) + len(self._delayed[level]) >= policy.max_queue_size:
             self.statistics.record_failure(0, FailureReason.REJECTED)
             raise ShoalError(ErrorCode.UNAVAILABLE, "Exceeds maximum queue size")
         pending = Pending(
@@ -145,18 +155,20 @@ class Scheduler:
 
     @staticmethod
     def _timeout_us(policy: QueuePolicy, parameters: Mapping[str, Any]) -> int:
+        """The policy's default timeout; an allowed override may only shorten it, so with no
+        default timeout (0) a request's own ``timeout`` is ignored (Triton's PolicyQueue::Enqueue)."""
         timeout = policy.default_timeout_us
         requested = parameters.get("timeout")
         if requested is not None and policy.allow_timeout_override:
             if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
                 raise invalid(f"request parameter 'timeout' must be a non-negative integer (µs), got {requested!r}")
-            if requested and (timeout == 0 or requested < timeout):
+            if 0 < requested < timeout:
                 timeout = requested
         return timeout
 
     @property
     def queued(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return sum(len(q) for q in self._queues.values()) + sum(len(q) for q in self._delayed.values())
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -179,7 +191,7 @@ class Scheduler:
             batch, wait_ns = self._plan(now)
             if batch:
                 for pending in batch:
-                    self._queues[pending.level].remove(pending)
+                    (self._delayed if pending.delayed else self._queues)[pending.level].remove(pending)
                 return batch
             # Wait for the next arrival or the deadline, whichever comes first. The deadline clock
             # keeps sub-millisecond delays (asyncio's own timers round up to a whole millisecond).
@@ -192,24 +204,33 @@ class Scheduler:
                     timer.cancel()
 
     def _expire(self, now: int) -> None:
-        """Drop cancelled requests; requests past their queue timeout are rejected or delayed."""
-        for queue in self._queues.values():
+        """Drop cancelled requests; requests past their queue timeout are rejected, or delayed:
+        moved behind the other requests of their own level (Triton's PolicyQueue::ApplyPolicy)."""
+        for level, queue in self._queues.items():
+            delayed = self._delayed[level]
+            for pending in [p for p in delayed if p.future.done()]:
+                delayed.remove(pending)
+                self._cancelled(pending, now)
             for pending in list(queue):
                 if pending.future.done():
                     queue.remove(pending)
-                    self.statistics.record_failure(now - pending.arrival_ns, FailureReason.CANCELED)
-                    self._settle(pending, None)
-                elif pending.deadline_ns is not None and now >= pending.deadline_ns and not pending.delayed:
+                    self._cancelled(pending, now)
+                elif pending.deadline_ns is not None and now >= pending.deadline_ns:
+                    queue.remove(pending)
                     if pending.delay_on_timeout:
                         pending.delayed = True
+                        delayed.append(pending)
                     else:
-                        queue.remove(pending)
                         self.statistics.record_failure(now - pending.arrival_ns, FailureReason.REJECTED)
                         self._settle(pending, ShoalError(ErrorCode.UNAVAILABLE, "Request timeout expired"))
 
+    def _cancelled(self, pending: Pending, now: int) -> None:
+        self.statistics.record_failure(now - pending.arrival_ns, FailureReason.CANCELED)
+        self._settle(pending, None)
+
     def _candidates(self) -> list[Pending]:
-        ordered = [p for level in sorted(self._queues) for p in self._queues[level] if not p.delayed]
-        return ordered + [p for level in sorted(self._queues) for p in self._queues[level] if p.delayed]
+        """Level by level (1 first): the level's waiting requests, then its delayed ones."""
+        return [p for level in sorted(self._queues) for p in (*self._queues[level], *self._delayed[level])]
 
     def _plan(self, now: int) -> tuple[list[Pending], int | None]:
         """The batch to send now, or nothing and how long to wait (None: until a request arrives)."""
@@ -224,11 +245,10 @@ class Scheduler:
         closed = False
         for pending in candidates:
             if chosen:
-                if pending.signature != chosen[0].signature or rows + pending.size > self.max_batch_size:
+                if cut is None and rows + pending.size > self.max_preferred:
+                    cut = len(chosen)  # saturated; the walk goes on, for a batch whose delay expired
+                if rows + pending.size > self.max_batch_size or pending.signature != chosen[0].signature:
                     closed = True
-                    break
-                if rows + pending.size > self.max_preferred:
-                    cut = len(chosen)
                     break
             chosen.append(pending)
             rows += pending.size
