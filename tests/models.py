@@ -109,3 +109,24 @@ def add_broken_models(repo: Path) -> dict[str, str]:
         "corrupt_file": "cannot load",
         "wrong_dims": "input 'INPUT0'",
     }
+
+
+def add_weighty_onnx(repo: Path, name: str, megabytes: float, instances: int = 1, extra: str = "") -> None:
+    """y = x + w, with w a constant of ``megabytes`` MB: the model file's size is the weight."""
+    count = int(megabytes * 2**20) // 4
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [count], bytes(4 * count), raw=True)
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])], name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [count])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [count])],
+        initializer=[weight],
+    )
+    save_onnx(graph, repo / name / "1" / "model.onnx")
+    write_config(repo / name, f"""
+        platform: "onnxruntime_onnx"
+        max_batch_size: 0
+        input [ {{ name: "x" data_type: TYPE_FP32 dims: [ {count} ] }} ]
+        output [ {{ name: "y" data_type: TYPE_FP32 dims: [ {count} ] }} ]
+        instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
+        {extra}
+        """)

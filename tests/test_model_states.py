@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
 
 from shoal.core import Core, LocalCore
 from shoal.errors import ErrorCode, ShoalError
@@ -138,22 +137,8 @@ def _identity(repo: Path, name: str) -> None:
 
 def _onnx_two_copies(repo: Path, name: str) -> int:
     """y = x + w with a 1 MB weight, two unshared copies: counted 2 MB after the load, 1 MB before."""
-    count = 2**20 // 4
-    weight = helper.make_tensor("w", TensorProto.FLOAT, [count], np.zeros(count, np.float32).tobytes(), raw=True)
-    graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "w"], ["y"])], name,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [count])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [count])], initializer=[weight],
-    )
-    models.save_onnx(graph, repo / name / "1" / "model.onnx")
-    models.write_config(repo / name, f"""
-        platform: "onnxruntime_onnx"
-        max_batch_size: 0
-        input [ {{ name: "x" data_type: TYPE_FP32 dims: [ {count} ] }} ]
-        output [ {{ name: "y" data_type: TYPE_FP32 dims: [ {count} ] }} ]
-        instance_group [ {{ count: 2 kind: KIND_CPU }} ]
-        parameters {{ key: "share_weights" value: {{ string_value: "false" }} }}
-        """)
+    models.add_weighty_onnx(repo, name, 1, instances=2,
+                            extra='parameters { key: "share_weights" value: { string_value: "false" } }')
     return (repo / name / "1" / "model.onnx").stat().st_size
 
 

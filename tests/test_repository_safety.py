@@ -15,7 +15,6 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
-from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from shoal.clients import ClientError, InferenceClient
@@ -313,32 +312,12 @@ def test_onnxruntime_writes_no_telemetry(tmp_path: Path, server_factory, monkeyp
 # -- item 5: memory budgets under concurrent loads -----------------------------------------------------
 
 
-def add_weighty_onnx(repo: Path, name: str, megabytes: int) -> None:
-    """y = x + w, with w a constant of ``megabytes`` MB: the model file's size is the weight."""
-    count = megabytes * 2**20 // 4
-    weight = helper.make_tensor("w", TensorProto.FLOAT, [count], np.zeros(count, np.float32).tobytes(), raw=True)
-    graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "w"], ["y"])], name,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [count])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [count])],
-        initializer=[weight],
-    )
-    models.save_onnx(graph, repo / name / "1" / "model.onnx")
-    models.write_config(repo / name, f"""
-        platform: "onnxruntime_onnx"
-        max_batch_size: 0
-        input [ {{ name: "x" data_type: TYPE_FP32 dims: [ {count} ] }} ]
-        output [ {{ name: "y" data_type: TYPE_FP32 dims: [ {count} ] }} ]
-        instance_group [ {{ count: 1 kind: KIND_CPU }} ]
-        """)
-
-
 def test_memory_budget_holds_under_concurrent_loads(tmp_path: Path, server_factory) -> None:
     """Two loads at once whose sum passes the budget: exactly one loads, the other is refused."""
     repo = tmp_path / "repo"
     names = ("first", "second")
     for name in names:
-        add_weighty_onnx(repo, name, 6)
+        models.add_weighty_onnx(repo, name, 6)
     server = server_factory(repo, "--model-control-mode", "explicit", "--memory-budget-mb", "cpu=10")
     start = threading.Barrier(len(names))
     errors: dict[str, ClientError | None] = {}
