@@ -168,3 +168,54 @@ def test_pytorch_can_use_a_gpu_only_as_a_cuda_build_that_sees_a_device(monkeypat
     assert not base.backend_gpu_available("pytorch")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert base.backend_gpu_available("pytorch")
+
+
+# -- the request path: the executor hop, ONNX Runtime's spinning, per-spec lookups ---------------
+
+
+def test_an_instance_thread_answers_each_call_on_the_loop_in_order_and_passes_errors_on() -> None:
+    import asyncio
+    import threading
+
+    from shoal.instances.pool import InstanceThread
+
+    ran: list[tuple[int, str]] = []
+
+    def call(index: int) -> int:
+        ran.append((index, threading.current_thread().name))
+        if index == 2:
+            raise ValueError("two")
+        return index * 10
+
+    async def main() -> list[object]:
+        thread = InstanceThread("m:i_0")
+        try:
+            return await asyncio.gather(*(thread.submit(call, i) for i in range(4)), return_exceptions=True)
+        finally:
+            thread.shutdown()
+
+    results = asyncio.run(main())
+    assert results[:2] == [0, 10] and results[3] == 30
+    assert isinstance(results[2], ValueError)
+    assert ran == [(i, "m:i_0") for i in range(4)]
+
+
+def test_onnx_runtime_does_not_spin_unless_the_config_allows_it() -> None:
+    from shoal.backends.onnxruntime import session_options
+
+    def entry(parameters: str) -> str:
+        spec = spec_of("onnxruntime", "instance_group [ { count: 1 kind: KIND_CPU } ]" + parameters)
+        return session_options(spec, 2).get_session_config_entry("session.intra_op.allow_spinning")
+
+    assert entry("") == "0"
+    assert entry('parameters { key: "allow_spinning" value: { string_value: "true" } }') == "1"
+    assert entry('parameters { key: "allow_spinning" value: { string_value: "false" } }') == "0"
+    with pytest.raises(ShoalError, match="allow_spinning must be"):
+        entry('parameters { key: "allow_spinning" value: { string_value: "sometimes" } }')
+
+
+def test_a_spec_finds_its_tensors_by_name_and_lists_its_outputs_in_order() -> None:
+    spec = spec_of("identity", "instance_group [ { count: 1 kind: KIND_CPU } ]")
+    assert spec.input("IN") is spec.inputs[0] and spec.input("OUT") is None
+    assert spec.output("OUT") is spec.outputs[0] and spec.output("IN") is None
+    assert spec.output_names == tuple(t.name for t in spec.outputs)

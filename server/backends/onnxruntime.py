@@ -79,11 +79,7 @@ class OnnxModel:
 def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> OnnxModel:
     if not model_path.is_file():
         raise load_failed(f"model '{spec.name}': model file {model_path} not found")
-    options = ort.SessionOptions()
-    configured = spec.parameters.get("intra_op_thread_count", "")
-    if configured and not configured.isdigit():
-        raise load_failed(f"model '{spec.name}': parameter intra_op_thread_count must be an integer")
-    options.intra_op_num_threads = int(configured) if configured else threads
+    options = session_options(spec, threads)
     providers = _providers(spec, device)
     try:
         session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
@@ -101,6 +97,27 @@ def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> Onn
         raise load_failed(f"model '{spec.name}': BF16 tensors {bf16} cannot be fed through the ONNX Runtime Python API")
     logger.info("model %s: ONNX Runtime session on %s (%s)", spec.name, device, session.get_providers()[0])
     return OnnxModel(session, spec, model_path.stat().st_size)
+
+
+def session_options(spec: ModelSpec, threads: int) -> ort.SessionOptions:
+    """Threads: ``intra_op_thread_count`` or ``threads``. Spinning: off unless ``allow_spinning`` is "true".
+
+    ONNX Runtime's pool threads spin on their core after each parallel section, waiting for more
+    work. The sessions live in the serving process and the executors get every core between them
+    (``build_pool``), so those spins take cores from the event loop that decodes, batches and
+    answers requests; bench/request_path.py measures both settings.
+    """
+    options = ort.SessionOptions()
+    configured = spec.parameters.get("intra_op_thread_count", "")
+    if configured and not configured.isdigit():
+        raise load_failed(f"model '{spec.name}': parameter intra_op_thread_count must be an integer")
+    options.intra_op_num_threads = int(configured) if configured else threads
+    spinning = spec.parameters.get("allow_spinning", "false").strip().lower()
+    if spinning not in ("true", "false"):
+        raise load_failed(f"model '{spec.name}': parameter allow_spinning must be \"true\" or \"false\"")
+    for key in ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning"):
+        options.add_session_config_entry(key, "1" if spinning == "true" else "0")
+    return options
 
 
 def gpu_available() -> bool:

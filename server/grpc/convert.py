@@ -143,7 +143,7 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
             datatype = DataType(tensor.datatype)
         except ValueError:
             raise invalid(f"input '{tensor.name}': unknown datatype '{tensor.datatype}'") from None
-        shape = tuple(int(d) for d in tensor.shape)
+        shape = tuple(tensor.shape)
         try:
             tensors.check_shape(datatype, shape)
         except tensors.WireFormatError as exc:

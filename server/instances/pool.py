@@ -9,14 +9,70 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from shoal.backends.base import LoadedModel
 from shoal.backends.devices import Device
+
+Call = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]]
+
+
+class InstanceThread:
+    """An executor's own thread: runs calls one at a time, in order, and answers each on its event loop.
+
+    The hop costs one queue put and one ``call_soon_threadsafe`` per batch: no
+    ``concurrent.futures.Future`` chained to an asyncio one (``ThreadPoolExecutor.submit`` plus
+    ``asyncio.wrap_future`` took twice the event loop's time, bench/request_path.py).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Queue ``function(*args)``; the future, of the running loop, gets its result or exception."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._calls.put((loop, future, function, args))
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Finish the calls queued so far, then end the thread."""
+        self._calls.put(None)
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            loop, future, function, args = call
+            del call
+            if future.cancelled():  # its caller gave up before it started
+                continue
+            try:
+                result, error = function(*args), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(_resolve, future, result, error)
+            except RuntimeError:  # the loop is closed: nobody waits for the answer
+                pass
+            del loop, future, function, args, result, error
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # cancelled while it ran
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 @dataclass
@@ -26,11 +82,11 @@ class Instance:
     name: str
     device: Device
     model: LoadedModel
-    thread: ThreadPoolExecutor
+    thread: InstanceThread
 
     async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        future = self.thread.submit(self.model.run, inputs, outputs)
-        return await asyncio.wrap_future(future)
+        result: dict[str, np.ndarray] = await self.thread.submit(self.model.run, inputs, outputs)
+        return result
 
 
 class InstancePool:
@@ -117,7 +173,7 @@ def build_pool(model_name: str, placements: list[Placement], load: LoadCopy, sha
                 else:
                     model = load(device, threads)
                 name = f"{placement.group}_{index}" + ("" if device.kind == "cpu" else f"_gpu{device.index}")
-                thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model_name}:{name}")
+                thread = InstanceThread(f"{model_name}:{name}")
                 instances.append(Instance(name, device, model, thread))
     except BaseException:
         for model in {id(m): m for m in [*shared.values(), *(i.model for i in instances)]}.values():

@@ -100,7 +100,7 @@ class ModelVersion:
     def warm_up(self) -> None:
         """Run one zero-filled request (batch 1) on every loaded copy, off the event loop."""
         feed = tensors.zeros_feed(self.spec)
-        outputs = [t.name for t in self.spec.outputs]
+        outputs = list(self.spec.output_names)
         for model in self.pool.models():
             model.run(feed, outputs)
 

@@ -136,7 +136,7 @@ def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> No
 
 def _requested_outputs(spec: ModelSpec, request: InferRequest) -> tuple[str, ...]:
     if request.requested_outputs is None:
-        return tuple(t.name for t in spec.outputs)
+        return spec.output_names
     seen = set()
     for name in request.requested_outputs:
         if spec.output(name) is None:

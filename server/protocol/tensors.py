@@ -18,6 +18,11 @@ _LENGTH = struct.Struct("<I")
 MAX_DIMS = 64  # numpy's limit on dimensions
 _MAX_BYTES = 2**63 - 1  # numpy's limit on an array's size in bytes (intp)
 _OBJECT_SIZE = np.dtype(object).itemsize  # BYTES elements are held as Python objects
+# The little-endian dtype each fixed-size datatype travels as on the wire (looked up per tensor).
+_WIRE_DTYPES = {
+    datatype: datatype.numpy_dtype.newbyteorder("<") if datatype.item_size > 1 else datatype.numpy_dtype
+    for datatype in DataType if datatype is not DataType.BYTES
+}
 
 
 class WireFormatError(ValueError):
@@ -112,8 +117,7 @@ def from_raw(datatype: DataType, shape: tuple[int, ...], raw: bytes) -> np.ndarr
     expected = count * datatype.item_size
     if len(raw) != expected:
         raise ByteSizeMismatch(datatype, shape, expected, len(raw))
-    dtype = datatype.numpy_dtype.newbyteorder("<") if datatype.item_size > 1 else datatype.numpy_dtype
-    return np.frombuffer(raw, dtype=dtype).reshape(shape).astype(datatype.numpy_dtype, copy=False)
+    return np.frombuffer(raw, dtype=_WIRE_DTYPES[datatype]).reshape(shape).astype(datatype.numpy_dtype, copy=False)
 
 
 def to_raw(datatype: DataType, array: np.ndarray) -> bytes:

@@ -12,6 +12,7 @@ This and ``server/grpc`` are the only places that touch protobuf.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
@@ -123,10 +124,24 @@ class ModelSpec:
     config_json: dict[str, Any] = field(default_factory=dict)
 
     def input(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.inputs if t.name == name), None)
+        return self._inputs_by_name.get(name)
 
     def output(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.outputs if t.name == name), None)
+        return self._outputs_by_name.get(name)
+
+    @functools.cached_property
+    def output_names(self) -> tuple[str, ...]:
+        """Every output, in config order: what a request that names none gets."""
+        return tuple(t.name for t in self.outputs)
+
+    # Built once per spec (the fields never change): every request looks its tensors up by name.
+    @functools.cached_property
+    def _inputs_by_name(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in reversed(self.inputs)}  # reversed: the first of a repeated name wins
+
+    @functools.cached_property
+    def _outputs_by_name(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in reversed(self.outputs)}
 
 
 def read_config(model_dir: Path) -> config_pb2.ModelConfig:
