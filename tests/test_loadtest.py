@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -199,6 +200,16 @@ def test_step_specs() -> None:
     assert parse_steps("1:7:3", True) == [1, 4, 7]
     assert parse_steps("1,3", True) == [1, 3]
     assert parse_steps("50:100:25", False) == [50.0, 75.0, 100.0]
+    assert parse_steps("1:4:x1.5", True) == [1, 2, 3, 4]  # a factor that rounds back to the same value steps by 1
+    assert parse_steps("100:300:x1.5", False) == [100.0, 150.0, 225.0]
+    for text in ("nan", "inf", "1:inf:x2", "nan:4", "0", "1:100:1e-300"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_steps(text, False)
+
+
+def test_non_finite_durations_are_refused() -> None:
+    result = shoal_load("-m", "simple", "-u", "127.0.0.1:1", "--window-s", "nan")
+    assert result.returncode == 2 and "--window-s" in result.stderr
 
 
 def test_more_processes_than_concurrency(load_server: RunningServer, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ printing and writing what was measured until then; 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import time
@@ -30,6 +31,8 @@ from shoal.clients.loadtest import report
 from shoal.clients.loadtest.inputs import InputError, build_inputs, parse_shape, serialize_request
 from shoal.clients.loadtest.measure import LoadTester, Settings, StepResult
 
+MAX_STEPS = 1000  # a sweep longer than this is a typo (a tiny step), not a plan
+
 
 def parse_steps(text: str, integer: bool) -> list[float]:
     """``4``, ``1,2,4``, ``1:8:2`` (start:end:step) or ``1:32:x2`` (start:end:×factor)."""
@@ -42,6 +45,8 @@ def parse_steps(text: str, integer: bool) -> list[float]:
             if len(parts) not in (2, 3):
                 raise ValueError
             start, end = convert(parts[0]), convert(parts[1])
+            if not 0 < start <= end < math.inf:  # also refuses nan; bounds the sweep below
+                raise ValueError
             step = parts[2] if len(parts) == 3 else "1"
             values = []
             current = start
@@ -49,22 +54,25 @@ def parse_steps(text: str, integer: bool) -> list[float]:
                 factor = float(step[1:])
                 if factor <= 1:
                     raise ValueError
-                while current <= end:
+                while current <= end and len(values) <= MAX_STEPS:
                     values.append(current)
-                    current = convert(current * factor)
+                    grown = convert(current * factor)
+                    current = grown if grown > current else current + 1  # x1.5 from 1 is 2, not 1 forever
             else:
                 increment = convert(step)
                 if increment <= 0:
                     raise ValueError
-                while current <= end:
+                while current <= end and len(values) <= MAX_STEPS:
                     values.append(current)
                     current = current + increment
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected N, a list N,M,..., START:END:STEP or START:END:xFACTOR"
         ) from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive")
+    if len(values) > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"{text!r}: more than {MAX_STEPS} steps")
+    if not values or not all(0 < v < math.inf for v in values):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive and finite")
     return values
 
 
@@ -108,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.window_s <= 0 or args.warmup_s < 0 or args.max_seconds <= 0 or not 0 < args.stability < 1000:
+    finite = all(math.isfinite(v) for v in (args.window_s, args.warmup_s, args.max_seconds, args.stability))
+    if not finite or args.window_s <= 0 or args.warmup_s < 0 or args.max_seconds <= 0 or not 0 < args.stability < 1000:
         parser.error("--window-s and --max-seconds must be positive, --warmup-s >= 0, --stability in (0, 1000)")
     if args.plot is not None:
         try:
