@@ -111,6 +111,10 @@ def _with_reshape(dims: str, reshape: str) -> str:
         (_with_reshape("[2]", "[]"), "dims must hold one element"),
         (_with_reshape("[-1, -1]", "[-1, -1]"), "more than one variable dimension"),
         (_with_reshape("[4]", "[0, 4]"), "invalid reshape"),
+        ('backend: "onnxruntime" max_batch_size: 4 input [{ name: "a" data_type: TYPE_FP32 dims: [1] }] '
+         'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }] '
+         'dynamic_batching { priority_levels: 4000000000 default_priority_level: 1 }',
+         "priority_levels must be at most 1024"),  # a queue per level: 4e9 took the server past 14 GB
     ],
 )
 def test_validation_names_the_problem(text: str, phrase: str) -> None:

@@ -32,6 +32,9 @@ BACKEND_PLATFORMS = {backend: platform for platform, backend in PLATFORM_BACKEND
 DEFAULT_MODEL_FILENAMES = {"onnxruntime": "model.onnx", "pytorch": "model.pt"}
 # Triton gives CPU instance groups of these backends two instances by default.
 DEFAULT_CPU_INSTANCE_COUNT = {"onnxruntime": 2}
+# The batcher keeps two queues per priority level and walks them per batch; Triton sets no bound, but a
+# config asking for billions of levels must be refused at load, not exhaust memory.
+MAX_PRIORITY_LEVELS = 1024
 
 
 class InstanceKind(enum.Enum):
@@ -307,6 +310,8 @@ def _validate_dynamic_batching(config: config_pb2.ModelConfig, where: str) -> No
                 f"{config.max_batch_size}"
             )
     levels = batching.priority_levels
+    if levels > MAX_PRIORITY_LEVELS:
+        raise load_failed(f"{where}: priority_levels must be at most {MAX_PRIORITY_LEVELS}, got {levels}")
     if levels == 0 and (batching.default_priority_level or batching.priority_queue_policy):
         raise load_failed(f"{where}: priority settings need priority_levels > 0")
     if levels > 0 and not 1 <= batching.default_priority_level <= levels:
