@@ -203,6 +203,20 @@ def test_queue_timeout_rejects_promptly_while_executors_are_busy() -> None:
     run(scenario())
 
 
+def test_a_request_that_leaves_the_queue_cancels_its_timeout() -> None:
+    """Served requests under a 60 s queue timeout leave no live deadline behind: before, each one kept a
+    timer (and the scheduler) in the clock for the whole timeout, and each later ran a pass over the queue."""
+
+    async def scenario() -> None:
+        runner = FakeRunner()
+        scheduler = make(runner, default_queue_policy=QueuePolicy(default_timeout_us=60_000_000))
+        await asyncio.gather(*(submit(scheduler, value) for value in range(50)))
+        live = [timer for timer in deadline_clock()._heap if not timer.cancelled]
+        assert live == []
+
+    run(scenario())
+
+
 def test_request_timeout_override_only_when_allowed() -> None:
     async def scenario(allow: bool) -> bool:
         runner = FakeRunner(gated=True)

@@ -92,6 +92,10 @@ def _libc() -> ctypes.CDLL | None:
 _LIBC = _libc()
 
 
+def _nothing() -> None:
+    """A cancelled timer's callback."""
+
+
 @dataclass(order=True)
 class Timer:
     """A pending callback; ``cancel()`` drops it."""
@@ -103,6 +107,7 @@ class Timer:
 
     def cancel(self) -> None:
         self.cancelled = True
+        self.callback = _nothing  # the heap may hold the timer until its deadline: not what it refers to
 
 
 class DeadlineClock:

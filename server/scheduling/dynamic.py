@@ -136,11 +136,16 @@ class Scheduler:
             future=asyncio.get_running_loop().create_future(),
         )
         queue.append(pending)
+        timer = None
         if pending.deadline_ns is not None and not pending.delay_on_timeout:
             # Reject promptly at the deadline, even while every executor is busy.
-            deadline_clock().call_at(pending.deadline_ns, lambda: self._expire(time.monotonic_ns()))
+            timer = deadline_clock().call_at(pending.deadline_ns, lambda: self._expire(time.monotonic_ns()))
         self._arrived.set()
-        return await pending.future
+        try:
+            return await pending.future
+        finally:
+            if timer is not None:  # left the queue: its deadline no longer concerns this scheduler
+                timer.cancel()
 
     def _level(self, parameters: Mapping[str, Any]) -> int:
         """Priority 0, or beyond the configured levels, means the default level (as Triton)."""
