@@ -67,6 +67,25 @@ def add_identity(repo: Path, name: str, datatype: str, max_batch_size: int = 8, 
     (repo / name / "1").mkdir()
 
 
+def add_delayed_identity(
+    repo: Path, name: str, delay_ms: int, max_batch_size: int = 8, count: int = 1, extra: str = ""
+) -> None:
+    """OUT = IN over INT64 rows of 2, ``count`` CPU instances each sleeping ``delay_ms`` per execution."""
+    write_config(
+        repo / name,
+        f"""
+        backend: "identity"
+        max_batch_size: {max_batch_size}
+        input [ {{ name: "IN" data_type: TYPE_INT64 dims: [ 2 ] }} ]
+        output [ {{ name: "OUT" data_type: TYPE_INT64 dims: [ 2 ] }} ]
+        instance_group [ {{ count: {count} kind: KIND_CPU }} ]
+        parameters {{ key: "execute_delay_ms" value: {{ string_value: "{delay_ms}" }} }}
+        {extra}
+        """,
+    )
+    (repo / name / "1").mkdir()
+
+
 def add_onnx_strings(repo: Path, name: str = "strings") -> None:
     """An ONNX Identity over a string tensor, without batching."""
     graph = helper.make_graph(

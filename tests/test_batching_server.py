@@ -21,19 +21,7 @@ SLOW_MS = 400
 
 
 def slow_identity(repo: Path, name: str, extra: str, max_batch_size: int = 8, count: int = 1) -> None:
-    models.write_config(
-        repo / name,
-        f"""
-        backend: "identity"
-        max_batch_size: {max_batch_size}
-        input [ {{ name: "IN" data_type: TYPE_INT64 dims: [ 2 ] }} ]
-        output [ {{ name: "OUT" data_type: TYPE_INT64 dims: [ 2 ] }} ]
-        instance_group [ {{ count: {count} kind: KIND_CPU }} ]
-        parameters {{ key: "execute_delay_ms" value: {{ string_value: "{SLOW_MS}" }} }}
-        {extra}
-        """,
-    )
-    (repo / name / "1").mkdir()
+    models.add_delayed_identity(repo, name, SLOW_MS, max_batch_size, count, extra)
 
 
 def gather_model(repo: Path) -> None:

@@ -25,20 +25,8 @@ RESPONSE_TIMEOUT_S = 60
 
 
 def identity(repo: Path, name: str, delay_ms: int, max_batch_size: int, extra: str = "") -> None:
-    """OUT = IN over INT64 rows of 2, one instance: requests wait in the queue while one executes."""
-    models.write_config(
-        repo / name,
-        f"""
-        backend: "identity"
-        max_batch_size: {max_batch_size}
-        input [ {{ name: "IN" data_type: TYPE_INT64 dims: [ 2 ] }} ]
-        output [ {{ name: "OUT" data_type: TYPE_INT64 dims: [ 2 ] }} ]
-        instance_group [ {{ count: 1 kind: KIND_CPU }} ]
-        parameters {{ key: "execute_delay_ms" value: {{ string_value: "{delay_ms}" }} }}
-        {extra}
-        """,
-    )
-    (repo / name / "1").mkdir()
+    """One instance: requests wait in the queue while one executes."""
+    models.add_delayed_identity(repo, name, delay_ms, max_batch_size, extra=extra)
 
 
 @pytest.fixture(scope="module")
