@@ -24,9 +24,13 @@ import socket
 import sys
 import threading
 import time
+from typing import Protocol
 
-from shoal.core import Core, LocalCore
+import grpc
+
+from shoal.core.local import LocalCore
 from shoal.errors import StartupError
+from shoal.frontend.supervisor import WorkerSupervisor
 from shoal.grpc.health import HealthReporter
 from shoal.grpc.server import build_server
 from shoal.grpc.servicer import InferenceServicer
@@ -38,50 +42,36 @@ logger = logging.getLogger(__name__)
 STREAM_GRACE_S = 1.0  # after the drain, for RPCs that are open but carry no request
 
 
-async def serve(settings: ServerSettings) -> int:
+async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(name)s: %(message)s") -> int:
     """Serve until SIGTERM/SIGINT; the exit code (0, or EXIT_FORCED from the watchdog)."""
     refuse_used_port("gRPC", settings.grpc_address, settings.grpc_port, settings.grpc.reuse_port)
     if settings.allow_metrics:
         refuse_used_port("metrics", settings.metrics_address, settings.metrics_port, reuse_port=False)
-    health = HealthReporter()
-    background: set[asyncio.Task[None]] = set()
-
-    def refresh_health() -> None:
-        task = asyncio.get_running_loop().create_task(health.sync(core))
-        background.add(task)
-        task.add_done_callback(background.discard)
-
+    front: FrontEnd | None = None
     manager = ModelManager(
         settings.model_repository,
         settings.strict_model_config,
         settings.control_mode,
-        on_change=refresh_health,
+        on_change=lambda: front.health_changed() if front is not None else None,
         memory_budgets=dict(settings.memory_budgets),
     )
-    core: Core = LocalCore(manager, strict_readiness=settings.strict_readiness)
+    core = LocalCore(manager, strict_readiness=settings.strict_readiness)
     await manager.start(settings.startup_models)
-    await health.sync(core)
+    front = WorkerFrontEnd(core, settings, log_format) if settings.grpc_workers else InProcessFrontEnd(core, settings)
     try:
-        server, port = build_server(
-            InferenceServicer(core), health, settings.grpc_address, settings.grpc_port, settings.tls, settings.grpc
-        )
+        port = await front.start()
         metrics_port = 0
         if settings.allow_metrics:
             from shoal.metrics import start_metrics_server
 
-            try:
-                metrics_port = start_metrics_server(core, settings.metrics_address, settings.metrics_port)
-            except BaseException:
-                await server.stop(None)
-                raise
+            metrics_port = start_metrics_server(core.statistics_rows, settings.metrics_address, settings.metrics_port)
     except BaseException:
+        await front.stop(grace_s=0, deadline=time.monotonic())
         await manager.close()
         raise
-    await server.start()
-    logger.info("Started GRPCInferenceService at %s:%d", settings.grpc_address, port)
+    background: set[asyncio.Task[None]] = set()
     if settings.control_mode == "poll":
-        poller = asyncio.create_task(manager.poll_forever(settings.poll_interval_s))
-        background.add(poller)
+        background.add(asyncio.create_task(manager.poll_forever(settings.poll_interval_s)))
     if settings.port_file is not None:
         settings.port_file.write_text(f"{port}\n{metrics_port}\n")  # metrics 0: disabled
 
@@ -92,28 +82,104 @@ async def serve(settings: ServerSettings) -> int:
     await stop.wait()
 
     deadline = time.monotonic() + settings.exit_timeout_s
-    watchdog = threading.Timer(settings.exit_timeout_s, force_exit, args=(core, settings.exit_timeout_s))
+    watchdog = threading.Timer(settings.exit_timeout_s, force_exit, args=(core, front, settings.exit_timeout_s))
     watchdog.daemon = True
     watchdog.start()
     logger.info("shutting down: %d requests in flight, up to %.0f s to finish", core.in_flight,
                 settings.exit_timeout_s)
     core.stop_accepting()
-    await health.sync(core)
+    await front.health_synced()
     for task in background:
         task.cancel()
     if not await core.drain(deadline - time.monotonic()):
-        force_exit(core, settings.exit_timeout_s)
+        force_exit(core, front, settings.exit_timeout_s)
     # Nothing is in flight now: what is left open (health Watch streams, idle inference streams)
     # would otherwise hold the stop until the deadline.
-    await server.stop(grace=min(STREAM_GRACE_S, max(0.0, deadline - time.monotonic())))
+    await front.stop(grace_s=min(STREAM_GRACE_S, max(0.0, deadline - time.monotonic())), deadline=deadline)
     await manager.close()
     watchdog.cancel()
     logger.info("stopped")
     return 0
 
 
-def force_exit(core: Core, timeout_s: float) -> None:
+class FrontEnd(Protocol):
+    """Where gRPC is served: in this process, or in front-end worker processes."""
+
+    async def start(self) -> int: ...  # the bound port
+
+    def health_changed(self) -> None: ...
+
+    async def health_synced(self) -> None: ...  # health reflects the core's state when this returns
+
+    async def stop(self, grace_s: float, deadline: float) -> None: ...
+
+    def kill(self) -> None: ...  # the forced exit: end other processes at once
+
+
+class InProcessFrontEnd:
+    """gRPC (with health and reflection) in the host process, over its ``LocalCore``."""
+
+    def __init__(self, core: LocalCore, settings: ServerSettings) -> None:
+        self.core = core
+        self.settings = settings
+        self.health = HealthReporter()
+        self.server: grpc.aio.Server | None = None
+        self._syncs: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        await self.health.sync(self.core)
+        self.server, port = build_server(InferenceServicer(self.core), self.health, self.settings.grpc_address,
+                                         self.settings.grpc_port, self.settings.tls, self.settings.grpc)
+        await self.server.start()
+        logger.info("Started GRPCInferenceService at %s:%d", self.settings.grpc_address, port)
+        return port
+
+    def health_changed(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.health.sync(self.core))
+        self._syncs.add(task)
+        task.add_done_callback(self._syncs.discard)
+
+    async def health_synced(self) -> None:
+        await self.health.sync(self.core)
+
+    async def stop(self, grace_s: float, deadline: float) -> None:
+        for task in self._syncs:
+            task.cancel()
+        if self.server is not None:
+            await self.server.stop(grace=grace_s)
+
+    def kill(self) -> None:
+        pass
+
+
+class WorkerFrontEnd:
+    """gRPC in ``settings.grpc_workers`` front-end processes sharing the port (``shoal.frontend``)."""
+
+    def __init__(self, core: LocalCore, settings: ServerSettings, log_format: str) -> None:
+        self.supervisor = WorkerSupervisor(core, settings, log_format)
+
+    async def start(self) -> int:
+        port = await self.supervisor.start()
+        logger.info("Started GRPCInferenceService at %s:%d in %d front-end worker processes",
+                    self.supervisor.settings.grpc_address, port, len(self.supervisor.workers))
+        return port
+
+    def health_changed(self) -> None:
+        self.supervisor.notify_health()
+
+    async def health_synced(self) -> None:
+        self.supervisor.notify_health()  # each worker reads it again; RPCs ask the host anyway
+
+    async def stop(self, grace_s: float, deadline: float) -> None:
+        await self.supervisor.stop(grace_s, deadline)
+
+    def kill(self) -> None:
+        self.supervisor.kill()
+
+
+def force_exit(core: LocalCore, front: FrontEnd, timeout_s: float) -> None:
     """The exit timeout has passed: kill the worker processes and leave at once with EXIT_FORCED."""
+    front.kill()
     children = multiprocessing.active_children()
     logger.error("exit timeout of %.0f s passed with %d requests in flight: killing %d worker processes, "
                  "exiting with code %d", timeout_s, core.in_flight, len(children), EXIT_FORCED)

@@ -11,6 +11,9 @@ from pathlib import Path
 from shoal import __version__
 from shoal.settings import EXIT_STARTUP_FAILED, GrpcLimits, ServerSettings, TlsSettings, parse_restriction
 
+LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
+MAX_GRPC_WORKERS = 64
+
 
 def _bool(text: str) -> bool:
     lowered = text.lower()
@@ -26,6 +29,13 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
     return port
+
+
+def _count(text: str) -> int:
+    count = int(text)
+    if not 0 <= count <= MAX_GRPC_WORKERS:
+        raise argparse.ArgumentTypeError(f"expected 0..{MAX_GRPC_WORKERS}, got {count}")
+    return count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reuse-grpc-port", type=_bool, default=False,
                        help="let other servers bind the gRPC port too (SO_REUSEPORT); default false: a port in use "
                             "is an error")
+    serve.add_argument("--grpc-workers", type=_count, default=0,
+                       help="front-end processes serving gRPC on the one port, beside the process that holds the "
+                            "models; 0 serves gRPC in that process (default 0)")
+    serve.add_argument("--grpc-worker-pool-mb", type=float, default=1024.0,
+                       help="shared memory per front-end worker and direction, which bounds the tensor bytes it "
+                            "has in flight (default 1024)")
     tls = serve.add_argument_group("TLS (Triton's flag names)")
     tls.add_argument("--grpc-use-ssl", type=_bool, default=False, help="serve gRPC over TLS")
     tls.add_argument("--grpc-server-cert", type=Path, help="PEM certificate chain of the server")
@@ -144,12 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--memory-budget-mb {text!r}: the device is cpu or gpu:N")
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model needs --model-control-mode explicit")
-    if args.repository_poll_secs <= 0 or args.grpc_max_message_mb <= 0:
-        parser.error("--repository-poll-secs and --grpc-max-message-mb must be positive")
-    logging.basicConfig(
-        level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-    )
+    if not (args.repository_poll_secs > 0 and args.grpc_max_message_mb > 0 and args.grpc_worker_pool_mb >= 1):
+        parser.error("--repository-poll-secs and --grpc-max-message-mb must be positive, "
+                     "--grpc-worker-pool-mb at least 1")
+    logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO, format=LOG_FORMAT)
     if not args.model_repository.is_dir():
         print(f"shoal: error: model repository {args.model_repository} is not a folder", file=sys.stderr)
         return 2
@@ -174,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics_address=args.metrics_address or args.grpc_address,
         metrics_port=args.metrics_port,
         memory_budgets=tuple(budgets),
+        grpc_workers=args.grpc_workers,
+        grpc_worker_pool_bytes=int(min(args.grpc_worker_pool_mb, 2**40 / 2**20) * 2**20),
         grpc=GrpcLimits(
             max_message_bytes=min(2**31 - 1, int(args.grpc_max_message_mb * 2**20)),
             max_concurrent_streams=args.grpc_max_concurrent_streams,
@@ -221,7 +237,7 @@ async def _serve(settings: ServerSettings) -> int:
     from shoal.errors import StartupError
 
     try:
-        return await serve(settings)
+        return await serve(settings, LOG_FORMAT)
     except StartupError as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP_FAILED

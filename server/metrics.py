@@ -25,14 +25,14 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
-from shoal.core import Core, StatisticsRow
+from shoal.core import StatisticsRow
 from shoal.errors import StartupError
 from shoal.statistics import FailureReason
 
@@ -180,14 +180,14 @@ class CpuMetrics:
 class MetricsPage:
     """The whole /metrics text: Triton's families, Shoal's, then the process collector's."""
 
-    def __init__(self, core: Core) -> None:
-        self.core = core
+    def __init__(self, statistics_rows: Callable[[], list[StatisticsRow]]) -> None:
+        self.statistics_rows = statistics_rows
         self.cpu = CpuMetrics()
         self.process = CollectorRegistry()
         ProcessCollector(registry=self.process)
 
     def families(self) -> Iterator[Family]:
-        tritons, shoals = model_families(self.core.model_statistics("", ""))
+        tritons, shoals = model_families(self.statistics_rows())
         yield from tritons
         yield from self.cpu.families()  # Triton's order: per-model families, then CPU
         yield from shoals
@@ -196,9 +196,10 @@ class MetricsPage:
         return "".join(family.text() for family in self.families()) + generate_latest(self.process).decode()
 
 
-def start_metrics_server(core: Core, address: str, port: int) -> int:
-    """Serve /metrics on a background thread; returns the bound port."""
-    page = MetricsPage(core)
+def start_metrics_server(statistics_rows: Callable[[], list[StatisticsRow]], address: str, port: int) -> int:
+    """Serve /metrics on a background thread; returns the bound port. ``statistics_rows`` is called
+    from that thread (the host's ``LocalCore.statistics_rows``)."""
+    page = MetricsPage(statistics_rows)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the name http.server calls

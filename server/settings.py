@@ -68,6 +68,9 @@ class ServerSettings:
     metrics_port: int = 8002
     grpc: GrpcLimits = GrpcLimits()
     memory_budgets: tuple[tuple[str, int], ...] = ()  # (device, bytes): "cpu", "gpu:0"
+    # Front-end worker processes serving gRPC; 0 serves it in this process (see shoal.frontend).
+    grpc_workers: int = 0
+    grpc_worker_pool_bytes: int = 1 << 30  # each worker's shared memory, per direction
 
 
 @dataclass(frozen=True)

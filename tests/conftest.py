@@ -14,6 +14,9 @@ from shoal.tools.local_server import LocalServer
 from tests import models
 
 STARTUP_TIMEOUT_S = 60.0
+# Every test that starts its server through a fixture runs in both process layouts (issue 12):
+# gRPC served by the process that holds the models, and by two front-end worker processes.
+LAYOUTS = {"one-process": (), "two-workers": ("--grpc-workers", "2")}
 
 
 RunningServer = LocalServer
@@ -27,14 +30,23 @@ def start_server(
                               log_path=tmp_path / "server.log", credentials=credentials, timeout_s=STARTUP_TIMEOUT_S)
 
 
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    """The command-line arguments of one process layout."""
+    return LAYOUTS[request.param]
+
+
 @pytest.fixture
-def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., RunningServer]]:
+def server_factory(
+    tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]
+) -> Iterator[Callable[..., RunningServer]]:
     started: list[RunningServer] = []
 
     def factory(
         repository: Path, *extra_args: str, credentials: grpc.ChannelCredentials | None = None
     ) -> RunningServer:
-        server = start_server(repository, tmp_path_factory.mktemp("server"), *extra_args, credentials=credentials)
+        server = start_server(repository, tmp_path_factory.mktemp("server"), *layout, *extra_args,
+                              credentials=credentials)
         started.append(server)
         return server
 
@@ -44,7 +56,7 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callabl
 
 
 @pytest.fixture(scope="module")
-def example_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def example_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     """The shipped model_repository plus identity models for every datatype and a string model."""
     repo = tmp_path_factory.mktemp("repo")
     models.copy_example(repo, "simple")
@@ -52,7 +64,7 @@ def example_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
     for datatype in models.ALL_DATATYPES:
         models.add_identity(repo, f"identity_{datatype.lower()}", datatype)
     models.add_onnx_strings(repo)
-    server = start_server(repo, tmp_path_factory.mktemp("server"))
+    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
     yield server
     assert server.stop() == 0, server.log()
 

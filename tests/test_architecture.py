@@ -18,14 +18,16 @@ from tests.models import REPO_ROOT
 
 # Rank of each part of `shoal`: a module may import only parts of a lower rank (or its own part).
 LAYERS: dict[str, int] = {
-    "__main__": 10, "cli": 9,
-    "app": 8, "config_commands": 8, "tools": 8,  # wiring, and tools that drive a server
+    "__main__": 11, "cli": 10,
+    "app": 9,  # wiring
+    "config_commands": 8, "tools": 8,  # tools that drive a server
+    "frontend": 8,  # front-end worker processes: a transport over a remote core
     "grpc": 7, "metrics": 7,  # transports
     "core": 6,  # the facade every transport calls
     "lifecycle": 5,
     "instances": 4, "scheduling": 4,
     "backends": 3,
-    "repository": 2,
+    "repository": 2, "dataplane": 2,
     "settings": 1, "statistics": 1, "types": 1, "errors": 1,
     "clients": 1,  # the client library: the protocol is all it shares with the server
     "protocol": 0, "__init__": 0,

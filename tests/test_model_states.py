@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shoal.core import Core, LocalCore
+from shoal.core import Core
+from shoal.core.local import LocalCore
+from shoal.core.remote import RemoteCore
 from shoal.errors import ErrorCode, ShoalError
 from shoal.grpc import convert
 from shoal.lifecycle.manager import ModelManager
@@ -97,21 +99,20 @@ def test_a_version_is_ready_only_with_a_loaded_model_and_stops_routing_when_deta
     assert ready.detach() is None and ready.state is S.UNLOADING
 
 
-def test_local_core_has_exactly_the_protocol_s_members_and_signatures() -> None:
+@pytest.mark.parametrize("implementation", [LocalCore, RemoteCore])
+def test_each_core_implements_the_protocol_s_members_with_its_signatures(implementation: type) -> None:
     def members(cls: type) -> dict[str, Any]:
         return {n: m for n, m in vars(cls).items() if not n.startswith("_")}
 
-    protocol, local = members(Core), {n: getattr(LocalCore, n) for n in members(Core)}
-    for name, declared in protocol.items():
-        implemented = local[name]
-        if isinstance(declared, property):
-            assert isinstance(implemented, property), name
-            assert inspect.signature(declared.fget) == inspect.signature(implemented.fget), name  # type: ignore
-        else:
-            assert inspect.signature(declared) == inspect.signature(implemented), name
-            assert inspect.iscoroutinefunction(declared) == inspect.iscoroutinefunction(implemented), name
-    called = set(members(LocalCore)) - {"manager", "strict_readiness"}
-    assert called == set(protocol), "LocalCore's public members are the interface"
+    for name, declared in members(Core).items():
+        implemented = getattr(implementation, name)
+        assert inspect.signature(declared) == inspect.signature(implemented), name
+        assert inspect.iscoroutinefunction(implemented), f"{name}: every call may cross a process boundary"
+
+
+def test_the_remote_core_has_only_the_interface_and_its_channel() -> None:
+    public = {n for n in vars(RemoteCore) if not n.startswith("_")}
+    assert public - {n for n in vars(Core) if not n.startswith("_")} == {"connect", "started"}
 
 
 # -- the manager: states, the one teardown path --------------------------------------------------------

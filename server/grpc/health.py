@@ -21,11 +21,10 @@ class HealthReporter:
         self._known: set[str] = set()
 
     async def sync(self, core: Core) -> None:
-        ready = core.ready()
+        snapshot = await core.health()
         for service in ("", SERVICE_NAME):
-            await self.servicer.set(service, SERVING if ready else NOT_SERVING)
-        names = set(core.model_names())
-        for name in names | self._known:
-            serving = core.accepting and name in names and core.model_ready(name, "")
+            await self.servicer.set(service, SERVING if snapshot.ready else NOT_SERVING)
+        for name in set(snapshot.models) | self._known:
+            serving = snapshot.models.get(name, False)
             await self.servicer.set(name, SERVING if serving else NOT_SERVING)
-        self._known |= names
+        self._known |= set(snapshot.models)

@@ -35,26 +35,26 @@ class InferenceServicer:
         self.core = core
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
-        return pb.ServerLiveResponse(live=self.core.live())
+        return pb.ServerLiveResponse(live=await self.core.live())
 
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self.core.ready())
+        return pb.ServerReadyResponse(ready=await self.core.ready())
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
-        return pb.ModelReadyResponse(ready=self.core.model_ready(request.name, request.version))
+        return pb.ModelReadyResponse(ready=await self.core.model_ready(request.name, request.version))
 
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: Context
     ) -> pb.ServerMetadataResponse:
-        return convert.server_metadata(self.core.server_metadata())
+        return convert.server_metadata(await self.core.server_metadata())
 
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Context
     ) -> pb.ModelMetadataResponse:
-        return convert.model_metadata(self.core.model_metadata(request.name, request.version))
+        return convert.model_metadata(await self.core.model_metadata(request.name, request.version))
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
-        return convert.model_config(self.core.model_config(request.name, request.version))
+        return convert.model_config(await self.core.model_config(request.name, request.version))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         return convert.infer_response(await self.core.infer(convert.infer_request(request)))
@@ -114,12 +114,12 @@ class InferenceServicer:
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Context
     ) -> pb.ModelStatisticsResponse:
-        return convert.model_statistics(self.core.model_statistics(request.name, request.version))
+        return convert.model_statistics(await self.core.model_statistics(request.name, request.version))
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Context
     ) -> pb.RepositoryIndexResponse:
-        return convert.repository_index(self.core.repository_index(ready_only=request.ready))
+        return convert.repository_index(await self.core.repository_index(ready_only=request.ready))
 
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Context

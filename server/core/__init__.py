@@ -1,0 +1,72 @@
+"""The one facade every transport calls: health, metadata, config, inference, index.
+
+``Core`` is the interface: exactly what the transports (``grpc/``) call, in plain dataclasses and
+numpy, with no gRPC or protobuf. Every call is a coroutine, so it can be answered here or in
+another process. Two implementations, and the transports never know which they hold:
+
+- ``core.local.LocalCore`` in the process that holds the models (the host);
+- ``core.remote.RemoteCore`` in each front-end worker process, which forwards calls to the host
+  over a ``dataplane`` channel (tensor bytes in shared memory); ``core.host.CoreHost`` answers them
+  there with the host's ``LocalCore``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shoal.lifecycle.state import IndexEntry, ModelState
+from shoal.protocol.types import ModelMetadata, ServerMetadata, TensorMetadata
+from shoal.statistics import ModelStatistics
+from shoal.types import InferRequest, InferResponse
+
+__all__ = [
+    "Core", "HealthSnapshot", "IndexEntry", "ModelMetadata", "ModelState", "ServerMetadata", "StatisticsRow",
+    "TensorMetadata",
+]
+
+
+@dataclass(frozen=True)
+class StatisticsRow:
+    name: str
+    version: str
+    statistics: ModelStatistics
+    memory_bytes: dict[tuple[str, int], int]  # (CPU|GPU, device id) -> bytes
+    pending: int  # requests queued, waiting for an executor
+    instances: int
+
+
+@dataclass(frozen=True)
+class HealthSnapshot:
+    """What grpc.health.v1 reports, read in one call: the server's readiness and each model's."""
+
+    ready: bool
+    models: dict[str, bool]  # model name -> serving (a version is ready and the server accepts requests)
+
+
+class Core(Protocol):
+    """What a transport may ask of the server; errors are ``ShoalError`` with an ``ErrorCode``."""
+
+    async def live(self) -> bool: ...
+
+    async def ready(self) -> bool: ...
+
+    async def health(self) -> HealthSnapshot: ...
+
+    async def server_metadata(self) -> ServerMetadata: ...
+
+    async def model_ready(self, name: str, version: str) -> bool: ...
+
+    async def model_metadata(self, name: str, version: str) -> ModelMetadata: ...
+
+    async def model_config(self, name: str, version: str) -> dict[str, Any]: ...
+
+    async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]: ...
+
+    async def repository_index(self, ready_only: bool = False) -> list[IndexEntry]: ...
+
+    async def load_model(self, name: str, config_override: dict[str, Any] | None) -> None: ...
+
+    async def unload_model(self, name: str) -> None: ...

@@ -1,0 +1,119 @@
+"""The host's side of one front-end worker: answers its ``RemoteCore`` with the host's ``LocalCore``.
+
+Inputs are read in place from the worker's arena; outputs are copied once into a block of the
+host's arena for that worker, which the worker gives back when it has encoded the reply. If the
+worker dies, what it had in flight still runs to the end (the scheduler never loses an accepted
+request) and the answers are dropped with the channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+from shoal.core import messages
+from shoal.core.local import LocalCore
+from shoal.dataplane import tensors
+from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
+from shoal.dataplane.channel import Channel
+from shoal.errors import ErrorCode, ShoalError, bounded
+from shoal.types import InferRequest
+
+logger = logging.getLogger(__name__)
+
+
+class CoreHost:
+    """Serves one worker's calls; ``closed`` is set when the worker's end of the channel goes."""
+
+    def __init__(self, core: LocalCore, requests: Arena, responses: Arena) -> None:
+        self.core = core
+        self.requests = requests  # the worker's arena: inputs are read from it
+        self.responses = responses  # this host's arena for the worker: outputs are written to it
+        self._allocator = BlockAllocator(responses.size)
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._channel: Channel | None = None
+        self.closed = asyncio.Event()
+        # The port the worker serves on, or why it could not start.
+        self.started: asyncio.Future[int | str] = asyncio.get_running_loop().create_future()
+
+    async def connect(self, sock: socket.socket) -> None:
+        self._channel = await Channel.open(sock, self._received, self.closed.set)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self._channel is not None:
+            self._channel.send(message)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def _received(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == messages.INFER:
+            self._start(message[1], self._infer(*message[1:]))
+        elif kind == messages.CALL:
+            self._start(message[1], self._call(*message[1:]))
+        elif kind == messages.CANCEL:
+            task = self._tasks.get(message[1])
+            if task is not None:
+                task.cancel()
+        elif kind == messages.STARTED:
+            if not self.started.done():
+                self.started.set_result(message[1])
+        elif kind == messages.FREE:
+            for block in message[1]:
+                self.responses.release_pages(block, self._allocator.free(block))
+        else:
+            logger.error("a front-end worker sent an unknown message kind %r", kind)
+
+    def _start(self, request_id: int, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks[request_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
+
+    async def _infer(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> None:
+        name, version, client_id, requested, parameters, class_counts = header
+        try:
+            request = InferRequest(name, version, client_id, tensors.unpack(self.requests, slots), requested,
+                                   parameters, class_counts)
+            response = await self.core.infer(request)
+            try:
+                block, out = tensors.pack(self.responses, self._allocator, response.outputs)
+            except PoolFull as exc:
+                raise ShoalError(ErrorCode.UNAVAILABLE, f"the response does not fit: it {exc}") from None
+        except BaseException as exc:  # noqa: BLE001 - every request gets its one answer
+            self._failed(request_id, exc)
+            if not isinstance(exc, Exception | asyncio.CancelledError):
+                raise
+            return
+        self.send((messages.INFERRED, request_id, (response.model_name, response.model_version, response.id),
+                   block, out))
+
+    async def _call(self, request_id: int, method: str, args: tuple[Any, ...]) -> None:
+        try:
+            if method not in messages.CALLS:
+                raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"unknown core call {method!r}")
+            value = await getattr(self.core, method)(*args)
+        except BaseException as exc:  # noqa: BLE001
+            self._failed(request_id, exc)
+            if not isinstance(exc, Exception | asyncio.CancelledError):
+                raise
+            return
+        self.send((messages.RESULT, request_id, value))
+
+    def _failed(self, request_id: int, exc: BaseException) -> None:
+        if isinstance(exc, ShoalError):
+            code, message = exc.code, exc.message
+        elif isinstance(exc, asyncio.CancelledError):
+            code, message = ErrorCode.UNAVAILABLE, "the request was cancelled"
+        else:
+            logger.error("unexpected error while serving a front-end worker's request", exc_info=exc)
+            code, message = ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        self.send((messages.ERROR, request_id, code.value, bounded(message)))

@@ -1,0 +1,146 @@
+"""``Core`` over the models this process holds: the host process's implementation.
+
+Besides the interface it has what only the host does: stop accepting and drain at shutdown, and
+the statistics rows the metrics page reads from its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from shoal import __version__
+from shoal.core import HealthSnapshot, IndexEntry, ModelMetadata, ServerMetadata, StatisticsRow, TensorMetadata
+from shoal.errors import ErrorCode, ShoalError
+from shoal.lifecycle.manager import ModelManager
+from shoal.types import InferRequest, InferResponse
+
+SERVER_NAME = "shoal"
+# Only what is implemented end to end; clients gate features on these strings.
+EXTENSIONS = (
+    "model_configuration",
+    "statistics",
+    "schedule_policy",
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "classification",
+)
+
+
+class LocalCore:
+    """``Core`` over this process's ``ModelManager``."""
+
+    def __init__(self, manager: ModelManager, strict_readiness: bool = True) -> None:
+        self.manager = manager
+        self.strict_readiness = strict_readiness
+        self._accepting = True
+        self._in_flight = 0  # inference requests accepted and not yet answered
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- the interface -----------------------------------------------------------------------------
+
+    async def live(self) -> bool:
+        return True
+
+    async def ready(self) -> bool:
+        return self.is_ready()
+
+    async def health(self) -> HealthSnapshot:
+        ready_models = {name: self._accepting and self.manager.is_ready(name, "") for name in self.manager.names()}
+        return HealthSnapshot(self.is_ready(), ready_models)
+
+    async def server_metadata(self) -> ServerMetadata:
+        return ServerMetadata(SERVER_NAME, __version__, EXTENSIONS)
+
+    async def model_ready(self, name: str, version: str) -> bool:
+        return self.manager.is_ready(name, version)
+
+    async def model_metadata(self, name: str, version: str) -> ModelMetadata:
+        served = self.manager.resolve(name, version)
+        spec = served.spec
+        batch = (-1,) if spec.max_batch_size > 0 else ()
+        versions = (
+            tuple(str(v) for v in self.manager.entry(name).ready_versions()) if not version else (version,)
+        )
+        return ModelMetadata(
+            name=spec.name,
+            versions=versions,
+            platform=spec.platform or spec.backend,
+            inputs=tuple(TensorMetadata(t.name, t.datatype.value, batch + t.dims) for t in spec.inputs),
+            outputs=tuple(TensorMetadata(t.name, t.datatype.value, batch + t.dims) for t in spec.outputs),
+        )
+
+    async def model_config(self, name: str, version: str) -> dict[str, Any]:
+        """The normalized config as proto3 JSON (field names as in model_config.proto)."""
+        return self.manager.resolve(name, version).spec.config_json
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        if not self._accepting:
+            raise ShoalError(ErrorCode.UNAVAILABLE, "the server is shutting down")
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            served = self.manager.resolve(request.model_name, request.model_version)
+            return await served.infer(request)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
+        return self.statistics_rows(name, version)
+
+    async def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
+        return self.manager.index(ready_only)
+
+    async def load_model(self, name: str, config_override: dict[str, Any] | None) -> None:
+        self._require_explicit()
+        await self.manager.load(name, config_override)
+
+    async def unload_model(self, name: str) -> None:
+        self._require_explicit()
+        await self.manager.unload(name)
+
+    # -- the host's own ----------------------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        """Triton's strict readiness: ready only while every model loaded fine."""
+        return self._accepting and (self.manager.all_ready() or not self.strict_readiness)
+
+    def statistics_rows(self, name: str = "", version: str = "") -> list[StatisticsRow]:
+        """One row per model version; name ``""`` means every model. Safe to call from the metrics thread."""
+        return [
+            StatisticsRow(served.spec.name, str(served.version), served.statistics,
+                          {(d.kind.upper(), d.index): b for d, b in served.memory_bytes.items()},
+                          served.scheduler.queued, len(served.pool.instances))
+            for served in self.manager.statistics(name, version)
+        ]
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no inference request is in flight, at most ``timeout_s``; True if none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
+        except TimeoutError:
+            return False
+        return True
+
+    def _require_explicit(self) -> None:
+        if self.manager.control_mode == "poll":
+            raise ShoalError(ErrorCode.UNAVAILABLE, "explicit model load / unload is not allowed if polling is enabled")
+        if self.manager.control_mode != "explicit":
+            raise ShoalError(
+                ErrorCode.UNAVAILABLE,
+                "explicit model load / unload is not allowed: start the server with --model-control-mode explicit",
+            )

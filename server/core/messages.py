@@ -1,0 +1,32 @@
+"""The messages a front-end worker (``RemoteCore``) and the host (``CoreHost``) exchange.
+
+Small tuples, first item the kind. Worker → host::
+
+    (CALL, id, method, args)          a control-plane call of ``Core`` (one of CALLS)
+    (INFER, id, header, slots)        an inference; inputs in the worker's arena
+    (CANCEL, id)                      the client gave up on ``id``
+    (FREE, [block, ...])              response blocks of the host's arena the worker is done with
+    (STARTED, port | message)         serving on ``port``, or why it cannot (then it exits)
+
+Host → worker::
+
+    (RESULT, id, value)               a call's answer
+    (ERROR, id, code, message)        a call or inference failed (``ErrorCode`` value)
+    (INFERRED, id, header, block, slots)   outputs in the host's arena; the worker frees ``block``
+    (HEALTH,)                         model or server state changed: read health again
+    (STOP, grace_s)                   stop serving, finish what is open within ``grace_s``
+
+Every INFER gets exactly one INFERRED or ERROR, cancelled or not: only then may the worker reuse
+the input block, because only then is the host done reading it.
+"""
+
+from __future__ import annotations
+
+CALL, INFER, CANCEL, FREE, STARTED = "call", "infer", "cancel", "free", "started"
+RESULT, ERROR, INFERRED, HEALTH, STOP = "result", "error", "inferred", "health", "stop"
+
+# The Core methods a worker may call by name (infer has its own message).
+CALLS = frozenset({
+    "live", "ready", "health", "server_metadata", "model_ready", "model_metadata", "model_config",
+    "model_statistics", "repository_index", "load_model", "unload_model",
+})

@@ -1,0 +1,185 @@
+"""``Core`` in a front-end worker process: every call goes to the host over a ``dataplane`` channel.
+
+Input tensors are copied once, from the gRPC message into a block of the worker's arena; the host
+reads them in place. Outputs come back the same way in the host's arena and are handed to the
+transport as views; the block goes back to the host once the last view is gone (after the
+transport has encoded the reply). A full arena answers UNAVAILABLE: the pool bounds the memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import threading
+from typing import Any
+
+from shoal.core import HealthSnapshot, IndexEntry, ModelMetadata, ServerMetadata, StatisticsRow, messages
+from shoal.dataplane import tensors
+from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
+from shoal.dataplane.channel import Channel
+from shoal.errors import ErrorCode, ShoalError
+from shoal.types import InferRequest, InferResponse
+
+HOST_GONE = "the server's model host process is gone"
+
+
+class RemoteCore:
+    """``Core`` answered by the host process. ``connect`` before the first call."""
+
+    def __init__(self, requests: Arena, responses: Arena, on_health: Any = None, on_stop: Any = None) -> None:
+        self.requests = requests  # this worker's arena: it allocates inputs here
+        self.responses = responses  # the host's arena: outputs arrive here
+        self._allocator = BlockAllocator(requests.size)
+        self._on_health = on_health or (lambda: None)
+        self._on_stop = on_stop or (lambda grace_s: None)
+        self._ids = itertools.count()
+        self._pending: dict[int, tuple[asyncio.Future[Any], int]] = {}  # id -> (answer, input block)
+        self._freed: list[int] = []  # response blocks to give back
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._channel: Channel | None = None
+        self.closed = asyncio.Event()
+
+    async def connect(self, sock: socket.socket) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._channel = await Channel.open(sock, self._received, self._host_gone)
+
+    def started(self, port_or_problem: int | str) -> None:
+        """Tell the host this worker serves on a port (or why it cannot)."""
+        if self._channel is not None:
+            self._channel.send((messages.STARTED, port_or_problem))
+
+    # -- the interface -----------------------------------------------------------------------------
+
+    async def live(self) -> bool:
+        return bool(await self._call("live"))
+
+    async def ready(self) -> bool:
+        return bool(await self._call("ready"))
+
+    async def health(self) -> HealthSnapshot:
+        snapshot: HealthSnapshot = await self._call("health")
+        return snapshot
+
+    async def server_metadata(self) -> ServerMetadata:
+        metadata: ServerMetadata = await self._call("server_metadata")
+        return metadata
+
+    async def model_ready(self, name: str, version: str) -> bool:
+        return bool(await self._call("model_ready", name, version))
+
+    async def model_metadata(self, name: str, version: str) -> ModelMetadata:
+        metadata: ModelMetadata = await self._call("model_metadata", name, version)
+        return metadata
+
+    async def model_config(self, name: str, version: str) -> dict[str, Any]:
+        config: dict[str, Any] = await self._call("model_config", name, version)
+        return config
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        try:
+            block, slots = tensors.pack(self.requests, self._allocator, request.inputs)
+        except PoolFull as exc:
+            raise ShoalError(
+                ErrorCode.UNAVAILABLE,
+                f"the front-end worker's shared-memory pool is full: the request {exc}; "
+                "retry later, or start the server with a larger --grpc-worker-pool-mb",
+            ) from None
+        header = (request.model_name, request.model_version, request.id, request.requested_outputs,
+                  request.parameters, request.class_counts)
+        response: InferResponse = await self._send(messages.INFER, (header, slots), block)
+        return response
+
+    async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
+        rows: list[StatisticsRow] = await self._call("model_statistics", name, version)
+        return rows
+
+    async def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
+        entries: list[IndexEntry] = await self._call("repository_index", ready_only)
+        return entries
+
+    async def load_model(self, name: str, config_override: dict[str, Any] | None) -> None:
+        await self._call("load_model", name, config_override)
+
+    async def unload_model(self, name: str) -> None:
+        await self._call("unload_model", name)
+
+    # -- the channel -------------------------------------------------------------------------------
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await self._send(messages.CALL, (method, args), tensors.NO_BLOCK)
+
+    async def _send(self, kind: str, body: tuple[Any, ...], block: int) -> Any:
+        """Send one request and wait for its answer. The input block stays taken until the host
+        answers, even when the caller is cancelled: the host may still be reading it."""
+        channel = self._channel
+        if channel is None or channel.closed:
+            self._free_input(block)
+            raise ShoalError(ErrorCode.UNAVAILABLE, HOST_GONE)
+        request_id = next(self._ids)
+        assert self._loop is not None
+        answer = self._loop.create_future()
+        self._pending[request_id] = (answer, block)
+        channel.send((kind, request_id, *body))
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            if request_id in self._pending:
+                channel.send((messages.CANCEL, request_id))
+            raise
+
+    def _received(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == messages.HEALTH:
+            self._on_health()
+            return
+        if kind == messages.STOP:
+            self._on_stop(message[1])
+            return
+        answer, block = self._pending.pop(message[1])
+        self._free_input(block)
+        if kind == messages.INFERRED:
+            self._inferred(answer, *message[2:])
+        elif answer.done():
+            return  # cancelled meanwhile
+        elif kind == messages.RESULT:
+            answer.set_result(message[2])
+        else:
+            answer.set_exception(ShoalError(ErrorCode(message[2]), message[3]))
+
+    def _inferred(self, answer: asyncio.Future[Any], header: tuple[str, str, str], block: int,
+                  slots: list[tensors.Slot]) -> None:
+        if answer.done():  # cancelled meanwhile: nobody reads the outputs
+            self._release(block)
+            return
+        outputs = tensors.unpack(self.responses, slots, lambda: self._release(block))
+        answer.set_result(InferResponse(*header, outputs))
+
+    def _free_input(self, block: int) -> None:
+        if block != tensors.NO_BLOCK:
+            self.requests.release_pages(block, self._allocator.free(block))
+
+    def _release(self, block: int) -> None:
+        """A response block is no longer read here; give it back (from any thread)."""
+        if block == tensors.NO_BLOCK or self._loop is None or self._loop.is_closed():
+            return
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self._release, block)
+            return
+        if not self._freed:
+            self._loop.call_soon(self._flush_freed)
+        self._freed.append(block)
+
+    def _flush_freed(self) -> None:
+        if self._channel is not None and self._freed:
+            self._channel.send((messages.FREE, list(self._freed)))
+        self._freed.clear()
+
+    def _host_gone(self) -> None:
+        for answer, _ in self._pending.values():
+            if not answer.done():
+                answer.set_exception(ShoalError(ErrorCode.UNAVAILABLE, HOST_GONE))
+        self._pending.clear()
+        self.closed.set()

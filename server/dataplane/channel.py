@@ -1,0 +1,83 @@
+"""Control messages between two processes: length-prefixed pickles over a connected Unix socket.
+
+Messages are small tuples (tensor bytes travel in an arena, see ``dataplane.tensors``); both ends
+are Shoal's own processes joined by a ``socketpair``, which nothing else can connect to. Sends
+made in one turn of the event loop go out in one write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+_HEADER = struct.Struct("<I")
+
+
+class Channel(asyncio.Protocol):
+    """One end of a socketpair; ``on_message`` gets each message, ``on_close`` runs once at EOF."""
+
+    def __init__(self, on_message: Callable[[Any], None], on_close: Callable[[], None]) -> None:
+        self.on_message = on_message
+        self.on_close = on_close
+        self.closed = False
+        self._transport: asyncio.Transport | None = None
+        self._received = bytearray()
+        self._outgoing: list[bytes] = []
+
+    @classmethod
+    async def open(
+        cls, sock: socket.socket, on_message: Callable[[Any], None], on_close: Callable[[], None]
+    ) -> Channel:
+        _, channel = await asyncio.get_running_loop().create_unix_connection(
+            lambda: cls(on_message, on_close), sock=sock
+        )
+        return channel
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        received = self._received
+        received += data
+        offset = 0
+        messages = []
+        with memoryview(received) as view:
+            while len(received) - offset >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(view, offset)
+                end = offset + _HEADER.size + size
+                if end > len(received):
+                    break
+                messages.append(pickle.loads(view[offset + _HEADER.size : end]))
+                offset = end
+        del received[:offset]
+        for message in messages:
+            self.on_message(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed:
+            self.closed = True
+            self.on_close()
+
+    def send(self, message: Any) -> None:
+        """Queue ``message``; everything queued in this turn of the loop is written together."""
+        if self.closed or self._transport is None:
+            return  # the peer is gone; its requests fail through on_close
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing += (_HEADER.pack(len(payload)), payload)
+
+    def _flush(self) -> None:
+        if self._outgoing and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(self._outgoing))
+        self._outgoing.clear()
+
+    def close(self) -> None:
+        self._flush()
+        if self._transport is not None:
+            self._transport.close()

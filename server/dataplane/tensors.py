@@ -1,0 +1,88 @@
+"""Tensors in an arena: one block per message, a small slot per tensor that travels in the message.
+
+A slot is ``(name, datatype, shape, offset, nbytes)``: plain values, cheap to pickle. Fixed-size
+datatypes are stored in native byte order (both processes run on this host) and read back as
+zero-copy numpy views; BYTES use the wire format (4-byte length, then the bytes, per element) and
+are decoded on the reading side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
+
+import numpy as np
+
+from shoal.dataplane.arena import ALIGNMENT, Arena, BlockAllocator
+from shoal.protocol import tensors as wire
+from shoal.protocol.types import DataType
+from shoal.types import Tensor
+
+Slot: TypeAlias = tuple[str, str, tuple[int, ...], int, int]
+NO_BLOCK = -1  # a message whose tensors hold no bytes at all needs no block
+
+
+def _payload(tensor: Tensor) -> np.ndarray | bytes:
+    if tensor.datatype is DataType.BYTES:
+        return wire.serialize_bytes(tensor.data)
+    return np.ascontiguousarray(tensor.data, dtype=tensor.datatype.numpy_dtype)
+
+
+def pack(arena: Arena, allocator: BlockAllocator, tensors: Sequence[Tensor]) -> tuple[int, list[Slot]]:
+    """Copy ``tensors`` into one new block; returns the block (to free later) and the slots.
+
+    Raises ``PoolFull`` when the arena has no room: nothing is allocated then.
+    """
+    payloads = [_payload(t) for t in tensors]
+    sizes = [p.nbytes if isinstance(p, np.ndarray) else len(p) for p in payloads]
+    total = sum(-(-n // ALIGNMENT) * ALIGNMENT for n in sizes)
+    if total == 0:
+        return NO_BLOCK, [(t.name, t.datatype.value, t.shape, 0, 0) for t in tensors]
+    block = allocator.allocate(total)
+    slots = []
+    offset = block
+    view = arena.map
+    for tensor, payload, size in zip(tensors, payloads, sizes, strict=True):
+        if size:
+            if isinstance(payload, np.ndarray):
+                view[offset : offset + size] = payload.reshape(-1).view(np.uint8).data
+            else:
+                view[offset : offset + size] = payload
+        slots.append((tensor.name, tensor.datatype.value, tensor.shape, offset, size))
+        offset += -(-size // ALIGNMENT) * ALIGNMENT
+    return block, slots
+
+
+def unpack(arena: Arena, slots: Sequence[Slot], on_release: Callable[[], None] | None = None) -> tuple[Tensor, ...]:
+    """The slots' tensors, as read-only views into the arena (BYTES are decoded copies).
+
+    With ``on_release``, the views share one owner object and ``on_release`` runs once the last
+    view is gone: the caller frees the block then, and never while a view could still read it.
+    """
+    if not slots:
+        if on_release is not None:
+            on_release()
+        return ()
+    first = min(s[3] for s in slots)
+    end = max(s[3] + s[4] for s in slots)
+    owner = (ctypes.c_char * max(1, end - first)).from_buffer(arena.map, first)
+    if on_release is not None:
+        weakref.finalize(owner, on_release)
+    return tuple(_tensor(owner, first, slot) for slot in slots)
+
+
+def _tensor(owner: ctypes.Array[ctypes.c_char], base: int, slot: Slot) -> Tensor:
+    name, datatype_name, shape, offset, nbytes = slot
+    datatype = DataType(datatype_name)
+    count = math.prod(shape)
+    if datatype is DataType.BYTES:
+        raw = bytes(memoryview(owner)[offset - base : offset - base + nbytes])
+        data = wire.deserialize_bytes(raw, count).reshape(shape)
+    else:
+        buffer = memoryview(owner).cast("B")
+        data = np.frombuffer(buffer, datatype.numpy_dtype, count, offset - base if count else 0).reshape(shape)
+        data.flags.writeable = False
+    return Tensor(name, datatype, tuple(shape), data)

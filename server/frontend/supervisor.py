@@ -1,0 +1,158 @@
+"""The host's side of the front-end workers: start N on one port, restart one that dies, stop all.
+
+Each worker gets a socketpair for control messages and two arenas (``dataplane.arena``): its own
+for inputs and one of the host's for outputs, passed as inherited memfd descriptors. Worker 0
+binds the configured port first (port 0: a free one), the others join it with SO_REUSEPORT, and
+the kernel spreads new connections across them. A worker that dies is started again on the same
+port; only the requests it held fail (their clients' connections drop), and the host finishes the
+ones it had accepted from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+from shoal.core.host import CoreHost
+from shoal.core.local import LocalCore
+from shoal.dataplane.arena import Arena
+from shoal.errors import StartupError
+from shoal.frontend.worker import WorkerConfig, send_config
+from shoal.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 60.0
+RESTART_BACKOFF_S = 1.0  # a worker that dies this soon after starting is started again this much later
+
+
+@dataclass
+class Worker:
+    index: int
+    process: asyncio.subprocess.Process
+    host: CoreHost
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class WorkerSupervisor:
+    """N front-end worker processes serving ``settings``'s gRPC address over the host's ``core``."""
+
+    def __init__(self, core: LocalCore, settings: ServerSettings, log_format: str) -> None:
+        self.core = core
+        self.settings = settings
+        self.log_format = log_format
+        self.port = settings.grpc_port
+        self.workers: dict[int, Worker] = {}
+        self._stopping = False
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        """Start every worker; the bound port. StartupError if a worker cannot serve."""
+        self.port = await self._start_worker(0)
+        await asyncio.gather(*(self._start_worker(i) for i in range(1, self.settings.grpc_workers)))
+        return self.port
+
+    def notify_health(self) -> None:
+        """Model or server state changed: each worker reads health again."""
+        for worker in self.workers.values():
+            worker.host.send(("health",))
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers.values()]
+
+    async def stop(self, grace_s: float, deadline: float) -> None:
+        """Stop every worker (open RPCs get ``grace_s``); kill those still running at ``deadline``."""
+        self._stopping = True
+        for worker in self.workers.values():
+            worker.host.send(("stop", grace_s))
+        waits = [asyncio.create_task(w.process.wait()) for w in self.workers.values()]
+        if waits:
+            await asyncio.wait(waits, timeout=max(0.1, deadline - time.monotonic()))
+        self.kill()
+        for worker in self.workers.values():
+            worker.host.close()
+        for watcher in self._watchers:
+            watcher.cancel()
+
+    def kill(self) -> None:
+        """SIGKILL every worker still running (the forced exit)."""
+        for worker in self.workers.values():
+            if worker.process.returncode is None:
+                try:
+                    os.kill(worker.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    async def _start_worker(self, index: int) -> int:
+        pool_bytes = self.settings.grpc_worker_pool_bytes
+        requests = Arena.create(f"shoal-worker{index}-requests", pool_bytes)
+        responses = Arena.create(f"shoal-worker{index}-responses", pool_bytes)
+        host_end, worker_end = socket.socketpair()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "shoal.frontend", str(worker_end.fileno()),
+                pass_fds=(worker_end.fileno(), requests.fd, responses.fd),
+            )
+        finally:
+            worker_end.close()
+        config = WorkerConfig(
+            index=index, address=self.settings.grpc_address, port=self.port, tls=self.settings.tls,
+            limits=replace(self.settings.grpc, reuse_port=True), requests_fd=requests.fd,
+            responses_fd=responses.fd, pool_bytes=pool_bytes, log_level=logging.getLogger().level,
+            log_format=self.log_format,
+        )
+        send_config(host_end, config)
+        requests.close_fd()  # the worker has its own descriptors now; the mappings stay
+        responses.close_fd()
+        host = CoreHost(self.core, requests, responses)
+        await host.connect(host_end)
+        worker = Worker(index, process, host)
+        self.workers[index] = worker
+        port = await self._wait_started(worker)
+        watcher = asyncio.create_task(self._watch(worker))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+        logger.info("front-end worker %d (pid %d) serves gRPC on %s:%d", index, process.pid,
+                    self.settings.grpc_address, port)
+        return port
+
+    async def _wait_started(self, worker: Worker) -> int:
+        exited = asyncio.create_task(worker.process.wait())
+        try:
+            await asyncio.wait((exited, worker.host.started), timeout=START_TIMEOUT_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        result = worker.host.started.result() if worker.host.started.done() else None
+        if isinstance(result, int):
+            return result
+        if worker.process.returncode is None:
+            worker.process.kill()
+        raise StartupError(result or f"front-end worker {worker.index} did not start "
+                           f"(exit code {worker.process.returncode})")
+
+    async def _watch(self, worker: Worker) -> None:
+        """Start the worker again if it dies while the server is not stopping."""
+        code = await worker.process.wait()
+        worker.host.close()
+        if self._stopping:
+            return
+        logger.error("front-end worker %d (pid %d) exited with code %s; the host finishes the %d requests it "
+                     "had accepted from it, their answers are dropped; starting it again",
+                     worker.index, worker.process.pid, code, worker.host.in_flight)
+        if time.monotonic() - worker.started_at < RESTART_BACKOFF_S:
+            await asyncio.sleep(RESTART_BACKOFF_S)
+        while not self._stopping:
+            try:
+                await self._start_worker(worker.index)
+                return
+            except StartupError as exc:
+                logger.error("front-end worker %d could not start again: %s", worker.index, exc)
+                await asyncio.sleep(RESTART_BACKOFF_S)
