@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import os
+import time
+
 import grpc
 import pytest
 
@@ -28,6 +31,20 @@ def start_server(
     """A real server on a free loopback port, its log kept in ``tmp_path`` for failure messages."""
     return local_server.start(repository, "--exit-timeout-secs", "5", *extra_args, work_dir=tmp_path,
                               log_path=tmp_path / "server.log", credentials=credentials, timeout_s=STARTUP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_in_dev_shm() -> Iterator[None]:
+    """Shared memory is released, also by the servers and workers tests kill with SIGKILL (issue 12)."""
+    shm = Path("/dev/shm")
+    before = set(os.listdir(shm)) if shm.is_dir() else set()
+    yield
+    if not shm.is_dir():
+        return
+    deadline = time.monotonic() + 5  # processes ending right now release theirs on exit
+    while (left := set(os.listdir(shm)) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"left in /dev/shm by the test session: {sorted(left)}"
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

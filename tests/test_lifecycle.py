@@ -205,7 +205,7 @@ def test_overload_is_answered_promptly_while_health_stays_responsive(tmp_path: P
 def test_an_unload_shows_unloading_while_its_requests_drain(tmp_path: Path, server_factory) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
-    slow_model(repo, "slow", delay_ms=300, count=1)
+    slow_model(repo, "slow", delay_ms=1000, count=1)  # a window for 2 queued that a busy machine hits
     server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "slow")
 
     def states(client: InferenceClient) -> list[tuple[str, str, str]]:
