@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,4 +27,16 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {width} ] }} ]
 {config_extra}
 """
     )
+    return folder
+
+
+def write_simple(repo: Path, name: str, config_extra: str, max_batch_size: int = 32) -> Path:
+    """A copy of model_repository/simple (add/sub, INT32 [16]) named ``name``, with ``config_extra`` appended."""
+    source = REPO_ROOT / "model_repository" / "simple"
+    folder = repo / name
+    (folder / "1").mkdir(parents=True)
+    shutil.copy(source / "1" / "model.onnx", folder / "1" / "model.onnx")
+    config = (source / "config.pbtxt").read_text()
+    config = config.replace("max_batch_size: 8", f"max_batch_size: {max_batch_size}")
+    (folder / "config.pbtxt").write_text(config.replace('name: "simple"', f'name: "{name}"') + config_extra)
     return folder

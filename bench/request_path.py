@@ -16,53 +16,37 @@ table, writes bench/results/request_path[_<label>].csv.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import tritonclient.grpc as grpcclient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import install_perf_analyzer, perf_analyzer, save_results  # noqa: E402
-from bench._server import REPO_ROOT, shoal_server  # noqa: E402
+from bench._models import write_simple  # noqa: E402
+from bench._perf import (  # noqa: E402
+    cpu_seconds,
+    install_perf_analyzer,
+    perf_analyzer,
+    requests_served,
+    save_results,
+)
+from bench._server import shoal_server  # noqa: E402
 
-SIMPLE = REPO_ROOT / "model_repository" / "simple"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 MODELS = {"simple": None, "simple_spin": "true"}  # name -> allow_spinning (None: the default)
 
 
 def write_models(repository: Path) -> None:
-    config = (SIMPLE / "config.pbtxt").read_text().replace("max_batch_size: 8", "max_batch_size: 32")
     for name, spinning in MODELS.items():
-        folder = repository / name
-        (folder / "1").mkdir(parents=True)
-        shutil.copy(SIMPLE / "1" / "model.onnx", folder / "1" / "model.onnx")
-        text = config.replace('name: "simple"', f'name: "{name}"')
-        text += "\ndynamic_batching { max_queue_delay_microseconds: 200 }\n"
-        text += 'parameters { key: "intra_op_thread_count" value: { string_value: "2" } }\n'
+        extra = "\ndynamic_batching { max_queue_delay_microseconds: 200 }\n"
+        extra += 'parameters { key: "intra_op_thread_count" value: { string_value: "2" } }\n'
         if spinning is not None:
-            text += f'parameters {{ key: "allow_spinning" value: {{ string_value: "{spinning}" }} }}\n'
-        (folder / "config.pbtxt").write_text(text)
+            extra += f'parameters {{ key: "allow_spinning" value: {{ string_value: "{spinning}" }} }}\n'
+        write_simple(repository, name, extra)
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of the process (all its threads), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def requests_served(client: Any, model: str) -> int:
-    stats = client.get_inference_statistics(model_name=model)
-    return sum(s.inference_stats.success.count + s.inference_stats.fail.count for s in stats.model_stats)
-
-
-def measure(url: str, pid: int, client: Any, model: str, concurrency: int, window_ms: int) -> dict[str, float]:
-    requests_before, cpu_before = requests_served(client, model), cpu_seconds(pid)
+def measure(url: str, pid: int, model: str, concurrency: int, window_ms: int) -> dict[str, float]:
+    requests_before, cpu_before = requests_served(url, model), cpu_seconds(pid)
     figures = perf_analyzer(url, model, concurrency, window_ms)
-    cpu, requests = cpu_seconds(pid) - cpu_before, requests_served(client, model) - requests_before
+    cpu, requests = cpu_seconds(pid) - cpu_before, requests_served(url, model) - requests_before
     return {"throughput": figures["throughput"], "p50_us": figures["p50_us"],
             "cpu_us_per_request": 1e6 * cpu / max(1, requests), "requests": requests}
 
@@ -80,17 +64,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         write_models(Path(folder))
         with shoal_server(Path(folder)) as (url, pid):
-            client = grpcclient.InferenceServerClient(url)
             for round_number in range(1, args.rounds + 1):
                 for model in args.models:
                     for concurrency in args.concurrency:
                         row = {"round": round_number, "model": model, "concurrency": concurrency,
-                               **measure(url, pid, client, model, concurrency, args.window_ms)}
+                               **measure(url, pid, model, concurrency, args.window_ms)}
                         rows.append(row)
                         print(f"round {row['round']} {model:>11} c={concurrency:<3} "
                               f"{row['throughput']:>7.0f} infer/s  p50 {row['p50_us']:>6.0f} µs  "
                               f"CPU {row['cpu_us_per_request']:>5.0f} µs/request", flush=True)
-            client.close()
     save_results(rows, f"request_path{'_' + args.label if args.label else ''}.csv")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,8 +27,10 @@ from textwrap import dedent
 import numpy as np
 import tritonclient.grpc as triton
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._triton import triton_server  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RUN_TRITON = REPO_ROOT.parent / "shared" / "tools" / "triton_peer" / "run_triton.sh"
 REFERENCE = REPO_ROOT / "tests" / "data" / "triton_metrics.txt"
 
 HEADER = """\
@@ -134,30 +135,15 @@ def capture(port: int) -> str:
     with tempfile.TemporaryDirectory() as folder:
         repo = Path(folder) / "repo"
         write_repository(repo)
-        triton_process = subprocess.Popen(["bash", str(RUN_TRITON), str(repo), str(port)], start_new_session=True)
-        try:
-            url = f"127.0.0.1:{port}"
-            deadline = time.monotonic() + 900  # the first run installs the wheel
-            while True:
-                try:
-                    with triton.InferenceServerClient(url) as client:
-                        if client.is_server_ready():
-                            break
-                except Exception:  # noqa: BLE001, S110 - not up yet
-                    pass
-                if triton_process.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("tritonserver did not become ready")
-                time.sleep(1)
-            drive(url)
+        with triton_server(repo, port) as server:
+            drive(server.url)
+            deadline = time.monotonic() + 60
             while True:  # the cancelled request is counted once Triton's scheduler sees it
                 with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=10) as response:
                     text = str(response.read().decode())
                 if 'reason="CANCELED",version="1"} 1' in text or time.monotonic() > deadline:
                     return text
                 time.sleep(0.1)
-        finally:
-            os.killpg(triton_process.pid, signal.SIGTERM)
-            triton_process.wait(timeout=60)
 
 
 def main() -> None:
