@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
-
 import os
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest

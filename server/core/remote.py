@@ -22,6 +22,9 @@ from shoal.errors import ErrorCode, ShoalError
 from shoal.types import InferRequest, InferResponse
 
 HOST_GONE = "the server's model host process is gone"
+# Freed response blocks ride along with the next request to the host; when none goes out this
+# long, they go on their own (a message of their own would wake the host once per request).
+FREE_FLUSH_S = 0.002
 
 
 class RemoteCore:
@@ -36,6 +39,7 @@ class RemoteCore:
         self._ids = itertools.count()
         self._pending: dict[int, tuple[asyncio.Future[Any], int]] = {}  # id -> (answer, input block)
         self._freed: list[int] = []  # response blocks to give back
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._channel: Channel | None = None
@@ -122,6 +126,7 @@ class RemoteCore:
         assert self._loop is not None
         answer = self._loop.create_future()
         self._pending[request_id] = (answer, block)
+        self._flush_freed()
         channel.send((kind, request_id, *body))
         try:
             return await answer
@@ -168,14 +173,17 @@ class RemoteCore:
         if threading.get_ident() != self._loop_thread:
             self._loop.call_soon_threadsafe(self._release, block)
             return
-        if not self._freed:
-            self._loop.call_soon(self._flush_freed)
+        if self._flush_timer is None:
+            self._flush_timer = self._loop.call_later(FREE_FLUSH_S, self._flush_freed)
         self._freed.append(block)
 
     def _flush_freed(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         if self._channel is not None and self._freed:
-            self._channel.send((messages.FREE, list(self._freed)))
-        self._freed.clear()
+            self._channel.send((messages.FREE, self._freed))
+            self._freed = []
 
     def _host_gone(self) -> None:
         for answer, _ in self._pending.values():
