@@ -143,7 +143,10 @@ class RemoteCore:
         if kind == messages.STOP:
             self._on_stop(message[1])
             return
-        answer, block = self._pending.pop(message[1])
+        pending = self._pending.pop(message[1], None)
+        if pending is None:  # an id this worker never sent: ignore it rather than fail every later answer
+            return
+        answer, block = pending
         self._free_input(block)
         if kind == messages.INFERRED:
             self._inferred(answer, *message[2:])

@@ -8,12 +8,14 @@ made in one turn of the event loop go out in one write.
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import socket
 import struct
 from collections.abc import Callable
 from typing import Any
 
+logger = logging.getLogger(__name__)
 _HEADER = struct.Struct("<I")
 
 
@@ -56,7 +58,10 @@ class Channel(asyncio.Protocol):
                 offset = end
         del received[:offset]
         for message in messages:
-            self.on_message(message)
+            try:
+                self.on_message(message)
+            except Exception:  # one bad message must not close the channel (asyncio would)
+                logger.exception("a control message could not be handled: %.200r", message)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed:
