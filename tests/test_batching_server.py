@@ -49,7 +49,7 @@ def gather_model(repo: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def batching_server(tmp_path_factory: pytest.TempPathFactory):
+def batching_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]):
     from tests.conftest import start_server
 
     repo = tmp_path_factory.mktemp("repo")
@@ -62,7 +62,7 @@ def batching_server(tmp_path_factory: pytest.TempPathFactory):
         + "\ndynamic_batching { }\ninstance_group [ { count: 2 kind: KIND_CPU } ]\n"
     )
     gather_model(repo)
-    server = start_server(repo, tmp_path_factory.mktemp("server"))
+    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
     yield server
     assert server.stop() == 0, server.log()
 

@@ -24,7 +24,7 @@ FAST = ["--warmup-s", "0.3", "--window-s", "0.5", "--max-windows", "4", "--max-s
 
 
 @pytest.fixture(scope="module")
-def load_server(tmp_path_factory: pytest.TempPathFactory):
+def load_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]):
     from tests.conftest import start_server
 
     repo = tmp_path_factory.mktemp("repo")
@@ -42,7 +42,7 @@ def load_server(tmp_path_factory: pytest.TempPathFactory):
         """,
     )
     (repo / "bounded" / "1").mkdir()
-    server = start_server(repo, tmp_path_factory.mktemp("server"))
+    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
     yield server
     assert server.stop() == 0, server.log()
 

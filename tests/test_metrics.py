@@ -34,7 +34,7 @@ REASONS = {"REJECTED", "CANCELED", "BACKEND", "OTHER"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     models.add_identity(repo, "identity", "INT64", dims="[ 2 ]")
     slow_identity(repo, "bounded", "dynamic_batching { default_queue_policy { max_queue_size: 1 } }", 1)
@@ -42,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     slow_identity(repo, "expiring", expiring, 1)
     slow_identity(repo, "abandoned", "dynamic_batching { }", 1)
     gather_model(repo)
-    running = start_server(repo, tmp_path_factory.mktemp("server"))
+    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
     yield running
     assert running.stop() == 0, running.log()
 

@@ -52,7 +52,7 @@ def _double(repo: Path, name: str, shape: list[int | str | None], elem: int = Te
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     _double(repo, "scalar_auto", [])  # no config.pbtxt at all
     _double(repo, "scalar_dims_1", [], config=SCALAR_IO % {"reshape": ""})
@@ -67,7 +67,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     _double(repo, "per_sample_io_only", ["batch"], config=SCALAR_IO % {"reshape": RESHAPE})
     _double(repo, "per_sample_inputs_only", ["batch"],
             config='input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]')
-    running = start_server(repo, tmp_path_factory.mktemp("server"))
+    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
     yield running
     assert running.stop() == 0, running.log()
 

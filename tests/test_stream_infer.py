@@ -30,13 +30,13 @@ def identity(repo: Path, name: str, delay_ms: int, max_batch_size: int, extra: s
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     identity(repo, "batched", SLOW_MS, max_batch_size=8, extra="dynamic_batching { }")
     identity(repo, "slow", SLOW_MS, max_batch_size=0)
     identity(repo, "ticking", 50, max_batch_size=0)  # many requests through one instance, quickly
     identity(repo, "fast", 0, max_batch_size=0)
-    running = start_server(repo, tmp_path_factory.mktemp("server"))
+    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
     yield running
     assert running.stop() == 0, running.log()
 

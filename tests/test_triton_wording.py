@@ -29,11 +29,11 @@ A = np.arange(16, dtype=np.int32).reshape(1, 16)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     models.copy_example(repo, "simple")  # max_batch_size 8, INPUT0/INPUT1 INT32 dims [16]
     models.add_onnx_strings(repo)  # "strings": BYTES IN -> OUT, dims [-1], no batching
-    running = start_server(repo, tmp_path_factory.mktemp("server"))
+    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
     yield running
     assert running.stop() == 0, running.log()
 
