@@ -8,6 +8,7 @@ little-endian float32 (``ml_dtypes.bfloat16`` holds exactly that).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +18,7 @@ MAX_DIMS = 64  # numpy's limit on dimensions
 _MAX_BYTES = 2**63 - 1  # numpy's limit on an array's size in bytes (intp)
 _OBJECT_SIZE = np.dtype(object).itemsize  # BYTES elements are held as Python objects
 _MAX_ELEMENT = 2**32 - 1  # the most a 4-byte length prefix can say
-_CHUNK = 1 << 16  # BYTES elements framed at a time: numpy's scratch stays a few MB
+_CHUNK = 1 << 16  # BYTES elements handled per C call: a few MB of scratch, a few ms holding the GIL
 _UNIFORM_MAX = 1 << 20  # the longest element the one-length path reads as a numpy record
 # The little-endian dtype each fixed-size datatype travels as on the wire (looked up per tensor).
 _WIRE_DTYPES = {
@@ -80,18 +81,19 @@ def serialize_bytes(array: np.ndarray) -> bytes:
     """BYTES elements, row-major; ``str`` elements are UTF-8 encoded.
 
     Only the conversion to ``bytes`` runs per element in Python; the length prefixes are written by
-    numpy, a chunk of elements at a time (one small object per element here used to cost ~200 bytes
-    and ~1 µs each).
+    numpy (one small object per element here used to cost ~200 bytes and ~1 µs each). A chunk of
+    elements at a time: numpy's scratch stays small, and no C call holds the GIL for long, so this
+    can run on a worker thread beside the event loop.
     """
-    flat = np.asarray(array, dtype=object).reshape(-1).tolist()
-    if set(map(type, flat)) - {bytes}:
-        flat = [item.encode("utf-8") if isinstance(item, str) else bytes(item) for item in flat]
-    chunks = [_frame(flat[start : start + _CHUNK]) for start in range(0, len(flat), _CHUNK)]
+    flat = np.asarray(array, dtype=object).reshape(-1)
+    chunks = [_frame(flat[start : start + _CHUNK].tolist()) for start in range(0, flat.size, _CHUNK)]
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _frame(items: list[bytes]) -> bytes:
+def _frame(items: list[Any]) -> bytes:
     """``items`` each behind its 4-byte length: the content joined, then spread around the prefixes."""
+    if set(map(type, items)) - {bytes}:
+        items = [item.encode("utf-8") if isinstance(item, str) else bytes(item) for item in items]
     lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
     if lengths.size and int(lengths.max()) > _MAX_ELEMENT:
         raise WireFormatError(f"a BYTES element of {int(lengths.max())} bytes does not fit a 4-byte length")
@@ -119,7 +121,8 @@ def deserialize_bytes(raw: bytes, count: int) -> np.ndarray:
     if items is None:
         items = _scan_items(raw, count)
     array = np.empty(len(items), dtype=object)
-    array[:] = items
+    for start in range(0, len(items), _CHUNK):  # a chunk at a time: see serialize_bytes
+        array[start : start + _CHUNK] = items[start : start + _CHUNK]
     return array
 
 
@@ -137,7 +140,9 @@ def _uniform_items(raw: bytes, count: int) -> list[bytes] | None:
     records = np.frombuffer(raw, dtype=np.dtype([("length", "<u4"), ("data", f"V{length}")]))
     if (records["length"] != length).any():
         return None
-    items: list[bytes] = records["data"].tolist()  # numpy makes the bytes objects, in C
+    items: list[bytes] = []
+    for start in range(0, count, _CHUNK):  # numpy makes the bytes objects, in C; a chunk at a time
+        items += records["data"][start : start + _CHUNK].tolist()
     return items
 
 
