@@ -22,6 +22,9 @@ What Triton does, and so what these tests hold Shoal to:
 from __future__ import annotations
 
 import queue
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,8 +36,10 @@ import tritonclient.grpc as triton
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
+from shoal.lifecycle import classification
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
+from shoal.protocol.types import DataType
 from tests import models
 from tests.conftest import RunningServer, open_channel, start_server
 
@@ -332,6 +337,67 @@ def test_malformed_count_is_refused(stub: InferenceStub, parameter: pb.InferPara
 def test_huge_count_is_capped(stub: InferenceStub) -> None:
     response = stub.ModelInfer(_raw_request(pb.InferParameter(int64_param=2**63 - 1)))
     assert response.outputs[0].datatype == "BYTES" and list(response.outputs[0].shape) == [1, 3]
+
+
+def test_a_nan_keeps_its_sign_as_glibc_prints_it() -> None:
+    """std::to_string of a negative NaN is "-nan"; Python's %f drops the sign."""
+    data = np.array([[-np.nan, 1.0, np.nan]], dtype=np.float32)
+    assert np.signbit(data[0, 0])
+    result = classification.top_k(data, DataType.FP32, 3, batched=True)
+    assert result.tolist() == [[b"1.000000:1", b"-nan:0", b"nan:2"]]
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "UINT64"])
+def test_wide_outputs_are_formatted_in_chunks_alike(datatype: str) -> None:
+    """More classes than one formatting chunk holds, labels on some: as the one-by-one reference."""
+    data = sample(datatype, (2, 40_000), seed=7)
+    labels = tuple(f"class {i}".encode() if i % 3 else b"" for i in range(30_000))
+    result = classification.top_k(data, DataType(datatype), 40_000, batched=True, labels=labels)
+    assert result.tolist() == expected(data, 40_000, batched=True, labels=labels)
+
+
+# Sends a [2, 1M] FP32 request for all its classes and checks the answer; run in its own process, so
+# the client's work on the large messages never delays the test's polling.
+WIDE_CLIENT = """
+import sys
+import numpy as np
+from tests.conftest import open_channel
+from shoal.protocol import InferenceStub, service_pb2 as pb
+data = np.random.default_rng(0).standard_normal((2, 1_000_000)).astype(np.float32)
+request = pb.ModelInferRequest(model_name="numeric_fp32")
+request.inputs.add(name="IN", datatype="FP32", shape=list(data.shape))
+request.raw_input_contents.append(data.tobytes())
+request.outputs.add(name="OUT").parameters["classification"].int64_param = data.shape[1]
+with open_channel(sys.argv[1]) as channel:
+    stub = InferenceStub(channel)
+    stub.ServerLive(pb.ServerLiveRequest())
+    print("sending", flush=True)
+    response = stub.ModelInfer(request, timeout=120)
+assert list(response.outputs[0].shape) == [2, 1_000_000], response.outputs[0].shape
+top = f"{float(data[0].max()):f}:{int(data[0].argmax())}".encode()
+assert response.raw_output_contents[0][4:].startswith(top), response.raw_output_contents[0][:40]
+"""
+
+
+def test_health_is_answered_while_a_wide_output_is_classified(server: RunningServer, stub: InferenceStub) -> None:
+    """All 2M classes of a [2, 1M] output: ranked and formatted on the event loop, they held it for
+    seconds. ServerLive, polled while another process's request runs, now waits far less than the
+    request takes."""
+    with subprocess.Popen([sys.executable, "-c", WIDE_CLIENT, server.url], cwd=models.REPO_ROOT,
+                          stdout=subprocess.PIPE, text=True) as client:
+        try:
+            assert client.stdout is not None and client.stdout.readline() == "sending\n"
+            start = time.perf_counter()
+            waits = []
+            while client.poll() is None:
+                asked = time.perf_counter()
+                assert stub.ServerLive(pb.ServerLiveRequest(), timeout=60).live
+                waits.append(time.perf_counter() - asked)
+            took = time.perf_counter() - start
+        finally:
+            client.kill()
+    assert client.returncode == 0
+    assert len(waits) >= 3 and max(waits) < took / 3, f"ServerLive waited {max(waits):.2f} s of {took:.2f} s"
 
 
 def test_server_metadata_lists_classification(client: triton.InferenceServerClient) -> None:

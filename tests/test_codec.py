@@ -7,6 +7,8 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shoal.errors import ErrorCode, ShoalError
 from shoal.grpc import convert
@@ -101,3 +103,98 @@ def test_request_parameters_of_every_kind() -> None:
     request.parameters["flag"].bool_param = True
     decoded = convert.infer_request(request)
     assert decoded.parameters == {"priority": 2, "timeout": 1000, "ratio": 0.5, "tag": "x", "flag": True}
+
+
+# -- BYTES framing: the vectorised paths against the one-by-one reference --------------------------
+
+
+def _framed(items: list[bytes]) -> bytes:
+    """The wire format written the plain way, one element at a time."""
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def _objects(items: list[bytes]) -> np.ndarray:
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    return array
+
+
+@settings(max_examples=200, deadline=None)
+@given(items=st.lists(st.binary(max_size=12), max_size=40), length=st.sampled_from([None, 0, 1, 3]))
+def test_bytes_framing_matches_the_plain_reference(items: list[bytes], length: int | None) -> None:
+    """Any elements, and elements all of one length (read by numpy records), both ways."""
+    if length is not None:
+        items = [item[:length].ljust(length, b"\x00") for item in items]
+    raw = _framed(items)
+    assert tensors.serialize_bytes(_objects(items)) == raw
+    assert list(tensors.deserialize_bytes(raw, len(items))) == items
+
+
+def test_bytes_framing_of_many_elements_spans_chunks() -> None:
+    items = [bytes([i % 251]) * (i % 7) for i in range(200_003)]
+    raw = tensors.serialize_bytes(_objects(items))
+    assert raw == _framed(items)
+    assert list(tensors.deserialize_bytes(raw, len(items))) == items
+
+
+@pytest.mark.parametrize(
+    ("raw", "count", "error"),
+    [
+        # All lengths 2 but one: read one by one, in Triton's order.
+        (_framed([b"ab", b"cd"]) + struct.pack("<I", 3) + b"ef", 3, "runs past the content"),
+        (_framed([b"ab", b"cd", b"ef"]), 2, "holds more than 2 elements"),
+        (_framed([b"", b""]) + b"\x00\x00", 2, "ends inside a length prefix"),
+        (_framed([b"", b"", b""]), 4, "holds 3 elements, the shape needs 4"),
+        (struct.pack("<I", 0) * 3 + struct.pack("<I", 1), 4, "runs past the content"),
+    ],
+)
+def test_bytes_that_look_of_one_length_are_still_checked(raw: bytes, count: int, error: str) -> None:
+    with pytest.raises(tensors.WireFormatError, match=error):
+        tensors.deserialize_bytes(raw, count)
+
+
+# -- the memory a BYTES request may cost ------------------------------------------------------------
+
+
+def _empty_strings_request(count: int) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="m")
+    request.inputs.add(name="s", datatype="BYTES", shape=[count])
+    request.raw_input_contents.append(struct.pack("<I", 0) * count)
+    return request
+
+
+def test_many_tiny_strings_are_refused_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """5M empty strings: 20 MB on the wire, ~280 MB as Python objects. Refused without decoding."""
+    monkeypatch.setattr(tensors, "deserialize_bytes", lambda raw, count: pytest.fail("decoded"))
+    with pytest.raises(ShoalError) as caught:
+        convert.infer_request(_empty_strings_request(5_000_000))
+    assert caught.value.code is ErrorCode.INVALID_ARGUMENT
+    assert caught.value.message.startswith(
+        "the BYTES inputs of this request for model 'm' hold up to 5000000 elements in 20000000 bytes")
+
+
+def test_strings_within_the_floor_or_long_enough_are_decoded() -> None:
+    assert convert.infer_request(_empty_strings_request(1_000_000)).inputs[0].data.shape == (1_000_000,)
+    request = service_pb2.ModelInferRequest(model_name="m")
+    request.inputs.add(name="s", datatype="BYTES", shape=[3_000_000])  # 10 bytes each: never refused
+    request.raw_input_contents.append((struct.pack("<I", 10) + b"0123456789") * 3_000_000)
+    assert convert.infer_request(request).inputs[0].data[-1] == b"0123456789"
+
+
+def test_the_cost_counts_typed_contents_and_every_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(convert, "BYTES_OBJECTS_FLOOR", 100 * convert.BYTES_OBJECT_BYTES)
+    request = service_pb2.ModelInferRequest(model_name="m")
+    request.inputs.add(name="a", datatype="BYTES", shape=[60]).contents.bytes_contents.extend([b""] * 60)
+    convert.infer_request(request)
+    request.inputs.add(name="b", datatype="BYTES", shape=[60]).contents.bytes_contents.extend([b""] * 60)
+    with pytest.raises(ShoalError, match="hold up to 120 elements"):
+        convert.infer_request(request)
+
+
+def test_a_shape_that_claims_more_than_the_content_holds_keeps_tritons_words() -> None:
+    """The cost is bounded by what the content can hold (4 bytes an element), not by the shape."""
+    request = _empty_strings_request(2)
+    request.inputs[0].shape[:] = [2**40]
+    with pytest.raises(ShoalError) as caught:
+        convert.infer_request(request)
+    assert caught.value.message == f"expected {2**40} string elements for inference input 's' for model 'm', got 2"

@@ -217,6 +217,45 @@ def test_a_request_that_leaves_the_queue_cancels_its_timeout() -> None:
     run(scenario())
 
 
+def test_a_request_cancelled_while_queued_leaves_at_once_and_frees_its_place() -> None:
+    """Cancelled in the middle of the queue while the executor is busy: counted as CANCELED and out
+    of the queue (its place free under max_queue_size) at once; before, only when the next batch was
+    formed, by a walk over the whole queue."""
+
+    async def scenario() -> None:
+        runner = FakeRunner(gated=True)
+        scheduler = make(runner, default_queue_policy=QueuePolicy(max_queue_size=3))
+        blocker = submit(scheduler, 0)
+        await runner.started.wait()
+        first, middle, last = submit(scheduler, 1), submit(scheduler, 2), submit(scheduler, 3)
+        await queued(scheduler, 3)
+        middle.cancel()
+        await queued(scheduler, 2)
+        assert scheduler.statistics.fail.count == 1
+        refill = submit(scheduler, 4)
+        await queued(scheduler, 3)
+        await runner.open_next_gate()
+        await runner.open_next_gate()
+        await asyncio.gather(blocker, first, last, refill)
+        assert runner.batches == [[0], [1, 3, 4]]
+
+    run(scenario())
+
+
+def test_served_requests_do_not_pile_up_as_deadlines() -> None:
+    """Requests served within a 60 s queue timeout: the deadlines they leave behind are dropped once
+    they are the greater part, so the scheduler holds about as many as requests are waiting."""
+
+    async def scenario() -> None:
+        runner = FakeRunner()
+        scheduler = make(runner, default_queue_policy=QueuePolicy(default_timeout_us=60_000_000))
+        for _ in range(10):
+            await asyncio.gather(*(submit(scheduler, value) for value in range(500)))
+        assert len(scheduler._deadlines) <= 2 * 1024 + 500
+
+    run(scenario())
+
+
 def test_request_timeout_override_only_when_allowed() -> None:
     async def scenario(allow: bool) -> bool:
         runner = FakeRunner(gated=True)

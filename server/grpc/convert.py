@@ -121,6 +121,45 @@ def _check_contents_fields(name: str, datatype: DataType, contents: service_pb2.
         supplied = True
 
 
+# A decoded BYTES element costs about 56 bytes of Python objects beyond its content: a bytes object
+# (``sys.getsizeof(b"")`` is 33, rounded up to 48 by the allocator) and the 8-byte pointer to it; on
+# the wire it costs a 4-byte length. So a request of many short strings costs up to 14 times its
+# size once decoded (an 80 MB request of 20M empty strings took 5 GB). Such a request is refused
+# before anything is decoded unless those objects stay within this multiple of its BYTES payload,
+# or within the floor: whatever the element count, a request costs at most about 5 times its size
+# (elements of 10 bytes or more are never refused; shorter ones past 2.4M elements may be).
+BYTES_OBJECT_BYTES = 56
+MAX_BYTES_OBJECTS_PER_PAYLOAD = 4
+BYTES_OBJECTS_FLOOR = 128 * 2**20  # 2.4M elements of any length
+
+
+def check_bytes_cost(message: service_pb2.ModelInferRequest, raw: list[bytes]) -> None:
+    """Refuse a request whose BYTES elements would cost far more memory than it carries.
+
+    Counts are bounded before decoding: a raw input holds at most a fourth of its bytes in
+    elements, and no more than its shape says are ever made (reading stops there)."""
+    elements = payload = 0
+    for index, tensor in enumerate(message.inputs):
+        if tensor.datatype != DataType.BYTES.value:
+            continue
+        declared = max(0, math.prod(tensor.shape))
+        if index < len(raw):
+            elements += min(declared, len(raw[index]) // 4)
+            payload += len(raw[index])
+        elif tensor.HasField("contents"):
+            elements += len(tensor.contents.bytes_contents)
+            payload += tensor.contents.ByteSize()
+    cost = elements * BYTES_OBJECT_BYTES
+    allowed = max(BYTES_OBJECTS_FLOOR, MAX_BYTES_OBJECTS_PER_PAYLOAD * payload)
+    if cost > allowed:
+        raise invalid(
+            f"the BYTES inputs of this request for model '{message.model_name}' hold up to {elements} "
+            f"elements in {payload} bytes: decoded, they would take about {cost // 2**20} MiB, more than the "
+            f"{allowed // 2**20} MiB allowed (the larger of {BYTES_OBJECTS_FLOOR // 2**20} MiB and "
+            f"{MAX_BYTES_OBJECTS_PER_PAYLOAD} times their size); send fewer, longer elements, or split the request"
+        )
+
+
 # -- messages -------------------------------------------------------------------------------------
 
 
@@ -131,12 +170,13 @@ def parameter_value(param: Any) -> Any:
 
 
 def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
-    raw = message.raw_input_contents
+    raw = list(message.raw_input_contents)  # each read of an entry copies it out of the message: once
     model = message.model_name
     if len(raw) > len(message.inputs):
         raise invalid(
             f"expected {len(message.inputs)} raw_input_contents entries (one per input), got {len(raw)}"
         )
+    check_bytes_cost(message, raw)
     inputs = []
     for index, tensor in enumerate(message.inputs):
         try:

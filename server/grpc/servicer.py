@@ -17,7 +17,7 @@ import grpc
 
 from shoal.core import Core
 from shoal.errors import unsupported
-from shoal.grpc import convert
+from shoal.grpc import convert, offload
 from shoal.grpc.status import to_status
 from shoal.protocol import service_pb2 as pb
 
@@ -57,7 +57,7 @@ class InferenceServicer:
         return convert.model_config(await self.core.model_config(request.name, request.version))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        return convert.infer_response(await self.core.infer(convert.infer_request(request)))
+        return await offload.infer_response(await self.core.infer(await offload.infer_request(request)))
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context

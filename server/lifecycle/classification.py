@@ -30,6 +30,7 @@ _INTEGERS = frozenset({
     DataType.UINT8, DataType.UINT16, DataType.UINT32, DataType.UINT64,
     DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64,
 })
+_CHUNK = 1 << 14  # entries formatted per C call (a few ms holding the GIL)
 
 
 def check_datatype(model: str, output: str, datatype: DataType) -> None:
@@ -41,18 +42,53 @@ def check_datatype(model: str, output: str, datatype: DataType) -> None:
 
 def top_k(data: np.ndarray, datatype: DataType, count: int, batched: bool,
           labels: Sequence[bytes] = ()) -> np.ndarray:
-    """The ``count`` highest-valued classes of each row of ``data`` as an object array of ``bytes``."""
+    """The ``count`` highest-valued classes of each row of ``data`` as an object array of ``bytes``.
+
+    Ranking is numpy's (a partition of each row, then a sort of the few that remain); the entries
+    are formatted by one C-level ``%`` per chunk of them: one f-string per entry made all 2M classes
+    of a [2, 1M] output take 2.0-2.4 s (0.8-0.9 s now, on the same machine). Wide outputs are still
+    costly: ``lifecycle.tensors.finish_is_costly`` sends them to a worker thread.
+    """
     rows = data.reshape(data.shape[0] if batched else 1, math.prod(data.shape[1:] if batched else data.shape))
     width = min(count, rows.shape[1])
     keys = _descending_keys(rows, datatype)
-    text = _format_float if datatype in _FLOATS else _format_integer
-    result = np.empty((rows.shape[0], width), dtype=object)
-    for row_index, row in enumerate(rows):
-        for column, index in enumerate(_first(keys[row_index], width).tolist()):
-            entry = f"{text(row[index])}:{index}".encode()
-            label = labels[index] if index < len(labels) else b""
-            result[row_index, column] = entry + b":" + label if label else entry
-    return result if batched else result.reshape(width)
+    order = np.empty((rows.shape[0], width), dtype=np.intp)
+    for row_index in range(rows.shape[0]):
+        order[row_index] = _first(keys[row_index], width)
+    values = np.take_along_axis(rows, order, axis=1).reshape(-1)
+    entries = _entries(values, order.reshape(-1), datatype in _FLOATS, labels)
+    return entries.reshape(rows.shape[0], width) if batched else entries
+
+
+def _entries(values: np.ndarray, indexes: np.ndarray, floats: bool, labels: Sequence[bytes]) -> np.ndarray:
+    """``b"<value>:<index>[:<label>]"`` for each pair, values as ``std::to_string`` prints them, as an
+    object array.
+
+    A chunk at a time: each C call holds the GIL, so a worker thread doing this gives it back to
+    the event loop every few milliseconds."""
+    entries = np.empty(values.size, dtype=object)
+    for start in range(0, values.size, _CHUNK):
+        stop = start + _CHUNK
+        entries[start:stop] = _chunk_entries(values[start:stop], indexes[start:stop], floats, labels)
+    return entries
+
+
+def _chunk_entries(values: np.ndarray, indexes: np.ndarray, floats: bool, labels: Sequence[bytes]) -> list[bytes]:
+    as_float = values.astype(np.float64) if floats else values  # FP16 and BF16 exactly
+    pairs: list[float | int] = [0] * (2 * values.size)
+    pairs[0::2] = as_float.tolist()  # Python floats, or ints (exact for UINT64 too)
+    pairs[1::2] = indexes.tolist()
+    text = ((b"%f:%d\n" if floats else b"%d:%d\n") * values.size) % tuple(pairs)
+    entries = text.split(b"\n")[:-1]  # neither a number nor an index holds a newline
+    if floats:  # glibc's %f keeps a NaN's sign; Python's drops it
+        for position in np.flatnonzero(np.isnan(as_float) & np.signbit(as_float)).tolist():
+            entries[position] = b"-" + entries[position]
+    if labels:
+        for position in np.flatnonzero(indexes < len(labels)).tolist():
+            label = labels[int(indexes[position])]
+            if label:
+                entries[position] += b":" + label
+    return entries
 
 
 def _first(keys: np.ndarray, width: int) -> np.ndarray:
@@ -76,14 +112,3 @@ def _descending_keys(rows: np.ndarray, datatype: DataType) -> np.ndarray:
         inverted: np.ndarray = np.invert(rows)
         return inverted
     return -rows.astype(np.float64)  # FP16 and BF16 too, exactly; NaN stays NaN and sorts last
-
-
-def _format_float(value: np.generic) -> str:
-    number = float(value)
-    if math.isnan(number):  # glibc's %f keeps a NaN's sign; Python's drops it
-        return "-nan" if math.copysign(1.0, number) < 0 else "nan"
-    return f"{number:f}"
-
-
-def _format_integer(value: np.generic) -> str:
-    return str(int(value))

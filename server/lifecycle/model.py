@@ -123,12 +123,12 @@ class ModelVersion:
             raise ShoalError(
                 ErrorCode.INTERNAL, f"model '{self.spec.name}' version {self.version} failed: {exc}"
             ) from exc
-        return InferResponse(
-            model_name=self.spec.name,
-            model_version=str(self.version),
-            id=request.id,
-            outputs=tensors.finish(self.spec, prepared, results),
-        )
+        if tensors.finish_is_costly(prepared, results):  # a wide classification: off the event loop
+            outputs = await asyncio.to_thread(tensors.finish, self.spec, prepared, results)
+        else:
+            outputs = tensors.finish(self.spec, prepared, results)
+        return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
+                             outputs=outputs)
 
     async def close(self) -> None:
         """Finish queued and running requests, then release the instances and the weights."""

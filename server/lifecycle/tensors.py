@@ -159,6 +159,17 @@ def _check_classifications(spec: ModelSpec, request: InferRequest, outputs: tupl
         classification.check_datatype(spec.name, name, tensor_spec.datatype)
 
 
+# Ranking an output for a classification costs up to ~0.15 µs per element, formatting ~0.3 µs per class
+# returned: past this many elements in the outputs to classify, ``finish`` runs off the event loop.
+FINISH_OFF_LOOP_ELEMENTS = 16_384
+
+
+def finish_is_costly(prepared: Prepared, results: Mapping[str, np.ndarray]) -> bool:
+    """Whether ``finish`` would hold the event loop for long: a classification of a wide output."""
+    classified = sum(np.size(results[name]) for name in prepared.class_counts if name in results)
+    return classified > FINISH_OFF_LOOP_ELEMENTS
+
+
 def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray]) -> tuple[Tensor, ...]:
     """Turn backend results into response tensors: config datatypes and shapes; an output
     requested as a classification becomes its top classes per batch row (BYTES)."""

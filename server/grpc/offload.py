@@ -1,0 +1,62 @@
+"""Inference messages that are costly to convert are converted on a worker thread, off the event loop.
+
+Converting BYTES tensors does Python work per element (one ``bytes`` object each), so a request
+or response of millions of strings used to hold the event loop for seconds, and with it every
+other call, health checks included. The work is bounded by what the message declares: decoding
+reads at most one element past an input's shape, and an output's size is its element count. Small
+messages are converted inline, since a thread hop costs tens of µs. A worker thread still takes
+the GIL for its Python work, but gives it up every few milliseconds (``sys.getswitchinterval``),
+so the loop keeps answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from shoal.grpc import convert
+from shoal.protocol import service_pb2
+from shoal.protocol.types import DataType
+from shoal.types import InferRequest, InferResponse
+
+# Past either, a message is converted off the loop: ~16k BYTES elements take a few ms to convert,
+# and 1 MiB of fixed-size data a copy or two of that size.
+OFF_LOOP_BYTES_ELEMENTS = 16_384
+OFF_LOOP_BYTES = 2**20
+_ITEM_SIZES = {datatype.value: datatype.item_size for datatype in DataType}
+
+
+def _costly(bytes_elements: int, data_bytes: int) -> bool:
+    return bytes_elements > OFF_LOOP_BYTES_ELEMENTS or data_bytes > OFF_LOOP_BYTES
+
+
+def _request_is_costly(message: service_pb2.ModelInferRequest) -> bool:
+    """Judged from the declared shapes (reading an entry's raw content would copy it here)."""
+    bytes_elements = data_bytes = 0
+    for tensor in message.inputs:
+        count = abs(math.prod(tensor.shape))  # a bad shape is refused in the conversion, wherever it runs
+        if tensor.datatype == DataType.BYTES.value:
+            bytes_elements += count
+        elif tensor.datatype in _ITEM_SIZES:
+            data_bytes += count * _ITEM_SIZES[tensor.datatype]
+    return _costly(bytes_elements, data_bytes)
+
+
+def _response_is_costly(response: InferResponse) -> bool:
+    bytes_elements = sum(t.data.size for t in response.outputs if t.datatype is DataType.BYTES)
+    data_bytes = sum(t.data.nbytes for t in response.outputs if t.datatype is not DataType.BYTES)
+    return _costly(bytes_elements, data_bytes)
+
+
+async def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
+    """``convert.infer_request``, on a worker thread when the message declares much data."""
+    if _request_is_costly(message):
+        return await asyncio.to_thread(convert.infer_request, message)
+    return convert.infer_request(message)
+
+
+async def infer_response(response: InferResponse) -> service_pb2.ModelInferResponse:
+    """``convert.infer_response``, on a worker thread when the response holds much data."""
+    if _response_is_costly(response):
+        return await asyncio.to_thread(convert.infer_response, response)
+    return convert.infer_response(response)
