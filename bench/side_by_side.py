@@ -17,7 +17,7 @@ context its own connection (17 at c=16). Columns:
 - in-process ORT: threads calling one session in this process (bench/_perf.py in_process), no server running;
 - Triton 2.51: tritonserver with its Python backend running the ONNX file (../shared/tools/triton_peer);
 - Shoal --grpc-workers N for each N of --workers (0: gRPC served by the process that holds the models; N >= 1: N
-  front-end worker processes, children of the host). A Shoal without that flag runs N = 0 as it is and skips the rest.
+  front-end worker processes, children of the host).
 CPU per request, at concurrency 16: CPU seconds (utime + stime from /proc) of the server's process tree over the
 perf_analyzer run divided by the requests its ModelStatistics counted over the same span; split into the server
 process (the host; tritonserver) and its child processes (the front-end workers; Triton's Python-backend stubs).
@@ -119,12 +119,6 @@ def write_models(folder: Path) -> Repositories:
     return Repositories(shoal_repo, triton_repo, files, folder)
 
 
-def shoal_has_worker_flag() -> bool:
-    result = subprocess.run([sys.executable, "-m", "shoal", "serve", "--help"], capture_output=True, text=True,
-                            check=True, timeout=60)
-    return "--grpc-workers" in result.stdout
-
-
 def load_figures(url: str, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     """perf_analyzer's figures; when its windows never agree within 20% (this machine is shared), the last 3 windows
     of a second run that does not ask them to (``stable`` 0); {"error": ...} when it fails or times out."""
@@ -213,13 +207,9 @@ def run_triton(column: Column, repo: Path, log_path: Path, round_number: int,
         return failed_rows(column, round_number, f"{error}\n{tail}")
 
 
-def run_shoal(column: Column, repo: Path, has_worker_flag: bool, round_number: int,
-              args: argparse.Namespace) -> list[dict[str, Any]]:
-    if not has_worker_flag and column.workers:
-        return []  # this Shoal has no --grpc-workers: only today's layout (0) can run
-    flags = ("--grpc-workers", str(column.workers)) if has_worker_flag else ()
+def run_shoal(column: Column, repo: Path, round_number: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
-        with local_server.running(repo, *flags) as server:
+        with local_server.running(repo, "--grpc-workers", str(column.workers)) as server:
             return measure_server(column, server.url, server.pid, round_number, args)
     except RuntimeError as error:
         return failed_rows(column, round_number, str(error))
@@ -298,15 +288,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_round(round_number: int, columns: list[Column], repos: Repositories, has_worker_flag: bool,
-              args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_round(
+    round_number: int, columns: list[Column], repos: Repositories, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     rows = measure_in_process(repos.onnx_files, round_number, args.window_ms)  # first: no server on the cores
     for column in columns:
         if column.key == "triton":
             log_path = repos.folder / f"triton-{round_number}.log"
             rows += run_triton(column, repos.triton, log_path, round_number, args)
         elif column.workers is not None:
-            rows += run_shoal(column, repos.shoal, has_worker_flag, round_number, args)
+            rows += run_shoal(column, repos.shoal, round_number, args)
     return rows
 
 
@@ -315,7 +306,6 @@ def main() -> None:
     if args.channel_share:  # read by perf_analyzer's gRPC client library; the servers ignore it
         os.environ["TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT"] = str(args.channel_share)
     install_perf_analyzer()
-    has_worker_flag = shoal_has_worker_flag()
     columns = [Column("ort", "in-process ORT")]
     if not args.skip_triton:
         columns.append(Column("triton", "Triton 2.51"))
@@ -324,7 +314,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         repos = write_models(Path(folder))
         for round_number in range(1, args.rounds + 1):
-            rows += run_round(round_number, columns, repos, has_worker_flag, args)
+            rows += run_round(round_number, columns, repos, args)
     unstable = sum(1 for row in rows if row.get("stable") == 0)
     failed = sorted({f"{row['column']} {row['workload']}" for row in rows if "error" in row})
     notes = [f"{args.rounds} round(s), median shown; window {args.window_ms} ms; {args.clients} perf_analyzer "
@@ -332,8 +322,6 @@ def main() -> None:
              f"{unstable} run(s) never within 20% (their last 3 windows kept)."]
     if failed:
         notes.append(f"Failed in some round (see the CSV's error column): {', '.join(failed)}.")
-    if not has_worker_flag and any(args.workers):
-        notes.append("This Shoal has no --grpc-workers flag: only today's layout was measured (as workers 0).")
     table = markdown_table(rows, columns) + "\n\n" + "\n".join(notes)
     print("\n" + table + "\n")
     suffix = f"_{args.label}" if args.label else ""

@@ -71,18 +71,20 @@ def unpack(arena: Arena, slots: Sequence[Slot], on_release: Callable[[], None] |
     owner = (ctypes.c_char * max(1, end - first)).from_buffer(arena.map, first)
     if on_release is not None:
         weakref.finalize(owner, on_release)
-    return tuple(_tensor(owner, first, slot) for slot in slots)
+    buffer = memoryview(owner).cast("B").toreadonly()  # the arrays are read-only, as decoded ones are
+    return tuple(_tensor(buffer, first, slot) for slot in slots)
 
 
-def _tensor(owner: ctypes.Array[ctypes.c_char], base: int, slot: Slot) -> Tensor:
+_DATATYPES = {datatype.value: datatype for datatype in DataType}
+
+
+def _tensor(buffer: memoryview, base: int, slot: Slot) -> Tensor:
     name, datatype_name, shape, offset, nbytes = slot
-    datatype = DataType(datatype_name)
+    datatype = _DATATYPES[datatype_name]
     count = math.prod(shape)
+    start = offset - base
     if datatype is DataType.BYTES:
-        raw = bytes(memoryview(owner)[offset - base : offset - base + nbytes])
-        data = wire.deserialize_bytes(raw, count).reshape(shape)
+        data = wire.deserialize_bytes(bytes(buffer[start : start + nbytes]), count).reshape(shape)
     else:
-        buffer = memoryview(owner).cast("B")
-        data = np.frombuffer(buffer, datatype.numpy_dtype, count, offset - base if count else 0).reshape(shape)
-        data.flags.writeable = False
-    return Tensor(name, datatype, tuple(shape), data)
+        data = np.frombuffer(buffer, datatype.numpy_dtype, count, start if count else 0).reshape(shape)
+    return Tensor(name, datatype, shape, data)
