@@ -1,5 +1,6 @@
 """Process instances of the PyTorch backend: one copy of the weights, workers that die, hang or are
-stopped are replaced, readiness follows them, shutdown stays bounded, .pt2 workers copy no weights.
+stopped are replaced, readiness follows them, shutdown stays bounded, .pt2 workers copy no weights;
+tensors of every datatype cross in memfd arenas that grow, and a killed worker leaves nothing in /dev/shm.
 The models pin KIND_CPU (a GPU host would put KIND_AUTO on the GPU); the GPU variant is marked gpu."""
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import numpy as np
 import pytest
 
 from shoal.clients import ClientError, InferenceClient
+from shoal.errors import ErrorCode, ShoalError
+from shoal.instances.process import INITIAL_ARENA_BYTES, MAX_ARENA_BYTES, arena_bytes
+from shoal.protocol.types import DataType
 from tests.polling import wait_until
 
 torch = pytest.importorskip("torch", reason="the PyTorch backend needs torch (installed by .ci/run)")
@@ -120,6 +124,133 @@ def test_a_killed_worker_fails_only_its_request_and_is_restarted(tmp_path: Path,
     with InferenceClient(server.url, timeout_s=60) as client:  # restarted: the model serves again
         assert [float(client.infer("heavy", {"x": np.full(4, 3.0, np.float32)})["y"][0]) for _ in range(4)] == [6.0] * 4
     assert len(_worker_pids(server.pid)) == 2 and busy[0] not in _worker_pids(server.pid)
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (fork server, workers, front-end workers)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            todo += _children(current)
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def _held_shm_files(pids: list[int]) -> set[str]:
+    """Files in /dev/shm that still have a name, mapped or open in any of ``pids``: what a kill could leak.
+
+    (PyTorch's shared weights are unlinked as soon as they are made: they show as ``(deleted)``.)
+    """
+    held = set()
+    for pid in pids:
+        try:
+            paths = [line.split(maxsplit=5)[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                     if len(line.split(maxsplit=5)) == 6]
+            paths += [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        held |= {p for p in paths if p.startswith("/dev/shm/") and not p.endswith("(deleted)")}
+    return held
+
+
+def test_a_worker_killed_mid_request_leaves_nothing_in_dev_shm(tmp_path: Path, server_factory) -> None:
+    repo = tmp_path / "repo"
+    _heavy_repo(repo)
+    server = server_factory(repo)
+    shm_before = set(os.listdir("/dev/shm"))
+    workers = _worker_pids(server.pid)
+
+    def heavy() -> object:
+        with InferenceClient(server.url, timeout_s=60) as client:
+            try:
+                return client.infer("heavy", {"x": np.full(4, 1.0, np.float32)})
+            except ClientError as error:
+                return error
+
+    with ThreadPoolExecutor(1) as pool:
+        before = {pid: _cpu_ticks(pid) for pid in workers}
+        running = pool.submit(heavy)
+        busy: list[int] = []
+
+        def computing() -> bool:
+            busy[:] = [pid for pid in workers if _cpu_ticks(pid) > before[pid] + 2]
+            return bool(busy)
+
+        wait_until(computing, timeout_s=10, what="a worker computing a request")
+        # Mid-request: the tensors sit in the worker's memfd arenas, nothing with a name in /dev/shm.
+        assert not _held_shm_files(_process_tree(server.pid))
+        maps = Path(f"/proc/{busy[0]}/maps").read_text()
+        assert "/memfd:shoal-instance-requests" in maps and "/memfd:shoal-instance-responses" in maps
+        os.kill(busy[0], signal.SIGKILL)
+        result = running.result(timeout=120)
+    assert isinstance(result, ClientError) and result.status == grpc.StatusCode.UNAVAILABLE, result
+    with InferenceClient(server.url, timeout_s=60) as client:  # the replacement serves over the same arenas
+        assert [float(client.infer("heavy", {"x": np.full(4, 3.0, np.float32)})["y"][0]) for _ in range(3)] == [6.0] * 3
+    wait_until(lambda: not set(os.listdir("/dev/shm")) - shm_before, timeout_s=10, what="nothing new in /dev/shm")
+
+
+TORCH_DATATYPES = ("BF16", "FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "INT64", "UINT8", "BOOL")
+
+
+class Echo(torch.nn.Module):
+    """Returns its inputs: one of each datatype the PyTorch backend takes."""
+
+    def forward(self, x_bf16: torch.Tensor, x_fp16: torch.Tensor, x_fp32: torch.Tensor, x_fp64: torch.Tensor,
+                x_int8: torch.Tensor, x_int16: torch.Tensor, x_int32: torch.Tensor, x_int64: torch.Tensor,
+                x_uint8: torch.Tensor, x_bool: torch.Tensor) -> list[torch.Tensor]:
+        return [x_bf16, x_fp16, x_fp32, x_fp64, x_int8, x_int16, x_int32, x_int64, x_uint8, x_bool]
+
+
+def _sample(datatype: str, count: int, rng: np.random.Generator) -> np.ndarray:
+    dtype = DataType(datatype).numpy_dtype
+    if datatype == "BOOL":
+        return rng.integers(0, 2, count).astype(bool)
+    if dtype.kind == "i" or dtype.kind == "u":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+    return (rng.standard_normal(count) * 100).astype(dtype)
+
+
+def test_every_datatype_and_batches_bigger_than_the_arenas_cross_to_a_worker(tmp_path: Path, server_factory) -> None:
+    repo = tmp_path / "repo"
+    (repo / "echo" / "1").mkdir(parents=True)
+    torch.jit.script(Echo()).save(str(repo / "echo" / "1" / "model.pt"))
+    tensors = [(f"x_{d.lower()}", f"TYPE_{d}", "[ -1 ]") for d in TORCH_DATATYPES]
+    (repo / "echo" / "config.pbtxt").write_text(_config(
+        "echo", tensors, [(f"OUTPUT__{i}", t, dims) for i, (_, t, dims) in enumerate(tensors)],
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
+        'parameters { key: "process_instances" value: { string_value: "true" } }',
+    ).replace("max_batch_size: 8", "max_batch_size: 0"))
+    server = server_factory(repo)
+    rng = np.random.default_rng(0)
+    # 5 elements, then 300,000 of each (9.9 MB each way: the 1 MiB arenas grow), then 5 again.
+    for count in (5, 300_000, 5):
+        feed = {f"x_{d.lower()}": _sample(d, count, rng) for d in TORCH_DATATYPES}
+        with InferenceClient(server.url, timeout_s=60) as client:
+            out = client.infer("echo", feed)
+        for index, (name, sent) in enumerate(feed.items()):
+            assert out[f"OUTPUT__{index}"].dtype == sent.dtype, name
+            np.testing.assert_array_equal(out[f"OUTPUT__{index}"], sent, err_msg=name)
+    log = server.log()
+    assert "a process instance's requests arena grows to 16 MiB" in log
+    assert "a process instance's responses arena grows to 16 MiB" in log
+
+
+def test_an_arena_grows_by_doubling_up_to_a_bound() -> None:
+    assert arena_bytes(1, "inputs") == INITIAL_ARENA_BYTES
+    assert arena_bytes(INITIAL_ARENA_BYTES + 1, "inputs") == 2 * INITIAL_ARENA_BYTES
+    assert arena_bytes(MAX_ARENA_BYTES, "outputs") == MAX_ARENA_BYTES
+    with pytest.raises(ShoalError) as inputs:
+        arena_bytes(MAX_ARENA_BYTES + 1, "inputs")
+    assert inputs.value.code is ErrorCode.INVALID_ARGUMENT
+    assert f"the batch's inputs need {MAX_ARENA_BYTES + 1} bytes" in inputs.value.message
+    assert f"at most {MAX_ARENA_BYTES >> 20} MiB each way per batch" in inputs.value.message
+    with pytest.raises(ShoalError) as outputs:
+        arena_bytes(MAX_ARENA_BYTES + 1, "outputs")
+    assert outputs.value.code is ErrorCode.INTERNAL
 
 
 def test_pickled_eager_module_in_threads_and_processes(tmp_path: Path, server_factory) -> None:

@@ -1,5 +1,8 @@
 """Tensors in an arena: one block per message, a small slot per tensor that travels in the message.
 
+``pack`` takes the block from the arena's ``BlockAllocator`` (many messages in flight: front-end
+workers); ``pack_at`` writes at a fixed offset (one message at a time: process instances).
+
 A slot is ``(name, datatype, shape, offset, nbytes)``: plain values, cheap to pickle. Fixed-size
 datatypes are stored in native byte order (both processes run on this host) and read back as
 zero-copy numpy views; BYTES use the wire format (4-byte length, then the bytes, per element) and
@@ -16,7 +19,7 @@ from typing import TypeAlias
 
 import numpy as np
 
-from shoal.dataplane.arena import ALIGNMENT, Arena, BlockAllocator
+from shoal.dataplane.arena import ALIGNMENT, Arena, BlockAllocator, PoolFull
 from shoal.protocol import tensors as wire
 from shoal.protocol.types import DataType
 from shoal.types import Tensor
@@ -31,19 +34,42 @@ def _payload(tensor: Tensor) -> np.ndarray | bytes:
     return np.ascontiguousarray(tensor.data, dtype=tensor.datatype.numpy_dtype)
 
 
+def _measure(tensors: Sequence[Tensor]) -> tuple[list[np.ndarray | bytes], list[int], int]:
+    """Each tensor's bytes, their sizes, and the bytes they take together in an arena (aligned)."""
+    payloads = [_payload(t) for t in tensors]
+    sizes = [p.nbytes if isinstance(p, np.ndarray) else len(p) for p in payloads]
+    return payloads, sizes, sum(-(-n // ALIGNMENT) * ALIGNMENT for n in sizes)
+
+
 def pack(arena: Arena, allocator: BlockAllocator, tensors: Sequence[Tensor]) -> tuple[int, list[Slot]]:
     """Copy ``tensors`` into one new block; returns the block (to free later) and the slots.
 
     Raises ``PoolFull`` when the arena has no room: nothing is allocated then.
     """
-    payloads = [_payload(t) for t in tensors]
-    sizes = [p.nbytes if isinstance(p, np.ndarray) else len(p) for p in payloads]
-    total = sum(-(-n // ALIGNMENT) * ALIGNMENT for n in sizes)
+    payloads, sizes, total = _measure(tensors)
     if total == 0:
         return NO_BLOCK, [(t.name, t.datatype.value, t.shape, 0, 0) for t in tensors]
     block = allocator.allocate(total)
+    return block, _write(arena, block, tensors, payloads, sizes)
+
+
+def pack_at(arena: Arena, offset: int, tensors: Sequence[Tensor]) -> list[Slot]:
+    """Copy ``tensors`` into the arena from ``offset`` on, with no allocator; returns the slots.
+
+    For an owner with one message in the arena at a time (a process instance runs one batch at a
+    time), which rewrites the same bytes for every message. Raises ``PoolFull`` when they do not
+    fit, nothing written: its ``wanted`` is the bytes they need from ``offset`` (aligned).
+    """
+    payloads, sizes, total = _measure(tensors)
+    if offset + total > arena.size:
+        raise PoolFull(total, max(0, arena.size - offset), arena.size)
+    return _write(arena, offset, tensors, payloads, sizes)
+
+
+def _write(arena: Arena, start: int, tensors: Sequence[Tensor], payloads: list[np.ndarray | bytes],
+           sizes: list[int]) -> list[Slot]:
     slots = []
-    offset = block
+    offset = start
     view = arena.map
     for tensor, payload, size in zip(tensors, payloads, sizes, strict=True):
         if size:
@@ -53,14 +79,22 @@ def pack(arena: Arena, allocator: BlockAllocator, tensors: Sequence[Tensor]) -> 
                 view[offset : offset + size] = payload
         slots.append((tensor.name, tensor.datatype.value, tensor.shape, offset, size))
         offset += -(-size // ALIGNMENT) * ALIGNMENT
-    return block, slots
+    return slots
 
 
-def unpack(arena: Arena, slots: Sequence[Slot], on_release: Callable[[], None] | None = None) -> tuple[Tensor, ...]:
+def extent(slots: Sequence[Slot]) -> int:
+    """Where the slots' bytes end in the arena: what ``Arena.release_pages`` may give back after them."""
+    return max((offset + nbytes for _, _, _, offset, nbytes in slots), default=0)
+
+
+def unpack(arena: Arena, slots: Sequence[Slot], on_release: Callable[[], None] | None = None,
+           writable: bool = False) -> tuple[Tensor, ...]:
     """The slots' tensors, as read-only views into the arena (BYTES are decoded copies).
 
     With ``on_release``, the views share one owner object and ``on_release`` runs once the last
     view is gone: the caller frees the block then, and never while a view could still read it.
+    ``writable`` views are for a reader that owns the bytes until it answers (a process instance's
+    worker: a model may write into its inputs, and PyTorch warns about read-only arrays).
     """
     if not slots:
         if on_release is not None:
@@ -71,7 +105,9 @@ def unpack(arena: Arena, slots: Sequence[Slot], on_release: Callable[[], None] |
     owner = (ctypes.c_char * max(1, end - first)).from_buffer(arena.map, first)
     if on_release is not None:
         weakref.finalize(owner, on_release)
-    buffer = memoryview(owner).cast("B").toreadonly()  # the arrays are read-only, as decoded ones are
+    buffer = memoryview(owner).cast("B")
+    if not writable:
+        buffer = buffer.toreadonly()  # the arrays are read-only, as decoded ones are
     return tuple(_tensor(buffer, first, slot) for slot in slots)
 
 
@@ -87,4 +123,4 @@ def _tensor(buffer: memoryview, base: int, slot: Slot) -> Tensor:
         data = wire.deserialize_bytes(bytes(buffer[start : start + nbytes]), count).reshape(shape)
     else:
         data = np.frombuffer(buffer, datatype.numpy_dtype, count, start if count else 0).reshape(shape)
-    return Tensor(name, datatype, shape, data)
+    return Tensor(name, datatype, tuple(shape), data)

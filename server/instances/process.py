@@ -4,11 +4,25 @@ For models whose Python-side work holds the GIL (the pytorch backend today). The
 the model once and the backend's ``share_weights`` hook puts its weights where other processes
 can reach them (PyTorch: shared memory, or CUDA IPC handles on a GPU). Each worker calls the
 backend's ``attach`` hook, which builds the model over those weights, so they exist once; this
-module knows no framework. Requests and replies travel through ``multiprocessing.shared_memory``
-blocks; the pipe carries only names, shapes and dtypes. A worker that dies, or passes the model's
-``execution_timeout_ms``, fails the request it was running with UNAVAILABLE and is killed and
-started again; a watchdog pings idle workers every ``liveness_check_interval_ms`` and replaces one
-that is dead or does not answer (stopped, hung). While a worker cannot be started its instance is
+module knows no framework.
+
+Tensors travel through the ``dataplane``: each worker has two memfd arenas, created here and
+handed to it over its pipe (``multiprocessing.reduction.send_handle``): nothing is named in
+/dev/shm, and the kernel frees them whenever the last holder exits, SIGKILL included. A worker
+runs one batch at a time, so the server writes the inputs at offset 0 of the requests arena and
+the worker its outputs at offset 0 of the responses arena (``tensors.pack_at``); the pipe
+carries only the slots. A batch that does not fit is not refused: its side asks for a bigger
+arena (the server creates it and hands it over) up to ``MAX_ARENA_BYTES`` per direction, past
+which the batch fails with a message that says so. The first ``arena.RESIDENT_BYTES`` of each
+arena stay backed between batches (giving pages back and faulting them in again costs several times
+the copy: in bench/process_request.py a 4 MiB request took 9 ms that way, 1.6 ms without); pages
+past them are given back after each batch (``Arena.release_pages``), so a rare huge batch leaves
+no lasting footprint.
+
+A worker that dies, or passes the model's ``execution_timeout_ms``, fails the request it was
+running with UNAVAILABLE and is killed and started again (the arenas stay, the new worker gets
+them); a watchdog pings idle workers every ``liveness_check_interval_ms`` and replaces one that
+is dead or does not answer (stopped, hung). While a worker cannot be started its instance is
 not ``healthy``; ModelReady is false when no instance of a version is.
 """
 
@@ -22,17 +36,20 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from shoal.backends.base import backend_for
 from shoal.backends.devices import Device
+from shoal.dataplane import tensors
+from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError, load_failed
+from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec
+from shoal.types import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -44,68 +61,100 @@ EXECUTION_TIMEOUT_KEY = "execution_timeout_ms"
 LIVENESS_KEY = "liveness_check_interval_ms"
 WORKER_PARAMETERS = (EXECUTION_TIMEOUT_KEY, LIVENESS_KEY)
 DEFAULT_LIVENESS_INTERVAL_S = 5.0
+# Each arena starts this big (its pages are only backed once written) and doubles as batches need.
+INITIAL_ARENA_BYTES = 1 << 20
+MAX_ARENA_BYTES = 1 << 32  # per direction: two of the largest gRPC messages
+
+# The pipe. Server to worker: None (stop), PING, (ARENA, REQUESTS | RESPONSES, size) followed by
+# the arena's descriptor, (RUN, input slots, output names). Worker to server: READY, PING,
+# (OK, output slots), (FAILED, message), (GROW, bytes the outputs need).
 PING = "ping"  # the liveness check: an idle worker echoes it at once
+READY, RUN, ARENA, OK, FAILED, GROW = "ready", "run", "arena", "ok", "failed", "grow"
+REQUESTS, RESPONSES = "requests", "responses"
 
 
-@dataclass(frozen=True)
-class _Array:
-    """A tensor in a shared-memory block: where it starts and what it is."""
+def arena_bytes(needed: int, what: str) -> int:
+    """The size of an arena that holds ``needed`` bytes: a power of two; past the bound, an error."""
+    if needed > MAX_ARENA_BYTES:
+        raise ShoalError(ErrorCode.INVALID_ARGUMENT if what == "inputs" else ErrorCode.INTERNAL,
+                         f"the batch's {what} need {needed} bytes of shared memory; a process instance "
+                         f"moves at most {MAX_ARENA_BYTES >> 20} MiB each way per batch")
+    return min(MAX_ARENA_BYTES, max(INITIAL_ARENA_BYTES, 1 << (needed - 1).bit_length()))
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
+
+def _trim(arena: Arena, used: int) -> None:
+    """After a batch: give back the pages it used past the arena's resident part."""
+    arena.release_pages(0, used)
 
 
-def _pack(arrays: Mapping[str, np.ndarray]) -> tuple[shared_memory.SharedMemory, list[_Array]]:
-    size = sum(a.nbytes for a in arrays.values()) or 1
-    block = shared_memory.SharedMemory(create=True, size=size)
-    layout, offset = [], 0
+def _as_tensors(arrays: Mapping[str, np.ndarray]) -> list[Tensor]:
+    found = []
     for name, array in arrays.items():
-        array = np.ascontiguousarray(array)
-        np.ndarray(array.shape, array.dtype, buffer=block.buf, offset=offset)[...] = array
-        layout.append(_Array(name, array.dtype.name, array.shape, offset))
-        offset += array.nbytes
-    return block, layout
+        array = np.asarray(array)
+        try:
+            datatype = DataType.from_numpy(array.dtype)
+        except ValueError as exc:
+            raise ShoalError(ErrorCode.INTERNAL, f"tensor '{name}': {exc}") from None
+        found.append(Tensor(name, datatype, tuple(array.shape), array))
+    return found
 
 
-def _unpack(block: shared_memory.SharedMemory, layout: list[_Array], copy: bool) -> dict[str, np.ndarray]:
-    arrays = {}
-    for item in layout:
-        view = np.ndarray(item.shape, _dtype(item.dtype), buffer=block.buf, offset=item.offset)
-        arrays[item.name] = view.copy() if copy else view
-    return arrays
+def _receive_arena(conn: Any, arenas: dict[str, Arena], message: tuple[str, str, int]) -> None:
+    """In a worker: map the arena whose descriptor follows ``message`` on the pipe, in place of the old one."""
+    _, which, size = message
+    arena = Arena(reduction.recv_handle(conn), size)
+    arena.close_fd()  # the mapping is all a worker needs
+    old = arenas.get(which)
+    arenas[which] = arena
+    if old is not None:
+        old.close()
 
 
-def _dtype(name: str) -> np.dtype[Any]:
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+def _execute(model: Any, conn: Any, arenas: dict[str, Arena], slots: list[tensors.Slot],
+             outputs: list[str]) -> tuple[Any, ...] | None:
+    """Run one batch in a worker; the reply, or None when the server went away while it grew an arena."""
+    try:
+        inputs = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
+        results = _as_tensors(model.run(inputs, outputs))
+        del inputs
+    except Exception as exc:  # noqa: BLE001 - reported to the server, the worker goes on
+        return (FAILED, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ShoalError) else exc.message)
+    while True:
+        try:
+            return (OK, tensors.pack_at(arenas[RESPONSES], 0, results))
+        except PoolFull as full:
+            try:
+                arena_bytes(full.wanted, "outputs")
+            except ShoalError as exc:
+                return (FAILED, exc.message)
+            conn.send((GROW, full.wanted))
+            message = conn.recv()
+            if not (isinstance(message, tuple) and message[0] == ARENA):
+                return None
+            _receive_arena(conn, arenas, message)
 
 
 def _worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
     """A worker process: the backend attaches the model to the server's weights, requests come from the pipe."""
     model = backend_for(spec).attach(spec, model_path, device, handle, threads)
-    conn.send("ready")
+    conn.send(READY)
+    arenas: dict[str, Arena] = {}
     while True:
         try:
             message = conn.recv()
-        except EOFError:
+            if message is None:
+                return
+            if message == PING:
+                conn.send(PING)
+            elif message[0] == ARENA:
+                _receive_arena(conn, arenas, message)
+            else:
+                reply = _execute(model, conn, arenas, *message[1:])
+                if reply is None:
+                    return
+                conn.send(reply)
+        except (EOFError, OSError):
             return
-        if message is None:
-            return
-        if message == PING:
-            conn.send(PING)
-            continue
-        block_name, layout, outputs = message
-        block = shared_memory.SharedMemory(name=block_name)
-        try:
-            results = model.run(_unpack(block, layout, copy=False), outputs)
-            out_block, out_layout = _pack(results)
-            conn.send(("ok", out_block.name, out_layout))
-            out_block.close()
-        except Exception as exc:  # noqa: BLE001 - reported to the server, the worker goes on
-            conn.send(("error", f"{type(exc).__name__}: {exc}", None))
-        finally:
-            block.close()
 
 
 @dataclass(frozen=True)
@@ -155,7 +204,14 @@ class ProcessModel:
         self._closing = threading.Event()
         self._failure = ""  # why no worker is running; "" while one is
         self._cause = ""  # what happened to the last worker replaced
-        self._start()
+        # Inputs go into one, outputs come back in the other; a restarted worker gets the same two.
+        self._arenas = {which: Arena.create(f"shoal-instance-{which}", INITIAL_ARENA_BYTES)
+                        for which in (REQUESTS, RESPONSES)}
+        try:
+            self._start()
+        except BaseException:
+            self._close_arenas()
+            raise
         self._watchdog: threading.Thread | None = None
         if self._limits.liveness_interval_s:
             self._watchdog = threading.Thread(target=self._watch, name=f"shoal-{spec.name}-watchdog", daemon=True)
@@ -180,10 +236,10 @@ class ProcessModel:
         child.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         ready = False
-        while time.monotonic() < deadline and self._process.is_alive():
+        while time.monotonic() < deadline and self._process.is_alive() and not self._closing.is_set():
             try:
                 if self._conn.poll(0.05):
-                    ready = self._conn.recv() == "ready"
+                    ready = self._conn.recv() == READY
                     break
             except (EOFError, OSError):
                 break
@@ -191,7 +247,31 @@ class ProcessModel:
             self._kill()
             raise ShoalError(ErrorCode.LOAD_FAILED, f"model '{self._spec.name}': a worker process did not start "
                                                     f"(exit code {self._process.exitcode})")
+        for which in self._arenas:
+            self._send_arena(which)
         logger.info("model %s: worker process %d ready", self._spec.name, self._process.pid)
+
+    def _send_arena(self, which: str) -> None:
+        """Hand the worker an arena: a message, then its descriptor over the pipe. Lock held."""
+        arena = self._arenas[which]
+        try:
+            self._conn.send((ARENA, which, arena.size))
+            reduction.send_handle(self._conn, arena.fd, self._process.pid)
+        except OSError:
+            pass  # the worker is gone: the next wait finds it dead and replaces it
+
+    def _grow(self, which: str, needed: int) -> None:
+        """Replace an arena by one of at least ``needed`` bytes and hand it to the worker. Lock held."""
+        size = arena_bytes(needed, "inputs" if which == REQUESTS else "outputs")
+        old = self._arenas[which]
+        self._arenas[which] = Arena.create(f"shoal-instance-{which}", size)
+        old.close()
+        logger.info("model %s: a process instance's %s arena grows to %d MiB", self._spec.name, which, size >> 20)
+        self._send_arena(which)
+
+    def _close_arenas(self) -> None:
+        for arena in self._arenas.values():
+            arena.close()
 
     def _kill(self) -> None:
         if self._process.is_alive():
@@ -230,30 +310,35 @@ class ProcessModel:
             if self._failure or self._closing.is_set():
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{self._spec.name}': the instance process "
                                                         f"{self._failure or 'is stopping'}")
-            block, layout = _pack(inputs)
+            feed = _as_tensors(inputs)
             try:
-                try:
-                    self._conn.send((block.name, layout, list(outputs)))
-                except OSError:
-                    pass  # the worker is gone: the wait finds it dead and replaces it
-                reply = self._wait()
+                slots = tensors.pack_at(self._arenas[REQUESTS], 0, feed)
+            except PoolFull as full:
+                self._grow(REQUESTS, full.wanted)
+                slots = tensors.pack_at(self._arenas[REQUESTS], 0, feed)
+            timeout_s = self._limits.execution_timeout_s
+            deadline = time.monotonic() + timeout_s if timeout_s else None
+            try:
+                self._conn.send((RUN, slots, list(outputs)))
+            except OSError:
+                pass  # the worker is gone: the wait finds it dead and replaces it
+            try:
+                reply = self._wait(deadline)
+                while reply[0] == GROW:  # the outputs do not fit: a bigger arena, then the reply
+                    self._grow(RESPONSES, reply[1])
+                    reply = self._wait(deadline)
+                if reply[0] != OK:
+                    raise RuntimeError(reply[1])
+                responses = self._arenas[RESPONSES]
+                results = {t.name: t.data if t.datatype is DataType.BYTES else t.data.copy()
+                           for t in tensors.unpack(responses, reply[1])}
+                _trim(responses, tensors.extent(reply[1]))
+                return results
             finally:
-                block.close()
-                block.unlink()
-        status, payload, out_layout = reply
-        if status != "ok":
-            raise RuntimeError(payload)
-        out_block = shared_memory.SharedMemory(name=payload)
-        try:
-            return _unpack(out_block, out_layout, copy=True)
-        finally:
-            out_block.close()
-            out_block.unlink()
+                _trim(self._arenas[REQUESTS], tensors.extent(slots))
 
-    def _wait(self) -> Any:
+    def _wait(self, deadline: float | None) -> Any:
         """The worker's reply; if it dies or passes the execution timeout, replace it and fail this request."""
-        timeout_s = self._limits.execution_timeout_s
-        deadline = time.monotonic() + timeout_s if timeout_s else None
         while True:
             try:
                 if self._conn.poll(0.05):
@@ -271,7 +356,7 @@ class ProcessModel:
                     f"(exit code {code}); {'it has been restarted' if self.healthy else 'it could not be restarted'}",
                 )
             if deadline is not None and time.monotonic() > deadline:
-                limit_ms = round(timeout_s * 1000)
+                limit_ms = round(self._limits.execution_timeout_s * 1000)
                 self._replace(f"did not answer a request within execution_timeout_ms {limit_ms}")
                 raise ShoalError(
                     ErrorCode.UNAVAILABLE,
@@ -311,7 +396,12 @@ class ProcessModel:
     def close(self) -> None:
         """Stop the worker, bounded even when it is stopped (SIGSTOP) or stuck: ask, wait briefly, kill."""
         self._closing.set()
-        if self._lock.acquire(timeout=CLOSE_GRACE_S):
+        locked = self._lock.acquire(timeout=CLOSE_GRACE_S)
+        if not locked:  # a request or a restart holds the worker: kill it under them, they see it dead and let go
+            if self._process.is_alive():
+                self._process.kill()
+            locked = self._lock.acquire(timeout=KILL_TIMEOUT_S)
+        if locked:
             try:
                 if self._process.is_alive():
                     try:
@@ -322,10 +412,8 @@ class ProcessModel:
                         pass
                     self._process.join(timeout=CLOSE_GRACE_S)
                 self._kill()
+                self._close_arenas()
             finally:
                 self._lock.release()
-        elif self._process.is_alive():  # a request or a restart holds the worker: kill it under them
-            self._process.kill()
         if self._watchdog is not None:
             self._watchdog.join(timeout=KILL_TIMEOUT_S)
-
