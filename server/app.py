@@ -97,6 +97,7 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
     # would otherwise hold the stop until the deadline.
     await front.stop(grace_s=min(STREAM_GRACE_S, max(0.0, deadline - time.monotonic())), deadline=deadline)
     await manager.close()
+    core.regions.close()  # clients' shared memory: unmapped, never unlinked (theirs)
     watchdog.cancel()
     logger.info("stopped")
     return 0

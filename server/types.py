@@ -21,6 +21,25 @@ class Tensor:
 
 
 @dataclass(frozen=True)
+class RegionSlice:
+    """Bytes of a registered shared-memory region (Triton's shared-memory extension)."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(frozen=True)
+class RegionInput:
+    """An input whose content is in a shared-memory region, read by the process that holds the model."""
+
+    name: str
+    datatype: DataType
+    shape: tuple[int, ...]
+    where: RegionSlice
+
+
+@dataclass(frozen=True)
 class InferRequest:
     model_name: str
     model_version: str
@@ -32,6 +51,9 @@ class InferRequest:
     # Outputs requested as classifications (the ``classification`` parameter): name → how many
     # of the highest-valued classes each batch row returns, as BYTES "value:index[:label]".
     class_counts: dict[str, int] = field(default_factory=dict)
+    # Inputs in shared memory (besides ``inputs``) and outputs to write into it, by name.
+    region_inputs: tuple[RegionInput, ...] = ()
+    output_regions: dict[str, RegionSlice] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -40,3 +62,5 @@ class InferResponse:
     model_version: str
     id: str
     outputs: tuple[Tensor, ...]
+    # Outputs written into the client's shared memory: their ``data`` is empty, their shape is real.
+    in_regions: frozenset[str] = frozenset()

@@ -15,14 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from shoal.dataplane.regions import RegionStatus
 from shoal.lifecycle.state import IndexEntry, ModelState
 from shoal.protocol.types import ModelMetadata, ServerMetadata, TensorMetadata
 from shoal.statistics import ModelStatistics
 from shoal.types import InferRequest, InferResponse
 
 __all__ = [
-    "Core", "HealthSnapshot", "IndexEntry", "ModelMetadata", "ModelState", "ServerMetadata", "StatisticsRow",
-    "TensorMetadata",
+    "Core", "HealthSnapshot", "IndexEntry", "ModelMetadata", "ModelState", "RegionStatus", "ServerMetadata",
+    "StatisticsRow", "TensorMetadata",
 ]
 
 
@@ -70,3 +71,9 @@ class Core(Protocol):
     async def load_model(self, name: str, config_override: dict[str, Any] | None) -> None: ...
 
     async def unload_model(self, name: str) -> None: ...
+
+    async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None: ...
+
+    async def unregister_system_shared_memory(self, name: str) -> None: ...  # "": every region
+
+    async def system_shared_memory_status(self, name: str) -> list[RegionStatus]: ...  # "": every region

@@ -79,13 +79,16 @@ class CoreHost:
         task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
 
     async def _infer(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> None:
-        name, version, client_id, requested, parameters, class_counts = header
+        name, version, client_id, requested, parameters, class_counts, region_inputs, output_regions = header
         try:
             request = InferRequest(name, version, client_id, tensors.unpack(self.requests, slots), requested,
-                                   parameters, class_counts)
+                                   parameters, class_counts, region_inputs, output_regions)
             response = await self.core.infer(request)
+            in_regions = [(index, t.name, t.datatype.value, t.shape) for index, t in enumerate(response.outputs)
+                          if t.name in response.in_regions]  # written into the client's memory: no bytes to move
             try:
-                block, out = tensors.pack(self.responses, self._allocator, response.outputs)
+                block, out = tensors.pack(self.responses, self._allocator,
+                                          [t for t in response.outputs if t.name not in response.in_regions])
             except PoolFull as exc:
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"the response does not fit: it {exc}") from None
         except BaseException as exc:  # noqa: BLE001 - every request gets its one answer
@@ -94,7 +97,7 @@ class CoreHost:
                 raise
             return
         self.send((messages.INFERRED, request_id, (response.model_name, response.model_version, response.id),
-                   block, out))
+                   block, out, in_regions))
 
     async def _call(self, request_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:

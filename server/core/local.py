@@ -10,12 +10,17 @@ import asyncio
 from typing import Any
 
 from shoal import __version__
-from shoal.core import HealthSnapshot, IndexEntry, ModelMetadata, ServerMetadata, StatisticsRow, TensorMetadata
+from shoal.core import (
+    HealthSnapshot, IndexEntry, ModelMetadata, RegionStatus, ServerMetadata, StatisticsRow, TensorMetadata,
+    shared_memory,
+)
+from shoal.dataplane.regions import RegionRegistry
 from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle.manager import ModelManager
 from shoal.types import InferRequest, InferResponse
 
 SERVER_NAME = "shoal"
+DEFAULT_MAX_SHARED_MEMORY_BYTES = 64 << 30  # registered by clients, in all (--shared-memory-max-mb)
 # Only what is implemented end to end; clients gate features on these strings.
 EXTENSIONS = (
     "model_configuration",
@@ -24,15 +29,18 @@ EXTENSIONS = (
     "model_repository",
     "model_repository(unload_dependents)",
     "classification",
+    "system_shared_memory",
 )
 
 
 class LocalCore:
     """``Core`` over this process's ``ModelManager``."""
 
-    def __init__(self, manager: ModelManager, strict_readiness: bool = True) -> None:
+    def __init__(self, manager: ModelManager, strict_readiness: bool = True,
+                 max_shared_memory_bytes: int = DEFAULT_MAX_SHARED_MEMORY_BYTES) -> None:
         self.manager = manager
         self.strict_readiness = strict_readiness
+        self.regions = RegionRegistry(max_shared_memory_bytes)
         self._accepting = True
         self._in_flight = 0  # inference requests accepted and not yet answered
         self._idle = asyncio.Event()
@@ -82,7 +90,12 @@ class LocalCore:
         self._idle.clear()
         try:
             served = self.manager.resolve(request.model_name, request.model_version)
-            return await served.infer(request)
+            if request.region_inputs:
+                request = shared_memory.with_region_inputs(self.regions, request)
+            if not request.output_regions:
+                return await served.infer(request)
+            shared_memory.check_output_regions(self.regions, request)
+            return shared_memory.write_region_outputs(self.regions, request, await served.infer(request))
         finally:
             self._in_flight -= 1
             if not self._in_flight:
@@ -101,6 +114,15 @@ class LocalCore:
     async def unload_model(self, name: str) -> None:
         self._require_explicit()
         await self.manager.unload(name)
+
+    async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.regions.register(name, key, offset, byte_size)
+
+    async def unregister_system_shared_memory(self, name: str) -> None:
+        self.regions.unregister(name)
+
+    async def system_shared_memory_status(self, name: str) -> list[RegionStatus]:
+        return self.regions.status(name)
 
     # -- the host's own ----------------------------------------------------------------------------
 

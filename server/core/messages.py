@@ -28,5 +28,6 @@ RESULT, ERROR, INFERRED, HEALTH, STOP = "result", "error", "inferred", "health",
 # The Core methods a worker may call by name (infer has its own message).
 CALLS = frozenset({
     "live", "ready", "health", "server_metadata", "model_ready", "model_metadata", "model_config",
-    "model_statistics", "repository_index", "load_model", "unload_model",
+    "model_statistics", "repository_index", "load_model", "unload_model", "register_system_shared_memory",
+    "unregister_system_shared_memory", "system_shared_memory_status",
 })

@@ -14,12 +14,17 @@ import socket
 import threading
 from typing import Any
 
-from shoal.core import HealthSnapshot, IndexEntry, ModelMetadata, ServerMetadata, StatisticsRow, messages
+import numpy as np
+
+from shoal.core import (
+    HealthSnapshot, IndexEntry, ModelMetadata, RegionStatus, ServerMetadata, StatisticsRow, messages,
+)
 from shoal.dataplane import tensors
 from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
 from shoal.dataplane.channel import Channel
 from shoal.errors import ErrorCode, ShoalError
-from shoal.types import InferRequest, InferResponse
+from shoal.protocol.types import DataType
+from shoal.types import InferRequest, InferResponse, Tensor
 
 HOST_GONE = "the server's model host process is gone"
 # Freed response blocks ride along with the next request to the host; when none goes out this
@@ -92,7 +97,7 @@ class RemoteCore:
                 "retry later, or start the server with a larger --grpc-worker-pool-mb",
             ) from None
         header = (request.model_name, request.model_version, request.id, request.requested_outputs,
-                  request.parameters, request.class_counts)
+                  request.parameters, request.class_counts, request.region_inputs, request.output_regions)
         response: InferResponse = await self._send(messages.INFER, (header, slots), block)
         return response
 
@@ -109,6 +114,16 @@ class RemoteCore:
 
     async def unload_model(self, name: str) -> None:
         await self._call("unload_model", name)
+
+    async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        await self._call("register_system_shared_memory", name, key, offset, byte_size)
+
+    async def unregister_system_shared_memory(self, name: str) -> None:
+        await self._call("unregister_system_shared_memory", name)
+
+    async def system_shared_memory_status(self, name: str) -> list[RegionStatus]:
+        regions: list[RegionStatus] = await self._call("system_shared_memory_status", name)
+        return regions
 
     # -- the channel -------------------------------------------------------------------------------
 
@@ -158,12 +173,15 @@ class RemoteCore:
             answer.set_exception(ShoalError(ErrorCode(message[2]), message[3]))
 
     def _inferred(self, answer: asyncio.Future[Any], header: tuple[str, str, str], block: int,
-                  slots: list[tensors.Slot]) -> None:
+                  slots: list[tensors.Slot], in_regions: list[tuple[int, str, str, tuple[int, ...]]]) -> None:
         if answer.done():  # cancelled meanwhile: nobody reads the outputs
             self._release(block)
             return
-        outputs = tensors.unpack(self.responses, slots, lambda: self._release(block))
-        answer.set_result(InferResponse(*header, outputs))
+        outputs = list(tensors.unpack(self.responses, slots, lambda: self._release(block)))
+        for index, name, datatype_name, shape in in_regions:  # in the client's shared memory: no data here
+            datatype = DataType(datatype_name)
+            outputs.insert(index, Tensor(name, datatype, shape, np.empty(0, datatype.numpy_dtype)))
+        answer.set_result(InferResponse(*header, tuple(outputs), frozenset(r[1] for r in in_regions)))
 
     def _free_input(self, block: int) -> None:
         if block != tensors.NO_BLOCK:
