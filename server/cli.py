@@ -133,7 +133,8 @@ def _add_config_commands(commands: argparse._SubParsersAction) -> None:  # type:
     config = commands.add_parser("config", help="generate, check and tune model configs")
     actions = config.add_subparsers(dest="action", required=True)
     generate = actions.add_parser("generate", help="write a config.pbtxt completed from the model file")
-    generate.add_argument("path", type=Path, help="a model folder, or a bare model.onnx (the folder is created)")
+    generate.add_argument("path", type=Path, help="a model folder, a bare model.onnx (the folder is created), or a "
+                                                  "version folder or model file in one (repo/m/1/model.onnx: repo/m)")
     generate.add_argument("--name", help="model name (default: the folder or file name)")
     generate.add_argument("--max-batch-size", type=int, help="instead of Triton's default of 4 when batching")
     generate.add_argument("--instance-count", type=int, help="executors per device (default 1)")

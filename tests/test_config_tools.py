@@ -92,6 +92,29 @@ def test_generate_replaces_a_stale_copy_of_the_model_file(tmp_path: Path) -> Non
     assert not list((tmp_path / "net" / "1").glob(".*partial")), "no partial copy is left behind"
 
 
+def test_generate_for_a_model_file_in_a_version_folder_writes_its_model_folders_config(tmp_path: Path) -> None:
+    # Triton's layout, repo/<model>/<version>/model.onnx: the model folder is the one above the version.
+    repo = tmp_path / "repo"
+    multi_io_model(repo / "m" / "1" / "model.onnx")
+    result = shoal("config", "generate", str(repo / "m" / "1" / "model.onnx"), "--kind", "KIND_CPU")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"wrote {repo / 'm' / 'config.pbtxt'}"
+    assert parse_config((repo / "m" / "config.pbtxt").read_text()).name == "m"
+    assert sorted(p.name for p in (repo / "m" / "1").iterdir()) == ["model.onnx"], "nothing nested, nothing copied"
+    # The version folder itself, also from inside it: the same model folder.
+    again = subprocess.run([sys.executable, "-m", "shoal", "config", "generate", ".", "--kind", "KIND_CPU",
+                            "--output", "-"], capture_output=True, text=True, timeout=120, cwd=repo / "m" / "1")
+    assert again.returncode == 0 and parse_config(again.stdout) == parse_config((repo / "m" / "config.pbtxt")
+                                                                                 .read_text()), again.stderr
+    checked = shoal("config", "check", str(repo))
+    assert checked.returncode == 0 and checked.stdout.startswith("ok    m"), checked.stdout + checked.stderr
+    # A file the server would not look for in a version folder is refused, not copied into a new model.
+    shutil.copy(repo / "m" / "1" / "model.onnx", repo / "m" / "1" / "other.onnx")
+    refused = shoal("config", "generate", str(repo / "m" / "1" / "other.onnx"))
+    assert refused.returncode == 1 and "where the server loads model.onnx: rename it" in refused.stderr
+    assert sorted(p.name for p in (repo / "m" / "1").iterdir()) == ["model.onnx", "other.onnx"]
+
+
 def test_generate_for_a_fixed_batch_model(tmp_path: Path) -> None:
     multi_io_model(tmp_path / "fixed" / "1" / "model.onnx", batch=2)
     result = shoal("config", "generate", str(tmp_path / "fixed"), "--instance-count", "3", "--kind", "KIND_CPU")
