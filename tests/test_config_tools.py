@@ -201,7 +201,8 @@ def test_check_reports_each_class_of_error(tmp_path: Path) -> None:
     }
     for name, phrase in expectations.items():
         assert lines[name].startswith("FAIL") and phrase in lines[name], lines[name]
-    assert "max_batch" in lines["unknown_field"]
+    assert 'Message type "inference.ModelConfig" has no field named "max_batch"' in lines["unknown_field"]
+    assert "shoal.inference" not in result.stdout
     assert "1 ok, 6 failed" in result.stderr
 
 

@@ -20,7 +20,7 @@ from shoal.backends.base import describe_model
 from shoal.backends.devices import cuda_device_count
 from shoal.errors import MAX_ECHO_CHARS, ShoalError, invalid, load_failed, shown
 from shoal.lifecycle.model import resolve_kind
-from shoal.protocol import config_pb2
+from shoal.protocol import config_pb2, wire_names
 from shoal.repository import scanner
 from shoal.repository.config import (
     CONFIG_FILENAME,
@@ -66,7 +66,7 @@ class ConfigOverride:
             config = json_format.ParseDict(document, config_pb2.ModelConfig())
         except json_format.ParseError as exc:
             raise invalid(f"failed to load '{shown(name)}': the config parameter is not a valid ModelConfig: "
-                          f"{_shortened(str(exc), document)}") from None
+                          f"{_shortened(wire_names(str(exc)), document)}") from None
         if config.name and config.name != name:
             raise invalid(f"failed to load '{shown(name)}': the config override names model '{shown(config.name)}'")
         return cls(config)
