@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -36,6 +37,37 @@ def _count(text: str) -> int:
     if not 0 <= count <= MAX_GRPC_WORKERS:
         raise argparse.ArgumentTypeError(f"expected 0..{MAX_GRPC_WORKERS}, got {count}")
     return count
+
+
+def _positive(text: str) -> float:
+    """A finite number above 0 (``float`` alone takes nan, inf and negatives)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, e.g. 1,4,16, got {text!r}")
+    return values
+
+
+def _shape(text: str) -> tuple[str, tuple[int, ...]]:
+    """``NAME:D1,D2,...``, as ``shoal-load --shape`` and perf_analyzer's ``--shape``."""
+    from shoal.clients.loadtest.inputs import InputError, parse_shape
+
+    try:
+        return parse_shape(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(f"{str(exc).removeprefix(f'--shape {text!r}: ')}, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +133,8 @@ def _add_config_commands(commands: argparse._SubParsersAction) -> None:  # type:
     config = commands.add_parser("config", help="generate, check and tune model configs")
     actions = config.add_subparsers(dest="action", required=True)
     generate = actions.add_parser("generate", help="write a config.pbtxt completed from the model file")
-    generate.add_argument("path", type=Path, help="a model folder, or a bare model.onnx (the folder is created)")
+    generate.add_argument("path", type=Path, help="a model folder, a bare model.onnx (the folder is created), or a "
+                                                  "version folder or model file in one (repo/m/1/model.onnx: repo/m)")
     generate.add_argument("--name", help="model name (default: the folder or file name)")
     generate.add_argument("--max-batch-size", type=int, help="instead of Triton's default of 4 when batching")
     generate.add_argument("--instance-count", type=int, help="executors per device (default 1)")
@@ -115,10 +148,14 @@ def _add_config_commands(commands: argparse._SubParsersAction) -> None:  # type:
     check.add_argument("--strict-model-config", type=_bool, default=False)
     tune = actions.add_parser("tune", help="search instance count and batching for the best throughput in a p99 budget")
     tune.add_argument("model_dir", type=Path)
-    tune.add_argument("--latency-budget-ms", type=float, required=True, help="p99 latency budget")
-    tune.add_argument("--max-minutes", type=float, default=10.0, help="time bound of the search (default 10)")
-    tune.add_argument("--concurrency", default="1,4,16", help="client concurrencies measured per candidate")
-    tune.add_argument("--window-s", type=float, default=1.0)
+    tune.add_argument("--latency-budget-ms", type=_positive, required=True, help="p99 latency budget")
+    tune.add_argument("--max-minutes", type=_positive, default=10.0, help="time bound of the search (default 10)")
+    tune.add_argument("--concurrency", type=_concurrencies, default="1,4,16",
+                      help="client concurrencies measured per candidate (default 1,4,16)")
+    tune.add_argument("--window-s", type=_positive, default=1.0, help="measurement window (default 1 s)")
+    tune.add_argument("--shape", type=_shape, action="append", default=[], metavar="NAME:D1,D2,...",
+                      help="one sample's dims of an input with variable dims (no batch dim), as shoal-load's and "
+                           "perf_analyzer's --shape, e.g. INPUT:1,16 (repeatable)")
     tune.add_argument("--output-dir", type=Path, help="CSV and PNG (default <model_dir>/tuning)")
 
 

@@ -54,18 +54,31 @@ def parse_input(text: str) -> tuple[str, DataType, tuple[int, ...]]:
 
 
 def prepare_folder(path: Path, name: str | None) -> Path:
-    """A model folder for ``path``; a bare model file gets ``<name>/1/model.<ext>`` beside it (copied).
+    """The model folder for ``path``, as Triton's layout ``<repository>/<model>/<version>/model.onnx`` has it.
 
-    The copy is made again whenever its bytes differ from ``path`` (so ``--force`` is not needed to
-    pick up a changed file, and a stale or partial copy from an earlier failed run is never reused).
+    A model folder is itself. A version folder (``repo/m/1``) or a model file in one
+    (``repo/m/1/model.onnx``) is already in that layout: its model folder is the one above
+    (``repo/m``), and nothing is copied. A bare model file gets ``<name>/1/model.<ext>`` beside
+    it (copied); the copy is made again whenever its bytes differ from ``path`` (so ``--force``
+    is not needed to pick up a changed file, and a stale or partial copy from an earlier failed
+    run is never reused).
     """
     if path.is_dir():
+        named = _named(path)
+        if scanner.looks_like_version_folder(named) and not scanner.looks_like_model_folder(named):
+            return _named(named.parent)
         return path
     if not path.is_file():
         raise load_failed(f"{path} is neither a model folder nor a model file")
     filename = MODEL_SUFFIXES.get(path.suffix)
     if filename is None:
         raise load_failed(f"{path}: expected a .onnx or .pt file, or a model folder")
+    version_dir = _named(path.parent)
+    if scanner.is_version_name(version_dir.name):
+        if path.name != filename:  # the server would not find it there
+            raise load_failed(f"{path} is in version folder {version_dir.name} of model folder "
+                              f"{_named(version_dir.parent)}, where the server loads {filename}: rename it")
+        return _named(version_dir.parent)
     folder = path.parent / (name or path.stem)
     target = folder / "1" / filename
     if not (target.is_file() and filecmp.cmp(path, target, shallow=False)):
@@ -75,6 +88,11 @@ def prepare_folder(path: Path, name: str | None) -> Path:
         shutil.copy2(path, partial)
         os.replace(partial, target)
     return folder
+
+
+def _named(path: Path) -> Path:
+    """``path``, made absolute where it has no name of its own (``.``, ``..``)."""
+    return path if path.name not in {"", ".."} else Path(os.path.abspath(path))
 
 
 def generate(folder: Path, options: GenerateOptions) -> str:

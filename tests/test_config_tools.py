@@ -92,6 +92,29 @@ def test_generate_replaces_a_stale_copy_of_the_model_file(tmp_path: Path) -> Non
     assert not list((tmp_path / "net" / "1").glob(".*partial")), "no partial copy is left behind"
 
 
+def test_generate_for_a_model_file_in_a_version_folder_writes_its_model_folders_config(tmp_path: Path) -> None:
+    # Triton's layout, repo/<model>/<version>/model.onnx: the model folder is the one above the version.
+    repo = tmp_path / "repo"
+    multi_io_model(repo / "m" / "1" / "model.onnx")
+    result = shoal("config", "generate", str(repo / "m" / "1" / "model.onnx"), "--kind", "KIND_CPU")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"wrote {repo / 'm' / 'config.pbtxt'}"
+    assert parse_config((repo / "m" / "config.pbtxt").read_text()).name == "m"
+    assert sorted(p.name for p in (repo / "m" / "1").iterdir()) == ["model.onnx"], "nothing nested, nothing copied"
+    # The version folder itself, also from inside it: the same model folder.
+    again = subprocess.run([sys.executable, "-m", "shoal", "config", "generate", ".", "--kind", "KIND_CPU",
+                            "--output", "-"], capture_output=True, text=True, timeout=120, cwd=repo / "m" / "1")
+    assert again.returncode == 0 and parse_config(again.stdout) == parse_config((repo / "m" / "config.pbtxt")
+                                                                                 .read_text()), again.stderr
+    checked = shoal("config", "check", str(repo))
+    assert checked.returncode == 0 and checked.stdout.startswith("ok    m"), checked.stdout + checked.stderr
+    # A file the server would not look for in a version folder is refused, not copied into a new model.
+    shutil.copy(repo / "m" / "1" / "model.onnx", repo / "m" / "1" / "other.onnx")
+    refused = shoal("config", "generate", str(repo / "m" / "1" / "other.onnx"))
+    assert refused.returncode == 1 and "where the server loads model.onnx: rename it" in refused.stderr
+    assert sorted(p.name for p in (repo / "m" / "1").iterdir()) == ["model.onnx", "other.onnx"]
+
+
 def test_generate_for_a_fixed_batch_model(tmp_path: Path) -> None:
     multi_io_model(tmp_path / "fixed" / "1" / "model.onnx", batch=2)
     result = shoal("config", "generate", str(tmp_path / "fixed"), "--instance-count", "3", "--kind", "KIND_CPU")
@@ -178,7 +201,8 @@ def test_check_reports_each_class_of_error(tmp_path: Path) -> None:
     }
     for name, phrase in expectations.items():
         assert lines[name].startswith("FAIL") and phrase in lines[name], lines[name]
-    assert "max_batch" in lines["unknown_field"]
+    assert 'Message type "inference.ModelConfig" has no field named "max_batch"' in lines["unknown_field"]
+    assert "shoal.inference" not in result.stdout
     assert "1 ok, 6 failed" in result.stderr
 
 
@@ -341,6 +365,55 @@ def test_triton_style_text_parses_back_to_the_same_config() -> None:
     assert "reshape { }" in text and "gpus: [ 0, 1 ]" in text and "kind: KIND_AUTO" in text
     assert text.index('key: "a"') < text.index('key: "execute_delay_ms"'), "map entries in key order"
     assert format_config(parse_config(text)) == text
+
+
+def test_tune_names_the_input_whose_variable_dims_need_a_shape(tmp_path: Path) -> None:
+    models.add_identity(tmp_path, "var", "FP32", dims="[ 3, -1 ]")
+    result = shoal("config", "tune", str(tmp_path / "var"), "--latency-budget-ms", "100", "--max-minutes", "0.2")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == (
+        "shoal config tune: error: input 'IN' has variable dims [3, -1]: give one sample's dims with "
+        "--shape IN:D1,D2,... (e.g. --shape IN:3,16)"
+    )
+    assert not (tmp_path / "var" / "tuning").exists(), "nothing was measured, nothing written"
+    for shape, phrase in {"OTHER:3,4": "model 'var' has no such input; its inputs: IN",
+                          "IN:4,4": "does not fit input 'IN', whose dims are [3, -1]",
+                          "IN:3": "does not fit input 'IN'"}.items():
+        wrong = shoal("config", "tune", str(tmp_path / "var"), "--latency-budget-ms", "100", "--shape", shape)
+        assert wrong.returncode == 1 and phrase in wrong.stderr and len(wrong.stderr.splitlines()) == 1, wrong.stderr
+
+
+def test_tune_measures_a_model_with_variable_dims_at_the_given_shape(tmp_path: Path) -> None:
+    models.add_identity(tmp_path, "var", "FP32", dims="[ 3, -1 ]")
+    result = shoal("config", "tune", str(tmp_path / "var"), "--latency-budget-ms", "200", "--max-minutes", "0.1",
+                   "--concurrency", "1", "--window-s", "0.2", "--shape", "IN:3,5", timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "inputs IN:3,5" in result.stdout
+    rows = list(csv.DictReader((tmp_path / "var" / "tuning" / "tune.csv").read_text().splitlines()))
+    assert rows and all(float(r["throughput"]) > 0 and r["errors"] == "0" for r in rows)
+    assert "--shape IN:3,5" in (tmp_path / "var" / "config.tuned.pbtxt").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "phrase"),
+    [
+        (["--latency-budget-ms", "nan"], "argument --latency-budget-ms: expected a positive number, got 'nan'"),
+        (["--latency-budget-ms", "-5"], "argument --latency-budget-ms: expected a positive number, got '-5'"),
+        (["--latency-budget-ms", "0"], "argument --latency-budget-ms: expected a positive number, got '0'"),
+        (["--latency-budget-ms", "5", "--max-minutes", "0"], "argument --max-minutes: expected a positive number"),
+        (["--latency-budget-ms", "5", "--max-minutes", "-1"], "argument --max-minutes: expected a positive number"),
+        (["--latency-budget-ms", "5", "--max-minutes", "nan"], "argument --max-minutes: expected a positive number"),
+        (["--latency-budget-ms", "5", "--max-minutes", "inf"], "argument --max-minutes: expected a positive number"),
+        (["--latency-budget-ms", "5", "--window-s", "0"], "argument --window-s: expected a positive number"),
+        (["--latency-budget-ms", "5", "--concurrency", "1,0"], "argument --concurrency: expected positive integers"),
+        (["--latency-budget-ms", "5", "--shape", "IN"], "argument --shape: expected NAME:D1,D2,..."),
+        (["--latency-budget-ms", "5", "--shape", "IN:-1"], "with non-negative dims, got 'IN:-1'"),
+    ],
+)
+def test_tune_refuses_budgets_and_bounds_that_mean_nothing(tmp_path: Path, args: list[str], phrase: str) -> None:
+    result = shoal("config", "tune", str(tmp_path / "absent"), *args)
+    assert result.returncode == 2 and phrase in result.stderr, result.stderr
+    assert not (tmp_path / "absent").exists()
 
 
 def test_ctrl_c_stops_the_tuner_with_what_it_measured(tmp_path: Path) -> None:

@@ -45,6 +45,30 @@ def test_tritonclient_and_shoal_messages_share_one_process() -> None:
     assert result.stdout.strip() == "shoal.inference.ModelInferRequest"
 
 
+def test_messages_name_protobuf_types_by_the_wire_package() -> None:
+    """Our proto package is ``shoal.inference`` (above); messages say ``inference.``, as Triton's."""
+    from shoal.errors import ShoalError
+    from shoal.grpc.status import parse, to_status
+    from shoal.lifecycle.configure import ConfigOverride
+    from shoal.repository.config import parse_config
+
+    failures = {
+        "malformed message": (lambda: parse(service_pb2.ModelInferRequest, b"\xff\xff"),
+                              "malformed inference.ModelInferRequest message: Error parsing message with type "
+                              "'inference.ModelInferRequest'"),
+        "config override": (lambda: ConfigOverride.parse("m", {"input": [{"data_type": "TYPE_X"}]}),
+                            "Invalid enum value TYPE_X for enum type inference.DataType"),
+        "config.pbtxt": (lambda: parse_config("max_batch: 3\n"),
+                         'Message type "inference.ModelConfig" has no field named "max_batch"'),
+    }
+    for case, (call, phrase) in failures.items():
+        with pytest.raises(ShoalError) as caught:
+            call()
+        assert phrase in caught.value.message and "shoal" not in caught.value.message, (case, caught.value.message)
+    _, message = to_status(TypeError("expected shoal.inference.ModelInferRequest"))
+    assert message == "internal error: TypeError: expected inference.ModelInferRequest"
+
+
 def _fields(message: Descriptor, seen: set[str]) -> dict[str, tuple]:
     """Wire-relevant shape of a message, recursively: name → (number, type, repeated, nested)."""
     if message.full_name in seen:

@@ -15,7 +15,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from shoal.core import IndexEntry, ModelMetadata, ModelState, ServerMetadata, StatisticsRow
-from shoal.errors import invalid
+from shoal.errors import invalid, shown
 from shoal.protocol import config_pb2, service_pb2, tensors
 from shoal.protocol.types import DataType
 from shoal.statistics import Duration
@@ -51,6 +51,7 @@ def decode_raw(name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes
 def content_error(name: str, model: str, exc: tensors.WireFormatError) -> str:
     """Triton's message for tensor content that does not fit its shape (core infer_request.cc
     ``Normalize`` and ``ValidateBytesInputs``); Shoal's own for the cases Triton has none."""
+    name, model = shown(name), shown(model)
     where = f"for inference input '{name}' for model '{model}'"
     if isinstance(exc, tensors.ByteSizeMismatch):
         return (f"input byte size mismatch for input '{name}' for model '{model}'. "
@@ -74,7 +75,7 @@ def decode_contents(
     _check_contents_fields(name, datatype, contents, model)
     field = _CONTENTS_FIELD.get(datatype)
     if field is None:
-        raise invalid(f"input '{name}': {datatype.value} data can only be sent in raw_input_contents")
+        raise invalid(f"input '{shown(name)}': {datatype.value} data can only be sent in raw_input_contents")
     values = getattr(contents, field)
     count = math.prod(shape)
     if len(values) != count:
@@ -91,7 +92,7 @@ def decode_contents(
     try:
         return np.array(values, dtype=datatype.numpy_dtype).reshape(shape)
     except OverflowError as exc:
-        raise invalid(f"input '{name}': a value does not fit {datatype.value}") from exc
+        raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}") from exc
 
 
 def _contents_type(field: str, datatype: DataType) -> str:
@@ -113,7 +114,7 @@ def _check_contents_fields(name: str, datatype: DataType, contents: service_pb2.
                   "fp32_contents", "fp64_contents", "bytes_contents"):
         if not getattr(contents, field):
             continue
-        where = f"unexpected explicit tensor data for input tensor '{name}' for model '{model}'"
+        where = f"unexpected explicit tensor data for input tensor '{shown(name)}' for model '{shown(model)}'"
         if supplied:
             raise invalid(f"{where}, binary data was already supplied.")
         if _contents_type(field, datatype) != datatype.value:
@@ -153,7 +154,7 @@ def check_bytes_cost(message: service_pb2.ModelInferRequest, raw: list[bytes]) -
     allowed = max(BYTES_OBJECTS_FLOOR, MAX_BYTES_OBJECTS_PER_PAYLOAD * payload)
     if cost > allowed:
         raise invalid(
-            f"the BYTES inputs of this request for model '{message.model_name}' hold up to {elements} "
+            f"the BYTES inputs of this request for model '{shown(message.model_name)}' hold up to {elements} "
             f"elements in {payload} bytes: decoded, they would take about {cost // 2**20} MiB, more than the "
             f"{allowed // 2**20} MiB allowed (the larger of {BYTES_OBJECTS_FLOOR // 2**20} MiB and "
             f"{MAX_BYTES_OBJECTS_PER_PAYLOAD} times their size); send fewer, longer elements, or split the request"
@@ -182,22 +183,23 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
         try:
             datatype = DataType(tensor.datatype)
         except ValueError:
-            raise invalid(f"input '{tensor.name}': unknown datatype '{tensor.datatype}'") from None
+            raise invalid(f"input '{shown(tensor.name)}': unknown datatype '{shown(tensor.datatype)}'") from None
         shape = tuple(tensor.shape)
         try:
             tensors.check_shape(datatype, shape)
         except tensors.WireFormatError as exc:
-            raise invalid(f"input '{tensor.name}': {exc}") from None
+            raise invalid(f"input '{shown(tensor.name)}': {exc}") from None
         # Triton's front end (server src/grpc/infer_handler.cc InferGRPCToInput) words these three.
         if raw and tensor.HasField("contents"):
             raise invalid(f"contents field must not be specified when using raw_input_contents for "
-                          f"'{tensor.name}' for model '{model}'")
+                          f"'{shown(tensor.name)}' for model '{shown(model)}'")
         if raw and index < len(raw):
             data = decode_raw(tensor.name, datatype, shape, raw[index], model)
         elif tensor.HasField("contents"):
             data = decode_contents(tensor.name, datatype, shape, tensor.contents, model)
         else:
-            raise invalid(f"unable to find data for input tensor '{tensor.name}' for model '{model}' in request.")
+            raise invalid(f"unable to find data for input tensor '{shown(tensor.name)}' for model '{shown(model)}' "
+                          "in request.")
         inputs.append(Tensor(tensor.name, datatype, shape, data))
     return InferRequest(
         model_name=message.model_name,
@@ -219,10 +221,10 @@ def class_counts(message: service_pb2.ModelInferRequest) -> dict[str, int]:
             continue
         param = output.parameters["classification"]
         if param.WhichOneof("parameter_choice") != "int64_param":
-            raise invalid(f"output '{output.name}': invalid value type for 'classification' parameter, "
+            raise invalid(f"output '{shown(output.name)}': invalid value type for 'classification' parameter, "
                           "expected int64_param")
         if param.int64_param <= 0:
-            raise invalid(f"output '{output.name}': invalid value for 'classification' parameter, "
+            raise invalid(f"output '{shown(output.name)}': invalid value for 'classification' parameter, "
                           f"expected > 0, got {param.int64_param}")
         counts[output.name] = param.int64_param
     return counts
@@ -264,13 +266,13 @@ def load_parameters(message: service_pb2.RepositoryModelLoadRequest) -> dict[str
     pipeline turns it into a ModelConfig); model files sent inline are refused."""
     files = [key for key in message.parameters if key.startswith("file:")]
     if files:
-        raise invalid(f"loading model files sent with the request ({files[0]}) is not supported")
+        raise invalid(f"loading model files sent with the request ({shown(files[0])}) is not supported")
     if "config" not in message.parameters:
         return None
     param = message.parameters["config"]
     if param.WhichOneof("parameter_choice") != "string_param":  # as Triton: text only, never bytes
         raise invalid("invalid value type for load parameter 'config', expected string_param.")
-    name = message.model_name
+    name = shown(message.model_name)
     try:
         document = json.loads(param.string_param)
     except ValueError as exc:

@@ -13,9 +13,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from shoal.protocol import SERVICE_NAME, config_pb2, service_pb2
+from shoal.protocol import PROTO_PACKAGE, SERVICE_NAME, WIRE_PACKAGE, config_pb2, service_pb2
 
-_OURS, _WIRE = "shoal.inference", "inference"
+_OURS, _WIRE = PROTO_PACKAGE, WIRE_PACKAGE
 
 
 def _wire_name(name: str) -> str:

@@ -11,6 +11,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from shoal.errors import ErrorCode, ShoalError, bounded, invalid
+from shoal.protocol import wire_names
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ShoalError):
         return STATUS_BY_CODE[exc.code], bounded(exc.message)
     logger.error("unexpected error while serving an RPC", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(exc).__name__}: {exc}")
+    return grpc.StatusCode.INTERNAL, bounded(wire_names(f"internal error: {type(exc).__name__}: {exc}"))
 
 
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -39,11 +40,12 @@ StreamHandler = Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIt
 
 
 def parse(request_type: Any, raw: bytes) -> Any:
-    """Decode a request inside the guard, so a malformed message is INVALID_ARGUMENT, not UNKNOWN."""
+    """Decode a request inside the guard, so a malformed message is INVALID_ARGUMENT, not UNKNOWN.
+    The message names the type as Triton's users know it (``inference.ModelInferRequest``)."""
     try:
         return request_type.FromString(raw)
     except DecodeError as exc:
-        raise invalid(f"malformed {request_type.DESCRIPTOR.name} message: {exc}") from exc
+        raise invalid(wire_names(f"malformed {request_type.DESCRIPTOR.full_name} message: {exc}")) from exc
 
 
 def guard_unary(handler: UnaryHandler, request_type: Any) -> Callable[[bytes, Any], Awaitable[Any]]:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shoal.errors import invalid
+from shoal.errors import invalid, shown
 from shoal.protocol.types import DataType
 
 _FLOATS = frozenset({DataType.FP16, DataType.BF16, DataType.FP32, DataType.FP64})
@@ -36,7 +36,7 @@ _CHUNK = 1 << 14  # entries formatted per C call (a few ms holding the GIL)
 def check_datatype(model: str, output: str, datatype: DataType) -> None:
     """Refuse an output that has no order to rank by (Triton's wording, INVALID_ARGUMENT)."""
     if datatype not in _FLOATS and datatype not in _INTEGERS:
-        raise invalid(f"class result not available for output '{output}' of model '{model}' due to "
+        raise invalid(f"class result not available for output '{shown(output)}' of model '{model}' due to "
                       f"unsupported type '{datatype.value}'")
 
 

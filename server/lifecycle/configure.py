@@ -18,9 +18,9 @@ from google.protobuf import json_format
 
 from shoal.backends.base import describe_model
 from shoal.backends.devices import cuda_device_count
-from shoal.errors import ShoalError, invalid, load_failed
+from shoal.errors import MAX_ECHO_CHARS, ShoalError, invalid, load_failed, shown
 from shoal.lifecycle.model import resolve_kind
-from shoal.protocol import config_pb2
+from shoal.protocol import config_pb2, wire_names
 from shoal.repository import scanner
 from shoal.repository.config import (
     CONFIG_FILENAME,
@@ -65,10 +65,30 @@ class ConfigOverride:
         try:
             config = json_format.ParseDict(document, config_pb2.ModelConfig())
         except json_format.ParseError as exc:
-            raise invalid(f"failed to load '{name}': the config parameter is not a valid ModelConfig: {exc}") from None
+            raise invalid(f"failed to load '{shown(name)}': the config parameter is not a valid ModelConfig: "
+                          f"{_shortened(wire_names(str(exc)), document)}") from None
         if config.name and config.name != name:
-            raise invalid(f"failed to load '{name}': the config override names model '{config.name}'")
+            raise invalid(f"failed to load '{shown(name)}': the config override names model '{shown(config.name)}'")
         return cls(config)
+
+
+def _shortened(text: str, document: Any) -> str:
+    """``text`` (an error about ``document``) with each long key or string of the document in it shortened."""
+    long_strings: set[str] = set()
+    pending = [document]
+    while pending:  # a walk, not recursion: the client chose the depth
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.values())
+            pending.extend(item.keys())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str) and len(item) > MAX_ECHO_CHARS:
+            long_strings.add(item)
+    for value in sorted(long_strings, key=len, reverse=True):
+        if value in text:
+            text = text.replace(value, shown(value))
+    return text
 
 
 def configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None = None) -> Configured:

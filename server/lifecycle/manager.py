@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from shoal.errors import ErrorCode, ShoalError, unknown_model
+from shoal.errors import ErrorCode, ShoalError, shown, unknown_model
 from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
 from shoal.lifecycle.configure import ConfigOverride, configure, model_file
 from shoal.lifecycle.fingerprint import fingerprint_or_none
@@ -101,7 +101,8 @@ class ModelManager:
         """Load or reload ``name``; ``config_override`` is a ModelConfig as a JSON object (RepositoryModelLoad)."""
         folder = scanner.model_dir(self.repository, name)
         if not folder.is_dir():
-            raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': no such model folder in the repository")
+            raise ShoalError(ErrorCode.UNAVAILABLE,
+                             f"failed to load '{shown(name)}': no such model folder in the repository")
         override = ConfigOverride.parse(name, config_override) if config_override is not None else None
         async with self._locks.setdefault(name, asyncio.Lock()):
             old = self._models.get(name)
@@ -123,12 +124,12 @@ class ModelManager:
                 if old is not None and old.ready_versions():
                     old.reason = f"reload failed, previous version kept serving: {entry.reason}"
                     self._changed()
-                    raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': {entry.reason}")
+                    raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{shown(name)}': {entry.reason}")
                 self._models[name] = entry
                 self._changed()
                 if old is not None:
                     await self._retire(old)
-                raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': {entry.reason}")
+                raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{shown(name)}': {entry.reason}")
             entry.transition(ModelState.READY)
             with self._ledger.settling(reserved):  # the entry's bytes now count as in use, not reserved
                 self._models[name] = entry  # the switch: one assignment on the event loop
@@ -141,7 +142,7 @@ class ModelManager:
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.get(name)
             if entry is None or entry.spec is None and not entry.versions:
-                raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to unload '{name}': the model is not loaded")
+                raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to unload '{shown(name)}': the model is not loaded")
             entry.unloaded = True  # strict readiness stops waiting for it at once
             if entry.state is not ModelState.READY:  # failed or unloaded already: nothing to release
                 entry.reason = UNLOADED
@@ -287,7 +288,7 @@ class ModelManager:
             ready = model.ready_versions()
             if not ready:
                 why = model.reason or model.state.value
-                raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{name}' has no available versions: {why}")
+                raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{shown(name)}' has no available versions: {why}")
             chosen = model.versions[ready[-1]]
         else:
             number = int(version) if _VERSION.match(version) else None
@@ -297,7 +298,7 @@ class ModelManager:
             chosen = found
         if chosen.served is None:
             raise ShoalError(
-                ErrorCode.UNAVAILABLE, f"model '{name}' version {chosen.version} is not ready: {chosen.reason}"
+                ErrorCode.UNAVAILABLE, f"model '{shown(name)}' version {chosen.version} is not ready: {chosen.reason}"
             )
         return chosen.served
 

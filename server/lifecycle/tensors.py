@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shoal.errors import ErrorCode, ShoalError, invalid
+from shoal.errors import ErrorCode, ShoalError, invalid, shown
 from shoal.lifecycle import classification
 from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec, TensorSpec
@@ -24,6 +24,10 @@ IMPLICIT_BATCH_NOTE = (
     "your input dims config, try setting max_batch_size to zero. See the model configuration docs for "
     "more info on max_batch_size."
 )
+
+
+# Names of a request listed in one message: a request may send thousands (each shortened by ``shown``).
+MAX_NAMES_SHOWN = 4
 
 
 @dataclass(frozen=True)
@@ -42,13 +46,13 @@ def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
     given = {}
     for tensor in request.inputs:
         if tensor.name in given:  # Triton: InferenceRequest::AddOriginalInput
-            raise invalid(f"input '{tensor.name}' already exists in request")
+            raise invalid(f"input '{shown(tensor.name)}' already exists in request")
         given[tensor.name] = tensor
     outputs = _requested_outputs(spec, request)
     _check_input_count(spec, given)
     unexpected = [name for name in given if spec.input(name) is None]
     if unexpected:
-        raise invalid(f"unexpected inference input '{unexpected[0]}' for model '{spec.name}'")
+        raise invalid(f"unexpected inference input '{shown(unexpected[0])}' for model '{spec.name}'")
     batch_size = _batch_size(spec, list(given.values()))
     feed = {}
     for tensor in given.values():
@@ -62,7 +66,7 @@ def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
                 data = data.reshape(lead + list(tensor_spec.reshape))
             except ValueError:  # load-time validation of reshape against dims should make this unreachable
                 raise invalid(
-                    f"input '{tensor.name}' for model '{spec.name}': shape {list(tensor.shape)} cannot be "
+                    f"input '{shown(tensor.name)}' for model '{spec.name}': shape {list(tensor.shape)} cannot be "
                     f"reshaped to {lead + list(tensor_spec.reshape)}"
                 ) from None
         feed[tensor.name] = data
@@ -86,7 +90,11 @@ def _check_input_count(spec: ModelSpec, given: Mapping[str, Tensor]) -> None:
 
 
 def _names(names: Iterable[str]) -> str:
-    return "[" + ",".join(f"'{name}'" for name in names) + "]"
+    """Names as Triton prints them, each shortened (``shown``); past ``MAX_NAMES_SHOWN``, a count of the rest."""
+    listed = list(names)
+    shown_names = [f"'{shown(name)}'" for name in listed[:MAX_NAMES_SHOWN]]
+    rest = len(listed) - len(shown_names)
+    return "[" + ",".join(shown_names) + (f",...({rest} more)" if rest else "") + "]"
 
 
 def _dims(shape: Iterable[int]) -> str:
@@ -101,14 +109,14 @@ def _batch_size(spec: ModelSpec, tensors: list[Tensor]) -> int:
     batch = 0
     for tensor in tensors:
         if not tensor.shape:
-            raise invalid(f"input '{tensor.name}' has no shape but model requires batch dimension for "
+            raise invalid(f"input '{shown(tensor.name)}' has no shape but model requires batch dimension for "
                           f"'{spec.name}'")
         if tensor.shape[0] < 1:  # Shoal's own rule: Triton takes a 0 as "no batch size yet"
-            raise invalid(f"input '{tensor.name}' for model '{spec.name}' has batch size 0")
+            raise invalid(f"input '{shown(tensor.name)}' for model '{spec.name}' has batch size 0")
         if batch == 0:
             batch = tensor.shape[0]
         elif tensor.shape[0] != batch:
-            raise invalid(f"input '{tensor.name}' batch size does not match other inputs for '{spec.name}'")
+            raise invalid(f"input '{shown(tensor.name)}' batch size does not match other inputs for '{spec.name}'")
     if batch > spec.max_batch_size:
         raise invalid(f"inference request batch-size must be <= {spec.max_batch_size} for '{spec.name}'")
     return batch
@@ -117,7 +125,7 @@ def _batch_size(spec: ModelSpec, tensors: list[Tensor]) -> int:
 def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> None:
     if tensor.datatype is not tensor_spec.datatype:
         raise invalid(
-            f"inference input '{tensor.name}' data-type is '{tensor.datatype.value}', "
+            f"inference input '{shown(tensor.name)}' data-type is '{tensor.datatype.value}', "
             f"but model '{spec.name}' expects '{tensor_spec.datatype.value}'"
         )
     dims = list(tensor_spec.dims)
@@ -129,7 +137,7 @@ def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> No
     ):
         expected = [-1, *dims] if batched else dims
         raise invalid(
-            f"unexpected shape for input '{tensor.name}' for model '{spec.name}'. "
+            f"unexpected shape for input '{shown(tensor.name)}' for model '{spec.name}'. "
             f"Expected {_dims(expected)}, got {_dims(shape)}. {IMPLICIT_BATCH_NOTE if batched else ''}"
         )
 
@@ -140,9 +148,9 @@ def _requested_outputs(spec: ModelSpec, request: InferRequest) -> tuple[str, ...
     seen = set()
     for name in request.requested_outputs:
         if spec.output(name) is None:
-            raise invalid(f"unexpected inference output '{name}' for model '{spec.name}'")
+            raise invalid(f"unexpected inference output '{shown(name)}' for model '{spec.name}'")
         if name in seen:
-            raise invalid(f"output '{name}' is requested twice for model '{spec.name}'")
+            raise invalid(f"output '{shown(name)}' is requested twice for model '{spec.name}'")
         seen.add(name)
     return request.requested_outputs
 
@@ -151,10 +159,10 @@ def _check_classifications(spec: ModelSpec, request: InferRequest, outputs: tupl
     for name, count in request.class_counts.items():
         tensor_spec = spec.output(name)
         if tensor_spec is None or name not in outputs:
-            raise invalid(f"classification asked for output '{name}', which model '{spec.name}' "
+            raise invalid(f"classification asked for output '{shown(name)}', which model '{spec.name}' "
                           f"does not return for this request; requested outputs are: {list(outputs)}")
         if count < 1:
-            raise invalid(f"output '{name}': invalid value for 'classification' parameter, expected > 0, "
+            raise invalid(f"output '{shown(name)}': invalid value for 'classification' parameter, expected > 0, "
                           f"got {count}")
         classification.check_datatype(spec.name, name, tensor_spec.datatype)
 

@@ -12,6 +12,7 @@ of using grpc's generated ``*_pb2_grpc`` code, whose paths would carry our packa
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,16 @@ from google.protobuf import message_factory
 from shoal.protocol import grpc_service_pb2 as service_pb2
 from shoal.protocol import model_config_pb2 as config_pb2
 
-SERVICE_NAME = "inference.GRPCInferenceService"
+# The package our .proto files declare, and the one Triton's (and the wire's, and users') names carry.
+PROTO_PACKAGE, WIRE_PACKAGE = "shoal.inference", "inference"
+SERVICE_NAME = f"{WIRE_PACKAGE}.GRPCInferenceService"
+_PROTO_NAME = re.compile(rf"\b{re.escape(PROTO_PACKAGE)}\.")
+
+
+def wire_names(text: str) -> str:
+    """``text`` (protobuf's error about a message, say) with our type names as Triton's users know them:
+    ``shoal.inference.ModelInferRequest`` becomes ``inference.ModelInferRequest``."""
+    return _PROTO_NAME.sub(f"{WIRE_PACKAGE}.", text)
 
 
 @dataclass(frozen=True)
@@ -81,4 +91,5 @@ class InferenceStub:
         raise AttributeError(name)
 
 
-__all__ = ["METHODS", "SERVICE_NAME", "InferenceStub", "Method", "config_pb2", "service_pb2"]
+__all__ = ["METHODS", "PROTO_PACKAGE", "SERVICE_NAME", "WIRE_PACKAGE", "InferenceStub", "Method", "config_pb2",
+           "service_pb2", "wire_names"]

@@ -68,10 +68,10 @@ def check_shape(datatype: DataType, shape: tuple[int, ...]) -> None:
     no element. A BYTES element counts as its 8-byte pointer: this is numpy's limit, not the memory
     decoded elements take (the server bounds that before decoding: ``grpc.convert.check_bytes_cost``).
     """
+    if len(shape) > MAX_DIMS:  # first: the messages below print the shape
+        raise WireFormatError(f"shape has {len(shape)} dimensions, at most {MAX_DIMS} are supported")
     if any(d < 0 for d in shape):
         raise WireFormatError(f"shape {list(shape)} has a negative dimension")
-    if len(shape) > MAX_DIMS:
-        raise WireFormatError(f"shape has {len(shape)} dimensions, at most {MAX_DIMS} are supported")
     item_size = _OBJECT_SIZE if datatype is DataType.BYTES else datatype.item_size
     if math.prod(d for d in shape if d) * item_size > _MAX_BYTES:
         raise WireFormatError(f"shape {list(shape)} of {datatype.value} is larger than any array can be")

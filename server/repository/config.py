@@ -21,7 +21,7 @@ from typing import Any
 from google.protobuf import json_format, text_format
 
 from shoal.errors import ShoalError, load_failed, shown
-from shoal.protocol import config_pb2
+from shoal.protocol import config_pb2, wire_names
 from shoal.protocol.types import DataType
 from shoal.repository.scanner import CONFIG_FILENAME as CONFIG_FILENAME
 from shoal.repository.scanner import checked_path
@@ -169,7 +169,7 @@ def parse_config(text: str, source: str = CONFIG_FILENAME) -> config_pb2.ModelCo
         text_format.Parse(text, config)
     except text_format.ParseError as exc:
         # ParseError's text is "line:column : message"; prefix the file so it reads file:line:col.
-        raise load_failed(f"{source}:{exc}") from exc
+        raise load_failed(wire_names(f"{source}:{exc}")) from exc
     return config
 
 

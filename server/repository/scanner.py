@@ -106,6 +106,16 @@ def looks_like_model_folder(folder: Path) -> bool:
     )
 
 
+def is_version_name(name: str) -> bool:
+    """A folder name Triton takes as a version: an integer without leading zeros."""
+    return bool(_VERSION_NAME.match(name))
+
+
+def looks_like_version_folder(folder: Path) -> bool:
+    """A version folder of a model (``repo/m/1``): an integer name and a model file in it."""
+    return is_version_name(folder.name) and any((folder / f).exists() for f in _MODEL_FILENAMES)
+
+
 def model_folder_problem(repository: Path) -> str:
     """What to tell an operator who passed a model folder as the repository; "" when it is none."""
     if not looks_like_model_folder(repository):

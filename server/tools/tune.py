@@ -26,13 +26,15 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from shoal.clients import ClientError, InferenceClient
 from shoal.clients.loadtest import plot as loadplot
-from shoal.clients.loadtest.inputs import build_inputs, serialize_request
+from shoal.clients.loadtest.inputs import InputError, build_inputs, serialize_request
 from shoal.clients.loadtest.measure import LoadTester, Settings
+from shoal.errors import invalid, shown
 from shoal.lifecycle.configure import configure
 from shoal.protocol import config_pb2
 from shoal.repository import scanner
@@ -155,15 +157,46 @@ def neighbours(candidate: Candidate, can_batch: bool) -> list[Candidate]:
     return options
 
 
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+def format_shapes(shapes: Shapes) -> str:
+    return " ".join(f"{name}:{','.join(map(str, dims))}" for name, dims in shapes.items())
+
+
+def check_shapes(config: config_pb2.ModelConfig, shapes: Shapes) -> None:
+    """Every variable dim of an input has a ``--shape``, and each ``--shape`` fits an input's dims.
+
+    ``dims`` in the config are what a client sends for one sample (the batch dim aside), so a
+    given shape must have as many dims and agree with every fixed one.
+    """
+    inputs = {tensor.name: list(tensor.dims) for tensor in config.input}
+    for name, given in shapes.items():
+        if name not in inputs:
+            raise invalid(f"--shape {shown(name)}: model '{config.name}' has no such input; "
+                          f"its inputs: {', '.join(map(shown, inputs))}")
+        dims = inputs[name]
+        if len(given) != len(dims) or any(d not in (-1, g) for d, g in zip(dims, given, strict=True)):
+            raise invalid(f"--shape {format_shapes({shown(name): given})} does not fit input '{shown(name)}', "
+                          f"whose dims are {dims} (-1 is variable)")
+    for name, dims in inputs.items():
+        if -1 in dims and name not in shapes:
+            example = ",".join("16" if d == -1 else str(d) for d in dims)
+            raise invalid(f"input '{shown(name)}' has variable dims {dims}: give one sample's dims with "
+                          f"--shape {shown(name)}:D1,D2,... (e.g. --shape {shown(name)}:{example})")
+
+
 class Tuner:
     def __init__(self, model_dir: Path, budget_ms: float, concurrencies: list[int], window_s: float,
-                 deadline: float) -> None:
+                 deadline: float, shapes: Shapes | None = None) -> None:
         self.model_dir = model_dir
         self.budget_ms = budget_ms
         self.concurrencies = concurrencies
         self.window_s = window_s
         self.deadline = deadline
         self.base = configure(model_dir, strict=False).config
+        self.shapes = dict(shapes or {})
+        check_shapes(self.base, self.shapes)  # before any server starts: the load needs a shape per input
         self.name = self.base.name
         self.original_text = _original_text(model_dir, self.base)
         self.can_batch = self.base.max_batch_size > 0
@@ -218,7 +251,10 @@ class Tuner:
             (target / CONFIG_FILENAME).write_text(self.text(candidate))
             with local_server.running(repo) as server:
                 with InferenceClient(server.url, timeout_s=30) as client:
-                    inputs = build_inputs(client, self.name, "", 1, {}, "random")
+                    try:
+                        inputs = build_inputs(client, self.name, "", 1, self.shapes, "random")
+                    except InputError as exc:  # the user's to fix, not the candidate's: stop the search
+                        raise invalid(str(exc)) from None
                 settings = Settings(server.url, self.name, "", serialize_request(self.name, "", inputs), 1,
                                     warmup_s=0.3, window_s=self.window_s, stability=0.15, max_windows=5)
                 with LoadTester(settings) as tester:
@@ -283,13 +319,14 @@ def plot(measured: list[Measured], path: Path, budget_ms: float, title: str) -> 
 
 def run_tune(args: argparse.Namespace) -> int:
     model_dir: Path = args.model_dir.resolve()
-    concurrencies = [int(c) for c in str(args.concurrency).split(",")]
+    concurrencies: list[int] = args.concurrency
+    shapes = dict(args.shape)
+    deadline = time.monotonic() + args.max_minutes * 60
+    tuner = Tuner(model_dir, args.latency_budget_ms, concurrencies, args.window_s, deadline, shapes)
     out_dir: Path = args.output_dir or model_dir / "tuning"
     out_dir.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + args.max_minutes * 60
-    tuner = Tuner(model_dir, args.latency_budget_ms, concurrencies, args.window_s, deadline)
     print(f"tuning '{tuner.name}' for p99 ≤ {args.latency_budget_ms:g} ms at concurrencies {concurrencies}, "
-          f"at most {args.max_minutes:g} min", flush=True)
+          + (f"inputs {format_shapes(shapes)}, " if shapes else "") + f"at most {args.max_minutes:g} min", flush=True)
     try:
         best = tuner.search()
     except KeyboardInterrupt:
@@ -317,6 +354,7 @@ def run_tune(args: argparse.Namespace) -> int:
         f"p99 <= {args.latency_budget_ms:g} ms: {best.candidate.label()}",
         f"{score:.1f} inferences/s within the budget ({gain}, {start.candidate.label()}),",
         f"server RSS {best.rss_mb:.0f} MB. {len(measured)} candidates measured; see {where}/tune.csv.",
+        *([f"Measured with one sample of --shape {format_shapes(shapes)} per request."] if shapes else []),
         "Only the tuned fields differ from config.pbtxt. To use it: cp config.tuned.pbtxt config.pbtxt",
     ))
     tuned.write_text(header + tuner.text(best.candidate))
