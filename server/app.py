@@ -55,7 +55,8 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
         on_change=lambda: front.health_changed() if front is not None else None,
         memory_budgets=dict(settings.memory_budgets),
     )
-    core = LocalCore(manager, strict_readiness=settings.strict_readiness)
+    core = LocalCore(manager, strict_readiness=settings.strict_readiness,
+                     max_shared_memory_bytes=settings.shared_memory_max_bytes)
     await manager.start(settings.startup_models)
     front = WorkerFrontEnd(core, settings, log_format) if settings.grpc_workers else InProcessFrontEnd(core, settings)
     try:

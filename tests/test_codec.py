@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shoal.core import wire
 from shoal.errors import ErrorCode, ShoalError
 from shoal.grpc import convert
 from shoal.protocol import service_pb2, tensors
@@ -23,7 +24,7 @@ def test_bytes_round_trip_exactly() -> None:
     array[:] = AWKWARD_BYTES
     raw = tensors.serialize_bytes(array)
     assert raw[:4] == struct.pack("<I", 0) and raw[4:8] == struct.pack("<I", 1)
-    decoded = convert.decode_raw("x", DataType.BYTES, (2, 3), raw)
+    decoded = wire.decode_raw("x", DataType.BYTES, (2, 3), raw)
     assert decoded.shape == (2, 3)
     assert list(decoded.reshape(-1)) == AWKWARD_BYTES
 
@@ -39,7 +40,7 @@ def test_bytes_round_trip_exactly() -> None:
 )
 def test_malformed_bytes_are_invalid(raw: bytes, phrase: str) -> None:
     with pytest.raises(ShoalError) as caught:
-        convert.decode_raw("x", DataType.BYTES, (2,), raw, "m")
+        wire.decode_raw("x", DataType.BYTES, (2,), raw, "m")
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT and phrase in caught.value.message
 
 
@@ -49,7 +50,7 @@ def test_numeric_raw_round_trip(datatype: DataType) -> None:
     array = (rng.standard_normal((2, 3)) * 50).astype(datatype.numpy_dtype)
     raw = tensors.to_raw(datatype, array)
     assert len(raw) == array.size * datatype.item_size
-    back = convert.decode_raw("t", datatype, (2, 3), raw)
+    back = wire.decode_raw("t", datatype, (2, 3), raw)
     assert back.dtype == datatype.numpy_dtype
     np.testing.assert_array_equal(back, array)
 
@@ -62,7 +63,7 @@ def test_bf16_wire_format_is_upper_half_of_fp32() -> None:
 
 def test_raw_size_mismatch_names_tensor_and_sizes() -> None:
     with pytest.raises(ShoalError) as caught:
-        convert.decode_raw("INPUT0", DataType.INT32, (1, 16), b"\x00" * 60, "m")
+        wire.decode_raw("INPUT0", DataType.INT32, (1, 16), b"\x00" * 60, "m")
     assert caught.value.message == "input byte size mismatch for input 'INPUT0' for model 'm'. Expected 64, got 60"
 
 

@@ -11,16 +11,22 @@ from typing import Any
 
 from shoal import __version__
 from shoal.core import (
-    HealthSnapshot, IndexEntry, ModelMetadata, RegionStatus, ServerMetadata, StatisticsRow, TensorMetadata,
+    HealthSnapshot,
+    IndexEntry,
+    ModelMetadata,
+    RegionStatus,
+    ServerMetadata,
+    StatisticsRow,
+    TensorMetadata,
     shared_memory,
 )
 from shoal.dataplane.regions import RegionRegistry
 from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle.manager import ModelManager
+from shoal.settings import ServerSettings
 from shoal.types import InferRequest, InferResponse
 
 SERVER_NAME = "shoal"
-DEFAULT_MAX_SHARED_MEMORY_BYTES = 64 << 30  # registered by clients, in all (--shared-memory-max-mb)
 # Only what is implemented end to end; clients gate features on these strings.
 EXTENSIONS = (
     "model_configuration",
@@ -37,7 +43,7 @@ class LocalCore:
     """``Core`` over this process's ``ModelManager``."""
 
     def __init__(self, manager: ModelManager, strict_readiness: bool = True,
-                 max_shared_memory_bytes: int = DEFAULT_MAX_SHARED_MEMORY_BYTES) -> None:
+                 max_shared_memory_bytes: int = ServerSettings.shared_memory_max_bytes) -> None:
         self.manager = manager
         self.strict_readiness = strict_readiness
         self.regions = RegionRegistry(max_shared_memory_bytes)

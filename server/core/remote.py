@@ -17,7 +17,13 @@ from typing import Any
 import numpy as np
 
 from shoal.core import (
-    HealthSnapshot, IndexEntry, ModelMetadata, RegionStatus, ServerMetadata, StatisticsRow, messages,
+    HealthSnapshot,
+    IndexEntry,
+    ModelMetadata,
+    RegionStatus,
+    ServerMetadata,
+    StatisticsRow,
+    messages,
 )
 from shoal.dataplane import tensors
 from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull

@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
-from shoal.core import IndexEntry, ModelMetadata, ModelState, ServerMetadata, StatisticsRow
+from shoal.core import IndexEntry, ModelMetadata, ModelState, RegionStatus, ServerMetadata, StatisticsRow
+from shoal.core.wire import content_error, decode_raw
 from shoal.errors import invalid, shown
 from shoal.protocol import config_pb2, service_pb2, tensors
 from shoal.protocol.types import DataType
 from shoal.statistics import Duration
-from shoal.types import InferRequest, InferResponse, Tensor
+from shoal.types import InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 
 _CONTENTS_FIELD = {
     DataType.BOOL: "bool_contents",
@@ -38,32 +39,6 @@ _CONTENTS_FIELD = {
 
 
 # -- tensors -------------------------------------------------------------------------------------
-
-
-def decode_raw(name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes, model: str = "") -> np.ndarray:
-    """Raw content as an array; a size that does not fit the shape is refused in Triton's words."""
-    try:
-        return tensors.from_raw(datatype, shape, raw)
-    except tensors.WireFormatError as exc:
-        raise invalid(content_error(name, model, exc)) from None
-
-
-def content_error(name: str, model: str, exc: tensors.WireFormatError) -> str:
-    """Triton's message for tensor content that does not fit its shape (core infer_request.cc
-    ``Normalize`` and ``ValidateBytesInputs``); Shoal's own for the cases Triton has none."""
-    name, model = shown(name), shown(model)
-    where = f"for inference input '{name}' for model '{model}'"
-    if isinstance(exc, tensors.ByteSizeMismatch):
-        return (f"input byte size mismatch for input '{name}' for model '{model}'. "
-                f"Expected {exc.expected}, got {exc.got}")
-    if isinstance(exc, tensors.StringCountMismatch):
-        if exc.too_many:
-            return f"unexpected number of string elements {exc.got} {where}, expecting {exc.expected}"
-        return f"expected {exc.expected} string elements {where}, got {exc.got}"
-    if isinstance(exc, tensors.IncompleteLengthPrefix):
-        return (f"incomplete string length indicator {where}, expecting 4 bytes but only {exc.available} bytes "
-                "available. Please make sure the string length indicator is in one buffer.")
-    return f"input '{name}' for model '{model}': {exc}"
 
 
 def decode_contents(
@@ -140,7 +115,7 @@ def check_bytes_cost(message: service_pb2.ModelInferRequest, raw: list[bytes]) -
     Counts are bounded before decoding: a raw input holds at most a fourth of its bytes in
     elements, and no more than its shape says are ever made (reading stops there)."""
     elements = payload = 0
-    for index, tensor in enumerate(message.inputs):
+    for index, tensor in enumerate(t for t in message.inputs if not in_shared_memory(t)):
         if tensor.datatype != DataType.BYTES.value:
             continue
         declared = max(0, math.prod(tensor.shape))
@@ -171,6 +146,7 @@ def parameter_value(param: Any) -> Any:
 
 
 def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
+    """The request; ``raw_input_contents`` line up, in order, with the inputs not in shared memory."""
     raw = list(message.raw_input_contents)  # each read of an entry copies it out of the message: once
     model = message.model_name
     if len(raw) > len(message.inputs):
@@ -178,29 +154,31 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
             f"expected {len(message.inputs)} raw_input_contents entries (one per input), got {len(raw)}"
         )
     check_bytes_cost(message, raw)
-    inputs = []
-    for index, tensor in enumerate(message.inputs):
-        try:
-            datatype = DataType(tensor.datatype)
-        except ValueError:
-            raise invalid(f"input '{shown(tensor.name)}': unknown datatype '{shown(tensor.datatype)}'") from None
-        shape = tuple(tensor.shape)
-        try:
-            tensors.check_shape(datatype, shape)
-        except tensors.WireFormatError as exc:
-            raise invalid(f"input '{shown(tensor.name)}': {exc}") from None
+    inputs: list[Tensor] = []
+    region_inputs: list[RegionInput] = []
+    for tensor in message.inputs:
+        datatype, shape = _declared(tensor.name, tensor.datatype, tuple(tensor.shape))
+        where = shared_memory_slice(tensor.name, tensor.parameters)
+        if where is not None:
+            if tensor.HasField("contents"):
+                raise invalid(f"unexpected 'content' provided when using shared memory for input tensor "
+                              f"'{shown(tensor.name)}' for model '{shown(model)}'")
+            region_inputs.append(RegionInput(tensor.name, datatype, shape, where))
+            continue
         # Triton's front end (server src/grpc/infer_handler.cc InferGRPCToInput) words these three.
         if raw and tensor.HasField("contents"):
             raise invalid(f"contents field must not be specified when using raw_input_contents for "
                           f"'{shown(tensor.name)}' for model '{shown(model)}'")
-        if raw and index < len(raw):
-            data = decode_raw(tensor.name, datatype, shape, raw[index], model)
+        if len(inputs) < len(raw):
+            data = decode_raw(tensor.name, datatype, shape, raw[len(inputs)], model)
         elif tensor.HasField("contents"):
             data = decode_contents(tensor.name, datatype, shape, tensor.contents, model)
         else:
             raise invalid(f"unable to find data for input tensor '{shown(tensor.name)}' for model '{shown(model)}' "
                           "in request.")
         inputs.append(Tensor(tensor.name, datatype, shape, data))
+    output_regions = {o.name: where for o in message.outputs
+                      if (where := shared_memory_slice(o.name, o.parameters)) is not None}
     return InferRequest(
         model_name=message.model_name,
         model_version=message.model_version,
@@ -209,7 +187,52 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
         requested_outputs=tuple(o.name for o in message.outputs) if message.outputs else None,
         parameters={k: parameter_value(v) for k, v in message.parameters.items()},
         class_counts=class_counts(message),
+        region_inputs=tuple(region_inputs),
+        output_regions=output_regions,
     )
+
+
+def _declared(name: str, datatype_name: str, shape: tuple[int, ...]) -> tuple[DataType, tuple[int, ...]]:
+    try:
+        datatype = DataType(datatype_name)
+    except ValueError:
+        raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'") from None
+    try:
+        tensors.check_shape(datatype, shape)
+    except tensors.WireFormatError as exc:
+        raise invalid(f"input '{shown(name)}': {exc}") from None
+    return datatype, shape
+
+
+def in_shared_memory(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> bool:
+    return "shared_memory_region" in tensor.parameters
+
+
+def shared_memory_slice(name: str, parameters: Any) -> RegionSlice | None:
+    """Where a tensor's shared-memory parameters place it, checked as Triton's front end does
+    (server src/grpc/grpc_utils.h ``ParseSharedMemoryParams``); None when it is not in shared memory."""
+    name = shown(name)
+
+    def typed(key: str, kind: str) -> Any:
+        if key not in parameters:
+            return None
+        if parameters[key].WhichOneof("parameter_choice") != kind:
+            raise invalid(f"invalid value type for '{key}' parameter for tensor '{name}', expected {kind}.")
+        return getattr(parameters[key], kind)
+
+    region = typed("shared_memory_region", "string_param")
+    offset = typed("shared_memory_offset", "int64_param")
+    byte_size = typed("shared_memory_byte_size", "int64_param")
+    if region is None:
+        for key, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
+            if value is not None:
+                raise invalid(f"'{key}' can not be specified without 'shared_memory_region' parameter for tensor "
+                              f"'{name}'")
+        return None
+    if byte_size is None:
+        raise invalid(f"'shared_memory_byte_size' must be specified along with 'shared_memory_region' parameter "
+                      f"for tensor '{name}'")
+    return RegionSlice(region, offset or 0, byte_size)
 
 
 def class_counts(message: service_pb2.ModelInferRequest) -> dict[str, int]:
@@ -236,7 +259,18 @@ def infer_response(response: InferResponse) -> service_pb2.ModelInferResponse:
     )
     for tensor in response.outputs:
         message.outputs.add(name=tensor.name, datatype=tensor.datatype.value, shape=tensor.shape)
-        message.raw_output_contents.append(tensors.to_raw(tensor.datatype, tensor.data))
+        # An output written into the client's shared memory keeps its place, empty, as in Triton:
+        # tritonclient finds each output's raw entry by position.
+        in_region = tensor.name in response.in_regions
+        message.raw_output_contents.append(b"" if in_region else tensors.to_raw(tensor.datatype, tensor.data))
+    return message
+
+
+def system_shared_memory_status(regions: list[RegionStatus]) -> service_pb2.SystemSharedMemoryStatusResponse:
+    message = service_pb2.SystemSharedMemoryStatusResponse()
+    for region in regions:
+        entry = message.regions[region.name]
+        entry.name, entry.key, entry.offset, entry.byte_size = region.name, region.key, region.offset, region.byte_size
     return message
 
 

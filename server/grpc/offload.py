@@ -34,6 +34,8 @@ def _request_is_costly(message: service_pb2.ModelInferRequest) -> bool:
     """Judged from the declared shapes (reading an entry's raw content would copy it here)."""
     bytes_elements = data_bytes = 0
     for tensor in message.inputs:
+        if convert.in_shared_memory(tensor):
+            continue  # read in place by the host, never converted here
         count = abs(math.prod(tensor.shape))  # a bad shape is refused in the conversion, wherever it runs
         if tensor.datatype == DataType.BYTES.value:
             bytes_elements += count
@@ -44,7 +46,7 @@ def _request_is_costly(message: service_pb2.ModelInferRequest) -> bool:
 
 def _response_is_costly(response: InferResponse) -> bool:
     bytes_elements = sum(t.data.size for t in response.outputs if t.datatype is DataType.BYTES)
-    data_bytes = sum(t.data.nbytes for t in response.outputs if t.datatype is not DataType.BYTES)
+    data_bytes = sum(t.data.nbytes for t in response.outputs if t.datatype is not DataType.BYTES)  # 0 in shm
     return _costly(bytes_elements, data_bytes)
 
 

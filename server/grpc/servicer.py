@@ -134,16 +134,25 @@ class InferenceServicer:
         await self.core.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
+
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Context
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        return convert.system_shared_memory_status(await self.core.system_shared_memory_status(request.name))
+
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        await self.core.register_system_shared_memory(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        await self.core.unregister_system_shared_memory(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
     # RPCs of extensions Shoal does not implement (yet) answer UNIMPLEMENTED.
-
-    async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        raise unsupported("system shared memory")
-
-    async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        raise unsupported("system shared memory")
-
-    async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        raise unsupported("system shared memory")
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
         raise unsupported("CUDA shared memory")

@@ -171,12 +171,12 @@ def _scan_items(raw: bytes, count: int) -> list[bytes]:
     return items
 
 
-def from_raw(datatype: DataType, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
+def from_raw(datatype: DataType, shape: tuple[int, ...], raw: bytes | memoryview) -> np.ndarray:
     """Decode raw content; the array has the datatype's native numpy dtype and ``shape``."""
     check_shape(datatype, shape)
     count = math.prod(shape)
     if datatype is DataType.BYTES:
-        return deserialize_bytes(raw, count).reshape(shape)
+        return deserialize_bytes(bytes(raw), count).reshape(shape)  # no copy when ``raw`` is bytes already
     expected = count * datatype.item_size
     if len(raw) != expected:
         raise ByteSizeMismatch(datatype, shape, expected, len(raw))
