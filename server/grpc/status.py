@@ -28,10 +28,22 @@ STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
 }
 
 
+SHUTTING_DOWN = "the server is shutting down"
+
+
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Status and a bounded message for any exception; unexpected ones are logged once with traceback."""
+    """Status and a bounded message for any exception; unexpected ones are logged once with traceback.
+
+    grpc's own errors (``grpc.aio.BaseError``) that reach a handler come from reading its requests:
+    the server stopped under the RPC (``Server already stopped.``: a stream still sending as the
+    server shuts down) or the RPC is already over. That is UNAVAILABLE, as Triton's clients expect of
+    a server going away, and no server error.
+    """
     if isinstance(exc, ShoalError):
         return STATUS_BY_CODE[exc.code], bounded(exc.message)
+    if isinstance(exc, grpc.aio.BaseError) and not isinstance(exc, grpc.aio.AbortError):
+        logger.debug("an RPC ended as grpc stopped serving it: %s: %s", type(exc).__name__, exc)
+        return grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN
     logger.error("unexpected error while serving an RPC", exc_info=exc)
     return grpc.StatusCode.INTERNAL, bounded(wire_names(f"internal error: {type(exc).__name__}: {exc}"))
 
