@@ -14,7 +14,7 @@ from shoal.grpc import reflection
 from shoal.grpc.health import HealthReporter
 from shoal.grpc.restrict import CATEGORIES, restricted
 from shoal.grpc.servicer import InferenceServicer
-from shoal.grpc.status import guard_stream, guard_unary
+from shoal.grpc.status import guard_stream, guard_unary, quiet_answers_not_sent
 from shoal.protocol import METHODS, SERVICE_NAME
 from shoal.settings import GrpcLimits, Restriction, TlsSettings
 
@@ -86,6 +86,7 @@ def build_server(
         # longer floods the queue of calls waiting for the server, which cancels other
         # connections' calls when it overflows (bench/rapid_reset.py).
         options.append(("grpc.max_concurrent_streams", limits.max_concurrent_streams))
+    quiet_answers_not_sent()  # a client that leaves as it is answered is no server error
     server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers((
         grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(servicer, limits.restrictions)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -27,12 +28,59 @@ STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
 }
 
 
+SHUTTING_DOWN = "the server is shutting down"
+
+
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Status and a bounded message for any exception; unexpected ones are logged once with traceback."""
+    """Status and a bounded message for any exception; unexpected ones are logged once with traceback.
+
+    grpc's own errors (``grpc.aio.BaseError``) that reach a handler come from reading its requests:
+    the server stopped under the RPC (``Server already stopped.``: a stream still sending as the
+    server shuts down) or the RPC is already over. That is UNAVAILABLE, as Triton's clients expect of
+    a server going away, and no server error.
+    """
     if isinstance(exc, ShoalError):
         return STATUS_BY_CODE[exc.code], bounded(exc.message)
+    if isinstance(exc, grpc.aio.BaseError) and not isinstance(exc, grpc.aio.AbortError):
+        logger.debug("an RPC ended as grpc stopped serving it: %s: %s", type(exc).__name__, exc)
+        return grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN
     logger.error("unexpected error while serving an RPC", exc_info=exc)
     return grpc.StatusCode.INTERNAL, bounded(wire_names(f"internal error: {type(exc).__name__}: {exc}"))
+
+
+# grpc's aio server logs here, among others, an answer it failed to send.
+GRPC_SERVER_LOGGER = "grpc._cython.cygrpc"
+_NOT_SENT = re.compile(r"ExecuteBatchError raised in core by servicer method \[(?P<method>[^\]]*)\]")
+
+
+class AnswerNotSentFilter(logging.Filter):
+    """One debug line instead of grpc's traceback for an answer the client was no longer there to take.
+
+    When a client cancels, its deadline passes or its connection closes, grpc's aio server cancels
+    the RPC quietly (a debug line, "RPC cancelled"), but only once it has seen the cancellation: an
+    answer (a response, an error status, a stream message) sent in the moment before fails in grpc
+    core, and grpc logs that ``ExecuteBatchError`` at ERROR with a traceback (``_handle_exceptions``
+    in its ``aio/server.pyx.pxi``). About one cancelled call in a few hundred hit that window, more on
+    a loaded host. Nothing was wrong on the server's side, so such a record becomes the debug line.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        found = _NOT_SENT.fullmatch(record.getMessage())
+        if found is None or type(error).__name__ != "ExecuteBatchError":
+            return True
+        record.msg, record.args = "%s: the answer was not sent: the client cancelled, its deadline passed or it " \
+                                  "disconnected", (found["method"],)
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        record.exc_info, record.exc_text = None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def quiet_answers_not_sent() -> None:
+    """Install ``AnswerNotSentFilter`` on grpc's server logger (once per process)."""
+    grpc_logger = logging.getLogger(GRPC_SERVER_LOGGER)
+    if not any(isinstance(f, AnswerNotSentFilter) for f in grpc_logger.filters):
+        grpc_logger.addFilter(AnswerNotSentFilter())
 
 
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
