@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+from shoal.core import messages
 from shoal.core.host import CoreHost
 from shoal.core.local import LocalCore
 from shoal.dataplane.arena import Arena
@@ -61,7 +62,7 @@ class WorkerSupervisor:
     def notify_health(self) -> None:
         """Model or server state changed: each worker reads health again."""
         for worker in self.workers.values():
-            worker.host.send(("health",))
+            worker.host.send((messages.HEALTH,))
 
     @property
     def pids(self) -> list[int]:
@@ -71,7 +72,7 @@ class WorkerSupervisor:
         """Stop every worker (open RPCs get ``grace_s``); kill those still running at ``deadline``."""
         self._stopping = True
         for worker in self.workers.values():
-            worker.host.send(("stop", grace_s))
+            worker.host.send((messages.STOP, grace_s))
         waits = [asyncio.create_task(w.process.wait()) for w in self.workers.values()]
         if waits:
             await asyncio.wait(waits, timeout=max(0.1, deadline - time.monotonic()))

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 _CONFIG_LENGTH = struct.Struct("<I")
 _PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_S = 1.0  # for the RPCs grpc cancels as it stops
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,11 @@ async def serve(sock: socket.socket, config: WorkerConfig) -> int:
     await server.stop(grace=grace_s[0])
     for task in (host_gone, stopping, *background):
         task.cancel()
+    # grpc cancels the RPCs still open (health Watch streams) as it stops; let them end here, or
+    # asyncio.run would cancel them again on the way out and grpc logs each as an unhandled error.
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=STOP_TIMEOUT_S)
     return 0
 
 

@@ -158,7 +158,7 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
     region_inputs: list[RegionInput] = []
     for tensor in message.inputs:
         datatype, shape = _declared(tensor.name, tensor.datatype, tuple(tensor.shape))
-        where = shared_memory_slice(tensor.name, tensor.parameters)
+        where = shared_memory_slice(tensor.name, tensor.parameters) if tensor.parameters else None
         if where is not None:
             if tensor.HasField("contents"):
                 raise invalid(f"unexpected 'content' provided when using shared memory for input tensor "
@@ -178,7 +178,7 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
                           "in request.")
         inputs.append(Tensor(tensor.name, datatype, shape, data))
     output_regions = {o.name: where for o in message.outputs
-                      if (where := shared_memory_slice(o.name, o.parameters)) is not None}
+                      if o.parameters and (where := shared_memory_slice(o.name, o.parameters)) is not None}
     return InferRequest(
         model_name=message.model_name,
         model_version=message.model_version,
