@@ -111,7 +111,7 @@ class FrontEnd(Protocol):
 
     def health_changed(self) -> None: ...
 
-    async def health_synced(self) -> None: ...  # health reflects the core's state when this returns
+    async def health_synced(self) -> None: ...  # health is being brought in line with the core's state
 
     async def stop(self, grace_s: float, deadline: float) -> None: ...
 
@@ -161,6 +161,10 @@ class WorkerFrontEnd:
         self.supervisor = WorkerSupervisor(core, settings, log_format)
 
     async def start(self) -> int:
+        settings = self.supervisor.settings
+        # Checked again now that the models are loaded: the workers bind with SO_REUSEPORT, so a
+        # server that took the port meanwhile would otherwise share it silently.
+        refuse_used_port("gRPC", settings.grpc_address, settings.grpc_port, settings.grpc.reuse_port)
         port = await self.supervisor.start()
         logger.info("Started GRPCInferenceService at %s:%d in %d front-end worker processes",
                     self.supervisor.settings.grpc_address, port, len(self.supervisor.workers))
@@ -181,7 +185,13 @@ class WorkerFrontEnd:
 
 def force_exit(core: LocalCore, front: FrontEnd, timeout_s: float) -> None:
     """The exit timeout has passed: kill the worker processes and leave at once with EXIT_FORCED."""
-    front.kill()
+    try:
+        front.kill()
+    finally:
+        _kill_children_and_exit(core, timeout_s)
+
+
+def _kill_children_and_exit(core: LocalCore, timeout_s: float) -> None:
     children = multiprocessing.active_children()
     logger.error("exit timeout of %.0f s passed with %d requests in flight: killing %d worker processes, "
                  "exiting with code %d", timeout_s, core.in_flight, len(children), EXIT_FORCED)

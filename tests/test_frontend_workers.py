@@ -213,3 +213,45 @@ def test_a_full_pool_answers_unavailable_and_the_worker_keeps_serving(tmp_path: 
                                           np.arange(1000, dtype=np.uint8))
     finally:
         assert server.stop() == 0
+
+
+def test_a_request_cancelled_before_the_host_starts_it_is_still_answered() -> None:
+    """INFER and CANCEL read in one go: the task is cancelled before its first step, and the worker
+    still gets the one answer that lets it free the request's input block."""
+    import asyncio
+    import socket
+
+    from shoal.core import messages
+    from shoal.core.host import CoreHost
+    from shoal.dataplane.arena import Arena
+    from shoal.dataplane.channel import Channel
+
+    class LiveCore:
+        async def live(self) -> bool:
+            return True
+
+    async def scenario() -> list[tuple[object, ...]]:
+        host_end, worker_end = socket.socketpair()
+        answers: list[tuple[object, ...]] = []
+        both_answered = asyncio.Event()
+
+        def received(message: tuple[object, ...]) -> None:
+            answers.append(message)
+            if {a[1] for a in answers} == {1, 2}:
+                both_answered.set()
+
+        requests, responses = Arena.create("t-requests", 1 << 16), Arena.create("t-responses", 1 << 16)
+        host = CoreHost(LiveCore(), requests, responses)  # type: ignore[arg-type]
+        await host.connect(host_end)
+        worker = await Channel.open(worker_end, received, lambda: None)
+        header = ("m", "", "", None, {}, {}, (), {})
+        worker.send((messages.INFER, 1, header, []))  # both go out in one write
+        worker.send((messages.CANCEL, 1))
+        worker.send((messages.CALL, 2, "live", ()))  # the channel still serves after the cancel
+        await asyncio.wait_for(both_answered.wait(), 10)
+        host.close()
+        worker.close()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert sorted((a[1], a[0]) for a in answers) == [(1, messages.ERROR), (2, messages.RESULT)]

@@ -240,3 +240,26 @@ def test_registration_is_restricted_and_bounded(server_factory, tmp_path: Path, 
     assert server.stop() == 0
     assert Path("/dev/shm", key.lstrip("/")).exists()  # the client's segment: the server never unlinks it
     assert os.stat(Path("/dev/shm", key.lstrip("/"))).st_size == 128 << 10
+
+
+def test_a_segment_truncated_after_registration_fails_only_that_request(
+    client: grpcclient.InferenceServerClient, regions, example_server: RunningServer
+) -> None:
+    """A mapped page past a shrunk segment's end would kill the server (SIGBUS): it reads with preadv."""
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    name, handle = registered(client, regions, a)
+    key = f"/{name.replace('region_', 'shoal_test_')}"  # as the regions fixture names them
+    os.truncate(Path("/dev/shm") / key.lstrip("/"), 0)
+    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_shared_memory(name, 64)
+    inputs[1].set_data_from_numpy(a)
+    expect_error("INTERNAL", f"shared memory region '{name}' is smaller than when it was registered",
+                 lambda: client.infer("simple", inputs))
+    inputs[0].set_data_from_numpy(a)
+    np.testing.assert_array_equal(client.infer("simple", inputs).as_numpy("OUTPUT0"), a + a)
+    assert example_server.process.poll() is None
+
+
+def test_an_unnamed_region_is_refused(client: grpcclient.InferenceServerClient, regions) -> None:
+    _, key, _ = regions(64)
+    expect_error("INVALID_ARGUMENT", "needs a name", lambda: client.register_system_shared_memory("", key, 64))

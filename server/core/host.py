@@ -76,19 +76,33 @@ class CoreHost:
     def _start(self, request_id: int, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks[request_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
+        task.add_done_callback(lambda done: self._finished(request_id, done))
+
+    def _finished(self, request_id: int, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(request_id, None)
+        if task.cancelled():
+            # Cancelled before its first step (INFER and CANCEL read together): the coroutine never
+            # ran its own handler, and the worker still waits for the answer that frees its block.
+            self._failed(request_id, asyncio.CancelledError())
 
     async def _infer(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> None:
         name, version, client_id, requested, parameters, class_counts, region_inputs, output_regions = header
         try:
-            request = InferRequest(name, version, client_id, tensors.unpack(self.requests, slots), requested,
-                                   parameters, class_counts, region_inputs, output_regions)
+            if tensors.costly(slots):  # many BYTES to decode: off the loop
+                inputs = await asyncio.to_thread(tensors.unpack, self.requests, slots)
+            else:
+                inputs = tensors.unpack(self.requests, slots)
+            request = InferRequest(name, version, client_id, inputs, requested, parameters, class_counts,
+                                   region_inputs, output_regions)
             response = await self.core.infer(request)
             in_regions = [(index, t.name, t.datatype.value, t.shape) for index, t in enumerate(response.outputs)
                           if t.name in response.in_regions]  # written into the client's memory: no bytes to move
+            moved = [t for t in response.outputs if t.name not in response.in_regions]
             try:
-                block, out = tensors.pack(self.responses, self._allocator,
-                                          [t for t in response.outputs if t.name not in response.in_regions])
+                if tensors.costly(moved):
+                    block, out = await asyncio.to_thread(tensors.pack, self.responses, self._allocator, moved)
+                else:
+                    block, out = tensors.pack(self.responses, self._allocator, moved)
             except PoolFull as exc:
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"the response does not fit: it {exc}") from None
         except BaseException as exc:  # noqa: BLE001 - every request gets its one answer

@@ -97,11 +97,14 @@ class LocalCore:
         try:
             served = self.manager.resolve(request.model_name, request.model_version)
             if request.region_inputs:
-                request = shared_memory.with_region_inputs(self.regions, request)
+                if shared_memory.costly(request):
+                    request = await asyncio.to_thread(shared_memory.with_region_inputs, self.regions, request)
+                else:
+                    request = shared_memory.with_region_inputs(self.regions, request)
             if not request.output_regions:
                 return await served.infer(request)
-            shared_memory.check_output_regions(self.regions, request)
-            return shared_memory.write_region_outputs(self.regions, request, await served.infer(request))
+            windows = shared_memory.output_windows(self.regions, request)
+            return shared_memory.write_region_outputs(windows, await served.infer(request))
         finally:
             self._in_flight -= 1
             if not self._in_flight:
@@ -144,10 +147,6 @@ class LocalCore:
                           served.scheduler.queued, len(served.pool.instances))
             for served in self.manager.statistics(name, version)
         ]
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting
 
     @property
     def in_flight(self) -> int:

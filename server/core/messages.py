@@ -16,8 +16,11 @@ Host → worker::
     (HEALTH,)                         model or server state changed: read health again
     (STOP, grace_s)                   stop serving, finish what is open within ``grace_s``
 
-Every INFER gets exactly one INFERRED or ERROR, cancelled or not: only then may the worker reuse
-the input block, because only then is the host done reading it.
+Every INFER and CALL gets exactly one INFERRED, RESULT or ERROR, cancelled or not, and the worker
+reuses an input block only after that answer. For a request that finished, the host is done with
+its inputs then. For one cancelled while its batch executes, the answer comes at the cancel and the
+instance may still read the block while the worker reuses it: that execution's results are
+discarded, so no client sees them (the memory stays mapped either way).
 """
 
 from __future__ import annotations

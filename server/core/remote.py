@@ -51,6 +51,7 @@ class RemoteCore:
         self._pending: dict[int, tuple[asyncio.Future[Any], int]] = {}  # id -> (answer, input block)
         self._freed: list[int] = []  # response blocks to give back
         self._flush_timer: asyncio.TimerHandle | None = None
+        self._decoding: set[asyncio.Task[None]] = set()  # costly answers being decoded off the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._channel: Channel | None = None
@@ -95,13 +96,16 @@ class RemoteCore:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         try:
-            block, slots = tensors.pack(self.requests, self._allocator, request.inputs)
+            if tensors.costly(request.inputs):
+                block, slots = await asyncio.to_thread(tensors.pack, self.requests, self._allocator, request.inputs)
+            else:
+                block, slots = tensors.pack(self.requests, self._allocator, request.inputs)
         except PoolFull as exc:
-            raise ShoalError(
-                ErrorCode.UNAVAILABLE,
-                f"the front-end worker's shared-memory pool is full: the request {exc}; "
-                "retry later, or start the server with a larger --grpc-worker-pool-mb",
-            ) from None
+            advice = ("it can never fit: start the server with a larger --grpc-worker-pool-mb"
+                      if exc.wanted > exc.capacity else "retry later, or start the server with a larger "
+                      "--grpc-worker-pool-mb")
+            message = f"the front-end worker's shared-memory pool is full: the request {exc}; {advice}"
+            raise ShoalError(ErrorCode.UNAVAILABLE, message) from None
         header = (request.model_name, request.model_version, request.id, request.requested_outputs,
                   request.parameters, request.class_counts, request.region_inputs, request.output_regions)
         response: InferResponse = await self._send(messages.INFER, (header, slots), block)
@@ -183,11 +187,27 @@ class RemoteCore:
         if answer.done():  # cancelled meanwhile: nobody reads the outputs
             self._release(block)
             return
+        if tensors.costly(slots):  # decoding many BYTES: on a worker thread, the loop keeps serving
+            assert self._loop is not None
+            task = self._loop.create_task(asyncio.to_thread(self._inferred_now, answer, header, block, slots,
+                                                            in_regions))
+            self._decoding.add(task)
+            task.add_done_callback(self._decoding.discard)
+            return
+        self._inferred_now(answer, header, block, slots, in_regions)
+
+    def _inferred_now(self, answer: asyncio.Future[Any], header: tuple[str, str, str], block: int,
+                      slots: list[tensors.Slot], in_regions: list[tuple[int, str, str, tuple[int, ...]]]) -> None:
         outputs = list(tensors.unpack(self.responses, slots, lambda: self._release(block)))
         for index, name, datatype_name, shape in in_regions:  # in the client's shared memory: no data here
             datatype = DataType(datatype_name)
             outputs.insert(index, Tensor(name, datatype, shape, np.empty(0, datatype.numpy_dtype)))
-        answer.set_result(InferResponse(*header, tuple(outputs), frozenset(r[1] for r in in_regions)))
+        response = InferResponse(*header, tuple(outputs), frozenset(r[1] for r in in_regions))
+        if threading.get_ident() == self._loop_thread:
+            _resolve(answer, response)
+        else:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(_resolve, answer, response)
 
     def _free_input(self, block: int) -> None:
         if block != tensors.NO_BLOCK:
@@ -218,3 +238,8 @@ class RemoteCore:
                 answer.set_exception(ShoalError(ErrorCode.UNAVAILABLE, HOST_GONE))
         self._pending.clear()
         self.closed.set()
+
+
+def _resolve(answer: asyncio.Future[Any], response: InferResponse) -> None:
+    if not answer.done():  # the caller may have been cancelled while the outputs were decoded
+        answer.set_result(response)

@@ -1,9 +1,9 @@
 """Requests with tensors in registered shared-memory regions, in the process that holds the models.
 
 The transports only parse where a tensor lives (``RegionInput``, ``RegionSlice``); the host
-resolves the region here. Inputs are read in place (numpy views of the client's mapping, BYTES
-decoded); outputs are encoded and written into the client's region once the request is answered,
-and the response carries them with no data (``InferResponse.in_regions``). An unknown region, an
+resolves the region here. Inputs are read from the client's segment (one copy, ``Window.read``;
+BYTES decoded); outputs are encoded and written into it once the request is answered, and the
+response carries them with no data (``InferResponse.in_regions``). An unknown region, an
 out-of-range window, a size that does not match the shape and an output region too small get
 Triton's messages and codes.
 """
@@ -11,13 +11,15 @@ Triton's messages and codes.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 from shoal.core.wire import decode_raw
-from shoal.dataplane.regions import RegionRegistry
+from shoal.dataplane.regions import RegionRegistry, Window
 from shoal.errors import ErrorCode, ShoalError, shown
 from shoal.protocol import tensors as wire
+from shoal.protocol.types import DataType
 from shoal.types import InferRequest, InferResponse, Tensor
 
 
@@ -26,31 +28,37 @@ def with_region_inputs(registry: RegionRegistry, request: InferRequest) -> Infer
     read = []
     for source in request.region_inputs:
         window = registry.window(source.where.region, source.where.offset, source.where.byte_size)
-        data = decode_raw(source.name, source.datatype, source.shape, window.toreadonly(), request.model_name)
+        data = decode_raw(source.name, source.datatype, source.shape, window.read().data, request.model_name)
         read.append(Tensor(source.name, source.datatype, source.shape, data))
     return dataclasses.replace(request, inputs=(*request.inputs, *read), region_inputs=())
 
 
-def check_output_regions(registry: RegionRegistry, request: InferRequest) -> None:
-    """Fail before running the model when an output's region or window does not exist."""
-    for where in request.output_regions.values():
-        registry.window(where.region, where.offset, where.byte_size)
+def output_windows(registry: RegionRegistry, request: InferRequest) -> dict[str, Window]:
+    """Where each output goes, located before the model runs: a bad region fails the request at once,
+    and one unregistered meanwhile is still written (the window holds the segment open)."""
+    return {name: registry.window(where.region, where.offset, where.byte_size)
+            for name, where in request.output_regions.items()}
 
 
-def write_region_outputs(registry: RegionRegistry, request: InferRequest, response: InferResponse) -> InferResponse:
-    """Write the outputs the request wants in shared memory there; they stay in the response without data."""
+def write_region_outputs(windows: dict[str, Window], response: InferResponse) -> InferResponse:
+    """Write the outputs that go to shared memory there; they stay in the response without data."""
     outputs = []
     for tensor in response.outputs:
-        where = request.output_regions.get(tensor.name)
-        if where is None:
+        window = windows.get(tensor.name)
+        if window is None:
             outputs.append(tensor)
             continue
         raw = wire.to_raw(tensor.datatype, tensor.data)
-        if len(raw) > where.byte_size:
+        if len(raw) > window.byte_size:
             raise ShoalError(ErrorCode.INTERNAL, (
                 f"shared memory size specified with the request for output '{shown(tensor.name)}' "
-                f"({where.byte_size} bytes) should be at least {len(raw)} bytes to hold the results"))
-        registry.window(where.region, where.offset, where.byte_size)[: len(raw)] = raw
+                f"({window.byte_size} bytes) should be at least {len(raw)} bytes to hold the results"))
+        window.write(raw)
         outputs.append(Tensor(tensor.name, tensor.datatype, tensor.shape, np.empty(0, tensor.data.dtype)))
     return dataclasses.replace(response, outputs=tuple(outputs),
-                               in_regions=frozenset(request.output_regions) & {t.name for t in outputs})
+                               in_regions=frozenset(windows) & {t.name for t in outputs})
+
+
+def costly(request: InferRequest) -> bool:
+    """Region inputs with many BYTES elements: decoded off the event loop."""
+    return sum(math.prod(r.shape) for r in request.region_inputs if r.datatype is DataType.BYTES) > 16_384

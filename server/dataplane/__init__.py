@@ -2,6 +2,6 @@
 
 ``arena``: a memfd-backed area and the allocator its owner uses; ``tensors``: tensors packed into
 a block and read back as numpy views; ``channel``: length-prefixed control messages over a
-socketpair. Front-end workers and process instances use it; the shared-memory extensions are
-meant to use the same pieces.
+socketpair (front-end workers and process instances use these); ``regions``: the segments clients
+register through Triton's shared-memory extension.
 """

@@ -1,8 +1,9 @@
 """Shared memory as one ``memfd`` per direction: nothing named, nothing left in /dev/shm.
 
 An ``Arena`` is created by one process (``Arena.create``), which allocates blocks in it with its
-``BlockAllocator``; the other process maps the same file descriptor (inherited, see
-``subprocess.Popen(pass_fds=...)``) and only reads and writes the blocks it is told about. The
+``BlockAllocator``; the other process maps the same file descriptor (inherited through
+``subprocess``'s ``pass_fds`` by front-end workers, sent over a pipe to process instances) and
+only reads and writes the blocks it is told about. The
 kernel frees the memory when the last process holding a mapping or descriptor exits, SIGKILL
 included, so a crash leaks nothing.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import threading
 
 ALIGNMENT = 64  # bytes: every block starts on a cache line, so any dtype's view is aligned
 RELEASE_BYTES = 1 << 20  # freed blocks at least this big give their pages back to the kernel...
@@ -54,7 +56,8 @@ class Arena:
             self.map.madvise(mmap.MADV_REMOVE, start, end - start)
 
     def close_fd(self) -> None:
-        """The mapping stays; only the descriptor goes (once the other process has its own)."""
+        """The mapping stays (mmap keeps a descriptor of its own); this one goes, once the other
+        process has its copy."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -72,7 +75,8 @@ class BlockAllocator:
     """First-fit blocks in ``[0, capacity)``, freed in any order and merged with free neighbours.
 
     The free list stays short (blocks are small and short-lived, and freeing merges), so a scan
-    costs little; only the arena's owner allocates, on its event loop thread.
+    costs little. Only the arena's owner allocates, mostly on its event loop thread, and on a worker
+    thread when a message is costly to pack (``tensors.costly``): a lock keeps the two apart.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -81,10 +85,15 @@ class BlockAllocator:
         self._free_sizes = {0: capacity}
         self._used: dict[int, int] = {}
         self.free_bytes = capacity
+        self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> int:
         """The offset of a block of at least ``nbytes``; ``PoolFull`` if none is free."""
         size = max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+        with self._lock:
+            return self._take(size, nbytes)
+
+    def _take(self, size: int, nbytes: int) -> int:
         for index, start in enumerate(self._free_starts):
             available = self._free_sizes[start]
             if available < size:
@@ -102,6 +111,10 @@ class BlockAllocator:
 
     def free(self, offset: int) -> int:
         """Free the block at ``offset``; returns its size."""
+        with self._lock:
+            return self._give_back(offset)
+
+    def _give_back(self, offset: int) -> int:
         size = self._used.pop(offset)
         self.free_bytes += size
         index = bisect.bisect(self._free_starts, offset)
@@ -119,6 +132,3 @@ class BlockAllocator:
         self._free_sizes[start] = end - start
         return size
 
-    @property
-    def blocks_in_use(self) -> int:
-        return len(self._used)

@@ -1,30 +1,36 @@
 """Shared-memory regions that clients register: Triton's system shared-memory extension.
 
 A client creates a POSIX shared-memory segment (``tritonclient.utils.shared_memory``) and
-registers a window of it by name, key, offset and size. The server maps that window read/write
-and reads inputs from it and writes outputs into it in place, with no tensor bytes on the wire.
+registers a window of it by name, key, offset and size. The server keeps the segment open and
+reads inputs from it and writes outputs into it with ``preadv``/``pwrite``: one copy each way, no
+tensor bytes on the wire. Not a mapping, on purpose: a client can shrink its segment at any time,
+and touching a mapped page past the new end kills the whole server with SIGBUS; a read or write
+of the descriptor just comes up short, which is an error for that one request.
 
 What the server opens is only what the key names: a segment in /dev/shm, opened the way
 ``shm_open`` does (the key's one leading ``/`` dropped, no other ``/``, never a symlink, only a
 regular file). It never unlinks a segment (the client created it) and never uses
 ``multiprocessing.shared_memory``, whose resource tracker would unlink the client's segment when
-the server exits. Unregistering drops the mapping from the registry; a request still reading or
-writing it keeps the mapping alive until it is done (numpy views hold it), so it never touches
-unmapped memory. Messages and status codes are Triton's (server src/shared_memory_manager.cc).
+the server exits. Unregistering drops the region from the registry; a request that located it
+before keeps its descriptor open until it is done, so it never reads or writes another file.
+Messages and status codes are Triton's (server src/shared_memory_manager.cc).
 """
 
 from __future__ import annotations
 
-import mmap
+import io
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from shoal.errors import ErrorCode, ShoalError, shown
 
 SHM_FOLDER = Path("/dev/shm")
 MAX_KEY_CHARS = 255  # NAME_MAX
+MAX_REGIONS = 1024  # each holds a descriptor open: a bound on what clients can make the server hold
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,35 @@ class RegionStatus:
 @dataclass(frozen=True)
 class _Region:
     status: RegionStatus
-    map: mmap.mmap  # the segment from 0 to offset + byte_size
+    file: io.FileIO  # the segment, open read/write; closed when the last user lets go
+
+
+@dataclass(frozen=True)
+class Window:
+    """``byte_size`` bytes of a region, from ``position`` in its segment; holds the segment open."""
+
+    name: str
+    file: io.FileIO
+    position: int
+    byte_size: int
+
+    def read(self) -> np.ndarray:
+        """A private copy of the window's bytes (uint8)."""
+        data = np.empty(self.byte_size, np.uint8)
+        if self.byte_size and os.preadv(self.file.fileno(), [data.data], self.position) != self.byte_size:
+            raise _shrunk(self.name)
+        return data
+
+    def write(self, data: bytes) -> None:
+        if len(data) > self.byte_size:
+            raise ValueError("the data is larger than the window")
+        if data and os.pwrite(self.file.fileno(), data, self.position) != len(data):
+            raise _shrunk(self.name)
+
+
+def _shrunk(name: str) -> ShoalError:
+    return ShoalError(ErrorCode.INTERNAL, f"shared memory region '{shown(name)}' is smaller than when it was "
+                      "registered (its segment was truncated)")
 
 
 class RegionRegistry:
@@ -53,25 +87,26 @@ class RegionRegistry:
         return sum(r.status.byte_size for r in self._regions.values())
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if not name:
+            raise ShoalError(ErrorCode.INVALID_ARGUMENT, "a shared memory region needs a name ('' means every region)")
         if name in self._regions:
             raise ShoalError(ErrorCode.ALREADY_EXISTS, f"shared memory region '{shown(name)}' already in manager")
         if byte_size <= 0 or offset < 0:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
                              "unable to process address spaceInvalid argument")
+        if len(self._regions) >= MAX_REGIONS:
+            raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
+                             f"{MAX_REGIONS} regions are registered already, the most this server holds")
         if self.total_bytes + byte_size > self.max_total_bytes:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, (
                 f"failed to register shared memory region '{shown(name)}': {byte_size} more bytes would pass the "
                 f"server's limit of {self.max_total_bytes} registered bytes (--shared-memory-max-mb)"))
-        fd = _open_segment(key)
-        try:
-            size = os.fstat(fd).st_size
-            if offset + byte_size > size:
-                raise ShoalError(ErrorCode.INVALID_ARGUMENT,
-                                 f"failed to register shared memory region '{shown(name)}': invalid args")
-            mapping = mmap.mmap(fd, offset + byte_size)
-        finally:
-            os.close(fd)
-        self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), mapping)
+        segment = io.FileIO(_open_segment(key), "r+", closefd=True)
+        if offset + byte_size > os.fstat(segment.fileno()).st_size:
+            segment.close()
+            raise ShoalError(ErrorCode.INVALID_ARGUMENT,
+                             f"failed to register shared memory region '{shown(name)}': invalid args")
+        self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), segment)
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` (every region when ``""``); an unknown name is not an error, as in Triton."""
@@ -88,8 +123,8 @@ class RegionRegistry:
             raise ShoalError(ErrorCode.NOT_FOUND, f"Unable to find system shared memory region: '{shown(name)}'")
         return [region.status]
 
-    def window(self, name: str, offset: int, byte_size: int) -> memoryview:
-        """``byte_size`` bytes at ``offset`` in the region (read/write); the view keeps the mapping alive."""
+    def window(self, name: str, offset: int, byte_size: int) -> Window:
+        """``byte_size`` bytes at ``offset`` in the region; checked against what was registered."""
         region = self._regions.get(name)
         if region is None:
             raise ShoalError(ErrorCode.NOT_FOUND, f"Unable to find shared memory region: '{shown(name)}'")
@@ -99,8 +134,7 @@ class RegionRegistry:
         if byte_size < 0 or offset + byte_size > available:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT,
                              f"Invalid offset + byte size for shared memory region: '{shown(name)}'")
-        start = region.status.offset + offset
-        return memoryview(region.map)[start : start + byte_size]
+        return Window(name, region.file, region.status.offset + offset, byte_size)
 
     def close(self) -> None:
         self._regions.clear()

@@ -26,6 +26,20 @@ from shoal.types import Tensor
 
 Slot: TypeAlias = tuple[str, str, tuple[int, ...], int, int]
 NO_BLOCK = -1  # a message whose tensors hold no bytes at all needs no block
+# Past this many BYTES elements, packing or unpacking a message is Python work per element (ms):
+# callers do it on a worker thread, off their event loop (``costly``).
+OFF_LOOP_BYTES_ELEMENTS = 16_384
+
+
+def costly(tensors_or_slots: Sequence[Tensor] | Sequence[Slot]) -> bool:
+    """True when (un)packing these means encoding or decoding many BYTES elements."""
+    elements = 0
+    for item in tensors_or_slots:
+        if isinstance(item, Tensor):
+            elements += item.data.size if item.datatype is DataType.BYTES else 0
+        elif item[1] == DataType.BYTES.value:
+            elements += math.prod(item[2])
+    return elements > OFF_LOOP_BYTES_ELEMENTS
 
 
 def _payload(tensor: Tensor) -> np.ndarray | bytes:

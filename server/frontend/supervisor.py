@@ -64,10 +64,6 @@ class WorkerSupervisor:
         for worker in self.workers.values():
             worker.host.send((messages.HEALTH,))
 
-    @property
-    def pids(self) -> list[int]:
-        return [w.process.pid for w in self.workers.values()]
-
     async def stop(self, grace_s: float, deadline: float) -> None:
         """Stop every worker (open RPCs get ``grace_s``); kill those still running at ``deadline``."""
         self._stopping = True
@@ -84,7 +80,7 @@ class WorkerSupervisor:
 
     def kill(self) -> None:
         """SIGKILL every worker still running (the forced exit)."""
-        for worker in self.workers.values():
+        for worker in list(self.workers.values()):  # also called from the watchdog thread
             if worker.process.returncode is None:
                 try:
                     os.kill(worker.process.pid, signal.SIGKILL)
@@ -98,7 +94,8 @@ class WorkerSupervisor:
         host_end, worker_end = socket.socketpair()
         try:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "shoal.frontend", str(worker_end.fileno()),
+                # -P: no working directory on sys.path (a stray ssl.py there must not shadow a module)
+                sys.executable, "-P", "-m", "shoal.frontend", str(worker_end.fileno()),
                 pass_fds=(worker_end.fileno(), requests.fd, responses.fd),
             )
         finally:
@@ -154,6 +151,6 @@ class WorkerSupervisor:
             try:
                 await self._start_worker(worker.index)
                 return
-            except StartupError as exc:
+            except Exception as exc:  # noqa: BLE001 - out of descriptors or memory: keep trying, never give up silently
                 logger.error("front-end worker %d could not start again: %s", worker.index, exc)
                 await asyncio.sleep(RESTART_BACKOFF_S)

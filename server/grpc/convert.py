@@ -149,10 +149,10 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
     """The request; ``raw_input_contents`` line up, in order, with the inputs not in shared memory."""
     raw = list(message.raw_input_contents)  # each read of an entry copies it out of the message: once
     model = message.model_name
-    if len(raw) > len(message.inputs):
-        raise invalid(
-            f"expected {len(message.inputs)} raw_input_contents entries (one per input), got {len(raw)}"
-        )
+    inline = sum(1 for tensor in message.inputs if not tensor.parameters or not in_shared_memory(tensor))
+    if len(raw) > inline:
+        raise invalid(f"expected {inline} raw_input_contents entries (one per input not in shared memory), "
+                      f"got {len(raw)}")
     check_bytes_cost(message, raw)
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
