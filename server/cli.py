@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-worker-pool-mb", type=float, default=1024.0,
                        help="shared memory per front-end worker and direction, which bounds the tensor bytes it "
                             "has in flight (default 1024)")
+    serve.add_argument("--grpc-worker-liveness-secs", type=float, default=5.0,
+                       help="ping each front-end worker this often; one that does not answer in time (stopped, "
+                            "hung) is killed and started again (default 5; 0 = off)")
     serve.add_argument("--shared-memory-max-mb", type=float, default=65536.0,
                        help="the most shared memory clients may register in all, in MiB (default 65536); "
                             "registering maps it, the memory stays the client's")
@@ -201,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model needs --model-control-mode explicit")
     if not (args.repository_poll_secs > 0 and args.grpc_max_message_mb > 0 and args.grpc_worker_pool_mb >= 1
-            and args.shared_memory_max_mb >= 0):
+            and args.shared_memory_max_mb >= 0 and args.grpc_worker_liveness_secs >= 0):
         parser.error("--repository-poll-secs and --grpc-max-message-mb must be positive, "
-                     "--grpc-worker-pool-mb at least 1, --shared-memory-max-mb at least 0")
+                     "--grpc-worker-pool-mb at least 1, --shared-memory-max-mb and --grpc-worker-liveness-secs "
+                     "at least 0")
     logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO, format=LOG_FORMAT)
     if not args.model_repository.is_dir():
         print(f"shoal: error: model repository {args.model_repository} is not a folder", file=sys.stderr)
@@ -232,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_workers=args.grpc_workers,
         grpc_worker_pool_bytes=int(min(args.grpc_worker_pool_mb, 2**40 / 2**20) * 2**20),
         shared_memory_max_bytes=int(min(args.shared_memory_max_mb, 2**50 / 2**20) * 2**20),
+        grpc_worker_liveness_s=args.grpc_worker_liveness_secs,
         grpc=GrpcLimits(
             max_message_bytes=min(2**31 - 1, int(args.grpc_max_message_mb * 2**20)),
             max_concurrent_streams=args.grpc_max_concurrent_streams,

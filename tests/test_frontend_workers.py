@@ -255,3 +255,21 @@ def test_a_request_cancelled_before_the_host_starts_it_is_still_answered() -> No
 
     answers = asyncio.run(scenario())
     assert sorted((a[1], a[0]) for a in answers) == [(1, messages.ERROR), (2, messages.RESULT)]
+
+
+def test_a_stopped_worker_is_replaced_by_the_liveness_check(tmp_path: Path) -> None:
+    """SIGSTOP keeps the process and its listening socket: only missed pings tell it is gone."""
+    repo = tmp_path / "repo"
+    models.add_delayed_identity(repo, "echo", delay_ms=0)
+    server = start_server(repo, tmp_path, "--grpc-workers", "1", "--grpc-worker-liveness-secs", "0.3")
+    try:
+        [stopped] = worker_pids(server)
+        os.kill(stopped, signal.SIGSTOP)
+        wait_until(lambda: len(worker_pids(server)) == 1 and stopped not in worker_pids(server),
+                   what="a new worker in place of the stopped one")
+        wait_until(lambda: "serves gRPC" in server.log().split("answered no liveness check", 1)[-1],
+                   what="the new worker to serve")
+        with own_connection(server.url) as client:
+            assert client.infer("echo", rows(4)).as_numpy("OUT").tolist() == [[4, 4]]
+    finally:
+        assert server.stop() == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -36,6 +37,7 @@ class CoreHost:
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._channel: Channel | None = None
         self.closed = asyncio.Event()
+        self.answered_ping_at = 0.0  # time.monotonic() of the worker's last PONG
         # The port the worker serves on, or why it could not start.
         self.started: asyncio.Future[int | str] = asyncio.get_running_loop().create_future()
 
@@ -64,6 +66,8 @@ class CoreHost:
             task = self._tasks.get(message[1])
             if task is not None:
                 task.cancel()
+        elif kind == messages.PONG:
+            self.answered_ping_at = time.monotonic()
         elif kind == messages.STARTED:
             if not self.started.done():
                 self.started.set_result(message[1])

@@ -7,6 +7,7 @@ Small tuples, first item the kind. Worker → host::
     (CANCEL, id)                      the client gave up on ``id``
     (FREE, [block, ...])              response blocks of the host's arena the worker is done with
     (STARTED, port | message)         serving on ``port``, or why it cannot (then it exits)
+    (PONG,)                           the answer to a PING, from the worker's event loop
 
 Host → worker::
 
@@ -15,6 +16,7 @@ Host → worker::
     (INFERRED, id, header, block, slots)   outputs in the host's arena; the worker frees ``block``
     (HEALTH,)                         model or server state changed: read health again
     (STOP, grace_s)                   stop serving, finish what is open within ``grace_s``
+    (PING,)                           the liveness check: a worker whose loop is stuck never answers
 
 Every INFER and CALL gets exactly one INFERRED, RESULT or ERROR, cancelled or not, and the worker
 reuses an input block only after that answer. For a request that finished, the host is done with
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 CALL, INFER, CANCEL, FREE, STARTED = "call", "infer", "cancel", "free", "started"
 RESULT, ERROR, INFERRED, HEALTH, STOP = "result", "error", "inferred", "health", "stop"
+PING, PONG = "ping", "pong"
 
 # The Core methods a worker may call by name (infer has its own message).
 CALLS = frozenset({

@@ -168,6 +168,10 @@ class RemoteCore:
         if kind == messages.STOP:
             self._on_stop(message[1])
             return
+        if kind == messages.PING:
+            if self._channel is not None:
+                self._channel.send((messages.PONG,))
+            return
         pending = self._pending.pop(message[1], None)
         if pending is None:  # an id this worker never sent: ignore it rather than fail every later answer
             return

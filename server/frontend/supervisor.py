@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0
 RESTART_BACKOFF_S = 1.0  # a worker that dies this soon after starting is started again this much later
+MISSED_PINGS = 3  # liveness checks a worker may leave unanswered before it is replaced
 
 
 @dataclass
@@ -114,9 +115,10 @@ class WorkerSupervisor:
         worker = Worker(index, process, host)
         self.workers[index] = worker
         port = await self._wait_started(worker)
-        watcher = asyncio.create_task(self._watch(worker))
-        self._watchers.add(watcher)
-        watcher.add_done_callback(self._watchers.discard)
+        for watch in (self._watch(worker), self._check_liveness(worker)):
+            watcher = asyncio.create_task(watch)
+            self._watchers.add(watcher)
+            watcher.add_done_callback(self._watchers.discard)
         logger.info("front-end worker %d (pid %d) serves gRPC on %s:%d", index, process.pid,
                     self.settings.grpc_address, port)
         return port
@@ -135,6 +137,21 @@ class WorkerSupervisor:
             worker.process.kill()
         raise StartupError(result or f"front-end worker {worker.index} did not start "
                            f"(exit code {worker.process.returncode})")
+
+    async def _check_liveness(self, worker: Worker) -> None:
+        """Kill a worker that answers no PING for ``MISSED_PINGS`` intervals (stopped, or its loop
+        stuck): it would keep its listening socket and take connections it never serves. ``_watch``
+        then starts it again. Several intervals, so a loop busy for a while (a huge message) is spared."""
+        interval_s = self.settings.grpc_worker_liveness_s
+        while interval_s > 0 and worker.process.returncode is None and not self._stopping:
+            worker.host.send((messages.PING,))
+            await asyncio.sleep(interval_s)
+            silent_s = time.monotonic() - max(worker.host.answered_ping_at, worker.started_at)
+            if silent_s > MISSED_PINGS * interval_s and worker.process.returncode is None and not self._stopping:
+                logger.error("front-end worker %d (pid %d) answered no liveness check for %.1f s; killing it",
+                             worker.index, worker.process.pid, silent_s)
+                worker.process.kill()
+                return
 
     async def _watch(self, worker: Worker) -> None:
         """Start the worker again if it dies while the server is not stopping."""
