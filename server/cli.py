@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "hung) is killed and started again (default 5; 0 = off)")
     serve.add_argument("--shared-memory-max-mb", type=float, default=65536.0,
                        help="the most shared memory clients may register in all, in MiB (default 65536); "
-                            "registering maps it, the memory stays the client's")
+                            "the memory stays the client's")
     tls = serve.add_argument_group("TLS (Triton's flag names)")
     tls.add_argument("--grpc-use-ssl", type=_bool, default=False, help="serve gRPC over TLS")
     tls.add_argument("--grpc-server-cert", type=Path, help="PEM certificate chain of the server")

@@ -35,7 +35,7 @@ def _request_is_costly(message: service_pb2.ModelInferRequest) -> bool:
     bytes_elements = data_bytes = 0
     for tensor in message.inputs:
         if convert.in_shared_memory(tensor):
-            continue  # read in place by the host, never converted here
+            continue  # read from the client's segment by the host, never converted here
         count = abs(math.prod(tensor.shape))  # a bad shape is refused in the conversion, wherever it runs
         if tensor.datatype == DataType.BYTES.value:
             bytes_elements += count
