@@ -23,10 +23,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     from tests.conftest import start_server
 
     repo = tmp_path_factory.mktemp("repo")
-    add_accumulator(repo, "acc_direct", instances=2)
+    add_accumulator(repo, "acc_direct", "direct { max_queue_delay_microseconds: 3000 minimum_slot_utilization: 0.5 }",
+                    instances=2)
     add_accumulator(repo, "acc_oldest", "oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }",
                     instances=2)
     add_accumulator(repo, "acc_one_slot", max_batch_size=1, idle_us=300_000)
+    add_accumulator(repo, "acc_stats", max_batch_size=2)
     add_state_only(repo, "from_hundred", 100.0)
     add_torch_accumulator(repo, "torch_acc")
     running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
@@ -62,8 +64,9 @@ def test_interleaved_sequences_each_get_their_own_running_sum(server: RunningSer
             assert results[cid].result() == list(np.cumsum(values)), f"sequence {cid}"
     with grpcclient.InferenceServerClient(server.url) as client:
         stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
-    assert int(stats["inference_stats"]["success"]["count"]) >= 12 * 12
-    assert int(stats["execution_count"]) < int(stats["inference_stats"]["success"]["count"])  # batched
+    successes = int(stats["inference_stats"]["success"]["count"])
+    assert successes >= 12 * 12 and int(stats["inference_count"]) == successes
+    assert int(stats["execution_count"]) < successes, stats["batch_stats"]  # the queue delay lets batches form
 
 
 def test_a_stream_runs_each_sequence_in_the_order_sent(server: RunningServer) -> None:
@@ -141,3 +144,17 @@ def test_slot_exhaustion_waits_then_the_idle_sequence_lets_go(server: RunningSer
         with pytest.raises(InferenceServerException) as idle:
             infer(client, model, 1.0, sequence_id=4)
         assert "must specify the START flag" in idle.value.message()
+
+
+def test_statistics_count_null_rows_as_triton_does(server: RunningServer) -> None:
+    """Sequence 2 holds slot 1; while slot 0 is empty its batch has a null row in slot 0. As a real Triton 2.51
+    counts it (checked with a Python-backend accumulator): the batch size counts the null row, inferences do not."""
+    with grpcclient.InferenceServerClient(server.url) as client:
+        assert infer(client, "acc_stats", 1.0, sequence_id=1, sequence_start=True)["OUTPUT"].item() == 1.0  # [1]
+        assert infer(client, "acc_stats", 2.0, sequence_id=2, sequence_start=True)["OUTPUT"].item() == 2.0  # [-, 2]
+        assert infer(client, "acc_stats", 1.0, sequence_id=1, sequence_end=True)["OUTPUT"].item() == 2.0  # [1]
+        assert infer(client, "acc_stats", 5.0, sequence_id=2, sequence_end=True)["OUTPUT"].item() == 7.0  # [-, 2]
+        stats = client.get_inference_statistics("acc_stats", as_json=True)["model_stats"][0]
+    assert (stats["inference_count"], stats["execution_count"]) == ("4", "4")
+    assert stats["inference_stats"]["success"]["count"] == "4"
+    assert {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]} == {"1": "2", "2": "2"}

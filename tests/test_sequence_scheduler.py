@@ -74,8 +74,11 @@ def test_interleaved_sequences_each_get_their_own_running_sum() -> None:
         assert lone["READY"].tolist() == [[0.0], [1.0]]
         assert lone["CORRID"].tolist() == [[0], [2]]
         assert lone["START"].dtype == np.int32 and lone["CORRID"].dtype == np.uint64
-        assert sched.statistics.inference_count == sum(len(batch["IN"]) for _, batch in runner.log)
-        assert sched.statistics.success.count == 5
+        # As Triton counts them: a null row is in its batch's size, not among the inferences.
+        assert sched.statistics.inference_count == sched.statistics.success.count == 5
+        assert sum(size * stats.compute_infer.count for size, stats in sched.statistics.batch_stats.items()) == sum(
+            len(batch["IN"]) for _, batch in runner.log)
+        assert 2 in sched.statistics.batch_stats
 
     asyncio.run(main())
 

@@ -221,7 +221,7 @@ class DirectLane:
             parts.append((slot, row, part))
         done = time.monotonic_ns()
         phases = Phases(gathered - start, executed - gathered, done - executed)
-        owner.statistics.record_execution(len(rows), phases)
+        owner.statistics.record_execution(len(rows), phases, inferences=len(parts))
         for slot, request, part in parts:
             owner.statistics.record_success(done - request.arrival_ns, start - request.arrival_ns, phases)
             if not request.future.done():
