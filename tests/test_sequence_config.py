@@ -101,3 +101,18 @@ def test_initial_state_data_file_is_read_from_the_model_folder(tmp_path: Path) -
     (model / "initial_state" / "seven.bin").write_bytes(b"\x07")
     with pytest.raises(ShoalError, match="initial_state setting expects 8 bytes"):
         read_initial_states(model, batching)
+
+
+def test_a_sequence_model_completes_and_checks_against_its_file(tmp_path: Path) -> None:
+    """Auto-complete leaves the batcher's tensors out of the config; ``config check`` finds them in the model."""
+    from shoal.lifecycle.configure import check_against_model, configure
+    from tests.sequence_models import add_accumulator
+
+    add_accumulator(tmp_path, "acc")
+    text = (tmp_path / "acc" / "config.pbtxt").read_text()
+    start = text.index("sequence_batching")
+    (tmp_path / "acc" / "config.pbtxt").write_text('backend: "onnxruntime"\n' + text[start:])
+    configured = configure(tmp_path / "acc", strict=False)
+    assert [t.name for t in configured.spec.inputs] == ["INPUT"]
+    assert [t.name for t in configured.spec.outputs] == ["OUTPUT", "CORRID_OUT"]
+    check_against_model(configured, tmp_path / "acc")

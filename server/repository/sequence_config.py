@@ -305,3 +305,11 @@ def backend_inputs(batching: SequenceBatching) -> list[tuple[str, DataType, tupl
 def backend_outputs(batching: SequenceBatching) -> list[tuple[str, DataType, tuple[int, ...]]]:
     """(name, datatype, dims without batch) of the outputs the batcher reads: the state outputs."""
     return [(s.output_name, s.datatype, s.dims) for s in batching.states]
+
+
+def batcher_tensor_names(config: config_pb2.ModelConfig) -> set[str]:
+    """Names of the tensors the sequence batcher feeds or reads (control inputs, states) in ``config``."""
+    if not config.HasField("sequence_batching"):
+        return set()
+    batching = config.sequence_batching
+    return {c.name for c in batching.control_input} | {n for s in batching.state for n in (s.input_name, s.output_name)}

@@ -114,7 +114,8 @@ class SequenceScheduler:
         try:
             return await request.future
         except asyncio.CancelledError:
-            if not request.future.done():
+            if not request.future.done():  # the client gave up while it was queued
+                self.statistics.record_failure(time.monotonic_ns() - now, FailureReason.CANCELED)
                 request.future.cancel()  # the lane skips it (and still honours its END)
             raise
 
