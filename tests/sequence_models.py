@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import onnx
 from onnx import TensorProto, helper
 
 from tests.models import save_onnx, write_config
@@ -24,7 +25,7 @@ def add_accumulator(repo: Path, name: str, strategy: str = "direct { }", max_bat
                     instances: int = 1, idle_us: int = 0) -> None:
     """ONNX, with control inputs and implicit state: OUTPUT = (START ? 0 : STATE_IN) + INPUT; the state
     moves on only where READY (a null row keeps its state); CORRID_OUT echoes the correlation id."""
-    def batch(name: str, elem: int) -> helper.ValueInfoProto:
+    def batch(name: str, elem: int) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, elem, ["batch", 1])
     nodes = [
         helper.make_node("Cast", ["START"], ["start_f"], to=TensorProto.FLOAT),
@@ -98,7 +99,7 @@ def add_torch_accumulator(repo: Path, name: str) -> None:
             return total, total
 
     (repo / name / "1").mkdir(parents=True)
-    torch.jit.script(Accumulator()).save(str(repo / name / "1" / "model.pt"))
+    torch.jit.script(Accumulator()).save(str(repo / name / "1" / "model.pt"))  # type: ignore[no-untyped-call]
     write_config(repo / name, f"""
 name: "{name}"
 backend: "pytorch"
