@@ -72,10 +72,11 @@ class ModelStatistics:
     executing: int = 0
     failures: dict[FailureReason, int] = field(default_factory=lambda: dict.fromkeys(FailureReason, 0))
 
-    def record_execution(self, batch_size: int, phases: Phases) -> None:
-        """One successful execution of ``batch_size`` elements."""
+    def record_execution(self, batch_size: int, phases: Phases, inferences: int | None = None) -> None:
+        """One successful execution of ``batch_size`` elements, ``inferences`` of them real (default: all);
+        the sequence batcher's null rows count in the batch size but, as in Triton, not as inferences."""
         self.execution_count += 1
-        self.inference_count += batch_size
+        self.inference_count += batch_size if inferences is None else inferences
         self.last_inference_ms = time.time_ns() // 1_000_000
         stats = self.batch_stats.setdefault(batch_size, BatchStats())
         stats.compute_input.add(phases.input_ns)

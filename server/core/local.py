@@ -36,6 +36,7 @@ EXTENSIONS = (
     "model_repository(unload_dependents)",
     "classification",
     "system_shared_memory",
+    "sequence",
 )
 
 

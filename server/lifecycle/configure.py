@@ -37,6 +37,7 @@ from shoal.repository.config import (
 )
 from shoal.repository.config import validate as validate_config
 from shoal.repository.model_io import ModelIO, check_io, complete
+from shoal.repository.sequence_spec import backend_spec
 
 
 @dataclass
@@ -159,4 +160,4 @@ def check_against_model(configured: Configured, folder: Path) -> None:
     for version in spec.version_policy.select(scanner.list_versions(folder)):
         scanner.checked_version_dir(folder, version)
         path = model_file(configured.config.default_model_filename, folder, version)
-        check_io(spec, describe_model(spec.backend, path, scanner.relative_name(folder.parent, path)))
+        check_io(backend_spec(spec), describe_model(spec.backend, path, scanner.relative_name(folder.parent, path)))

@@ -23,6 +23,7 @@ from google.protobuf import json_format, text_format
 from shoal.errors import ShoalError, load_failed, shown
 from shoal.protocol import config_pb2, wire_names
 from shoal.protocol.types import DataType
+from shoal.repository import sequence_config
 from shoal.repository.scanner import CONFIG_FILENAME as CONFIG_FILENAME
 from shoal.repository.scanner import checked_path
 
@@ -122,6 +123,7 @@ class ModelSpec:
     version_policy: VersionPolicy
     default_model_filename: str
     dynamic_batching: DynamicBatching | None = None
+    sequence_batching: sequence_config.SequenceBatching | None = None
     parameters: dict[str, str] = field(default_factory=dict)
     # The normalized config as proto3 JSON (field names as in the .proto): what ModelConfig returns.
     config_json: dict[str, Any] = field(default_factory=dict)
@@ -201,6 +203,8 @@ def normalize(
     if out.HasField("dynamic_batching") and out.max_batch_size > 0:
         if not out.dynamic_batching.preferred_batch_size:
             out.dynamic_batching.preferred_batch_size.append(out.max_batch_size)
+    if out.HasField("sequence_batching"):
+        sequence_config.normalize(out)
     if not out.instance_group:
         out.instance_group.add()
     kinds = config_pb2.ModelInstanceGroup.Kind
@@ -262,6 +266,8 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
         raise load_failed(f"{where}: version_policy specific lists no versions")
     if config.HasField("dynamic_batching"):
         _validate_dynamic_batching(config, where)
+    if config.HasField("sequence_batching"):
+        sequence_config.validate(config, where)
 
 
 def validate_filename(config: config_pb2.ModelConfig, model_name: str) -> None:
@@ -387,6 +393,7 @@ def to_spec(config: config_pb2.ModelConfig, labels: dict[str, tuple[bytes, ...]]
         version_policy=version_policy,
         default_model_filename=config.default_model_filename,
         dynamic_batching=_dynamic_batching(config) if config.HasField("dynamic_batching") else None,
+        sequence_batching=sequence_config.to_spec(config) if config.HasField("sequence_batching") else None,
         parameters={k: v.string_value for k, v in config.parameters.items()},
         config_json=json_format.MessageToDict(config, preserving_proto_field_name=True),
     )
