@@ -14,7 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests import ensemble_models
+from tests import ensemble_models, models
 from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
 
@@ -209,3 +209,17 @@ def test_loading_an_ensemble_loads_its_models_and_unloading_one_unloads_it(tmp_p
         client.load_model("double")
         wait_until(lambda: client.is_model_ready("chain"), what="the ensemble back with its model")
         np.testing.assert_array_equal(client.infer("chain", [_input(X)]).as_numpy("OUT"), (X + 1) * 2)
+
+
+def test_the_shipped_pipeline_equals_its_two_calls(tmp_path: Path, server_factory) -> None:
+    """model_repository/mlp_pipeline: mlp_scale (pre-processing, ONNX) feeding the shipped MLP gives what
+    the client gets calling the two models itself."""
+    repo = models.repository(tmp_path, "mlp", "mlp_scale", "mlp_pipeline")
+    raw = np.random.default_rng(0).integers(0, 256, (3, 256), dtype=np.uint8)
+    with grpcclient.InferenceServerClient(server_factory(repo).url) as client:
+        raw_input = grpcclient.InferInput("RAW", [3, 256], "UINT8")
+        raw_input.set_data_from_numpy(raw)
+        scaled = client.infer("mlp_scale", [raw_input]).as_numpy("SCALED")
+        np.testing.assert_allclose(scaled, raw / 255 - 0.5, rtol=1e-6, atol=1e-6)
+        expected = client.infer("mlp", [_input(scaled, "INPUT0")]).as_numpy("OUTPUT0")
+        np.testing.assert_array_equal(client.infer("mlp_pipeline", [raw_input]).as_numpy("OUTPUT0"), expected)
