@@ -74,16 +74,26 @@ def test_chain_over_onnx_pytorch_and_identity(client: grpcclient.InferenceServer
 
 
 def test_ensemble_statistics_as_triton_reports_them(client: grpcclient.InferenceServerClient) -> None:
-    before = _stats(client, "chain")
+    """One execution per request, its rows counted; its compute phases are the sums of its steps' own
+    (Triton's secondary stats aggregator), so they equal the composing models' increases exactly."""
+    steps = ("add1", "double", "pass")
+    before = {m: _stats(client, m) for m in ("chain", *steps)}
     client.infer("chain", [_input(X)])
     client.infer("chain", [_input(X[:1])])
-    after = _stats(client, "chain")
-    assert _count(after, "inference_count") - _count(before, "inference_count") == 3  # batch rows
-    assert _count(after, "execution_count") - _count(before, "execution_count") == 2  # one per request
+    after = {m: _stats(client, m) for m in ("chain", *steps)}
+
+    def delta(model: str, *path: str) -> int:
+        return _count(after[model], *path) - _count(before[model], *path)
+
+    assert delta("chain", "inference_count") == 3  # batch rows
+    assert delta("chain", "execution_count") == 2  # one per request
     for phase in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
-        assert _count(after, "inference_stats", phase, "count") - _count(before, "inference_stats", phase, "count") == 2
-    assert int(after["inference_stats"]["compute_infer"]["ns"]) > 0
-    assert {row["batch_size"] for row in after["batch_stats"]} >= {"1", "2"}
+        assert delta("chain", "inference_stats", phase, "count") == 2
+    for phase in ("compute_input", "compute_infer", "compute_output"):
+        assert delta("chain", "inference_stats", phase, "ns") == sum(
+            delta(m, "inference_stats", phase, "ns") for m in steps), phase
+    assert delta("chain", "inference_stats", "success", "ns") > delta("chain", "inference_stats", "compute_infer", "ns")
+    assert {row["batch_size"] for row in after["chain"]["batch_stats"]} >= {"1", "2"}
 
 
 def test_independent_steps_run_at_once(client: grpcclient.InferenceServerClient) -> None:

@@ -8,11 +8,12 @@ scheduler looks its models up per request). The composing model's checks, schedu
 batcher and statistics see it like any other request. Tensors pass between steps as the numpy
 arrays the steps returned: nothing is copied or serialized.
 
-Statistics, as Triton reports an ensemble's: one execution per request, ``inference_count`` its
-batch rows, success/fail per request, ``batch_stats`` by batch size. Shoal's phases: ``queue`` 0
-(an ensemble has no queue; its steps queue at their models), ``compute_input`` checking the
-request, ``compute_infer`` running the steps (queueing at the composing models included: Triton
-sums the composing models' own compute phases instead), ``compute_output`` shaping the reply.
+Statistics, as Triton reports an ensemble's (core ensemble_scheduler.cc ``FinishEnsemble``): one
+execution per request, ``inference_count`` its batch rows, success/fail per request (its whole
+time), ``batch_stats`` by batch size; ``queue`` the time before its first step starts (checking the
+request); ``compute_input``/``compute_infer``/``compute_output`` the sums of its steps' own phases as
+their models' schedulers measured them (``statistics.ALSO_COUNT_PHASES``, Triton's secondary stats
+aggregator), so time a step spent queued at its model is in the ensemble's success time only.
 A failed request counts once (Triton 2.51 counts a failed ensemble request twice).
 
 Loading (``load_versions``, on the manager's load thread) checks the steps against the composing
@@ -38,7 +39,7 @@ from shoal.protocol.types import DataType
 from shoal.repository import ensemble_config, scanner
 from shoal.repository.config import ModelSpec, read_config
 from shoal.repository.ensemble_config import EnsembleStep
-from shoal.statistics import FailureReason, ModelStatistics, Phases
+from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, PhaseTotals
 from shoal.types import InferRequest, InferResponse, Tensor
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,10 @@ class EnsembleVersion(ModelVersion):
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
             raise
         pool = {name: Tensor(name, self._datatype(name), array.shape, array) for name, array in prepared.feed.items()}
-        checked_ns = time.monotonic_ns()
+        outer = ALSO_COUNT_PHASES.get()  # an ensemble that has this one as a step
+        steps_phases = PhaseTotals()
+        token = ALSO_COUNT_PHASES.set(steps_phases)
+        started_ns = time.monotonic_ns()
         try:
             await self._run(self._plan(prepared.outputs), pool, request)
         except ShoalError as exc:
@@ -121,12 +125,14 @@ class EnsembleVersion(ModelVersion):
             logger.exception("ensemble %s: a step failed unexpectedly", self.spec.name)
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.BACKEND)
             raise ShoalError(ErrorCode.INTERNAL, f"in ensemble '{self.spec.name}', {exc}") from exc
-        executed_ns = time.monotonic_ns()
+        finally:
+            ALSO_COUNT_PHASES.reset(token)
         outputs = tensors.finish(self.spec, prepared, {name: pool[name].data for name in prepared.outputs})
-        done_ns = time.monotonic_ns()
-        phases = Phases(checked_ns - arrival_ns, executed_ns - checked_ns, done_ns - executed_ns)
+        phases = steps_phases.phases()
         self.statistics.record_execution(max(1, prepared.batch_size), phases)
-        self.statistics.record_success(done_ns - arrival_ns, 0, phases)
+        self.statistics.record_success(time.monotonic_ns() - arrival_ns, started_ns - arrival_ns, phases)
+        if outer is not None:
+            outer.add(phases)
         return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                              outputs=outputs)
 

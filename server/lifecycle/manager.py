@@ -323,6 +323,7 @@ class ModelManager:
                 if entry is not None and entry.versions:
                     logger.info("model %s: folder removed, unloading", name)
                     await self._retire(entry)
+            await self._retire_dependents(name)
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
