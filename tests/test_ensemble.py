@@ -4,6 +4,8 @@ steps, composing models' own batching and statistics, config / metadata / index,
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -194,7 +196,8 @@ def test_invalid_ensembles_are_refused_in_tritons_words(
 
 def test_loading_an_ensemble_loads_its_models_and_unloading_one_unloads_it(tmp_path: Path, server_factory) -> None:
     """Explicit model control, as Triton: loading an ensemble loads the models it uses; unloading
-    one of them unloads the ensemble; loading that model again brings the ensemble back."""
+    one of them, or reloading it with a config the steps do not fit, unloads the ensemble; loading
+    it again (fitting) brings the ensemble back."""
     repo = tmp_path / "repo"
     ensemble_models.add_onnx_add1(repo)
     ensemble_models.add_torch_double(repo)
@@ -219,6 +222,17 @@ def test_loading_an_ensemble_loads_its_models_and_unloading_one_unloads_it(tmp_p
         client.load_model("double")
         wait_until(lambda: client.is_model_ready("chain"), what="the ensemble back with its model")
         np.testing.assert_array_equal(client.infer("chain", [_input(X)]).as_numpy("OUT"), (X + 1) * 2)
+        # A model reloaded with a config the ensemble's steps no longer fit unloads the ensemble ...
+        five = {"name": "pass", "backend": "identity", "max_batch_size": 8,
+                "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [5]}],
+                "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [5]}]}
+        client.load_model("pass", config=json.dumps(five))
+        wait_until(lambda: not client.is_model_ready("chain"), what="the ensemble unloaded with a misfit")
+        assert client.is_model_ready("pass")
+        # ... and a reload that fits again brings it back
+        client.load_model("pass")
+        wait_until(lambda: client.is_model_ready("chain"), what="the ensemble back with a fitting model")
+        np.testing.assert_array_equal(client.infer("chain", [_input(X)]).as_numpy("OUT"), (X + 1) * 2)
 
 
 def test_the_shipped_pipeline_equals_its_two_calls(tmp_path: Path, server_factory) -> None:
@@ -233,3 +247,17 @@ def test_the_shipped_pipeline_equals_its_two_calls(tmp_path: Path, server_factor
         np.testing.assert_allclose(scaled, raw / 255 - 0.5, rtol=1e-6, atol=1e-6)
         expected = client.infer("mlp", [_input(scaled, "INPUT0")]).as_numpy("OUTPUT0")
         np.testing.assert_array_equal(client.infer("mlp_pipeline", [raw_input]).as_numpy("OUTPUT0"), expected)
+
+
+def test_poll_mode_unloads_the_ensemble_of_a_removed_model(tmp_path: Path, server_factory) -> None:
+    repo = tmp_path / "repo"
+    ensemble_models.add_onnx_add1(repo)
+    ensemble_models.add_ensemble(repo, "plus_one", [ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "OUT"})])
+    running = server_factory(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2")
+    with grpcclient.InferenceServerClient(running.url) as client:
+        np.testing.assert_array_equal(client.infer("plus_one", [_input(X)]).as_numpy("OUT"), X + 1)
+        shutil.rmtree(repo / "add1")
+        wait_until(lambda: not client.is_model_ready("plus_one"), what="the ensemble unloaded with its model")
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("plus_one", [_input(X)])
+        assert caught.value.status() == "StatusCode.UNAVAILABLE"

@@ -246,7 +246,7 @@ def composing_models(repository: Path, name: str, config: config_pb2.ModelConfig
 def load_versions(spec: ModelSpec, chosen: list[int], registry: Registry) -> tuple[dict[int, VersionEntry], str]:
     """The ensemble's versions, READY, or UNAVAILABLE with the reason its steps do not fit the
     composing models as loaded now (on the manager's load thread)."""
-    reason = _unfit(spec, registry)
+    reason = unfit(spec, registry)
     versions = {}
     for number in chosen:
         entry = VersionEntry(number)
@@ -260,7 +260,7 @@ def load_versions(spec: ModelSpec, chosen: list[int], registry: Registry) -> tup
     return versions, reason
 
 
-def _unfit(spec: ModelSpec, registry: Registry) -> str:
+def unfit(spec: ModelSpec, registry: Registry) -> str:
     """Why the ensemble cannot load, in Triton's words and order: a cycle, models missing from the
     repository, models (or versions) not loaded, then steps that do not fit their models; or ""."""
     assert spec.ensemble is not None

@@ -145,6 +145,7 @@ class ModelManager:
             self._changed()
             if old is not None:
                 await self._retire(old, keep=kept)
+        await self._retire_dependents(name, only_unfit=True)
         await self._wake_dependents()
 
     async def unload(self, name: str) -> None:
@@ -275,23 +276,28 @@ class ModelManager:
         finally:
             _LOADING_FOR.reset(token)
 
-    async def _retire_dependents(self, name: str) -> None:
-        """Unloading a model unloads the ensembles that use it (Triton's behaviour); they load again
-        once every model they use is loaded (``_wake_dependents``)."""
+    async def _retire_dependents(self, name: str, only_unfit: bool = False) -> None:
+        """Unloading a model unloads the ensembles that use it; reloading it unloads those whose steps
+        no longer fit it (``only_unfit``), as Triton does. They load again once they fit
+        (``_wake_dependents``)."""
         for model in list(self._models.values()):
             spec = model.spec
-            if spec is not None and spec.ensemble is not None and name in spec.ensemble.composing_models \
-                    and model.state is ModelState.READY:
-                logger.info("ensemble %s: unloaded with model %s, which it uses", model.name, name)
+            if spec is None or spec.ensemble is None or name not in spec.ensemble.composing_models \
+                    or model.state is not ModelState.READY:
+                continue
+            reason = ensemble.unfit(spec, self) if only_unfit else f"model {name}, which it uses, was unloaded"
+            if reason:
+                logger.warning("ensemble %s: unloaded: %s", model.name, reason)
                 await self.unload(model.name)
                 self._dormant_ensembles.add(model.name)
 
     async def _wake_dependents(self) -> None:
-        """Load again the ensembles ``_retire_dependents`` unloaded whose models are all ready now."""
+        """Load again the ensembles ``_retire_dependents`` unloaded whose steps fit their models now."""
         for name in sorted(self._dormant_ensembles):
             entry = self._models.get(name)
-            uses = entry.spec.ensemble.composing_models if entry and entry.spec and entry.spec.ensemble else ()
-            if all((model := self._models.get(m)) is not None and model.ready_versions() for m in uses):
+            if entry is None or entry.spec is None or entry.spec.ensemble is None:
+                self._dormant_ensembles.discard(name)
+            elif not ensemble.unfit(entry.spec, self):
                 self._dormant_ensembles.discard(name)
                 try:
                     await self.load(name)
