@@ -17,6 +17,7 @@ since the epoch. Updated from the event loop only, so no lock is needed.
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,31 @@ class Phases:
     input_ns: int
     infer_ns: int
     output_ns: int
+
+
+@dataclass
+class PhaseTotals:
+    """Compute phases summed over the requests one caller made, whichever models ran them: Triton's
+    secondary stats aggregator, through which an ensemble reports its steps' compute time as its own."""
+
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+    def add(self, phases: Phases) -> None:
+        self.input_ns += phases.input_ns
+        self.infer_ns += phases.infer_ns
+        self.output_ns += phases.output_ns
+
+    def phases(self) -> Phases:
+        return Phases(self.input_ns, self.infer_ns, self.output_ns)
+
+
+# Set by a caller (an ensemble) around the requests it makes; a scheduler adds each of those requests'
+# phases to it as well as to its own model's statistics. A context variable, so that it follows the
+# request into the composing model's scheduler without a parameter on every call in between.
+ALSO_COUNT_PHASES: contextvars.ContextVar[PhaseTotals | None] = contextvars.ContextVar("also_count_phases",
+                                                                                     default=None)
 
 
 @dataclass

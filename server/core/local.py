@@ -145,7 +145,7 @@ class LocalCore:
         return [
             StatisticsRow(served.spec.name, str(served.version), served.statistics,
                           {(d.kind.upper(), d.index): b for d, b in served.memory_bytes.items()},
-                          served.scheduler.queued, len(served.pool.instances))
+                          served.queued, served.instance_count)
             for served in self.manager.statistics(name, version)
         ]
 

@@ -106,6 +106,15 @@ class ModelVersion:
         )
         return cls(spec, version, built.pool, built.memory_bytes, backend)
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for an executor."""
+        return self.scheduler.queued
+
+    @property
+    def instance_count(self) -> int:
+        return len(self.pool.instances)
+
     def can_serve(self) -> bool:
         """At least one instance can take a request (a process instance whose worker is dead or hung cannot)."""
         return self.pool.can_serve()
