@@ -49,7 +49,7 @@ def test_health_and_server_metadata(stub: InferenceStub) -> None:
     assert metadata.name == "shoal" and metadata.version
     assert list(metadata.extensions) == [
         "model_configuration", "statistics", "schedule_policy", "model_repository",
-        "model_repository(unload_dependents)", "classification", "system_shared_memory",
+        "model_repository(unload_dependents)", "classification", "system_shared_memory", "binary_tensor_data",
     ]
 
 

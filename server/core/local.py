@@ -36,6 +36,7 @@ EXTENSIONS = (
     "model_repository(unload_dependents)",
     "classification",
     "system_shared_memory",
+    "binary_tensor_data",  # HTTP's binary tensors (gRPC's raw contents need no extension)
 )
 
 
