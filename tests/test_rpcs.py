@@ -50,6 +50,7 @@ def test_health_and_server_metadata(stub: InferenceStub) -> None:
     assert list(metadata.extensions) == [
         "model_configuration", "statistics", "schedule_policy", "model_repository",
         "model_repository(unload_dependents)", "classification", "system_shared_memory", "sequence",
+        "binary_tensor_data",
     ]
 
 

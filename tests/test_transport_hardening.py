@@ -103,7 +103,7 @@ def test_long_client_input_is_shortened_in_errors(tmp_path: Path, server_factory
 def serve_beside(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """A second `shoal serve` on loopback, expected to refuse to start."""
     command = [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repo), "--grpc-address", "127.0.0.1",
-               *args]
+               "--http-port", "0", *args]  # never Triton's default HTTP port 8000 in tests; args may name another
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 

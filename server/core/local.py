@@ -37,6 +37,7 @@ EXTENSIONS = (
     "classification",
     "system_shared_memory",
     "sequence",
+    "binary_tensor_data",  # HTTP's binary tensors (gRPC's raw contents need no extension)
 )
 
 

@@ -62,8 +62,8 @@ class RemoteCore:
         self._loop_thread = threading.get_ident()
         self._channel = await Channel.open(sock, self._received, self._host_gone)
 
-    def started(self, port_or_problem: int | str) -> None:
-        """Tell the host this worker serves on a port (or why it cannot)."""
+    def started(self, port_or_problem: tuple[int, int] | str) -> None:
+        """Tell the host this worker serves on its (gRPC, HTTP) ports, HTTP 0 when off (or why it cannot)."""
         if self._channel is not None:
             self._channel.send((messages.STARTED, port_or_problem))
 
