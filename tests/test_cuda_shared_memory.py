@@ -305,7 +305,7 @@ def test_cuda_errors_in_tritons_words(gpu_client) -> None:
     other = cudashm.create_shared_memory_region("other", 64, 0)
     made.append(other)
     expect_error("INVALID_ARGUMENT", "failed to register shared memory region 'huge': invalid args",
-                 lambda: triton.register_cuda_shared_memory("huge", cudashm.get_raw_handle(other), 0, 1 << 40))
+                 lambda: triton.register_cuda_shared_memory("huge", cudashm.get_raw_handle(other), 0, 1 << 30))
     expect_error("INVALID_ARGUMENT", "failed to register shared memory region: invalid args",
                  lambda: triton.register_cuda_shared_memory("zeros", HANDLE, 0, 64))
     small, _ = _region(triton, cudashm, made, 8)

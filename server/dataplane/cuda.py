@@ -79,8 +79,10 @@ class _CudaPython:
         self._lock = threading.Lock()
 
     def _check(self, call: str, result: Any) -> Any:
+        """The values a cuda-python call returns after its error code, which must be success."""
         err, *values = result if isinstance(result, tuple) else (result,)
-        if int(err) != 0:  # cudaError_t or CUresult: their names say what failed
+        code: Any = getattr(err, "value", err)
+        if int(code) != 0:  # cudaError_t or CUresult: their names say what failed
             raise CudaError(f"{call}: {getattr(err, 'name', err)}")
         return values[0] if len(values) == 1 else values
 
@@ -213,8 +215,8 @@ def runtime() -> Runtime | str:
                     found = _load_ctypes()
                 count = found.device_count()
                 _loaded = found if count > 0 else "no CUDA device is visible"
-            except (CudaError, AttributeError) as exc:
-                _loaded = str(exc)
+            except Exception as exc:  # noqa: BLE001 - whatever fails to load, this host has no usable CUDA
+                _loaded = f"{type(exc).__name__}: {exc}"
             if isinstance(_loaded, str):
                 logger.warning("CUDA shared memory is unavailable: %s", _loaded)
             else:
