@@ -13,6 +13,8 @@ from __future__ import annotations
 import base64
 import ctypes
 import gc
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,9 +28,12 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 from shoal.backends.devices import cuda_device_count
+from shoal.core import shared_memory
 from shoal.dataplane import cuda
 from shoal.dataplane.regions import RegionRegistry
 from shoal.errors import ErrorCode, ShoalError
+from shoal.protocol.types import DataType
+from shoal.types import InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 from tests import models
 from tests.conftest import RunningServer
 from tests.polling import metric, wait_until
@@ -193,6 +198,37 @@ def test_cuda_registration_errors_in_tritons_words(fake: FakeRuntime) -> None:
     refused(ErrorCode.INVALID_ARGUMENT, "Invalid offset + byte size for shared memory region: 'r'",
             lambda: registry.window("r", 60, 8))
     assert len(fake.open_addresses) == 1  # every refused registration closed what it opened
+
+
+def test_a_request_reads_and_writes_cuda_regions_through_the_core_flow(fake: FakeRuntime) -> None:
+    """The host's flow (core.shared_memory) with a CUDA input, a CUDA output and an inline output."""
+    registry = RegionRegistry(1 << 20)
+    registry.register_cuda("in", b"a" * 64, 0, 64)
+    registry.register_cuda("out", b"b" * 64, 0, 16)
+    source = RegionInput("IN", DataType.INT32, (1, 2), RegionSlice("in", 8, 8))
+    request = InferRequest("m", "", "", (), None, {}, {}, (source,), {"OUT": RegionSlice("out", 0, 16)})
+    assert shared_memory.costly(registry, request)  # device copies: off the event loop
+    read = shared_memory.with_region_inputs(registry, request)
+    np.testing.assert_array_equal(read.inputs[0].data, np.frombuffer(bytes(range(8, 16)), np.int32).reshape(1, 2))
+    windows = shared_memory.output_windows(registry, request)
+    assert shared_memory.on_device(windows)
+    out = np.array([[5, 6]], np.int64)
+    response = InferResponse("m", "1", "", (Tensor("OUT", DataType.INT64, (1, 2), out),
+                                           Tensor("EXTRA", DataType.INT32, (1,), np.array([1], np.int32))))
+    written = shared_memory.write_region_outputs(windows, response)
+    assert bytes(fake.allocations[b"b" * 64]) == out.tobytes()
+    assert written.in_regions == {"OUT"} and written.outputs[0].data.size == 0 and written.outputs[1].data.size == 1
+    small = {"OUT": registry.window("out", 0, 8)}
+    refused(ErrorCode.INTERNAL, "should be at least 16 bytes to hold the results",
+            lambda: shared_memory.write_region_outputs(small, response))
+
+
+def test_nothing_cuda_is_loaded_before_a_cuda_registration() -> None:
+    code = ("import sys, shoal.app, shoal.core.local, shoal.dataplane.regions; "
+            "assert not any(m == 'torch' or m.startswith(('cuda', 'torch.')) for m in sys.modules), "
+            "sorted(m for m in sys.modules if 'cuda' in m or 'torch' in m); "
+            "maps = open('/proc/self/maps').read(); assert 'libcudart' not in maps and 'libcuda.' not in maps")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_without_a_runtime_every_registration_is_refused_first(monkeypatch: pytest.MonkeyPatch) -> None:
