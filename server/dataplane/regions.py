@@ -128,15 +128,18 @@ class RegionRegistry:
                 f"failed to register shared memory region '{shown(name)}': {byte_size} more bytes would pass the "
                 f"server's limit of {self.max_total_bytes} registered bytes (--shared-memory-max-mb)"))
 
-    def unregister(self, name: str, kind: type[_Region] | type[CudaRegion] | None = None) -> None:
-        """Forget ``name`` (every region of the kind when ``""``) if it is of ``kind`` (system by
-        default); an unknown name, or one of the other kind, is not an error, as in Triton."""
-        kind = kind or _Region
-        for known in [n for n, r in self._regions.items() if isinstance(r, kind) and (not name or n == name)]:
-            del self._regions[known]
+    def unregister(self, name: str) -> None:
+        """Forget system region ``name`` (every one when ``""``); an unknown name, or a CUDA
+        region's, is not an error and changes nothing, as in Triton."""
+        self._forget(name, _Region)
 
     def unregister_cuda(self, name: str) -> None:
-        self.unregister(name, CudaRegion)
+        """``unregister`` for CUDA regions; the IPC handle closes once no request holds a window."""
+        self._forget(name, CudaRegion)
+
+    def _forget(self, name: str, kind: type[_Region] | type[CudaRegion]) -> None:
+        for known in [n for n, r in self._regions.items() if isinstance(r, kind) and (not name or n == name)]:
+            del self._regions[known]
 
     def status(self, name: str) -> list[RegionStatus]:
         return [r.status for r in self._listed(name, _Region)]
