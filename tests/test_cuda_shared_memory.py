@@ -231,6 +231,77 @@ def test_nothing_cuda_is_loaded_before_a_cuda_registration() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+# A stand-in for libcudart and libcuda with the real C signatures, so the ctypes binding's argument
+# and result types (the handle passed by value, pointers, sizes) are exercised without a GPU. Two
+# allocations of 256 bytes: a handle whose first byte is 'A' or 'B' opens one; others fail.
+FAKE_CUDART_C = r"""
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+typedef struct { char reserved[64]; } cudaIpcMemHandle_t;
+static char memory[2][256];
+int opened = 0, closed = 0, synchronized = 0, device = -1;
+int cudaGetDeviceCount(int *count) { *count = 1; return 0; }
+int cudaSetDevice(int d) { if (d != 0) return 101; device = d; return 0; }
+const char *cudaGetErrorString(int err) { return err == 1 ? "invalid argument" : "invalid device ordinal"; }
+int cudaIpcOpenMemHandle(void **ptr, cudaIpcMemHandle_t handle, unsigned int flags) {
+    int which = handle.reserved[0] - 'A';
+    if (which < 0 || which > 1 || handle.reserved[63] != 'z' || flags != 1) return 1;
+    *ptr = memory[which]; opened++; return 0;
+}
+int cudaIpcCloseMemHandle(void *ptr) { closed++; return 0; }
+int cudaStreamCreateWithFlags(void **stream, unsigned int flags) { *stream = (void *)0x5; return flags == 1 ? 0 : 1; }
+int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream) {
+    if (kind != 4 || stream != (void *)0x5) return 1;
+    memcpy(dst, src, n); return 0;
+}
+int cudaStreamSynchronize(void *stream) { synchronized++; return 0; }
+int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t ptr) {
+    for (int i = 0; i < 2; i++) {
+        uint64_t start = (uint64_t)(uintptr_t)memory[i];
+        if (ptr >= start && ptr < start + 256) { *base = start; *size = 256; return 0; }
+    }
+    return 1;
+}
+"""
+
+
+@pytest.fixture
+def fake_cudart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
+    source, library = tmp_path / "fake_cudart.c", tmp_path / "libfake_cudart.so"
+    source.write_text(FAKE_CUDART_C)
+    try:
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True, timeout=120,
+                       capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"no working C compiler to build the stand-in CUDA runtime: {exc}")
+    loaded = ctypes.CDLL(str(library))
+    monkeypatch.setattr(cuda, "_loaded", cuda._Ctypes(loaded, loaded))
+    return loaded
+
+
+def test_the_ctypes_binding_passes_cudas_types(fake_cudart: ctypes.CDLL) -> None:
+    registry = RegionRegistry(1 << 20)
+    registry.register_cuda("a", b"A" + bytes(62) + b"z", 0, 256)
+    registry.register_cuda("b", b"B" + bytes(62) + b"z", 0, 128)
+    window = registry.window("a", 16, 4)
+    window.write(b"\x01\x02\x03\x04")
+    assert registry.window("a", 14, 8).read().tolist() == [0, 0, 1, 2, 3, 4, 0, 0]
+    assert ctypes.c_int.in_dll(fake_cudart, "synchronized").value == 2  # each copy waited for
+    refused(ErrorCode.INVALID_ARGUMENT, "failed to register shared memory region 'big': invalid args",
+            lambda: registry.register_cuda("big", b"B" + bytes(62) + b"z", 0, 257))  # past the allocation
+    refused(ErrorCode.INVALID_ARGUMENT, "failed to register shared memory region: invalid args",
+            lambda: registry.register_cuda("c", b"C" + bytes(62) + b"z", 0, 16))  # the open fails
+    with pytest.raises(cuda.CudaError, match="cudaSetDevice: invalid device ordinal"):
+        cuda._loaded.open(b"A" * 64, 1)  # type: ignore[union-attr]
+    registry.unregister_cuda("")
+    assert ctypes.c_int.in_dll(fake_cudart, "closed").value == 2  # the window above is gone too
+    del window
+    gc.collect()
+    assert ctypes.c_int.in_dll(fake_cudart, "closed").value == 3
+    assert ctypes.c_int.in_dll(fake_cudart, "opened").value == 3
+
+
 def test_without_a_runtime_every_registration_is_refused_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cuda, "_loaded", "no CUDA runtime library could be loaded")
     refused(ErrorCode.INVALID_ARGUMENT, "failed to register CUDA shared memory region: '', GPUs not supported",

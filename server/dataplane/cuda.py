@@ -117,7 +117,8 @@ class _CudaPython:
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+    # Bytes, not c_char: a c_char array takes its value as a C string and stops at the first NUL.
+    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
 
 
 class _Ctypes:
@@ -149,7 +150,7 @@ class _Ctypes:
     def open(self, handle: bytes, device_id: int) -> int:
         self._check("cudaSetDevice", self.cudart.cudaSetDevice(device_id))
         address = ctypes.c_void_p()
-        ipc = _IpcHandle(handle)
+        ipc = _IpcHandle.from_buffer_copy(handle)
         self._check("cudaIpcOpenMemHandle", self.cudart.cudaIpcOpenMemHandle(ctypes.byref(address), ipc,
                                                                              _LAZY_PEER_ACCESS))
         return int(address.value or 0)
