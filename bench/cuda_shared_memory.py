@@ -79,15 +79,18 @@ def run(url: str, torch: Any, elements: int, requests: int) -> tuple[list[str], 
     """The checks (failures as text) and the latency figures against one server."""
     problems: list[str] = []
     device = torch.device("cuda:0")
-    x_region = torch.empty(elements, dtype=torch.float32, device=device)  # allocated first: offset 0
-    y_region = torch.empty(elements, dtype=torch.float32, device=device)
+    # At least 2 MiB each, so torch's caching allocator gives each tensor an allocation of its own
+    # (a region starts at its allocation); the regions use their first ``elements``.
+    allocated = max(elements, 1 << 19)
+    x_region, y_region, spare = (torch.empty(allocated, dtype=torch.float32, device=device)[:elements]
+                                 for _ in range(3))
     source = torch.linspace(-1, 1, elements, dtype=torch.float32, device=device)
     byte_size = elements * 4
     client = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
     client.register_cuda_shared_memory("x", raw_handle(x_region), 0, byte_size)
     client.register_cuda_shared_memory("y", raw_handle(y_region), 0, byte_size)
     try:
-        client.register_cuda_shared_memory("too_big", raw_handle(x_region), 0, byte_size * 1024)
+        client.register_cuda_shared_memory("too_big", raw_handle(spare), 0, max(1 << 30, allocated * 8))
         problems.append("a region larger than its allocation was accepted")
     except InferenceServerException as exc:
         if exc.status() != "StatusCode.INVALID_ARGUMENT":
@@ -112,7 +115,7 @@ def run(url: str, torch: Any, elements: int, requests: int) -> tuple[list[str], 
 
     def through_host() -> None:
         inline.set_data_from_numpy(source.cpu().numpy())
-        result = torch.from_numpy(client.infer("affine", [inline]).as_numpy("y")).to(device)
+        result = torch.tensor(client.infer("affine", [inline]).as_numpy("y"), device=device)
         assert result.shape == (elements,)
 
     figures = {"cuda_shared_memory": p50_and_rate(through_cuda_regions, requests),
