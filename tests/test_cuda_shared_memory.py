@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import gc
+import importlib.util
 import subprocess
 import sys
 import threading
@@ -241,6 +242,7 @@ FAKE_CUDART_C = r"""
 typedef struct { char reserved[64]; } cudaIpcMemHandle_t;
 static char memory[2][256];
 int opened = 0, closed = 0, synchronized = 0, device = -1;
+int cuInit(unsigned int flags) { return 100; }  /* CUDA_ERROR_NO_DEVICE: models stay on the CPU */
 int cudaGetDeviceCount(int *count) { *count = 1; return 0; }
 int cudaSetDevice(int d) { if (d != 0) return 101; device = d; return 0; }
 const char *cudaGetErrorString(int err) { return err == 1 ? "invalid argument" : "invalid device ordinal"; }
@@ -266,16 +268,21 @@ int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t ptr) {
 """
 
 
-@pytest.fixture
-def fake_cudart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
-    source, library = tmp_path / "fake_cudart.c", tmp_path / "libfake_cudart.so"
+def _build_fake_cudart(folder: Path) -> Path:
+    source, library = folder / "fake_cudart.c", folder / "lib" / "libfake_cudart.so"
+    library.parent.mkdir()
     source.write_text(FAKE_CUDART_C)
     try:
         subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True, timeout=120,
                        capture_output=True)
     except (OSError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"no working C compiler to build the stand-in CUDA runtime: {exc}")
-    loaded = ctypes.CDLL(str(library))
+    return library
+
+
+@pytest.fixture
+def fake_cudart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
+    loaded = ctypes.CDLL(str(_build_fake_cudart(tmp_path)))
     monkeypatch.setattr(cuda, "_loaded", cuda._Ctypes(loaded, loaded))
     return loaded
 
@@ -300,6 +307,43 @@ def test_the_ctypes_binding_passes_cudas_types(fake_cudart: ctypes.CDLL) -> None
     gc.collect()
     assert ctypes.c_int.in_dll(fake_cudart, "closed").value == 3
     assert ctypes.c_int.in_dll(fake_cudart, "opened").value == 3
+
+
+def test_cuda_regions_through_a_real_server_over_the_stand_in_runtime(
+    server_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end, both layouts: the server loads the stand-in as libcudart/libcuda (no CUDA here), an
+    output goes into one CUDA region and comes back as the next request's input from it."""
+    if cuda_device_count() > 0 or importlib.util.find_spec("cuda.bindings") is not None:
+        pytest.skip("a real CUDA runtime or cuda-python is installed: the server would not load the stand-in")
+    library = _build_fake_cudart(tmp_path)
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(library.parent))  # found before the system's libraries
+    first = cuda._libcudart_candidates()[0]  # the name the server loads first (a system runtime's, maybe)
+    if "/" in first:
+        pytest.skip(f"a CUDA runtime is installed with Python packages ({first}): the server would load it")
+    (library.parent / first).symlink_to(library)
+    (library.parent / "libcuda.so.1").symlink_to(library)
+    repo = tmp_path / "repo"
+    models.add_identity(repo, "identity_fp32", "FP32")
+    server = server_factory(repo)
+    values = np.array([[1.5, -2.0, 3.25, 8.0]], dtype=np.float32)
+    with grpcclient.InferenceServerClient(server.url) as triton:
+        triton.register_cuda_shared_memory("a", base64.b64encode(b"A" + bytes(62) + b"z"), 0, 256)
+        regions = triton.get_cuda_shared_memory_status(as_json=True)["regions"]
+        assert regions == {"a": {"name": "a", "byte_size": "256"}}  # device 0: proto3 JSON leaves it out
+        tensor = grpcclient.InferInput("IN", [1, 4], "FP32")
+        tensor.set_data_from_numpy(values)
+        output = grpcclient.InferRequestedOutput("OUT")
+        output.set_shared_memory("a", 16, offset=32)
+        result = triton.infer("identity_fp32", [tensor], outputs=[output])
+        assert result.get_response().raw_output_contents == [b""]  # written into the CUDA region
+        tensor.set_shared_memory("a", 16, offset=32)
+        np.testing.assert_array_equal(triton.infer("identity_fp32", [tensor]).as_numpy("OUT"), values)
+        expect_error("INVALID_ARGUMENT", "failed to register shared memory region 'big': invalid args",
+                     lambda: triton.register_cuda_shared_memory("big", base64.b64encode(b"B" + bytes(62) + b"z"),
+                                                                0, 257))
+        triton.unregister_cuda_shared_memory()
+        assert triton.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
 
 
 def test_without_a_runtime_every_registration_is_refused_first(monkeypatch: pytest.MonkeyPatch) -> None:
