@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import ctypes
 import gc
-import importlib.util
 import subprocess
 import sys
 import threading
@@ -314,8 +313,8 @@ def test_cuda_regions_through_a_real_server_over_the_stand_in_runtime(
 ) -> None:
     """End to end, both layouts: the server loads the stand-in as libcudart/libcuda (no CUDA here), an
     output goes into one CUDA region and comes back as the next request's input from it."""
-    if cuda_device_count() > 0 or importlib.util.find_spec("cuda.bindings") is not None:
-        pytest.skip("a real CUDA runtime or cuda-python is installed: the server would not load the stand-in")
+    if cuda_device_count() > 0:
+        pytest.skip("a CUDA device is here: the server would use it, not the stand-in")
     library = _build_fake_cudart(tmp_path)
     monkeypatch.setenv("LD_LIBRARY_PATH", str(library.parent))  # found before the system's libraries
     first = cuda._libcudart_candidates()[0]  # the name the server loads first (a system runtime's, maybe)

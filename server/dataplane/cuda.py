@@ -27,6 +27,7 @@ import importlib.util
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -209,20 +210,28 @@ def runtime() -> Runtime | str:
     global _loaded
     with _loading:
         if _loaded is None:
-            try:
-                try:
-                    found: Runtime = _CudaPython()
-                except ImportError:
-                    found = _load_ctypes()
-                count = found.device_count()
-                _loaded = found if count > 0 else "no CUDA device is visible"
-            except Exception as exc:  # noqa: BLE001 - whatever fails to load, this host has no usable CUDA
-                _loaded = f"{type(exc).__name__}: {exc}"
+            _loaded = _first_working()
             if isinstance(_loaded, str):
                 logger.warning("CUDA shared memory is unavailable: %s", _loaded)
             else:
                 logger.info("CUDA shared memory through %s", type(_loaded).__name__.strip("_"))
         return _loaded
+
+
+def _first_working() -> Runtime | str:
+    """cuda-python, else ctypes: also when cuda-python is there but cannot work (built for a newer
+    CUDA than the driver offers, say) while the runtime that torch ships can."""
+    problems = []
+    makers: tuple[Callable[[], Runtime], ...] = (_CudaPython, _load_ctypes)
+    for make in makers:
+        try:
+            found = make()
+            if found.device_count() > 0:
+                return found
+            problems.append(f"{make.__name__.strip('_')}: no CUDA device is visible")
+        except Exception as exc:  # noqa: BLE001 - whatever fails to load, this way has no usable CUDA
+            problems.append(f"{make.__name__.strip('_')}: {type(exc).__name__}: {exc}")
+    return "; ".join(problems)
 
 
 class _Mapping:
