@@ -189,6 +189,8 @@ def test_cuda_registration_errors_in_tritons_words(fake: FakeRuntime) -> None:
     refused(ErrorCode.INVALID_ARGUMENT, "failed to register shared memory region: invalid args",
             lambda: registry.register_cuda("bad", b"c" * 64, 0, 16))  # cudaIpcOpenMemHandle fails
     refused(ErrorCode.INVALID_ARGUMENT, "invalid args", lambda: registry.register_cuda("dev", b"b" * 64, 3, 16))
+    refused(ErrorCode.INVALID_ARGUMENT, "failed to register shared memory region 'zero': invalid args",
+            lambda: registry.register_cuda("zero", b"b" * 64, 0, 0))
     refused(ErrorCode.INVALID_ARGUMENT, "raw_handle must be the 64 bytes",
             lambda: registry.register_cuda("short", b"b" * 8, 0, 16))
     refused(ErrorCode.INVALID_ARGUMENT, "--shared-memory-max-mb",

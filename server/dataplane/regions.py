@@ -97,7 +97,7 @@ class RegionRegistry:
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self._check_room(name, byte_size)
-        if offset < 0:
+        if byte_size <= 0 or offset < 0:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
                              "unable to process address spaceInvalid argument")
         segment = io.FileIO(_open_segment(key), "r+", closefd=True)
@@ -117,9 +117,6 @@ class RegionRegistry:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, "a shared memory region needs a name ('' means every region)")
         if name in self._regions:
             raise ShoalError(ErrorCode.ALREADY_EXISTS, f"shared memory region '{shown(name)}' already in manager")
-        if byte_size <= 0:
-            raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
-                             "unable to process address spaceInvalid argument")
         if len(self._regions) >= MAX_REGIONS:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
                              f"{MAX_REGIONS} regions are registered already, the most this server holds")
