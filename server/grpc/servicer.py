@@ -164,16 +164,25 @@ class InferenceServicer:
         await self.core.unregister_system_shared_memory(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Context
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        return convert.cuda_shared_memory_status(await self.core.cuda_shared_memory_status(request.name))
+
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        await self.core.register_cuda_shared_memory(request.name, request.raw_handle, request.device_id,
+                                                    request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        await self.core.unregister_cuda_shared_memory(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # RPCs of extensions Shoal does not implement (yet) answer UNIMPLEMENTED.
-
-    async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        raise unsupported("CUDA shared memory")
-
-    async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        raise unsupported("CUDA shared memory")
-
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        raise unsupported("CUDA shared memory")
 
     async def TraceSetting(self, request: Any, context: Context) -> Any:
         raise unsupported("TraceSetting")
