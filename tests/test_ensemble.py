@@ -261,3 +261,27 @@ def test_poll_mode_unloads_the_ensemble_of_a_removed_model(tmp_path: Path, serve
         with pytest.raises(InferenceServerException) as caught:
             client.infer("plus_one", [_input(X)])
         assert caught.value.status() == "StatusCode.UNAVAILABLE"
+
+
+def test_a_sequence_runs_through_an_ensemble(tmp_path: Path, server_factory) -> None:
+    """The request's sequence parameters reach a sequence-batched step, whose state carries over between
+    the ensemble's requests; the ensemble counts that model's phases as its own."""
+    from tests import sequence_models
+
+    repo = tmp_path / "repo"
+    sequence_models.add_accumulator(repo, "accumulator")
+    ensemble_models.add_ensemble(repo, "running_sum", [
+        ensemble_models.step("accumulator", {"INPUT": "IN"}, {"OUTPUT": "OUT"})],
+        io='input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+           'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]')
+    with grpcclient.InferenceServerClient(server_factory(repo).url) as client:
+        sums = []
+        for index, value in enumerate((1.0, 2.0, 4.0)):
+            result = client.infer("running_sum", [_input(np.array([[value]], np.float32))], sequence_id=7,
+                                  sequence_start=index == 0, sequence_end=index == 2)
+            sums.append(float(result.as_numpy("OUT")[0, 0]))
+        assert sums == [1.0, 3.0, 7.0]
+        ensemble, step_model = _stats(client, "running_sum"), _stats(client, "accumulator")
+        assert _count(ensemble, "execution_count") == 3
+        assert _count(ensemble, "inference_stats", "compute_infer", "ns") == \
+            _count(step_model, "inference_stats", "compute_infer", "ns")
