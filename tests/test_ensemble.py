@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from tritonclient.utils import InferenceServerException
 from tests import ensemble_models, models
 from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
+from tests.test_perf_analyzer import BINARY as PERF_ANALYZER
 
 pytest.importorskip("torch", reason="the chain's PyTorch step needs torch (installed by .ci/run)")
 
@@ -285,3 +287,19 @@ def test_a_sequence_runs_through_an_ensemble(tmp_path: Path, server_factory) -> 
         assert _count(ensemble, "execution_count") == 3
         assert _count(ensemble, "inference_stats", "compute_infer", "ns") == \
             _count(step_model, "inference_stats", "compute_infer", "ns")
+
+
+@pytest.mark.skipif(not PERF_ANALYZER.exists(), reason=f"perf_analyzer not installed at {PERF_ANALYZER}: "
+                    "run bench/install_perf_analyzer.sh")
+def test_perf_analyzer_reads_the_ensemble_and_its_composing_models(tmp_path: Path, server_factory) -> None:
+    """perf_analyzer reads ensemble_scheduling from ModelConfig and each composing model's statistics."""
+    repo = models.repository(tmp_path, "mlp", "mlp_scale", "mlp_pipeline")
+    result = subprocess.run(
+        [str(PERF_ANALYZER), "-m", "mlp_pipeline", "-u", server_factory(repo).url, "-i", "grpc", "--input-data",
+         "zero", "--concurrency-range", "2", "-p", "500", "--max-trials", "4", "--stability-percentage", "1000"],
+        capture_output=True, text=True, timeout=180,  # a protocol check, not a speed test
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    composing = result.stdout[result.stdout.index("Composing models:"):]
+    assert "mlp, version: 1" in composing and "mlp_scale, version: 1" in composing
+    assert "Successful request count: 0" not in result.stdout
