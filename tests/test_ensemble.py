@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -303,3 +304,14 @@ def test_perf_analyzer_reads_the_ensemble_and_its_composing_models(tmp_path: Pat
     composing = result.stdout[result.stdout.index("Composing models:"):]
     assert "mlp, version: 1" in composing and "mlp_scale, version: 1" in composing
     assert "Successful request count: 0" not in result.stdout
+
+
+def test_an_ensemble_over_http(served: Served) -> None:
+    """The REST endpoint reaches ensembles through the same core: JSON in, the chain's result out."""
+    body = {"inputs": [{"name": "IN", "shape": [1, 4], "datatype": "FP32", "data": [1.0, 2.0, 3.0, 4.0]}]}
+    request = urllib.request.Request(f"http://{served.server.http_url}/v2/models/chain/infer",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        answer = json.loads(response.read())
+    assert answer["model_name"] == "chain"
+    assert answer["outputs"][0]["data"] == [4.0, 6.0, 8.0, 10.0]
