@@ -125,6 +125,7 @@ class EnsembleVersion(ModelVersion):
         started_ns = time.monotonic_ns()
         try:
             await self._run(self._plan(prepared.outputs), pool, request)
+            outputs = tensors.finish(self.spec, prepared, {name: pool[name].data for name in prepared.outputs})
         except ShoalError as exc:
             reason = FailureReason.OTHER if exc.code is ErrorCode.INVALID_ARGUMENT else FailureReason.BACKEND
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, reason)
@@ -138,7 +139,6 @@ class EnsembleVersion(ModelVersion):
             raise ShoalError(ErrorCode.INTERNAL, f"in ensemble '{self.spec.name}', {exc}") from exc
         finally:
             ALSO_COUNT_PHASES.reset(token)
-        outputs = tensors.finish(self.spec, prepared, {name: pool[name].data for name in prepared.outputs})
         phases = steps_phases.phases()
         self.statistics.record_execution(max(1, prepared.batch_size), phases)
         self.statistics.record_success(time.monotonic_ns() - arrival_ns, started_ns - arrival_ns, phases)
@@ -189,8 +189,11 @@ class EnsembleVersion(ModelVersion):
                 ready = []
                 failure: BaseException | None = None
                 for task in done:
-                    del running[task]
-                    if task.exception() is not None:
+                    step = steps[running.pop(task)]
+                    if task.cancelled():  # by its model (stopping), not by this request
+                        failure = failure or ShoalError(ErrorCode.UNAVAILABLE,
+                                                        f"the step of model '{step.model_name}' was cancelled")
+                    elif task.exception() is not None:
                         failure = failure or task.exception()
                     else:
                         ready += _arrived(task.result(), pool, waiting)
