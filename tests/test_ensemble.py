@@ -315,3 +315,18 @@ def test_an_ensemble_over_http(served: Served) -> None:
         answer = json.loads(response.read())
     assert answer["model_name"] == "chain"
     assert answer["outputs"][0]["data"] == [4.0, 6.0, 8.0, 10.0]
+
+
+def test_a_client_that_gives_up_cancels_the_steps(client: grpcclient.InferenceServerClient) -> None:
+    """Requests the client abandons (deadline 0.1 s, steps of 0.4 s) fail as the ensemble's, CANCELED; the
+    steps still queued at their models leave their queues; the ensemble serves on."""
+    failed = _count(_stats(client, "diamond"), "inference_stats", "fail", "count")
+    for _ in range(3):
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("diamond", [_input(X)], client_timeout=0.1)
+        assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    wait_until(lambda: _count(_stats(client, "diamond"), "inference_stats", "fail", "count") == failed + 3,
+               what="three cancelled ensemble requests")
+    wait_until(lambda: _count(_stats(client, "slow_a"), "inference_stats", "fail", "count") >= 1,
+               what="a queued step cancelled")
+    np.testing.assert_array_equal(client.infer("diamond", [_input(X)]).as_numpy("OUT"), 2 * X)
