@@ -330,3 +330,11 @@ def test_a_client_that_gives_up_cancels_the_steps(client: grpcclient.InferenceSe
     wait_until(lambda: _count(_stats(client, "slow_a"), "inference_stats", "fail", "count") >= 1,
                what="a queued step cancelled")
     np.testing.assert_array_equal(client.infer("diamond", [_input(X)]).as_numpy("OUT"), 2 * X)
+
+
+def test_bytes_pass_between_steps(client: grpcclient.InferenceServerClient) -> None:
+    words = np.array([[b"ensemble", b"", "ünï".encode(), b"\x00\xff"]], dtype=object)
+    tensor = grpcclient.InferInput("IN", [1, 4], "BYTES")
+    tensor.set_data_from_numpy(words)
+    result = client.infer("strings", [tensor])
+    assert result.as_numpy("OUT").tolist() == words.tolist()
