@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from shoal.backends.base import Backend, backend_for, backend_gpu_available
 from shoal.backends.devices import CPU, Device, cuda_device_count
@@ -93,6 +95,13 @@ class ModelVersion:
         )
         return cls(spec, version, built.pool, built.memory_bytes, backend)
 
+    def bind_host(self, host: Callable[[InferRequest], Any]) -> None:
+        """Give the instances that call other models (Python models' BLS) the host's entry point."""
+        for model in self.pool.models():
+            bind = getattr(model, "bind_host", None)
+            if bind is not None:
+                bind(host)
+
     def can_serve(self) -> bool:
         """At least one instance can take a request (a process instance whose worker is dead or hung cannot)."""
         return self.pool.can_serve()
@@ -102,6 +111,8 @@ class ModelVersion:
         feed = tensors.zeros_feed(self.spec)
         outputs = list(self.spec.output_names)
         for model in self.pool.models():
+            if hasattr(model, "run_requests"):  # a Python model: Triton runs no execute before a request
+                continue
             model.run(feed, outputs)
 
     async def infer(self, request: InferRequest) -> InferResponse:
@@ -115,7 +126,7 @@ class ModelVersion:
             raise
         try:
             results = await self.scheduler.submit(
-                prepared.feed, prepared.outputs, prepared.batch_size, request.parameters
+                prepared.feed, prepared.outputs, prepared.batch_size, request.parameters, context=request
             )
         except ShoalError:
             raise

@@ -56,6 +56,7 @@ from shoal.repository.config import DynamicBatching, QueuePolicy
 from shoal.scheduling.base import Executor, Runner
 from shoal.scheduling.batching import gather, scatter
 from shoal.scheduling.clock import deadline_clock
+from shoal.scheduling.requests import execute_each, takes_requests
 from shoal.statistics import FailureReason, ModelStatistics, Phases
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class Pending:
     sequence: int
     future: asyncio.Future[Outputs] = field(repr=False)
     delayed: bool = False
+    context: Any = None  # the core request it came from, for executors that take requests (requests.py)
 
 
 class Scheduler:
@@ -118,7 +120,8 @@ class Scheduler:
     # -- submission ---------------------------------------------------------------------------------
 
     async def submit(
-        self, feed: Mapping[str, np.ndarray], outputs: Sequence[str], batch_size: int, parameters: Mapping[str, Any]
+        self, feed: Mapping[str, np.ndarray], outputs: Sequence[str], batch_size: int, parameters: Mapping[str, Any],
+        context: Any = None,
     ) -> Outputs:
         """Queue one request and wait for its own rows of the outputs."""
         if self._stopping:
@@ -147,6 +150,7 @@ class Scheduler:
             delay_on_timeout=policy.delay_on_timeout,
             sequence=next(self._sequence),
             future=asyncio.get_running_loop().create_future(),
+            context=context,
         )
         self._queue(level)[pending.sequence] = pending
         self._in_use.add(level)
@@ -328,6 +332,9 @@ class Scheduler:
             self.statistics.executing -= len(batch)
 
     async def _execute_batch(self, executor: Executor, batch: list[Pending]) -> None:
+        if takes_requests(executor):  # a list of requests, not one concatenated feed
+            await execute_each(executor, batch, self.statistics, lambda: self.runner.release(executor), self._settle)
+            return
         start = time.monotonic_ns()
         try:
             outputs = list(dict.fromkeys(name for pending in batch for name in pending.outputs))
