@@ -169,11 +169,15 @@ FAULTS = {
     "returns_none": ("        return responses\n", "        return None\n"),
     "wrong_count": ("        return responses\n", "        return responses[1:]\n"),
     "wrong_dtype": ("(a + b).astype(self.output0_dtype)", "(a + b).astype(np.int64)"),
-    # INPUT0[0] == 13 ends the process (a crash), == 7 hangs; others are answered
+    # INPUT0[0] == 13 ends the process (a crash), == 7 hangs (writing its pid to the request's
+    # parameter pid_file, if any); others are answered
     "crashes": ("            a, b = in_0.as_numpy(), in_1.as_numpy()\n",
                 "            a, b = in_0.as_numpy(), in_1.as_numpy()\n"
                 "            if a.flat[0] == 13:\n                import os\n                os._exit(3)\n"
-                "            if a.flat[0] == 7:\n                import time\n                time.sleep(600)\n"),
+                "            if a.flat[0] == 7:\n                import os, time\n"
+                "                pid_file = json.loads(request.parameters()).get('pid_file')\n"
+                "                if pid_file:\n                    open(pid_file, 'w').write(str(os.getpid()))\n"
+                "                time.sleep(600)\n"),
     "syntax_error": ("    def execute(self, requests):", "    def execute(self, requests)"),
     "import_error": ("import json\n", "import json\nimport no_such_module_xyz\n"),
 }
