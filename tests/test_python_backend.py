@@ -35,6 +35,7 @@ def _timeout(ms: int) -> str:
 def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     models.copy_example(repo, "simple")
+    models.copy_example(repo, "preprocess")
     pm.add_add_sub(repo, count=2)
     pm.add_add_sub(repo, "add_sub_thread", extra=THREADS)
     pm.write_model(repo, "echo", pm.ECHO_CONFIG, pm.ECHO)
@@ -234,3 +235,15 @@ def test_a_hanging_execute_is_bounded_by_the_execution_timeout(client: grpcclien
     assert error.status() == "StatusCode.UNAVAILABLE"
     assert "did not answer within 1500 ms (execution_timeout_ms); it was killed and restarted" in error.message()
     np.testing.assert_array_equal(client.infer("hangs", _add_sub_inputs(A)).as_numpy("OUTPUT0"), A + 1)
+
+
+def test_the_example_preprocess_model(client: grpcclient.InferenceServerClient) -> None:
+    """model_repository/preprocess: 16x16 uint8 images in, the mlp's standardized 256 floats out."""
+    images = np.random.default_rng(3).integers(0, 256, size=(3, 16, 16), dtype=np.uint8)
+    tensor = grpcclient.InferInput("IMAGE", [3, 16, 16], "UINT8")
+    tensor.set_data_from_numpy(images)
+    rows = client.infer("preprocess", [tensor]).as_numpy("INPUT0")
+    assert rows.shape == (3, 256) and rows.dtype == np.float32
+    expected = images.reshape(3, 256).astype(np.float32) / 255
+    expected = (expected - expected.mean(axis=1, keepdims=True)) / expected.std(axis=1, keepdims=True)
+    np.testing.assert_allclose(rows, expected, rtol=1e-5, atol=1e-5)
