@@ -49,6 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     hangs.rename(repo / "hangs")
     pm.add_fault(repo, "crashes")
     pm.add_add_sub(repo, "threads_with_timeout", extra=THREADS + "\n" + _timeout(1000))
+    pm.add_add_sub(repo, "decoupled", extra="model_transaction_policy { decoupled: true }")
     running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
     yield running
     assert running.stop() == 0, running.log()
@@ -179,6 +180,7 @@ def test_load_errors_name_the_traceback_s_last_line(client: grpcclient.Inference
     assert index["import_error"]["reason"].startswith("ModuleNotFoundError: No module named 'no_such_module_xyz'")
     assert "import_error/1/model.py(2): <module>" in index["import_error"]["reason"]
     assert "process_instances: true" in index["threads_with_timeout"]["reason"]
+    assert "decoupled Python models" in index["decoupled"]["reason"] and index["decoupled"]["state"] == "UNAVAILABLE"
     assert not client.is_model_ready("syntax_error")
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from shoal.backends.python import pb_utils, runner
 from shoal.backends.python.autocomplete import ModelConfig
+from shoal.errors import ErrorCode, ShoalError
 from tests import python_models as pm
 
 
@@ -94,3 +95,35 @@ def test_auto_complete_runs_in_a_child_process(tmp_path: Path) -> None:
                           timeout=60, check=True)
     completed = json.loads(done.stdout)
     assert completed["max_batch_size"] == 4 and [t["name"] for t in completed["input"]] == ["IN"]
+
+
+ONE_BAD = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if x.flat[0] < 0:
+                error = pb_utils.TritonError("negative input", pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            elif x.flat[0] == 0:
+                responses.append(pb_utils.InferenceResponse([]))
+            else:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return responses
+"""
+
+
+def test_an_error_response_or_a_missing_output_fails_that_request_alone(tmp_path: Path) -> None:
+    folder = pm.write_model(tmp_path, "one_bad", 'backend: "python"', ONE_BAD)
+    config = {"name": "one_bad", "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32"}]}
+    model_file = folder / "1" / "model.py"
+    model = runner.ModelRunner(config, model_file, runner.model_args(config, model_file, "one_bad_0", "CPU", 0, 1))
+    items = [runner.RequestData({"INPUT0": np.full((1, 2), value, np.float32)}, ("OUTPUT0",)) for value in (1, -1, 0)]
+    good, bad, empty = [outcome.result() for outcome in model.execute(items)]
+    assert isinstance(good, dict) and good["OUTPUT0"].tolist() == [[1.0, 1.0]]
+    assert isinstance(bad, ShoalError) and bad.code is ErrorCode.INVALID_ARGUMENT and bad.message == "negative input"
+    assert isinstance(empty, ShoalError) and empty.message == "model 'one_bad_0': the response has no output 'OUTPUT0'"

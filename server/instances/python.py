@@ -11,6 +11,7 @@ from pathlib import Path
 from shoal.backends.base import LoadedModel
 from shoal.backends.devices import Device
 from shoal.backends.python import ThreadInstance, version_of
+from shoal.errors import load_failed
 from shoal.instances.pool import InstancePool, Placement, build_pool, instance_name
 from shoal.instances.process import WorkerLimits
 from shoal.instances.python_process import PythonProcessModel
@@ -20,6 +21,9 @@ from shoal.repository.config import ModelSpec
 def build_python_instances(spec: ModelSpec, model_file: Path, placements: list[Placement],
                            limits: WorkerLimits | None) -> InstancePool:
     """Start the instances; ``limits`` None: threads in this process, else worker processes."""
+    if spec.config_json.get("model_transaction_policy", {}).get("decoupled"):
+        raise load_failed(f"model '{spec.name}': decoupled Python models (model_transaction_policy "
+                          "{ decoupled: true }) are not supported by this server yet")
     names = iter([instance_name(placement, index) for placement in placements for index in range(placement.count)])
     version = version_of(model_file)
 

@@ -139,6 +139,8 @@ def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dic
 
 def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
     """The worker process: initialize the model, then run batches from the pipe until told to stop."""
+    if not logging.getLogger().handlers:  # a forkserver child: the model's Logger lines go to the server's stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     arenas: dict[str, Arena] = {}
     link = PipeLink(conn, arenas)
     pb_utils.set_host_link(link)
@@ -230,7 +232,6 @@ class PythonProcessModel(process.ProcessModel):
 
     def _conversation(self, deadline: float | None) -> list[tuple[Any, ...]]:
         """Serve the worker's BLS calls and arena requests until it answers the batch."""
-        in_flight = 0
         while True:
             try:
                 ready = connection.wait([self._conn, self._wake_read], timeout=0.05)
@@ -240,7 +241,6 @@ class PythonProcessModel(process.ProcessModel):
                 os.read(self._wake_read, 4096)
             while not self._finished.empty():
                 call_id, future = self._finished.get()
-                in_flight -= 1
                 self._reply(call_id, bls.result_of(future))
             if self._conn in ready:
                 try:
@@ -252,7 +252,6 @@ class PythonProcessModel(process.ProcessModel):
                 if isinstance(message, tuple) and message[0] == GROW:
                     self._grow(RESPONSES, message[1])
                 elif isinstance(message, tuple) and message[0] == BLS:
-                    in_flight += 1
                     self._start_call(message[1], message[2])
             self._check_running(deadline)
 
