@@ -200,3 +200,43 @@ def add_fault(repo: Path, fault: str, extra: str = "") -> Path:
     old, new = FAULTS[fault]
     assert old in ADD_SUB, fault
     return add_add_sub(repo, fault, extra=extra, source=ADD_SUB.replace(old, new))
+
+DOUBLE_CONFIG = """
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+DOUBLE = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(request, "X").as_numpy() * 2)]) for request in requests]
+"""
+
+# BLS with tensors of any size: X goes to "double" twice, synchronously then asynchronously.
+BLS_DOUBLE = """
+import asyncio
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            first = pb_utils.InferenceRequest(model_name="double", requested_output_names=["Y"],
+                                              inputs=[pb_utils.Tensor("X", x)]).exec()
+            y = pb_utils.get_output_tensor_by_name(first, "Y").as_numpy()
+            calls = [pb_utils.InferenceRequest(model_name="double", requested_output_names=["Y"],
+                                               inputs=[pb_utils.Tensor("X", y)]).async_exec() for _ in range(2)]
+            second, third = await asyncio.gather(*calls)
+            total = (pb_utils.get_output_tensor_by_name(second, "Y").as_numpy()
+                     + pb_utils.get_output_tensor_by_name(third, "Y").as_numpy())
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", total)]))
+        return responses
+"""

@@ -49,6 +49,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     hangs.rename(repo / "hangs")
     pm.add_fault(repo, "crashes")
     pm.add_add_sub(repo, "threads_with_timeout", extra=THREADS + "\n" + _timeout(1000))
+    pm.write_model(repo, "double", pm.DOUBLE_CONFIG, pm.DOUBLE)
+    pm.write_model(repo, "bls_double", pm.DOUBLE_CONFIG, pm.BLS_DOUBLE)
     pm.add_add_sub(repo, "decoupled", extra="model_transaction_policy { decoupled: true }")
     running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
     yield running
@@ -170,6 +172,17 @@ def test_bls_calls_an_onnx_and_a_python_model(client: grpcclient.InferenceServer
         after = _stats(client, name)
         assert _count(after, "inference_stats", "success", "count") == \
             _count(before[name], "inference_stats", "success", "count") + 1
+
+
+@pytest.mark.parametrize("elements", [1_000, 1_500_000])
+def test_bls_tensors_small_and_larger_than_the_arenas(client: grpcclient.InferenceServerClient,
+                                                       elements: int) -> None:
+    """1,000 floats cross in the instance's arenas; 1.5 million (6 MB, past the 1 MiB arenas, which a
+    batch never grows) cross on the pipe. Both ways, sync and async: X * 2, then twice * 2 and summed."""
+    x = np.random.default_rng(elements).standard_normal(elements).astype(np.float32)
+    tensor = grpcclient.InferInput("X", [elements], "FP32")
+    tensor.set_data_from_numpy(x)
+    np.testing.assert_array_equal(client.infer("bls_double", [tensor]).as_numpy("Y"), x * 8)
 
 
 def test_load_errors_name_the_traceback_s_last_line(client: grpcclient.InferenceServerClient) -> None:

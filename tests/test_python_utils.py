@@ -127,3 +127,21 @@ def test_an_error_response_or_a_missing_output_fails_that_request_alone(tmp_path
     assert isinstance(good, dict) and good["OUTPUT0"].tolist() == [[1.0, 1.0]]
     assert isinstance(bad, ShoalError) and bad.code is ErrorCode.INVALID_ARGUMENT and bad.message == "negative input"
     assert isinstance(empty, ShoalError) and empty.message == "model 'one_bad_0': the response has no output 'OUTPUT0'"
+
+
+def test_bls_tensors_go_into_the_arena_when_they_fit() -> None:
+    """What decides, in process mode, whether a BLS call's tensors cross in the arena or on the pipe."""
+    from shoal.dataplane.arena import Arena
+    from shoal.instances.python_process import _put, _take
+
+    arena = Arena.create("test-bls", 1 << 20)
+    try:
+        small = {"A": np.arange(10, dtype=np.float32), "B": np.array([b"x", b"yz"], dtype=np.object_)}
+        slots, after = _put(arena, 100, small)
+        assert slots is not None and after % 64 == 0 and after > 100
+        taken = _take(arena, slots)
+        np.testing.assert_array_equal(taken["A"], small["A"])
+        assert list(taken["B"]) == [b"x", b"yz"]
+        assert _put(arena, after, {"C": np.zeros(1 << 18, np.float32)}) == (None, after)  # 1 MiB: no room left
+    finally:
+        arena.close()

@@ -5,14 +5,18 @@ per instance, two memfd arenas for tensors, a pipe for small messages, the same 
 execution timeout and liveness checks. What differs is the conversation for a batch:
 
     server → worker  (RUN_REQUESTS, [(input slots, outputs, request id, correlation id, parameters)])
-    worker → server  (BLS, call id, BlsCall)        a model's request to another model, any number
-    server → worker  (BLS_REPLY, call id, BlsResult) as each of those finishes
+    worker → server  (BLS, call id, BlsCall, input slots)  a model's request to another model, any number
+    server → worker  (BLS_REPLY, call id, BlsResult, output slots)  as each of those finishes
     worker → server  (GROW, bytes)                   the outputs need a bigger arena
     worker → server  (DONE, [(output slots, error, code)])
 
 Inputs of every request are packed one after another at the start of the requests arena,
-outputs likewise in the responses arena. BLS tensors travel pickled on the pipe (they are the
-model's own, built in its process). While a batch runs, the server thread waits on both the pipe
+outputs likewise in the responses arena. A BLS call's tensors go the same way while a batch runs:
+its inputs into the responses arena (the worker's side) after those of earlier calls, its
+outputs into the requests arena after the batch's inputs; each side copies what it reads, since
+the next batch rewrites both arenas. An arena is never replaced during a batch (the model holds
+views of its inputs), so BLS tensors that do not fit in the room left travel pickled on the pipe
+instead (their slots are then None). While a batch runs, the server thread waits on both the pipe
 and a wake-up pipe that finished BLS calls write to, so a reply goes back as soon as it is ready.
 """
 
@@ -25,7 +29,8 @@ import os
 import queue
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
@@ -33,7 +38,7 @@ from typing import Any
 from shoal.backends.devices import Device
 from shoal.backends.python import bls, pb_utils, runner
 from shoal.dataplane import tensors
-from shoal.dataplane.arena import Arena, PoolFull
+from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError
 from shoal.instances import process
 from shoal.instances.process import ARENA, FAILED, GROW, PING, READY, REQUESTS, RESPONSES, WorkerLimits
@@ -42,6 +47,24 @@ from shoal.repository.config import ModelSpec
 logger = logging.getLogger(__name__)
 
 RUN_REQUESTS, BLS, BLS_REPLY, DONE = "run_requests", "bls", "bls_reply", "done"
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def _put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[tensors.Slot] | None, int]:
+    """``arrays`` packed at ``offset``, and where the next pack may start; (None, offset) when they do not fit."""
+    try:
+        slots = tensors.pack_at(arena, offset, process._as_tensors(arrays))
+    except PoolFull:
+        return None, offset
+    return slots, _aligned(max(offset, tensors.extent(slots)))
+
+
+def _take(arena: Arena, slots: list[tensors.Slot]) -> dict[str, Any]:
+    """Copies of the tensors at ``slots`` (the arena is rewritten by the next batch)."""
+    return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in tensors.unpack(arena, slots)}
 
 
 # -- the worker process ---------------------------------------------------------------------------
@@ -55,6 +78,11 @@ class PipeLink:
         self._waiting: dict[int, asyncio.Future[bls.BlsResult]] = {}
         self._results: dict[int, bls.BlsResult] = {}
         self._reading: asyncio.AbstractEventLoop | None = None
+        self._offset = 0  # where the next BLS call's inputs go in the responses arena
+
+    def begin(self) -> None:
+        """A batch starts: BLS inputs go from the start of the responses arena again."""
+        self._offset = 0
 
     def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         call_id = self._send(request)
@@ -85,7 +113,9 @@ class PipeLink:
 
     def _send(self, request: pb_utils.InferenceRequest) -> int:
         call_id = next(self._ids)
-        self._conn.send((BLS, call_id, bls.call_of(request)))
+        call = bls.call_of(request)
+        slots, self._offset = _put(self._arenas[RESPONSES], self._offset, call.inputs)
+        self._conn.send((BLS, call_id, call if slots is None else replace(call, inputs={}), slots))
         return call_id
 
     def _readable(self) -> None:
@@ -95,7 +125,9 @@ class PipeLink:
     def _dispatch(self, message: Any) -> None:
         if not (isinstance(message, tuple) and message[0] == BLS_REPLY):
             return  # nothing else is sent to a worker while it runs a batch
-        _, call_id, result = message
+        _, call_id, result, slots = message
+        if slots is not None:
+            result = replace(result, outputs=_take(self._arenas[REQUESTS], slots))
         future = self._waiting.pop(call_id, None)
         if future is None:
             self._results[call_id] = result
@@ -109,6 +141,7 @@ def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dic
     for slots, outputs, request_id, correlation_id, parameters in requests:
         feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
         items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters))
+    link.begin()
     try:
         outcomes = model.execute(items)
     finally:
@@ -123,7 +156,7 @@ def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dic
                     answers.append(([], outcome.error, outcome.code))
                     continue
                 slots = tensors.pack_at(arenas[RESPONSES], offset, process._as_tensors(outcome.outputs))
-                offset = max(offset, tensors.extent(slots))
+                offset = _aligned(max(offset, tensors.extent(slots)))
                 answers.append((slots, "", ""))
             return (DONE, answers)
         except (PoolFull, ShoalError) as exc:
@@ -185,6 +218,7 @@ class PythonProcessModel(process.ProcessModel):
     def __init__(self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int,
                  limits: WorkerLimits) -> None:
         self._host: bls.HostInfer | None = None
+        self._reply_offset = 0  # where the next BLS call's outputs go in the requests arena
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
         self._finished: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
@@ -203,6 +237,7 @@ class PythonProcessModel(process.ProcessModel):
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{self._spec.name}': the instance process "
                                                         f"{self._failure or 'is stopping'}")
             requests, used = self._pack_inputs(batch)
+            self._reply_offset = used  # BLS outputs go after the batch's inputs
             timeout_s = self._limits.execution_timeout_s
             deadline = time.monotonic() + timeout_s if timeout_s else None
             try:
@@ -213,7 +248,7 @@ class PythonProcessModel(process.ProcessModel):
                 answers = self._conversation(deadline)
                 return self._unpack_outputs(answers)
             finally:
-                process._trim(self._arenas[REQUESTS], used)
+                process._trim(self._arenas[REQUESTS], max(used, self._reply_offset))
 
     def _pack_inputs(self, batch: Sequence[Any]) -> tuple[list[tuple[Any, ...]], int]:
         feeds = [process._as_tensors(pending.feed) for pending in batch]
@@ -222,7 +257,7 @@ class PythonProcessModel(process.ProcessModel):
             try:
                 for pending, feed in zip(batch, feeds, strict=True):
                     slots = tensors.pack_at(self._arenas[REQUESTS], offset, feed)
-                    offset = max(offset, tensors.extent(slots))
+                    offset = _aligned(max(offset, tensors.extent(slots)))
                     data = runner.request_data({}, pending.outputs, pending.context)
                     requests.append((slots, list(data.outputs), data.request_id, data.correlation_id,
                                      dict(data.parameters)))
@@ -252,7 +287,10 @@ class PythonProcessModel(process.ProcessModel):
                 if isinstance(message, tuple) and message[0] == GROW:
                     self._grow(RESPONSES, message[1])
                 elif isinstance(message, tuple) and message[0] == BLS:
-                    self._start_call(message[1], message[2])
+                    _, call_id, call, slots = message
+                    if slots is not None:
+                        call = replace(call, inputs=_take(self._arenas[RESPONSES], slots))
+                    self._start_call(call_id, call)
             self._check_running(deadline)
 
     def _start_call(self, call_id: int, call: bls.BlsCall) -> None:
@@ -268,8 +306,13 @@ class PythonProcessModel(process.ProcessModel):
         future.add_done_callback(finished)
 
     def _reply(self, call_id: int, result: bls.BlsResult) -> None:
+        slots = None
+        if result.outputs is not None:
+            slots, self._reply_offset = _put(self._arenas[REQUESTS], self._reply_offset, result.outputs)
+            if slots is not None:
+                result = replace(result, outputs={})
         try:
-            self._conn.send((BLS_REPLY, call_id, result))
+            self._conn.send((BLS_REPLY, call_id, result, slots))
         except OSError:
             pass  # the worker is gone: the wait finds it dead
 
