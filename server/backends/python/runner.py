@@ -180,7 +180,7 @@ class ModelRunner:
         if len(responses) != len(requests):
             return self._failed(items, "Number of InferenceResponse objects do not match the number of "
                                        f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
-                                       f"and InferenceResponse(s) size is:{len(responses)}")
+                                       f"and InferenceResponse(s) size is:{len(responses)}\n")
         return [self._outcome(item, response) for item, response in zip(items, responses, strict=True)]
 
     def _failed(self, items: Sequence[RequestData], message: str) -> list[Outcome]:
