@@ -101,8 +101,8 @@ class ModelManager:
                 logger.error("model %s: %s", name, exc.message)
 
     async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()  # where BLS requests from models run (host_infer)
         """Load or reload ``name``; ``config_override`` is a ModelConfig as a JSON object (RepositoryModelLoad)."""
+        self._loop = asyncio.get_running_loop()  # where BLS requests from models run (host_infer)
         folder = scanner.model_dir(self.repository, name)
         if not folder.is_dir():
             raise ShoalError(ErrorCode.UNAVAILABLE,
