@@ -1,13 +1,14 @@
-"""Wiring only: load models, start gRPC (with health and reflection) and metrics, stop in bounded time.
+"""Wiring only: load models, start gRPC (with health and reflection), HTTP and metrics, stop in bounded time.
 
-Start: both ports are checked before the models load, so a port in use is a clear error at once
-(``StartupError``, exit 1); gRPC never shares its port unless ``--reuse-grpc-port`` says so.
+Start: every port is checked before the models load, so a port in use is a clear error at once
+(``StartupError``, exit 1); gRPC and HTTP never share their ports unless ``--reuse-grpc-port`` /
+``--reuse-http-port`` say so.
 
 Stop (SIGTERM/SIGINT), all within ``--exit-timeout-secs``:
 
 1. stop accepting inference; ServerReady and health turn NOT_SERVING;
 2. wait for the requests in flight while gRPC still answers, so a client sees NOT_SERVING;
-3. stop gRPC (open streams get ``STREAM_GRACE_S``), unload the models, exit 0.
+3. stop HTTP and gRPC (open streams get ``STREAM_GRACE_S``), unload the models, exit 0.
 
 If the bound passes first, the worker processes are killed and the process exits with
 ``EXIT_FORCED`` (3): a watchdog thread does it even if the event loop is stuck.
@@ -34,6 +35,8 @@ from shoal.frontend.supervisor import WorkerSupervisor
 from shoal.grpc.health import HealthReporter
 from shoal.grpc.server import build_server
 from shoal.grpc.servicer import InferenceServicer
+from shoal.http.app import HttpApp
+from shoal.http.server import HttpServer
 from shoal.lifecycle.manager import ModelManager
 from shoal.settings import EXIT_FORCED, ServerSettings
 
@@ -44,7 +47,7 @@ STREAM_GRACE_S = 1.0  # after the drain, for RPCs that are open but carry no req
 
 async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(name)s: %(message)s") -> int:
     """Serve until SIGTERM/SIGINT; the exit code (0, or EXIT_FORCED from the watchdog)."""
-    refuse_used_port("gRPC", settings.grpc_address, settings.grpc_port, settings.grpc.reuse_port)
+    refuse_used_ports(settings)
     if settings.allow_metrics:
         refuse_used_port("metrics", settings.metrics_address, settings.metrics_port, reuse_port=False)
     front: FrontEnd | None = None
@@ -60,7 +63,7 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
     await manager.start(settings.startup_models)
     front = WorkerFrontEnd(core, settings, log_format) if settings.grpc_workers else InProcessFrontEnd(core, settings)
     try:
-        port = await front.start()
+        port, http_port = await front.start()
         metrics_port = 0
         if settings.allow_metrics:
             from shoal.metrics import start_metrics_server
@@ -74,7 +77,7 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
     if settings.control_mode == "poll":
         background.add(asyncio.create_task(manager.poll_forever(settings.poll_interval_s)))
     if settings.port_file is not None:
-        settings.port_file.write_text(f"{port}\n{metrics_port}\n")  # metrics 0: disabled
+        settings.port_file.write_text(f"{port}\n{metrics_port}\n{http_port}\n")  # 0: disabled
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -105,9 +108,9 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
 
 
 class FrontEnd(Protocol):
-    """Where gRPC is served: in this process, or in front-end worker processes."""
+    """Where gRPC and HTTP are served: in this process, or in front-end worker processes."""
 
-    async def start(self) -> int: ...  # the bound port
+    async def start(self) -> tuple[int, int]: ...  # the bound gRPC and HTTP ports (HTTP 0: off)
 
     def health_changed(self) -> None: ...
 
@@ -119,22 +122,29 @@ class FrontEnd(Protocol):
 
 
 class InProcessFrontEnd:
-    """gRPC (with health and reflection) in the host process, over its ``LocalCore``."""
+    """gRPC (with health and reflection) and HTTP in the host process, over its ``LocalCore``."""
 
     def __init__(self, core: LocalCore, settings: ServerSettings) -> None:
         self.core = core
         self.settings = settings
         self.health = HealthReporter()
         self.server: grpc.aio.Server | None = None
+        self.http: HttpServer | None = None
         self._syncs: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> int:
+    async def start(self) -> tuple[int, int]:
         await self.health.sync(self.core)
         self.server, port = build_server(InferenceServicer(self.core), self.health, self.settings.grpc_address,
                                          self.settings.grpc_port, self.settings.tls, self.settings.grpc)
+        http_port = 0
+        if self.settings.allow_http:
+            http = self.settings.http
+            self.http = HttpServer(HttpApp(self.core, http.max_input_bytes, http.restrictions), http)
+            http_port = await self.http.start()
+            logger.info("Started HTTPService at %s:%d", http.address, http_port)
         await self.server.start()
         logger.info("Started GRPCInferenceService at %s:%d", self.settings.grpc_address, port)
-        return port
+        return port, http_port
 
     def health_changed(self) -> None:
         task = asyncio.get_running_loop().create_task(self.health.sync(self.core))
@@ -147,6 +157,8 @@ class InProcessFrontEnd:
     async def stop(self, grace_s: float, deadline: float) -> None:
         for task in self._syncs:
             task.cancel()
+        if self.http is not None:
+            await self.http.stop(grace_s)
         if self.server is not None:
             await self.server.stop(grace=grace_s)
 
@@ -155,20 +167,22 @@ class InProcessFrontEnd:
 
 
 class WorkerFrontEnd:
-    """gRPC in ``settings.grpc_workers`` front-end processes sharing the port (``shoal.frontend``)."""
+    """gRPC and HTTP in ``settings.grpc_workers`` front-end processes sharing the ports (``shoal.frontend``)."""
 
     def __init__(self, core: LocalCore, settings: ServerSettings, log_format: str) -> None:
         self.supervisor = WorkerSupervisor(core, settings, log_format)
 
-    async def start(self) -> int:
+    async def start(self) -> tuple[int, int]:
         settings = self.supervisor.settings
         # Checked again now that the models are loaded: the workers bind with SO_REUSEPORT, so a
-        # server that took the port meanwhile would otherwise share it silently.
-        refuse_used_port("gRPC", settings.grpc_address, settings.grpc_port, settings.grpc.reuse_port)
-        port = await self.supervisor.start()
+        # server that took a port meanwhile would otherwise share it silently.
+        refuse_used_ports(settings)
+        port, http_port = await self.supervisor.start()
         logger.info("Started GRPCInferenceService at %s:%d in %d front-end worker processes",
-                    self.supervisor.settings.grpc_address, port, len(self.supervisor.workers))
-        return port
+                    settings.grpc_address, port, len(self.supervisor.workers))
+        if settings.allow_http:
+            logger.info("Started HTTPService at %s:%d in the same processes", settings.http.address, http_port)
+        return port, http_port
 
     def health_changed(self) -> None:
         self.supervisor.notify_health()
@@ -205,6 +219,13 @@ def _kill_children_and_exit(core: LocalCore, timeout_s: float) -> None:
     os._exit(EXIT_FORCED)  # instance threads still executing must not hold the exit
 
 
+def refuse_used_ports(settings: ServerSettings) -> None:
+    """StartupError if the gRPC port, or the HTTP port when HTTP is served, is taken."""
+    refuse_used_port("gRPC", settings.grpc_address, settings.grpc_port, settings.grpc.reuse_port)
+    if settings.allow_http:
+        refuse_used_port("HTTP", settings.http.address, settings.http.port, settings.http.reuse_port)
+
+
 def refuse_used_port(what: str, address: str, port: int, reuse_port: bool) -> None:
     """StartupError if something listens on ``address:port`` already (port 0 is always free).
 
@@ -223,7 +244,8 @@ def refuse_used_port(what: str, address: str, port: int, reuse_port: bool) -> No
             try:
                 probe.bind(where)
             except OSError as exc:
-                hint = "; pass --reuse-grpc-port to share it on purpose" if what == "gRPC" else ""
+                flag = {"gRPC": "--reuse-grpc-port", "HTTP": "--reuse-http-port"}.get(what)
+                hint = f"; pass {flag} to share it on purpose" if flag else ""
                 raise StartupError(
                     f"cannot serve {what} on {address}:{port}: {exc.strerror} (another server?){hint}"
                 ) from None

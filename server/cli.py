@@ -10,7 +10,14 @@ import sys
 from pathlib import Path
 
 from shoal import __version__
-from shoal.settings import EXIT_STARTUP_FAILED, GrpcLimits, ServerSettings, TlsSettings, parse_restriction
+from shoal.settings import (
+    EXIT_STARTUP_FAILED,
+    GrpcLimits,
+    HttpSettings,
+    ServerSettings,
+    TlsSettings,
+    parse_restriction,
+)
 
 LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 MAX_GRPC_WORKERS = 64
@@ -74,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Shoal model server")
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve a model repository over gRPC (KServe v2 / Triton)")
+    serve = commands.add_parser("serve", help="serve a model repository over gRPC and HTTP (KServe v2 / Triton)")
     serve.add_argument("--model-repository", type=Path, required=True, help="folder of model folders")
     serve.add_argument("--grpc-address", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     serve.add_argument("--grpc-port", type=_port, default=8001, help="port (default 8001; 0 = any free)")
@@ -92,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, how long in-flight requests may take to finish",
     )
     serve.add_argument("--port-file", type=Path,
-                       help="once serving, write the bound gRPC port (line 1) and metrics port (line 2) here")
+                       help="once serving, write the bound gRPC port (line 1), metrics port (line 2) and HTTP port "
+                            "(line 3) here; 0 for an endpoint that is off")
     serve.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",
                        help="none: load all at start; poll: also follow repository changes; explicit: load on request")
     serve.add_argument("--repository-poll-secs", type=float, default=15.0, help="poll interval (default 15)")
@@ -113,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reuse-grpc-port", type=_bool, default=False,
                        help="let other servers bind the gRPC port too (SO_REUSEPORT); default false: a port in use "
                             "is an error")
-    serve.add_argument("--grpc-workers", type=_count, default=0,
-                       help="front-end processes serving gRPC on the one port, beside the process that holds the "
-                            "models; 0 serves gRPC in that process (default 0)")
+    serve.add_argument("--grpc-workers", "--frontend-workers", dest="grpc_workers", type=_count, default=0,
+                       help="front-end processes serving gRPC and HTTP on their ports, beside the process that holds "
+                            "the models; 0 serves both in that process (default 0)")
     serve.add_argument("--grpc-worker-pool-mb", type=float, default=1024.0,
                        help="shared memory per front-end worker and direction, which bounds the tensor bytes it "
                             "has in flight (default 1024)")
@@ -125,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shared-memory-max-mb", type=float, default=65536.0,
                        help="the most shared memory clients may register in all, in MiB (default 65536); "
                             "the memory stays the client's")
+    _add_http_arguments(serve)
     tls = serve.add_argument_group("TLS (Triton's flag names)")
     tls.add_argument("--grpc-use-ssl", type=_bool, default=False, help="serve gRPC over TLS")
     tls.add_argument("--grpc-server-cert", type=Path, help="PEM certificate chain of the server")
@@ -133,6 +142,24 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--grpc-use-ssl-mutual", type=_bool, default=False, help="require client certificates")
     _add_config_commands(commands)
     return parser
+
+
+def _add_http_arguments(serve: argparse.ArgumentParser) -> None:
+    http = serve.add_argument_group("HTTP/REST (Triton's flag names)")
+    http.add_argument("--allow-http", type=_bool, default=True, help="serve KServe v2 REST (default true)")
+    http.add_argument("--http-address", help="address of the HTTP endpoint (default: --grpc-address)")
+    http.add_argument("--http-port", type=_port, default=8000, help="HTTP port (default 8000; 0 = any free)")
+    http.add_argument("--reuse-http-port", type=_bool, default=False,
+                      help="let other servers bind the HTTP port too (SO_REUSEPORT); default false")
+    http.add_argument("--http-restricted-api", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
+                      help="require header KEY=VALUE for these API categories (as --grpc-restricted-protocol)")
+    http.add_argument("--http-max-input-size", type=int, default=64 << 20, metavar="BYTES",
+                      help="largest request body, also once decompressed (default 67108864, as Triton)")
+    http.add_argument("--http-use-ssl", type=_bool, default=False, help="serve HTTP over TLS (HTTPS)")
+    http.add_argument("--http-server-cert", type=Path, help="PEM certificate chain of the HTTP server")
+    http.add_argument("--http-server-key", type=Path, help="PEM private key of the HTTP server")
+    http.add_argument("--http-root-cert", type=Path, help="PEM CA that signs client certificates (for mTLS)")
+    http.add_argument("--http-use-ssl-mutual", type=_bool, default=False, help="require client certificates")
 
 
 def _add_config_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -165,17 +192,34 @@ def _add_config_commands(commands: argparse._SubParsersAction) -> None:  # type:
     tune.add_argument("--output-dir", type=Path, help="CSV and PNG (default <model_dir>/tuning)")
 
 
-def _tls_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TlsSettings | None:
-    if not (args.grpc_use_ssl or args.grpc_use_ssl_mutual):
+def _tls_settings(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, prefix: str = "grpc"
+) -> TlsSettings | None:
+    """``--grpc-*`` or ``--http-*`` TLS flags, checked the same way."""
+    use, mutual = getattr(args, f"{prefix}_use_ssl"), getattr(args, f"{prefix}_use_ssl_mutual")
+    cert, key, root = (getattr(args, f"{prefix}_{name}") for name in ("server_cert", "server_key", "root_cert"))
+    if not (use or mutual):
         return None
-    if not args.grpc_server_cert or not args.grpc_server_key:
-        parser.error("--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key")
-    if args.grpc_use_ssl_mutual and not args.grpc_root_cert:
-        parser.error("--grpc-use-ssl-mutual needs --grpc-root-cert")
-    for path in (args.grpc_server_cert, args.grpc_server_key, args.grpc_root_cert):
+    if not cert or not key:
+        parser.error(f"--{prefix}-use-ssl needs --{prefix}-server-cert and --{prefix}-server-key")
+    if mutual and not root:
+        parser.error(f"--{prefix}-use-ssl-mutual needs --{prefix}-root-cert")
+    for path in (cert, key, root):
         if path is not None and not path.is_file():
             parser.error(f"TLS file {path} does not exist")
-    return TlsSettings(args.grpc_server_cert, args.grpc_server_key, args.grpc_root_cert, args.grpc_use_ssl_mutual)
+    return TlsSettings(cert, key, root, mutual)
+
+
+def _http_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> HttpSettings:
+    try:
+        restrictions = tuple(parse_restriction(text) for text in args.http_restricted_api)
+    except ValueError as exc:
+        parser.error(f"--http-restricted-api {exc}")
+    if args.http_max_input_size < 1:
+        parser.error("--http-max-input-size must be at least 1")
+    return HttpSettings(address=args.http_address or args.grpc_address, port=args.http_port,
+                        max_input_bytes=args.http_max_input_size, restrictions=restrictions,
+                        reuse_port=args.reuse_http_port, tls=_tls_settings(parser, args, "http"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         grpc_worker_pool_bytes=int(min(args.grpc_worker_pool_mb, 2**40 / 2**20) * 2**20),
         shared_memory_max_bytes=int(min(args.shared_memory_max_mb, 2**50 / 2**20) * 2**20),
         grpc_worker_liveness_s=args.grpc_worker_liveness_secs,
+        allow_http=args.allow_http,
+        http=_http_settings(parser, args),
         grpc=GrpcLimits(
             max_message_bytes=min(2**31 - 1, int(args.grpc_max_message_mb * 2**20)),
             max_concurrent_streams=args.grpc_max_concurrent_streams,

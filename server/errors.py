@@ -6,15 +6,17 @@ Exception tree::
       raised with an ErrorCode:
         INVALID_ARGUMENT   bad request: shape, datatype, missing/extra tensor, bad sizes
         NOT_FOUND          unknown requested output and other missing named things
-        UNAVAILABLE        unknown or not-ready model/version (Triton's wording and code)
+        MODEL_NOT_FOUND    unknown model or version (Triton's wording; gRPC UNAVAILABLE, HTTP 404)
+        UNAVAILABLE        a model that is not ready, unloading, or a server shutting down
         UNSUPPORTED        a feature Shoal does not implement
         ALREADY_EXISTS     a name that is taken
         INTERNAL           a backend failed while executing
         LOAD_FAILED        a model could not be loaded (config, model file, device)
-        PERMISSION_DENIED  a restricted RPC without the configured header
+        PERMISSION_DENIED  a restricted call without the configured header (gRPC: UNAVAILABLE, as Triton)
     StartupError(message)  the server cannot start (a port in use): a clear line and exit 1
 
-The gRPC layer maps each code to a status in one table (server/grpc/status.py).
+Each transport maps every code to its status in one table (server/grpc/status.py,
+server/http/status.py).
 
 Messages go back to clients in a header (grpc's ``grpc-message`` trailer, under a metadata
 limit of a few KiB), so names a client sent are echoed shortened (``shown``) and a whole
@@ -33,6 +35,7 @@ MAX_MESSAGE_BYTES = 2048
 class ErrorCode(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"
     NOT_FOUND = "not_found"
+    MODEL_NOT_FOUND = "model_not_found"
     UNAVAILABLE = "unavailable"
     UNSUPPORTED = "unsupported"
     ALREADY_EXISTS = "already_exists"
@@ -83,10 +86,10 @@ def unsupported(what: str) -> ShoalError:
 
 
 def unknown_model(name: str, version: str = "") -> ShoalError:
-    """Triton's wording, which tritonclient users match on."""
+    """Triton's wording, which tritonclient users match on (UNAVAILABLE over gRPC, 404 over HTTP, as Triton)."""
     name, version = shown(name), shown(version)
     if version:
         return ShoalError(
-            ErrorCode.UNAVAILABLE, f"Request for unknown model: '{name}' version {version} is not found"
+            ErrorCode.MODEL_NOT_FOUND, f"Request for unknown model: '{name}' version {version} is not found"
         )
-    return ShoalError(ErrorCode.UNAVAILABLE, f"Request for unknown model: '{name}' is not found")
+    return ShoalError(ErrorCode.MODEL_NOT_FOUND, f"Request for unknown model: '{name}' is not found")

@@ -50,6 +50,18 @@ class GrpcLimits:
 
 
 @dataclass(frozen=True)
+class HttpSettings:
+    """The HTTP/REST endpoint (Triton's ``--http-*`` flags)."""
+
+    address: str = "0.0.0.0"
+    port: int = 8000
+    max_input_bytes: int = 64 << 20  # a request body, before and after decompression (Triton's default)
+    restrictions: tuple[Restriction, ...] = ()  # --http-restricted-api
+    reuse_port: bool = False  # SO_REUSEPORT for other servers; Shoal's own workers always share it
+    tls: TlsSettings | None = None
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     model_repository: Path
     grpc_address: str = "0.0.0.0"
@@ -73,6 +85,8 @@ class ServerSettings:
     grpc_worker_pool_bytes: int = 1 << 30  # each worker's shared memory, per direction
     grpc_worker_liveness_s: float = 5.0  # ping each worker this often; one that misses a ping is replaced (0: off)
     shared_memory_max_bytes: int = 64 << 30  # clients' registered shared-memory regions, in all
+    allow_http: bool = True
+    http: HttpSettings = HttpSettings()
 
 
 @dataclass(frozen=True)

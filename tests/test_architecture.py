@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     "app": 9,  # wiring
     "config_commands": 8, "tools": 8,  # tools that drive a server
     "frontend": 8,  # front-end worker processes: a transport over a remote core
-    "grpc": 7, "metrics": 7,  # transports
+    "grpc": 7, "http": 7, "metrics": 7,  # transports
     "core": 6,  # the facade every transport calls
     "lifecycle": 5,
     "instances": 4, "scheduling": 4,

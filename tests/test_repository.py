@@ -151,7 +151,7 @@ def test_version_folders_skip_non_integer_and_zero_padded(
 def test_unsafe_model_names_are_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(ShoalError) as caught:
         scanner.model_dir(tmp_path, name)
-    assert caught.value.code is ErrorCode.UNAVAILABLE
+    assert caught.value.code is ErrorCode.MODEL_NOT_FOUND  # unknown_model: UNAVAILABLE over gRPC
 
 
 def test_symlink_out_of_the_repository_is_skipped(tmp_path: Path) -> None:
@@ -205,7 +205,7 @@ def test_a_model_folder_is_no_repository(tmp_path: Path, caplog: pytest.LogCaptu
     (bare / "3" / "model.onnx").write_bytes(b"")
     with pytest.raises(ShoalError, match="pass its parent folder"):
         scanner.list_models(bare)
-    assert scanner.list_models(EXAMPLES) == ["mlp", "preprocess", "simple"]
+    assert scanner.list_models(EXAMPLES) == ["mlp", "mlp_pipeline", "mlp_scale", "preprocess", "simple"]
     empty = tmp_path / "empty"
     empty.mkdir()
     with caplog.at_level(logging.WARNING):

@@ -38,8 +38,8 @@ class CoreHost:
         self._channel: Channel | None = None
         self.closed = asyncio.Event()
         self.answered_ping_at = 0.0  # time.monotonic() of the worker's last PONG
-        # The port the worker serves on, or why it could not start.
-        self.started: asyncio.Future[int | str] = asyncio.get_running_loop().create_future()
+        # The (gRPC, HTTP) ports the worker serves on (HTTP 0: off), or why it could not start.
+        self.started: asyncio.Future[tuple[int, int] | str] = asyncio.get_running_loop().create_future()
 
     async def connect(self, sock: socket.socket) -> None:
         self._channel = await Channel.open(sock, self._received, self.closed.set)

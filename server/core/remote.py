@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from shoal.core import (
+    CudaRegionStatus,
     HealthSnapshot,
     IndexEntry,
     ModelMetadata,
@@ -62,8 +63,8 @@ class RemoteCore:
         self._loop_thread = threading.get_ident()
         self._channel = await Channel.open(sock, self._received, self._host_gone)
 
-    def started(self, port_or_problem: int | str) -> None:
-        """Tell the host this worker serves on a port (or why it cannot)."""
+    def started(self, port_or_problem: tuple[int, int] | str) -> None:
+        """Tell the host this worker serves on its (gRPC, HTTP) ports, HTTP 0 when off (or why it cannot)."""
         if self._channel is not None:
             self._channel.send((messages.STARTED, port_or_problem))
 
@@ -133,6 +134,16 @@ class RemoteCore:
 
     async def system_shared_memory_status(self, name: str) -> list[RegionStatus]:
         regions: list[RegionStatus] = await self._call("system_shared_memory_status", name)
+        return regions
+
+    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        await self._call("register_cuda_shared_memory", name, raw_handle, device_id, byte_size)
+
+    async def unregister_cuda_shared_memory(self, name: str) -> None:
+        await self._call("unregister_cuda_shared_memory", name)
+
+    async def cuda_shared_memory_status(self, name: str) -> list[CudaRegionStatus]:
+        regions: list[CudaRegionStatus] = await self._call("cuda_shared_memory_status", name)
         return regions
 
     # -- the channel -------------------------------------------------------------------------------

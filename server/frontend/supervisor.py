@@ -1,5 +1,8 @@
 """The host's side of the front-end workers: start N on one port, restart one that dies, stop all.
 
+Each worker serves every transport: gRPC, and HTTP unless ``--allow-http false``; both ports are
+shared by all workers the same way.
+
 Each worker gets a socketpair for control messages and two arenas (``dataplane.arena``): its own
 for inputs and one of the host's for outputs, passed as inherited memfd descriptors. Worker 0
 binds the configured port first (port 0: a free one), the others join it with SO_REUSEPORT, and
@@ -50,15 +53,17 @@ class WorkerSupervisor:
         self.settings = settings
         self.log_format = log_format
         self.port = settings.grpc_port
+        self.http_port = settings.http.port
         self.workers: dict[int, Worker] = {}
         self._stopping = False
         self._watchers: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> int:
-        """Start every worker; the bound port. StartupError if a worker cannot serve."""
-        self.port = await self._start_worker(0)
+    async def start(self) -> tuple[int, int]:
+        """Start every worker; the bound (gRPC, HTTP) ports, HTTP 0 when off. StartupError if a worker cannot
+        serve."""
+        self.port, self.http_port = await self._start_worker(0)
         await asyncio.gather(*(self._start_worker(i) for i in range(1, self.settings.grpc_workers)))
-        return self.port
+        return self.port, self.http_port
 
     def notify_health(self) -> None:
         """Model or server state changed: each worker reads health again."""
@@ -88,7 +93,7 @@ class WorkerSupervisor:
                 except ProcessLookupError:
                     pass
 
-    async def _start_worker(self, index: int) -> int:
+    async def _start_worker(self, index: int) -> tuple[int, int]:
         pool_bytes = self.settings.grpc_worker_pool_bytes
         requests = Arena.create(f"shoal-worker{index}-requests", pool_bytes)
         responses = Arena.create(f"shoal-worker{index}-responses", pool_bytes)
@@ -106,6 +111,7 @@ class WorkerSupervisor:
             limits=replace(self.settings.grpc, reuse_port=True), requests_fd=requests.fd,
             responses_fd=responses.fd, pool_bytes=pool_bytes, log_level=logging.getLogger().level,
             log_format=self.log_format,
+            http=replace(self.settings.http, port=self.http_port) if self.settings.allow_http else None,
         )
         send_config(host_end, config)
         requests.close_fd()  # the worker has its own descriptors now; the mappings stay
@@ -114,16 +120,17 @@ class WorkerSupervisor:
         await host.connect(host_end)
         worker = Worker(index, process, host)
         self.workers[index] = worker
-        port = await self._wait_started(worker)
+        ports = await self._wait_started(worker)
         for watch in (self._watch(worker), self._check_liveness(worker)):
             watcher = asyncio.create_task(watch)
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
-        logger.info("front-end worker %d (pid %d) serves gRPC on %s:%d", index, process.pid,
-                    self.settings.grpc_address, port)
-        return port
+        logger.info("front-end worker %d (pid %d) serves gRPC on %s:%d%s", index, process.pid,
+                    self.settings.grpc_address, ports[0],
+                    f" and HTTP on {self.settings.http.address}:{ports[1]}" if self.settings.allow_http else "")
+        return ports
 
-    async def _wait_started(self, worker: Worker) -> int:
+    async def _wait_started(self, worker: Worker) -> tuple[int, int]:
         exited = asyncio.create_task(worker.process.wait())
         try:
             await asyncio.wait((exited, worker.host.started), timeout=START_TIMEOUT_S,
@@ -131,7 +138,7 @@ class WorkerSupervisor:
         finally:
             exited.cancel()
         result = worker.host.started.result() if worker.host.started.done() else None
-        if isinstance(result, int):
+        if isinstance(result, tuple):
             return result
         if worker.process.returncode is None:
             worker.process.kill()

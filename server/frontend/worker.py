@@ -1,4 +1,4 @@
-"""One front-end worker process: the same gRPC transport as the host's, over a ``RemoteCore``.
+"""One front-end worker process: the same gRPC and HTTP transports as the host's, over a ``RemoteCore``.
 
 Started by the host (``frontend.supervisor``) as ``python -m shoal.frontend FD``, where FD is
 its end of a socketpair. The first thing on it is the ``WorkerConfig``; then it serves until the
@@ -26,7 +26,9 @@ from shoal.errors import StartupError
 from shoal.grpc.health import HealthReporter
 from shoal.grpc.server import build_server
 from shoal.grpc.servicer import InferenceServicer
-from shoal.settings import GrpcLimits, TlsSettings
+from shoal.http.app import HttpApp
+from shoal.http.server import HttpServer
+from shoal.settings import GrpcLimits, HttpSettings, TlsSettings
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class WorkerConfig:
     pool_bytes: int  # the size of each arena
     log_level: int
     log_format: str
+    http: HttpSettings | None = None  # None: no HTTP endpoint; its port is shared with the other workers
 
 
 def send_config(sock: socket.socket, config: WorkerConfig) -> None:
@@ -80,7 +83,7 @@ def _die_with_parent() -> None:
 
 
 async def serve(sock: socket.socket, config: WorkerConfig) -> int:
-    """Serve gRPC until the host says stop or goes away; the exit code."""
+    """Serve gRPC (and HTTP) until the host says stop or goes away; the exit code."""
     requests = Arena(config.requests_fd, config.pool_bytes)
     responses = Arena(config.responses_fd, config.pool_bytes)
     requests.close_fd()
@@ -102,19 +105,27 @@ async def serve(sock: socket.socket, config: WorkerConfig) -> int:
     core = RemoteCore(requests, responses, on_health=refresh_health, on_stop=stop_serving)
     await core.connect(sock)
     await health.sync(core)
+    http: HttpServer | None = None
+    http_port = 0
     try:
         server, port = build_server(InferenceServicer(core), health, config.address, config.port, config.tls,
                                     config.limits)
+        if config.http is not None:
+            http = HttpServer(HttpApp(core, config.http.max_input_bytes, config.http.restrictions), config.http,
+                              reuse_port=True)
+            http_port = await http.start()
     except StartupError as exc:
         core.started(str(exc))
         return 1
     await server.start()
-    core.started(port)
+    core.started((port, http_port))
     host_gone = asyncio.create_task(core.closed.wait())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait((host_gone, stopping), return_when=asyncio.FIRST_COMPLETED)
     if core.closed.is_set() and not stop.is_set():
         logger.error("front-end worker %d: the host process is gone; exiting", config.index)
+    if http is not None:
+        await http.stop(grace_s[0])
     await server.stop(grace=grace_s[0])
     for task in (host_gone, stopping, *background):
         task.cancel()

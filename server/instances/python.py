@@ -21,6 +21,9 @@ from shoal.repository.config import ModelSpec
 def build_python_instances(spec: ModelSpec, model_file: Path, placements: list[Placement],
                            limits: WorkerLimits | None) -> InstancePool:
     """Start the instances; ``limits`` None: threads in this process, else worker processes."""
+    if spec.sequence_batching is not None:
+        raise load_failed(f"model '{spec.name}': sequence_batching for Python models is not supported by this "
+                          "server yet")
     if spec.config_json.get("model_transaction_policy", {}).get("decoupled"):
         raise load_failed(f"model '{spec.name}': decoupled Python models (model_transaction_policy "
                           "{ decoupled: true }) are not supported by this server yet")

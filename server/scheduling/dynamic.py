@@ -57,7 +57,7 @@ from shoal.scheduling.base import Executor, Runner
 from shoal.scheduling.batching import gather, scatter
 from shoal.scheduling.clock import deadline_clock
 from shoal.scheduling.requests import execute_each, takes_requests
-from shoal.statistics import FailureReason, ModelStatistics, Phases
+from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases, PhaseTotals
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class Pending:
     future: asyncio.Future[Outputs] = field(repr=False)
     delayed: bool = False
     context: Any = None  # the core request it came from, for executors that take requests (requests.py)
+    also_count: PhaseTotals | None = None  # the caller's aggregator (an ensemble's), if it set one
 
 
 class Scheduler:
@@ -151,6 +152,7 @@ class Scheduler:
             sequence=next(self._sequence),
             future=asyncio.get_running_loop().create_future(),
             context=context,
+            also_count=ALSO_COUNT_PHASES.get(),
         )
         self._queue(level)[pending.sequence] = pending
         self._in_use.add(level)
@@ -360,6 +362,8 @@ class Scheduler:
         self.statistics.record_execution(sum(p.size for p in batch), phases)
         for pending, part in zip(batch, parts, strict=True):
             self.statistics.record_success(done - pending.arrival_ns, start - pending.arrival_ns, phases)
+            if pending.also_count is not None:
+                pending.also_count.add(phases)
             self._settle(pending, part)
 
     def _settle(self, pending: Pending, outcome: Outputs | BaseException | None) -> None:

@@ -64,4 +64,7 @@ async def execute_each(executor: Any, batch: Sequence[QueuedRequest], statistics
             statistics.record_failure(done - pending.arrival_ns, FailureReason.BACKEND)
         else:
             statistics.record_success(done - pending.arrival_ns, start - pending.arrival_ns, phases)
+            also_count = getattr(pending, "also_count", None)  # an ensemble's totals, when it runs in one
+            if also_count is not None:
+                also_count.add(phases)
         settle(pending, result)

@@ -1,7 +1,8 @@
 """Start a Shoal server as a subprocess on a free loopback port, ready when it answers over RPC.
 
 Used by ``shoal config tune``, the benchmarks and the tests. The port comes from the server
-itself (``--grpc-port 0 --port-file``), so there is no pick-a-port-then-release race.
+itself (``--grpc-port 0 --http-port 0 --port-file``), so there is no pick-a-port-then-release race.
+``port``/``url`` are gRPC's; ``http_port``/``http_url`` HTTP's (0 / no URL with ``--allow-http false``).
 """
 
 from __future__ import annotations
@@ -28,10 +29,16 @@ class LocalServer:
     port: int
     log_path: Path | None
     metrics_port: int = 0  # 0 when metrics are off
+    http_port: int = 0  # 0 when HTTP is off
 
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """``host:port`` of the HTTP endpoint, as tritonclient.http takes it."""
+        return f"127.0.0.1:{self.http_port}"
 
     @property
     def pid(self) -> int:
@@ -65,6 +72,8 @@ def start(
     port_file.unlink(missing_ok=True)
     if "--metrics-port" not in extra_args:  # never collide on Triton's default 8002
         extra_args = (*extra_args, "--metrics-port", "0", "--metrics-address", "127.0.0.1")
+    if "--http-port" not in extra_args:  # nor on Triton's HTTP default 8000
+        extra_args = (*extra_args, "--http-port", "0", "--http-address", "127.0.0.1")
     with open(log_path or os.devnull, "wb") as log:  # the child keeps its own descriptor
         process = subprocess.Popen(
             [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repository),
@@ -85,13 +94,13 @@ def _wait_until_serving(
     credentials: grpc.ChannelCredentials | None, deadline: float,
 ) -> LocalServer:
     """The started server once it has written its ports and answers ServerLive."""
-    while not (port_file.exists() and len(port_file.read_text().split()) == 2):
+    while not (port_file.exists() and len(port_file.read_text().split()) == 3):
         if process.poll() is not None or time.monotonic() > deadline:
             detail = log_path.read_text(errors="replace") if log_path else "(no log kept)"
             raise RuntimeError(f"the server did not start:\n{detail}")
         time.sleep(0.05)
-    grpc_port, metrics_port = (int(p) for p in port_file.read_text().split())
-    server = LocalServer(process, grpc_port, log_path, metrics_port)
+    grpc_port, metrics_port, http_port = (int(p) for p in port_file.read_text().split())
+    server = LocalServer(process, grpc_port, log_path, metrics_port, http_port)
     options = [("grpc.ssl_target_name_override", "localhost")] if credentials else []
     channel = (
         grpc.secure_channel(server.url, credentials, options) if credentials else grpc.insecure_channel(server.url)
@@ -103,7 +112,7 @@ def _wait_until_serving(
                 if stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=1).live:
                     return server
             except grpc.RpcError as error:
-                if error.code() == grpc.StatusCode.PERMISSION_DENIED:
+                if "restricted" in (error.details() or ""):
                     return server  # it answers: health is restricted (--grpc-restricted-protocol health:...)
                 if time.monotonic() > deadline:
                     raise

@@ -1,0 +1,173 @@
+"""Per-request cost of candidate HTTP stacks for Shoal's HTTP endpoint, measured here.
+
+    python bench/http_stacks.py [--seconds 3 --concurrency 1,16]
+
+Each stack serves one route in a subprocess on a free loopback port, the way Shoal would run it
+(inside an asyncio loop the process already has, on a socket it bound itself): ``POST
+/v2/models/m/infer`` with a small KServe v2 JSON body, parsed with ``json.loads`` and answered
+with ``json.dumps``, so the figure is the stack's cost plus the same small JSON work. The client
+is a raw asyncio HTTP/1.1 keep-alive client in another process (one connection per concurrent
+request, next request as soon as the answer is read), light enough that the server process is
+the bottleneck. Bounded in time per run. Prints requests/s and µs of server time per request;
+writes bench/results/http_stacks.csv.
+
+Candidates (each must run in an existing loop on a given socket, which SO_REUSEPORT needs):
+``aiohttp`` (web.Application behind AppRunner/SockSite) and ``uvicorn`` with ``httptools`` and a
+raw ASGI app (``uvicorn.Server.startup(sockets=...)``). granian is left out: it runs its own
+Rust runtime and process model, not inside Shoal's loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._perf import save_results  # noqa: E402
+
+BODY = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}]})
+REQUEST = (
+    f"POST /v2/models/m/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    f"Content-Length: {len(BODY)}\r\n\r\n{BODY}"
+).encode()
+
+
+def _answer(body: bytes) -> bytes:
+    request = json.loads(body)
+    tensor = request["inputs"][0]
+    output = {"name": "OUTPUT0", "datatype": tensor["datatype"], "shape": tensor["shape"], "data": tensor["data"]}
+    return json.dumps({"model_name": "m", "model_version": "1", "outputs": [output]}).encode()
+
+
+async def _serve_aiohttp(sock: socket.socket) -> None:
+    from aiohttp import web
+
+    async def infer(request: web.Request) -> web.Response:
+        return web.Response(body=_answer(await request.read()), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v2/models/{model}/infer", infer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    await asyncio.Event().wait()
+
+
+async def _serve_uvicorn(sock: socket.socket) -> None:
+    import uvicorn
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        answer = _answer(body)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})
+
+    config = uvicorn.Config(app, http="httptools", ws="none", lifespan="off", access_log=False, log_level="warning")
+    config.load()
+    server = uvicorn.Server(config)
+    server.lifespan = config.lifespan_class(config)  # what Server.serve sets up before startup
+    await server.startup(sockets=[sock])
+    await asyncio.Event().wait()
+
+
+def serve(stack: str, port_file: Path) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    port_file.write_text(str(sock.getsockname()[1]))
+    asyncio.run({"aiohttp": _serve_aiohttp, "uvicorn": _serve_uvicorn}[stack](sock))
+
+
+async def _client(port: int, seconds: float, stop_at: list[float], counts: list[int]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while time.monotonic() < stop_at[0]:
+            writer.write(REQUEST)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            counts[0] += 1
+    finally:
+        writer.close()
+
+
+async def load(port: int, concurrency: int, seconds: float) -> int:
+    counts = [0]
+    warm = [time.monotonic() + 0.5]
+    await asyncio.gather(*(_client(port, 0.5, warm, counts) for _ in range(concurrency)))
+    counts[0] = 0
+    stop_at = [time.monotonic() + seconds]
+    await asyncio.gather(*(_client(port, seconds, stop_at, counts) for _ in range(concurrency)))
+    return counts[0]
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, in ticks
+
+
+def measure(stack: str, concurrency: int, seconds: float, work: Path) -> dict[str, Any]:
+    port_file = work / f"{stack}.port"
+    port_file.unlink(missing_ok=True)
+    process = subprocess.Popen([sys.executable, __file__, "--serve", stack, str(port_file)])
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{stack} did not start")
+            time.sleep(0.05)
+        port = int(port_file.read_text())
+        cpu_before = _cpu_seconds(process.pid)
+        started = time.monotonic()
+        done = asyncio.run(load(port, concurrency, seconds))
+        elapsed = time.monotonic() - started - 0.5  # the warm-up half second
+        cpu = _cpu_seconds(process.pid) - cpu_before
+    finally:
+        process.kill()
+        process.wait()
+    return {"stack": stack, "concurrency": concurrency, "requests_per_s": round(done / seconds),
+            "server_cpu_us_per_request": round(cpu / max(1, done) * 1e6, 1), "seconds": round(elapsed, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--serve", nargs=2, metavar=("STACK", "PORT_FILE"), help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--stacks", default="aiohttp,uvicorn")
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve[0], Path(args.serve[1]))
+        return
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            for stack in args.stacks.split(","):
+                row = measure(stack, concurrency, args.seconds, Path(folder))
+                print(f"{row['stack']:8} c={concurrency:<3} {row['requests_per_s']:>7} req/s "
+                      f"{row['server_cpu_us_per_request']:>7} µs server CPU per request")
+                rows.append(row)
+    save_results(rows, "http_stacks.csv")
+
+
+if __name__ == "__main__":
+    main()

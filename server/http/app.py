@@ -1,0 +1,140 @@
+"""The ASGI application: route, check the restriction, read the body, one handler, answer.
+
+Everything a handler needs is done here once for every endpoint: the path and method are matched
+(404 and 405 otherwise, in Triton's words), ``--http-restricted-api`` is enforced (403), the body
+is read up to ``max_body_bytes`` (413 past it, checked against Content-Length before reading) and
+decompressed (``Content-Encoding`` gzip or deflate, bounded the same way; others 501, as Triton),
+and the answer is compressed when the client accepts it (``Accept-Encoding``). Every failure,
+expected or not, becomes Triton's ``{"error": "..."}`` with the status from ``http.status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from shoal.core import Core
+from shoal.errors import ErrorCode, ShoalError
+from shoal.http.handlers import OFF_LOOP_BYTES, ROUTES, Handler, Reply, Request
+from shoal.http.status import HttpError, error_body, to_http
+from shoal.settings import Restriction
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_WBITS = {"gzip": 31, "deflate": 15, "x-gzip": 31}  # zlib's window bits: 31 reads the gzip wrapper, 15 zlib's
+
+
+class HttpApp:
+    """Triton's HTTP API over ``core``; the same object serves in the host and in front-end workers."""
+
+    def __init__(self, core: Core, max_body_bytes: int, restrictions: tuple[Restriction, ...] = ()) -> None:
+        self.core = core
+        self.max_body_bytes = max_body_bytes
+        self.restrictions = restrictions
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; websockets are not served
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        try:
+            handler, path, category = route(scope["method"], scope["path"])
+            self._check_restriction(category, headers)
+            body = await self._read_body(receive, headers)
+            reply = await handler(self.core, Request(path, headers, body))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes Triton's error body
+            status, message = to_http(exc)
+            reply = Reply(status=status, body=error_body(message))
+        await _send(send, reply, headers.get("accept-encoding", ""))
+
+    def _check_restriction(self, category: str, headers: dict[str, str]) -> None:
+        for rule in self.restrictions:
+            if category in rule.categories and headers.get(rule.key) != rule.value:
+                raise ShoalError(ErrorCode.PERMISSION_DENIED, f"This API is restricted, expecting header '{rule.key}'")
+
+    async def _read_body(self, receive: Receive, headers: dict[str, str]) -> bytes:
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large(int(declared))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise HttpError(400, "the client closed the connection before sending the whole request")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large(size)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding == "identity" or not body:
+            return body
+        if encoding not in _WBITS:
+            raise HttpError(501, "Unsupported compression type")
+        if len(body) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(self._decompress, body, encoding)
+        return self._decompress(body, encoding)
+
+    def _decompress(self, body: bytes, encoding: str) -> bytes:
+        """At most ``max_body_bytes`` out, so a small compressed body cannot take the server's memory."""
+        decompressor = zlib.decompressobj(_WBITS[encoding])
+        try:
+            data = decompressor.decompress(body, self.max_body_bytes + 1)
+        except zlib.error as exc:
+            raise HttpError(400, f"the request body is not valid {encoding} data: {exc}") from None
+        if len(data) > self.max_body_bytes:
+            raise self._too_large(len(data), decompressed=True)
+        if not decompressor.eof:
+            raise HttpError(400, f"the request body is not valid {encoding} data: it ends early")
+        return data
+
+    def _too_large(self, size: int, decompressed: bool = False) -> HttpError:
+        what = "decompressed request body" if decompressed else "request body"
+        return HttpError(413, f"the {what} of {size} bytes or more exceeds the maximum allowed value of "
+                              f"{self.max_body_bytes} bytes; use --http-max-input-size to increase the limit")
+
+
+def route(method: str, path: str) -> tuple[Handler, dict[str, str], str]:
+    """The handler, the path's named parts and the restriction category; 404 or 405 as Triton words them."""
+    allowed = False
+    for pattern, methods, handler, category in ROUTES:
+        found = pattern.fullmatch(path)
+        if found is None:
+            continue
+        if method in methods.split("|"):
+            return handler, {k: v for k, v in found.groupdict().items() if v is not None}, category
+        allowed = True
+    if allowed:
+        raise HttpError(405, "Method Not Allowed")
+    raise HttpError(404, "Not Found")
+
+
+def _accepted_encoding(accept: str) -> str | None:
+    """gzip or deflate if the client accepts one (gzip first), else None."""
+    offered = set()
+    for item in accept.lower().split(","):
+        name, _, weight = item.partition(";")
+        if weight.strip().replace(" ", "") not in {"q=0", "q=0.0", "q=0.00", "q=0.000"}:
+            offered.add(name.strip())
+    return next((name for name in ("gzip", "deflate") if name in offered), None)
+
+
+async def _send(send: Send, reply: Reply, accept: str) -> None:
+    body = reply.body
+    headers = [(b"content-type", reply.content_type.encode())]
+    headers += [(name.encode(), value.encode()) for name, value in reply.headers.items()]
+    encoding = _accepted_encoding(accept) if accept and body else None
+    if encoding is not None:
+        compress = gzip.compress if encoding == "gzip" else zlib.compress
+        body = await asyncio.to_thread(compress, body) if len(body) > OFF_LOOP_BYTES else compress(body)
+        headers.append((b"content-encoding", encoding.encode()))
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

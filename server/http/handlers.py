@@ -1,0 +1,175 @@
+"""The thin handlers: JSON in on the first line, one core call, JSON out on the last.
+
+One handler per endpoint of Triton's HTTP API; ``ROUTES`` says which path and method reach it and
+which ``--http-restricted-api`` category it is in. ``http.app`` runs each under the error guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.core import Core
+from shoal.errors import unsupported
+from shoal.http import convert, tensors
+from shoal.http.status import HttpError
+
+# Past this many body bytes, decoding and encoding run on a worker thread, off the event loop.
+OFF_LOOP_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class Request:
+    path: dict[str, str]  # the path's named parts: model, version, region
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _json(document: Any) -> Reply:
+    return Reply(body=json.dumps(document, separators=(",", ":")).encode())
+
+
+def _flag(value: bool, message: str) -> Reply:
+    """Health and readiness: 200 with no body, or Triton's 400 with a reason."""
+    if value:
+        return Reply(content_type="text/plain")
+    raise HttpError(400, message)
+
+
+def _model(request: Request) -> tuple[str, str]:
+    return request.path["model"], request.path.get("version") or ""
+
+
+async def live(core: Core, request: Request) -> Reply:
+    return _flag(await core.live(), "Server is not live")
+
+
+async def ready(core: Core, request: Request) -> Reply:
+    return _flag(await core.ready(), "Server is not ready")
+
+
+async def server_metadata(core: Core, request: Request) -> Reply:
+    return _json(convert.server_metadata(await core.server_metadata()))
+
+
+async def model_metadata(core: Core, request: Request) -> Reply:
+    return _json(convert.model_metadata(await core.model_metadata(*_model(request))))
+
+
+async def model_ready(core: Core, request: Request) -> Reply:
+    return _flag(await core.model_ready(*_model(request)), "Model version not ready")
+
+
+async def model_config(core: Core, request: Request) -> Reply:
+    return _json(convert.model_config(await core.model_config(*_model(request))))
+
+
+async def model_statistics(core: Core, request: Request) -> Reply:
+    name, version = (request.path.get("model") or "", request.path.get("version") or "")
+    return _json(convert.model_statistics(await core.model_statistics(name, version)))
+
+
+async def infer(core: Core, request: Request) -> Reply:
+    """Decoding and encoding run off the loop for large bodies, as the gRPC path does."""
+    header, binary = tensors.split_body(request.body, request.headers.get(tensors.HEADER_LENGTH))
+    costly = len(request.body) > OFF_LOOP_BYTES
+    inference, binary_outputs = await _run(costly, tensors.infer_request, *_model(request), header, binary)
+    response = await core.infer(inference)
+    costly = costly or sum(t.data.nbytes for t in response.outputs) > OFF_LOOP_BYTES
+    body, header_length = await _run(costly, tensors.infer_response, response, binary_outputs)
+    if header_length is None:
+        return Reply(body=body)
+    return Reply(body=body, content_type="application/octet-stream",
+                 headers={"inference-header-content-length": str(header_length)})
+
+
+async def _run(off_loop: bool, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``, on a worker thread when ``off_loop`` (a thread hop costs tens of µs)."""
+    return await asyncio.to_thread(function, *args) if off_loop else function(*args)
+
+
+async def repository_index(core: Core, request: Request) -> Reply:
+    ready_only = convert.index_ready_only(convert.parse_object(request.body, "repository index"))
+    return _json(convert.repository_index(await core.repository_index(ready_only=ready_only)))
+
+
+async def load(core: Core, request: Request) -> Reply:
+    name = request.path["model"]
+    await core.load_model(name, convert.load_config(name, convert.parse_object(request.body, "load")))
+    return Reply()
+
+
+async def unload(core: Core, request: Request) -> Reply:
+    convert.parse_object(request.body, "unload")  # unload_dependents: Shoal has no ensembles, so no dependents
+    await core.unload_model(request.path["model"])
+    return Reply()
+
+
+async def shared_memory_status(core: Core, request: Request) -> Reply:
+    regions = await core.system_shared_memory_status(request.path.get("region") or "")
+    return _json(convert.shared_memory_status(regions))
+
+
+async def shared_memory_register(core: Core, request: Request) -> Reply:
+    key, offset, byte_size = convert.shared_memory_register(convert.parse_object(request.body, "register"))
+    await core.register_system_shared_memory(request.path["region"], key, offset, byte_size)
+    return Reply()
+
+
+async def shared_memory_unregister(core: Core, request: Request) -> Reply:
+    await core.unregister_system_shared_memory(request.path.get("region") or "")
+    return Reply()
+
+
+def _unsupported(what: str) -> Callable[[Core, Request], Awaitable[Reply]]:
+    async def handler(core: Core, request: Request) -> Reply:
+        raise unsupported(what)
+
+    return handler
+
+
+Handler = Callable[[Core, Request], Awaitable[Reply]]
+_MODEL = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+_REGION = r"(?:/region/(?P<region>[^/]+))?"
+
+# (pattern, methods, handler, restriction category), matched in order; methods separated by |.
+ROUTES: list[tuple[re.Pattern[str], str, Handler, str]] = [
+    (re.compile(pattern), method, handler, category) for pattern, method, handler, category in (
+        ("/v2/health/live", "GET", live, "health"),
+        ("/v2/health/ready", "GET", ready, "health"),
+        ("/v2", "GET", server_metadata, "metadata"),
+        ("/v2/models/stats", "GET", model_statistics, "statistics"),
+        (_MODEL, "GET", model_metadata, "metadata"),
+        (_MODEL + "/ready", "GET", model_ready, "health"),
+        (_MODEL + "/config", "GET", model_config, "model-config"),
+        (_MODEL + "/stats", "GET", model_statistics, "statistics"),
+        (_MODEL + "/infer", "POST", infer, "inference"),
+        ("/v2/repository/index", "POST", repository_index, "model-repository"),
+        ("/v2/repository/models/(?P<model>[^/]+)/load", "POST", load, "model-repository"),
+        ("/v2/repository/models/(?P<model>[^/]+)/unload", "POST", unload, "model-repository"),
+        ("/v2/systemsharedmemory" + _REGION + "/status", "GET", shared_memory_status, "shared-memory"),
+        ("/v2/systemsharedmemory/region/(?P<region>[^/]+)/register", "POST", shared_memory_register,
+         "shared-memory"),
+        ("/v2/systemsharedmemory" + _REGION + "/unregister", "POST", shared_memory_unregister, "shared-memory"),
+        ("/v2/cudasharedmemory" + _REGION + "/status", "GET", _unsupported("CUDA shared memory"), "shared-memory"),
+        ("/v2/cudasharedmemory/region/(?P<region>[^/]+)/register", "POST", _unsupported("CUDA shared memory"),
+         "shared-memory"),
+        ("/v2/cudasharedmemory" + _REGION + "/unregister", "POST", _unsupported("CUDA shared memory"),
+         "shared-memory"),
+        ("/v2/trace/setting", "GET|POST", _unsupported("trace settings"), "trace"),
+        (_MODEL + "/trace/setting", "GET|POST", _unsupported("trace settings"), "trace"),
+        ("/v2/logging", "GET|POST", _unsupported("log settings"), "logging"),
+    )
+]

@@ -1,0 +1,255 @@
+"""Inference over HTTP: the JSON request and its binary tensor data in, the response out.
+
+Triton's binary tensor data extension: a request body is ``Inference-Header-Content-Length``
+bytes of JSON, then the binary data of the inputs that declare ``binary_data_size``, one after
+another in input order (each in the raw wire format: little-endian, BYTES as 4-byte length
+prefixed elements). A response does the same for the outputs asked for with ``binary_data``
+(or all of them with the request parameter ``binary_data_output``); the others carry ``data``,
+a flat JSON list (BYTES as strings). A request's ``data`` may be flat or nested.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from shoal.core.wire import decode_raw
+from shoal.errors import invalid, shown
+from shoal.protocol import tensors
+from shoal.protocol.types import DataType
+from shoal.types import InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
+
+HEADER_LENGTH = "inference-header-content-length"
+_DATA_FIELDS = "'data', 'binary_data_size' in 'parameters', 'shared_memory_region' in 'parameters'"
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """The JSON header and the binary data after it, checked as Triton checks the header length."""
+    if header_length is None:
+        return body, memoryview(b"")
+    try:
+        length = int(header_length)
+    except ValueError:
+        raise invalid(f"invalid Inference-Header-Content-Length '{shown(header_length)}': expected an integer") \
+            from None
+    if not 0 < length <= len(body):
+        raise invalid(f"inference header size should be in range (0, {len(body)}), got: {length}")
+    view = memoryview(body)
+    return body[:length], view[length:]
+
+
+def infer_request(model: str, version: str, header: bytes, binary: memoryview) -> tuple[InferRequest, dict[str, bool]]:
+    """The core's request, and for each requested output whether it goes back as binary data."""
+    try:
+        document = json.loads(header)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"failed to parse the request JSON buffer: {exc}") from None
+    if not isinstance(document, dict):
+        raise invalid("Unable to parse 'inputs': the inference request must be a JSON object")
+    inputs_json = document.get("inputs")
+    if not isinstance(inputs_json, list):
+        raise invalid("Unable to parse 'inputs': attempt to access non-existing object member 'inputs'")
+    parameters = _object(document.get("parameters", {}), "parameters")
+    binary_default = parameters.pop("binary_data_output", False)
+    inputs: list[Tensor] = []
+    region_inputs: list[RegionInput] = []
+    offset = 0
+    for entry in inputs_json:
+        tensor, used = _input(model, _object(entry, "inputs"), binary[offset:])
+        offset += used
+        if isinstance(tensor, RegionInput):
+            region_inputs.append(tensor)
+        else:
+            inputs.append(tensor)
+    if offset != len(binary):
+        raise invalid(f"the request body holds {len(binary) - offset} bytes of binary data past the inputs that "
+                      "declare binary_data_size")
+    outputs_json = document.get("outputs")
+    requested, class_counts, output_regions, binary_outputs = _outputs(outputs_json, bool(binary_default))
+    request_id = document.get("id", "")
+    if not isinstance(request_id, str):
+        raise invalid("Unable to parse 'id': expected a string")
+    return InferRequest(
+        model_name=model, model_version=version, id=request_id, inputs=tuple(inputs),
+        requested_outputs=requested, parameters=parameters, class_counts=class_counts,
+        region_inputs=tuple(region_inputs), output_regions=output_regions,
+    ), binary_outputs
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise invalid(f"Unable to parse '{what}': expected a JSON object")
+    return value
+
+
+def _input(model: str, entry: dict[str, Any], binary: memoryview) -> tuple[Tensor | RegionInput, int]:
+    """One input and the binary bytes it took."""
+    name, datatype_name, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
+    if not isinstance(name, str) or not isinstance(datatype_name, str) or not isinstance(shape, list) \
+            or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise invalid("Unable to parse 'inputs': each input needs 'name' and 'datatype' (strings) and 'shape' "
+                      "(a list of integers)")
+    try:
+        datatype = DataType(datatype_name)
+    except ValueError:
+        raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'") from None
+    dims = tuple(shape)
+    try:
+        tensors.check_shape(datatype, dims)
+    except tensors.WireFormatError as exc:
+        raise invalid(f"input '{shown(name)}': {exc}") from None
+    parameters = _object(entry.get("parameters", {}), "parameters")
+    region = shared_memory_slice(name, parameters)
+    sources = ["data" in entry, "binary_data_size" in parameters, region is not None]
+    if sum(sources) != 1:
+        which = "no field is set" if not any(sources) else "more than one field is set"
+        raise invalid(f"Input must set only one of the following fields: {_DATA_FIELDS}. But {which}")
+    if region is not None:
+        return RegionInput(name, datatype, dims, region), 0
+    if "data" in entry:
+        return Tensor(name, datatype, dims, json_data(name, datatype, dims, entry["data"])), 0
+    size = parameters["binary_data_size"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise invalid(f"input '{shown(name)}': 'binary_data_size' must be a non-negative integer")
+    if size > len(binary):
+        raise invalid(f"unexpected size {len(binary)} for binary data of input '{shown(name)}', expecting {size}")
+    return Tensor(name, datatype, dims, decode_raw(name, datatype, dims, binary[:size], model)), size
+
+
+# numpy kind of the datatype -> kinds of JSON values it takes: integers for floats, never the reverse.
+_KINDS_ACCEPTED = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "V": "iuf"}  # V: ml_dtypes' bfloat16
+
+
+def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) -> np.ndarray:
+    """``data``, flat or nested, as an array of ``shape``; values of the wrong kind are refused
+    (a float for an integer type, a number for BYTES), never silently converted."""
+    try:
+        values = np.asarray(data)
+    except ValueError:
+        values = np.asarray(None, dtype=object)  # ragged nesting
+    if values.size != math.prod(shape) or values.dtype == object and values.ndim == 0:
+        raise invalid(f"Unable to parse 'data' of input '{shown(name)}': Shape does not match true shape of "
+                      f"'data' field")
+    flat = values.reshape(-1)
+    kind = flat.dtype.kind
+    if datatype is DataType.BYTES:
+        if kind not in "U" and flat.size:
+            raise invalid(f"Unable to parse 'data' of input '{shown(name)}': BYTES data must be strings")
+        array = np.empty(flat.size, dtype=object)
+        array[:] = [item.encode("utf-8") for item in flat.tolist()]
+        return array.reshape(shape)
+    target = datatype.numpy_dtype
+    if target.kind in "iu" and kind in "fO" and flat.size:
+        return _large_integers(name, datatype, shape, data)
+    if flat.size and kind not in _KINDS_ACCEPTED[target.kind]:
+        raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
+                      f"got {_kind_name(kind)}")
+    converted = flat.astype(target)
+    if kind in "iu" and target.kind in "iu" and not np.array_equal(converted, flat):
+        raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
+    return converted.reshape(shape)
+
+
+def _large_integers(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) -> np.ndarray:
+    """Integers numpy did not read as integers: past INT64 (UINT64's upper half), or mixed with others."""
+    items = np.asarray(data, dtype=object).reshape(-1).tolist()
+    if not all(type(item) is int for item in items):
+        raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
+                      "got numbers with a fraction or values of mixed types")
+    try:
+        return np.array(items, dtype=datatype.numpy_dtype).reshape(shape)
+    except OverflowError:
+        raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}") from None
+
+
+def _kind_name(kind: str) -> str:
+    return {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers with a fraction",
+            "U": "strings"}.get(kind, "values of mixed types")
+
+
+def shared_memory_slice(name: str, parameters: dict[str, Any]) -> RegionSlice | None:
+    """Where a tensor's shared-memory parameters place it, checked as Triton's front end does; None
+    when it is not in shared memory."""
+    region = parameters.get("shared_memory_region")
+    offset = parameters.get("shared_memory_offset")
+    byte_size = parameters.get("shared_memory_byte_size")
+    if region is None:
+        for key, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
+            if value is not None:
+                raise invalid(f"'{key}' can not be specified without 'shared_memory_region' parameter for tensor "
+                              f"'{shown(name)}'")
+        return None
+    if byte_size is None:
+        raise invalid(f"'shared_memory_byte_size' must be specified along with 'shared_memory_region' parameter "
+                      f"for tensor '{shown(name)}'")
+    for key, value, kind in (("shared_memory_region", region, str), ("shared_memory_offset", offset or 0, int),
+                             ("shared_memory_byte_size", byte_size, int)):
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise invalid(f"invalid value type for '{key}' parameter for tensor '{shown(name)}', expected "
+                          f"{'string' if kind is str else 'integer'}.")
+    return RegionSlice(region, offset or 0, byte_size)
+
+
+def _outputs(
+    outputs_json: Any, binary_default: bool
+) -> tuple[tuple[str, ...] | None, dict[str, int], dict[str, RegionSlice], dict[str, bool]]:
+    """Requested names, classification counts, shared-memory outputs, and binary choice per output."""
+    if outputs_json is None:
+        return None, {}, {}, {"": binary_default}  # "": every output
+    if not isinstance(outputs_json, list):
+        raise invalid("Unable to parse 'outputs': expected a list")
+    names, counts, regions, binary = [], {}, {}, {"": binary_default}
+    for entry in outputs_json:
+        name = _object(entry, "outputs").get("name")
+        if not isinstance(name, str):
+            raise invalid("Unable to parse 'outputs': each output needs a 'name' (a string)")
+        parameters = _object(entry.get("parameters", {}), "parameters")
+        names.append(name)
+        binary[name] = bool(parameters.get("binary_data", binary_default))
+        if "classification" in parameters:
+            count = parameters["classification"]
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise invalid(f"output '{shown(name)}': invalid value type for 'classification' parameter, "
+                              "expected an integer")
+            if count <= 0:
+                raise invalid(f"output '{shown(name)}': invalid value for 'classification' parameter, "
+                              f"expected > 0, got {count}")
+            counts[name] = count
+        if (where := shared_memory_slice(name, parameters)) is not None:
+            regions[name] = where
+    return tuple(names), counts, regions, binary
+
+
+def infer_response(response: InferResponse, binary_outputs: dict[str, bool]) -> tuple[bytes, int | None]:
+    """The body, and the JSON header's length when binary data follows it (else None)."""
+    outputs = []
+    chunks: list[bytes] = []
+    for tensor in response.outputs:
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype.value, "shape": list(tensor.shape)}
+        if tensor.name in response.in_regions:
+            pass  # written into the client's shared memory
+        elif binary_outputs.get(tensor.name, binary_outputs[""]):
+            raw = tensors.to_raw(tensor.datatype, tensor.data)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = _json_values(tensor)
+        outputs.append(entry)
+    document: dict[str, Any] = {"id": response.id} if response.id else {}
+    document.update(model_name=response.model_name, model_version=response.model_version, outputs=outputs)
+    header = json.dumps(document, separators=(",", ":")).encode()
+    if not chunks:
+        return header, None
+    return b"".join((header, *chunks)), len(header)
+
+
+def _json_values(tensor: Tensor) -> list[Any]:
+    flat = tensor.data.reshape(-1)
+    if tensor.datatype is DataType.BYTES:
+        return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in flat.tolist()]
+    if tensor.datatype is DataType.BF16:
+        return flat.astype(np.float32).tolist()
+    return flat.tolist()

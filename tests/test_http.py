@@ -1,0 +1,247 @@
+"""The HTTP/REST endpoint through tritonclient.http against a real server, in both process layouts.
+
+Health, metadata, config, statistics, the repository index, inference with JSON and binary
+tensors for every datatype, requested outputs with and without ``binary_data``, classification,
+shared memory and compression: what Triton's HTTP front end (server src/http_server.cc) answers,
+checked here against the same server's gRPC answers where both exist.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from tests import models
+from tests.conftest import RunningServer
+
+NO_JSON = {"BF16"}  # tritonclient.http sends BF16 only as binary data
+
+
+@pytest.fixture
+def client(example_server: RunningServer) -> Iterator[httpclient.InferenceServerClient]:
+    with httpclient.InferenceServerClient(example_server.http_url, concurrency=4) as triton:
+        yield triton
+
+
+def _values(datatype: str) -> np.ndarray:
+    """A [2, 3] batch of this datatype with values that tell elements apart (extremes included)."""
+    if datatype == "BYTES":
+        return np.array([[b"a", b"", "\u00e9t\u00e9".encode()], [b"x" * 40, b"0", b"zz"]], dtype=object)
+    if datatype == "BOOL":
+        return np.array([[True, False, True], [False, False, True]])
+    if datatype == "BF16":
+        return np.array([[1.5, -2.0, 0.0], [3.25, 1e3, -0.5]], dtype=ml_dtypes.bfloat16)
+    dtype = np.dtype(datatype.lower().replace("fp", "float"))
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.array([[info.min, info.max, 0], [1, 2, info.max - 1]], dtype=dtype)
+    return np.array([[1.5, -2.25, 0.0], [3.0, 1e3, -0.5]], dtype=dtype)
+
+
+def test_health_metadata_and_config(client: httpclient.InferenceServerClient) -> None:
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("simple") and client.is_model_ready("simple", "1")
+    assert not client.is_model_ready("simple", "2") and not client.is_model_ready("nope")
+    metadata = client.get_server_metadata()
+    assert metadata["name"] == "shoal" and "binary_tensor_data" in metadata["extensions"]
+    model = client.get_model_metadata("simple")
+    assert model["versions"] == ["1"] and model["platform"] == "onnxruntime_onnx"
+    assert model["inputs"][0] == {"name": "INPUT0", "datatype": "INT32", "shape": [-1, 16]}
+    assert client.get_model_metadata("simple", "1") == model
+    config = client.get_model_config("simple")
+    assert config["max_batch_size"] == 8 and config["input"][0]["dims"] == [16]  # numbers, as Triton's
+    assert client.get_model_config("simple", "1") == config
+
+
+def test_config_matches_grpc(example_server: RunningServer, client: httpclient.InferenceServerClient) -> None:
+    with grpcclient.InferenceServerClient(example_server.url) as grpc:
+        over_grpc = grpc.get_model_config("mlp", as_json=True)["config"]
+
+    def numbers(value: object) -> object:  # proto3 JSON writes 64-bit integers as strings
+        if isinstance(value, dict):
+            return {k: numbers(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [numbers(v) for v in value]
+        return int(value) if isinstance(value, str) and value.lstrip("-").isdigit() else value
+
+    assert client.get_model_config("mlp") == numbers(over_grpc)
+
+
+def test_statistics_and_index(client: httpclient.InferenceServerClient) -> None:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    before = client.get_inference_statistics("simple")["model_stats"][0]["inference_count"]
+    client.infer("simple", _simple_inputs(a, a))
+    stats = client.get_inference_statistics("simple", "1")["model_stats"]
+    assert [(s["name"], s["version"]) for s in stats] == [("simple", "1")]
+    assert stats[0]["inference_count"] == before + 1 and stats[0]["inference_stats"]["success"]["count"] >= 1
+    assert stats[0]["batch_stats"][0]["batch_size"] == 1
+    everything = client.get_inference_statistics()["model_stats"]
+    assert {"simple", "mlp", "identity_fp32"} <= {s["name"] for s in everything}
+    index = client.get_model_repository_index()
+    assert {"name": "simple", "version": "1", "state": "READY"} in index
+    assert client.get_model_repository_index() == index
+
+
+def _simple_inputs(a: np.ndarray, b: np.ndarray, binary: bool = True) -> list[httpclient.InferInput]:
+    inputs = [httpclient.InferInput("INPUT0", list(a.shape), "INT32"),
+              httpclient.InferInput("INPUT1", list(b.shape), "INT32")]
+    inputs[0].set_data_from_numpy(a, binary_data=binary)
+    inputs[1].set_data_from_numpy(b, binary_data=binary)
+    return inputs
+
+
+@pytest.mark.parametrize(("datatype", "binary_in", "binary_out"), [
+    (datatype, binary_in, binary_out)
+    for datatype, binary_in, binary_out in itertools.product(models.ALL_DATATYPES, (True, False), (True, False))
+    if binary_in or datatype not in NO_JSON
+])
+def test_every_datatype_round_trips(
+    client: httpclient.InferenceServerClient, datatype: str, binary_in: bool, binary_out: bool
+) -> None:
+    values = _values(datatype)
+    tensor = httpclient.InferInput("IN", list(values.shape), datatype)
+    tensor.set_data_from_numpy(values, binary_data=binary_in)
+    output = httpclient.InferRequestedOutput("OUT", binary_data=binary_out)
+    result = client.infer(f"identity_{datatype.lower()}", [tensor], outputs=[output], request_id="r1")
+    back = result.as_numpy("OUT")
+    assert result.get_response()["id"] == "r1"
+    assert ("data" in result.get_output("OUT")) is not binary_out
+    if datatype == "BYTES" and not binary_out:
+        back = np.array([s.encode("utf-8") for s in back.reshape(-1)], dtype=object).reshape(back.shape)
+    if datatype == "BF16":
+        back = back.view(ml_dtypes.bfloat16) if back.dtype != ml_dtypes.bfloat16 else back
+    assert back.shape == values.shape
+    np.testing.assert_array_equal(back, values)
+
+
+def test_requested_outputs_with_and_without_binary_data(client: httpclient.InferenceServerClient) -> None:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.full((1, 16), 3, dtype=np.int32)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=False),
+               httpclient.InferRequestedOutput("OUTPUT1", binary_data=True)]
+    result = client.infer("simple", _simple_inputs(a, b, binary=False), outputs=outputs)
+    assert result.get_output("OUTPUT0")["data"] == (a + b).reshape(-1).tolist()
+    assert result.get_output("OUTPUT1")["parameters"]["binary_data_size"] == 64
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    only = client.infer("simple", _simple_inputs(a, b), outputs=[httpclient.InferRequestedOutput("OUTPUT1")])
+    assert only.get_output("OUTPUT0") is None
+    np.testing.assert_array_equal(only.as_numpy("OUTPUT1"), a - b)
+    everything = client.infer("simple", _simple_inputs(a, b))  # no outputs named: all, as binary
+    assert all("parameters" in everything.get_output(name) for name in ("OUTPUT0", "OUTPUT1"))
+
+
+def test_nested_json_data_and_an_inline_request(example_server: RunningServer) -> None:
+    """``data`` may be nested to the shape; the answer is flat, as Triton's."""
+    import http.client
+    import json
+
+    body = {"inputs": [{"name": "IN", "shape": [2, 2], "datatype": "INT64", "data": [[1, 2], [3, 4]]}]}
+    connection = http.client.HTTPConnection("127.0.0.1", example_server.http_port, timeout=10)
+    connection.request("POST", "/v2/models/identity_int64/infer", json.dumps(body))
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    connection.close()
+    assert response.status == 200 and response.getheader("Content-Type") == "application/json"
+    assert answer == {"model_name": "identity_int64", "model_version": "1", "outputs": [
+        {"name": "OUT", "datatype": "INT64", "shape": [2, 2], "data": [1, 2, 3, 4]}]}
+
+
+def test_classification_matches_grpc(example_server: RunningServer, client: httpclient.InferenceServerClient) -> None:
+    values = np.array([[0.5, 3.0, -1.0, 2.0]], dtype=np.float32)
+    tensor = httpclient.InferInput("IN", [1, 4], "FP32")
+    tensor.set_data_from_numpy(values)
+    for binary in (True, False):
+        result = client.infer("identity_fp32", [tensor],
+                              outputs=[httpclient.InferRequestedOutput("OUT", binary_data=binary, class_count=2)])
+        classes = [c.decode() if isinstance(c, bytes) else c for c in result.as_numpy("OUT").reshape(-1)]
+        assert result.get_output("OUT")["datatype"] == "BYTES"
+        with grpcclient.InferenceServerClient(example_server.url) as grpc:
+            over_grpc = grpcclient.InferInput("IN", [1, 4], "FP32")
+            over_grpc.set_data_from_numpy(values)
+            expected = grpc.infer("identity_fp32", [over_grpc],
+                                  outputs=[grpcclient.InferRequestedOutput("OUT", class_count=2)]).as_numpy("OUT")
+        assert classes == [c.decode() for c in expected.reshape(-1)] == ["3.000000:1", "2.000000:3"]
+
+
+@pytest.mark.parametrize(("request_encoding", "response_encoding"), [("gzip", "deflate"), ("deflate", "gzip")])
+def test_compression_both_ways(
+    client: httpclient.InferenceServerClient, request_encoding: str, response_encoding: str
+) -> None:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    result = client.infer("simple", _simple_inputs(a, a), request_compression_algorithm=request_encoding,
+                          response_compression_algorithm=response_encoding)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+
+
+def test_shared_memory_over_http(client: httpclient.InferenceServerClient) -> None:
+    tag = f"{os.getpid()}_http"
+    handles = {name: shm.create_shared_memory_region(f"{name}_{tag}", f"/shoal_http_{name}_{tag}", 64)
+               for name in ("in0", "in1", "out0")}
+    try:
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        b = np.full((1, 16), 2, dtype=np.int32)
+        shm.set_shared_memory_region(handles["in0"], [a])
+        shm.set_shared_memory_region(handles["in1"], [b])
+        for name in handles:
+            client.register_system_shared_memory(f"{name}_{tag}", f"/shoal_http_{name}_{tag}", 64)
+        status = client.get_system_shared_memory_status(f"in0_{tag}")
+        assert status == [{"name": f"in0_{tag}", "key": f"/shoal_http_in0_{tag}", "offset": 0, "byte_size": 64}]
+        assert len(client.get_system_shared_memory_status()) == 3
+        inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"), httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+        inputs[0].set_shared_memory(f"in0_{tag}", 64)
+        inputs[1].set_shared_memory(f"in1_{tag}", 64)
+        outputs = [httpclient.InferRequestedOutput("OUTPUT0"), httpclient.InferRequestedOutput("OUTPUT1")]
+        outputs[0].set_shared_memory(f"out0_{tag}", 64)
+        result = client.infer("simple", inputs, outputs=outputs)
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(handles["out0"], np.int32, [1, 16]), a + b)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)  # not in shared memory: in the body
+        with pytest.raises(InferenceServerException, match="Unable to find shared memory region: .never registered."):
+            inputs[0].set_shared_memory("never registered", 64)
+            client.infer("simple", inputs)
+        client.unregister_system_shared_memory(f"in0_{tag}")
+        assert len(client.get_system_shared_memory_status()) == 2
+    finally:
+        client.unregister_system_shared_memory()
+        for handle in handles.values():
+            shm.destroy_shared_memory_region(handle)
+    assert client.get_system_shared_memory_status() == []
+
+
+def test_repository_load_and_unload(tmp_path: Path, server_factory) -> None:
+    repo = models.repository(tmp_path, "simple")
+    models.add_identity(repo, "ident", "FP32")
+    server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "simple")
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        assert {"name": "ident"} in client.get_model_repository_index()  # never loaded: its name alone
+        override = '{"backend": "identity", "max_batch_size": 4, "input": [{"name": "IN", "data_type": ' \
+                   '"TYPE_FP32", "dims": [2]}], "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [2]}]}'
+        client.load_model("ident", config=override)
+        assert client.is_model_ready("ident") and client.get_model_config("ident")["max_batch_size"] == 4
+        client.unload_model("ident", unload_dependents=True)
+        assert not client.is_model_ready("ident")
+        assert {"name": "ident", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"} in \
+            client.get_model_repository_index()
+        with pytest.raises(InferenceServerException, match="not valid JSON") as caught:
+            client.load_model("ident", config="{nope")
+        assert caught.value.status() == "400"
+        with pytest.raises(InferenceServerException, match="is not supported") as caught:
+            client.load_model("ident", files={"file:1/model.onnx": b"\x00"})
+        client.load_model("ident")
+        assert client.is_model_ready("ident")
+
+
+def test_load_is_refused_without_explicit_mode(client: httpclient.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException) as caught:
+        client.load_model("simple")
+    assert caught.value.status() == "503"
+    assert caught.value.message().startswith("explicit model load / unload is not allowed")
