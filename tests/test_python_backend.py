@@ -24,6 +24,18 @@ from tests import python_models as pm
 from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
 
+# The Python pre-processing model feeding the ONNX MLP, as a Triton ensemble.
+IMAGE_PIPELINE = """
+platform: "ensemble"
+max_batch_size: 32
+input [ { name: "IMAGE" data_type: TYPE_UINT8 dims: [ 16, 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 256 ] } ]
+ensemble_scheduling { step [
+  { model_name: "preprocess" model_version: -1 input_map { key: "IMAGE" value: "IMAGE" }
+    output_map { key: "INPUT0" value: "features" } },
+  { model_name: "mlp" model_version: -1 input_map { key: "INPUT0" value: "features" }
+    output_map { key: "OUTPUT0" value: "OUTPUT0" } } ] }
+"""
 THREADS = 'parameters { key: "process_instances" value: { string_value: "false" } }'
 
 
@@ -36,6 +48,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     repo = tmp_path_factory.mktemp("repo")
     models.copy_example(repo, "simple")
     models.copy_example(repo, "preprocess")
+    models.copy_example(repo, "mlp")
+    pm.write_model(repo, "image_pipeline", IMAGE_PIPELINE, "")
+    (repo / "image_pipeline" / "1" / "model.py").unlink()  # an ensemble has no model file
     pm.add_add_sub(repo, count=2)
     pm.add_add_sub(repo, "add_sub_thread", extra=THREADS)
     pm.write_model(repo, "echo", pm.ECHO_CONFIG, pm.ECHO)
@@ -262,3 +277,16 @@ def test_the_example_preprocess_model(client: grpcclient.InferenceServerClient) 
     expected = images.reshape(3, 256).astype(np.float32) / 255
     expected = (expected - expected.mean(axis=1, keepdims=True)) / expected.std(axis=1, keepdims=True)
     np.testing.assert_allclose(rows, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_ensemble_of_the_python_preprocess_model_and_the_onnx_mlp(client: grpcclient.InferenceServerClient) -> None:
+    """The same answer as the client's two calls, and each step counted by its own model."""
+    images = np.random.default_rng(5).integers(0, 256, size=(2, 16, 16), dtype=np.uint8)
+    tensor = grpcclient.InferInput("IMAGE", [2, 16, 16], "UINT8")
+    tensor.set_data_from_numpy(images)
+    before = _count(_stats(client, "preprocess"), "inference_stats", "success", "count")
+    through_ensemble = client.infer("image_pipeline", [tensor]).as_numpy("OUTPUT0")
+    features = grpcclient.InferInput("INPUT0", [2, 256], "FP32")
+    features.set_data_from_numpy(client.infer("preprocess", [tensor]).as_numpy("INPUT0"))
+    np.testing.assert_allclose(through_ensemble, client.infer("mlp", [features]).as_numpy("OUTPUT0"), rtol=1e-6)
+    assert _count(_stats(client, "preprocess"), "inference_stats", "success", "count") == before + 2
