@@ -26,6 +26,8 @@ unloaded, replaced by a reload, stopped at shutdown or refused by a budget after
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import logging
 import re
 from collections.abc import Callable, Collection, Iterable
@@ -42,6 +44,7 @@ from shoal.lifecycle.model import ModelVersion, placements
 from shoal.lifecycle.state import UNLOADED, IndexEntry, ModelEntry, ModelState, VersionEntry
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec, VersionPolicy
+from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class ModelManager:
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._dependents = ensemble.Dependents(self)  # ensembles follow the models they use
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- loading -------------------------------------------------------------------------------------
 
@@ -103,6 +107,7 @@ class ModelManager:
 
     async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None:
         """Load or reload ``name``; ``config_override`` is a ModelConfig as a JSON object (RepositoryModelLoad)."""
+        self._loop = asyncio.get_running_loop()  # where BLS requests from models run (host_infer)
         folder = scanner.model_dir(self.repository, name)
         if not folder.is_dir():
             raise ShoalError(ErrorCode.UNAVAILABLE,
@@ -202,6 +207,8 @@ class ModelManager:
                     versions[version] = unchanged[version]
                     continue
                 loaded = self._load_within_budget(spec, folder, version, budget)
+                if loaded.served is not None:  # Python models call other models through the host (BLS)
+                    loaded.served.bind_host(self.host_infer)
                 loaded.reason = scanner.without_repository_path(self.repository, loaded.reason)
                 versions[version] = loaded
         except BaseException:
@@ -287,6 +294,17 @@ class ModelManager:
                 logger.exception("repository poll failed")
 
     # -- queries -------------------------------------------------------------------------------------
+
+    def host_infer(self, request: InferRequest) -> concurrent.futures.Future[InferResponse]:
+        """A model's request to another model of this server (BLS), from any thread: it runs on the
+        serving loop through the target version's scheduler and statistics, as a client's would."""
+        if self._loop is None or self._loop.is_closed():
+            raise ShoalError(ErrorCode.UNAVAILABLE, "the server is not serving")
+
+        async def infer() -> InferResponse:
+            return await self.resolve(request.model_name, request.model_version).infer(request)
+
+        return asyncio.run_coroutine_threadsafe(infer(), self._loop)
 
     def entry(self, name: str) -> ModelEntry:
         model = self._models.get(name)
