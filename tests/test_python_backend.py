@@ -24,18 +24,6 @@ from tests import python_models as pm
 from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
 
-# The Python pre-processing model feeding the ONNX MLP, as a Triton ensemble.
-IMAGE_PIPELINE = """
-platform: "ensemble"
-max_batch_size: 32
-input [ { name: "IMAGE" data_type: TYPE_UINT8 dims: [ 16, 16 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 256 ] } ]
-ensemble_scheduling { step [
-  { model_name: "preprocess" model_version: -1 input_map { key: "IMAGE" value: "IMAGE" }
-    output_map { key: "INPUT0" value: "features" } },
-  { model_name: "mlp" model_version: -1 input_map { key: "INPUT0" value: "features" }
-    output_map { key: "OUTPUT0" value: "OUTPUT0" } } ] }
-"""
 THREADS = 'parameters { key: "process_instances" value: { string_value: "false" } }'
 
 
@@ -49,8 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     models.copy_example(repo, "simple")
     models.copy_example(repo, "preprocess")
     models.copy_example(repo, "mlp")
-    pm.write_model(repo, "image_pipeline", IMAGE_PIPELINE, "")
-    (repo / "image_pipeline" / "1" / "model.py").unlink()  # an ensemble has no model file
+    models.copy_example(repo, "image_pipeline")  # the Python model feeding the ONNX MLP, as an ensemble
     pm.add_add_sub(repo, count=2)
     pm.add_add_sub(repo, "add_sub_thread", extra=THREADS)
     pm.write_model(repo, "echo", pm.ECHO_CONFIG, pm.ECHO)
