@@ -12,6 +12,7 @@ another process. Two implementations, and the transports never know which they h
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,7 +24,8 @@ from shoal.statistics import ModelStatistics
 from shoal.types import InferRequest, InferResponse
 
 __all__ = [
-    "Core", "CudaRegionStatus", "HealthSnapshot", "IndexEntry", "ModelMetadata", "ModelState", "RegionStatus",
+    "DECOUPLED_REFUSED", "Core", "CudaRegionStatus", "HealthSnapshot", "StreamedResponse",
+    "IndexEntry", "ModelMetadata", "ModelState", "RegionStatus",
     "ServerMetadata", "StatisticsRow", "TensorMetadata",
 ]
 
@@ -36,6 +38,20 @@ class StatisticsRow:
     memory_bytes: dict[tuple[str, int], int]  # (CPU|GPU, device id) -> bytes
     pending: int  # requests queued, waiting for an executor
     instances: int
+
+
+# Triton's words (grpc infer_handler.cc) for a one-response inference of a decoupled model.
+DECOUPLED_REFUSED = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+
+
+@dataclass(frozen=True)
+class StreamedResponse:
+    """One response of a streaming inference: outputs, or an error (``error``), or neither (a bare
+    FINAL flag). ``final``: the request's last response."""
+
+    response: InferResponse | None
+    final: bool
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,10 @@ class Core(Protocol):
     async def model_config(self, name: str, version: str) -> dict[str, Any]: ...
 
     async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    # A decoupled model's zero or more responses as it sends them, the last one final; any other
+    # model's one response, final. A failure before the model ran raises, as ``infer`` does.
+    def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamedResponse]: ...
 
     async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]: ...
 

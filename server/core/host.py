@@ -21,7 +21,7 @@ from shoal.dataplane import tensors
 from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
 from shoal.dataplane.channel import Channel
 from shoal.errors import ErrorCode, ShoalError, bounded
-from shoal.types import InferRequest
+from shoal.types import InferRequest, Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class CoreHost:
         kind = message[0]
         if kind == messages.INFER:
             self._start(message[1], self._infer(*message[1:]))
+        elif kind == messages.STREAM:
+            self._start(message[1], self._stream(*message[1:]))
         elif kind == messages.CALL:
             self._start(message[1], self._call(*message[1:]))
         elif kind == messages.CANCEL:
@@ -89,26 +91,30 @@ class CoreHost:
             # ran its own handler, and the worker still waits for the answer that frees its block.
             self._failed(request_id, asyncio.CancelledError())
 
-    async def _infer(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> None:
+    async def _request(self, header: tuple[Any, ...], slots: list[tensors.Slot]) -> InferRequest:
         name, version, client_id, requested, parameters, class_counts, region_inputs, output_regions = header
+        if tensors.costly(slots):  # many BYTES to decode: off the loop
+            inputs = await asyncio.to_thread(tensors.unpack, self.requests, slots)
+        else:
+            inputs = tensors.unpack(self.requests, slots)
+        return InferRequest(name, version, client_id, inputs, requested, parameters, class_counts,
+                            region_inputs, output_regions)
+
+    async def _pack(self, moved: list[Tensor]) -> tuple[int, list[tensors.Slot]]:
+        """Outputs copied into a block of this host's arena for the worker, which frees it when done."""
         try:
-            if tensors.costly(slots):  # many BYTES to decode: off the loop
-                inputs = await asyncio.to_thread(tensors.unpack, self.requests, slots)
-            else:
-                inputs = tensors.unpack(self.requests, slots)
-            request = InferRequest(name, version, client_id, inputs, requested, parameters, class_counts,
-                                   region_inputs, output_regions)
-            response = await self.core.infer(request)
+            if tensors.costly(moved):
+                return await asyncio.to_thread(tensors.pack, self.responses, self._allocator, moved)
+            return tensors.pack(self.responses, self._allocator, moved)
+        except PoolFull as exc:
+            raise ShoalError(ErrorCode.UNAVAILABLE, f"the response does not fit: it {exc}") from None
+
+    async def _infer(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> None:
+        try:
+            response = await self.core.infer(await self._request(header, slots))
             in_regions = [(index, t.name, t.datatype.value, t.shape) for index, t in enumerate(response.outputs)
                           if t.name in response.in_regions]  # written into the client's memory: no bytes to move
-            moved = [t for t in response.outputs if t.name not in response.in_regions]
-            try:
-                if tensors.costly(moved):
-                    block, out = await asyncio.to_thread(tensors.pack, self.responses, self._allocator, moved)
-                else:
-                    block, out = tensors.pack(self.responses, self._allocator, moved)
-            except PoolFull as exc:
-                raise ShoalError(ErrorCode.UNAVAILABLE, f"the response does not fit: it {exc}") from None
+            block, out = await self._pack([t for t in response.outputs if t.name not in response.in_regions])
         except BaseException as exc:  # noqa: BLE001 - every request gets its one answer
             self._failed(request_id, exc)
             if not isinstance(exc, Exception | asyncio.CancelledError):
@@ -116,6 +122,25 @@ class CoreHost:
             return
         self.send((messages.INFERRED, request_id, (response.model_name, response.model_version, response.id),
                    block, out, in_regions))
+
+    async def _stream(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> None:
+        """A streaming inference: a STREAMED message per response, each outputs in its own block,
+        until the final one; an ERROR instead when the request fails before (or cancelled)."""
+        try:
+            async for part in self.core.infer_stream(await self._request(header, slots)):
+                names, block, out = None, tensors.NO_BLOCK, []
+                if part.response is not None:
+                    response = part.response
+                    names = (response.model_name, response.model_version, response.id)
+                    block, out = await self._pack(list(response.outputs))
+                self.send((messages.STREAMED, request_id, names, block, out, part.final, part.error))
+                if part.final:
+                    return
+            raise ShoalError(ErrorCode.INTERNAL, "the stream of responses ended without its final response")
+        except BaseException as exc:  # noqa: BLE001 - every request gets its one final answer
+            self._failed(request_id, exc)
+            if not isinstance(exc, Exception | asyncio.CancelledError):
+                raise
 
     async def _call(self, request_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:

@@ -7,10 +7,12 @@ the statistics rows the metrics page reads from its own thread.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 from shoal import __version__
 from shoal.core import (
+    DECOUPLED_REFUSED,
     CudaRegionStatus,
     HealthSnapshot,
     IndexEntry,
@@ -18,6 +20,7 @@ from shoal.core import (
     RegionStatus,
     ServerMetadata,
     StatisticsRow,
+    StreamedResponse,
     TensorMetadata,
     shared_memory,
 )
@@ -25,8 +28,10 @@ from shoal.dataplane import cuda
 from shoal.dataplane.regions import RegionRegistry
 from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle.manager import ModelManager
+from shoal.lifecycle.streaming import ENDED, ResponseSink, StreamingRequest, is_decoupled
+from shoal.protocol.types import DataType
 from shoal.settings import ServerSettings
-from shoal.types import InferRequest, InferResponse
+from shoal.types import InferRequest, InferResponse, Tensor
 
 SERVER_NAME = "shoal"
 # Only what is implemented end to end; clients gate features on these strings.
@@ -101,6 +106,8 @@ class LocalCore:
         self._idle.clear()
         try:
             served = self.manager.resolve(request.model_name, request.model_version)
+            if is_decoupled(served.spec.config_json) and not isinstance(request, StreamingRequest):
+                raise ShoalError(ErrorCode.UNSUPPORTED, DECOUPLED_REFUSED)
             if request.region_inputs:
                 if shared_memory.costly(self.regions, request):
                     request = await asyncio.to_thread(shared_memory.with_region_inputs, self.regions, request)
@@ -117,6 +124,46 @@ class LocalCore:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
+
+    async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamedResponse]:
+        """A decoupled model's responses as its instance puts them into the request's sink."""
+        served = self.manager.resolve(request.model_name, request.model_version)
+        if not is_decoupled(served.spec.config_json):
+            yield StreamedResponse(await self.infer(request), True)
+            return
+        if request.output_regions:
+            raise ShoalError(ErrorCode.UNSUPPORTED, "outputs in shared memory are not supported for decoupled "
+                                                    f"model '{request.model_name}'")
+        sink = ResponseSink(asyncio.get_running_loop())
+        task = asyncio.create_task(self.infer(StreamingRequest.of(request, sink)))
+        task.add_done_callback(lambda _: sink.queue.put_nowait((ENDED, True)))
+        try:
+            while True:
+                item, final = await sink.queue.get()
+                if item is ENDED:  # the execution ended (or failed) without its FINAL flag
+                    error = task.exception() if not task.cancelled() else None
+                    message = error.message if isinstance(error, ShoalError) else ENDED.message
+                    if error is not None and not isinstance(error, ShoalError):
+                        message = f"internal error: {type(error).__name__}: {error}"
+                    yield StreamedResponse(None, True, message)
+                    return
+                if isinstance(item, ShoalError):
+                    yield StreamedResponse(None, final, item.message)
+                elif item is not None:
+                    outputs = tuple(Tensor(name, DataType.from_numpy(array.dtype), tuple(array.shape), array)
+                                    for name, array in item.items())
+                    yield StreamedResponse(InferResponse(served.spec.name, str(served.version), request.id,
+                                                         outputs), final)
+                elif final:
+                    yield StreamedResponse(None, True)
+                if final:
+                    return
+        finally:
+            sink.cancel()  # read by a model still sending (sender.is_cancelled()) and by the instance's wait
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: a failure was reported in-stream
 
     async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
         return self.statistics_rows(name, version)

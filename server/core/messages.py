@@ -4,6 +4,7 @@ Small tuples, first item the kind. Worker → host::
 
     (CALL, id, method, args)          a control-plane call of ``Core`` (one of CALLS)
     (INFER, id, header, slots)        an inference; inputs in the worker's arena
+    (STREAM, id, header, slots)       a streaming inference (a decoupled model's responses)
     (CANCEL, id)                      the client gave up on ``id``
     (FREE, [block, ...])              response blocks of the host's arena the worker is done with
     (STARTED, port | message)         serving on ``port``, or why it cannot (then it exits)
@@ -14,12 +15,15 @@ Host → worker::
     (RESULT, id, value)               a call's answer
     (ERROR, id, code, message)        a call or inference failed (``ErrorCode`` value)
     (INFERRED, id, header, block, slots)   outputs in the host's arena; the worker frees ``block``
+    (STREAMED, id, header | None, block, slots, final, error)   one response of a STREAM, its
+                                      outputs in a block of their own (header None: no outputs)
     (HEALTH,)                         model or server state changed: read health again
     (STOP, grace_s)                   stop serving, finish what is open within ``grace_s``
     (PING,)                           the liveness check: a worker whose loop is stuck never answers
 
 Every INFER and CALL gets exactly one INFERRED, RESULT or ERROR, cancelled or not, and the worker
-reuses an input block only after that answer. For a request that finished, the host is done with
+reuses an input block only after that answer. A STREAM gets any number of STREAMED, then one
+final STREAMED or an ERROR, which plays that part. For a request that finished, the host is done with
 its inputs then. For one cancelled while its batch executes, the answer comes at the cancel and the
 instance may still read the block while the worker reuses it: that execution's results are
 discarded, so no client sees them (the memory stays mapped either way).
@@ -30,6 +34,7 @@ from __future__ import annotations
 CALL, INFER, CANCEL, FREE, STARTED = "call", "infer", "cancel", "free", "started"
 RESULT, ERROR, INFERRED, HEALTH, STOP = "result", "error", "inferred", "health", "stop"
 PING, PONG = "ping", "pong"
+STREAM, STREAMED = "stream", "streamed"
 
 # The Core methods a worker may call by name (infer has its own message).
 CALLS = frozenset({

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import socket
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from shoal.core import (
     RegionStatus,
     ServerMetadata,
     StatisticsRow,
+    StreamedResponse,
     messages,
 )
 from shoal.dataplane import tensors
@@ -39,6 +41,19 @@ HOST_GONE = "the server's model host process is gone"
 FREE_FLUSH_S = 0.002
 
 
+class RemoteStream:
+    """A streaming request the host answers: its input block, and its parts for the reader."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block  # freed at the final part: the host reads the inputs until then
+        self.parts: asyncio.Queue[StreamedResponse | ShoalError] = asyncio.Queue()
+        self.abandoned = False  # the reader gave up: parts still coming are released, not queued
+
+    def put(self, part: StreamedResponse | ShoalError) -> None:
+        if not self.abandoned:
+            self.parts.put_nowait(part)
+
+
 class RemoteCore:
     """``Core`` answered by the host process. ``connect`` before the first call."""
 
@@ -50,6 +65,7 @@ class RemoteCore:
         self._on_stop = on_stop or (lambda grace_s: None)
         self._ids = itertools.count()
         self._pending: dict[int, tuple[asyncio.Future[Any], int]] = {}  # id -> (answer, input block)
+        self._streams: dict[int, RemoteStream] = {}  # streaming requests the host still answers
         self._freed: list[int] = []  # response blocks to give back
         self._flush_timer: asyncio.TimerHandle | None = None
         self._decoding: set[asyncio.Task[None]] = set()  # costly answers being decoded off the loop
@@ -95,22 +111,76 @@ class RemoteCore:
         config: dict[str, Any] = await self._call("model_config", name, version)
         return config
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    def _pack_inputs(self, request: InferRequest) -> tuple[int, list[tensors.Slot]]:
         try:
-            if tensors.costly(request.inputs):
-                block, slots = await asyncio.to_thread(tensors.pack, self.requests, self._allocator, request.inputs)
-            else:
-                block, slots = tensors.pack(self.requests, self._allocator, request.inputs)
+            return tensors.pack(self.requests, self._allocator, request.inputs)
         except PoolFull as exc:
             advice = ("it can never fit: start the server with a larger --grpc-worker-pool-mb"
                       if exc.wanted > exc.capacity else "retry later, or start the server with a larger "
                       "--grpc-worker-pool-mb")
             message = f"the front-end worker's shared-memory pool is full: the request {exc}; {advice}"
             raise ShoalError(ErrorCode.UNAVAILABLE, message) from None
-        header = (request.model_name, request.model_version, request.id, request.requested_outputs,
-                  request.parameters, request.class_counts, request.region_inputs, request.output_regions)
-        response: InferResponse = await self._send(messages.INFER, (header, slots), block)
+
+    @staticmethod
+    def _header(request: InferRequest) -> tuple[Any, ...]:
+        return (request.model_name, request.model_version, request.id, request.requested_outputs,
+                request.parameters, request.class_counts, request.region_inputs, request.output_regions)
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        if tensors.costly(request.inputs):
+            block, slots = await asyncio.to_thread(self._pack_inputs, request)
+        else:
+            block, slots = self._pack_inputs(request)
+        response: InferResponse = await self._send(messages.INFER, (self._header(request), slots), block)
         return response
+
+    async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamedResponse]:
+        """The host's responses as they come (``RemoteStream``); a give-up is sent as CANCEL."""
+        if tensors.costly(request.inputs):
+            block, slots = await asyncio.to_thread(self._pack_inputs, request)
+        else:
+            block, slots = self._pack_inputs(request)
+        channel = self._channel
+        if channel is None or channel.closed:
+            self._free_input(block)
+            raise ShoalError(ErrorCode.UNAVAILABLE, HOST_GONE)
+        request_id = next(self._ids)
+        stream = RemoteStream(block)
+        self._streams[request_id] = stream
+        self._flush_freed()
+        channel.send((messages.STREAM, request_id, self._header(request), slots))
+        try:
+            while True:
+                part = await stream.parts.get()
+                if isinstance(part, ShoalError):
+                    raise part
+                yield part
+                if part.final:
+                    return
+        finally:
+            if request_id in self._streams:  # given up before its end: later parts are dropped
+                stream.abandoned = True
+                channel.send((messages.CANCEL, request_id))
+
+    def _streamed(self, message: tuple[Any, ...]) -> None:
+        """A STREAMED or ERROR for a streaming request: on to its reader; the final one frees the inputs."""
+        stream = self._streams[message[1]]
+        final = message[0] != messages.STREAMED or message[5]
+        if final:
+            del self._streams[message[1]]
+            self._free_input(stream.block)
+        if message[0] != messages.STREAMED:
+            stream.put(ShoalError(ErrorCode(message[2]), message[3]))
+            return
+        _, _, names, block, slots, final, error = message
+        if stream.abandoned:
+            self._release(block)
+            return
+        response = None
+        if names is not None:
+            outputs = tensors.unpack(self.responses, slots, lambda: self._release(block))
+            response = InferResponse(*names, outputs)
+        stream.put(StreamedResponse(response, final, error))
 
     async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
         rows: list[StatisticsRow] = await self._call("model_statistics", name, version)
@@ -183,6 +253,9 @@ class RemoteCore:
             if self._channel is not None:
                 self._channel.send((messages.PONG,))
             return
+        if message[1] in self._streams:
+            self._streamed(message)
+            return
         pending = self._pending.pop(message[1], None)
         if pending is None:  # an id this worker never sent: ignore it rather than fail every later answer
             return
@@ -252,6 +325,9 @@ class RemoteCore:
             if not answer.done():
                 answer.set_exception(ShoalError(ErrorCode.UNAVAILABLE, HOST_GONE))
         self._pending.clear()
+        for stream in self._streams.values():
+            stream.put(ShoalError(ErrorCode.UNAVAILABLE, HOST_GONE))
+        self._streams.clear()
         self.closed.set()
 
 

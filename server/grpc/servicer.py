@@ -1,7 +1,7 @@
 """The thin servicer: protobuf in on the first line, one core call, protobuf out on the last.
 
 ModelStreamInfer adds only the stream's plumbing: its requests run concurrently, bounded per stream,
-and are answered in arrival order.
+and are answered in arrival order; a decoupled model's responses go out as they come.
 
 One method per RPC of ``inference.GRPCInferenceService``; ``server.grpc.server``
 registers each under the guard that maps errors to status.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeAlias
 
 import grpc
@@ -29,6 +29,8 @@ Context: TypeAlias = grpc.aio.ServicerContext
 # stream holds at most this many decoded requests and a client that sends faster than the models
 # answer is held back by grpc's flow control instead of being refused.
 MAX_IN_FLIGHT_PER_STREAM = 32
+# Triton's request and response parameters for decoupled models on a stream.
+EMPTY_FINAL_PARAMETER, FINAL_PARAMETER = "triton_enable_empty_final_response", "triton_final_response"
 
 
 class InferenceServicer:
@@ -76,15 +78,32 @@ class InferenceServicer:
         (Triton's sequence batcher relies on it), in either process layout.
         """
         slots = asyncio.Semaphore(MAX_IN_FLIGHT_PER_STREAM)
-        # Answers in arrival order; None: the client sent its last request.
-        answers: asyncio.Queue[asyncio.Task[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
-        in_flight: set[asyncio.Task[pb.ModelStreamInferResponse]] = set()
+        # Answers in the order they are written, each with whether writing it frees a slot; None: the
+        # client sent its last request and every decoupled request has its final response.
+        answers: asyncio.Queue[tuple[asyncio.Future[pb.ModelStreamInferResponse], bool] | None] = asyncio.Queue()
+        in_flight: set[asyncio.Task[Any]] = set()
+        decoupled_tasks: set[asyncio.Task[None]] = set()
         last_of_sequence: dict[tuple[str, Any], asyncio.Task[pb.ModelStreamInferResponse]] = {}
+        decoupled_models: dict[tuple[str, str], bool] = {}
+
+        def put(message: pb.ModelStreamInferResponse) -> None:
+            written = asyncio.get_running_loop().create_future()
+            written.set_result(message)
+            answers.put_nowait((written, False))
 
         async def read() -> None:
             try:
                 await slots.acquire()
                 async for request in requests:
+                    if await self._decoupled(request, decoupled_models):
+                        stream = asyncio.create_task(self._stream_decoupled(request, put))
+                        in_flight.add(stream)
+                        decoupled_tasks.add(stream)
+                        stream.add_done_callback(in_flight.discard)
+                        stream.add_done_callback(decoupled_tasks.discard)
+                        stream.add_done_callback(lambda _: slots.release())
+                        await slots.acquire()
+                        continue
                     key = _sequence_key(request)
                     after = last_of_sequence.get(key) if key is not None else None
                     task = asyncio.create_task(self._stream_answer(request, context, after))
@@ -93,21 +112,57 @@ class InferenceServicer:
                     if key is not None:
                         last_of_sequence[key] = task
                         task.add_done_callback(functools.partial(_forget, last_of_sequence, key))
-                    answers.put_nowait(task)
+                    answers.put_nowait((task, True))
                     await slots.acquire()
+                if decoupled_tasks:  # the client is done sending: answer what it sent, then end
+                    await asyncio.wait(set(decoupled_tasks))
             finally:
                 answers.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
-            while (answer := await answers.get()) is not None:
+            while (item := await answers.get()) is not None:
+                answer, frees_slot = item
                 yield await answer
-                slots.release()
+                if frees_slot:
+                    slots.release()
             await reader  # raises what ended the reading (a malformed message): the guard makes it a status
         finally:
             reader.cancel()
             for task in in_flight:
                 task.cancel()
+
+    async def _decoupled(self, request: pb.ModelInferRequest, known: dict[tuple[str, str], bool]) -> bool:
+        """Whether the request's model is decoupled, asked once per model and version on a stream."""
+        key = (request.model_name, request.model_version)
+        if key not in known:
+            try:
+                config = await self.core.model_config(*key)
+            except Exception:  # noqa: BLE001 - not served: the ordinary path reports it in-stream
+                return False
+            known[key] = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+        return known[key]
+
+    async def _stream_decoupled(self, request: pb.ModelInferRequest,
+                                put: Callable[[pb.ModelStreamInferResponse], None]) -> None:
+        """A decoupled model's responses, each written as it comes, as Triton's stream handler does:
+        each names its request, carries ``triton_final_response``, and a FINAL flag without a
+        response is written only when the client asked (``triton_enable_empty_final_response``)."""
+        empty_final = _bool_parameter(request, EMPTY_FINAL_PARAMETER)
+        try:
+            async for part in self.core.infer_stream(await offload.infer_request(request)):
+                if part.response is not None:
+                    message = await offload.infer_response(part.response)
+                elif part.error or empty_final:
+                    message = pb.ModelInferResponse(model_name=request.model_name,
+                                                    model_version=request.model_version, id=request.id)
+                else:
+                    continue  # a bare FINAL flag the client did not ask to see
+                message.parameters[FINAL_PARAMETER].bool_param = part.final
+                put(pb.ModelStreamInferResponse(error_message=part.error, infer_response=message))
+        except Exception as exc:  # noqa: BLE001 - reported in-stream; the stream goes on
+            _, text = to_status(exc)
+            put(pb.ModelStreamInferResponse(error_message=text, infer_response=pb.ModelInferResponse(id=request.id)))
 
     async def _stream_answer(
         self, request: pb.ModelInferRequest, context: Context, after: asyncio.Task[Any] | None = None
@@ -197,6 +252,10 @@ def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, Any] | None:
         return None
     value = convert.parameter_value(request.parameters["sequence_id"])
     return None if value in (None, 0, "") else (request.model_name, value)
+
+
+def _bool_parameter(request: pb.ModelInferRequest, name: str) -> bool:
+    return name in request.parameters and convert.parameter_value(request.parameters[name]) is True
 
 
 def _forget(last: dict[tuple[str, Any], asyncio.Task[Any]], key: tuple[str, Any], done: asyncio.Task[Any]) -> None:

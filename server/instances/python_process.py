@@ -7,6 +7,8 @@ execution timeout and liveness checks. What differs is the conversation for a ba
     server → worker  (RUN_REQUESTS, [(input slots, outputs, request id, correlation id, parameters)])
     worker → server  (BLS, call id, BlsCall, input slots)  a model's request to another model, any number
     server → worker  (BLS_REPLY, call id, BlsResult, output slots)  as each of those finishes
+    worker → server  (RESPONSE, index, outputs, error, code, final)  a decoupled model's responses
+    server → worker  (CANCEL_REQUEST, index)          a decoupled request's client gave up
     worker → server  (GROW, bytes)                   the outputs need a bigger arena
     worker → server  (DONE, [(output slots, error, code)])
 
@@ -28,6 +30,7 @@ import logging
 import os
 import queue
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -35,6 +38,7 @@ from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
+import shoal.backends.python as python_backend
 from shoal.backends.devices import Device
 from shoal.backends.python import bls, pb_utils, runner
 from shoal.dataplane import tensors
@@ -47,6 +51,9 @@ from shoal.repository.config import ModelSpec
 logger = logging.getLogger(__name__)
 
 RUN_REQUESTS, BLS, BLS_REPLY, DONE = "run_requests", "bls", "bls_reply", "done"
+# A decoupled model's batch: (RESPONSE, index, outputs | None, error, code, final) as the model sends
+# each response (outputs pickled on the pipe), and (CANCEL_REQUEST, index) when the client gave up.
+RESPONSE, CANCEL_REQUEST = "response", "cancel_request"
 
 
 def _aligned(offset: int) -> int:
@@ -170,11 +177,56 @@ def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dic
             process._receive_arena(conn, arenas, message)
 
 
+class LockedConn:
+    """The worker's pipe end, safe to send on from the model's own threads (a decoupled model's sender)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.recv, self.poll, self.fileno = conn.recv, conn.poll, conn.fileno
+
+    def send(self, message: Any) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+
+def _run_decoupled(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena],
+                   requests: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """A decoupled model's batch: responses go to the server as they are sent, DONE once all are FINAL."""
+    items = []
+    for slots, outputs, request_id, correlation_id, parameters in requests:
+        feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
+        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters))
+    cancelled: set[int] = set()
+
+    def emit(index: int, outcome: runner.Outcome | None, final: bool) -> None:
+        if outcome is None:
+            conn.send((RESPONSE, index, None, "", "", final))
+        else:
+            conn.send((RESPONSE, index, outcome.outputs, outcome.error, outcome.code, final))
+
+    def is_cancelled(index: int) -> bool:
+        while conn.poll(0):  # only cancellations come while a batch waits for its FINAL flags
+            message = conn.recv()
+            if isinstance(message, tuple) and message[0] == CANCEL_REQUEST:
+                cancelled.add(message[1])
+        return index in cancelled
+
+    link.begin()
+    try:
+        model.execute_decoupled(items, emit, is_cancelled)
+    finally:
+        link.stop_reading()
+    return (DONE, [([], "", "") for _ in requests])
+
+
 def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
     """The worker process: initialize the model, then run batches from the pipe until told to stop."""
     if not logging.getLogger().handlers:  # a forkserver child: the model's Logger lines go to the server's stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     arenas: dict[str, Arena] = {}
+    conn = LockedConn(conn)
+    decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
     link = PipeLink(conn, arenas)
     pb_utils.set_host_link(link)
     try:
@@ -195,7 +247,8 @@ def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any
             elif message[0] == ARENA:
                 process._receive_arena(conn, arenas, message)
             elif message[0] == RUN_REQUESTS:
-                reply = _run_batch(model, link, conn, arenas, message[1])
+                run = _run_decoupled if decoupled else _run_batch
+                reply = run(model, link, conn, arenas, message[1])
                 if reply is None:
                     return
                 conn.send(reply)
@@ -222,6 +275,9 @@ class PythonProcessModel(process.ProcessModel):
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
         self._finished: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
+        self._sinks: list[Any] = []  # the running batch's response sinks (a decoupled model)
+        self._cancel_sent: set[int] = set()
         super().__init__(spec, model_file, device, (instance_name, version), 1, limits,
                          ("numpy", "shoal.backends.python.runner"))
 
@@ -236,6 +292,8 @@ class PythonProcessModel(process.ProcessModel):
             if self._failure or self._closing.is_set():
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{self._spec.name}': the instance process "
                                                         f"{self._failure or 'is stopping'}")
+            self._sinks = [python_backend.sink_of(pending) for pending in batch] if self._decoupled else []
+            self._cancel_sent = set()
             requests, used = self._pack_inputs(batch)
             self._reply_offset = used  # BLS outputs go after the batch's inputs
             timeout_s = self._limits.execution_timeout_s
@@ -286,12 +344,31 @@ class PythonProcessModel(process.ProcessModel):
                     return list(message[1])
                 if isinstance(message, tuple) and message[0] == GROW:
                     self._grow(RESPONSES, message[1])
+                elif isinstance(message, tuple) and message[0] == RESPONSE:
+                    self._forward(*message[1:])
                 elif isinstance(message, tuple) and message[0] == BLS:
                     _, call_id, call, slots = message
                     if slots is not None:
                         call = replace(call, inputs=_take(self._arenas[RESPONSES], slots))
                     self._start_call(call_id, call)
+            self._send_cancellations()
             self._check_running(deadline)
+
+    def _forward(self, index: int, outputs: dict[str, Any] | None, error: str, code: str, final: bool) -> None:
+        """One response of a decoupled model, on to its request's sink."""
+        item: dict[str, Any] | ShoalError | None = outputs
+        if error:
+            item = ShoalError(ErrorCode(code), error)
+        self._sinks[index].put(item, final)
+
+    def _send_cancellations(self) -> None:
+        for index, sink in enumerate(self._sinks):
+            if sink.cancelled and index not in self._cancel_sent:
+                self._cancel_sent.add(index)
+                try:
+                    self._conn.send((CANCEL_REQUEST, index))
+                except OSError:
+                    pass  # the worker is gone: the wait finds it dead
 
     def _start_call(self, call_id: int, call: bls.BlsCall) -> None:
         future = bls.start(self._host, call)

@@ -162,6 +162,9 @@ class ModelVersion:
             raise ShoalError(
                 ErrorCode.INTERNAL, f"model '{self.spec.name}' version {self.version} failed: {exc}"
             ) from exc
+        if getattr(request, "sink", None) is not None:  # a decoupled model: the outputs went through the sink
+            return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
+                                 outputs=())
         if tensors.finish_is_costly(prepared, results):  # a wide classification: off the event loop
             outputs = await asyncio.to_thread(tensors.finish, self.spec, prepared, results)
         else:

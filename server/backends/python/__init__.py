@@ -43,6 +43,15 @@ def version_of(model_file: Path) -> int:
     return int(model_file.parent.name)
 
 
+def sink_of(pending: Any) -> Any:
+    """The response sink of a queued request to a decoupled model (its core request carries it)."""
+    sink = getattr(pending.context, "sink", None)
+    if sink is None:
+        raise ShoalError(ErrorCode.UNSUPPORTED, "ModelInfer RPC doesn't support models with decoupled "
+                                                "transaction policy")
+    return sink
+
+
 class ThreadInstance:
     """A Python model instance on an instance thread of the server (``process_instances: false``)."""
 
@@ -53,6 +62,7 @@ class ThreadInstance:
         pb_utils.set_host_link(self._link)
         args = runner.model_args(spec.config_json, model_file, instance_name, device.kind.upper(), device.index,
                                  version)
+        self._decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
         try:
             self._runner = runner.ModelRunner(spec.config_json, model_file, args)
         except Exception as exc:  # noqa: BLE001 - the load error, with Triton's wording
@@ -64,6 +74,14 @@ class ThreadInstance:
     def run_requests(self, batch: Sequence[Any]) -> list[dict[str, np.ndarray] | ShoalError]:
         pb_utils.set_host_link(self._link)  # every thread instance of a server holds the same host
         items = [runner.request_data(pending.feed, pending.outputs, pending.context) for pending in batch]
+        if self._decoupled:
+            sinks = [sink_of(pending) for pending in batch]
+
+            def emit(index: int, outcome: runner.Outcome | None, final: bool) -> None:
+                sinks[index].put(None if outcome is None else outcome.result(), final)
+
+            self._runner.execute_decoupled(items, emit, lambda index: sinks[index].cancelled)
+            return [{} for _ in batch]  # the responses went through the sinks
         return [outcome.result() for outcome in self._runner.execute(items)]
 
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Iterable, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -177,6 +178,11 @@ def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[s
     return next((item for item in model_config.get("output", ()) if item.get("name") == name), None)
 
 
+def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
+    """Whether the config makes the model decoupled (``model_transaction_policy { decoupled: true }``)."""
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
 class InferenceResponse:
     """One response: output tensors, or an error."""
 
@@ -223,23 +229,43 @@ def _link() -> HostLink:
 
 
 class InferenceResponseSender:
-    """A request's response sender: responses sent here answer it (with FINAL as the last flag)."""
+    """A request's response sender: responses sent here answer it (with FINAL as the last flag).
 
-    def __init__(self, request: InferenceRequest) -> None:
+    For a decoupled model the runner gives it ``on_send``: each response goes on to the client as
+    it is sent, from whichever thread sends it (Triton's repeat example sends from its own thread
+    after ``execute`` returned); otherwise the responses are kept for ``execute``'s caller.
+    """
+
+    def __init__(self, request: InferenceRequest,
+                 on_send: Callable[[InferenceResponse | None, bool], None] | None = None) -> None:
         self._request = request
+        self._on_send = on_send
+        self._lock = threading.Lock()
         self.responses: list[InferenceResponse] = []
         self.final = False
+        self.closed = threading.Event()  # set with the FINAL flag, or when the client is gone
+        self.cancelled = False
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
-        if self.final:
-            raise TritonModelException("Unable to send response. Response sender has been closed.")
-        if response is not None:
-            self.responses.append(response)
-        if flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL:
-            self.final = True
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        with self._lock:  # one sender may be used from several threads; FINAL closes it once
+            if self.final:
+                raise TritonModelException("Unable to send response. Response sender has been closed.")
+            self.final = final
+            if self._on_send is not None:
+                self._on_send(response, final)
+            elif response is not None:
+                self.responses.append(response)
+        if final:
+            self.closed.set()
 
     def is_cancelled(self) -> bool:
-        return False
+        return self.cancelled
+
+    def cancel(self) -> None:
+        """The client is gone: ``is_cancelled`` says so, and nobody waits for FINAL any longer."""
+        self.cancelled = True
+        self.closed.set()
 
 
 class InferenceRequest:
@@ -286,7 +312,7 @@ class InferenceRequest:
         return self._parameters
 
     def is_cancelled(self) -> bool:
-        return False
+        return self._sender is not None and self._sender.cancelled
 
     def set_release_flags(self, flags: int) -> None:
         """Accepted for compatibility: Shoal releases every request when its responses are in."""

@@ -11,13 +11,14 @@ request never fails the server and a failing ``execute`` fails only its batch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib.util
 import inspect
 import json
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,12 @@ _HIDDEN_FRAMES = (str(Path(__file__).resolve().parents[2]), str(Path(asyncio.__f
 _ERROR_CODES = {pb_utils.TritonError.INVALID_ARG: "invalid_argument", pb_utils.TritonError.NOT_FOUND: "not_found",
                 pb_utils.TritonError.UNAVAILABLE: "unavailable", pb_utils.TritonError.UNSUPPORTED: "unsupported",
                 pb_utils.TritonError.ALREADY_EXISTS: "already_exists"}
+
+
+# A decoupled model's response on its way out: (request index in the batch, its outcome or None for
+# a bare FINAL flag, whether it is the final one).
+Emit = Callable[[int, "Outcome | None", bool], None]
+CANCEL_POLL_S = 0.05  # how often a batch waiting for FINAL flags looks for requests the client gave up
 
 
 @dataclass(frozen=True)
@@ -162,11 +169,56 @@ class ModelRunner:
             self._loop = asyncio.new_event_loop()
         return self._loop.run_until_complete(result)
 
-    def execute(self, items: Sequence[RequestData]) -> list[Outcome]:
-        requests = [pb_utils.InferenceRequest(
+    @staticmethod
+    def _requests(items: Sequence[RequestData]) -> list[pb_utils.InferenceRequest]:
+        return [pb_utils.InferenceRequest(
             inputs=[pb_utils.Tensor(name, array) for name, array in item.inputs.items()],
             requested_output_names=item.outputs, request_id=item.request_id, correlation_id=item.correlation_id,
             parameters=dict(item.parameters)) for item in items]
+
+    def execute_decoupled(self, items: Sequence[RequestData], emit: Emit,
+                          is_cancelled: Callable[[int], bool] = lambda index: False) -> None:
+        """Run a decoupled model's batch: each response goes to ``emit`` as the model sends it.
+
+        Returns once every request got its FINAL flag (possibly from the model's own threads after
+        ``execute`` returned) or was cancelled, so the instance is held until then. An ``execute``
+        that raises or returns something other than None closes the requests still open with an
+        error response, as Triton's Python backend does.
+        """
+        requests = self._requests(items)
+        senders = []
+        for index, (item, request) in enumerate(zip(items, requests, strict=True)):
+            sender = pb_utils.InferenceResponseSender(request, functools.partial(self._forward, emit, index, item))
+            request._sender = sender
+            senders.append(sender)
+        try:
+            returned = self._await(self.model.execute(requests))
+        except Exception as exc:  # noqa: BLE001 - the batch fails, the instance goes on
+            message = f"Failed to process the request(s) for model '{self.instance_name}', message: " \
+                      f"{describe_error(exc)}"
+            return self._close_open(senders, message)
+        if returned is not None:
+            return self._close_open(senders, f"Python model '{self.instance_name}' is using the decoupled mode "
+                                              "and the execute function must return None.")
+        for index, sender in enumerate(senders):
+            while not sender.closed.wait(CANCEL_POLL_S):
+                if is_cancelled(index):
+                    sender.cancel()
+
+    def _forward(self, emit: Emit, index: int, item: RequestData, response: Any, final: bool) -> None:
+        emit(index, None if response is None else self._outcome(item, response), final)
+
+    @staticmethod
+    def _close_open(senders: Sequence[pb_utils.InferenceResponseSender], message: str) -> None:
+        for sender in senders:
+            try:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+                            pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except pb_utils.TritonModelException:
+                pass  # it was closed already
+
+    def execute(self, items: Sequence[RequestData]) -> list[Outcome]:
+        requests = self._requests(items)
         try:
             responses = self._await(self.model.execute(requests))
         except Exception as exc:  # noqa: BLE001 - the batch fails, the instance goes on
