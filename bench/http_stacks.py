@@ -1,6 +1,6 @@
 """Per-request cost of candidate HTTP stacks for Shoal's HTTP endpoint, measured here.
 
-    python bench/http_stacks.py [--seconds 3 --concurrency 1,16]
+    python bench/http_stacks.py [--seconds 3 --concurrency 1,16 --repeats 3]
 
 Each stack serves one route in a subprocess on a free loopback port, the way Shoal would run it
 (inside an asyncio loop the process already has, on a socket it bound itself): ``POST
@@ -8,8 +8,10 @@ Each stack serves one route in a subprocess on a free loopback port, the way Sho
 with ``json.dumps``, so the figure is the stack's cost plus the same small JSON work. The client
 is a raw asyncio HTTP/1.1 keep-alive client in another process (one connection per concurrent
 request, next request as soon as the answer is read), light enough that the server process is
-the bottleneck. Bounded in time per run. Prints requests/s and µs of server time per request;
-writes bench/results/http_stacks.csv.
+the bottleneck. Bounded in time per run. Each cell is run ``--repeats`` times, stacks taking
+turns, and the median kept (the machine is shared). Prints requests/s and the server process's
+CPU time per request (user + system, from /proc), the figure that decides; writes
+bench/results/http_stacks.csv.
 
 Candidates (each must run in an existing loop on a given socket, which SO_REUSEPORT needs):
 ``aiohttp`` (web.Application behind AppRunner/SockSite) and ``uvicorn`` with ``httptools`` and a
@@ -24,6 +26,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -152,6 +155,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--stacks", default="aiohttp,uvicorn")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve[0], Path(args.serve[1]))
@@ -161,10 +165,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            for stack in args.stacks.split(","):
-                row = measure(stack, concurrency, args.seconds, Path(folder))
-                print(f"{row['stack']:8} c={concurrency:<3} {row['requests_per_s']:>7} req/s "
-                      f"{row['server_cpu_us_per_request']:>7} µs server CPU per request")
+            runs: dict[str, list[dict[str, Any]]] = {stack: [] for stack in args.stacks.split(",")}
+            for _ in range(args.repeats):
+                for stack, done in runs.items():
+                    done.append(measure(stack, concurrency, args.seconds, Path(folder)))
+            for stack, done in runs.items():
+                row = {**done[0], "repeats": len(done)}
+                for key in ("requests_per_s", "server_cpu_us_per_request"):
+                    row[key] = statistics.median(run[key] for run in done)
+                print(f"{stack:8} c={concurrency:<3} {row['requests_per_s']:>7} req/s "
+                      f"{row['server_cpu_us_per_request']:>7} µs server CPU per request (median of {len(done)})")
                 rows.append(row)
     save_results(rows, "http_stacks.csv")
 
