@@ -245,3 +245,28 @@ def test_load_is_refused_without_explicit_mode(client: httpclient.InferenceServe
         client.load_model("simple")
     assert caught.value.status() == "503"
     assert caught.value.message().startswith("explicit model load / unload is not allowed")
+
+
+def test_every_worker_serves_http_and_a_replaced_one_too(tmp_path: Path) -> None:
+    """With front-end workers, each one listens on the shared HTTP port, a restarted one included."""
+    import signal
+
+    from tests.conftest import start_server
+    from tests.polling import wait_until
+    from tests.test_frontend_workers import worker_pids
+
+    server = start_server(models.repository(tmp_path, "simple"), tmp_path, "--grpc-workers", "2")
+    try:
+        where = f"HTTP on 127.0.0.1:{server.http_port}"
+        wait_until(lambda: server.log().count(where) == 2, what="both workers to serve HTTP")
+        victim = min(worker_pids(server))
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: len(worker_pids(server)) == 2 and victim not in worker_pids(server),
+                   what="the killed worker to be replaced")
+        wait_until(lambda: server.log().count(where) == 3, what="the new worker to serve HTTP")
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        for _ in range(8):  # fresh connections: the kernel spreads them over both workers
+            with httpclient.InferenceServerClient(server.http_url) as client:
+                np.testing.assert_array_equal(client.infer("simple", _simple_inputs(a, a)).as_numpy("OUTPUT0"), a + a)
+    finally:
+        assert server.stop() == 0, server.log()

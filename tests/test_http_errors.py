@@ -212,3 +212,12 @@ def test_https_and_mutual_tls(pki: Path, tmp_path: Path, server_factory) -> None
         plain.request("GET", "/v2/health/ready")
         plain.getresponse()
 
+
+
+def test_binary_bytes_of_many_tiny_elements_are_refused_before_decoding(example_server: RunningServer) -> None:
+    count = 3_000_000  # 12 MB of empty strings would take ~160 MiB of Python objects
+    header = json.dumps({"inputs": [{"name": "IN", "shape": [count], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": 4 * count}}]}).encode()
+    status, message = error(example_server, "POST", "/v2/models/strings/infer", header + bytes(4 * count),
+                            {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400 and "send fewer, longer elements" in message
