@@ -270,3 +270,34 @@ def test_every_worker_serves_http_and_a_replaced_one_too(tmp_path: Path) -> None
                 np.testing.assert_array_equal(client.infer("simple", _simple_inputs(a, a)).as_numpy("OUTPUT0"), a + a)
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_sigterm_drains_http_requests_and_readiness_turns_false(tmp_path: Path, server_factory) -> None:
+    """app.serve's stop order holds for HTTP: requests in flight are answered, ready turns 400 meanwhile,
+    then the server exits 0."""
+    import signal
+    import threading
+
+    from tests.polling import metric, wait_until
+    from tests.test_http_errors import call
+
+    repo = models.repository(tmp_path)
+    models.add_delayed_identity(repo, "slow", delay_ms=1500)
+    server = server_factory(repo)
+    outcome: list[object] = []
+
+    def slow() -> None:
+        with httpclient.InferenceServerClient(server.http_url, network_timeout=30) as client:
+            tensor = httpclient.InferInput("IN", [1, 2], "INT64")
+            tensor.set_data_from_numpy(np.array([[7, 8]], dtype=np.int64), binary_data=False)
+            outcome.append(client.infer("slow", [tensor]).as_numpy("OUT").tolist())
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    wait_until(lambda: metric(server, "nv_inference_pending_request_count", "slow") >= 1
+               or metric(server, "nv_inference_exec_count", "slow") >= 1, what="the request to reach the model")
+    server.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: call(server, "GET", "/v2/health/ready")[0] == 400, what="readiness to turn false")
+    thread.join(timeout=30)
+    assert outcome == [[[7, 8]]]
+    assert server.process.wait(timeout=30) == 0, server.log()
