@@ -79,7 +79,8 @@ async def _serve_uvicorn(sock: socket.socket) -> None:
             (b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
         await send({"type": "http.response.body", "body": answer})
 
-    config = uvicorn.Config(app, http="httptools", ws="none", lifespan="off", access_log=False, log_level="warning")
+    config = uvicorn.Config(app, http="httptools", ws="none", lifespan="off", interface="asgi3", access_log=False,
+                            log_level="warning", proxy_headers=False)  # as server/http/server.py
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)  # what Server.serve sets up before startup
