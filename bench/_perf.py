@@ -29,8 +29,8 @@ def install_perf_analyzer() -> Path:
 
 
 def _perf_command(url: str, model: str, concurrency: int, window_ms: int, batch: int, out: Path,
-                  max_trials: int, stability_percent: float) -> list[str]:
-    return [str(PERF_ANALYZER), "-m", model, "-u", url, "-i", "grpc", "--input-data", "zero",
+                  max_trials: int, stability_percent: float, protocol: str = "grpc") -> list[str]:
+    return [str(PERF_ANALYZER), "-m", model, "-u", url, "-i", protocol, "--input-data", "zero",
             "-b", str(batch), "--concurrency-range", f"{concurrency}:{concurrency}", "-p", str(window_ms),
             "--max-trials", str(max_trials), "--stability-percentage", str(stability_percent), "-f", str(out)]
 
@@ -52,14 +52,16 @@ def perf_timeout_s(window_ms: int, max_trials: int) -> float:
 
 
 def perf_analyzer(url: str, model: str, concurrency: int, window_ms: int = 2000, batch: int = 1,
-                  max_trials: int = 10, stability_percent: float = 20.0) -> dict[str, float]:
-    """One perf_analyzer measurement (gRPC, zero inputs); throughput in inferences/s, latencies in µs.
+                  max_trials: int = 10, stability_percent: float = 20.0, protocol: str = "grpc") -> dict[str, float]:
+    """One perf_analyzer measurement (zero inputs, over ``protocol``: grpc or http); throughput in inferences/s,
+    latencies in µs.
 
     Stops after three windows within ``stability_percent`` of each other, or ``max_trials`` windows; raises
     subprocess.TimeoutExpired past perf_timeout_s."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "pa.csv"
-        subprocess.run(_perf_command(url, model, concurrency, window_ms, batch, out, max_trials, stability_percent),
+        subprocess.run(_perf_command(url, model, concurrency, window_ms, batch, out, max_trials, stability_percent,
+                                     protocol),
                        check=True, capture_output=True, timeout=perf_timeout_s(window_ms, max_trials))
         return _perf_figures(out)
 
@@ -74,16 +76,18 @@ ANY_SPREAD = 1e6  # a stability band no run can miss: perf_analyzer stops after 
 
 
 def perf_analyzers(url: str, model: str, concurrency: int, clients: int, window_ms: int = 2000, batch: int = 1,
-                   max_trials: int = 10, stability_percent: float = 20.0, windows: int = 3) -> dict[str, float]:
+                   max_trials: int = 10, stability_percent: float = 20.0, windows: int = 3,
+                   protocol: str = "grpc") -> dict[str, float]:
     """``clients`` perf_analyzer processes at once, concurrency split between them; throughputs summed, the worst
     latency of any of them. Each measures exactly ``windows`` windows (no stability stop), so that they overlap.
     One client (or concurrency 1): perf_analyzer() with ``stability_percent`` and ``max_trials``."""
     shares = split_concurrency(concurrency, clients)
     if len(shares) == 1:
-        return perf_analyzer(url, model, concurrency, window_ms, batch, max_trials, stability_percent)
+        return perf_analyzer(url, model, concurrency, window_ms, batch, max_trials, stability_percent, protocol)
     with tempfile.TemporaryDirectory() as folder:
         outs = [Path(folder) / f"pa{index}.csv" for index in range(len(shares))]
-        processes = [subprocess.Popen(_perf_command(url, model, share, window_ms, batch, out, windows, ANY_SPREAD),
+        processes = [subprocess.Popen(_perf_command(url, model, share, window_ms, batch, out, windows, ANY_SPREAD,
+                                                    protocol),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                      for share, out in zip(shares, outs, strict=True)]
         deadline = time.monotonic() + perf_timeout_s(window_ms, windows)

@@ -62,9 +62,25 @@ def mlp_graph(width: int, layers: int, seed: int = 0) -> onnx.GraphProto:
     return helper.make_graph(nodes, "mlp", inputs, outputs, initializer=initializers)
 
 
+def mlp_scale_graph(width: int) -> onnx.GraphProto:
+    """The pre-processing step of the ``mlp_pipeline`` ensemble: raw UINT8 values (pixels, say) to the
+    FP32 the MLP takes, ``RAW / 255 - 0.5``, dynamic batch."""
+    constants = [numpy_helper.from_array(np.array(1 / 255, dtype=np.float32), "scale"),
+                 numpy_helper.from_array(np.array(0.5, dtype=np.float32), "offset")]
+    nodes = [
+        helper.make_node("Cast", ["RAW"], ["raw_fp32"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["raw_fp32", "scale"], ["scaled"]),
+        helper.make_node("Sub", ["scaled", "offset"], ["SCALED"]),
+    ]
+    inputs = [helper.make_tensor_value_info("RAW", TensorProto.UINT8, ["batch", width])]
+    outputs = [helper.make_tensor_value_info("SCALED", TensorProto.FLOAT, ["batch", width])]
+    return helper.make_graph(nodes, "mlp_scale", inputs, outputs, initializer=constants)
+
+
 def main(repository: Path) -> None:
     save(simple_graph(), repository / "simple" / "1" / "model.onnx")
     save(mlp_graph(width=256, layers=4), repository / "mlp" / "1" / "model.onnx")
+    save(mlp_scale_graph(width=256), repository / "mlp_scale" / "1" / "model.onnx")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Exception tree::
         ALREADY_EXISTS     a name that is taken
         INTERNAL           a backend failed while executing
         LOAD_FAILED        a model could not be loaded (config, model file, device)
-        PERMISSION_DENIED  a restricted RPC without the configured header
+        PERMISSION_DENIED  a restricted call without the configured header (gRPC: UNAVAILABLE, as Triton)
     StartupError(message)  the server cannot start (a port in use): a clear line and exit 1
 
 Each transport maps every code to its status in one table (server/grpc/status.py,

@@ -17,6 +17,7 @@ since the epoch. Updated from the event loop only, so no lock is needed.
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,31 @@ class Phases:
 
 
 @dataclass
+class PhaseTotals:
+    """Compute phases summed over the requests one caller made, whichever models ran them: Triton's
+    secondary stats aggregator, through which an ensemble reports its steps' compute time as its own."""
+
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+    def add(self, phases: Phases) -> None:
+        self.input_ns += phases.input_ns
+        self.infer_ns += phases.infer_ns
+        self.output_ns += phases.output_ns
+
+    def phases(self) -> Phases:
+        return Phases(self.input_ns, self.infer_ns, self.output_ns)
+
+
+# Set by a caller (an ensemble) around the requests it makes; a scheduler adds each of those requests'
+# phases to it as well as to its own model's statistics. A context variable, so that it follows the
+# request into the composing model's scheduler without a parameter on every call in between.
+ALSO_COUNT_PHASES: contextvars.ContextVar[PhaseTotals | None] = contextvars.ContextVar("also_count_phases",
+                                                                                     default=None)
+
+
+@dataclass
 class ModelStatistics:
     success: Duration = field(default_factory=Duration)
     fail: Duration = field(default_factory=Duration)
@@ -72,10 +98,11 @@ class ModelStatistics:
     executing: int = 0
     failures: dict[FailureReason, int] = field(default_factory=lambda: dict.fromkeys(FailureReason, 0))
 
-    def record_execution(self, batch_size: int, phases: Phases) -> None:
-        """One successful execution of ``batch_size`` elements."""
+    def record_execution(self, batch_size: int, phases: Phases, inferences: int | None = None) -> None:
+        """One successful execution of ``batch_size`` elements, ``inferences`` of them real (default: all);
+        the sequence batcher's null rows count in the batch size but, as in Triton, not as inferences."""
         self.execution_count += 1
-        self.inference_count += batch_size
+        self.inference_count += batch_size if inferences is None else inferences
         self.last_inference_ms = time.time_ns() // 1_000_000
         stats = self.batch_stats.setdefault(batch_size, BatchStats())
         stats.compute_input.add(phases.input_ns)

@@ -74,6 +74,37 @@ def test_sweep_writes_csv_json_and_png(load_server: RunningServer, tmp_path: Pat
     assert imread(out_png).shape[0] > 100
 
 
+def test_the_same_load_runs_over_http(load_server: RunningServer, tmp_path: Path) -> None:
+    """``-i http``: binary tensor data to the HTTP endpoint, counted by the server, breakdown from its stats."""
+    out_json = tmp_path / "r.json"
+    with InferenceClient(load_server.url, timeout_s=10) as client:
+        before = success_count(client, "simple")
+        result = shoal_load("-i", "http", "-u", load_server.http_url, "-m", "simple", "--concurrency", "1,3",
+                            "--json", str(out_json), *FAST)
+        served = success_count(client, "simple") - before
+    assert result.returncode == 0, result.stderr
+    steps = json.loads(out_json.read_text())["steps"]
+    assert [s["concurrency"] for s in steps] == [1, 3]
+    assert all(s["requests"] > 0 and not s["errors"] for s in steps), (steps, result.stderr)
+    assert served >= sum(s["requests"] for s in steps)  # every measured request reached the model
+    assert any(s["server_us"] and s["server_us"]["compute_infer"] > 0 for s in steps)
+
+
+def test_http_rejections_are_counted_by_http_status(load_server: RunningServer, tmp_path: Path) -> None:
+    out_json = tmp_path / "r.json"
+    result = shoal_load("-i", "http", "-u", load_server.http_url, "-m", "bounded", "--concurrency", "6",
+                        "--json", str(out_json), *FAST)
+    assert result.returncode == 1, result.stderr
+    errors = json.loads(out_json.read_text())["steps"][0]["errors"]
+    assert set(errors) == {"HTTP_503"} or set(errors) == {"HTTP_400"}, errors  # the queue is full
+
+
+def test_an_unknown_model_over_http_is_a_clear_error(load_server: RunningServer) -> None:
+    result = shoal_load("-i", "http", "-u", load_server.http_url, "-m", "nope", *FAST)
+    assert result.returncode == 1
+    assert "[HTTP 404]" in result.stderr and "'nope'" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_rejections_are_counted_by_status_and_fail_the_run(load_server: RunningServer, tmp_path: Path) -> None:
     out_csv = tmp_path / "r.csv"
     result = shoal_load("-m", "bounded", "-u", load_server.url, "--concurrency", "6", "--csv", str(out_csv), *FAST)

@@ -49,7 +49,8 @@ def test_health_and_server_metadata(stub: InferenceStub) -> None:
     assert metadata.name == "shoal" and metadata.version
     assert list(metadata.extensions) == [
         "model_configuration", "statistics", "schedule_policy", "model_repository",
-        "model_repository(unload_dependents)", "classification", "system_shared_memory", "binary_tensor_data",
+        "model_repository(unload_dependents)", "classification", "system_shared_memory", "sequence",
+        "binary_tensor_data", "cuda_shared_memory",
     ]
 
 
@@ -111,8 +112,7 @@ def test_repository_index(stub: InferenceStub) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["CudaSharedMemoryStatus",
-     "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister", "TraceSetting", "LogSettings"],
+    ["TraceSetting", "LogSettings"],
 )
 def test_unimplemented_rpcs_say_so(stub: InferenceStub, name: str) -> None:
     with pytest.raises(grpc.RpcError) as caught:

@@ -231,9 +231,9 @@ def test_registration_is_restricted_and_bounded(server_factory, tmp_path: Path, 
                             "--shared-memory-max-mb", "0.0625")  # 64 KiB
     name, key, _ = regions(128 << 10)
     with grpcclient.InferenceServerClient(server.url) as triton:
-        expect_error("PERMISSION_DENIED", "this protocol is restricted",
+        expect_error("UNAVAILABLE", "This protocol is restricted",
                      lambda: triton.register_system_shared_memory(name, key, 4096))
-        allowed = {"admin": "yes"}
+        allowed = {"triton-grpc-protocol-admin": "yes"}
         triton.register_system_shared_memory(name, key, 64 << 10, headers=allowed)
         expect_error("INVALID_ARGUMENT", "--shared-memory-max-mb",
                      lambda: triton.register_system_shared_memory("more", key, 1, headers=allowed))

@@ -234,7 +234,7 @@ def test_the_restricted_protocol_covers_the_stream(tmp_path: Path, server_factor
         stub = InferenceStub(channel)
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.ModelStreamInfer(iter([request]), timeout=RESPONSE_TIMEOUT_S))
-        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        allowed = stub.ModelStreamInfer(iter([request]), metadata=(("infer-key", "s3cret"),),
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        allowed = stub.ModelStreamInfer(iter([request]), metadata=(("triton-grpc-protocol-infer-key", "s3cret"),),
                                         timeout=RESPONSE_TIMEOUT_S)
         assert [response.infer_response.id for response in allowed] == ["one"]

@@ -166,14 +166,14 @@ def test_metrics_listen_on_the_grpc_address_unless_told(tmp_path: Path, server_f
 def test_the_health_restriction_covers_grpc_health(tmp_path: Path, server_factory) -> None:
     repo = models.repository(tmp_path, "simple")
     server = server_factory(repo, "--grpc-restricted-protocol", "health:probe-key=s3cret")
-    allowed = (("probe-key", "s3cret"),)
+    allowed = (("triton-grpc-protocol-probe-key", "s3cret"),)
     with open_channel(server.url) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for call in (health.Check, lambda request, **kw: list(health.Watch(request, **kw))):
             with pytest.raises(grpc.RpcError) as caught:
                 call(health_pb2.HealthCheckRequest(service="simple"), timeout=10)
-            assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            assert "probe-key" in caught.value.details()
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "expecting header 'triton-grpc-protocol-probe-key'" in caught.value.details()
         reply = health.Check(health_pb2.HealthCheckRequest(service="simple"), metadata=allowed, timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         watch = health.Watch(health_pb2.HealthCheckRequest(service="simple"), metadata=allowed, timeout=10)

@@ -1,7 +1,8 @@
-"""``shoal-load``: measure a KServe v2 / Triton gRPC model under load.
+"""``shoal-load``: measure a KServe v2 / Triton model under load, over gRPC or HTTP/REST.
 
     shoal-load -m simple --concurrency 1:32:x2 --csv out.csv --plot out.png
     shoal-load -m mlp --request-rate 100,200,400 --distribution poisson --max-seconds 60
+    shoal-load -i http -u localhost:8000 -m simple --concurrency 1,16
 
 Closed loop (``--concurrency``: N requests always in flight) or open loop
 (``--request-rate``: requests/s on a schedule). Each step warms up, then measures windows
@@ -26,8 +27,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from shoal.clients import ClientError, InferenceClient
-from shoal.clients.loadtest import report
+from shoal.clients.loadtest import http, report
+from shoal.clients.loadtest.control import CONTROL_ERRORS, connect
 from shoal.clients.loadtest.inputs import InputError, build_inputs, parse_shape, serialize_request
 from shoal.clients.loadtest.measure import LoadTester, Settings, StepResult
 
@@ -89,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-m", "--model", required=True)
     parser.add_argument("-x", "--model-version", default="")
-    parser.add_argument("-u", "--url", default="localhost:8001", help="server address (default localhost:8001)")
+    parser.add_argument("-i", "--protocol", choices=["grpc", "http"], default="grpc",
+                        help="grpc (default) or http (KServe v2 REST, binary tensor data as perf_analyzer sends)")
+    parser.add_argument("-u", "--url", help="server address (default localhost:8001 for grpc, localhost:8000 for http)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=lambda t: parse_steps(t, True), help="closed loop, e.g. 1:32:x2")
     load.add_argument("--request-rate", type=lambda t: parse_steps(t, False), help="open loop, requests/s")
@@ -135,13 +138,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     steps = args.request_rate or args.concurrency or [1]
+    if args.url is None:
+        args.url = "localhost:8000" if args.protocol == "http" else "localhost:8001"
     try:
         shapes = dict(parse_shape(text) for text in args.shape)
-        with InferenceClient(args.url, timeout_s=10) as client:
+        client = connect(args.protocol, args.url)
+        try:
             inputs = build_inputs(client, args.model, args.model_version, args.batch_size, shapes, args.input_data)
+        finally:
+            client.close()
     except InputError as exc:
         parser.error(str(exc))
-    except ClientError as exc:
+    except CONTROL_ERRORS as exc:
         print(f"shoal-load: error: cannot prepare the requests for model '{args.model}' at {args.url}: {exc}",
               file=sys.stderr)
         return 1
@@ -150,7 +158,9 @@ def _run_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 130
     settings = Settings(
         url=args.url, model=args.model, version=args.model_version,
-        request=serialize_request(args.model, args.model_version, inputs), batch_size=args.batch_size,
+        request=(http.infer_request(args.model, args.model_version, inputs) if args.protocol == "http"
+                 else serialize_request(args.model, args.model_version, inputs)),
+        batch_size=args.batch_size, protocol=args.protocol,
         processes=args.processes, workers_per_channel=args.workers_per_channel, warmup_s=args.warmup_s,
         window_s=args.window_s, stability=args.stability / 100, max_windows=args.max_windows,
         request_count=args.request_count, poisson=args.distribution == "poisson",

@@ -1,4 +1,4 @@
-"""The load-generating worker process: asyncio, pre-serialized requests, one channel per N workers.
+"""The load-generating worker process: asyncio, pre-serialized requests over gRPC or HTTP.
 
 A worker process receives steps on a command queue and, for each, sends requests from
 ``start_at`` on (closed loop: ``concurrency`` coroutines each waiting for its reply; open
@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from shoal.clients.loadtest.http import HttpRequest
 from shoal.protocol import METHODS
 
 INFER_PATH = METHODS["ModelInfer"].path
@@ -98,34 +99,78 @@ class _Windows:
                 self.flush()
 
 
-async def _run_step(worker: int, url: str, request: bytes, step: Step, workers_per_channel: int,
+class _Senders:
+    """Where a worker's coroutines send: gRPC channels shared by ``workers_per_channel`` coroutines, or
+    one HTTP/1.1 session (a keep-alive connection per request in flight, as HTTP cannot multiplex).
+
+    ``send(index, timeout_s)`` returns None on success, else the error's name: the gRPC status, or
+    ``HTTP_<status>`` / ``CONNECTION_ERROR`` / ``DEADLINE_EXCEEDED`` over HTTP.
+    """
+
+    def __init__(self, url: str, request: bytes | HttpRequest, coroutines: int, workers_per_channel: int) -> None:
+        self.request = request
+        self.workers_per_channel = workers_per_channel
+        if isinstance(request, HttpRequest):
+            import aiohttp
+
+            base = url if "://" in url else f"http://{url}"
+            self.session = aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=0))
+            self.count = coroutines
+            return
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        self.channels = [grpc.aio.insecure_channel(url, options) for _ in range(-(-coroutines // workers_per_channel))]
+        self.calls = [c.unary_unary(INFER_PATH, request_serializer=None, response_deserializer=None)
+                      for c in self.channels]
+        self.count = len(self.calls)
+
+    async def send(self, index: int, timeout_s: float) -> str | None:
+        request = self.request
+        if isinstance(request, HttpRequest):
+            import aiohttp
+
+            try:
+                async with self.session.post(request.path, data=request.body, headers=request.headers,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as answer:
+                    await answer.read()
+                    return None if answer.status == 200 else f"HTTP_{answer.status}"
+            except TimeoutError:
+                return "DEADLINE_EXCEEDED"
+            except aiohttp.ClientError:
+                return "CONNECTION_ERROR"
+        try:
+            await self.calls[(index // self.workers_per_channel) % self.count](request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return str(exc.code().name)
+        return None
+
+    async def close(self) -> None:
+        if isinstance(self.request, HttpRequest):
+            await self.session.close()
+            return
+        for channel in self.channels:
+            await channel.close()
+
+
+async def _run_step(worker: int, url: str, request: bytes | HttpRequest, step: Step, workers_per_channel: int,
                     stop: multiprocessing.synchronize.Event, results: Any) -> None:
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    coroutines = max(1, step.concurrency)
-    channels = [grpc.aio.insecure_channel(url, options) for _ in range(-(-coroutines // workers_per_channel))]
-    calls = [c.unary_unary(INFER_PATH, request_serializer=None, response_deserializer=None) for c in channels]
+    senders = _Senders(url, request, max(1, step.concurrency), workers_per_channel)
     windows = _Windows(worker, step, results)
 
     def running() -> bool:
         return not stop.is_set() and time.monotonic() < step.deadline
 
-    async def send(call: Any) -> bool:
+    async def send(index: int) -> bool:
         sent = time.monotonic()
-        error = None
-        try:
-            await call(request, timeout=max(1.0, step.deadline - sent))
-        except grpc.aio.AioRpcError as exc:
-            error = exc.code().name
+        error = await senders.send(index, max(1.0, step.deadline - sent))
         finished = time.monotonic()
         windows.record(finished, finished - sent, error)
         return error is None
 
     async def closed_loop(index: int) -> None:
-        call = calls[index // workers_per_channel]
         failures = 0
         while running():
-            if await send(call):
+            if await send(index):
                 failures = 0
                 continue
             failures += 1
@@ -144,7 +189,7 @@ async def _run_step(worker: int, url: str, request: bytes, step: Step, workers_p
             if len(in_flight) >= OPEN_LOOP_MAX_OUTSTANDING:
                 windows.record(time.monotonic(), 0.0, "CLIENT_OVERLOADED")
             else:
-                task = asyncio.create_task(send(calls[turn % len(calls)]))
+                task = asyncio.create_task(send(turn))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
             turn += 1
@@ -167,12 +212,11 @@ async def _run_step(worker: int, url: str, request: bytes, step: Step, workers_p
     await asyncio.gather(*tasks, return_exceptions=True)
     windows.flush()
     results.put(("done", worker, step.index, time.monotonic()))
-    for channel in channels:
-        await channel.close()
+    await senders.close()
 
 
-def worker_main(worker: int, url: str, request: bytes, workers_per_channel: int, commands: Any, results: Any,
-                stop: multiprocessing.synchronize.Event) -> None:
+def worker_main(worker: int, url: str, request: bytes | HttpRequest, workers_per_channel: int, commands: Any,
+                results: Any, stop: multiprocessing.synchronize.Event) -> None:
     """Entry point of a load process: run steps from ``commands`` until it sends None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     parent = multiprocessing.parent_process()

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from shoal.clients import InferenceClient, messages
+from shoal.clients import messages
+from shoal.clients.loadtest.control import Control
 from shoal.protocol.types import DataType
 
 
@@ -30,7 +31,7 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
 
 
 def build_inputs(
-    client: InferenceClient, model: str, version: str, batch_size: int, shapes: Mapping[str, tuple[int, ...]],
+    client: Control, model: str, version: str, batch_size: int, shapes: Mapping[str, tuple[int, ...]],
     data: str, seed: int = 0,
 ) -> dict[str, np.ndarray]:
     metadata = client.model_metadata(model, version)

@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from shoal.clients import ClientError, InferenceClient
+from shoal.clients.loadtest.control import CONTROL_ERRORS, connect
 from shoal.clients.loadtest.engine import Step, WindowReport, worker_main
+from shoal.clients.loadtest.http import HttpRequest
 
 STABLE_WINDOWS = 3
 STATISTICS = ("queue", "compute_input", "compute_infer", "compute_output", "success")
@@ -36,7 +37,7 @@ class Settings:
     url: str
     model: str
     version: str
-    request: bytes  # one serialized ModelInferRequest
+    request: bytes | HttpRequest  # one serialized ModelInferRequest, or an HTTP infer body
     batch_size: int
     processes: int = 1
     workers_per_channel: int = 8
@@ -46,6 +47,7 @@ class Settings:
     max_windows: int = 10
     request_count: int = 0
     poisson: bool = False
+    protocol: str = "grpc"  # or "http"
 
 
 @dataclass
@@ -122,7 +124,7 @@ class LoadTester:
         ]
         self._step_index = 0
         self._active = settings.processes  # processes taking part in the current step
-        self._client = InferenceClient(settings.url, timeout_s=10)
+        self._client = connect(settings.protocol, settings.url)
         self._has_statistics = self._server_has_statistics()
 
     def __enter__(self) -> LoadTester:
@@ -146,7 +148,7 @@ class LoadTester:
     def _server_has_statistics(self) -> bool:
         try:
             return "statistics" in self._client.server_metadata().extensions
-        except ClientError:
+        except CONTROL_ERRORS:
             return False
 
     def _snapshot(self) -> dict[str, tuple[int, int]] | None:
@@ -155,7 +157,7 @@ class LoadTester:
             return None
         try:
             rows = self._client.statistics(self.settings.model, self.settings.version)
-        except ClientError:
+        except CONTROL_ERRORS:
             return None
         totals = {key: (0, 0) for key in STATISTICS}
         for row in rows:

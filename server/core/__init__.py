@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from shoal.dataplane.cuda import CudaRegionStatus
 from shoal.dataplane.regions import RegionStatus
 from shoal.lifecycle.state import IndexEntry, ModelState
 from shoal.protocol.types import ModelMetadata, ServerMetadata, TensorMetadata
@@ -22,8 +23,8 @@ from shoal.statistics import ModelStatistics
 from shoal.types import InferRequest, InferResponse
 
 __all__ = [
-    "Core", "HealthSnapshot", "IndexEntry", "ModelMetadata", "ModelState", "RegionStatus", "ServerMetadata",
-    "StatisticsRow", "TensorMetadata",
+    "Core", "CudaRegionStatus", "HealthSnapshot", "IndexEntry", "ModelMetadata", "ModelState", "RegionStatus",
+    "ServerMetadata", "StatisticsRow", "TensorMetadata",
 ]
 
 
@@ -77,3 +78,11 @@ class Core(Protocol):
     async def unregister_system_shared_memory(self, name: str) -> None: ...  # "": every region
 
     async def system_shared_memory_status(self, name: str) -> list[RegionStatus]: ...  # "": every region
+
+    # raw_handle: the 64 bytes of the client's cudaIpcMemHandle_t
+    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int,
+                                          byte_size: int) -> None: ...
+
+    async def unregister_cuda_shared_memory(self, name: str) -> None: ...  # "": every CUDA region
+
+    async def cuda_shared_memory_status(self, name: str) -> list[CudaRegionStatus]: ...  # "": every CUDA region

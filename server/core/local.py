@@ -11,6 +11,7 @@ from typing import Any
 
 from shoal import __version__
 from shoal.core import (
+    CudaRegionStatus,
     HealthSnapshot,
     IndexEntry,
     ModelMetadata,
@@ -20,6 +21,7 @@ from shoal.core import (
     TensorMetadata,
     shared_memory,
 )
+from shoal.dataplane import cuda
 from shoal.dataplane.regions import RegionRegistry
 from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle.manager import ModelManager
@@ -36,7 +38,9 @@ EXTENSIONS = (
     "model_repository(unload_dependents)",
     "classification",
     "system_shared_memory",
+    "sequence",
     "binary_tensor_data",  # HTTP's binary tensors (gRPC's raw contents need no extension)
+    "cuda_shared_memory",  # always listed, as Triton does; without GPUs registration says so
 )
 
 
@@ -98,14 +102,17 @@ class LocalCore:
         try:
             served = self.manager.resolve(request.model_name, request.model_version)
             if request.region_inputs:
-                if shared_memory.costly(request):
+                if shared_memory.costly(self.regions, request):
                     request = await asyncio.to_thread(shared_memory.with_region_inputs, self.regions, request)
                 else:
                     request = shared_memory.with_region_inputs(self.regions, request)
             if not request.output_regions:
                 return await served.infer(request)
             windows = shared_memory.output_windows(self.regions, request)
-            return shared_memory.write_region_outputs(windows, await served.infer(request))
+            response = await served.infer(request)
+            if shared_memory.on_device(windows):
+                return await asyncio.to_thread(shared_memory.write_region_outputs, windows, response)
+            return shared_memory.write_region_outputs(windows, response)
         finally:
             self._in_flight -= 1
             if not self._in_flight:
@@ -134,6 +141,16 @@ class LocalCore:
     async def system_shared_memory_status(self, name: str) -> list[RegionStatus]:
         return self.regions.status(name)
 
+    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        await asyncio.to_thread(cuda.runtime)  # the first call loads the CUDA runtime: slow, once, off the loop
+        self.regions.register_cuda(name, raw_handle, device_id, byte_size)  # the registry changes on the loop only
+
+    async def unregister_cuda_shared_memory(self, name: str) -> None:
+        self.regions.unregister_cuda(name)
+
+    async def cuda_shared_memory_status(self, name: str) -> list[CudaRegionStatus]:
+        return self.regions.cuda_status(name)
+
     # -- the host's own ----------------------------------------------------------------------------
 
     def is_ready(self) -> bool:
@@ -145,7 +162,7 @@ class LocalCore:
         return [
             StatisticsRow(served.spec.name, str(served.version), served.statistics,
                           {(d.kind.upper(), d.index): b for d, b in served.memory_bytes.items()},
-                          served.scheduler.queued, len(served.pool.instances))
+                          served.queued, served.instance_count)
             for served in self.manager.statistics(name, version)
         ]
 

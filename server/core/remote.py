@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from shoal.core import (
+    CudaRegionStatus,
     HealthSnapshot,
     IndexEntry,
     ModelMetadata,
@@ -133,6 +134,16 @@ class RemoteCore:
 
     async def system_shared_memory_status(self, name: str) -> list[RegionStatus]:
         regions: list[RegionStatus] = await self._call("system_shared_memory_status", name)
+        return regions
+
+    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        await self._call("register_cuda_shared_memory", name, raw_handle, device_id, byte_size)
+
+    async def unregister_cuda_shared_memory(self, name: str) -> None:
+        await self._call("unregister_cuda_shared_memory", name)
+
+    async def cuda_shared_memory_status(self, name: str) -> list[CudaRegionStatus]:
+        regions: list[CudaRegionStatus] = await self._call("cuda_shared_memory_status", name)
         return regions
 
     # -- the channel -------------------------------------------------------------------------------

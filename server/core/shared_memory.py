@@ -6,6 +6,9 @@ BYTES decoded); outputs are encoded and written into it once the request is answ
 response carries them with no data (``InferResponse.in_regions``). An unknown region, an
 out-of-range window, a size that does not match the shape and an output region too small get
 Triton's messages and codes.
+
+CUDA regions go the same way; their copies wait on the device (and behind whatever the device
+is doing), so a request with one is read and written on a worker thread, never on the loop.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 import numpy as np
 
 from shoal.core.wire import decode_raw
+from shoal.dataplane.cuda import CudaWindow
 from shoal.dataplane.regions import RegionRegistry, Window
 from shoal.errors import ErrorCode, ShoalError, shown
 from shoal.protocol import tensors as wire
@@ -33,14 +37,14 @@ def with_region_inputs(registry: RegionRegistry, request: InferRequest) -> Infer
     return dataclasses.replace(request, inputs=(*request.inputs, *read), region_inputs=())
 
 
-def output_windows(registry: RegionRegistry, request: InferRequest) -> dict[str, Window]:
+def output_windows(registry: RegionRegistry, request: InferRequest) -> dict[str, Window | CudaWindow]:
     """Where each output goes, located before the model runs: a bad region fails the request at once,
     and one unregistered meanwhile is still written (the window holds the segment open)."""
     return {name: registry.window(where.region, where.offset, where.byte_size)
             for name, where in request.output_regions.items()}
 
 
-def write_region_outputs(windows: dict[str, Window], response: InferResponse) -> InferResponse:
+def write_region_outputs(windows: dict[str, Window | CudaWindow], response: InferResponse) -> InferResponse:
     """Write the outputs that go to shared memory there; they stay in the response without data."""
     outputs = []
     for tensor in response.outputs:
@@ -59,6 +63,13 @@ def write_region_outputs(windows: dict[str, Window], response: InferResponse) ->
                                in_regions=frozenset(windows) & {t.name for t in outputs})
 
 
-def costly(request: InferRequest) -> bool:
-    """Region inputs with many BYTES elements: decoded off the event loop."""
+def costly(registry: RegionRegistry, request: InferRequest) -> bool:
+    """Region inputs with many BYTES elements, or any in CUDA regions: read off the event loop."""
+    if any(registry.on_device(r.where.region) for r in request.region_inputs):
+        return True
     return sum(math.prod(r.shape) for r in request.region_inputs if r.datatype is DataType.BYTES) > 16_384
+
+
+def on_device(windows: dict[str, Window | CudaWindow]) -> bool:
+    """Outputs go to a CUDA region: written off the event loop."""
+    return any(isinstance(w, CudaWindow) for w in windows.values())

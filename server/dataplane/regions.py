@@ -14,6 +14,9 @@ regular file). It never unlinks a segment (the client created it) and never uses
 the server exits. Unregistering drops the region from the registry; a request that located it
 before keeps its descriptor open until it is done, so it never reads or writes another file.
 Messages and status codes are Triton's (server src/shared_memory_manager.cc).
+
+CUDA regions (``dataplane.cuda``) live in the same registry, as in Triton: one namespace of
+names, one bound on what is registered; each kind's status and unregister see only its own.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
+from shoal.dataplane import cuda
+from shoal.dataplane.cuda import CudaRegion, CudaRegionStatus, CudaWindow
 from shoal.errors import ErrorCode, ShoalError, shown
 
 SHM_FOLDER = Path("/dev/shm")
@@ -75,32 +81,25 @@ def _shrunk(name: str) -> ShoalError:
                       "registered (its segment was truncated)")
 
 
+_Kind = TypeVar("_Kind", _Region, CudaRegion)
+
+
 class RegionRegistry:
-    """The system shared-memory regions registered with this server, by name."""
+    """The shared-memory regions registered with this server, system and CUDA, by name."""
 
     def __init__(self, max_total_bytes: int) -> None:
         self.max_total_bytes = max_total_bytes
-        self._regions: dict[str, _Region] = {}
+        self._regions: dict[str, _Region | CudaRegion] = {}
 
     @property
     def total_bytes(self) -> int:
         return sum(r.status.byte_size for r in self._regions.values())
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        if not name:
-            raise ShoalError(ErrorCode.INVALID_ARGUMENT, "a shared memory region needs a name ('' means every region)")
-        if name in self._regions:
-            raise ShoalError(ErrorCode.ALREADY_EXISTS, f"shared memory region '{shown(name)}' already in manager")
+        self._check_room(name, byte_size)
         if byte_size <= 0 or offset < 0:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
                              "unable to process address spaceInvalid argument")
-        if len(self._regions) >= MAX_REGIONS:
-            raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
-                             f"{MAX_REGIONS} regions are registered already, the most this server holds")
-        if self.total_bytes + byte_size > self.max_total_bytes:
-            raise ShoalError(ErrorCode.INVALID_ARGUMENT, (
-                f"failed to register shared memory region '{shown(name)}': {byte_size} more bytes would pass the "
-                f"server's limit of {self.max_total_bytes} registered bytes (--shared-memory-max-mb)"))
         segment = io.FileIO(_open_segment(key), "r+", closefd=True)
         if offset + byte_size > os.fstat(segment.fileno()).st_size:
             segment.close()
@@ -108,22 +107,59 @@ class RegionRegistry:
                              f"failed to register shared memory region '{shown(name)}': invalid args")
         self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), segment)
 
-    def unregister(self, name: str) -> None:
-        """Forget ``name`` (every region when ``""``); an unknown name is not an error, as in Triton."""
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        cuda.require_runtime(name)  # without GPUs every registration is refused first, as in Triton
+        self._check_room(name, byte_size)
+        self._regions[name] = cuda.open_region(name, raw_handle, device_id, byte_size)
+
+    def _check_room(self, name: str, byte_size: int) -> None:
         if not name:
-            self._regions.clear()
-        else:
-            self._regions.pop(name, None)
+            raise ShoalError(ErrorCode.INVALID_ARGUMENT, "a shared memory region needs a name ('' means every region)")
+        if name in self._regions:
+            raise ShoalError(ErrorCode.ALREADY_EXISTS, f"shared memory region '{shown(name)}' already in manager")
+        if len(self._regions) >= MAX_REGIONS:
+            raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
+                             f"{MAX_REGIONS} regions are registered already, the most this server holds")
+        if self.total_bytes + byte_size > self.max_total_bytes:
+            raise ShoalError(ErrorCode.INVALID_ARGUMENT, (
+                f"failed to register shared memory region '{shown(name)}': {byte_size} more bytes would pass the "
+                f"server's limit of {self.max_total_bytes} registered bytes (--shared-memory-max-mb)"))
+
+    def unregister(self, name: str) -> None:
+        """Forget system region ``name`` (every one when ``""``); an unknown name, or a CUDA
+        region's, is not an error and changes nothing, as in Triton."""
+        self._forget(name, _Region)
+
+    def unregister_cuda(self, name: str) -> None:
+        """``unregister`` for CUDA regions; the IPC handle closes once no request holds a window."""
+        self._forget(name, CudaRegion)
+
+    def _forget(self, name: str, kind: type[_Region] | type[CudaRegion]) -> None:
+        for known in [n for n, r in self._regions.items() if isinstance(r, kind) and (not name or n == name)]:
+            del self._regions[known]
 
     def status(self, name: str) -> list[RegionStatus]:
-        if not name:
-            return [r.status for r in self._regions.values()]
-        region = self._regions.get(name)
-        if region is None:
-            raise ShoalError(ErrorCode.NOT_FOUND, f"Unable to find system shared memory region: '{shown(name)}'")
-        return [region.status]
+        return [r.status for r in self._listed(name, _Region)]
 
-    def window(self, name: str, offset: int, byte_size: int) -> Window:
+    def cuda_status(self, name: str) -> list[CudaRegionStatus]:
+        return [r.status for r in self._listed(name, CudaRegion)]
+
+    def _listed(self, name: str, kind: type[_Kind]) -> list[_Kind]:
+        """Every region of ``kind``, or the one named, with Triton's words when it is not of that kind."""
+        if not name:
+            return [r for r in self._regions.values() if isinstance(r, kind)]
+        region = self._regions.get(name)
+        cuda_wanted = kind is CudaRegion
+        if region is None:
+            kind_name = "cuda" if cuda_wanted else "system"
+            raise ShoalError(ErrorCode.NOT_FOUND, f"Unable to find {kind_name} shared memory region: '{shown(name)}'")
+        if not isinstance(region, kind):
+            registered, wanted = ("system", "CUDA") if cuda_wanted else ("CUDA", "system")
+            raise ShoalError(ErrorCode.NOT_FOUND, f"The region named '{shown(name)}' is registered as {registered} "
+                             f"shared memory, not {wanted} shared memory")
+        return [region]
+
+    def window(self, name: str, offset: int, byte_size: int) -> Window | CudaWindow:
         """``byte_size`` bytes at ``offset`` in the region; checked against what was registered."""
         region = self._regions.get(name)
         if region is None:
@@ -134,7 +170,13 @@ class RegionRegistry:
         if byte_size < 0 or offset + byte_size > available:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT,
                              f"Invalid offset + byte size for shared memory region: '{shown(name)}'")
+        if isinstance(region, CudaRegion):
+            return CudaWindow(name, region.mapping, offset, byte_size)
         return Window(name, region.file, region.status.offset + offset, byte_size)
+
+    def on_device(self, name: str) -> bool:
+        """Whether ``name`` is a CUDA region: its copies block on the device, so they run off the loop."""
+        return isinstance(self._regions.get(name), CudaRegion)
 
     def close(self) -> None:
         self._regions.clear()

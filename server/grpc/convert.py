@@ -14,7 +14,15 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
-from shoal.core import IndexEntry, ModelMetadata, ModelState, RegionStatus, ServerMetadata, StatisticsRow
+from shoal.core import (
+    CudaRegionStatus,
+    IndexEntry,
+    ModelMetadata,
+    ModelState,
+    RegionStatus,
+    ServerMetadata,
+    StatisticsRow,
+)
 from shoal.core.wire import content_error, decode_raw
 from shoal.errors import invalid, shown
 from shoal.protocol import config_pb2, service_pb2, tensors
@@ -271,6 +279,14 @@ def system_shared_memory_status(regions: list[RegionStatus]) -> service_pb2.Syst
     for region in regions:
         entry = message.regions[region.name]
         entry.name, entry.key, entry.offset, entry.byte_size = region.name, region.key, region.offset, region.byte_size
+    return message
+
+
+def cuda_shared_memory_status(regions: list[CudaRegionStatus]) -> service_pb2.CudaSharedMemoryStatusResponse:
+    message = service_pb2.CudaSharedMemoryStatusResponse()
+    for region in regions:
+        entry = message.regions[region.name]
+        entry.name, entry.device_id, entry.byte_size = region.name, region.device_id, region.byte_size
     return message
 
 

@@ -2,7 +2,10 @@
 
     --grpc-restricted-protocol model-repository,statistics:admin-key=s3cret
 
-A call in a restricted category without that metadata is refused with PERMISSION_DENIED.
+As in Triton 2.51 (checked against the real server), the client sends the header with Triton's
+prefix, ``triton-grpc-protocol-admin-key: s3cret``; a call in a restricted category without it
+(or with another value) is refused with UNAVAILABLE and "This protocol is restricted, expecting
+header 'triton-grpc-protocol-admin-key'" (``ErrorCode.PERMISSION_DENIED``, mapped as Triton answers).
 ``grpc.health.v1.Health`` (per-model status) falls under ``health``, as ModelReady does.
 """
 
@@ -16,6 +19,8 @@ import grpc
 
 from shoal.errors import ErrorCode, ShoalError
 from shoal.settings import Restriction
+
+HEADER_PREFIX = "triton-grpc-protocol-"  # what Triton's gRPC endpoint expects before the configured key
 
 CATEGORIES: dict[str, str] = {
     "ServerLive": "health", "ServerReady": "health", "ModelReady": "health",
@@ -42,8 +47,9 @@ def restricted(
     def check(context: grpc.aio.ServicerContext) -> None:
         metadata = {key.lower(): value for key, value in (context.invocation_metadata() or ())}
         for rule in rules:
-            if metadata.get(rule.key) != rule.value:
-                message = f"this protocol is restricted, expecting header '{rule.key}'"
+            header = HEADER_PREFIX + rule.key
+            if metadata.get(header) != rule.value:
+                message = f"This protocol is restricted, expecting header '{header}'"
                 raise ShoalError(ErrorCode.PERMISSION_DENIED, message)
 
     if inspect.isasyncgenfunction(handler):

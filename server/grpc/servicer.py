@@ -10,6 +10,7 @@ registers each under the guard that maps errors to status.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
@@ -70,20 +71,28 @@ class InferenceServicer:
         stream goes on. A slot is taken before a request is read and freed once its response is
         written: with every slot taken the stream is not read, so grpc's flow control holds the client
         back. When the client half-closes, every request in flight is answered, then the stream ends;
-        if it cancels, they are cancelled.
+        if it cancels, they are cancelled. A request of a sequence (``sequence_id``) starts only once the
+        stream's previous request of that sequence is answered, so a sequence runs in the order sent
+        (Triton's sequence batcher relies on it), in either process layout.
         """
         slots = asyncio.Semaphore(MAX_IN_FLIGHT_PER_STREAM)
         # Answers in arrival order; None: the client sent its last request.
         answers: asyncio.Queue[asyncio.Task[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
         in_flight: set[asyncio.Task[pb.ModelStreamInferResponse]] = set()
+        last_of_sequence: dict[tuple[str, Any], asyncio.Task[pb.ModelStreamInferResponse]] = {}
 
         async def read() -> None:
             try:
                 await slots.acquire()
                 async for request in requests:
-                    task = asyncio.create_task(self._stream_answer(request, context))
+                    key = _sequence_key(request)
+                    after = last_of_sequence.get(key) if key is not None else None
+                    task = asyncio.create_task(self._stream_answer(request, context, after))
                     in_flight.add(task)
                     task.add_done_callback(in_flight.discard)
+                    if key is not None:
+                        last_of_sequence[key] = task
+                        task.add_done_callback(functools.partial(_forget, last_of_sequence, key))
                     answers.put_nowait(task)
                     await slots.acquire()
             finally:
@@ -101,9 +110,12 @@ class InferenceServicer:
                 task.cancel()
 
     async def _stream_answer(
-        self, request: pb.ModelInferRequest, context: Context
+        self, request: pb.ModelInferRequest, context: Context, after: asyncio.Task[Any] | None = None
     ) -> pb.ModelStreamInferResponse:
-        """One request's answer on a stream; a failure is reported in-stream, as Triton does."""
+        """One request's answer on a stream, once ``after`` is answered; a failure is reported in-stream,
+        as Triton does."""
+        if after is not None:
+            await asyncio.wait([after])
         try:
             return pb.ModelStreamInferResponse(infer_response=await self.ModelInfer(request, context))
         except Exception as exc:  # noqa: BLE001 - reported in-stream; the stream goes on
@@ -152,19 +164,42 @@ class InferenceServicer:
         await self.core.unregister_system_shared_memory(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Context
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        return convert.cuda_shared_memory_status(await self.core.cuda_shared_memory_status(request.name))
+
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        await self.core.register_cuda_shared_memory(request.name, request.raw_handle, request.device_id,
+                                                    request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        await self.core.unregister_cuda_shared_memory(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # RPCs of extensions Shoal does not implement (yet) answer UNIMPLEMENTED.
-
-    async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        raise unsupported("CUDA shared memory")
-
-    async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        raise unsupported("CUDA shared memory")
-
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        raise unsupported("CUDA shared memory")
 
     async def TraceSetting(self, request: Any, context: Context) -> Any:
         raise unsupported("TraceSetting")
 
     async def LogSettings(self, request: Any, context: Context) -> Any:
         raise unsupported("LogSettings")
+
+
+def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, Any] | None:
+    """The model and correlation id of a request that belongs to a sequence; None for others."""
+    if "sequence_id" not in request.parameters:
+        return None
+    value = convert.parameter_value(request.parameters["sequence_id"])
+    return None if value in (None, 0, "") else (request.model_name, value)
+
+
+def _forget(last: dict[tuple[str, Any], asyncio.Task[Any]], key: tuple[str, Any], done: asyncio.Task[Any]) -> None:
+    """A sequence's answered request stops being the one its next request waits for."""
+    if last.get(key) is done:
+        del last[key]

@@ -25,7 +25,7 @@ STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
     ErrorCode.LOAD_FAILED: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.UNAVAILABLE,  # Triton's answer to a restricted call
 }
 
 

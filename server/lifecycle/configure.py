@@ -21,7 +21,7 @@ from shoal.backends.devices import cuda_device_count
 from shoal.errors import MAX_ECHO_CHARS, ShoalError, invalid, load_failed, shown
 from shoal.lifecycle.model import resolve_kind
 from shoal.protocol import config_pb2, wire_names
-from shoal.repository import scanner
+from shoal.repository import ensemble_config, scanner
 from shoal.repository.config import (
     CONFIG_FILENAME,
     DEFAULT_MODEL_FILENAMES,
@@ -37,6 +37,7 @@ from shoal.repository.config import (
 )
 from shoal.repository.config import validate as validate_config
 from shoal.repository.model_io import ModelIO, check_io, complete
+from shoal.repository.sequence_spec import backend_spec
 
 
 @dataclass
@@ -117,7 +118,7 @@ def _configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None) 
     detect_backend(config, versions)
     reasons: dict[str, str] = {}
     completed = False
-    if not (config.input and config.output):
+    if not (config.input and config.output) and not ensemble_config.is_ensemble(config):  # no model file to ask
         if strict:
             raise load_failed(
                 f"model '{name}': config lists no {'inputs' if not config.input else 'outputs'} and "
@@ -155,8 +156,10 @@ def describe(config: config_pb2.ModelConfig, folder: Path) -> ModelIO:
 def check_against_model(configured: Configured, folder: Path) -> None:
     """Every version's model file against the config (what the backend checks at load)."""
     spec = configured.spec
+    if spec.ensemble is not None:  # no model file: its steps are checked against the composing models at load
+        return
     folder = Path(os.path.abspath(folder))
     for version in spec.version_policy.select(scanner.list_versions(folder)):
         scanner.checked_version_dir(folder, version)
         path = model_file(configured.config.default_model_filename, folder, version)
-        check_io(spec, describe_model(spec.backend, path, scanner.relative_name(folder.parent, path)))
+        check_io(backend_spec(spec), describe_model(spec.backend, path, scanner.relative_name(folder.parent, path)))

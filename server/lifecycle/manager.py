@@ -26,6 +26,7 @@ unloaded, replaced by a reload, stopped at shutdown or refused by a budget after
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
 from collections.abc import Callable, Collection, Iterable
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.errors import ErrorCode, ShoalError, shown, unknown_model
+from shoal.lifecycle import ensemble
 from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
 from shoal.lifecycle.configure import ConfigOverride, configure, model_file
 from shoal.lifecycle.fingerprint import fingerprint_or_none
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 CONTROL_MODES = ("none", "poll", "explicit")
 # A requested version: ASCII digits only ('²' is a digit to str.isdigit, not to int).
 _VERSION = re.compile(r"^[0-9]{1,18}$")
+# The ensembles whose composing models this task is loading now (an ensemble loads them first).
+_LOADING_FOR: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("loading_for", default=())
 
 __all__ = ["CONTROL_MODES", "IndexEntry", "ModelEntry", "ModelManager", "release"]
 
@@ -82,6 +86,8 @@ class ModelManager:
         self._ledger = MemoryLedger(self.memory_budgets, self.memory_in_use)
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Ensembles unloaded because a model they use was: loaded again once all their models are.
+        self._dormant_ensembles: set[str] = set()
 
     # -- loading -------------------------------------------------------------------------------------
 
@@ -92,6 +98,8 @@ class ModelManager:
         else:
             names = scanner.list_models(self.repository)
         for name in names:
+            if name in self._models:  # loaded already, as a model an ensemble uses
+                continue
             try:
                 await self.load(name)
             except ShoalError as exc:
@@ -104,6 +112,7 @@ class ModelManager:
             raise ShoalError(ErrorCode.UNAVAILABLE,
                              f"failed to load '{shown(name)}': no such model folder in the repository")
         override = ConfigOverride.parse(name, config_override) if config_override is not None else None
+        await self._load_composing(name, override)
         async with self._locks.setdefault(name, asyncio.Lock()):
             old = self._models.get(name)
             entry = ModelEntry(name)
@@ -136,6 +145,8 @@ class ModelManager:
             self._changed()
             if old is not None:
                 await self._retire(old, keep=kept)
+        await self._retire_dependents(name, only_unfit=True)
+        await self._wake_dependents()
 
     async def unload(self, name: str) -> None:
         """Stop routing to ``name``, let its queued and running requests finish, free the weights."""
@@ -149,6 +160,8 @@ class ModelManager:
             self._changed()
             await self._retire(entry)
             self._changed()
+        self._dormant_ensembles.discard(name)
+        await self._retire_dependents(name)
 
     def memory_in_use(self) -> dict[str, int]:
         """Bytes the loaded versions hold, per device (also read from load threads: copies first)."""
@@ -178,6 +191,9 @@ class ModelManager:
         chosen = spec.version_policy.select(available)
         if not chosen:
             return f"model '{entry.name}': no version folder matches the version policy (found {available})", {}, []
+        if spec.ensemble is not None:  # no weights: its steps are checked against the composing models as loaded
+            entry.versions, reason = ensemble.load_versions(spec, chosen, self)
+            return reason, {}, []
         unchanged = _unchanged_versions(old, entry, chosen)
         if unchanged:
             logger.info("model %s: version(s) %s unchanged, kept serving", entry.name, sorted(unchanged))
@@ -237,6 +253,57 @@ class ModelManager:
         entry.transition(ModelState.UNAVAILABLE, UNLOADED)
         logger.info("model %s: drained and unloaded", entry.name)
 
+    # -- ensembles and the models they use (Triton's dependency graph) ------------------------------
+
+    async def _load_composing(self, name: str, override: ConfigOverride | None) -> None:
+        """An ensemble loads after the models it uses: load those without a ready version first (as
+        Triton does, in every control mode). A model already on the way (a cycle) is left to the
+        ensemble's own check, which names the cycle."""
+        chain = _LOADING_FOR.get()
+        models = ensemble.composing_models(self.repository, name, override.config if override else None)
+        token = _LOADING_FOR.set((*chain, name))
+        try:
+            for model in models:
+                loaded = self._models.get(model)
+                if model == name or model in chain or (loaded is not None and loaded.ready_versions()):
+                    continue
+                if not ensemble.in_repository(self.repository, model):
+                    continue  # the ensemble's check names it
+                try:
+                    await self.load(model)
+                except ShoalError as exc:
+                    logger.error("model %s (used by ensemble %s): %s", model, name, exc.message)
+        finally:
+            _LOADING_FOR.reset(token)
+
+    async def _retire_dependents(self, name: str, only_unfit: bool = False) -> None:
+        """Unloading a model unloads the ensembles that use it; reloading it unloads those whose steps
+        no longer fit it (``only_unfit``), as Triton does. They load again once they fit
+        (``_wake_dependents``)."""
+        for model in list(self._models.values()):
+            spec = model.spec
+            if spec is None or spec.ensemble is None or name not in spec.ensemble.composing_models \
+                    or model.state is not ModelState.READY:
+                continue
+            reason = ensemble.unfit(spec, self) if only_unfit else f"model {name}, which it uses, was unloaded"
+            if reason:
+                logger.warning("ensemble %s: unloaded: %s", model.name, reason)
+                await self.unload(model.name)
+                self._dormant_ensembles.add(model.name)
+
+    async def _wake_dependents(self) -> None:
+        """Load again the ensembles ``_retire_dependents`` unloaded whose steps fit their models now."""
+        for name in sorted(self._dormant_ensembles):
+            entry = self._models.get(name)
+            if entry is None or entry.spec is None or entry.spec.ensemble is None:
+                self._dormant_ensembles.discard(name)
+            elif not ensemble.unfit(entry.spec, self):
+                self._dormant_ensembles.discard(name)
+                try:
+                    await self.load(name)
+                except ShoalError as exc:
+                    logger.error("ensemble %s: %s", name, exc.message)
+
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
@@ -262,6 +329,7 @@ class ModelManager:
                 if entry is not None and entry.versions:
                     logger.info("model %s: folder removed, unloading", name)
                     await self._retire(entry)
+            await self._retire_dependents(name)
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from shoal.backends.base import Backend, backend_for, backend_gpu_available
@@ -19,7 +20,10 @@ from shoal.instances import strategy
 from shoal.instances.pool import InstancePool, Placement
 from shoal.lifecycle import tensors
 from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
+from shoal.repository.sequence_config import read_initial_states
+from shoal.repository.sequence_spec import backend_spec
 from shoal.scheduling.dynamic import Scheduler
+from shoal.scheduling.sequence import SequenceScheduler
 from shoal.statistics import FailureReason, ModelStatistics
 from shoal.types import InferRequest, InferResponse
 
@@ -77,15 +81,24 @@ class ModelVersion:
         self.memory_bytes = dict(memory_bytes or {})
         self._backend = backend  # for its per-request checks; None: none
         self.statistics = ModelStatistics()
-        self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching)
+        self.scheduler: Scheduler | SequenceScheduler
+        if spec.sequence_batching is not None:
+            self.scheduler = SequenceScheduler(pool, self.statistics, spec.max_batch_size, spec.sequence_batching,
+                                               spec.name)
+        else:
+            self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching)
 
     @classmethod
     def load(cls, spec: ModelSpec, version: int, version_dir: Path) -> ModelVersion:
         """Choose how the executors run (refused before any weight loads), place them, load, start them."""
         model_path = version_dir / spec.default_model_filename if spec.default_model_filename else version_dir
+        if spec.sequence_batching is not None:  # initial_state data files, from <model>/initial_state/
+            spec = replace(spec, sequence_batching=read_initial_states(version_dir.parent, spec.sequence_batching))
         backend = backend_for(spec)
         plan = strategy.choose(spec, backend)
-        built = strategy.build_instances(spec, model_path, placements(spec), backend, plan)
+        # The backend sees the sequence batcher's control and state tensors too; requests are checked
+        # against the config's own.
+        built = strategy.build_instances(backend_spec(spec), model_path, placements(spec), backend, plan)
         logger.info(
             "model %s version %d: %d instance(s), %s, over %d loaded cop%s",
             spec.name, version, len(built.pool.instances), built.strategy.value, built.copies,
@@ -93,14 +106,24 @@ class ModelVersion:
         )
         return cls(spec, version, built.pool, built.memory_bytes, backend)
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for an executor."""
+        return self.scheduler.queued
+
+    @property
+    def instance_count(self) -> int:
+        return len(self.pool.instances)
+
     def can_serve(self) -> bool:
         """At least one instance can take a request (a process instance whose worker is dead or hung cannot)."""
         return self.pool.can_serve()
 
     def warm_up(self) -> None:
         """Run one zero-filled request (batch 1) on every loaded copy, off the event loop."""
-        feed = tensors.zeros_feed(self.spec)
-        outputs = list(self.spec.output_names)
+        spec = backend_spec(self.spec)
+        feed = tensors.zeros_feed(spec)
+        outputs = list(spec.output_names)
         for model in self.pool.models():
             model.run(feed, outputs)
 

@@ -23,6 +23,8 @@ from google.protobuf import json_format, text_format
 from shoal.errors import ShoalError, load_failed, shown
 from shoal.protocol import config_pb2, wire_names
 from shoal.protocol.types import DataType
+from shoal.repository import ensemble_config, sequence_config
+from shoal.repository.ensemble_config import EnsembleScheduling
 from shoal.repository.scanner import CONFIG_FILENAME as CONFIG_FILENAME
 from shoal.repository.scanner import checked_path
 
@@ -122,9 +124,12 @@ class ModelSpec:
     version_policy: VersionPolicy
     default_model_filename: str
     dynamic_batching: DynamicBatching | None = None
+    sequence_batching: sequence_config.SequenceBatching | None = None
     parameters: dict[str, str] = field(default_factory=dict)
     # The normalized config as proto3 JSON (field names as in the .proto): what ModelConfig returns.
     config_json: dict[str, Any] = field(default_factory=dict)
+    # platform "ensemble": its steps (repository/ensemble_config.py); it has no backend or instances.
+    ensemble: EnsembleScheduling | None = None
 
     def input(self, name: str) -> TensorSpec | None:
         return self._inputs_by_name.get(name)
@@ -201,7 +206,11 @@ def normalize(
     if out.HasField("dynamic_batching") and out.max_batch_size > 0:
         if not out.dynamic_batching.preferred_batch_size:
             out.dynamic_batching.preferred_batch_size.append(out.max_batch_size)
-    if not out.instance_group:
+    if out.HasField("sequence_batching"):
+        sequence_config.normalize(out)
+    if ensemble_config.is_ensemble(out):  # no instances of its own; Triton sets decoupled after its checks
+        out.model_transaction_policy.SetInParent()
+    elif not out.instance_group:
         out.instance_group.add()
     kinds = config_pb2.ModelInstanceGroup.Kind
     for index, group in enumerate(out.instance_group):
@@ -220,7 +229,8 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
     where = f"model '{model_name}'"
     if config.name != model_name:
         raise load_failed(f"{where}: config name '{config.name}' does not match the folder name")
-    if not config.backend:
+    ensemble_config.validate_scheduling(config)
+    if not config.backend and not ensemble_config.is_ensemble(config):
         raise load_failed(f"{where}: config sets neither 'platform' nor 'backend'")
     if config.platform and config.platform in PLATFORM_BACKENDS:
         if PLATFORM_BACKENDS[config.platform] != config.backend:
@@ -262,6 +272,8 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
         raise load_failed(f"{where}: version_policy specific lists no versions")
     if config.HasField("dynamic_batching"):
         _validate_dynamic_batching(config, where)
+    if config.HasField("sequence_batching"):
+        sequence_config.validate(config, where)
 
 
 def validate_filename(config: config_pb2.ModelConfig, model_name: str) -> None:
@@ -387,8 +399,10 @@ def to_spec(config: config_pb2.ModelConfig, labels: dict[str, tuple[bytes, ...]]
         version_policy=version_policy,
         default_model_filename=config.default_model_filename,
         dynamic_batching=_dynamic_batching(config) if config.HasField("dynamic_batching") else None,
+        sequence_batching=sequence_config.to_spec(config) if config.HasField("sequence_batching") else None,
         parameters={k: v.string_value for k, v in config.parameters.items()},
         config_json=json_format.MessageToDict(config, preserving_proto_field_name=True),
+        ensemble=ensemble_config.scheduling(config) if ensemble_config.is_ensemble(config) else None,
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from shoal.errors import load_failed
 from shoal.protocol import config_pb2
 from shoal.protocol.types import DataType
+from shoal.repository import sequence_config
 from shoal.repository.config import ModelSpec, TensorSpec
 
 # Triton's --backend-config=default-max-batch-size default.
@@ -66,7 +67,8 @@ def complete(config: config_pb2.ModelConfig, io: ModelIO) -> tuple[config_pb2.Mo
         out.dynamic_batching.SetInParent()
         reasons["dynamic_batching"] = "the model batches: queued requests are merged up to max_batch_size"
     for target, tensors, kind in ((out.input, io.inputs, "input"), (out.output, io.outputs, "output")):
-        present = {t.name for t in target}
+        # The sequence batcher's control and state tensors are the server's, not the config's.
+        present = {t.name for t in target} | sequence_config.batcher_tensor_names(out)
         for tensor in tensors:
             if tensor.name in present:
                 continue

@@ -56,7 +56,7 @@ from shoal.repository.config import DynamicBatching, QueuePolicy
 from shoal.scheduling.base import Executor, Runner
 from shoal.scheduling.batching import gather, scatter
 from shoal.scheduling.clock import deadline_clock
-from shoal.statistics import FailureReason, ModelStatistics, Phases
+from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases, PhaseTotals
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class Pending:
     sequence: int
     future: asyncio.Future[Outputs] = field(repr=False)
     delayed: bool = False
+    also_count: PhaseTotals | None = None  # the caller's aggregator (an ensemble's), if it set one
 
 
 class Scheduler:
@@ -147,6 +148,7 @@ class Scheduler:
             delay_on_timeout=policy.delay_on_timeout,
             sequence=next(self._sequence),
             future=asyncio.get_running_loop().create_future(),
+            also_count=ALSO_COUNT_PHASES.get(),
         )
         self._queue(level)[pending.sequence] = pending
         self._in_use.add(level)
@@ -353,6 +355,8 @@ class Scheduler:
         self.statistics.record_execution(sum(p.size for p in batch), phases)
         for pending, part in zip(batch, parts, strict=True):
             self.statistics.record_success(done - pending.arrival_ns, start - pending.arrival_ns, phases)
+            if pending.also_count is not None:
+                pending.also_count.add(phases)
             self._settle(pending, part)
 
     def _settle(self, pending: Pending, outcome: Outputs | BaseException | None) -> None:

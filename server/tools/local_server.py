@@ -112,7 +112,7 @@ def _wait_until_serving(
                 if stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=1).live:
                     return server
             except grpc.RpcError as error:
-                if error.code() == grpc.StatusCode.PERMISSION_DENIED:
+                if "restricted" in (error.details() or ""):
                     return server  # it answers: health is restricted (--grpc-restricted-protocol health:...)
                 if time.monotonic() > deadline:
                     raise

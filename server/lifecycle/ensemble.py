@@ -1,0 +1,306 @@
+"""A served ensemble (``platform: "ensemble"``): its steps run on the composing models as their inputs arrive.
+
+An ensemble has no weights, instances or scheduler of its own. Each request walks the steps that
+lead to its requested outputs: a step starts as soon as every tensor it reads exists, so steps that
+do not depend on each other run at the same time, and each step is an ordinary request to its
+composing model (``ModelVersion.infer``), resolved when the step starts (as Triton's ensemble
+scheduler looks its models up per request). The composing model's checks, scheduler, dynamic
+batcher and statistics see it like any other request. Tensors pass between steps as the numpy
+arrays the steps returned: nothing is copied or serialized.
+
+Statistics, as Triton reports an ensemble's (core ensemble_scheduler.cc ``FinishEnsemble``): one
+execution per request, ``inference_count`` its batch rows, success/fail per request (its whole
+time), ``batch_stats`` by batch size; ``queue`` the time before its first step starts (checking the
+request); ``compute_input``/``compute_infer``/``compute_output`` the sums of its steps' own phases as
+their models' schedulers measured them (``statistics.ALSO_COUNT_PHASES``, Triton's secondary stats
+aggregator), so time a step spent queued at its model is in the ensemble's success time only.
+A failed request counts once (Triton 2.51 counts a failed ensemble request twice).
+
+Loading (``load_versions``, on the manager's load thread) checks the steps against the composing
+models as loaded now, with Triton's messages; the manager loads composing models first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from shoal.backends.devices import Device
+from shoal.errors import ErrorCode, ShoalError, invalid
+from shoal.lifecycle import tensors
+from shoal.lifecycle.model import ModelVersion
+from shoal.lifecycle.state import ModelEntry, ModelState, VersionEntry
+from shoal.protocol import config_pb2
+from shoal.protocol.types import DataType
+from shoal.repository import ensemble_config, scanner
+from shoal.repository.config import ModelSpec, read_config
+from shoal.repository.ensemble_config import EnsembleStep
+from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, PhaseTotals
+from shoal.types import InferRequest, InferResponse, Tensor
+
+logger = logging.getLogger(__name__)
+
+# Requested-output sets whose pruned step lists are kept per ensemble (a client picks among few).
+MAX_CACHED_PLANS = 64
+
+
+class Registry(Protocol):
+    """What an ensemble needs of the model manager."""
+
+    repository: Path
+
+    def entry(self, name: str) -> ModelEntry: ...
+
+    def resolve(self, name: str, version: str) -> ModelVersion: ...
+
+
+class EnsembleVersion(ModelVersion):
+    """A READY ensemble version. A ``ModelVersion`` to the registry, statistics and metrics; it
+    holds no pool or scheduler (their figures, ``queued`` and ``instance_count``, are 0)."""
+
+    def __init__(self, spec: ModelSpec, version: int, registry: Registry) -> None:  # ModelVersion's is not called
+        assert spec.ensemble is not None
+        self.spec = spec
+        self.version = version
+        self.memory_bytes: dict[Device, int] = {}
+        self.statistics = ModelStatistics()
+        self._registry = registry
+        self._steps = spec.ensemble.steps
+        self._plans: dict[tuple[str, ...], tuple[EnsembleStep, ...]] = {}
+        self._in_flight = 0
+        self._closing = False
+        self._idle: asyncio.Event | None = None
+
+    @property
+    def queued(self) -> int:
+        return 0
+
+    @property
+    def instance_count(self) -> int:
+        return 0
+
+    def can_serve(self) -> bool:
+        return not self._closing
+
+    def warm_up(self) -> None:
+        """Nothing to warm: the composing models warmed themselves."""
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        if self._closing:
+            raise ShoalError(ErrorCode.UNAVAILABLE, "the model is unloading")
+        self._in_flight += 1
+        try:
+            return await self._infer(request)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+
+    async def _infer(self, request: InferRequest) -> InferResponse:
+        arrival_ns = time.monotonic_ns()
+        try:
+            prepared = tensors.prepare(self.spec, request)
+        except ShoalError:
+            self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
+            raise
+        pool = {name: Tensor(name, self._datatype(name), array.shape, array) for name, array in prepared.feed.items()}
+        outer = ALSO_COUNT_PHASES.get()  # an ensemble that has this one as a step
+        steps_phases = PhaseTotals()
+        token = ALSO_COUNT_PHASES.set(steps_phases)
+        started_ns = time.monotonic_ns()
+        try:
+            await self._run(self._plan(prepared.outputs), pool, request)
+        except ShoalError as exc:
+            reason = FailureReason.OTHER if exc.code is ErrorCode.INVALID_ARGUMENT else FailureReason.BACKEND
+            self.statistics.record_failure(time.monotonic_ns() - arrival_ns, reason)
+            raise ShoalError(exc.code, f"in ensemble '{self.spec.name}', {exc.message}") from None
+        except asyncio.CancelledError:  # the client went away: its running steps were cancelled
+            self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.CANCELED)
+            raise
+        except Exception as exc:
+            logger.exception("ensemble %s: a step failed unexpectedly", self.spec.name)
+            self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.BACKEND)
+            raise ShoalError(ErrorCode.INTERNAL, f"in ensemble '{self.spec.name}', {exc}") from exc
+        finally:
+            ALSO_COUNT_PHASES.reset(token)
+        outputs = tensors.finish(self.spec, prepared, {name: pool[name].data for name in prepared.outputs})
+        phases = steps_phases.phases()
+        self.statistics.record_execution(max(1, prepared.batch_size), phases)
+        self.statistics.record_success(time.monotonic_ns() - arrival_ns, started_ns - arrival_ns, phases)
+        if outer is not None:
+            outer.add(phases)
+        return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
+                             outputs=outputs)
+
+    def _datatype(self, name: str) -> DataType:
+        tensor = self.spec.input(name)
+        assert tensor is not None  # prepare() let only the config's inputs through
+        return tensor.datatype
+
+    def _plan(self, outputs: tuple[str, ...]) -> tuple[EnsembleStep, ...]:
+        """The steps that lead to ``outputs``, in config order (Triton, too, runs no other step)."""
+        plan = self._plans.get(outputs)
+        if plan is not None:
+            return plan
+        needed = set(outputs)
+        chosen: set[int] = set()
+        grew = True
+        while grew:
+            grew = False
+            for index, step in enumerate(self._steps):
+                if index not in chosen and needed.intersection(step.writes):
+                    chosen.add(index)
+                    needed.update(step.reads)
+                    grew = True
+        plan = tuple(step for index, step in enumerate(self._steps) if index in chosen)
+        if len(self._plans) < MAX_CACHED_PLANS:
+            self._plans[outputs] = plan
+        return plan
+
+    async def _run(self, steps: Sequence[EnsembleStep], pool: dict[str, Tensor], request: InferRequest) -> None:
+        """Start every step whose tensors exist; as each finishes, add what it wrote and start the
+        steps that were waiting for it. The first failure cancels the steps still running."""
+        waiting = {index: {t for t in step.reads if t not in pool} for index, step in enumerate(steps)}
+        ready = _arrived({}, pool, waiting)
+        running: dict[asyncio.Task[dict[str, Tensor]], int] = {}
+        try:
+            while ready or running:
+                if len(ready) == 1 and not running:  # one step at a time (a chain): no task needed
+                    ready = _arrived(await self._step(steps[ready[0]], pool, request), pool, waiting)
+                    continue
+                for index in ready:
+                    running[asyncio.create_task(self._step(steps[index], pool, request))] = index
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                ready = []
+                failure: BaseException | None = None
+                for task in done:
+                    del running[task]
+                    if task.exception() is not None:
+                        failure = failure or task.exception()
+                    else:
+                        ready += _arrived(task.result(), pool, waiting)
+                if failure is not None:
+                    raise failure
+        finally:
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+        if waiting:  # an optional ensemble input the request left out, which a step needs
+            missing = sorted(set().union(*waiting.values()) - pool.keys())
+            raise invalid(f"ensemble tensor '{missing[0]}' is needed by a step but was not provided")
+
+    async def _step(self, step: EnsembleStep, pool: dict[str, Tensor], request: InferRequest) -> dict[str, Tensor]:
+        """One step as a request to its composing model; returns what it wrote, by ensemble tensor name."""
+        inputs = tuple(Tensor(model_input, pool[name].datatype, pool[name].shape, pool[name].data)
+                       for model_input, name in step.input_map)
+        version = str(step.model_version) if step.model_version >= 0 else ""
+        served = self._registry.resolve(step.model_name, version)
+        response = await served.infer(InferRequest(
+            model_name=step.model_name, model_version=version, id=request.id, inputs=inputs,
+            requested_outputs=tuple(output for output, _ in step.output_map), parameters=request.parameters,
+        ))
+        renamed = dict(step.output_map)
+        return {renamed[t.name]: Tensor(renamed[t.name], t.datatype, t.shape, t.data) for t in response.outputs}
+
+    async def close(self) -> None:
+        """Refuse new requests; let the running ones finish (their steps hold the composing models)."""
+        self._closing = True
+        if self._in_flight:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+
+
+def _arrived(produced: dict[str, Tensor], pool: dict[str, Tensor], waiting: dict[int, set[str]]) -> list[int]:
+    """Add ``produced`` to ``pool``; the steps that now have every tensor they read leave ``waiting``."""
+    pool.update(produced)
+    ready = []
+    for index, missing in list(waiting.items()):
+        missing.difference_update(produced)
+        if not missing:
+            ready.append(index)
+            del waiting[index]
+    return ready
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+
+def composing_models(repository: Path, name: str, config: config_pb2.ModelConfig | None = None) -> tuple[str, ...]:
+    """The models ensemble ``name`` uses, from ``config`` or its config.pbtxt; () for any other model
+    (or one whose config cannot be read: its own load says why)."""
+    if config is None:
+        try:
+            config = read_config(scanner.model_dir(repository, name))
+        except ShoalError:
+            return ()
+    if not ensemble_config.is_ensemble(config):
+        return ()
+    return tuple(dict.fromkeys(step.model_name for step in config.ensemble_scheduling.step if step.model_name))
+
+
+def load_versions(spec: ModelSpec, chosen: list[int], registry: Registry) -> tuple[dict[int, VersionEntry], str]:
+    """The ensemble's versions, READY, or UNAVAILABLE with the reason its steps do not fit the
+    composing models as loaded now (on the manager's load thread)."""
+    reason = unfit(spec, registry)
+    versions = {}
+    for number in chosen:
+        entry = VersionEntry(number)
+        entry.transition(ModelState.LOADING)
+        if reason:
+            entry.transition(ModelState.UNAVAILABLE, reason)
+        else:
+            entry.attach(EnsembleVersion(spec, number, registry))
+            entry.transition(ModelState.READY)
+        versions[number] = entry
+    return versions, reason
+
+
+def unfit(spec: ModelSpec, registry: Registry) -> str:
+    """Why the ensemble cannot load, in Triton's words and order: a cycle, models missing from the
+    repository, models (or versions) not loaded, then steps that do not fit their models; or ""."""
+    assert spec.ensemble is not None
+    models = spec.ensemble.composing_models
+    cycle = ensemble_config.dependency_cycle(spec.name, models,
+                                             lambda model: composing_models(registry.repository, model))
+    if cycle:
+        return cycle
+    missing = [model for model in models if not in_repository(registry.repository, model)]
+    if missing:
+        return f"ensemble {spec.name} contains models that are not available or ambiguous: {', '.join(missing)}"
+    step_specs = []
+    for step in spec.ensemble.steps:
+        try:
+            served = registry.resolve(step.model_name, str(step.model_version) if step.model_version >= 0 else "")
+        except ShoalError:
+            return _not_loaded(spec.name, step, registry)
+        step_specs.append(served.spec)
+    try:
+        ensemble_config.validate_against_composing(spec, step_specs)
+    except ShoalError as exc:
+        return exc.message
+    return ""
+
+
+def in_repository(repository: Path, name: str) -> bool:
+    try:
+        return scanner.model_dir(repository, name).is_dir()
+    except ShoalError:  # a name that could not be a model folder
+        return False
+
+
+def _not_loaded(ensemble: str, step: EnsembleStep, registry: Registry) -> str:
+    model = step.model_name
+    try:
+        entry: ModelEntry | None = registry.entry(model)
+    except ShoalError:
+        entry = None
+    if entry is not None and entry.ready_versions() and step.model_version >= 0:
+        return f"ensemble '{ensemble}' depends on '{model}' whose required version {step.model_version} is not loaded."
+    why = entry.reason if entry is not None else ""
+    tail = f" Model '{model}' loading failed with error: {why}" if why else ""
+    return f"ensemble '{ensemble}' depends on '{model}' which has no loaded version.{tail}"

@@ -1,0 +1,164 @@
+"""The sequence batcher's rules, with fake instances: an accumulator whose state the batcher keeps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shoal.errors import ShoalError
+from shoal.protocol.types import DataType
+from shoal.repository.sequence_config import Control, ControlKind, SequenceBatching, StateSpec
+from shoal.scheduling.sequence import SequenceScheduler
+from shoal.statistics import ModelStatistics
+
+CONTROLS = (
+    Control(ControlKind.START, "START", DataType.INT32, 0, 1),
+    Control(ControlKind.READY, "READY", DataType.FP32, 0.0, 1.0),
+    Control(ControlKind.CORRID, "CORRID", DataType.UINT64),
+)
+STATE = StateSpec("STATE_IN", "STATE_OUT", DataType.FP32, (1,))
+
+
+class Accumulator:
+    """OUT = STATE_IN + IN (STATE_OUT the same); records every batch it runs."""
+
+    def __init__(self, log: list[tuple[int, dict[str, np.ndarray]]], index: int) -> None:
+        self.log = log
+        self.index = index
+
+    async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        self.log.append((self.index, {name: np.array(value) for name, value in inputs.items()}))
+        await asyncio.sleep(0)
+        total = inputs["STATE_IN"] + inputs["IN"]
+        return {"OUT": total, "STATE_OUT": total}
+
+
+class Instances:
+    def __init__(self, count: int) -> None:
+        self.log: list[tuple[int, dict[str, np.ndarray]]] = []
+        self.instances = [Accumulator(self.log, index) for index in range(count)]
+
+
+def scheduler(instances: int = 1, max_batch_size: int = 2, **options: Any) -> tuple[SequenceScheduler, Instances]:
+    runner = Instances(instances)
+    batching = SequenceBatching(strategy=options.pop("strategy", "direct"), controls=CONTROLS, states=(STATE,),
+                                **options)
+    return SequenceScheduler(runner, ModelStatistics(), max_batch_size, batching, "acc"), runner
+
+
+async def step(sched: SequenceScheduler, cid: int | str, value: float, start: bool = False, end: bool = False,
+               **parameters: Any) -> float:
+    feed = {"IN": np.array([[value]], dtype=np.float32)}
+    result = await sched.submit(feed, ["OUT"], 1, {"sequence_id": cid, "sequence_start": start,
+                                                   "sequence_end": end, **parameters})
+    return float(result["OUT"][0, 0])
+
+
+def test_interleaved_sequences_each_get_their_own_running_sum() -> None:
+    async def main() -> None:
+        sched, runner = scheduler()
+        sums = await asyncio.gather(
+            *(step(sched, cid, 1.0 * cid, start=True) for cid in (1, 2)),
+        )
+        assert sums == [1.0, 2.0]
+        assert await step(sched, 2, 10.0) == 12.0
+        assert await step(sched, 1, 5.0, end=True) == 6.0
+        assert await step(sched, 2, 1.0, end=True) == 13.0
+        # Slot 1 ran alone while slot 0 was empty: slot 0 was a null row (READY false, CORRID 0).
+        _, lone = runner.log[-1]
+        assert lone["READY"].tolist() == [[0.0], [1.0]]
+        assert lone["CORRID"].tolist() == [[0], [2]]
+        assert lone["START"].dtype == np.int32 and lone["CORRID"].dtype == np.uint64
+        # As Triton counts them: a null row is in its batch's size, not among the inferences.
+        assert sched.statistics.inference_count == sched.statistics.success.count == 5
+        assert sum(size * stats.compute_infer.count for size, stats in sched.statistics.batch_stats.items()) == sum(
+            len(batch["IN"]) for _, batch in runner.log)
+        assert 2 in sched.statistics.batch_stats
+
+    asyncio.run(main())
+
+
+def test_errors_use_tritons_words() -> None:
+    async def main() -> None:
+        sched, _ = scheduler()
+        with pytest.raises(ShoalError, match="must specify a non-zero or non-empty correlation ID"):
+            await step(sched, 0, 1.0, start=True)
+        with pytest.raises(ShoalError, match="inference request for sequence 7 to model 'acc' must specify the "
+                                             "START flag on the first request of the sequence"):
+            await step(sched, 7, 1.0)
+        with pytest.raises(ShoalError, match="invalid value type for 'sequence_start' parameter"):
+            await step(sched, 7, 1.0, start=1)  # type: ignore[arg-type]
+        with pytest.raises(ShoalError, match="must specify batch-size 1 due to requirements of sequence batcher"):
+            await sched.submit({"IN": np.zeros((2, 1), np.float32)}, ["OUT"], 2, {"sequence_id": 3})
+        assert sched.statistics.fail.count == 4
+
+    asyncio.run(main())
+
+
+def test_string_and_wrapped_uint64_ids_restart_after_end() -> None:
+    async def main() -> None:
+        sched, runner = scheduler(max_batch_size=1)
+        assert await step(sched, "alpha", 2.0, start=True) == 2.0
+        assert await step(sched, "alpha", 3.0, end=True) == 5.0
+        with pytest.raises(ShoalError, match="sequence alpha"):
+            await step(sched, "alpha", 1.0)
+        assert await step(sched, "alpha", 4.0, start=True, end=True) == 4.0  # restarted: state from zero
+        assert await step(sched, -1, 1.0, start=True, end=True) == 1.0
+        assert runner.log[-1][1]["CORRID"].tolist() == [[2**64 - 1]]
+
+    asyncio.run(main())
+
+
+def test_slots_spread_over_instances_and_the_backlog_waits_for_a_free_one() -> None:
+    async def main() -> None:
+        sched, runner = scheduler(instances=2, max_batch_size=1)
+        await asyncio.gather(step(sched, 1, 1.0, start=True), step(sched, 2, 1.0, start=True))
+        assert sorted(index for index, _ in runner.log) == [0, 1]
+        waiting = asyncio.create_task(step(sched, 3, 5.0, start=True))
+        refused = asyncio.create_task(step(sched, 4, 5.0, start=True, timeout=20_000))
+        with pytest.raises(ShoalError, match="timeout of the corresponding sequence has been expired"):
+            await refused
+        assert not waiting.done() and sched.queued == 1
+        assert await step(sched, 1, 1.0, end=True) == 2.0
+        assert await waiting == 5.0  # took the slot sequence 1 freed
+
+    asyncio.run(main())
+
+
+def test_an_idle_sequence_loses_its_slot() -> None:
+    async def main() -> None:
+        sched, _ = scheduler(max_sequence_idle_us=30_000)
+        assert await step(sched, 5, 1.0, start=True) == 1.0
+        deadline = time.monotonic() + 5
+        while sched.active_sequences and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        with pytest.raises(ShoalError, match="must specify the START flag"):
+            await step(sched, 5, 1.0)
+
+    asyncio.run(main())
+
+
+def test_oldest_batches_ready_sequences_and_keeps_each_in_order() -> None:
+    async def main() -> None:
+        sched, runner = scheduler(strategy="oldest", max_batch_size=4, max_candidate_sequences=4,
+                                  preferred_batch_sizes=(4,), max_queue_delay_us=2000)
+
+        async def sequence(cid: int) -> list[float]:
+            sums = [await step(sched, cid, 1.0, start=True)]
+            for _ in range(4):
+                sums.append(await step(sched, cid, float(cid)))
+            sums.append(await step(sched, cid, 0.0, end=True))
+            return sums
+
+        results = await asyncio.gather(*(sequence(cid) for cid in (1, 2, 3, 4)))
+        for cid, sums in zip((1, 2, 3, 4), results, strict=True):
+            assert sums == [1.0 + cid * k for k in range(5)] + [1.0 + 4 * cid]
+        assert max(len(batch["IN"]) for _, batch in runner.log) > 1  # sequences were batched together
+        assert sched.statistics.success.count == 24
+
+    asyncio.run(main())
