@@ -301,3 +301,48 @@ def test_sigterm_drains_http_requests_and_readiness_turns_false(tmp_path: Path, 
     thread.join(timeout=30)
     assert outcome == [[[7, 8]]]
     assert server.process.wait(timeout=30) == 0, server.log()
+
+
+def test_cuda_shared_memory_over_http(server_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA endpoints over the stand-in runtime test_cuda_shared_memory.py builds (real C signatures,
+    host memory): register, status, an output written to a region read back as the next input, unregister."""
+    import base64
+
+    from shoal.backends.devices import cuda_device_count
+    from shoal.dataplane import cuda
+    from tests.test_cuda_shared_memory import _build_fake_cudart
+
+    if cuda_device_count() > 0:
+        pytest.skip("a CUDA device is here: the server would use it, not the stand-in")
+    library = _build_fake_cudart(tmp_path)
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(library.parent))
+    first = cuda._libcudart_candidates()[0]
+    if "/" in first:
+        pytest.skip(f"a CUDA runtime is installed with Python packages ({first}): the server would load it")
+    (library.parent / first).symlink_to(library)
+    (library.parent / "libcuda.so.1").symlink_to(library)
+    repo = tmp_path / "repo"
+    models.add_identity(repo, "identity_fp32", "FP32")
+    server = server_factory(repo)
+    values = np.array([[1.5, -2.0, 3.25, 8.0]], dtype=np.float32)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        assert client.get_cuda_shared_memory_status() == []
+        handle = base64.b64encode(b"A" + bytes(62) + b"z").decode()  # JSON carries the base64 text
+        client.register_cuda_shared_memory("a", handle, 0, 256)
+        assert client.get_cuda_shared_memory_status("a") == [{"name": "a", "device_id": 0, "byte_size": 256}]
+        tensor = httpclient.InferInput("IN", [1, 4], "FP32")
+        tensor.set_data_from_numpy(values)
+        output = httpclient.InferRequestedOutput("OUT")
+        output.set_shared_memory("a", 16, offset=32)
+        result = client.infer("identity_fp32", [tensor], outputs=[output])
+        assert "data" not in result.get_output("OUT") and "parameters" not in result.get_output("OUT")
+        tensor.set_shared_memory("a", 16, offset=32)
+        np.testing.assert_array_equal(client.infer("identity_fp32", [tensor]).as_numpy("OUT"), values)
+        with pytest.raises(InferenceServerException, match="failed to register shared memory region 'big'") as caught:
+            client.register_cuda_shared_memory("big", base64.b64encode(b"B" + bytes(62) + b"z").decode(), 0, 257)
+        assert caught.value.status() == "400"
+        with pytest.raises(InferenceServerException, match="Unable to find cuda shared memory region") as caught:
+            client.get_cuda_shared_memory_status("nope")
+        assert caught.value.status() == "404"
+        client.unregister_cuda_shared_memory()
+        assert client.get_cuda_shared_memory_status() == []

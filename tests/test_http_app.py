@@ -25,6 +25,8 @@ def _body(path: str) -> bytes:
     """A body each POST route accepts, so the call reaches the core."""
     if path.endswith("/infer"):
         return b'{"inputs": []}'
+    if path.startswith("/v2/cudasharedmemory") and path.endswith("/register"):
+        return b'{"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 8}'
     if path.endswith("/register"):
         return b'{"key": "/k", "offset": 0, "byte_size": 8}'
     return b"{}"

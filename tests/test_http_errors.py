@@ -12,6 +12,7 @@ a client's mistake (malformed JSON), Shoal answers 400 with Triton's words.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import http.client
 import json
@@ -27,6 +28,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from shoal.backends.devices import cuda_device_count
 from shoal.errors import ErrorCode
 from shoal.http.status import STATUS_BY_CODE
 from shoal.settings import EXIT_STARTUP_FAILED
@@ -221,3 +223,20 @@ def test_binary_bytes_of_many_tiny_elements_are_refused_before_decoding(example_
     status, message = error(example_server, "POST", "/v2/models/strings/infer", header + bytes(4 * count),
                             {"Inference-Header-Content-Length": str(len(header))})
     assert status == 400 and "send fewer, longer elements" in message
+
+
+def test_shared_memory_errors(example_server: RunningServer) -> None:
+    handle = {"b64": base64.b64encode(bytes(64)).decode()}
+    if cuda_device_count() == 0:
+        assert error(example_server, "POST", "/v2/cudasharedmemory/region/r/register",
+                     {"raw_handle": handle, "device_id": 0, "byte_size": 64}) == (
+            400, "failed to register CUDA shared memory region: 'r', GPUs not supported")
+    assert error(example_server, "POST", "/v2/cudasharedmemory/region/r/register", {"raw_handle": "x"}) == (
+        400, "Shared memory register request: 'raw_handle' must be a JSON object")
+    assert error(example_server, "POST", "/v2/systemsharedmemory/region/r/register", {"byte_size": 64}) == (
+        400, "Shared memory register request has no 'key' field")
+    assert error(example_server, "GET", "/v2/systemsharedmemory/region/nope/status") == (
+        404, "Unable to find system shared memory region: 'nope'")
+    assert error(example_server, "GET", "/v2/cudasharedmemory/region/nope/status") == (
+        404, "Unable to find cuda shared memory region: 'nope'")
+    assert call(example_server, "POST", "/v2/cudasharedmemory/unregister")[0] == 200

@@ -133,6 +133,23 @@ async def shared_memory_unregister(core: Core, request: Request) -> Reply:
     return Reply()
 
 
+async def cuda_shared_memory_status(core: Core, request: Request) -> Reply:
+    regions = await core.cuda_shared_memory_status(request.path.get("region") or "")
+    return _json(convert.cuda_shared_memory_status(regions))
+
+
+async def cuda_shared_memory_register(core: Core, request: Request) -> Reply:
+    raw_handle, device_id, byte_size = convert.cuda_shared_memory_register(
+        convert.parse_object(request.body, "register"))
+    await core.register_cuda_shared_memory(request.path["region"], raw_handle, device_id, byte_size)
+    return Reply()
+
+
+async def cuda_shared_memory_unregister(core: Core, request: Request) -> Reply:
+    await core.unregister_cuda_shared_memory(request.path.get("region") or "")
+    return Reply()
+
+
 def _unsupported(what: str) -> Callable[[Core, Request], Awaitable[Reply]]:
     async def handler(core: Core, request: Request) -> Reply:
         raise unsupported(what)
@@ -163,11 +180,10 @@ ROUTES: list[tuple[re.Pattern[str], str, Handler, str]] = [
         ("/v2/systemsharedmemory/region/(?P<region>[^/]+)/register", "POST", shared_memory_register,
          "shared-memory"),
         ("/v2/systemsharedmemory" + _REGION + "/unregister", "POST", shared_memory_unregister, "shared-memory"),
-        ("/v2/cudasharedmemory" + _REGION + "/status", "GET", _unsupported("CUDA shared memory"), "shared-memory"),
-        ("/v2/cudasharedmemory/region/(?P<region>[^/]+)/register", "POST", _unsupported("CUDA shared memory"),
+        ("/v2/cudasharedmemory" + _REGION + "/status", "GET", cuda_shared_memory_status, "shared-memory"),
+        ("/v2/cudasharedmemory/region/(?P<region>[^/]+)/register", "POST", cuda_shared_memory_register,
          "shared-memory"),
-        ("/v2/cudasharedmemory" + _REGION + "/unregister", "POST", _unsupported("CUDA shared memory"),
-         "shared-memory"),
+        ("/v2/cudasharedmemory" + _REGION + "/unregister", "POST", cuda_shared_memory_unregister, "shared-memory"),
         ("/v2/trace/setting", "GET|POST", _unsupported("trace settings"), "trace"),
         (_MODEL + "/trace/setting", "GET|POST", _unsupported("trace settings"), "trace"),
         ("/v2/logging", "GET|POST", _unsupported("log settings"), "logging"),
