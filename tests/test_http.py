@@ -346,3 +346,29 @@ def test_cuda_shared_memory_over_http(server_factory, tmp_path: Path, monkeypatc
         assert caught.value.status() == "404"
         client.unregister_cuda_shared_memory()
         assert client.get_cuda_shared_memory_status() == []
+
+
+def test_sequences_over_http(tmp_path: Path, server_factory) -> None:
+    """Sequence parameters travel as the request's ``parameters`` (sequence_id, _start, _end), as over gRPC."""
+    from tests.sequence_models import add_accumulator
+
+    repo = tmp_path / "repo"
+    add_accumulator(repo, "acc")
+    server = server_factory(repo)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        sums = {}
+        for cid in (7, "text-id"):
+            sums[cid] = []
+            for index, value in enumerate((1.0, 2.0, 4.0)):
+                data = httpclient.InferInput("INPUT", [1, 1], "FP32")
+                data.set_data_from_numpy(np.full((1, 1), value, dtype=np.float32), binary_data=index % 2 == 0)
+                result = client.infer("acc", [data], sequence_id=cid, sequence_start=index == 0,
+                                      sequence_end=index == 2)
+                sums[cid].append(float(result.as_numpy("OUTPUT").item()))
+        assert sums == {7: [1.0, 3.0, 7.0], "text-id": [1.0, 3.0, 7.0]}
+        data = httpclient.InferInput("INPUT", [1, 1], "FP32")
+        data.set_data_from_numpy(np.ones((1, 1), dtype=np.float32))
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("acc", [data])  # no sequence id: refused in Triton's words, as 400
+        assert caught.value.status() == "400" and "must specify a non-zero or non-empty correlation ID" in \
+            caught.value.message()
