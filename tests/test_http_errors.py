@@ -240,3 +240,17 @@ def test_shared_memory_errors(example_server: RunningServer) -> None:
     assert error(example_server, "GET", "/v2/cudasharedmemory/region/nope/status") == (
         404, "Unable to find cuda shared memory region: 'nope'")
     assert call(example_server, "POST", "/v2/cudasharedmemory/unregister")[0] == 200
+
+
+def test_an_unusable_certificate_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "cert.pem").write_text("not a certificate\n")
+    (tmp_path / "key.pem").write_text("not a key\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal", "serve", "--model-repository", str(models.repository(tmp_path, "simple")),
+         "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0",
+         "--http-use-ssl", "true", "--http-server-cert", str(tmp_path / "cert.pem"),
+         "--http-server-key", str(tmp_path / "key.pem")],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_STARTUP_FAILED, result.stderr
+    assert "shoal: error: cannot serve HTTP on 127.0.0.1:" in result.stderr and "SSLError" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -87,7 +87,11 @@ class HttpServer:
         while not self._server.started:
             if self._task.done() or asyncio.get_running_loop().time() > deadline:
                 sock.close()
-                raise StartupError(f"cannot serve HTTP on {self.settings.address}:{port}: the server did not start")
+                failed = self._task.done() and not self._task.cancelled() and self._task.exception()
+                why = f"{type(failed).__name__}: {failed}" if failed else "the server did not start"
+                self._task.cancel()
+                self._server = self._task = None  # nothing to stop
+                raise StartupError(f"cannot serve HTTP on {self.settings.address}:{port}: {why}")
             await asyncio.sleep(0.005)
         return port
 
