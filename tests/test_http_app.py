@@ -103,3 +103,13 @@ def test_every_route_is_in_a_restriction_category(pattern: re.Pattern[str], meth
     assert _request(app, method, _concrete(pattern), _body(_concrete(pattern))) == (
         403, {"error": "This API is restricted, expecting header 'k'"})
     assert core.calls == []
+
+
+@pytest.mark.parametrize(("accept", "chosen"), [
+    ("gzip", "gzip"), ("deflate;q=0, gzip", "gzip"), ("gzip;q=0, deflate", "deflate"), ("gzip;q=0.0", None),
+    ("identity", None), ("br, deflate;q=0.5", "deflate"), ("gzip;q=abc", None), ("GZIP ; q=1", "gzip"),
+])
+def test_accept_encoding_weights(accept: str, chosen: str | None) -> None:
+    from shoal.http.app import _accepted_encoding
+
+    assert _accepted_encoding(accept) == chosen
