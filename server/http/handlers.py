@@ -17,9 +17,12 @@ from shoal.core import Core
 from shoal.errors import unsupported
 from shoal.http import convert, tensors
 from shoal.http.status import HttpError
+from shoal.protocol.types import DataType
 
-# Past this many body bytes, decoding and encoding run on a worker thread, off the event loop.
+# Past this many body bytes (or BYTES elements in the answer: Python work per element), decoding and
+# encoding run on a worker thread, off the event loop; a thread hop costs tens of µs, so not below.
 OFF_LOOP_BYTES = 2**20
+OFF_LOOP_BYTES_ELEMENTS = 16_384
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ async def infer(core: Core, request: Request) -> Reply:
     costly = len(request.body) > OFF_LOOP_BYTES
     inference, binary_outputs = await _run(costly, tensors.infer_request, *_model(request), header, binary)
     response = await core.infer(inference)
-    costly = costly or sum(t.data.nbytes for t in response.outputs) > OFF_LOOP_BYTES
+    costly = costly or sum(t.data.nbytes for t in response.outputs) > OFF_LOOP_BYTES or sum(
+        t.data.size for t in response.outputs if t.datatype is DataType.BYTES) > OFF_LOOP_BYTES_ELEMENTS
     body, header_length = await _run(costly, tensors.infer_response, response, binary_outputs)
     if header_length is None:
         return Reply(body=body)
