@@ -254,3 +254,17 @@ def test_an_unusable_certificate_is_a_clear_error(tmp_path: Path) -> None:
     assert result.returncode == EXIT_STARTUP_FAILED, result.stderr
     assert "shoal: error: cannot serve HTTP on 127.0.0.1:" in result.stderr and "SSLError" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_http_port_is_shared_only_on_purpose(tmp_path: Path, server_factory) -> None:
+    """As --reuse-grpc-port: a second server that did not opt in is refused, one that did starts beside."""
+    repo = models.repository(tmp_path, "simple")
+    first = server_factory(repo, "--reuse-http-port", "true")
+    refused = subprocess.run(
+        [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repo), "--grpc-address", "127.0.0.1",
+         "--grpc-port", "0", "--metrics-port", "0", "--http-port", str(first.http_port)],
+        capture_output=True, text=True, timeout=120)
+    assert refused.returncode == EXIT_STARTUP_FAILED and "--reuse-http-port" in refused.stderr
+    second = server_factory(repo, "--http-port", str(first.http_port), "--reuse-http-port", "true")
+    assert second.http_port == first.http_port and second.process.poll() is None
+    assert call(second, "GET", "/v2/health/ready")[0] == 200
