@@ -97,11 +97,11 @@ def serve(stack: str, port_file: Path) -> None:
     asyncio.run({"aiohttp": _serve_aiohttp, "uvicorn": _serve_uvicorn}[stack](sock))
 
 
-async def _client(port: int, seconds: float, stop_at: list[float], counts: list[int]) -> None:
+async def _client(port: int, stop_at: list[float], counts: list[int], request: bytes) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         while time.monotonic() < stop_at[0]:
-            writer.write(REQUEST)
+            writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
             length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                           if line.lower().startswith(b"content-length"))
@@ -111,13 +111,14 @@ async def _client(port: int, seconds: float, stop_at: list[float], counts: list[
         writer.close()
 
 
-async def load(port: int, concurrency: int, seconds: float) -> int:
+async def load(port: int, concurrency: int, seconds: float, request: bytes = REQUEST) -> int:
+    """Requests answered in ``seconds`` after a half-second warm-up."""
     counts = [0]
     warm = [time.monotonic() + 0.5]
-    await asyncio.gather(*(_client(port, 0.5, warm, counts) for _ in range(concurrency)))
+    await asyncio.gather(*(_client(port, warm, counts, request) for _ in range(concurrency)))
     counts[0] = 0
     stop_at = [time.monotonic() + seconds]
-    await asyncio.gather(*(_client(port, seconds, stop_at, counts) for _ in range(concurrency)))
+    await asyncio.gather(*(_client(port, stop_at, counts, request) for _ in range(concurrency)))
     return counts[0]
 
 
@@ -150,6 +151,39 @@ def measure(stack: str, concurrency: int, seconds: float, work: Path) -> dict[st
             "server_cpu_us_per_request": round(cpu / max(1, done) * 1e6, 1), "seconds": round(elapsed, 1)}
 
 
+def measure_shoal(seconds: float, repeats: int) -> list[dict[str, Any]]:
+    """On Shoal itself (one process, the example ``simple`` model, c=16): the HTTP layer's floor
+    (GET /v2/health/ready) beside a binary infer, in server CPU per request (every thread of it)."""
+    import tempfile
+
+    import numpy as np
+
+    from shoal.tools import local_server
+    from tests import models
+
+    raw = np.arange(16, dtype=np.int32).tobytes()
+    header = json.dumps({"inputs": [{"name": name, "shape": [1, 16], "datatype": "INT32",
+                                     "parameters": {"binary_data_size": 64}} for name in ("INPUT0", "INPUT1")]})
+    body = header.encode() + raw + raw
+    requests = {
+        "shoal ready": b"GET /v2/health/ready HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        "shoal infer": (f"POST /v2/models/simple/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(body)}\r\n\r\n"
+                        ).encode() + body,
+    }
+    runs: dict[str, list[tuple[int, float]]] = {name: [] for name in requests}
+    with tempfile.TemporaryDirectory() as folder, \
+            local_server.running(models.repository(Path(folder), "simple")) as server:
+        for _ in range(repeats):
+            for name, request in requests.items():
+                before = _cpu_seconds(server.pid)
+                done = asyncio.run(load(server.http_port, 16, seconds, request))
+                runs[name].append((done, _cpu_seconds(server.pid) - before))
+    return [{"stack": name, "concurrency": 16, "requests_per_s": round(statistics.median(d for d, _ in done) / seconds),
+             "server_cpu_us_per_request": round(statistics.median(c / max(1, d) for d, c in done) * 1e6, 1),
+             "seconds": seconds, "repeats": repeats} for name, done in runs.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--serve", nargs=2, metavar=("STACK", "PORT_FILE"), help=argparse.SUPPRESS)
@@ -157,6 +191,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--stacks", default="aiohttp,uvicorn")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shoal", action="store_true", help="also measure Shoal's own HTTP endpoint: the floor "
+                        "(GET /v2/health/ready) beside a binary infer of the example simple model, c=16")
     args = parser.parse_args()
     if args.serve:
         serve(args.serve[0], Path(args.serve[1]))
@@ -177,6 +213,11 @@ def main() -> None:
                 print(f"{stack:8} c={concurrency:<3} {row['requests_per_s']:>7} req/s "
                       f"{row['server_cpu_us_per_request']:>7} µs server CPU per request (median of {len(done)})")
                 rows.append(row)
+    if args.shoal:
+        for row in measure_shoal(args.seconds, args.repeats):
+            print(f"{row['stack']:12} c=16  {row['requests_per_s']:>7} req/s "
+                  f"{row['server_cpu_us_per_request']:>7} µs server CPU per request (median of {args.repeats})")
+            rows.append(row)
     save_results(rows, "http_stacks.csv")
 
 
