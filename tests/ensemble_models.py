@@ -136,6 +136,13 @@ def add_serving_ensembles(repo: Path) -> None:
     ], io=f'input [ {{ name: "IN" {FP32_4} }} ]\n'
           f'output [ {{ name: "OUT" {FP32_4} }}, {{ name: "A" {FP32_4} }}, {{ name: "B" {FP32_4} }} ]')
     add_ensemble(repo, "through_batcher", [step("batched", {"IN": "IN"}, {"OUT": "OUT"})])
+    # BYTES through two identity steps (the identity backend round-trips any element exactly)
+    for name in ("echo_a", "echo_b"):
+        models.add_identity(repo, name, "BYTES")
+    add_ensemble(repo, "strings", [step("echo_a", {"IN": "IN"}, {"OUT": "middle"}),
+                                   step("echo_b", {"IN": "middle"}, {"OUT": "OUT"})],
+                 io='input [ { name: "IN" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+                    'output [ { name: "OUT" data_type: TYPE_STRING dims: [ -1 ] } ]')
     # Variable ensemble dims: a request whose shape the step refuses, or on which ONNX Runtime fails
     add_ensemble(repo, "wide_chain", [step("add1", {"IN": "IN"}, {"OUT": "OUT"})],
                  io='input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'

@@ -17,6 +17,8 @@ CONTROLS = """
     { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] } ] },
     { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
   ]"""
+PROCESSES = """
+parameters { key: "process_instances" value: { string_value: "true" } }"""
 STATE = """
   state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]"""
 
@@ -88,8 +90,9 @@ sequence_batching {{
 """)
 
 
-def add_torch_accumulator(repo: Path, name: str) -> None:
-    """TorchScript: forward(INPUT, START, STATE_IN) -> (OUTPUT, STATE_OUT), the running sum, reset at START."""
+def add_torch_accumulator(repo: Path, name: str, processes: bool = False) -> None:
+    """TorchScript: forward(INPUT, START, STATE_IN) -> (OUTPUT, STATE_OUT), the running sum, reset at START;
+    ``processes``: its instances are worker processes (process_instances)."""
     import torch
 
     class Accumulator(torch.nn.Module):
@@ -106,7 +109,7 @@ backend: "pytorch"
 max_batch_size: 4
 input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
 output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-instance_group [ {{ count: 2 kind: KIND_CPU }} ]
+instance_group [ {{ count: 2 kind: KIND_CPU }} ]{PROCESSES if processes else ""}
 sequence_batching {{
   oldest {{ max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }}
   control_input [ {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }} ]{STATE}

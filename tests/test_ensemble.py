@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 from tests import ensemble_models, models
 from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
+from tests.test_perf_analyzer import BINARY as PERF_ANALYZER
 
 pytest.importorskip("torch", reason="the chain's PyTorch step needs torch (installed by .ci/run)")
 
@@ -261,3 +264,77 @@ def test_poll_mode_unloads_the_ensemble_of_a_removed_model(tmp_path: Path, serve
         with pytest.raises(InferenceServerException) as caught:
             client.infer("plus_one", [_input(X)])
         assert caught.value.status() == "StatusCode.UNAVAILABLE"
+
+
+def test_a_sequence_runs_through_an_ensemble(tmp_path: Path, server_factory) -> None:
+    """The request's sequence parameters reach a sequence-batched step, whose state carries over between
+    the ensemble's requests; the ensemble counts that model's phases as its own."""
+    from tests import sequence_models
+
+    repo = tmp_path / "repo"
+    sequence_models.add_accumulator(repo, "accumulator")
+    ensemble_models.add_ensemble(repo, "running_sum", [
+        ensemble_models.step("accumulator", {"INPUT": "IN"}, {"OUTPUT": "OUT"})],
+        io='input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+           'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]')
+    with grpcclient.InferenceServerClient(server_factory(repo).url) as client:
+        sums = []
+        for index, value in enumerate((1.0, 2.0, 4.0)):
+            result = client.infer("running_sum", [_input(np.array([[value]], np.float32))], sequence_id=7,
+                                  sequence_start=index == 0, sequence_end=index == 2)
+            sums.append(float(result.as_numpy("OUT")[0, 0]))
+        assert sums == [1.0, 3.0, 7.0]
+        ensemble, step_model = _stats(client, "running_sum"), _stats(client, "accumulator")
+        assert _count(ensemble, "execution_count") == 3
+        assert _count(ensemble, "inference_stats", "compute_infer", "ns") == \
+            _count(step_model, "inference_stats", "compute_infer", "ns")
+
+
+@pytest.mark.skipif(not PERF_ANALYZER.exists(), reason=f"perf_analyzer not installed at {PERF_ANALYZER}: "
+                    "run bench/install_perf_analyzer.sh")
+def test_perf_analyzer_reads_the_ensemble_and_its_composing_models(tmp_path: Path, server_factory) -> None:
+    """perf_analyzer reads ensemble_scheduling from ModelConfig and each composing model's statistics."""
+    repo = models.repository(tmp_path, "mlp", "mlp_scale", "mlp_pipeline")
+    result = subprocess.run(
+        [str(PERF_ANALYZER), "-m", "mlp_pipeline", "-u", server_factory(repo).url, "-i", "grpc", "--input-data",
+         "zero", "--concurrency-range", "2", "-p", "500", "--max-trials", "4", "--stability-percentage", "1000"],
+        capture_output=True, text=True, timeout=180,  # a protocol check, not a speed test
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    composing = result.stdout[result.stdout.index("Composing models:"):]
+    assert "mlp, version: 1" in composing and "mlp_scale, version: 1" in composing
+    assert "Successful request count: 0" not in result.stdout
+
+
+def test_an_ensemble_over_http(served: Served) -> None:
+    """The REST endpoint reaches ensembles through the same core: JSON in, the chain's result out."""
+    body = {"inputs": [{"name": "IN", "shape": [1, 4], "datatype": "FP32", "data": [1.0, 2.0, 3.0, 4.0]}]}
+    request = urllib.request.Request(f"http://{served.server.http_url}/v2/models/chain/infer",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        answer = json.loads(response.read())
+    assert answer["model_name"] == "chain"
+    assert answer["outputs"][0]["data"] == [4.0, 6.0, 8.0, 10.0]
+
+
+def test_a_client_that_gives_up_cancels_the_steps(client: grpcclient.InferenceServerClient) -> None:
+    """Requests the client abandons (deadline 0.1 s, steps of 0.4 s) fail as the ensemble's, CANCELED; the
+    steps still queued at their models leave their queues; the ensemble serves on."""
+    failed = _count(_stats(client, "diamond"), "inference_stats", "fail", "count")
+    for _ in range(3):
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("diamond", [_input(X)], client_timeout=0.1)
+        assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    wait_until(lambda: _count(_stats(client, "diamond"), "inference_stats", "fail", "count") == failed + 3,
+               what="three cancelled ensemble requests")
+    wait_until(lambda: _count(_stats(client, "slow_a"), "inference_stats", "fail", "count") >= 1,
+               what="a queued step cancelled")
+    np.testing.assert_array_equal(client.infer("diamond", [_input(X)]).as_numpy("OUT"), 2 * X)
+
+
+def test_bytes_pass_between_steps(client: grpcclient.InferenceServerClient) -> None:
+    words = np.array([[b"ensemble", b"", "ünï".encode(), b"\x00\xff"]], dtype=object)
+    tensor = grpcclient.InferInput("IN", [1, 4], "BYTES")
+    tensor.set_data_from_numpy(words)
+    result = client.infer("strings", [tensor])
+    assert result.as_numpy("OUT").tolist() == words.tolist()

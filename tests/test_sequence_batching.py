@@ -31,6 +31,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     add_accumulator(repo, "acc_stats", max_batch_size=2)
     add_state_only(repo, "from_hundred", 100.0)
     add_torch_accumulator(repo, "torch_acc")
+    add_torch_accumulator(repo, "torch_acc_processes", processes=True)
     running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
     yield running
     assert running.stop() == 0, running.log()
@@ -55,7 +56,7 @@ def run_sequence(url: str, model: str, cid: int | str, values: list[float]) -> l
         return sums
 
 
-@pytest.mark.parametrize("model", ["acc_direct", "acc_oldest", "torch_acc"])
+@pytest.mark.parametrize("model", ["acc_direct", "acc_oldest", "torch_acc", "torch_acc_processes"])
 def test_interleaved_sequences_each_get_their_own_running_sum(server: RunningServer, model: str) -> None:
     steps = {cid: [float(cid * 10 + k) for k in range(12)] for cid in range(1, 13)}
     with ThreadPoolExecutor(len(steps)) as pool:

@@ -41,6 +41,7 @@ _BACKEND_MODULES = {
     "onnxruntime": "shoal.backends.onnxruntime",
     "identity": "shoal.backends.identity",
     "pytorch": "shoal.backends.pytorch",
+    "python": "shoal.backends.python",
 }
 # The backends whose module has ``share_weights`` and ``attach`` (process instances). Named here
 # so a refusal can list them without importing every framework; a test holds it to the modules.
@@ -144,6 +145,11 @@ class Backend:
     def shares_weights_with_processes(self) -> bool:
         """Whether worker processes can attach to one loaded copy's weights (process instances)."""
         return hasattr(self._module, "share_weights") and hasattr(self._module, "attach")
+
+    @property
+    def runs_own_instances(self) -> bool:
+        """Each instance loads the model itself and takes lists of requests (the Python backend)."""
+        return bool(getattr(self._module, "RUNS_OWN_INSTANCES", False))
 
     @property
     def worker_preload(self) -> tuple[str, ...]:

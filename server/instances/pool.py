@@ -88,6 +88,17 @@ class Instance:
         result: dict[str, np.ndarray] = await self.thread.submit(self.model.run, inputs, outputs)
         return result
 
+    @property
+    def takes_requests(self) -> bool:
+        """The model runs a batch as a list of requests (the Python backend), not one feed."""
+        return hasattr(self.model, "run_requests")
+
+    async def run_requests(self, requests: Sequence[Any]) -> list[Any]:
+        """The model's outcome per queued request: its outputs, or a ShoalError for it alone."""
+        run_requests = self.model.run_requests  # type: ignore[attr-defined]  # checked by takes_requests
+        result: list[Any] = await self.thread.submit(run_requests, requests)
+        return result
+
 
 class InstancePool:
     """The scheduler's ``Runner``: hands out free instances, first come, first served.
@@ -144,6 +155,12 @@ class Placement:
     count: int
 
 
+def instance_name(placement: Placement, index: int) -> str:
+    """The name of executor ``index`` of ``placement`` (what statistics and a Python model's args show)."""
+    device = placement.device
+    return f"{placement.group}_{index}" + ("" if device.kind == "cpu" else f"_gpu{device.index}")
+
+
 LoadCopy = Callable[[Device, int], LoadedModel]  # (device, threads for this copy) -> one loaded copy
 
 
@@ -172,7 +189,7 @@ def build_pool(model_name: str, placements: list[Placement], load: LoadCopy, sha
                     model = shared[device]
                 else:
                     model = load(device, threads)
-                name = f"{placement.group}_{index}" + ("" if device.kind == "cpu" else f"_gpu{device.index}")
+                name = instance_name(placement, index)
                 thread = InstanceThread(f"{model_name}:{name}")
                 instances.append(Instance(name, device, model, thread))
     except BaseException:

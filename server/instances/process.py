@@ -136,7 +136,11 @@ def _execute(model: Any, conn: Any, arenas: dict[str, Arena], slots: list[tensor
 
 def _worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
     """A worker process: the backend attaches the model to the server's weights, requests come from the pipe."""
-    model = backend_for(spec).attach(spec, model_path, device, handle, threads)
+    try:
+        model = backend_for(spec).attach(spec, model_path, device, handle, threads)
+    except Exception as exc:  # noqa: BLE001 - the load error names it
+        conn.send((FAILED, exc.message if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"))
+        return
     conn.send(READY)
     arenas: dict[str, Arena] = {}
     while True:
@@ -187,6 +191,9 @@ class ProcessModel:
     """
 
     weight_bytes = 0  # the weights belong to the server's shared copy, counted there
+    # What the worker process runs: (spec, model_path, device, handle, threads, conn). A subclass
+    # may run its own loop over the same pipe and arenas (shoal.instances.python_process).
+    worker_main = staticmethod(_worker)
 
     def __init__(self, spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int,
                  limits: WorkerLimits, preload: Sequence[str]) -> None:
@@ -199,7 +206,7 @@ class ProcessModel:
         # objects cross processes (importing torch makes shared tensors travel as their memory
         # segment or CUDA IPC handle, never by value): the same context torch.multiprocessing gives.
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload([*preload, __name__])
+        self._context.set_forkserver_preload([*preload, __name__, type(self).__module__])
         self._lock = threading.Lock()  # one conversation with the worker at a time
         self._closing = threading.Event()
         self._failure = ""  # why no worker is running; "" while one is
@@ -229,22 +236,25 @@ class ProcessModel:
     def _start(self) -> None:
         self._conn, child = self._context.Pipe()
         self._process = self._context.Process(
-            target=_worker, args=(self._spec, self._path, self._device, self._handle, self._threads, child),
+            target=type(self).worker_main,
+            args=(self._spec, self._path, self._device, self._handle, self._threads, child),
             daemon=True, name=f"shoal-{self._spec.name}-worker",
         )
         self._process.start()
         child.close()
         deadline = time.monotonic() + START_TIMEOUT_S
-        ready = False
+        reply: Any = None
         while time.monotonic() < deadline and self._process.is_alive() and not self._closing.is_set():
             try:
                 if self._conn.poll(0.05):
-                    ready = self._conn.recv() == READY
+                    reply = self._conn.recv()
                     break
             except (EOFError, OSError):
                 break
-        if not ready:
+        if reply != READY:
             self._kill()
+            if isinstance(reply, tuple) and reply[0] == FAILED:  # the worker said why (a model file's error)
+                raise ShoalError(ErrorCode.LOAD_FAILED, reply[1])
             raise ShoalError(ErrorCode.LOAD_FAILED, f"model '{self._spec.name}': a worker process did not start "
                                                     f"(exit code {self._process.exitcode})")
         for which in self._arenas:
@@ -345,24 +355,29 @@ class ProcessModel:
                     return self._conn.recv()
             except (EOFError, OSError):
                 pass
-            if not self._process.is_alive():
-                code = self._process.exitcode
-                if self._closing.is_set():
-                    raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{self._spec.name}' is unloading")
-                self._replace(f"died (exit code {code})")
-                raise ShoalError(
-                    ErrorCode.UNAVAILABLE,
-                    f"model '{self._spec.name}': the instance process running this request died "
-                    f"(exit code {code}); {'it has been restarted' if self.healthy else 'it could not be restarted'}",
-                )
-            if deadline is not None and time.monotonic() > deadline:
-                limit_ms = round(self._limits.execution_timeout_s * 1000)
-                self._replace(f"did not answer a request within execution_timeout_ms {limit_ms}")
-                raise ShoalError(
-                    ErrorCode.UNAVAILABLE,
-                    f"model '{self._spec.name}': the instance process did not answer within "
-                    f"{limit_ms} ms (execution_timeout_ms); it was killed and restarted",
-                )
+            self._check_running(deadline)
+
+    def _check_running(self, deadline: float | None) -> None:
+        """While a request waits: if the worker died or passed the execution timeout, replace it and
+        fail the request (UNAVAILABLE)."""
+        if not self._process.is_alive():
+            code = self._process.exitcode
+            if self._closing.is_set():
+                raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{self._spec.name}' is unloading")
+            self._replace(f"died (exit code {code})")
+            raise ShoalError(
+                ErrorCode.UNAVAILABLE,
+                f"model '{self._spec.name}': the instance process running this request died "
+                f"(exit code {code}); {'it has been restarted' if self.healthy else 'it could not be restarted'}",
+            )
+        if deadline is not None and time.monotonic() > deadline:
+            limit_ms = round(self._limits.execution_timeout_s * 1000)
+            self._replace(f"did not answer a request within execution_timeout_ms {limit_ms}")
+            raise ShoalError(
+                ErrorCode.UNAVAILABLE,
+                f"model '{self._spec.name}': the instance process did not answer within "
+                f"{limit_ms} ms (execution_timeout_ms); it was killed and restarted",
+            )
 
     # -- liveness -------------------------------------------------------------------------------------
 

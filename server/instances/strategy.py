@@ -28,6 +28,7 @@ from shoal.backends.devices import Device
 from shoal.errors import load_failed
 from shoal.instances.pool import InstancePool, Placement, build_pool
 from shoal.instances.process import WORKER_PARAMETERS, ProcessModel, WorkerLimits
+from shoal.instances.python import build_python_instances
 from shoal.repository.config import ModelSpec
 
 
@@ -35,6 +36,8 @@ class Strategy(enum.Enum):
     THREADS = "threads over one copy per device"
     COPIES = "a copy per executor"
     PROCESSES = "worker processes over one copy per device"
+    PYTHON_PROCESSES = "a Python model in a worker process per instance"
+    PYTHON_THREADS = "a Python model on a thread per instance"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ def _flag(spec: ModelSpec, key: str, default: bool) -> bool:
 
 def choose(spec: ModelSpec, backend: Backend) -> InstancePlan:
     """The strategy the spec's parameters ask for, refused where ``backend`` cannot provide it."""
+    if backend.runs_own_instances:  # the Python backend: a process per instance unless told otherwise
+        return _python_plan(spec)
     share = _flag(spec, "share_weights", True)
     processes = _flag(spec, "process_instances", False)
     if processes and not backend.shares_weights_with_processes:
@@ -71,16 +76,30 @@ def choose(spec: ModelSpec, backend: Backend) -> InstancePlan:
                           f"{' or '.join(PROCESS_INSTANCE_BACKENDS)} backend")
     if processes:
         return InstancePlan(Strategy.PROCESSES, WorkerLimits.from_spec(spec))
+    _refuse_worker_parameters(spec)
+    return InstancePlan(Strategy.THREADS if share else Strategy.COPIES)
+
+
+def _python_plan(spec: ModelSpec) -> InstancePlan:
+    if _flag(spec, "process_instances", True):
+        return InstancePlan(Strategy.PYTHON_PROCESSES, WorkerLimits.from_spec(spec))
+    _refuse_worker_parameters(spec)
+    return InstancePlan(Strategy.PYTHON_THREADS)
+
+
+def _refuse_worker_parameters(spec: ModelSpec) -> None:
     for key in WORKER_PARAMETERS:
         if key in spec.parameters:
             raise load_failed(f"model '{spec.name}': parameter {key} needs process_instances: true "
                               "(a worker process can be killed and restarted, a thread cannot)")
-    return InstancePlan(Strategy.THREADS if share else Strategy.COPIES)
 
 
 def build_instances(spec: ModelSpec, model_path: Path, placements: list[Placement], backend: Backend,
                     plan: InstancePlan) -> BuiltInstances:
     """Load the weights and start the executors ``plan`` calls for; on failure nothing stays loaded."""
+    if plan.strategy in (Strategy.PYTHON_PROCESSES, Strategy.PYTHON_THREADS):
+        pool = build_python_instances(spec, model_path, placements, plan.limits)
+        return BuiltInstances(pool, {}, plan.strategy, len(pool.instances))
     if plan.strategy is Strategy.PROCESSES:
         assert plan.limits is not None
         return _worker_processes(spec, model_path, placements, backend, plan.limits)

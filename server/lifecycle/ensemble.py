@@ -23,11 +23,12 @@ models as loaded now, with Triton's messages; the manager loads composing models
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from shoal.backends.devices import Device
 from shoal.errors import ErrorCode, ShoalError, invalid
@@ -56,6 +57,16 @@ class Registry(Protocol):
     def entry(self, name: str) -> ModelEntry: ...
 
     def resolve(self, name: str, version: str) -> ModelVersion: ...
+
+
+class Manager(Registry, Protocol):
+    """What ``Dependents`` needs of the model manager besides the registry."""
+
+    def names(self) -> list[str]: ...
+
+    async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None: ...
+
+    async def unload(self, name: str) -> None: ...
 
 
 class EnsembleVersion(ModelVersion):
@@ -114,6 +125,7 @@ class EnsembleVersion(ModelVersion):
         started_ns = time.monotonic_ns()
         try:
             await self._run(self._plan(prepared.outputs), pool, request)
+            outputs = tensors.finish(self.spec, prepared, {name: pool[name].data for name in prepared.outputs})
         except ShoalError as exc:
             reason = FailureReason.OTHER if exc.code is ErrorCode.INVALID_ARGUMENT else FailureReason.BACKEND
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, reason)
@@ -127,7 +139,6 @@ class EnsembleVersion(ModelVersion):
             raise ShoalError(ErrorCode.INTERNAL, f"in ensemble '{self.spec.name}', {exc}") from exc
         finally:
             ALSO_COUNT_PHASES.reset(token)
-        outputs = tensors.finish(self.spec, prepared, {name: pool[name].data for name in prepared.outputs})
         phases = steps_phases.phases()
         self.statistics.record_execution(max(1, prepared.batch_size), phases)
         self.statistics.record_success(time.monotonic_ns() - arrival_ns, started_ns - arrival_ns, phases)
@@ -178,8 +189,11 @@ class EnsembleVersion(ModelVersion):
                 ready = []
                 failure: BaseException | None = None
                 for task in done:
-                    del running[task]
-                    if task.exception() is not None:
+                    step = steps[running.pop(task)]
+                    if task.cancelled():  # by its model (stopping), not by this request
+                        failure = failure or ShoalError(ErrorCode.UNAVAILABLE,
+                                                        f"the step of model '{step.model_name}' was cancelled")
+                    elif task.exception() is not None:
                         failure = failure or task.exception()
                     else:
                         ready += _arrived(task.result(), pool, waiting)
@@ -304,3 +318,83 @@ def _not_loaded(ensemble: str, step: EnsembleStep, registry: Registry) -> str:
     why = entry.reason if entry is not None else ""
     tail = f" Model '{model}' loading failed with error: {why}" if why else ""
     return f"ensemble '{ensemble}' depends on '{model}' which has no loaded version.{tail}"
+
+
+# -- the manager's side: ensembles follow the models they use ---------------------------------------
+
+# The ensembles whose composing models this task is loading now (an ensemble loads them first).
+_LOADING_FOR: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("loading_for", default=())
+
+
+class Dependents:
+    """As much of Triton's dependency graph (core model_repository_manager.cc) as ensembles need: an
+    ensemble loads after the models it uses; unloading one of them, or reloading it with a config the
+    steps no longer fit, unloads the ensemble; it loads again once its steps fit."""
+
+    def __init__(self, manager: Manager) -> None:
+        self._manager = manager
+        self._dormant: set[str] = set()  # ensembles unloaded with a model they use
+
+    async def load_composing(self, name: str, config: config_pb2.ModelConfig | None) -> None:
+        """Before ``name`` loads: load the models it uses (if it is an ensemble) that have no ready
+        version, in every control mode, as Triton does. A model already on the way (a cycle) is left
+        to the ensemble's own check, which names the cycle."""
+        chain = _LOADING_FOR.get()
+        models = composing_models(self._manager.repository, name, config)
+        token = _LOADING_FOR.set((*chain, name))
+        try:
+            for model in models:
+                if model == name or model in chain or self._ready(model):
+                    continue
+                if not in_repository(self._manager.repository, model):
+                    continue  # the ensemble's check names it
+                try:
+                    await self._manager.load(model)
+                except ShoalError as exc:
+                    logger.error("model %s (used by ensemble %s): %s", model, name, exc.message)
+        finally:
+            _LOADING_FOR.reset(token)
+
+    async def retire(self, name: str, only_unfit: bool = False) -> None:
+        """``name`` was unloaded (or, ``only_unfit``, reloaded): unload the READY ensembles that use it
+        (that no longer fit it) and keep them to ``wake``."""
+        for ensemble_name in self._manager.names():
+            try:
+                entry = self._manager.entry(ensemble_name)
+            except ShoalError:  # gone meanwhile (poll mode)
+                continue
+            spec = entry.spec
+            if spec is None or spec.ensemble is None or name not in spec.ensemble.composing_models \
+                    or entry.state is not ModelState.READY:
+                continue
+            reason = unfit(spec, self._manager) if only_unfit else f"model {name}, which it uses, was unloaded"
+            if reason:
+                logger.warning("ensemble %s: unloaded: %s", ensemble_name, reason)
+                await self._manager.unload(ensemble_name)
+                self._dormant.add(ensemble_name)
+
+    async def wake(self) -> None:
+        """Load again the ensembles ``retire`` unloaded whose steps fit their models now."""
+        for name in sorted(self._dormant):
+            try:
+                spec = self._manager.entry(name).spec
+            except ShoalError:  # its folder was removed meanwhile
+                spec = None
+            if spec is None or spec.ensemble is None:
+                self._dormant.discard(name)
+            elif not unfit(spec, self._manager):
+                self._dormant.discard(name)
+                try:
+                    await self._manager.load(name)
+                except ShoalError as exc:
+                    logger.error("ensemble %s: %s", name, exc.message)
+
+    def forget(self, name: str) -> None:
+        """``name`` was unloaded on purpose: it stays unloaded."""
+        self._dormant.discard(name)
+
+    def _ready(self, name: str) -> bool:
+        try:
+            return bool(self._manager.entry(name).ready_versions())
+        except ShoalError:
+            return False

@@ -26,6 +26,7 @@ unloaded, replaced by a reload, stopped at shutdown or refused by a budget after
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import logging
 import re
@@ -43,14 +44,13 @@ from shoal.lifecycle.model import ModelVersion, placements
 from shoal.lifecycle.state import UNLOADED, IndexEntry, ModelEntry, ModelState, VersionEntry
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec, VersionPolicy
+from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
 
 CONTROL_MODES = ("none", "poll", "explicit")
 # A requested version: ASCII digits only ('²' is a digit to str.isdigit, not to int).
 _VERSION = re.compile(r"^[0-9]{1,18}$")
-# The ensembles whose composing models this task is loading now (an ensemble loads them first).
-_LOADING_FOR: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("loading_for", default=())
 
 __all__ = ["CONTROL_MODES", "IndexEntry", "ModelEntry", "ModelManager", "release"]
 
@@ -86,8 +86,8 @@ class ModelManager:
         self._ledger = MemoryLedger(self.memory_budgets, self.memory_in_use)
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        # Ensembles unloaded because a model they use was: loaded again once all their models are.
-        self._dormant_ensembles: set[str] = set()
+        self._dependents = ensemble.Dependents(self)  # ensembles follow the models they use
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- loading -------------------------------------------------------------------------------------
 
@@ -107,12 +107,13 @@ class ModelManager:
 
     async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None:
         """Load or reload ``name``; ``config_override`` is a ModelConfig as a JSON object (RepositoryModelLoad)."""
+        self._loop = asyncio.get_running_loop()  # where BLS requests from models run (host_infer)
         folder = scanner.model_dir(self.repository, name)
         if not folder.is_dir():
             raise ShoalError(ErrorCode.UNAVAILABLE,
                              f"failed to load '{shown(name)}': no such model folder in the repository")
         override = ConfigOverride.parse(name, config_override) if config_override is not None else None
-        await self._load_composing(name, override)
+        await self._dependents.load_composing(name, override.config if override else None)
         async with self._locks.setdefault(name, asyncio.Lock()):
             old = self._models.get(name)
             entry = ModelEntry(name)
@@ -145,8 +146,8 @@ class ModelManager:
             self._changed()
             if old is not None:
                 await self._retire(old, keep=kept)
-        await self._retire_dependents(name, only_unfit=True)
-        await self._wake_dependents()
+        await self._dependents.retire(name, only_unfit=True)
+        await self._dependents.wake()
 
     async def unload(self, name: str) -> None:
         """Stop routing to ``name``, let its queued and running requests finish, free the weights."""
@@ -160,8 +161,8 @@ class ModelManager:
             self._changed()
             await self._retire(entry)
             self._changed()
-        self._dormant_ensembles.discard(name)
-        await self._retire_dependents(name)
+        self._dependents.forget(name)
+        await self._dependents.retire(name)
 
     def memory_in_use(self) -> dict[str, int]:
         """Bytes the loaded versions hold, per device (also read from load threads: copies first)."""
@@ -206,6 +207,8 @@ class ModelManager:
                     versions[version] = unchanged[version]
                     continue
                 loaded = self._load_within_budget(spec, folder, version, budget)
+                if loaded.served is not None:  # Python models call other models through the host (BLS)
+                    loaded.served.bind_host(self.host_infer)
                 loaded.reason = scanner.without_repository_path(self.repository, loaded.reason)
                 versions[version] = loaded
         except BaseException:
@@ -253,57 +256,6 @@ class ModelManager:
         entry.transition(ModelState.UNAVAILABLE, UNLOADED)
         logger.info("model %s: drained and unloaded", entry.name)
 
-    # -- ensembles and the models they use (Triton's dependency graph) ------------------------------
-
-    async def _load_composing(self, name: str, override: ConfigOverride | None) -> None:
-        """An ensemble loads after the models it uses: load those without a ready version first (as
-        Triton does, in every control mode). A model already on the way (a cycle) is left to the
-        ensemble's own check, which names the cycle."""
-        chain = _LOADING_FOR.get()
-        models = ensemble.composing_models(self.repository, name, override.config if override else None)
-        token = _LOADING_FOR.set((*chain, name))
-        try:
-            for model in models:
-                loaded = self._models.get(model)
-                if model == name or model in chain or (loaded is not None and loaded.ready_versions()):
-                    continue
-                if not ensemble.in_repository(self.repository, model):
-                    continue  # the ensemble's check names it
-                try:
-                    await self.load(model)
-                except ShoalError as exc:
-                    logger.error("model %s (used by ensemble %s): %s", model, name, exc.message)
-        finally:
-            _LOADING_FOR.reset(token)
-
-    async def _retire_dependents(self, name: str, only_unfit: bool = False) -> None:
-        """Unloading a model unloads the ensembles that use it; reloading it unloads those whose steps
-        no longer fit it (``only_unfit``), as Triton does. They load again once they fit
-        (``_wake_dependents``)."""
-        for model in list(self._models.values()):
-            spec = model.spec
-            if spec is None or spec.ensemble is None or name not in spec.ensemble.composing_models \
-                    or model.state is not ModelState.READY:
-                continue
-            reason = ensemble.unfit(spec, self) if only_unfit else f"model {name}, which it uses, was unloaded"
-            if reason:
-                logger.warning("ensemble %s: unloaded: %s", model.name, reason)
-                await self.unload(model.name)
-                self._dormant_ensembles.add(model.name)
-
-    async def _wake_dependents(self) -> None:
-        """Load again the ensembles ``_retire_dependents`` unloaded whose steps fit their models now."""
-        for name in sorted(self._dormant_ensembles):
-            entry = self._models.get(name)
-            if entry is None or entry.spec is None or entry.spec.ensemble is None:
-                self._dormant_ensembles.discard(name)
-            elif not ensemble.unfit(entry.spec, self):
-                self._dormant_ensembles.discard(name)
-                try:
-                    await self.load(name)
-                except ShoalError as exc:
-                    logger.error("ensemble %s: %s", name, exc.message)
-
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
@@ -329,7 +281,7 @@ class ModelManager:
                 if entry is not None and entry.versions:
                     logger.info("model %s: folder removed, unloading", name)
                     await self._retire(entry)
-            await self._retire_dependents(name)
+            await self._dependents.retire(name)
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
@@ -342,6 +294,17 @@ class ModelManager:
                 logger.exception("repository poll failed")
 
     # -- queries -------------------------------------------------------------------------------------
+
+    def host_infer(self, request: InferRequest) -> concurrent.futures.Future[InferResponse]:
+        """A model's request to another model of this server (BLS), from any thread: it runs on the
+        serving loop through the target version's scheduler and statistics, as a client's would."""
+        if self._loop is None or self._loop.is_closed():
+            raise ShoalError(ErrorCode.UNAVAILABLE, "the server is not serving")
+
+        async def infer() -> InferResponse:
+            return await self.resolve(request.model_name, request.model_version).infer(request)
+
+        return asyncio.run_coroutine_threadsafe(infer(), self._loop)
 
     def entry(self, name: str) -> ModelEntry:
         model = self._models.get(name)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from shoal.backends.base import Backend, backend_for, backend_gpu_available
 from shoal.backends.devices import CPU, Device, cuda_device_count
@@ -106,6 +108,13 @@ class ModelVersion:
         )
         return cls(spec, version, built.pool, built.memory_bytes, backend)
 
+    def bind_host(self, host: Callable[[InferRequest], Any]) -> None:
+        """Give the instances that call other models (Python models' BLS) the host's entry point."""
+        for model in self.pool.models():
+            bind = getattr(model, "bind_host", None)
+            if bind is not None:
+                bind(host)
+
     @property
     def queued(self) -> int:
         """Requests waiting for an executor."""
@@ -125,6 +134,8 @@ class ModelVersion:
         feed = tensors.zeros_feed(spec)
         outputs = list(spec.output_names)
         for model in self.pool.models():
+            if hasattr(model, "run_requests"):  # a Python model: Triton runs no execute before a request
+                continue
             model.run(feed, outputs)
 
     async def infer(self, request: InferRequest) -> InferResponse:
@@ -137,9 +148,14 @@ class ModelVersion:
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
             raise
         try:
-            results = await self.scheduler.submit(
-                prepared.feed, prepared.outputs, prepared.batch_size, request.parameters
-            )
+            if isinstance(self.scheduler, Scheduler):  # it hands the request on to executors that take requests
+                results = await self.scheduler.submit(
+                    prepared.feed, prepared.outputs, prepared.batch_size, request.parameters, context=request
+                )
+            else:
+                results = await self.scheduler.submit(
+                    prepared.feed, prepared.outputs, prepared.batch_size, request.parameters
+                )
         except ShoalError:
             raise
         except Exception as exc:  # logged once per batch by the scheduler

@@ -31,7 +31,7 @@ from shoal.repository.scanner import checked_path
 # platform string → backend name, as Triton's auto-complete of backend fields.
 PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch"}
 BACKEND_PLATFORMS = {backend: platform for platform, backend in PLATFORM_BACKENDS.items()}
-DEFAULT_MODEL_FILENAMES = {"onnxruntime": "model.onnx", "pytorch": "model.pt"}
+DEFAULT_MODEL_FILENAMES = {"onnxruntime": "model.onnx", "pytorch": "model.pt", "python": "model.py"}
 # Triton gives CPU instance groups of these backends two instances by default.
 DEFAULT_CPU_INSTANCE_COUNT = {"onnxruntime": 2}
 # The batcher keeps two queues per priority level and walks them per batch; Triton sets no bound, but a

@@ -56,6 +56,7 @@ from shoal.repository.config import DynamicBatching, QueuePolicy
 from shoal.scheduling.base import Executor, Runner
 from shoal.scheduling.batching import gather, scatter
 from shoal.scheduling.clock import deadline_clock
+from shoal.scheduling.requests import execute_each, takes_requests
 from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases, PhaseTotals
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class Pending:
     sequence: int
     future: asyncio.Future[Outputs] = field(repr=False)
     delayed: bool = False
+    context: Any = None  # the core request it came from, for executors that take requests (requests.py)
     also_count: PhaseTotals | None = None  # the caller's aggregator (an ensemble's), if it set one
 
 
@@ -119,7 +121,8 @@ class Scheduler:
     # -- submission ---------------------------------------------------------------------------------
 
     async def submit(
-        self, feed: Mapping[str, np.ndarray], outputs: Sequence[str], batch_size: int, parameters: Mapping[str, Any]
+        self, feed: Mapping[str, np.ndarray], outputs: Sequence[str], batch_size: int, parameters: Mapping[str, Any],
+        context: Any = None,
     ) -> Outputs:
         """Queue one request and wait for its own rows of the outputs."""
         if self._stopping:
@@ -148,6 +151,7 @@ class Scheduler:
             delay_on_timeout=policy.delay_on_timeout,
             sequence=next(self._sequence),
             future=asyncio.get_running_loop().create_future(),
+            context=context,
             also_count=ALSO_COUNT_PHASES.get(),
         )
         self._queue(level)[pending.sequence] = pending
@@ -330,6 +334,9 @@ class Scheduler:
             self.statistics.executing -= len(batch)
 
     async def _execute_batch(self, executor: Executor, batch: list[Pending]) -> None:
+        if takes_requests(executor):  # a list of requests, not one concatenated feed
+            await execute_each(executor, batch, self.statistics, lambda: self.runner.release(executor), self._settle)
+            return
         start = time.monotonic_ns()
         try:
             outputs = list(dict.fromkeys(name for pending in batch for name in pending.outputs))

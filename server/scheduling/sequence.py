@@ -14,7 +14,10 @@ the oldest strategy's ``max_candidate_sequences``. A request carries its correla
   request has run. A START for a sequence already running continues in its slot (Triton logs the
   conflict and the implicit state starts over).
 - a sequence that sent nothing for ``max_sequence_idle_microseconds`` loses its slot (after what it
-  queued has run); its next request fails as one that never started.
+  queued has run); its next request fails as one that never started. It is released only if it is
+  still idle ``IDLE_GRACE_NS`` after it was first found so: in one perf_analyzer run the event loop
+  sat for a second until this timer woke it, with the sequences' next requests already sent, and
+  released them all (not seen again since; the cause is not known).
 
 The lanes (``sequence_lanes.py``) run each instance's slots: ``direct`` batches slot *i* into batch
 row *i* (empty slots are "null" rows, READY false) and runs one batch at a time per instance;
@@ -46,6 +49,7 @@ from shoal.statistics import FailureReason, ModelStatistics
 logger = logging.getLogger(__name__)
 
 UINT64_MASK = 2**64 - 1
+IDLE_GRACE_NS = 50_000_000  # an idle sequence is released when it is still idle this long after it was found so
 
 
 class InstanceRunner(Protocol):
@@ -78,6 +82,7 @@ class SequenceScheduler:
         self._free: list[tuple[int, int]] = []  # (slot index, lane): the lowest index first
         self._slots: list[list[Slot]] = []
         self._last_seen: dict[CorrelationId, int] = {}
+        self._suspects: set[CorrelationId] = set()  # found idle once; released if still idle a grace period later
         self._lanes: list[Any] = []
         self._reaper: asyncio.TimerHandle | None = None
         self._reaper_at_ns: int | None = None
@@ -144,6 +149,8 @@ class SequenceScheduler:
         cid = flags.correlation_id
         if flags.start or cid in self._active or cid in self._backlogged:
             return
+        logger.debug("model %s: request for sequence %s without START, which holds no slot (%d sequences active, "
+                     "%d backlogged)", self.model_name, cid, len(self._active), len(self._backlogged))
         raise invalid(f"inference request for sequence {cid} to model '{self.model_name}' must specify the START "
                       "flag on the first request of the sequence")
 
@@ -152,6 +159,7 @@ class SequenceScheduler:
         cid = request.correlation_id
         now = request.arrival_ns
         self._last_seen[cid] = now
+        self._suspects.discard(cid)
         self._arm_reaper(now + self.batching.max_sequence_idle_us * 1000)
         if request.start and (cid in self._active or cid in self._backlogged):
             logger.warning("sequence %s for model '%s' has a conflict. The previous sequence did not end before this "
@@ -172,6 +180,7 @@ class SequenceScheduler:
             slot.correlation_id = cid
             if not request.end:
                 self._active[cid] = slot
+            logger.debug("model %s: sequence %s takes slot %d of instance %d", self.model_name, cid, index, lane)
             self._enqueue(slot, request)
         else:
             backlog = Backlog(cid, deque([request]), deadline)
@@ -250,9 +259,20 @@ class SequenceScheduler:
             if now - seen < idle_ns:
                 next_at = min(next_at or seen + idle_ns, seen + idle_ns)
                 continue
-            if cid in self._active:
+            if cid in self._active and cid not in self._suspects:
+                # Found idle: confirmed one grace period later, after the event loop has read what reached the
+                # server meanwhile (perf_analyzer lost sequences to a loop that woke only for this timer).
+                self._suspects.add(cid)
+                slot = self._active[cid]
+                if any(item is not RELEASE for item in slot.queue):
+                    logger.warning("model %s: sequence %s looks idle but has requests queued in its slot",
+                                   self.model_name, cid)
+                self._lanes[slot.lane].wake(slot)
+                next_at = min(next_at or now + IDLE_GRACE_NS, now + IDLE_GRACE_NS)
+            elif cid in self._active:
                 logger.debug("model %s: sequence %s idle for %d µs, its slot is released", self.model_name, cid,
                              self.batching.max_sequence_idle_us)
+                self._suspects.discard(cid)
                 self._enqueue(self._active.pop(cid), RELEASE)
                 del self._last_seen[cid]
             elif cid in self._backlogged:  # waits for a slot: looked at again later (Triton: 50 ms)

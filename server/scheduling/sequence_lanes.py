@@ -224,6 +224,8 @@ class DirectLane:
         owner.statistics.record_execution(len(rows), phases, inferences=len(parts))
         for slot, request, part in parts:
             owner.statistics.record_success(done - request.arrival_ns, start - request.arrival_ns, phases)
+            if request.also_count is not None:
+                request.also_count.add(phases)
             if not request.future.done():
                 request.future.set_result(part)
             if request.end:

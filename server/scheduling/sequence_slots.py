@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shoal.statistics import ALSO_COUNT_PHASES, PhaseTotals
+
 Outputs = dict[str, np.ndarray]
 CorrelationId = int | str
 
@@ -25,6 +27,8 @@ class SequenceRequest:
     arrival_ns: int
     future: asyncio.Future[Outputs] = field(repr=False)
     signature: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # The caller's aggregator (an ensemble's: statistics.ALSO_COUNT_PHASES), taken as the request is made.
+    also_count: PhaseTotals | None = field(default_factory=ALSO_COUNT_PHASES.get)
 
 
 # A slot's queue holds requests, and ``RELEASE`` where the reaper ended an idle sequence.

@@ -1,0 +1,73 @@
+"""Triton's Python backend: ``backend: "python"`` and a ``model.py`` defining ``TritonPythonModel``.
+
+The model author's API is Triton's, unchanged (``pb_utils``, the module models import as
+``triton_python_backend_utils``); ``runner`` runs a model, ``autocomplete`` its
+``auto_complete_config``, ``bls`` its calls to other models. Each instance runs in its own worker
+process by default (``shoal.instances.python_process``, like Triton's stub processes), or, with
+the parameter ``process_instances: false``, on an instance thread in the server
+(``ThreadInstance``), for models that release the GIL or must share the server's memory.
+
+Unlike the other backends there are no weights to load once and share: every instance imports
+the model file and calls ``initialize`` itself, so the instance strategy builds these instances
+itself (``RUNS_OWN_INSTANCES``) and the scheduler hands them lists of requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shoal.backends.devices import Device
+from shoal.backends.python import bls, pb_utils, runner
+from shoal.errors import ErrorCode, ShoalError, load_failed
+from shoal.repository.config import ModelSpec
+
+RUNS_OWN_INSTANCES = True  # read by Backend.runs_own_instances
+DEFAULT_PROCESS_INSTANCES = True  # an instance is a process unless the config says otherwise
+
+
+def gpu_available() -> bool:
+    """KIND_AUTO resolves to the CPU: a Python model's tensors are numpy arrays in host memory."""
+    return False
+
+
+def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> ThreadInstance:
+    """One in-process instance (the strategy names instances itself and calls ``ThreadInstance``)."""
+    return ThreadInstance(spec, model_path, device, f"{spec.name}_0", version_of(model_path))
+
+
+def version_of(model_file: Path) -> int:
+    return int(model_file.parent.name)
+
+
+class ThreadInstance:
+    """A Python model instance on an instance thread of the server (``process_instances: false``)."""
+
+    weight_bytes = 0
+
+    def __init__(self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int) -> None:
+        self._link = bls.ThreadLink(None)
+        pb_utils.set_host_link(self._link)
+        args = runner.model_args(spec.config_json, model_file, instance_name, device.kind.upper(), device.index,
+                                 version)
+        try:
+            self._runner = runner.ModelRunner(spec.config_json, model_file, args)
+        except Exception as exc:  # noqa: BLE001 - the load error, with Triton's wording
+            raise load_failed(runner.describe_error(exc).rstrip()) from None
+
+    def bind_host(self, host: bls.HostInfer) -> None:
+        self._link.host = host
+
+    def run_requests(self, batch: Sequence[Any]) -> list[dict[str, np.ndarray] | ShoalError]:
+        pb_utils.set_host_link(self._link)  # every thread instance of a server holds the same host
+        items = [runner.request_data(pending.feed, pending.outputs, pending.context) for pending in batch]
+        return [outcome.result() for outcome in self._runner.execute(items)]
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        raise ShoalError(ErrorCode.UNSUPPORTED, "a Python model runs lists of requests (run_requests)")
+
+    def close(self) -> None:
+        self._runner.finalize()

@@ -1,0 +1,113 @@
+"""BLS: a Python model's ``InferenceRequest(...).exec()`` served by the same server's core.
+
+A call becomes a ``BlsCall`` (plain, picklable: it crosses the instance's pipe in process mode),
+then the core's ``InferRequest``; the host runs it through the target model's own version, so
+its scheduler, batching and statistics apply as to any client's request (never through gRPC).
+The lifecycle passes the host's entry point down as a ``HostInfer``: a callable that starts the
+request on the server's event loop and returns a ``concurrent.futures.Future``, so it can be
+called from an instance thread and never runs a model on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shoal.backends.python import pb_utils
+from shoal.errors import ShoalError
+from shoal.protocol.types import DataType
+from shoal.types import InferRequest, InferResponse, Tensor
+
+HostInfer = Callable[[InferRequest], "concurrent.futures.Future[InferResponse]"]
+
+
+@dataclass(frozen=True)
+class BlsCall:
+    model_name: str
+    model_version: str  # "": the newest ready version
+    request_id: str
+    inputs: Mapping[str, np.ndarray]
+    requested: tuple[str, ...]
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BlsResult:
+    outputs: Mapping[str, np.ndarray] | None = None
+    error: str = ""
+
+
+def call_of(request: pb_utils.InferenceRequest) -> BlsCall:
+    version = request.model_version()
+    parameters = json.loads(request.parameters() or "{}")
+    if request.timeout():
+        parameters.setdefault("timeout", int(request.timeout()))
+    return BlsCall(request.model_name(), "" if version < 0 else str(version), request.request_id(),
+                   {tensor.name(): tensor.as_numpy() for tensor in request.inputs()},
+                   tuple(request.requested_output_names()), parameters)
+
+
+def core_request(call: BlsCall) -> InferRequest:
+    tensors = []
+    for name, data in call.inputs.items():
+        array = np.asarray(data)
+        tensors.append(Tensor(name, DataType.from_numpy(array.dtype), tuple(array.shape), array))
+    return InferRequest(model_name=call.model_name, model_version=call.model_version, id=call.request_id,
+                        inputs=tuple(tensors), requested_outputs=call.requested or None,
+                        parameters=dict(call.parameters))
+
+
+def result_of(future: concurrent.futures.Future[InferResponse]) -> BlsResult:
+    """The finished future's outputs, or its error's message (a ShoalError's own text)."""
+    try:
+        response = future.result()
+    except ShoalError as exc:
+        return BlsResult(error=exc.message)
+    except Exception as exc:  # noqa: BLE001 - the calling model sees it as response.error()
+        return BlsResult(error=f"{type(exc).__name__}: {exc}")
+    return BlsResult({tensor.name: tensor.data for tensor in response.outputs})
+
+
+def response_of(result: BlsResult) -> pb_utils.InferenceResponse:
+    if result.outputs is None:
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(result.error))
+    return pb_utils.InferenceResponse([pb_utils.Tensor(name, data) for name, data in result.outputs.items()])
+
+
+def start(host: HostInfer | None, call: BlsCall) -> concurrent.futures.Future[InferResponse]:
+    """Hand ``call`` to the host; a failed future when the model is not served by a server."""
+    if host is not None:
+        try:
+            return host(core_request(call))
+        except Exception as exc:  # noqa: BLE001 - e.g. a datatype numpy has and Triton has not
+            failed: concurrent.futures.Future[InferResponse] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            return failed
+    failed = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("BLS needs the model to be served by a Shoal server"))
+    return failed
+
+
+class ThreadLink:
+    """In thread mode: BLS calls go straight to the host from the instance thread."""
+
+    def __init__(self, host: HostInfer | None) -> None:
+        self.host = host
+
+    def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        return response_of(result_of(start(self.host, call_of(request))))
+
+    def infer_async(self, request: pb_utils.InferenceRequest) -> Awaitable[pb_utils.InferenceResponse]:
+        future = start(self.host, call_of(request))
+
+        async def wait() -> pb_utils.InferenceResponse:
+            await asyncio.wait([asyncio.wrap_future(future)])  # a failure is read below, not raised
+            return response_of(result_of(future))
+
+        return wait()

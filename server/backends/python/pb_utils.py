@@ -1,0 +1,340 @@
+"""``triton_python_backend_utils``: the module Triton's Python models import as ``pb_utils``.
+
+The same names and behaviour model authors use with Triton's Python backend (its README and
+``src/resources/triton_python_backend_utils.py``), written for Shoal: tensors are numpy arrays
+in the model's process, requests and responses are plain objects, and a BLS request
+(``InferenceRequest(...).exec()``) goes to the host through the link the runner installs
+(``set_host_link``): a direct call in thread mode, the instance's pipe in process mode.
+``shoal.backends.python.runner`` registers this module under the name
+``triton_python_backend_utils`` before a model file is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from shoal.protocol.types import DataType
+
+logger = logging.getLogger("triton_python_backend_utils")
+
+# Response sender flags and request flags, Triton's values.
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+# TRITONSERVER_DataType values, in Triton's order.
+TRITONSERVER_TYPE_INVALID = 0
+_TYPE_ORDER = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+               "FP16", "FP32", "FP64", "BYTES", "BF16")
+TRITONSERVER_TYPE_BOOL, TRITONSERVER_TYPE_UINT8, TRITONSERVER_TYPE_UINT16, TRITONSERVER_TYPE_UINT32 = 1, 2, 3, 4
+TRITONSERVER_TYPE_UINT64, TRITONSERVER_TYPE_INT8, TRITONSERVER_TYPE_INT16, TRITONSERVER_TYPE_INT32 = 5, 6, 7, 8
+TRITONSERVER_TYPE_INT64, TRITONSERVER_TYPE_FP16, TRITONSERVER_TYPE_FP32, TRITONSERVER_TYPE_FP64 = 9, 10, 11, 12
+TRITONSERVER_TYPE_BYTES, TRITONSERVER_TYPE_BF16 = 13, 14
+_BY_CODE = {code: DataType(name) for code, name in enumerate(_TYPE_ORDER, start=1)}
+
+
+def triton_string_to_numpy(triton_type_string: str) -> Any:
+    """``TYPE_FP32`` (a config's spelling) → ``numpy.float32``; ``TYPE_STRING`` → ``numpy.object_``."""
+    return DataType.from_config_name(triton_type_string).numpy_dtype.type
+
+
+def triton_to_numpy_type(data_type: int) -> Any:
+    """A TRITONSERVER_TYPE_* code → the numpy type (BYTES: ``numpy.object_``)."""
+    datatype = _BY_CODE.get(data_type)
+    return None if datatype is None else datatype.numpy_dtype.type
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    """A numpy type → its TRITONSERVER_TYPE_* code (``numpy.object_`` and ``bytes_``: BYTES)."""
+    try:
+        name = DataType.from_numpy(np.dtype(data_type)).value
+    except (TypeError, ValueError):
+        return None
+    return _TYPE_ORDER.index(name) + 1
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray:
+    """BYTES elements as Triton lays them out: each a 4-byte little-endian length, then the bytes."""
+    parts = []
+    for item in np.asarray(input_tensor).flatten(order="C"):
+        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+        parts.append(len(data).to_bytes(4, "little") + data)
+    return np.frombuffer(b"".join(parts), dtype=np.uint8)
+
+
+def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
+    """The inverse of ``serialize_byte_tensor``: an object array of ``bytes``."""
+    data, items, offset = bytes(encoded_tensor), [], 0
+    while offset < len(data):
+        length = int.from_bytes(data[offset:offset + 4], "little")
+        items.append(data[offset + 4:offset + 4 + length])
+        offset += 4 + length
+    return np.array(items, dtype=np.object_)
+
+
+class TritonError:
+    """An error a model returns in a response (``InferenceResponse(error=TritonError(...))``)."""
+
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        self._message, self._code = str(message), code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r})"
+
+
+class TritonModelException(Exception):
+    """What a model raises (and what a failed BLS ``exec`` may raise) in Triton's API."""
+
+    def message(self) -> str:
+        return str(self)
+
+
+class Tensor:
+    """A named tensor: numpy data on the CPU."""
+
+    def __init__(self, name: str, data: Any, dtype: Any = None) -> None:
+        array = np.asarray(data) if dtype is None else np.asarray(data, dtype=dtype)
+        if array.dtype.kind in "SU":  # Triton keeps strings as BYTES objects
+            array = array.astype(np.object_)
+        self._name, self._data = name, array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._data
+
+    def shape(self) -> list[int]:
+        return list(self._data.shape)
+
+    def triton_dtype(self) -> int | None:
+        return numpy_to_triton_type(self._data.dtype)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self) -> Any:
+        """A DLPack capsule of the data (numeric tensors only, as in Triton)."""
+        return self._data.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name: str, capsule: Any) -> Tensor:
+        """A tensor over any DLPack producer (a torch tensor, a numpy array) or capsule; CPU memory only."""
+        producer = capsule if hasattr(capsule, "__dlpack__") else _Capsule(capsule)
+        return Tensor(name, np.from_dlpack(producer))
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, shape={self.shape()}, dtype={self._data.dtype})"
+
+
+class _Capsule:
+    """Wraps a bare DLPack capsule so numpy's ``from_dlpack`` accepts it."""
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
+
+
+def get_input_tensor_by_name(inference_request: Any, name: str) -> Tensor | None:
+    for tensor in inference_request.inputs():
+        if tensor.name() == name:
+            return tensor  # type: ignore[no-any-return]
+    return None
+
+
+def get_output_tensor_by_name(inference_response: Any, name: str) -> Tensor | None:
+    for tensor in inference_response.output_tensors():
+        if tensor.name() == name:
+            return tensor  # type: ignore[no-any-return]
+    return None
+
+
+def get_input_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((item for item in model_config.get("input", ()) if item.get("name") == name), None)
+
+
+def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((item for item in model_config.get("output", ()) if item.get("name") == name), None)
+
+
+class InferenceResponse:
+    """One response: output tensors, or an error."""
+
+    def __init__(self, output_tensors: Sequence[Tensor] | None = None, error: TritonError | None = None,
+                 parameters: dict[str, Any] | str | None = None) -> None:
+        self._outputs = list(output_tensors or ())
+        self._error = error
+        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+class HostLink(Protocol):
+    """How a model reaches the server: BLS calls and responses sent through a response sender."""
+
+    def infer(self, request: InferenceRequest) -> InferenceResponse: ...
+
+    def infer_async(self, request: InferenceRequest) -> Awaitable[InferenceResponse]: ...
+
+
+_host: HostLink | None = None
+
+
+def set_host_link(link: HostLink | None) -> None:
+    """Installed by the runner: where ``InferenceRequest.exec`` sends its request."""
+    global _host
+    _host = link
+
+
+def _link() -> HostLink:
+    if _host is None:
+        raise TritonModelException("BLS requests can only be made while the model is served")
+    return _host
+
+
+class InferenceResponseSender:
+    """A request's response sender: responses sent here answer it (with FINAL as the last flag)."""
+
+    def __init__(self, request: InferenceRequest) -> None:
+        self._request = request
+        self.responses: list[InferenceResponse] = []
+        self.final = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if self.final:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        if response is not None:
+            self.responses.append(response)
+        if flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self.final = True
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+class InferenceRequest:
+    """A request: one the model received, or one it builds to call another model (BLS)."""
+
+    def __init__(self, model_name: str = "", inputs: Iterable[Tensor] = (),
+                 requested_output_names: Iterable[str] = (), request_id: str = "", correlation_id: int | str = 0,
+                 model_version: int = -1, flags: int = 0, timeout: int = 0, preferred_memory: Any = None,
+                 trace: Any = None, parameters: dict[str, Any] | str | None = None) -> None:
+        self._model_name, self._model_version = model_name, model_version
+        self._inputs = list(inputs)
+        self._requested = list(requested_output_names)
+        self._request_id, self._correlation_id = request_id, correlation_id
+        self._flags, self._timeout = flags, timeout
+        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        self._sender: InferenceResponseSender | None = None
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def parameters(self) -> str:
+        """The request's parameters as a JSON string, as Triton gives them."""
+        return self._parameters
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def set_release_flags(self, flags: int) -> None:
+        """Accepted for compatibility: Shoal releases every request when its responses are in."""
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._sender is None:
+            self._sender = InferenceResponseSender(self)
+        return self._sender
+
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        """Run this request on the named model of the same server and wait for its response."""
+        if decoupled:
+            raise TritonModelException("decoupled BLS requests are not supported by this server")
+        return _link().infer(self)
+
+    def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse]:
+        """Like ``exec``, awaited (from an ``async def execute``); several may run at once."""
+        if decoupled:
+            raise TritonModelException("decoupled BLS requests are not supported by this server")
+        return _link().infer_async(self)
+
+
+class Logger:
+    """Triton's model logger; lines go to Shoal's logging (logger ``triton_python_backend_utils``)."""
+
+    INFO, WARNING, ERROR, VERBOSE = 0, 1, 2, 3
+    _LEVELS = {INFO: logging.INFO, WARNING: logging.WARNING, ERROR: logging.ERROR, VERBOSE: logging.DEBUG}
+
+    @classmethod
+    def log(cls, message: str, level: int = INFO) -> None:
+        logger.log(cls._LEVELS.get(level, logging.INFO), "%s", message)
+
+    @classmethod
+    def log_info(cls, message: str) -> None:
+        logger.info("%s", message)
+
+    @classmethod
+    def log_warn(cls, message: str) -> None:
+        logger.warning("%s", message)
+
+    @classmethod
+    def log_error(cls, message: str) -> None:
+        logger.error("%s", message)
+
+    @classmethod
+    def log_verbose(cls, message: str) -> None:
+        logger.debug("%s", message)
+
+
+class LogLevel:
+    INFO, WARNING, ERROR, VERBOSE = Logger.INFO, Logger.WARNING, Logger.ERROR, Logger.VERBOSE

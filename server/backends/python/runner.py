@@ -1,0 +1,229 @@
+"""Runs a ``TritonPythonModel``: import ``model.py``, ``initialize(args)``, ``execute`` batches, ``finalize``.
+
+The same code runs in an instance's worker process (the default) and on an instance thread in
+the server (``process_instances: false``); only the ``HostLink`` that carries BLS calls differs.
+A batch is a list of requests, never concatenated (Triton does not concatenate for Python
+models). Each request gets its own outcome: its outputs, or an error with Triton's wording
+where Triton has one (an ``execute`` that raises, a wrong number of responses), so one bad
+request never fails the server and a failing ``execute`` fails only its batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import inspect
+import json
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shoal.backends.python import pb_utils
+from shoal.errors import ErrorCode, ShoalError
+from shoal.protocol.types import DataType
+
+MODULE_NAME = "triton_python_backend_utils"
+_HIDDEN_FRAMES = (str(Path(__file__).resolve().parents[2]), str(Path(asyncio.__file__).parent))
+# TritonError codes → the names of Shoal's error codes (shoal.errors.ErrorCode values).
+_ERROR_CODES = {pb_utils.TritonError.INVALID_ARG: "invalid_argument", pb_utils.TritonError.NOT_FOUND: "not_found",
+                pb_utils.TritonError.UNAVAILABLE: "unavailable", pb_utils.TritonError.UNSUPPORTED: "unsupported",
+                pb_utils.TritonError.ALREADY_EXISTS: "already_exists"}
+
+
+@dataclass(frozen=True)
+class RequestData:
+    """One request of a batch, as the model receives it."""
+
+    inputs: Mapping[str, np.ndarray]
+    outputs: tuple[str, ...]  # the outputs to return (the requested ones, else all)
+    request_id: str = ""
+    correlation_id: int | str = 0
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A request's result: its outputs, or an error (``code``: a shoal ErrorCode value)."""
+
+    outputs: dict[str, np.ndarray] | None = None
+    error: str = ""
+    code: str = "internal"
+
+    def result(self) -> dict[str, np.ndarray] | ShoalError:
+        """What the scheduler hands back to the request: its outputs, or the error to raise."""
+        return self.outputs if self.outputs is not None else ShoalError(ErrorCode(self.code), self.error)
+
+
+def request_data(feed: Mapping[str, np.ndarray], outputs: Sequence[str], request: Any) -> RequestData:
+    """A queued request as the model sees it; ``request`` is the core's InferRequest (None in tests)."""
+    if request is None:
+        return RequestData(feed, tuple(outputs))
+    parameters = dict(request.parameters)
+    return RequestData(feed, tuple(outputs), request.id, parameters.get("sequence_id", 0), parameters)
+
+
+def install_utils() -> None:
+    """Make ``import triton_python_backend_utils`` find Shoal's module."""
+    sys.modules.setdefault(MODULE_NAME, pb_utils)
+
+
+def import_model_class(model_file: Path) -> Any:
+    """Import ``model_file`` as Triton does (its folder importable) and return ``TritonPythonModel``."""
+    install_utils()
+    folder = str(model_file.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    digest = hashlib.sha1(str(model_file).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(f"shoal_python_model_{digest}", model_file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {model_file}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    model_class = getattr(module, "TritonPythonModel", None)
+    if model_class is None:
+        raise AttributeError(f"{model_file.name} defines no class TritonPythonModel")
+    return model_class
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` then Triton's ``At:`` frames (innermost first), as its load and execute errors read.
+
+    Frames of Shoal and asyncio are left out: the model author's own code is what the frames show.
+    """
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SyntaxError):
+        return text
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
+              if not frame.filename.startswith(_HIDDEN_FRAMES)]
+    if not frames:
+        return text
+    lines = [f"  {frame.filename}({frame.lineno}): {frame.name}" for frame in reversed(frames)]
+    return text + "\n\nAt:\n" + "\n".join(lines) + "\n"
+
+
+def model_args(config: Mapping[str, Any], model_file: Path, instance_name: str, kind: str, device_id: int,
+               version: int) -> dict[str, str]:
+    """``initialize``'s ``args``, the keys and string values Triton's Python backend gives."""
+    return {
+        "model_config": json.dumps(triton_config(config)),
+        "model_instance_kind": kind,
+        "model_instance_name": instance_name,
+        "model_instance_device_id": str(device_id),
+        "model_repository": str(model_file.parent.parent),
+        "model_version": str(version),
+        "model_name": str(config.get("name", "")),
+    }
+
+
+_INTEGER_LISTS = {"dims", "shape", "preferred_batch_size"}
+_INTEGER_KEYS = {"max_queue_delay_microseconds", "default_timeout_microseconds", "max_queue_size"}
+
+
+def triton_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The completed config as Triton's JSON has it: numbers as numbers, the fields models read present."""
+    def fix(value: Any, key: str = "") -> Any:
+        if isinstance(value, dict):
+            return {k: fix(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [int(v) if key in _INTEGER_LISTS else fix(v) for v in value]
+        return int(value) if key in _INTEGER_KEYS and isinstance(value, str) else value
+
+    fixed: dict[str, Any] = fix(dict(config))
+    for key, default in (("platform", ""), ("backend", "python"), ("max_batch_size", 0), ("input", []),
+                         ("output", []), ("parameters", {}), ("instance_group", [])):
+        fixed.setdefault(key, default)
+    return fixed
+
+
+class ModelRunner:
+    """One instance of a Python model: the user's object, its output datatypes, its event loop."""
+
+    def __init__(self, config: Mapping[str, Any], model_file: Path, args: dict[str, str]) -> None:
+        self.instance_name = args["model_instance_name"]
+        self._datatypes = {o["name"]: DataType.from_config_name(o["data_type"]) for o in config.get("output", ())}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.model = import_model_class(model_file)()
+        initialize = getattr(self.model, "initialize", None)
+        if initialize is not None:
+            self._await(initialize(args))
+
+    def _await(self, result: Any) -> Any:
+        """A coroutine (async initialize/execute) runs to its end on this instance's loop; else as is."""
+        if not inspect.isawaitable(result):
+            return result
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(result)
+
+    def execute(self, items: Sequence[RequestData]) -> list[Outcome]:
+        requests = [pb_utils.InferenceRequest(
+            inputs=[pb_utils.Tensor(name, array) for name, array in item.inputs.items()],
+            requested_output_names=item.outputs, request_id=item.request_id, correlation_id=item.correlation_id,
+            parameters=dict(item.parameters)) for item in items]
+        try:
+            responses = self._await(self.model.execute(requests))
+        except Exception as exc:  # noqa: BLE001 - the batch fails, the instance goes on
+            return self._failed(items, describe_error(exc))
+        if responses is None:  # the responses may have gone through the response senders
+            responses = [self._sent(request) for request in requests]
+            if any(response is None for response in responses):
+                return self._failed(items, "execute returned None, and not every request was answered "
+                                           "through its response sender with TRITONSERVER_RESPONSE_COMPLETE_FINAL")
+        responses = list(responses)
+        if len(responses) != len(requests):
+            return self._failed(items, "Number of InferenceResponse objects do not match the number of "
+                                       f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
+                                       f"and InferenceResponse(s) size is:{len(responses)}\n")
+        return [self._outcome(item, response) for item, response in zip(items, responses, strict=True)]
+
+    def _failed(self, items: Sequence[RequestData], message: str) -> list[Outcome]:
+        text = f"Failed to process the request(s) for model '{self.instance_name}', message: {message}"
+        return [Outcome(error=text) for _ in items]
+
+    @staticmethod
+    def _sent(request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse | None:
+        sender = request._sender
+        if sender is None or not sender.final or len(sender.responses) != 1:
+            return None
+        return sender.responses[0]
+
+    def _outcome(self, item: RequestData, response: Any) -> Outcome:
+        if not isinstance(response, pb_utils.InferenceResponse):
+            return Outcome(error=f"model '{self.instance_name}' returned {type(response).__name__}, "
+                                 "not an InferenceResponse")
+        error = response.error()
+        if error is not None:
+            return Outcome(error=error.message(), code=_ERROR_CODES.get(error.code(), "internal"))
+        given = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+        outputs = {}
+        for name in item.outputs:
+            if name not in given:
+                return Outcome(error=f"model '{self.instance_name}': the response has no output '{name}'")
+            array = np.asarray(given[name])
+            wanted = self._datatypes.get(name)
+            try:
+                datatype = DataType.from_numpy(array.dtype)
+            except ValueError:
+                return Outcome(error=f"model '{self.instance_name}': output '{name}' has numpy dtype {array.dtype}, "
+                                     "which has no Triton datatype")
+            if wanted is not None and datatype is not wanted:
+                return Outcome(error=f"model '{self.instance_name}': output '{name}' has datatype {datatype.value}, "
+                                     f"but the model config declares {wanted.value}")
+            outputs[name] = array
+        return Outcome(outputs=outputs)
+
+    def finalize(self) -> None:
+        finalize = getattr(self.model, "finalize", None)
+        try:
+            if finalize is not None:
+                self._await(finalize())
+        finally:
+            if self._loop is not None:
+                self._loop.close()

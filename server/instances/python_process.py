@@ -1,0 +1,342 @@
+"""A Python model's instance in its own worker process (Triton's stub process), the default.
+
+Built on the process instances' one mechanism (``shoal.instances.process``): a forkserver child
+per instance, two memfd arenas for tensors, a pipe for small messages, the same restart on death,
+execution timeout and liveness checks. What differs is the conversation for a batch:
+
+    server → worker  (RUN_REQUESTS, [(input slots, outputs, request id, correlation id, parameters)])
+    worker → server  (BLS, call id, BlsCall, input slots)  a model's request to another model, any number
+    server → worker  (BLS_REPLY, call id, BlsResult, output slots)  as each of those finishes
+    worker → server  (GROW, bytes)                   the outputs need a bigger arena
+    worker → server  (DONE, [(output slots, error, code)])
+
+Inputs of every request are packed one after another at the start of the requests arena,
+outputs likewise in the responses arena. A BLS call's tensors go the same way while a batch runs:
+its inputs into the responses arena (the worker's side) after those of earlier calls, its
+outputs into the requests arena after the batch's inputs; each side copies what it reads, since
+the next batch rewrites both arenas. An arena is never replaced during a batch (the model holds
+views of its inputs), so BLS tensors that do not fit in the room left travel pickled on the pipe
+instead (their slots are then None). While a batch runs, the server thread waits on both the pipe
+and a wake-up pipe that finished BLS calls write to, so a reply goes back as soon as it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from multiprocessing import connection
+from pathlib import Path
+from typing import Any
+
+from shoal.backends.devices import Device
+from shoal.backends.python import bls, pb_utils, runner
+from shoal.dataplane import tensors
+from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
+from shoal.errors import ErrorCode, ShoalError
+from shoal.instances import process
+from shoal.instances.process import ARENA, FAILED, GROW, PING, READY, REQUESTS, RESPONSES, WorkerLimits
+from shoal.repository.config import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+RUN_REQUESTS, BLS, BLS_REPLY, DONE = "run_requests", "bls", "bls_reply", "done"
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def _put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[tensors.Slot] | None, int]:
+    """``arrays`` packed at ``offset``, and where the next pack may start; (None, offset) when they do not fit."""
+    try:
+        slots = tensors.pack_at(arena, offset, process._as_tensors(arrays))
+    except PoolFull:
+        return None, offset
+    return slots, _aligned(max(offset, tensors.extent(slots)))
+
+
+def _take(arena: Arena, slots: list[tensors.Slot]) -> dict[str, Any]:
+    """Copies of the tensors at ``slots`` (the arena is rewritten by the next batch)."""
+    return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in tensors.unpack(arena, slots)}
+
+
+# -- the worker process ---------------------------------------------------------------------------
+
+class PipeLink:
+    """In the worker: BLS calls go to the server over the pipe; replies are matched by call id."""
+
+    def __init__(self, conn: Any, arenas: dict[str, Arena]) -> None:
+        self._conn, self._arenas = conn, arenas
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future[bls.BlsResult]] = {}
+        self._results: dict[int, bls.BlsResult] = {}
+        self._reading: asyncio.AbstractEventLoop | None = None
+        self._offset = 0  # where the next BLS call's inputs go in the responses arena
+
+    def begin(self) -> None:
+        """A batch starts: BLS inputs go from the start of the responses arena again."""
+        self._offset = 0
+
+    def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        call_id = self._send(request)
+        while call_id not in self._results:
+            self._dispatch(self._conn.recv())
+        return bls.response_of(self._results.pop(call_id))
+
+    def infer_async(self, request: pb_utils.InferenceRequest) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._reading is not loop:
+            loop.add_reader(self._conn.fileno(), self._readable)
+            self._reading = loop
+        future: asyncio.Future[bls.BlsResult] = loop.create_future()
+        self._waiting[self._send(request)] = future
+
+        async def wait() -> pb_utils.InferenceResponse:
+            return bls.response_of(await future)
+
+        return wait()
+
+    def stop_reading(self) -> None:
+        """After a batch: the pipe is the main loop's again."""
+        if self._reading is not None and not self._reading.is_closed():
+            self._reading.remove_reader(self._conn.fileno())
+        self._reading = None
+        self._waiting.clear()
+        self._results.clear()
+
+    def _send(self, request: pb_utils.InferenceRequest) -> int:
+        call_id = next(self._ids)
+        call = bls.call_of(request)
+        slots, self._offset = _put(self._arenas[RESPONSES], self._offset, call.inputs)
+        self._conn.send((BLS, call_id, call if slots is None else replace(call, inputs={}), slots))
+        return call_id
+
+    def _readable(self) -> None:
+        while self._conn.poll(0):
+            self._dispatch(self._conn.recv())
+
+    def _dispatch(self, message: Any) -> None:
+        if not (isinstance(message, tuple) and message[0] == BLS_REPLY):
+            return  # nothing else is sent to a worker while it runs a batch
+        _, call_id, result, slots = message
+        if slots is not None:
+            result = replace(result, outputs=_take(self._arenas[REQUESTS], slots))
+        future = self._waiting.pop(call_id, None)
+        if future is None:
+            self._results[call_id] = result
+        elif not future.done():
+            future.set_result(result)
+
+
+def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena],
+               requests: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:
+    items = []
+    for slots, outputs, request_id, correlation_id, parameters in requests:
+        feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
+        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters))
+    link.begin()
+    try:
+        outcomes = model.execute(items)
+    finally:
+        link.stop_reading()
+    del items
+    while True:
+        answers: list[tuple[Any, ...]] = []
+        offset = 0
+        try:
+            for outcome in outcomes:
+                if outcome.outputs is None:
+                    answers.append(([], outcome.error, outcome.code))
+                    continue
+                slots = tensors.pack_at(arenas[RESPONSES], offset, process._as_tensors(outcome.outputs))
+                offset = _aligned(max(offset, tensors.extent(slots)))
+                answers.append((slots, "", ""))
+            return (DONE, answers)
+        except (PoolFull, ShoalError) as exc:
+            if isinstance(exc, ShoalError):
+                return (DONE, [([], exc.message, "internal") for _ in outcomes])
+            needed = offset + exc.wanted
+            conn.send((GROW, needed))
+            message = conn.recv()
+            if not (isinstance(message, tuple) and message[0] == ARENA):
+                return None
+            process._receive_arena(conn, arenas, message)
+
+
+def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
+    """The worker process: initialize the model, then run batches from the pipe until told to stop."""
+    if not logging.getLogger().handlers:  # a forkserver child: the model's Logger lines go to the server's stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    arenas: dict[str, Arena] = {}
+    link = PipeLink(conn, arenas)
+    pb_utils.set_host_link(link)
+    try:
+        instance_name, version = handle
+        model = runner.ModelRunner(spec.config_json, model_path, runner.model_args(
+            spec.config_json, model_path, instance_name, device.kind.upper(), device.index, version))
+    except Exception as exc:  # noqa: BLE001 - the load error names it, as Triton's does
+        conn.send((FAILED, runner.describe_error(exc).rstrip()))
+        return
+    conn.send(READY)
+    try:
+        while True:
+            message = conn.recv()
+            if message is None:
+                return
+            if message == PING:
+                conn.send(PING)
+            elif message[0] == ARENA:
+                process._receive_arena(conn, arenas, message)
+            elif message[0] == RUN_REQUESTS:
+                reply = _run_batch(model, link, conn, arenas, message[1])
+                if reply is None:
+                    return
+                conn.send(reply)
+    except (EOFError, OSError):
+        return
+    finally:
+        try:
+            model.finalize()
+        except Exception as exc:  # noqa: BLE001 - the worker ends anyway
+            sys.stderr.write(f"finalize failed: {exc}\n")
+
+
+# -- the server side ------------------------------------------------------------------------------
+
+class PythonProcessModel(process.ProcessModel):
+    """One Python model instance: a worker process running the model's ``execute`` on request lists."""
+
+    worker_main = staticmethod(python_worker)
+
+    def __init__(self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int,
+                 limits: WorkerLimits) -> None:
+        self._host: bls.HostInfer | None = None
+        self._reply_offset = 0  # where the next BLS call's outputs go in the requests arena
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
+        self._finished: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        super().__init__(spec, model_file, device, (instance_name, version), 1, limits,
+                         ("numpy", "shoal.backends.python.runner"))
+
+    def bind_host(self, host: bls.HostInfer) -> None:
+        self._host = host
+
+    def run_requests(self, batch: Sequence[Any]) -> list[dict[str, Any] | ShoalError]:
+        """Each queued request's outputs, or its own error; the batch goes to the worker as a list."""
+        with self._lock:
+            if self._failure and not self._closing.is_set():
+                self._replace(None)
+            if self._failure or self._closing.is_set():
+                raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{self._spec.name}': the instance process "
+                                                        f"{self._failure or 'is stopping'}")
+            requests, used = self._pack_inputs(batch)
+            self._reply_offset = used  # BLS outputs go after the batch's inputs
+            timeout_s = self._limits.execution_timeout_s
+            deadline = time.monotonic() + timeout_s if timeout_s else None
+            try:
+                try:
+                    self._conn.send((RUN_REQUESTS, requests))
+                except OSError:
+                    pass  # the worker is gone: the wait finds it dead and replaces it
+                answers = self._conversation(deadline)
+                return self._unpack_outputs(answers)
+            finally:
+                process._trim(self._arenas[REQUESTS], max(used, self._reply_offset))
+
+    def _pack_inputs(self, batch: Sequence[Any]) -> tuple[list[tuple[Any, ...]], int]:
+        feeds = [process._as_tensors(pending.feed) for pending in batch]
+        while True:
+            offset, requests = 0, []
+            try:
+                for pending, feed in zip(batch, feeds, strict=True):
+                    slots = tensors.pack_at(self._arenas[REQUESTS], offset, feed)
+                    offset = _aligned(max(offset, tensors.extent(slots)))
+                    data = runner.request_data({}, pending.outputs, pending.context)
+                    requests.append((slots, list(data.outputs), data.request_id, data.correlation_id,
+                                     dict(data.parameters)))
+                return requests, offset
+            except PoolFull as full:
+                self._grow(REQUESTS, offset + full.wanted)
+
+    def _conversation(self, deadline: float | None) -> list[tuple[Any, ...]]:
+        """Serve the worker's BLS calls and arena requests until it answers the batch."""
+        while True:
+            try:
+                ready = connection.wait([self._conn, self._wake_read], timeout=0.05)
+            except OSError:
+                ready = []
+            if self._wake_read in ready:
+                os.read(self._wake_read, 4096)
+            while not self._finished.empty():
+                call_id, future = self._finished.get()
+                self._reply(call_id, bls.result_of(future))
+            if self._conn in ready:
+                try:
+                    message = self._conn.recv()
+                except (EOFError, OSError):
+                    message = None
+                if isinstance(message, tuple) and message[0] == DONE:
+                    return list(message[1])
+                if isinstance(message, tuple) and message[0] == GROW:
+                    self._grow(RESPONSES, message[1])
+                elif isinstance(message, tuple) and message[0] == BLS:
+                    _, call_id, call, slots = message
+                    if slots is not None:
+                        call = replace(call, inputs=_take(self._arenas[RESPONSES], slots))
+                    self._start_call(call_id, call)
+            self._check_running(deadline)
+
+    def _start_call(self, call_id: int, call: bls.BlsCall) -> None:
+        future = bls.start(self._host, call)
+
+        def finished(done: Any) -> None:
+            self._finished.put((call_id, done))
+            try:
+                os.write(self._wake_write, b"x")
+            except OSError:
+                pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+        future.add_done_callback(finished)
+
+    def _reply(self, call_id: int, result: bls.BlsResult) -> None:
+        slots = None
+        if result.outputs is not None:
+            slots, self._reply_offset = _put(self._arenas[REQUESTS], self._reply_offset, result.outputs)
+            if slots is not None:
+                result = replace(result, outputs={})
+        try:
+            self._conn.send((BLS_REPLY, call_id, result, slots))
+        except OSError:
+            pass  # the worker is gone: the wait finds it dead
+
+    def _unpack_outputs(self, answers: list[tuple[Any, ...]]) -> list[dict[str, Any] | ShoalError]:
+        responses = self._arenas[RESPONSES]
+        results: list[dict[str, Any] | ShoalError] = []
+        used = 0
+        for slots, error, code in answers:
+            if error:
+                results.append(ShoalError(ErrorCode(code), error))
+                continue
+            results.append({t.name: t.data if t.datatype.value == "BYTES" else t.data.copy()
+                            for t in tensors.unpack(responses, slots)})
+            used = max(used, tensors.extent(slots))
+        process._trim(responses, used)
+        return results
+
+    def run(self, inputs: Any, outputs: Any) -> dict[str, Any]:
+        raise ShoalError(ErrorCode.UNSUPPORTED, "a Python model runs lists of requests (run_requests)")
+
+    def close(self) -> None:
+        super().close()
+        for fd in (self._wake_read, self._wake_write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
