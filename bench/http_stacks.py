@@ -1,6 +1,6 @@
 """Per-request cost of candidate HTTP stacks for Shoal's HTTP endpoint, measured here.
 
-    python bench/http_stacks.py [--seconds 3 --concurrency 1,16]
+    python bench/http_stacks.py [--seconds 3 --concurrency 1,16 --repeats 3]
 
 Each stack serves one route in a subprocess on a free loopback port, the way Shoal would run it
 (inside an asyncio loop the process already has, on a socket it bound itself): ``POST
@@ -8,8 +8,10 @@ Each stack serves one route in a subprocess on a free loopback port, the way Sho
 with ``json.dumps``, so the figure is the stack's cost plus the same small JSON work. The client
 is a raw asyncio HTTP/1.1 keep-alive client in another process (one connection per concurrent
 request, next request as soon as the answer is read), light enough that the server process is
-the bottleneck. Bounded in time per run. Prints requests/s and µs of server time per request;
-writes bench/results/http_stacks.csv.
+the bottleneck. Bounded in time per run. Each cell is run ``--repeats`` times, stacks taking
+turns, and the median kept (the machine is shared). Prints requests/s and the server process's
+CPU time per request (user + system, from /proc), the figure that decides; writes
+bench/results/http_stacks.csv.
 
 Candidates (each must run in an existing loop on a given socket, which SO_REUSEPORT needs):
 ``aiohttp`` (web.Application behind AppRunner/SockSite) and ``uvicorn`` with ``httptools`` and a
@@ -24,6 +26,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -76,7 +79,8 @@ async def _serve_uvicorn(sock: socket.socket) -> None:
             (b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
         await send({"type": "http.response.body", "body": answer})
 
-    config = uvicorn.Config(app, http="httptools", ws="none", lifespan="off", access_log=False, log_level="warning")
+    config = uvicorn.Config(app, http="httptools", ws="none", lifespan="off", interface="asgi3", access_log=False,
+                            log_level="warning", proxy_headers=False)  # as server/http/server.py
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)  # what Server.serve sets up before startup
@@ -93,11 +97,11 @@ def serve(stack: str, port_file: Path) -> None:
     asyncio.run({"aiohttp": _serve_aiohttp, "uvicorn": _serve_uvicorn}[stack](sock))
 
 
-async def _client(port: int, seconds: float, stop_at: list[float], counts: list[int]) -> None:
+async def _client(port: int, stop_at: list[float], counts: list[int], request: bytes) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         while time.monotonic() < stop_at[0]:
-            writer.write(REQUEST)
+            writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
             length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                           if line.lower().startswith(b"content-length"))
@@ -107,13 +111,14 @@ async def _client(port: int, seconds: float, stop_at: list[float], counts: list[
         writer.close()
 
 
-async def load(port: int, concurrency: int, seconds: float) -> int:
+async def load(port: int, concurrency: int, seconds: float, request: bytes = REQUEST) -> int:
+    """Requests answered in ``seconds`` after a half-second warm-up."""
     counts = [0]
     warm = [time.monotonic() + 0.5]
-    await asyncio.gather(*(_client(port, 0.5, warm, counts) for _ in range(concurrency)))
+    await asyncio.gather(*(_client(port, warm, counts, request) for _ in range(concurrency)))
     counts[0] = 0
     stop_at = [time.monotonic() + seconds]
-    await asyncio.gather(*(_client(port, seconds, stop_at, counts) for _ in range(concurrency)))
+    await asyncio.gather(*(_client(port, stop_at, counts, request) for _ in range(concurrency)))
     return counts[0]
 
 
@@ -146,12 +151,48 @@ def measure(stack: str, concurrency: int, seconds: float, work: Path) -> dict[st
             "server_cpu_us_per_request": round(cpu / max(1, done) * 1e6, 1), "seconds": round(elapsed, 1)}
 
 
+def measure_shoal(seconds: float, repeats: int) -> list[dict[str, Any]]:
+    """On Shoal itself (one process, the example ``simple`` model, c=16): the HTTP layer's floor
+    (GET /v2/health/ready) beside a binary infer, in server CPU per request (every thread of it)."""
+    import tempfile
+
+    import numpy as np
+
+    from shoal.tools import local_server
+    from tests import models
+
+    raw = np.arange(16, dtype=np.int32).tobytes()
+    header = json.dumps({"inputs": [{"name": name, "shape": [1, 16], "datatype": "INT32",
+                                     "parameters": {"binary_data_size": 64}} for name in ("INPUT0", "INPUT1")]})
+    body = header.encode() + raw + raw
+    requests = {
+        "shoal ready": b"GET /v2/health/ready HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        "shoal infer": (f"POST /v2/models/simple/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(body)}\r\n\r\n"
+                        ).encode() + body,
+    }
+    runs: dict[str, list[tuple[int, float]]] = {name: [] for name in requests}
+    with tempfile.TemporaryDirectory() as folder, \
+            local_server.running(models.repository(Path(folder), "simple")) as server:
+        for _ in range(repeats):
+            for name, request in requests.items():
+                before = _cpu_seconds(server.pid)
+                done = asyncio.run(load(server.http_port, 16, seconds, request))
+                runs[name].append((done, _cpu_seconds(server.pid) - before))
+    return [{"stack": name, "concurrency": 16, "requests_per_s": round(statistics.median(d for d, _ in done) / seconds),
+             "server_cpu_us_per_request": round(statistics.median(c / max(1, d) for d, c in done) * 1e6, 1),
+             "seconds": seconds, "repeats": repeats} for name, done in runs.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--serve", nargs=2, metavar=("STACK", "PORT_FILE"), help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--stacks", default="aiohttp,uvicorn")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shoal", action="store_true", help="also measure Shoal's own HTTP endpoint: the floor "
+                        "(GET /v2/health/ready) beside a binary infer of the example simple model, c=16")
     args = parser.parse_args()
     if args.serve:
         serve(args.serve[0], Path(args.serve[1]))
@@ -161,11 +202,22 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            for stack in args.stacks.split(","):
-                row = measure(stack, concurrency, args.seconds, Path(folder))
-                print(f"{row['stack']:8} c={concurrency:<3} {row['requests_per_s']:>7} req/s "
-                      f"{row['server_cpu_us_per_request']:>7} µs server CPU per request")
+            runs: dict[str, list[dict[str, Any]]] = {stack: [] for stack in args.stacks.split(",")}
+            for _ in range(args.repeats):
+                for stack, done in runs.items():
+                    done.append(measure(stack, concurrency, args.seconds, Path(folder)))
+            for stack, done in runs.items():
+                row = {**done[0], "repeats": len(done)}
+                for key in ("requests_per_s", "server_cpu_us_per_request"):
+                    row[key] = statistics.median(run[key] for run in done)
+                print(f"{stack:8} c={concurrency:<3} {row['requests_per_s']:>7} req/s "
+                      f"{row['server_cpu_us_per_request']:>7} µs server CPU per request (median of {len(done)})")
                 rows.append(row)
+    if args.shoal:
+        for row in measure_shoal(args.seconds, args.repeats):
+            print(f"{row['stack']:12} c=16  {row['requests_per_s']:>7} req/s "
+                  f"{row['server_cpu_us_per_request']:>7} µs server CPU per request (median of {args.repeats})")
+            rows.append(row)
     save_results(rows, "http_stacks.csv")
 
 

@@ -245,3 +245,130 @@ def test_load_is_refused_without_explicit_mode(client: httpclient.InferenceServe
         client.load_model("simple")
     assert caught.value.status() == "503"
     assert caught.value.message().startswith("explicit model load / unload is not allowed")
+
+
+def test_every_worker_serves_http_and_a_replaced_one_too(tmp_path: Path) -> None:
+    """With front-end workers, each one listens on the shared HTTP port, a restarted one included."""
+    import signal
+
+    from tests.conftest import start_server
+    from tests.polling import wait_until
+    from tests.test_frontend_workers import worker_pids
+
+    server = start_server(models.repository(tmp_path, "simple"), tmp_path, "--grpc-workers", "2")
+    try:
+        where = f"HTTP on 127.0.0.1:{server.http_port}"
+        wait_until(lambda: server.log().count(where) == 2, what="both workers to serve HTTP")
+        victim = min(worker_pids(server))
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: len(worker_pids(server)) == 2 and victim not in worker_pids(server),
+                   what="the killed worker to be replaced")
+        wait_until(lambda: server.log().count(where) == 3, what="the new worker to serve HTTP")
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        for _ in range(8):  # fresh connections: the kernel spreads them over both workers
+            with httpclient.InferenceServerClient(server.http_url) as client:
+                np.testing.assert_array_equal(client.infer("simple", _simple_inputs(a, a)).as_numpy("OUTPUT0"), a + a)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_sigterm_drains_http_requests_and_readiness_turns_false(tmp_path: Path, server_factory) -> None:
+    """app.serve's stop order holds for HTTP: requests in flight are answered, ready turns 400 meanwhile,
+    then the server exits 0."""
+    import signal
+    import threading
+
+    from tests.polling import metric, wait_until
+    from tests.test_http_errors import call
+
+    repo = models.repository(tmp_path)
+    models.add_delayed_identity(repo, "slow", delay_ms=1500)
+    server = server_factory(repo)
+    outcome: list[object] = []
+
+    def slow() -> None:
+        with httpclient.InferenceServerClient(server.http_url, network_timeout=30) as client:
+            tensor = httpclient.InferInput("IN", [1, 2], "INT64")
+            tensor.set_data_from_numpy(np.array([[7, 8]], dtype=np.int64), binary_data=False)
+            outcome.append(client.infer("slow", [tensor]).as_numpy("OUT").tolist())
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    wait_until(lambda: metric(server, "nv_inference_pending_request_count", "slow") >= 1
+               or metric(server, "nv_inference_exec_count", "slow") >= 1, what="the request to reach the model")
+    server.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: call(server, "GET", "/v2/health/ready")[0] == 400, what="readiness to turn false")
+    thread.join(timeout=30)
+    assert outcome == [[[7, 8]]]
+    assert server.process.wait(timeout=30) == 0, server.log()
+
+
+def test_cuda_shared_memory_over_http(server_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA endpoints over the stand-in runtime test_cuda_shared_memory.py builds (real C signatures,
+    host memory): register, status, an output written to a region read back as the next input, unregister."""
+    import base64
+
+    from shoal.backends.devices import cuda_device_count
+    from shoal.dataplane import cuda
+    from tests.test_cuda_shared_memory import _build_fake_cudart
+
+    if cuda_device_count() > 0:
+        pytest.skip("a CUDA device is here: the server would use it, not the stand-in")
+    library = _build_fake_cudart(tmp_path)
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(library.parent))
+    first = cuda._libcudart_candidates()[0]
+    if "/" in first:
+        pytest.skip(f"a CUDA runtime is installed with Python packages ({first}): the server would load it")
+    (library.parent / first).symlink_to(library)
+    (library.parent / "libcuda.so.1").symlink_to(library)
+    repo = tmp_path / "repo"
+    models.add_identity(repo, "identity_fp32", "FP32")
+    server = server_factory(repo)
+    values = np.array([[1.5, -2.0, 3.25, 8.0]], dtype=np.float32)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        assert client.get_cuda_shared_memory_status() == []
+        handle = base64.b64encode(b"A" + bytes(62) + b"z").decode()  # JSON carries the base64 text
+        client.register_cuda_shared_memory("a", handle, 0, 256)
+        assert client.get_cuda_shared_memory_status("a") == [{"name": "a", "device_id": 0, "byte_size": 256}]
+        tensor = httpclient.InferInput("IN", [1, 4], "FP32")
+        tensor.set_data_from_numpy(values)
+        output = httpclient.InferRequestedOutput("OUT")
+        output.set_shared_memory("a", 16, offset=32)
+        result = client.infer("identity_fp32", [tensor], outputs=[output])
+        assert "data" not in result.get_output("OUT") and "parameters" not in result.get_output("OUT")
+        tensor.set_shared_memory("a", 16, offset=32)
+        np.testing.assert_array_equal(client.infer("identity_fp32", [tensor]).as_numpy("OUT"), values)
+        with pytest.raises(InferenceServerException, match="failed to register shared memory region 'big'") as caught:
+            client.register_cuda_shared_memory("big", base64.b64encode(b"B" + bytes(62) + b"z").decode(), 0, 257)
+        assert caught.value.status() == "400"
+        with pytest.raises(InferenceServerException, match="Unable to find cuda shared memory region") as caught:
+            client.get_cuda_shared_memory_status("nope")
+        assert caught.value.status() == "404"
+        client.unregister_cuda_shared_memory()
+        assert client.get_cuda_shared_memory_status() == []
+
+
+def test_sequences_over_http(tmp_path: Path, server_factory) -> None:
+    """Sequence parameters travel as the request's ``parameters`` (sequence_id, _start, _end), as over gRPC."""
+    from tests.sequence_models import add_accumulator
+
+    repo = tmp_path / "repo"
+    add_accumulator(repo, "acc")
+    server = server_factory(repo)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        sums = {}
+        for cid in (7, "text-id"):
+            sums[cid] = []
+            for index, value in enumerate((1.0, 2.0, 4.0)):
+                data = httpclient.InferInput("INPUT", [1, 1], "FP32")
+                data.set_data_from_numpy(np.full((1, 1), value, dtype=np.float32), binary_data=index % 2 == 0)
+                result = client.infer("acc", [data], sequence_id=cid, sequence_start=index == 0,
+                                      sequence_end=index == 2)
+                sums[cid].append(float(result.as_numpy("OUTPUT").item()))
+        assert sums == {7: [1.0, 3.0, 7.0], "text-id": [1.0, 3.0, 7.0]}
+        data = httpclient.InferInput("INPUT", [1, 1], "FP32")
+        data.set_data_from_numpy(np.ones((1, 1), dtype=np.float32))
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("acc", [data])  # no sequence id: refused in Triton's words, as 400
+        assert caught.value.status() == "400" and "must specify a non-zero or non-empty correlation ID" in \
+            caught.value.message()

@@ -12,6 +12,7 @@ a client's mistake (malformed JSON), Shoal answers 400 with Triton's words.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import http.client
 import json
@@ -27,6 +28,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from shoal.backends.devices import cuda_device_count
 from shoal.errors import ErrorCode
 from shoal.http.status import STATUS_BY_CODE
 from shoal.settings import EXIT_STARTUP_FAILED
@@ -212,3 +214,57 @@ def test_https_and_mutual_tls(pki: Path, tmp_path: Path, server_factory) -> None
         plain.request("GET", "/v2/health/ready")
         plain.getresponse()
 
+
+
+def test_binary_bytes_of_many_tiny_elements_are_refused_before_decoding(example_server: RunningServer) -> None:
+    count = 3_000_000  # 12 MB of empty strings would take ~160 MiB of Python objects
+    header = json.dumps({"inputs": [{"name": "IN", "shape": [count], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": 4 * count}}]}).encode()
+    status, message = error(example_server, "POST", "/v2/models/strings/infer", header + bytes(4 * count),
+                            {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400 and "send fewer, longer elements" in message
+
+
+def test_shared_memory_errors(example_server: RunningServer) -> None:
+    handle = {"b64": base64.b64encode(bytes(64)).decode()}
+    if cuda_device_count() == 0:
+        assert error(example_server, "POST", "/v2/cudasharedmemory/region/r/register",
+                     {"raw_handle": handle, "device_id": 0, "byte_size": 64}) == (
+            400, "failed to register CUDA shared memory region: 'r', GPUs not supported")
+    assert error(example_server, "POST", "/v2/cudasharedmemory/region/r/register", {"raw_handle": "x"}) == (
+        400, "Shared memory register request: 'raw_handle' must be a JSON object")
+    assert error(example_server, "POST", "/v2/systemsharedmemory/region/r/register", {"byte_size": 64}) == (
+        400, "Shared memory register request has no 'key' field")
+    assert error(example_server, "GET", "/v2/systemsharedmemory/region/nope/status") == (
+        404, "Unable to find system shared memory region: 'nope'")
+    assert error(example_server, "GET", "/v2/cudasharedmemory/region/nope/status") == (
+        404, "Unable to find cuda shared memory region: 'nope'")
+    assert call(example_server, "POST", "/v2/cudasharedmemory/unregister")[0] == 200
+
+
+def test_an_unusable_certificate_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "cert.pem").write_text("not a certificate\n")
+    (tmp_path / "key.pem").write_text("not a key\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal", "serve", "--model-repository", str(models.repository(tmp_path, "simple")),
+         "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0",
+         "--http-use-ssl", "true", "--http-server-cert", str(tmp_path / "cert.pem"),
+         "--http-server-key", str(tmp_path / "key.pem")],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_STARTUP_FAILED, result.stderr
+    assert "shoal: error: cannot serve HTTP on 127.0.0.1:" in result.stderr and "SSLError" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_http_port_is_shared_only_on_purpose(tmp_path: Path, server_factory) -> None:
+    """As --reuse-grpc-port: a second server that did not opt in is refused, one that did starts beside."""
+    repo = models.repository(tmp_path, "simple")
+    first = server_factory(repo, "--reuse-http-port", "true")
+    refused = subprocess.run(
+        [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repo), "--grpc-address", "127.0.0.1",
+         "--grpc-port", "0", "--metrics-port", "0", "--http-port", str(first.http_port)],
+        capture_output=True, text=True, timeout=120)
+    assert refused.returncode == EXIT_STARTUP_FAILED and "--reuse-http-port" in refused.stderr
+    second = server_factory(repo, "--http-port", str(first.http_port), "--reuse-http-port", "true")
+    assert second.http_port == first.http_port and second.process.poll() is None
+    assert call(second, "GET", "/v2/health/ready")[0] == 200

@@ -205,7 +205,8 @@ def test_a_model_folder_is_no_repository(tmp_path: Path, caplog: pytest.LogCaptu
     (bare / "3" / "model.onnx").write_bytes(b"")
     with pytest.raises(ShoalError, match="pass its parent folder"):
         scanner.list_models(bare)
-    assert scanner.list_models(EXAMPLES) == ["image_pipeline", "mlp", "mlp_pipeline", "mlp_scale", "preprocess", "simple"]
+    assert scanner.list_models(EXAMPLES) == [
+        "image_pipeline", "mlp", "mlp_pipeline", "mlp_scale", "preprocess", "simple"]
     empty = tmp_path / "empty"
     empty.mkdir()
     with caplog.at_level(logging.WARNING):

@@ -121,8 +121,12 @@ def _accepted_encoding(accept: str) -> str | None:
     offered = set()
     for item in accept.lower().split(","):
         name, _, weight = item.partition(";")
-        if weight.strip().replace(" ", "") not in {"q=0", "q=0.0", "q=0.00", "q=0.000"}:
-            offered.add(name.strip())
+        quality = weight.strip().removeprefix("q=").strip() if weight.strip().startswith("q=") else "1"
+        try:
+            if float(quality) > 0:
+                offered.add(name.strip())
+        except ValueError:
+            continue  # a malformed weight: that coding is not offered
     return next((name for name in ("gzip", "deflate") if name in offered), None)
 
 

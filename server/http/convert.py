@@ -6,12 +6,22 @@ are the gRPC messages' proto3 JSON with their field names, and 64-bit integers a
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from shoal.core import IndexEntry, ModelMetadata, ModelState, RegionStatus, ServerMetadata, StatisticsRow
+from shoal.core import (
+    CudaRegionStatus,
+    IndexEntry,
+    ModelMetadata,
+    ModelState,
+    RegionStatus,
+    ServerMetadata,
+    StatisticsRow,
+)
 from shoal.errors import invalid, shown
 from shoal.protocol import config_pb2
 from shoal.statistics import Duration
@@ -146,8 +156,33 @@ def shared_memory_status(regions: list[RegionStatus]) -> list[dict[str, Any]]:
 
 def shared_memory_register(body: dict[str, Any]) -> tuple[str, int, int]:
     """``{"key": str, "offset": int, "byte_size": int}`` as tritonclient sends it."""
-    key, offset, byte_size = body.get("key"), body.get("offset", 0), body.get("byte_size")
-    if not isinstance(key, str) or not isinstance(offset, int) or not isinstance(byte_size, int) \
-            or isinstance(offset, bool) or isinstance(byte_size, bool):
-        raise invalid("a shared memory registration needs 'key' (a string), 'byte_size' and 'offset' (integers)")
-    return key, offset, byte_size
+    key = _field(body, "key", str)
+    return key, _field(body, "offset", int, 0), _field(body, "byte_size", int)
+
+
+def cuda_shared_memory_status(regions: list[CudaRegionStatus]) -> list[dict[str, Any]]:
+    return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
+
+
+def cuda_shared_memory_register(body: dict[str, Any]) -> tuple[bytes, int, int]:
+    """``{"raw_handle": {"b64": str}, "device_id": int, "byte_size": int}``: the handle's bytes, base64."""
+    handle = _field(body, "raw_handle", dict)
+    encoded = handle.get("b64")
+    if not isinstance(encoded, str):
+        raise invalid("Shared memory register request has no 'b64' field in 'raw_handle'")
+    try:
+        raw_handle = base64.b64decode(encoded, validate=True)
+    except binascii.Error as exc:
+        raise invalid(f"the 'raw_handle' of a shared memory register request is not valid base64: {exc}") from None
+    return raw_handle, _field(body, "device_id", int, 0), _field(body, "byte_size", int)
+
+
+def _field(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    """A field of a register request, in Triton's words when it is missing."""
+    value = body.get(name, default)
+    if value is None:
+        raise invalid(f"Shared memory register request has no '{name}' field")
+    if not isinstance(value, kind) or isinstance(value, bool):
+        what = {"str": "string", "int": "integer", "dict": "object"}[kind.__name__]
+        raise invalid(f"Shared memory register request: '{name}' must be a JSON {what}")
+    return value

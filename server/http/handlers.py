@@ -17,9 +17,12 @@ from shoal.core import Core
 from shoal.errors import unsupported
 from shoal.http import convert, tensors
 from shoal.http.status import HttpError
+from shoal.protocol.types import DataType
 
-# Past this many body bytes, decoding and encoding run on a worker thread, off the event loop.
+# Past this many body bytes (or BYTES elements in the answer: Python work per element), decoding and
+# encoding run on a worker thread, off the event loop; a thread hop costs tens of µs, so not below.
 OFF_LOOP_BYTES = 2**20
+OFF_LOOP_BYTES_ELEMENTS = 16_384
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ async def infer(core: Core, request: Request) -> Reply:
     costly = len(request.body) > OFF_LOOP_BYTES
     inference, binary_outputs = await _run(costly, tensors.infer_request, *_model(request), header, binary)
     response = await core.infer(inference)
-    costly = costly or sum(t.data.nbytes for t in response.outputs) > OFF_LOOP_BYTES
+    costly = costly or sum(t.data.nbytes for t in response.outputs) > OFF_LOOP_BYTES or sum(
+        t.data.size for t in response.outputs if t.datatype is DataType.BYTES) > OFF_LOOP_BYTES_ELEMENTS
     body, header_length = await _run(costly, tensors.infer_response, response, binary_outputs)
     if header_length is None:
         return Reply(body=body)
@@ -133,6 +137,23 @@ async def shared_memory_unregister(core: Core, request: Request) -> Reply:
     return Reply()
 
 
+async def cuda_shared_memory_status(core: Core, request: Request) -> Reply:
+    regions = await core.cuda_shared_memory_status(request.path.get("region") or "")
+    return _json(convert.cuda_shared_memory_status(regions))
+
+
+async def cuda_shared_memory_register(core: Core, request: Request) -> Reply:
+    raw_handle, device_id, byte_size = convert.cuda_shared_memory_register(
+        convert.parse_object(request.body, "register"))
+    await core.register_cuda_shared_memory(request.path["region"], raw_handle, device_id, byte_size)
+    return Reply()
+
+
+async def cuda_shared_memory_unregister(core: Core, request: Request) -> Reply:
+    await core.unregister_cuda_shared_memory(request.path.get("region") or "")
+    return Reply()
+
+
 def _unsupported(what: str) -> Callable[[Core, Request], Awaitable[Reply]]:
     async def handler(core: Core, request: Request) -> Reply:
         raise unsupported(what)
@@ -163,11 +184,10 @@ ROUTES: list[tuple[re.Pattern[str], str, Handler, str]] = [
         ("/v2/systemsharedmemory/region/(?P<region>[^/]+)/register", "POST", shared_memory_register,
          "shared-memory"),
         ("/v2/systemsharedmemory" + _REGION + "/unregister", "POST", shared_memory_unregister, "shared-memory"),
-        ("/v2/cudasharedmemory" + _REGION + "/status", "GET", _unsupported("CUDA shared memory"), "shared-memory"),
-        ("/v2/cudasharedmemory/region/(?P<region>[^/]+)/register", "POST", _unsupported("CUDA shared memory"),
+        ("/v2/cudasharedmemory" + _REGION + "/status", "GET", cuda_shared_memory_status, "shared-memory"),
+        ("/v2/cudasharedmemory/region/(?P<region>[^/]+)/register", "POST", cuda_shared_memory_register,
          "shared-memory"),
-        ("/v2/cudasharedmemory" + _REGION + "/unregister", "POST", _unsupported("CUDA shared memory"),
-         "shared-memory"),
+        ("/v2/cudasharedmemory" + _REGION + "/unregister", "POST", cuda_shared_memory_unregister, "shared-memory"),
         ("/v2/trace/setting", "GET|POST", _unsupported("trace settings"), "trace"),
         (_MODEL + "/trace/setting", "GET|POST", _unsupported("trace settings"), "trace"),
         ("/v2/logging", "GET|POST", _unsupported("log settings"), "logging"),

@@ -74,8 +74,8 @@ class HttpServer:
         port: int = sock.getsockname()[1]
         tls = self.settings.tls
         config = uvicorn.Config(
-            self.app, http="httptools", ws="none", lifespan="off", access_log=False, log_config=None,
-            server_header=False, backlog=BACKLOG, timeout_keep_alive=KEEP_ALIVE_S,
+            self.app, http="httptools", ws="none", lifespan="off", interface="asgi3", access_log=False,
+            log_config=None, server_header=False, proxy_headers=False, backlog=BACKLOG, timeout_keep_alive=KEEP_ALIVE_S,
             ssl_certfile=tls.server_cert if tls else None, ssl_keyfile=tls.server_key if tls else None,
             ssl_ca_certs=str(tls.root_cert) if tls and tls.root_cert else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.mutual else ssl.CERT_NONE,
@@ -87,7 +87,11 @@ class HttpServer:
         while not self._server.started:
             if self._task.done() or asyncio.get_running_loop().time() > deadline:
                 sock.close()
-                raise StartupError(f"cannot serve HTTP on {self.settings.address}:{port}: the server did not start")
+                failed = self._task.done() and not self._task.cancelled() and self._task.exception()
+                why = f"{type(failed).__name__}: {failed}" if failed else "the server did not start"
+                self._task.cancel()
+                self._server = self._task = None  # nothing to stop
+                raise StartupError(f"cannot serve HTTP on {self.settings.address}:{port}: {why}")
             await asyncio.sleep(0.005)
         return port
 

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.INVALID_ARGUMENT: 400,
-    ErrorCode.NOT_FOUND: 400,  # an unknown output or shared-memory region: Triton's core says INVALID_ARG
+    ErrorCode.NOT_FOUND: 404,  # a shared-memory region
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.UNSUPPORTED: 501,

@@ -54,6 +54,7 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
         raise invalid("Unable to parse 'inputs': attempt to access non-existing object member 'inputs'")
     parameters = _object(document.get("parameters", {}), "parameters")
     binary_default = parameters.pop("binary_data_output", False)
+    _check_bytes_cost(model, inputs_json)
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
     offset = 0
@@ -77,6 +78,34 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
         requested_outputs=requested, parameters=parameters, class_counts=class_counts,
         region_inputs=tuple(region_inputs), output_regions=output_regions,
     ), binary_outputs
+
+
+# As the gRPC path (grpc/convert.py check_bytes_cost): a decoded BYTES element costs about 56 bytes of
+# Python objects and at least 4 on the wire, so binary BYTES inputs of many short elements are refused
+# before decoding unless those objects stay within 4 times their payload or 128 MiB.
+BYTES_OBJECT_BYTES = 56
+MAX_BYTES_OBJECTS_PER_PAYLOAD = 4
+BYTES_OBJECTS_FLOOR = 128 * 2**20
+
+
+def _check_bytes_cost(model: str, inputs_json: list[Any]) -> None:
+    elements = payload = 0
+    for entry in inputs_json:
+        if not isinstance(entry, dict) or entry.get("datatype") != DataType.BYTES.value:
+            continue
+        parameters, shape = entry.get("parameters"), entry.get("shape")
+        size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+        if isinstance(size, int) and size > 0 and isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+            elements += min(max(0, math.prod(shape)), size // 4)
+            payload += size
+    cost = elements * BYTES_OBJECT_BYTES
+    allowed = max(BYTES_OBJECTS_FLOOR, MAX_BYTES_OBJECTS_PER_PAYLOAD * payload)
+    if cost > allowed:
+        raise invalid(
+            f"the BYTES inputs of this request for model '{shown(model)}' hold up to {elements} elements in "
+            f"{payload} bytes: decoded, they would take about {cost // 2**20} MiB, more than the "
+            f"{allowed // 2**20} MiB allowed; send fewer, longer elements, or split the request"
+        )
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:

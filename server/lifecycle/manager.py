@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextvars
 import logging
 import re
 from collections.abc import Callable, Collection, Iterable

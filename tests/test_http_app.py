@@ -1,0 +1,115 @@
+"""Every HTTP route runs under the one guard and the restriction check: called in process, over a
+core whose every call fails, each answers Triton's error body with the status from the one table.
+
+(The endpoints' behaviour is tested against real servers in test_http.py and test_http_errors.py;
+this checks the property over the whole route table, which no list of requests can keep up with.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import pytest
+
+from shoal.errors import ErrorCode, ShoalError
+from shoal.http.app import HttpApp
+from shoal.http.handlers import ROUTES
+from shoal.http.status import STATUS_BY_CODE
+from shoal.settings import RESTRICTION_CATEGORIES, Restriction
+
+
+def _body(path: str) -> bytes:
+    """A body each POST route accepts, so the call reaches the core."""
+    if path.endswith("/infer"):
+        return b'{"inputs": []}'
+    if path.startswith("/v2/cudasharedmemory") and path.endswith("/register"):
+        return b'{"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 8}'
+    if path.endswith("/register"):
+        return b'{"key": "/k", "offset": 0, "byte_size": 8}'
+    return b"{}"
+
+
+class FailingCore:
+    """A ``Core`` whose every call raises ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            raise self.error
+
+        return call
+
+
+def _concrete(pattern: re.Pattern[str]) -> str:
+    """A path the pattern matches, every named part filled in."""
+    path = re.sub(r"\(\?:/versions/\(\?P<version>\[\^/\]\+\)\)\?", "/versions/1", pattern.pattern)
+    path = re.sub(r"\(\?:/region/\(\?P<region>\[\^/\]\+\)\)\?", "/region/r", path)
+    path = re.sub(r"\(\?P<(\w+)>\[\^/\]\+\)", lambda m: m[1], path)
+    assert pattern.fullmatch(path), (pattern.pattern, path)
+    return path
+
+
+def _request(app: HttpApp, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+             ) -> tuple[int, dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path,
+             "headers": [(k.encode(), v.encode()) for k, v in (headers or {}).items()]}
+    asyncio.run(app(scope, receive, send))
+    start, content = sent
+    assert dict(start["headers"])[b"content-type"] == b"application/json"
+    return start["status"], json.loads(content["body"])
+
+
+CASES = [(pattern, method) for pattern, methods, _, _ in ROUTES for method in methods.split("|")]
+
+
+@pytest.mark.parametrize(("pattern", "method"), CASES, ids=[f"{m} {p.pattern}" for p, m in CASES])
+def test_an_unexpected_error_is_500_with_triton_s_body(pattern: re.Pattern[str], method: str) -> None:
+    core = FailingCore(RuntimeError("boom"))
+    path = _concrete(pattern)
+    status, body = _request(HttpApp(core, 1 << 20), method, path, _body(path))
+    if core.calls:  # routes Shoal does not implement answer 501 without asking the core
+        assert (status, body) == (500, {"error": "internal error: RuntimeError: boom"})
+    else:
+        assert status == 501 and body["error"].endswith("is not supported by this server")
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_each_error_code_has_its_status(code: ErrorCode) -> None:
+    core = FailingCore(ShoalError(code, "why"))
+    assert _request(HttpApp(core, 1 << 20), "GET", "/v2/models/m/config") == (STATUS_BY_CODE[code], {"error": "why"})
+
+
+@pytest.mark.parametrize(("pattern", "method", "category"),
+                         [(p, m, c) for p, methods, _, c in ROUTES for m in methods.split("|")])
+def test_every_route_is_in_a_restriction_category(pattern: re.Pattern[str], method: str, category: str) -> None:
+    assert category in RESTRICTION_CATEGORIES
+    core = FailingCore(RuntimeError("never called"))
+    app = HttpApp(core, 1 << 20, (Restriction(frozenset({category}), "k", "v"),))
+    assert _request(app, method, _concrete(pattern), _body(_concrete(pattern))) == (
+        403, {"error": "This API is restricted, expecting header 'k'"})
+    assert core.calls == []
+
+
+@pytest.mark.parametrize(("accept", "chosen"), [
+    ("gzip", "gzip"), ("deflate;q=0, gzip", "gzip"), ("gzip;q=0, deflate", "deflate"), ("gzip;q=0.0", None),
+    ("identity", None), ("br, deflate;q=0.5", "deflate"), ("gzip;q=abc", None), ("GZIP ; q=1", "gzip"),
+])
+def test_accept_encoding_weights(accept: str, chosen: str | None) -> None:
+    from shoal.http.app import _accepted_encoding
+
+    assert _accepted_encoding(accept) == chosen
