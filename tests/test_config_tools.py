@@ -209,7 +209,7 @@ def test_check_reports_each_class_of_error(tmp_path: Path) -> None:
 def test_check_passes_the_shipped_repository() -> None:
     result = shoal("config", "check", str(EXAMPLES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "6 ok, 0 failed" in result.stderr
+    assert "7 ok, 0 failed" in result.stderr
 
 
 RICH_CONFIG_EXTRA = """

@@ -53,7 +53,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     pm.add_add_sub(repo, "threads_with_timeout", extra=THREADS + "\n" + _timeout(1000))
     pm.write_model(repo, "double", pm.DOUBLE_CONFIG, pm.DOUBLE)
     pm.write_model(repo, "bls_double", pm.DOUBLE_CONFIG, pm.BLS_DOUBLE)
-    pm.add_add_sub(repo, "decoupled", extra="model_transaction_policy { decoupled: true }")
     sequence = pm.add_add_sub(repo, "sequence")
     config = (sequence / "config.pbtxt").read_text().replace("dynamic_batching", "sequence_batching")
     (sequence / "config.pbtxt").write_text(config.replace("max_queue_delay_microseconds: 0", ""))
@@ -198,7 +197,6 @@ def test_load_errors_name_the_traceback_s_last_line(client: grpcclient.Inference
     assert index["import_error"]["reason"].startswith("ModuleNotFoundError: No module named 'no_such_module_xyz'")
     assert "import_error/1/model.py(2): <module>" in index["import_error"]["reason"]
     assert "process_instances: true" in index["threads_with_timeout"]["reason"]
-    assert "decoupled Python models" in index["decoupled"]["reason"] and index["decoupled"]["state"] == "UNAVAILABLE"
     assert "sequence_batching for Python models" in index["sequence"]["reason"]
     assert not client.is_model_ready("syntax_error")
 

@@ -206,7 +206,7 @@ def test_a_model_folder_is_no_repository(tmp_path: Path, caplog: pytest.LogCaptu
     with pytest.raises(ShoalError, match="pass its parent folder"):
         scanner.list_models(bare)
     assert scanner.list_models(EXAMPLES) == [
-        "image_pipeline", "mlp", "mlp_pipeline", "mlp_scale", "preprocess", "simple"]
+        "image_pipeline", "mlp", "mlp_pipeline", "mlp_scale", "preprocess", "repeat", "simple"]
     empty = tmp_path / "empty"
     empty.mkdir()
     with caplog.at_level(logging.WARNING):

@@ -128,7 +128,8 @@ class CoreHost:
         until the final one; an ERROR instead when the request fails before (or cancelled)."""
         try:
             async for part in self.core.infer_stream(await self._request(header, slots)):
-                names, block, out = None, tensors.NO_BLOCK, []
+                names, block = None, tensors.NO_BLOCK
+                out: list[tensors.Slot] = []
                 if part.response is not None:
                     response = part.response
                     names = (response.model_name, response.model_version, response.id)

@@ -179,7 +179,8 @@ class RemoteCore:
         response = None
         if names is not None:
             outputs = tensors.unpack(self.responses, slots, lambda: self._release(block))
-            response = InferResponse(*names, outputs)
+            model_name, model_version, response_id = names
+            response = InferResponse(model_name, model_version, response_id, outputs)
         stream.put(StreamedResponse(response, final, error))
 
     async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:

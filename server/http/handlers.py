@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.core import Core
-from shoal.errors import unsupported
+from shoal.core import DECOUPLED_REFUSED, Core
+from shoal.errors import ShoalError, unsupported
 from shoal.http import convert, tensors
 from shoal.http.status import HttpError
 from shoal.protocol.types import DataType
@@ -89,7 +89,12 @@ async def infer(core: Core, request: Request) -> Reply:
     header, binary = tensors.split_body(request.body, request.headers.get(tensors.HEADER_LENGTH))
     costly = len(request.body) > OFF_LOOP_BYTES
     inference, binary_outputs = await _run(costly, tensors.infer_request, *_model(request), header, binary)
-    response = await core.infer(inference)
+    try:
+        response = await core.infer(inference)
+    except ShoalError as exc:  # Triton's HTTP words for a decoupled model (http_server.cc)
+        if exc.message != DECOUPLED_REFUSED:
+            raise
+        raise ShoalError(exc.code, "HTTP end point doesn't support models with decoupled transaction policy") from None
     costly = costly or sum(t.data.nbytes for t in response.outputs) > OFF_LOOP_BYTES or sum(
         t.data.size for t in response.outputs if t.datatype is DataType.BYTES) > OFF_LOOP_BYTES_ELEMENTS
     body, header_length = await _run(costly, tensors.infer_response, response, binary_outputs)

@@ -24,9 +24,6 @@ def build_python_instances(spec: ModelSpec, model_file: Path, placements: list[P
     if spec.sequence_batching is not None:
         raise load_failed(f"model '{spec.name}': sequence_batching for Python models is not supported by this "
                           "server yet")
-    if spec.config_json.get("model_transaction_policy", {}).get("decoupled"):
-        raise load_failed(f"model '{spec.name}': decoupled Python models (model_transaction_policy "
-                          "{ decoupled: true }) are not supported by this server yet")
     names = iter([instance_name(placement, index) for placement in placements for index in range(placement.count)])
     version = version_of(model_file)
 

@@ -198,12 +198,17 @@ def _run_decoupled(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas:
         feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
         items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters))
     cancelled: set[int] = set()
+    lock = threading.Lock()
+    batch_open = [True]  # a response sent after DONE (by a cancelled request's thread) is dropped
 
     def emit(index: int, outcome: runner.Outcome | None, final: bool) -> None:
-        if outcome is None:
-            conn.send((RESPONSE, index, None, "", "", final))
-        else:
-            conn.send((RESPONSE, index, outcome.outputs, outcome.error, outcome.code, final))
+        with lock:
+            if not batch_open[0]:
+                return
+            if outcome is None:
+                conn.send((RESPONSE, index, None, "", "", final))
+            else:
+                conn.send((RESPONSE, index, outcome.outputs, outcome.error, outcome.code, final))
 
     def is_cancelled(index: int) -> bool:
         while conn.poll(0):  # only cancellations come while a batch waits for its FINAL flags
@@ -217,6 +222,8 @@ def _run_decoupled(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas:
         model.execute_decoupled(items, emit, is_cancelled)
     finally:
         link.stop_reading()
+        with lock:
+            batch_open[0] = False
     return (DONE, [([], "", "") for _ in requests])
 
 

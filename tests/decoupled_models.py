@@ -1,0 +1,88 @@
+"""Decoupled Python models written as a Triton user writes them, for tests/test_decoupled.py.
+
+``repeat`` is the shipped example (model_repository/repeat); ``square`` is Triton's other
+decoupled example (n responses of n for an input n, then a FINAL flag on its own), and the
+faulty ones send an error response mid-stream or return responses from ``execute``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tests import models, python_models
+
+THREADS = 'parameters { key: "process_instances" value: { string_value: "false" } }'
+
+SQUARE_CONFIG = """
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+"""
+
+# n responses of n, sent from execute itself, then the FINAL flag alone (no response with it).
+SQUARE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            sender = request.get_response_sender()
+            for _ in range(n):
+                out = pb_utils.Tensor("OUT", np.array([n], dtype=np.int32))
+                sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+# Two responses, an error response, one more response with FINAL; a send after FINAL is refused.
+FAILS_MIDWAY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            for n in (1, 2):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([n], dtype=np.int32))]))
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("the third one failed")))
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([4], dtype=np.int32))]),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            try:
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([5], dtype=np.int32))]))
+            except pb_utils.TritonModelException as exc:
+                pb_utils.Logger.log_info("refused after FINAL: " + str(exc))
+        return None
+"""
+
+# A decoupled model whose execute returns responses, as a model that is not decoupled does.
+RETURNS_RESPONSES = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], dtype=np.int32))])
+                for _ in requests]
+"""
+
+
+def add_models(repo: Path) -> None:
+    """repeat (process instances, as shipped, and thread instances), square, and the faulty models."""
+    models.copy_example(repo, "repeat")
+    shutil.copytree(repo / "repeat", repo / "repeat_thread")
+    config = repo / "repeat_thread" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "repeat"', 'name: "repeat_thread"') + THREADS + "\n")
+    python_models.write_model(repo, "square", SQUARE_CONFIG, SQUARE)
+    python_models.write_model(repo, "square_thread", SQUARE_CONFIG + THREADS, SQUARE)
+    python_models.write_model(repo, "fails_midway", SQUARE_CONFIG, FAILS_MIDWAY)
+    python_models.write_model(repo, "returns_responses", SQUARE_CONFIG, RETURNS_RESPONSES)

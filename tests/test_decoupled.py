@@ -1,0 +1,183 @@
+"""Decoupled Python models (issue 14 part 2): zero or more responses per request over ModelStreamInfer.
+
+The models are Triton's decoupled examples as a user writes them (tests/decoupled_models.py, the
+shipped model_repository/repeat), served in both process layouts and with process and thread
+instances, and called through tritonclient's ``start_stream`` / ``async_stream_infer``.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests import decoupled_models
+from tests.conftest import RunningServer, start_server
+
+TAKE_TIMEOUT_S = 30.0
+Item = tuple[Any, Any]  # (InferResult | None, InferenceServerException | None), as the callback gets them
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
+    repo = tmp_path_factory.mktemp("repo")
+    decoupled_models.add_models(repo)
+    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
+    yield running
+    assert running.stop() == 0, running.log()
+
+
+class Stream:
+    """One bidirectional stream of a tritonclient client; what arrives is queued in arrival order."""
+
+    def __init__(self, client: grpcclient.InferenceServerClient) -> None:
+        self.client = client
+        self.arrived: queue.Queue[Item] = queue.Queue()
+        client.start_stream(callback=lambda result, error: self.arrived.put((result, error)))
+
+    def send(self, model: str, request_id: str, **arrays: np.ndarray) -> None:
+        self.send_with(model, request_id, False, **arrays)
+
+    def send_with(self, model: str, request_id: str, empty_final: bool, **arrays: np.ndarray) -> None:
+        inputs = []
+        for name, array in arrays.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), "INT32" if array.dtype == np.int32 else "UINT32")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=empty_final)
+
+    def take(self, count: int) -> list[Item]:
+        return [self.arrived.get(timeout=TAKE_TIMEOUT_S) for _ in range(count)]
+
+    def nothing_more(self, wait_s: float = 0.3) -> bool:
+        """No further message within ``wait_s`` (used only after everything expected has arrived)."""
+        try:
+            self.arrived.get(timeout=wait_s)
+        except queue.Empty:
+            return True
+        return False
+
+
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[grpcclient.InferenceServerClient]:
+    with grpcclient.InferenceServerClient(server.url) as opened:
+        yield opened
+        opened.stop_stream()
+
+
+def _final(item: Item) -> bool:
+    result, error = item
+    assert error is None, error
+    return bool(result.get_response().parameters["triton_final_response"].bool_param)
+
+
+def _repeat_inputs(values: list[int], delay_ms: int) -> dict[str, np.ndarray]:
+    return {"IN": np.array(values, dtype=np.int32), "DELAY": np.full(len(values), delay_ms, dtype=np.uint32)}
+
+
+@pytest.mark.parametrize("model", ["repeat", "repeat_thread"])
+def test_repeat_sends_each_element_then_final(client: grpcclient.InferenceServerClient, model: str) -> None:
+    stream = Stream(client)
+    stream.send(model, "r1", **_repeat_inputs([4, 2, 0, 7], 5))
+    items = stream.take(4)
+    assert [int(result.as_numpy("OUT")[0]) for result, _ in items] == [4, 2, 0, 7]
+    assert [int(result.as_numpy("IDX")[0]) for result, _ in items] == [0, 1, 2, 3]
+    assert all(result.get_response().id == "r1" for result, _ in items)
+    assert not any(_final(item) for item in items)  # the model sends FINAL on its own, not asked for here
+    assert stream.nothing_more()
+
+    stream.send_with(model, "r2", True, **_repeat_inputs([9], 0))
+    first, last = stream.take(2)
+    assert int(first[0].as_numpy("OUT")[0]) == 9 and not _final(first)
+    assert _final(last) and last[0].get_response().id == "r2" and not last[0].get_response().outputs
+
+
+@pytest.mark.parametrize("model", ["square", "square_thread"])
+def test_square_answers_n_times_and_zero_times(client: grpcclient.InferenceServerClient, model: str) -> None:
+    stream = Stream(client)
+    stream.send_with(model, "three", True, IN=np.array([3], dtype=np.int32))
+    items = stream.take(4)
+    assert [int(result.as_numpy("OUT")[0]) for result, _ in items[:3]] == [3, 3, 3]
+    assert [_final(item) for item in items] == [False, False, False, True]
+
+    stream.send_with(model, "zero", True, IN=np.array([0], dtype=np.int32))  # no response, only the flag
+    (final,) = stream.take(1)
+    assert _final(final) and final[0].get_response().id == "zero" and not final[0].get_response().outputs
+    stream.send(model, "zero-quiet", IN=np.array([0], dtype=np.int32))  # not asked for: nothing at all
+    stream.send(model, "one", IN=np.array([1], dtype=np.int32))
+    (one,) = stream.take(1)
+    assert one[0].get_response().id == "one"
+    assert stream.nothing_more()
+
+
+def test_many_requests_in_flight_on_one_stream_are_answered_as_they_come(
+        client: grpcclient.InferenceServerClient) -> None:
+    stream = Stream(client)
+    stream.send("repeat_thread", "slow", **_repeat_inputs([1, 2, 3], 300))
+    for index in range(8):
+        stream.send("square_thread", f"quick{index}", IN=np.array([2], dtype=np.int32))
+    items = stream.take(3 + 8 * 2)
+    ids = [result.get_response().id for result, _ in items]
+    assert ids[-1] == "slow"  # the slow request's last response comes after every quick one
+    assert ids.count("slow") == 3 and all(ids.count(f"quick{index}") == 2 for index in range(8))
+    assert ids.index(f"quick{7}") < ids.index("slow") + 3  # quick answers do not wait for the slow request
+    assert [int(r.as_numpy("OUT")[0]) for r, _ in items if r.get_response().id == "slow"] == [1, 2, 3]
+
+
+def test_an_error_mid_stream_and_a_send_after_final(client: grpcclient.InferenceServerClient,
+                                                    server: RunningServer) -> None:
+    stream = Stream(client)
+    stream.send("fails_midway", "f", IN=np.array([0], dtype=np.int32))
+    items = stream.take(4)
+    assert int(items[0][0].as_numpy("OUT")[0]) == 1 and int(items[1][0].as_numpy("OUT")[0]) == 2
+    assert items[2][0] is None and "the third one failed" in items[2][1].message()
+    assert int(items[3][0].as_numpy("OUT")[0]) == 4 and _final(items[3])
+    assert stream.nothing_more()
+    assert "Unable to send response. Response sender has been closed." in server.log()
+
+
+def test_execute_returning_responses_fails_the_request(client: grpcclient.InferenceServerClient) -> None:
+    stream = Stream(client)
+    stream.send("returns_responses", "x", IN=np.array([0], dtype=np.int32))
+    ((result, error),) = stream.take(1)
+    assert result is None and "is using the decoupled mode and the execute function must return None" in error.message()
+
+
+def test_model_infer_on_a_decoupled_model_is_refused(client: grpcclient.InferenceServerClient,
+                                                     server: RunningServer) -> None:
+    tensor = grpcclient.InferInput("IN", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([1], dtype=np.int32))
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("square", [tensor])
+    assert caught.value.message() == "ModelInfer RPC doesn't support models with decoupled transaction policy"
+    assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
+    with httpclient.InferenceServerClient(server.http_url) as http:
+        http_tensor = httpclient.InferInput("IN", [1], "INT32")
+        http_tensor.set_data_from_numpy(np.array([1], dtype=np.int32))
+        with pytest.raises(InferenceServerException) as refused:
+            http.infer("square", [http_tensor])
+    assert "HTTP end point doesn't support models with decoupled transaction policy" in refused.value.message()
+
+
+def test_a_stream_cancelled_mid_request_frees_the_instance(server: RunningServer, tmp_path: Path) -> None:
+    with grpcclient.InferenceServerClient(server.url) as first:
+        stream = Stream(first)
+        stream.send("repeat", "long", **_repeat_inputs(list(range(100)), 100))  # 10 s of responses
+        stream.take(1)
+        first.stop_stream(cancel_requests=True)
+    with grpcclient.InferenceServerClient(server.url) as second:
+        again = Stream(second)
+        started = time.monotonic()
+        again.send("repeat", "next", **_repeat_inputs([5], 0))  # the one instance is free again
+        ((result, error),) = again.take(1)
+        assert error is None and int(result.as_numpy("OUT")[0]) == 5
+        assert time.monotonic() - started < 5.0
+        second.stop_stream()
