@@ -76,6 +76,7 @@ def client(server: RunningServer) -> Iterator[grpcclient.InferenceServerClient]:
 def _final(item: Item) -> bool:
     result, error = item
     assert error is None, error
+    assert "triton_final_response" in result.get_response().parameters  # on every response, as Triton's
     return bool(result.get_response().parameters["triton_final_response"].bool_param)
 
 

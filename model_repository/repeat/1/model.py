@@ -17,8 +17,9 @@ class TritonPythonModel:
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
-            raise pb_utils.TritonModelException(
-                "model {} must be decoupled (model_transaction_policy {{ decoupled: true }})".format(args["model_name"]))
+            name = args["model_name"]
+            raise pb_utils.TritonModelException(f"model {name} must be decoupled (model_transaction_policy "
+                                                "{ decoupled: true })")
         self.threads = []
         self.lock = threading.Lock()
 
@@ -29,7 +30,7 @@ class TritonPythonModel:
             if values.shape != delays.shape:
                 request.get_response_sender().send(
                     pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                        "IN and DELAY must have the same shape, got {} and {}".format(values.shape, delays.shape))),
+                        f"IN and DELAY must have the same shape, got {values.shape} and {delays.shape}")),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             thread = threading.Thread(target=self.respond, args=(request.get_response_sender(), values, delays),
@@ -41,7 +42,7 @@ class TritonPythonModel:
 
     def respond(self, sender, values, delays):
         try:
-            for index, (value, delay) in enumerate(zip(values, delays)):
+            for index, (value, delay) in enumerate(zip(values, delays, strict=True)):
                 if sender.is_cancelled():
                     break
                 time.sleep(int(delay) / 1000)
