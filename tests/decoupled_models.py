@@ -76,6 +76,24 @@ class TritonPythonModel:
 """
 
 
+# One response, and no FINAL flag unless the input is 1 (after a first request that never ends).
+NEVER_FINAL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            sender = request.get_response_sender()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([n], dtype=np.int32))]),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if n == 1 else 0)
+        return None
+"""
+EXECUTION_TIMEOUT = 'parameters { key: "execution_timeout_ms" value: { string_value: "1000" } }'
+
+
 def add_models(repo: Path) -> None:
     """repeat (process instances, as shipped, and thread instances), square, and the faulty models."""
     models.copy_example(repo, "repeat")
@@ -86,3 +104,5 @@ def add_models(repo: Path) -> None:
     python_models.write_model(repo, "square_thread", SQUARE_CONFIG + THREADS, SQUARE)
     python_models.write_model(repo, "fails_midway", SQUARE_CONFIG, FAILS_MIDWAY)
     python_models.write_model(repo, "returns_responses", SQUARE_CONFIG, RETURNS_RESPONSES)
+    one_instance = SQUARE_CONFIG.replace("count: 2", "count: 1")
+    python_models.write_model(repo, "never_final", one_instance + EXECUTION_TIMEOUT, NEVER_FINAL)

@@ -152,6 +152,19 @@ def test_execute_returning_responses_fails_the_request(client: grpcclient.Infere
     assert result is None and "is using the decoupled mode and the execute function must return None" in error.message()
 
 
+def test_a_request_never_finished_is_bounded_by_the_execution_timeout(
+        client: grpcclient.InferenceServerClient) -> None:
+    """In process mode ``execution_timeout_ms`` bounds the wait for FINAL: the instance is restarted."""
+    stream = Stream(client)
+    stream.send("never_final", "stuck", IN=np.array([0], dtype=np.int32))
+    (first, failed) = stream.take(2)
+    assert int(first[0].as_numpy("OUT")[0]) == 0
+    assert failed[0] is None and "execution_timeout_ms" in failed[1].message()
+    stream.send_with("never_final", "done", True, IN=np.array([1], dtype=np.int32))  # the new instance serves
+    (answer,) = stream.take(1)
+    assert int(answer[0].as_numpy("OUT")[0]) == 1 and _final(answer)
+
+
 def test_model_infer_on_a_decoupled_model_is_refused(client: grpcclient.InferenceServerClient,
                                                      server: RunningServer) -> None:
     tensor = grpcclient.InferInput("IN", [1], "INT32")

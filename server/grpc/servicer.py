@@ -75,7 +75,9 @@ class InferenceServicer:
         back. When the client half-closes, every request in flight is answered, then the stream ends;
         if it cancels, they are cancelled. A request of a sequence (``sequence_id``) starts only once the
         stream's previous request of that sequence is answered, so a sequence runs in the order sent
-        (Triton's sequence batcher relies on it), in either process layout.
+        (Triton's sequence batcher relies on it), in either process layout. A request to a decoupled
+        model (asked of the core once per model on a stream) holds its slot until its final response;
+        its responses go out as they come, behind any ordered answer already queued.
         """
         slots = asyncio.Semaphore(MAX_IN_FLIGHT_PER_STREAM)
         # Answers in the order they are written, each with whether writing it frees a slot; None: the
