@@ -94,6 +94,43 @@ class TritonPythonModel:
 EXECUTION_TIMEOUT = 'parameters { key: "execution_timeout_ms" value: { string_value: "1000" } }'
 
 
+BLS_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "VALUES" data_type: TYPE_INT32 dims: [ -1 ] }, { name: "ERRORS" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# BLS into a decoupled model: square for N >= 0, fails_midway for N < 0; every value it streamed
+# back and how many responses were errors (the last response may be empty: the FINAL flag alone).
+BLS_DECOUPLED = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            n = pb_utils.get_input_tensor_by_name(request, "N").as_numpy()
+            call = pb_utils.InferenceRequest(
+                model_name="fails_midway" if n[0] < 0 else "square", requested_output_names=["OUT"],
+                inputs=[pb_utils.Tensor("IN", np.abs(n).astype(np.int32))])
+            values, errors = [], 0
+            for response in call.exec(decoupled=True):
+                if response.has_error():
+                    errors += 1
+                    continue
+                out = pb_utils.get_output_tensor_by_name(response, "OUT")
+                if out is not None:
+                    values.append(int(out.as_numpy()[0]))
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("VALUES", np.array(values, dtype=np.int32)),
+                pb_utils.Tensor("ERRORS", np.array([errors], dtype=np.int32))]))
+        return responses
+"""
+
+
 def add_models(repo: Path) -> None:
     """repeat (process instances, as shipped, and thread instances), square, and the faulty models."""
     models.copy_example(repo, "repeat")
@@ -104,5 +141,7 @@ def add_models(repo: Path) -> None:
     python_models.write_model(repo, "square_thread", SQUARE_CONFIG + THREADS, SQUARE)
     python_models.write_model(repo, "fails_midway", SQUARE_CONFIG, FAILS_MIDWAY)
     python_models.write_model(repo, "returns_responses", SQUARE_CONFIG, RETURNS_RESPONSES)
+    python_models.write_model(repo, "bls_decoupled", BLS_CONFIG, BLS_DECOUPLED)
+    python_models.write_model(repo, "bls_decoupled_thread", BLS_CONFIG + THREADS, BLS_DECOUPLED)
     one_instance = SQUARE_CONFIG.replace("count: 2", "count: 1")
     python_models.write_model(repo, "never_final", one_instance + EXECUTION_TIMEOUT, NEVER_FINAL)

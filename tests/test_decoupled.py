@@ -165,6 +165,20 @@ def test_a_request_never_finished_is_bounded_by_the_execution_timeout(
     assert int(answer[0].as_numpy("OUT")[0]) == 1 and _final(answer)
 
 
+@pytest.mark.parametrize("model", ["bls_decoupled", "bls_decoupled_thread"])
+def test_bls_exec_decoupled_iterates_the_responses(client: grpcclient.InferenceServerClient, model: str) -> None:
+    def call(n: int) -> tuple[list[int], int]:
+        tensor = grpcclient.InferInput("N", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([n], dtype=np.int32))
+        result = client.infer(model, [tensor])
+        return result.as_numpy("VALUES").tolist(), int(result.as_numpy("ERRORS")[0])
+
+    assert call(3) == ([3, 3, 3], 0)
+    assert call(0) == ([], 0)
+    # fails_midway sends 1, 2, an error, then 4 with FINAL: Triton's iterator leaves the error out
+    assert call(-1) == ([1, 2, 4], 0)
+
+
 def test_model_infer_on_a_decoupled_model_is_refused(client: grpcclient.InferenceServerClient,
                                                      server: RunningServer) -> None:
     tensor = grpcclient.InferInput("IN", [1], "INT32")

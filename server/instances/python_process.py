@@ -6,7 +6,8 @@ execution timeout and liveness checks. What differs is the conversation for a ba
 
     server → worker  (RUN_REQUESTS, [(input slots, outputs, request id, correlation id, parameters)])
     worker → server  (BLS, call id, BlsCall, input slots)  a model's request to another model, any number
-    server → worker  (BLS_REPLY, call id, BlsResult, output slots)  as each of those finishes
+    server → worker  (BLS_REPLY, call id, BlsResult, output slots, final)  as each of those finishes
+                                                     (exec(decoupled=True): one per response)
     worker → server  (RESPONSE, index, outputs, error, code, final)  a decoupled model's responses
     server → worker  (CANCEL_REQUEST, index)          a decoupled request's client gave up
     worker → server  (GROW, bytes)                   the outputs need a bigger arena
@@ -32,7 +33,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from multiprocessing import connection
 from pathlib import Path
@@ -84,6 +85,7 @@ class PipeLink:
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future[bls.BlsResult]] = {}
         self._results: dict[int, bls.BlsResult] = {}
+        self._parts: dict[int, list[tuple[bls.BlsResult, bool]]] = {}  # exec(decoupled=True) calls
         self._reading: asyncio.AbstractEventLoop | None = None
         self._offset = 0  # where the next BLS call's inputs go in the responses arena
 
@@ -96,6 +98,19 @@ class PipeLink:
         while call_id not in self._results:
             self._dispatch(self._conn.recv())
         return bls.response_of(self._results.pop(call_id))
+
+    def infer_stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
+        """``exec(decoupled=True)``: the responses as they come over the pipe, read while iterating."""
+        call_id = self._send(request, decoupled=True)
+        parts = self._parts[call_id] = []
+        while True:
+            while not parts:
+                self._dispatch(self._conn.recv())
+            result, final = parts.pop(0)
+            yield bls.response_of(result)
+            if final:
+                del self._parts[call_id]
+                return
 
     def infer_async(self, request: pb_utils.InferenceRequest) -> Any:
         loop = asyncio.get_running_loop()
@@ -117,10 +132,11 @@ class PipeLink:
         self._reading = None
         self._waiting.clear()
         self._results.clear()
+        self._parts.clear()
 
-    def _send(self, request: pb_utils.InferenceRequest) -> int:
+    def _send(self, request: pb_utils.InferenceRequest, decoupled: bool = False) -> int:
         call_id = next(self._ids)
-        call = bls.call_of(request)
+        call = bls.call_of(request, decoupled)
         slots, self._offset = _put(self._arenas[RESPONSES], self._offset, call.inputs)
         self._conn.send((BLS, call_id, call if slots is None else replace(call, inputs={}), slots))
         return call_id
@@ -132,9 +148,12 @@ class PipeLink:
     def _dispatch(self, message: Any) -> None:
         if not (isinstance(message, tuple) and message[0] == BLS_REPLY):
             return  # nothing else is sent to a worker while it runs a batch
-        _, call_id, result, slots = message
+        _, call_id, result, slots, final = message
         if slots is not None:
             result = replace(result, outputs=_take(self._arenas[REQUESTS], slots))
+        if call_id in self._parts:
+            self._parts[call_id].append((result, final))
+            return
         future = self._waiting.pop(call_id, None)
         if future is None:
             self._results[call_id] = result
@@ -285,6 +304,7 @@ class PythonProcessModel(process.ProcessModel):
         self._decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
         self._sinks: list[Any] = []  # the running batch's response sinks (a decoupled model)
         self._cancel_sent: set[int] = set()
+        self._streams_closed: set[int] = set()  # exec(decoupled=True) calls whose FINAL went to the worker
         super().__init__(spec, model_file, device, (instance_name, version), 1, limits,
                          ("numpy", "shoal.backends.python.runner"))
 
@@ -300,7 +320,7 @@ class PythonProcessModel(process.ProcessModel):
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{self._spec.name}': the instance process "
                                                         f"{self._failure or 'is stopping'}")
             self._sinks = [python_backend.sink_of(pending) for pending in batch] if self._decoupled else []
-            self._cancel_sent = set()
+            self._cancel_sent, self._streams_closed = set(), set()
             requests, used = self._pack_inputs(batch)
             self._reply_offset = used  # BLS outputs go after the batch's inputs
             timeout_s = self._limits.execution_timeout_s
@@ -340,8 +360,13 @@ class PythonProcessModel(process.ProcessModel):
             if self._wake_read in ready:
                 os.read(self._wake_read, 4096)
             while not self._finished.empty():
-                call_id, future = self._finished.get()
-                self._reply(call_id, bls.result_of(future))
+                call_id, done = self._finished.get()
+                if isinstance(done, tuple):  # one response of an exec(decoupled=True)
+                    self._reply(call_id, *done)
+                    if done[1]:
+                        self._streams_closed.add(call_id)
+                elif call_id not in self._streams_closed:  # ended: its one answer, or the end of a stream
+                    self._reply(call_id, bls.result_of(done))
             if self._conn in ready:
                 try:
                     message = self._conn.recv()
@@ -378,25 +403,24 @@ class PythonProcessModel(process.ProcessModel):
                     pass  # the worker is gone: the wait finds it dead
 
     def _start_call(self, call_id: int, call: bls.BlsCall) -> None:
-        future = bls.start(self._host, call)
-
-        def finished(done: Any) -> None:
+        def finished(done: Any) -> None:  # the call's future, or one (BlsResult, final) of a decoupled call
             self._finished.put((call_id, done))
             try:
                 os.write(self._wake_write, b"x")
             except OSError:
                 pass  # the pipe is full (a wake-up is pending anyway) or closed
 
-        future.add_done_callback(finished)
+        sink = bls.CallbackSink(lambda result, final: finished((result, final))) if call.decoupled else None
+        bls.start(self._host, call, sink).add_done_callback(finished)
 
-    def _reply(self, call_id: int, result: bls.BlsResult) -> None:
+    def _reply(self, call_id: int, result: bls.BlsResult, final: bool = True) -> None:
         slots = None
         if result.outputs is not None:
             slots, self._reply_offset = _put(self._arenas[REQUESTS], self._reply_offset, result.outputs)
             if slots is not None:
                 result = replace(result, outputs={})
         try:
-            self._conn.send((BLS_REPLY, call_id, result, slots))
+            self._conn.send((BLS_REPLY, call_id, result, slots, final))
         except OSError:
             pass  # the worker is gone: the wait finds it dead
 

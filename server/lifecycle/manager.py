@@ -41,6 +41,7 @@ from shoal.lifecycle.configure import ConfigOverride, configure, model_file
 from shoal.lifecycle.fingerprint import fingerprint_or_none
 from shoal.lifecycle.model import ModelVersion, placements
 from shoal.lifecycle.state import UNLOADED, IndexEntry, ModelEntry, ModelState, VersionEntry
+from shoal.lifecycle.streaming import StreamingRequest
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec, VersionPolicy
 from shoal.types import InferRequest, InferResponse
@@ -294,11 +295,14 @@ class ModelManager:
 
     # -- queries -------------------------------------------------------------------------------------
 
-    def host_infer(self, request: InferRequest) -> concurrent.futures.Future[InferResponse]:
+    def host_infer(self, request: InferRequest, sink: Any = None) -> concurrent.futures.Future[InferResponse]:
         """A model's request to another model of this server (BLS), from any thread: it runs on the
-        serving loop through the target version's scheduler and statistics, as a client's would."""
+        serving loop through the target version's scheduler and statistics, as a client's would.
+        With ``sink`` (``exec(decoupled=True)``) a decoupled model's responses go there as they come."""
         if self._loop is None or self._loop.is_closed():
             raise ShoalError(ErrorCode.UNAVAILABLE, "the server is not serving")
+        if sink is not None:
+            request = StreamingRequest.of(request, sink)
 
         async def infer() -> InferResponse:
             return await self.resolve(request.model_name, request.model_version).infer(request)

@@ -21,6 +21,7 @@ from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import strategy
 from shoal.instances.pool import InstancePool, Placement
 from shoal.lifecycle import tensors
+from shoal.lifecycle.streaming import is_decoupled
 from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
 from shoal.repository.sequence_spec import backend_spec
@@ -162,7 +163,7 @@ class ModelVersion:
             raise ShoalError(
                 ErrorCode.INTERNAL, f"model '{self.spec.name}' version {self.version} failed: {exc}"
             ) from exc
-        if getattr(request, "sink", None) is not None:  # a decoupled model: the outputs went through the sink
+        if getattr(request, "sink", None) is not None and is_decoupled(self.spec.config_json):  # outputs: in the sink
             return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                                  outputs=())
         if tensors.finish_is_costly(prepared, results):  # a wide classification: off the event loop

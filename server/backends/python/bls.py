@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-from collections.abc import Awaitable, Callable, Mapping
+import logging
+import queue
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,12 @@ from shoal.errors import ShoalError
 from shoal.protocol.types import DataType
 from shoal.types import InferRequest, InferResponse, Tensor
 
-HostInfer = Callable[[InferRequest], "concurrent.futures.Future[InferResponse]"]
+# The host's entry point: (request, sink or None) -> the execution's future; with a sink (a BLS
+# ``exec(decoupled=True)``) a decoupled model's responses go to ``sink.put(item, final)`` as they come.
+logger = logging.getLogger(__name__)
+
+HostInfer = Callable[..., "concurrent.futures.Future[InferResponse]"]
+_ENDED = object()  # queued after a streaming call's last response: its execution ended
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class BlsCall:
     inputs: Mapping[str, np.ndarray]
     requested: tuple[str, ...]
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    decoupled: bool = False  # exec(decoupled=True): any number of responses, the last one final
 
 
 @dataclass(frozen=True)
@@ -43,14 +51,58 @@ class BlsResult:
     error: str = ""
 
 
-def call_of(request: pb_utils.InferenceRequest) -> BlsCall:
+class CallbackSink:
+    """Where a decoupled model puts a BLS call's responses (from any thread): on to ``deliver``."""
+
+    cancelled = False
+
+    def __init__(self, deliver: Callable[[BlsResult, bool], None]) -> None:
+        self._deliver = deliver
+
+    def put(self, item: Mapping[str, np.ndarray] | ShoalError | None, final: bool) -> None:
+        if isinstance(item, ShoalError) and not final:
+            # Triton 2.51's BLS iterator leaves out an error response sent before FINAL (checked with
+            # run_triton.sh: fails_midway's responses 1, 2, <error>, 4 iterate as 1, 2, 4).
+            logger.warning("a BLS call's response was an error, left out as Triton does: %s", item.message)
+            return
+        self._deliver(part_result(item), final)
+
+
+def part_result(item: Mapping[str, np.ndarray] | ShoalError | None) -> BlsResult:
+    """One streamed response as a BlsResult: outputs, an error, or no outputs (a bare FINAL flag)."""
+    if isinstance(item, ShoalError):
+        return BlsResult(error=item.message)
+    return BlsResult(outputs=dict(item or {}))
+
+
+def streamed(host: HostInfer | None, call: BlsCall) -> Iterator[tuple[BlsResult, bool]]:
+    """A decoupled call's responses as they come, in the calling thread; the last one is final.
+
+    A model that is not decoupled gives its one response; a failure (or an execution that ended
+    without FINAL) ends the iteration with an error or empty final response.
+    """
+    items: queue.SimpleQueue[tuple[Any, bool]] = queue.SimpleQueue()
+    future = start(host, call, CallbackSink(lambda result, final: items.put((result, final))))
+    future.add_done_callback(lambda _: items.put((_ENDED, True)))
+    while True:
+        result, final = items.get()
+        if result is _ENDED:
+            ended = result_of(future)
+            yield (ended if ended.outputs is None or ended.outputs else BlsResult(outputs={})), True
+            return
+        yield result, final
+        if final:
+            return
+
+
+def call_of(request: pb_utils.InferenceRequest, decoupled: bool = False) -> BlsCall:
     version = request.model_version()
     parameters = json.loads(request.parameters() or "{}")
     if request.timeout():
         parameters.setdefault("timeout", int(request.timeout()))
     return BlsCall(request.model_name(), "" if version < 0 else str(version), request.request_id(),
                    {tensor.name(): tensor.as_numpy() for tensor in request.inputs()},
-                   tuple(request.requested_output_names()), parameters)
+                   tuple(request.requested_output_names()), parameters, decoupled)
 
 
 def core_request(call: BlsCall) -> InferRequest:
@@ -80,11 +132,11 @@ def response_of(result: BlsResult) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse([pb_utils.Tensor(name, data) for name, data in result.outputs.items()])
 
 
-def start(host: HostInfer | None, call: BlsCall) -> concurrent.futures.Future[InferResponse]:
+def start(host: HostInfer | None, call: BlsCall, sink: Any = None) -> concurrent.futures.Future[InferResponse]:
     """Hand ``call`` to the host; a failed future when the model is not served by a server."""
     if host is not None:
         try:
-            return host(core_request(call))
+            return host(core_request(call), sink) if sink is not None else host(core_request(call))
         except Exception as exc:  # noqa: BLE001 - e.g. a datatype numpy has and Triton has not
             failed: concurrent.futures.Future[InferResponse] = concurrent.futures.Future()
             failed.set_exception(exc)
@@ -102,6 +154,9 @@ class ThreadLink:
 
     def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         return response_of(result_of(start(self.host, call_of(request))))
+
+    def infer_stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
+        return (response_of(result) for result, _ in streamed(self.host, call_of(request, decoupled=True)))
 
     def infer_async(self, request: pb_utils.InferenceRequest) -> Awaitable[pb_utils.InferenceResponse]:
         future = start(self.host, call_of(request))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -212,6 +212,8 @@ class HostLink(Protocol):
 
     def infer_async(self, request: InferenceRequest) -> Awaitable[InferenceResponse]: ...
 
+    def infer_stream(self, request: InferenceRequest) -> Iterator[InferenceResponse]: ...
+
 
 _host: HostLink | None = None
 
@@ -322,16 +324,19 @@ class InferenceRequest:
             self._sender = InferenceResponseSender(self)
         return self._sender
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
-        """Run this request on the named model of the same server and wait for its response."""
+    def exec(self, decoupled: bool = False) -> Any:
+        """Run this request on the named model of the same server and wait for its response; with
+        ``decoupled=True`` an iterator of the responses as they come (the last may be empty, when
+        the model sent its FINAL flag alone), as Triton's."""
         if decoupled:
-            raise TritonModelException("decoupled BLS requests are not supported by this server")
+            return _link().infer_stream(self)
         return _link().infer(self)
 
     def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse]:
         """Like ``exec``, awaited (from an ``async def execute``); several may run at once."""
         if decoupled:
-            raise TritonModelException("decoupled BLS requests are not supported by this server")
+            raise TritonModelException("async_exec(decoupled=True) is not supported by this server: use "
+                                       "exec(decoupled=True)")
         return _link().infer_async(self)
 
 
