@@ -219,9 +219,11 @@ class SequenceScheduler:
         while self._backlog:
             backlog = self._backlog.popleft()
             requests = [r for r in backlog.requests if not r.future.done()]
-            if not requests:
-                continue
             cid = backlog.correlation_id
+            if not requests:  # every request it sent was given up: the sequence is over, not waiting
+                if self._backlogged.get(cid) is backlog:
+                    del self._backlogged[cid]
+                continue
             slot.correlation_id = cid
             if self._backlogged.get(cid) is backlog:
                 del self._backlogged[cid]

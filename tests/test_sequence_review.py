@@ -1,0 +1,33 @@
+"""The sequence batcher under clients that give up, and models that answer wrongly (fake instances)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.test_sequence_scheduler import scheduler, step
+
+
+async def _queued(sched: object, count: int) -> None:
+    """Until ``count`` requests wait in the scheduler (bounded)."""
+    for _ in range(1000):
+        if sched.queued == count:  # type: ignore[attr-defined]
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never {count} queued")
+
+
+def test_a_sequence_given_up_in_the_backlog_can_start_again() -> None:
+    """A backlogged sequence whose every request was cancelled is dropped when a slot frees, so its
+    client's retried START takes that slot (it used to join a backlog nobody serves, forever)."""
+    async def main() -> None:
+        sched, _ = scheduler(max_batch_size=1)
+        assert await step(sched, 1, 1.0, start=True) == 1.0
+        waiting = asyncio.create_task(step(sched, 2, 1.0, start=True))  # no free slot: backlogged
+        await _queued(sched, 1)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert await step(sched, 1, 1.0, end=True) == 2.0  # frees the slot
+        assert await asyncio.wait_for(step(sched, 2, 3.0, start=True, end=True), 5) == 3.0
+        assert sched.active_sequences == 0
+
+    asyncio.run(main())
