@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from shoal.statistics import FailureReason
 from tests.test_sequence_scheduler import scheduler, step
 
 
@@ -29,5 +32,26 @@ def test_a_sequence_given_up_in_the_backlog_can_start_again() -> None:
         assert await step(sched, 1, 1.0, end=True) == 2.0  # frees the slot
         assert await asyncio.wait_for(step(sched, 2, 3.0, start=True, end=True), 5) == 3.0
         assert sched.active_sequences == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("strategy", ["direct", "oldest"])
+def test_a_request_given_up_while_queued_counts_as_canceled(strategy: str) -> None:
+    """As the dynamic batcher counts it (README: ModelStatistics): once, CANCELED; a request given up
+    while its batch runs is answered by the model and counts as a success."""
+    async def main() -> None:
+        sched, runner = scheduler(max_batch_size=1, strategy=strategy)
+        assert await step(sched, 1, 1.0, start=True) == 1.0
+        running = asyncio.create_task(step(sched, 1, 1.0))
+        queued = asyncio.create_task(step(sched, 1, 5.0))
+        await asyncio.sleep(0)  # both routed; the first one's batch is taken, the second waits behind it
+        queued.cancel()
+        assert await running == 2.0
+        await asyncio.gather(queued, return_exceptions=True)
+        assert await step(sched, 1, 1.0, end=True) == 3.0  # the given-up request never ran
+        statistics = sched.statistics
+        assert (statistics.fail.count, statistics.failures[FailureReason.CANCELED]) == (1, 1)
+        assert statistics.success.count == 3 and len(runner.log) == 3
 
     asyncio.run(main())

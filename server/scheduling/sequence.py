@@ -119,9 +119,10 @@ class SequenceScheduler:
         try:
             return await request.future
         except asyncio.CancelledError:
-            if not request.future.done():  # the client gave up while it was queued
+            # Cancelling this task cancelled the future too, so the lane skips it (and still honours its END).
+            if not request.taken:  # the client gave up while it was queued
                 self.statistics.record_failure(time.monotonic_ns() - now, FailureReason.CANCELED)
-                request.future.cancel()  # the lane skips it (and still honours its END)
+            request.future.cancel()
             raise
 
     def _flags(self, parameters: Mapping[str, Any]) -> Flags:

@@ -187,6 +187,7 @@ class DirectLane:
             front = slot.queue[0] if slot.queue else None
             if front is not None and front.signature == representative.signature:
                 slot.queue.popleft()
+                front.taken = True
                 rows.append((slot, front))
             else:
                 rows.append((slot, None))
@@ -275,6 +276,7 @@ class OldestLane:
                     self.owner.release(slot)  # may move a backlogged sequence in, and wake this slot again
                 continue
             self._in_flight.add(slot.index)
+            front.taken = True
             task = asyncio.create_task(self._run_one(slot, front))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
