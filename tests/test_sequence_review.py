@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import pytest
 
+from shoal.errors import ShoalError
 from shoal.statistics import FailureReason
 from tests.test_sequence_scheduler import scheduler, step
 
@@ -53,5 +56,33 @@ def test_a_request_given_up_while_queued_counts_as_canceled(strategy: str) -> No
         statistics = sched.statistics
         assert (statistics.fail.count, statistics.failures[FailureReason.CANCELED]) == (1, 1)
         assert statistics.success.count == 3 and len(runner.log) == 3
+
+    asyncio.run(main())
+
+
+class WrongStateRows:
+    """An accumulator whose first state output has no rows."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        self.calls += 1
+        total = inputs["STATE_IN"] + inputs["IN"]
+        return {"OUT": total, "STATE_OUT": total[:0] if self.calls == 1 else total}
+
+
+@pytest.mark.parametrize("strategy", ["direct", "oldest"])
+def test_outputs_without_a_row_per_request_fail_the_batch_and_the_lane_goes_on(strategy: str) -> None:
+    """Such a batch used to raise in the lane's task, which died: its requests, and every later one
+    of the instance's slots, waited forever (and so did unloading)."""
+    async def main() -> None:
+        sched, runner = scheduler(max_batch_size=2, strategy=strategy, max_candidate_sequences=2,
+                                  preferred_batch_sizes=(2,), max_queue_delay_us=100_000)
+        runner.instances[0] = WrongStateRows()  # type: ignore[call-overload]
+        with pytest.raises(ShoalError, match="output 'STATE_OUT' has shape \\[0, 1\\], not a batch of 1 rows"):
+            await asyncio.wait_for(step(sched, 1, 1.0, start=True), 5)
+        assert await asyncio.wait_for(step(sched, 3, 4.0, start=True, end=True), 5) == 4.0
+        await asyncio.wait_for(sched.stop(), 5)
 
     asyncio.run(main())

@@ -25,12 +25,12 @@ from typing import Protocol
 
 import numpy as np
 
-from shoal.errors import ShoalError
+from shoal.errors import ErrorCode, ShoalError
 from shoal.repository.config import DynamicBatching
 from shoal.repository.sequence_config import Control, ControlKind, SequenceBatching
 from shoal.scheduling.base import Executor
 from shoal.scheduling.dynamic import Scheduler
-from shoal.scheduling.sequence_slots import RELEASE, SequenceRequest, Slot
+from shoal.scheduling.sequence_slots import RELEASE, Outputs, SequenceRequest, Slot
 from shoal.statistics import FailureReason, ModelStatistics, Phases
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,16 @@ def _keep_state(owner: Owner, slot: Slot, results: dict[str, np.ndarray], row: i
     }
 
 
+def _check_results(results: dict[str, np.ndarray], wanted: Sequence[str], rows: int | None) -> None:
+    """Every wanted output present, with ``rows`` rows when batching (None: not batching)."""
+    for name in wanted:
+        if name not in results:
+            raise ShoalError(ErrorCode.INTERNAL, f"the model returned no output '{name}'")
+        shape = np.shape(results[name])
+        if rows is not None and (not shape or shape[0] != rows):
+            raise ShoalError(ErrorCode.INTERNAL, f"output '{name}' has shape {list(shape)}, not a batch of {rows} rows")
+
+
 def _wanted(owner: Owner, requests: Sequence[SequenceRequest]) -> list[str]:
     names = dict.fromkeys(name for request in requests for name in request.outputs)
     names.update(dict.fromkeys(state.output_name for state in owner.batching.states))
@@ -196,14 +206,15 @@ class DirectLane:
     async def _execute(self, rows: list[Row]) -> None:
         owner = self.owner
         real = [(slot, request) for slot, request in rows if request is not None]
-        states = {id(slot): row_states(owner.batching, slot, request) for slot, request in real}
         start = time.monotonic_ns()
-        try:
+        try:  # whatever fails here fails this batch's requests only: the lane must go on serving its slots
+            states = {id(slot): row_states(owner.batching, slot, request) for slot, request in real}
             fallback = next(iter(states.values()), {})
             feed = build_feed(owner, rows, [states.get(id(slot), fallback) for slot, _ in rows])
             gathered = time.monotonic_ns()
             results = await self.executor.run(feed, _wanted(owner, [r for _, r in real]))
             executed = time.monotonic_ns()
+            parts = self._split(rows, results)
         except Exception as exc:  # noqa: BLE001 - fails this batch's requests only
             if not isinstance(exc, ShoalError):
                 logger.error("a sequence batch of %d row(s) failed", len(rows), exc_info=exc)
@@ -212,14 +223,6 @@ class DirectLane:
                 if request.end:
                     owner.release(slot)
             return
-        batched = owner.max_batch_size > 0
-        parts = []
-        for position, (slot, row) in enumerate(rows):
-            if row is None:
-                continue
-            _keep_state(owner, slot, results, position if batched else None)
-            part = {name: results[name][position:position + 1] if batched else results[name] for name in row.outputs}
-            parts.append((slot, row, part))
         done = time.monotonic_ns()
         phases = Phases(gathered - start, executed - gathered, done - executed)
         owner.statistics.record_execution(len(rows), phases, inferences=len(parts))
@@ -231,6 +234,21 @@ class DirectLane:
                 request.future.set_result(part)
             if request.end:
                 owner.release(slot)
+
+    def _split(self, rows: list[Row], results: dict[str, np.ndarray]) -> list[tuple[Slot, SequenceRequest, Outputs]]:
+        """Each real row's outputs, with its state kept for its sequence's next request; INTERNAL where the
+        model did not answer one row per batch row (as the dynamic batcher's ``scatter``)."""
+        owner = self.owner
+        batched = owner.max_batch_size > 0
+        _check_results(results, _wanted(owner, [r for _, r in rows if r is not None]), len(rows) if batched else None)
+        parts = []
+        for position, (slot, row) in enumerate(rows):
+            if row is None:
+                continue
+            _keep_state(owner, slot, results, position if batched else None)
+            part = {name: results[name][position:position + 1] if batched else results[name] for name in row.outputs}
+            parts.append((slot, row, part))
+        return parts
 
     async def stop(self) -> None:
         self._stopping = True
@@ -287,12 +305,14 @@ class OldestLane:
             states = row_states(owner.batching, slot, request)
             feed = build_feed(owner, [(slot, request)], [states])
             batch_size = 1 if owner.max_batch_size > 0 else 0
-            results = await self._batcher.submit(feed, _wanted(owner, [request]), batch_size, {})
+            wanted = _wanted(owner, [request])
+            results = await self._batcher.submit(feed, wanted, batch_size, {})
+            _check_results(results, wanted, batch_size or None)
+            _keep_state(owner, slot, results, 0 if owner.max_batch_size > 0 else None)
         except Exception as exc:  # noqa: BLE001 - counted by the dynamic batcher; answered here
             if not request.future.done():
                 request.future.set_exception(exc)
         else:
-            _keep_state(owner, slot, results, 0 if owner.max_batch_size > 0 else None)
             if not request.future.done():
                 request.future.set_result({name: results[name] for name in request.outputs})
         finally:
