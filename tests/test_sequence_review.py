@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from shoal.errors import ShoalError
-from shoal.statistics import FailureReason
+from shoal.scheduling.sequence import SequenceScheduler
+from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, PhaseTotals
 from tests.test_sequence_scheduler import scheduler, step
 
 
@@ -84,5 +85,23 @@ def test_outputs_without_a_row_per_request_fail_the_batch_and_the_lane_goes_on(s
             await asyncio.wait_for(step(sched, 1, 1.0, start=True), 5)
         assert await asyncio.wait_for(step(sched, 3, 4.0, start=True, end=True), 5) == 4.0
         await asyncio.wait_for(sched.stop(), 5)
+
+    asyncio.run(main())
+
+
+def test_oldest_adds_each_requests_phases_to_its_own_callers_totals() -> None:
+    """A request the slot sends after the one before it (not when it arrived) still counts into the
+    totals its caller set (an ensemble's), not into those of the request that woke the slot."""
+    async def counted(sched: SequenceScheduler, value: float, start: bool) -> PhaseTotals:
+        totals = PhaseTotals()
+        ALSO_COUNT_PHASES.set(totals)  # this task's own context, as an ensemble's step has
+        await step(sched, 1, value, start=start)
+        return totals
+
+    async def main() -> None:
+        sched, _ = scheduler(max_batch_size=1, strategy="oldest", preferred_batch_sizes=(1,))
+        first, second = await asyncio.gather(counted(sched, 1.0, True), counted(sched, 2.0, False))
+        assert first.infer_ns > 0 and second.infer_ns > 0
+        assert first.infer_ns + second.infer_ns == sched.statistics.compute_infer.ns
 
     asyncio.run(main())

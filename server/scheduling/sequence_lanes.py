@@ -31,7 +31,7 @@ from shoal.repository.sequence_config import Control, ControlKind, SequenceBatch
 from shoal.scheduling.base import Executor
 from shoal.scheduling.dynamic import Scheduler
 from shoal.scheduling.sequence_slots import RELEASE, Outputs, SequenceRequest, Slot
-from shoal.statistics import FailureReason, ModelStatistics, Phases
+from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases
 
 logger = logging.getLogger(__name__)
 
@@ -301,6 +301,9 @@ class OldestLane:
 
     async def _run_one(self, slot: Slot, request: SequenceRequest) -> None:
         owner = self.owner
+        # This task runs in the context of whichever request woke the slot: the dynamic batcher must add
+        # the phases to this request's caller (an ensemble's totals), not to that one's.
+        ALSO_COUNT_PHASES.set(request.also_count)
         try:
             states = row_states(owner.batching, slot, request)
             feed = build_feed(owner, [(slot, request)], [states])
