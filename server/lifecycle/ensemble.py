@@ -376,6 +376,8 @@ class Dependents:
     async def wake(self) -> None:
         """Load again the ensembles ``retire`` unloaded whose steps fit their models now."""
         for name in sorted(self._dormant):
+            if name not in self._dormant:  # loaded meanwhile, by the wake of a model loaded here (nested ensembles)
+                continue
             try:
                 spec = self._manager.entry(name).spec
             except ShoalError:  # its folder was removed meanwhile
