@@ -6,6 +6,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from shoal.errors import ShoalError
 from shoal.lifecycle.manager import ModelManager
 from shoal.lifecycle.state import ModelState
 from tests import ensemble_models
@@ -42,3 +45,36 @@ def test_nested_ensembles_come_back_once_each(tmp_path: Path) -> None:
             await manager.close()
 
     assert sorted(asyncio.run(main())) == ["base", "inner", "outer"]
+
+
+@pytest.mark.parametrize("control_mode", ["poll", "explicit"])
+def test_an_ensemble_waiting_for_a_missing_model_loads_once_it_is_there(tmp_path: Path, control_mode: str) -> None:
+    """As Triton 2.51 does (checked by hand, both modes): an ensemble whose model is not in the repository
+    fails to load; once the model is added (poll) or loaded (explicit), the ensemble loads too. It used to
+    stay UNAVAILABLE until its own folder changed or it was loaded again by hand."""
+    repo = tmp_path / "repo"
+    ensemble_models.add_ensemble(repo, "plus", [ensemble_models.step("base", {"IN": "IN"}, {"OUT": "OUT"})])
+
+    async def main() -> None:
+        manager = ModelManager(repo, control_mode=control_mode)
+        try:
+            if control_mode == "poll":
+                await manager.start()
+            else:
+                with pytest.raises(ShoalError, match="contains models that are not available"):
+                    await manager.load("plus")
+            assert manager.entry("plus").state is ModelState.UNAVAILABLE
+            ensemble_models.add_identity(repo, "base")
+            if control_mode == "poll":
+                await manager.poll_once()
+            else:
+                await manager.load("base")
+            assert manager.entry("plus").state is ModelState.READY
+            # Unloaded on purpose, it stays unloaded when its model comes back.
+            await manager.unload("plus")
+            await manager.load("base")
+            assert manager.entry("plus").state is ModelState.UNAVAILABLE
+        finally:
+            await manager.close()
+
+    asyncio.run(main())

@@ -374,22 +374,38 @@ class Dependents:
                 self._dormant.add(ensemble_name)
 
     async def wake(self) -> None:
-        """Load again the ensembles ``retire`` unloaded whose steps fit their models now."""
-        for name in sorted(self._dormant):
-            if name not in self._dormant:  # loaded meanwhile, by the wake of a model loaded here (nested ensembles)
-                continue
+        """Load the ensembles whose steps fit their models now: those ``retire`` unloaded, and those whose
+        load failed for their steps (a composing model missing or not loaded then), as Triton's dependency
+        graph loads a model once the models it waits for are there."""
+        for name in sorted(self._dormant | self._failed_for_steps()):
             try:
-                spec = self._manager.entry(name).spec
+                entry: ModelEntry | None = self._manager.entry(name)
             except ShoalError:  # its folder was removed meanwhile
-                spec = None
-            if spec is None or spec.ensemble is None:
+                entry = None
+            if entry is None or entry.spec is None or entry.spec.ensemble is None:
                 self._dormant.discard(name)
-            elif not unfit(spec, self._manager):
+            elif entry.state is not ModelState.UNAVAILABLE:  # loaded (or loading) meanwhile: a nested wake
+                self._dormant.discard(name)
+            elif not unfit(entry.spec, self._manager):
                 self._dormant.discard(name)
                 try:
                     await self._manager.load(name)
                 except ShoalError as exc:
                     logger.error("ensemble %s: %s", name, exc.message)
+
+    def _failed_for_steps(self) -> set[str]:
+        """Ensembles not unloaded on purpose whose versions ``load_versions`` left UNAVAILABLE: the only
+        reason it does is that the steps did not fit the composing models as loaded then."""
+        failed = set()
+        for name in self._manager.names():
+            try:
+                entry = self._manager.entry(name)
+            except ShoalError:
+                continue
+            if (entry.spec is not None and entry.spec.ensemble is not None and not entry.unloaded
+                    and entry.state is ModelState.UNAVAILABLE and entry.versions and not entry.ready_versions()):
+                failed.add(name)
+        return failed
 
     def forget(self, name: str) -> None:
         """``name`` was unloaded on purpose: it stays unloaded."""
