@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from shoal.errors import ShoalError
+from shoal.protocol.types import DataType
+from shoal.repository.sequence_config import SequenceBatching, StateSpec
 from shoal.scheduling.sequence import SequenceScheduler
-from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, PhaseTotals
-from tests.test_sequence_scheduler import scheduler, step
+from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, PhaseTotals
+from tests.test_sequence_scheduler import CONTROLS, scheduler, step
 
 
 async def _queued(sched: object, count: int) -> None:
@@ -103,5 +106,34 @@ def test_oldest_adds_each_requests_phases_to_its_own_callers_totals() -> None:
         first, second = await asyncio.gather(counted(sched, 1.0, True), counted(sched, 2.0, False))
         assert first.infer_ns > 0 and second.infer_ns > 0
         assert first.infer_ns + second.infer_ns == sched.statistics.compute_infer.ns
+
+    asyncio.run(main())
+
+
+class Growing:
+    """A state with variable dims that grows by one element per request: OUT is the sum of all sent."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        self.batches.append(len(inputs["IN"]))
+        state = np.concatenate([inputs["STATE_IN"], inputs["IN"]], axis=1)
+        return {"OUT": state.sum(axis=1, keepdims=True), "STATE_OUT": state}
+
+
+def test_sequences_whose_states_grew_apart_run_in_separate_batches() -> None:
+    """Two sequences' variable-dims states of different lengths cannot be stacked: each runs as its own
+    row beside a null row (it used to fail both requests, and every later batch that paired them)."""
+    async def main() -> None:
+        growing = StateSpec("STATE_IN", "STATE_OUT", DataType.FP32, (-1,))
+        batching = SequenceBatching(strategy="direct", controls=CONTROLS, states=(growing,))
+        model = Growing()
+        sched = SequenceScheduler(SimpleNamespace(instances=[model]), ModelStatistics(), 2, batching, "grow")
+        assert await step(sched, 1, 1.0, start=True) == 1.0
+        assert await step(sched, 1, 1.0) == 2.0
+        assert await asyncio.gather(step(sched, 1, 1.0), step(sched, 2, 5.0, start=True)) == [3.0, 5.0]
+        assert await asyncio.gather(step(sched, 1, 1.0), step(sched, 2, 5.0, end=True)) == [4.0, 10.0]
+        assert sched.statistics.fail.count == 0 and sched.statistics.inference_count == 6
 
     asyncio.run(main())

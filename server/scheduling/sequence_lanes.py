@@ -2,8 +2,9 @@
 
 ``DirectLane`` (Triton's DirectSequenceBatch): one batch at a time on its instance. A batch holds
 rows 0..*k*, row *i* the next request of slot *i*, *k* the highest slot with a request ready; a
-slot with none, or whose request's shapes differ from the batch's, is a null row (a copy of
-another row with READY false and CORRID 0) whose outputs are dropped. With
+slot with none, or whose request's shapes (or its sequence's state's, where a state has variable
+dims) differ from the batch's, is a null row (a copy of another row with READY false and CORRID 0)
+whose outputs are dropped. With
 ``max_queue_delay_microseconds`` and ``minimum_slot_utilization`` set, a batch waits until enough
 slots are ready or the oldest request has waited the delay.
 
@@ -148,6 +149,7 @@ class DirectLane:
         self.slots = slots
         self.delay_ns = owner.batching.max_queue_delay_us * 1000
         self.utilization = owner.batching.minimum_slot_utilization
+        self.variable_states = any(-1 in state.dims for state in owner.batching.states)
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -192,16 +194,28 @@ class DirectLane:
                 return [], (self.delay_ns - age) / 1e9
         representative = fronts[0]
         assert representative is not None
+        shape = self._shape(ready[0], representative)
         rows: list[Row] = []
         for slot in self.slots[: ready[-1].index + 1]:
             front = slot.queue[0] if slot.queue else None
-            if front is not None and front.signature == representative.signature:
+            if front is not None and self._shape(slot, front) == shape:
                 slot.queue.popleft()
                 front.taken = True
                 rows.append((slot, front))
             else:
                 rows.append((slot, None))
         return rows, None
+
+    def _shape(self, slot: Slot, request: SequenceRequest) -> tuple[object, ...]:
+        """What must be equal for rows to share a batch: the request's input shapes and, for states with
+        variable dims, the shapes of the state the row would run with (sequences' states grow apart)."""
+        if not self.variable_states:
+            return request.signature
+        if request.start or slot.states is None:
+            states = tuple(np.shape(state.start_value()) for state in self.owner.batching.states)
+        else:
+            states = tuple(np.shape(slot.states[state.input_name]) for state in self.owner.batching.states)
+        return request.signature, states
 
     async def _execute(self, rows: list[Row]) -> None:
         owner = self.owner
