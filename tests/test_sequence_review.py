@@ -137,3 +137,19 @@ def test_sequences_whose_states_grew_apart_run_in_separate_batches() -> None:
         assert sched.statistics.fail.count == 0 and sched.statistics.inference_count == 6
 
     asyncio.run(main())
+
+
+def test_unloading_does_not_wait_for_a_slot_for_requests_given_up_in_the_backlog() -> None:
+    """``stop`` lets what is queued run; a backlogged request its client gave up is not queued (it used
+    to hold ``stop`` until an idle sequence freed a slot: here a minute)."""
+    async def main() -> None:
+        sched, _ = scheduler(max_batch_size=1, max_sequence_idle_us=60_000_000)
+        assert await step(sched, 1, 1.0, start=True) == 1.0
+        waiting = asyncio.create_task(step(sched, 2, 1.0, start=True))
+        await _queued(sched, 1)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert sched.queued == 0
+        await asyncio.wait_for(sched.stop(), 5)
+
+    asyncio.run(main())

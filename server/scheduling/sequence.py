@@ -307,9 +307,11 @@ class SequenceScheduler:
 
     @property
     def queued(self) -> int:
-        """Requests waiting: in slot queues and in the backlog."""
-        in_slots = sum(1 for slots in self._slots for slot in slots for r in slot.queue if r is not None)
-        return in_slots + sum(len(b.requests) for b in self._backlog)
+        """Requests waiting, in slot queues and in the backlog (not those their clients gave up: nobody
+        waits for them, and ``stop`` must not wait for a slot to free to drop them)."""
+        in_slots = sum(1 for slots in self._slots for slot in slots for r in slot.queue
+                       if r is not None and not r.future.done())
+        return in_slots + sum(1 for b in self._backlog for r in b.requests if not r.future.done())
 
     async def stop(self) -> None:
         """Refuse new requests, let what is queued run, then stop the lanes."""
