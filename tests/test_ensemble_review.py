@@ -1,4 +1,4 @@
-"""Ensembles follow their composing models (lifecycle/ensemble.py's Dependents), through the model manager."""
+"""Ensembles under review: following their composing models (Dependents), and optional inputs."""
 
 from __future__ import annotations
 
@@ -6,12 +6,15 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from shoal.errors import ShoalError
 from shoal.lifecycle.manager import ModelManager
 from shoal.lifecycle.state import ModelState
-from tests import ensemble_models
+from shoal.protocol.types import DataType
+from shoal.types import InferRequest, Tensor
+from tests import ensemble_models, models
 
 
 def test_nested_ensembles_come_back_once_each(tmp_path: Path) -> None:
@@ -74,6 +77,39 @@ def test_an_ensemble_waiting_for_a_missing_model_loads_once_it_is_there(tmp_path
             await manager.unload("plus")
             await manager.load("base")
             assert manager.entry("plus").state is ModelState.UNAVAILABLE
+        finally:
+            await manager.close()
+
+    asyncio.run(main())
+
+
+def test_an_optional_input_left_out_is_left_out_of_its_step(tmp_path: Path) -> None:
+    """As Triton 2.51 (checked by hand with a Python model): an optional ensemble input the request
+    does not send is not sent to the step that reads it, which runs without it; where the composing
+    model needs it, the model's own check refuses the step. It used to refuse the request ("ensemble
+    tensor 'OPT' is needed by a step but was not provided")."""
+    repo = tmp_path / "repo"
+    fp32 = 'data_type: TYPE_FP32 dims: [ 4 ]'
+    models.write_config(repo / "pair", f'''
+        backend: "identity"
+        max_batch_size: 8
+        input [ {{ name: "IN" {fp32} }}, {{ name: "OPT" {fp32} optional: true }} ]
+        output [ {{ name: "OUT" {fp32} }}, {{ name: "OPT_OUT" {fp32} }} ]''')
+    (repo / "pair" / "1").mkdir()
+    ensemble_models.add_ensemble(
+        repo, "optional", [ensemble_models.step("pair", {"IN": "IN", "OPT": "OPT"}, {"OUT": "OUT"})],
+        io=f'input [ {{ name: "IN" {fp32} }}, {{ name: "OPT" {fp32} optional: true }} ]\n'
+           f'output [ {{ name: "OUT" {fp32} }} ]')
+    row = np.arange(4, dtype=np.float32).reshape(1, 4)
+
+    async def main() -> None:
+        manager = ModelManager(repo)
+        try:
+            await manager.start()
+            ensemble = manager.resolve("optional", "")
+            request = InferRequest("optional", "", "", (Tensor("IN", DataType.FP32, (1, 4), row),))
+            response = await ensemble.infer(request)
+            np.testing.assert_array_equal(response.outputs[0].data, row)
         finally:
             await manager.close()
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.backends.devices import Device
-from shoal.errors import ErrorCode, ShoalError, invalid
+from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle import tensors
 from shoal.lifecycle.model import ModelVersion
 from shoal.lifecycle.state import ModelEntry, ModelState, VersionEntry
@@ -174,8 +174,12 @@ class EnsembleVersion(ModelVersion):
 
     async def _run(self, steps: Sequence[EnsembleStep], pool: dict[str, Tensor], request: InferRequest) -> None:
         """Start every step whose tensors exist; as each finishes, add what it wrote and start the
-        steps that were waiting for it. The first failure cancels the steps still running."""
-        waiting = {index: {t for t in step.reads if t not in pool} for index, step in enumerate(steps)}
+        steps that were waiting for it. The first failure cancels the steps still running. An optional
+        ensemble input the request left out is not waited for: its steps run without it (as Triton's),
+        and the composing model's own checks decide whether it may be missing."""
+        absent = {tensor.name for tensor in self.spec.inputs} - pool.keys()
+        waiting = {index: {t for t in step.reads if t not in pool and t not in absent}
+                   for index, step in enumerate(steps)}
         ready = _arrived({}, pool, waiting)
         running: dict[asyncio.Task[dict[str, Tensor]], int] = {}
         try:
@@ -204,14 +208,14 @@ class EnsembleVersion(ModelVersion):
                 task.cancel()
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
-        if waiting:  # an optional ensemble input the request left out, which a step needs
+        if waiting:  # a step never got a tensor: a composing model answered without an output it was asked for
             missing = sorted(set().union(*waiting.values()) - pool.keys())
-            raise invalid(f"ensemble tensor '{missing[0]}' is needed by a step but was not provided")
+            raise ShoalError(ErrorCode.INTERNAL, f"ensemble tensor '{missing[0]}' was not written by its step")
 
     async def _step(self, step: EnsembleStep, pool: dict[str, Tensor], request: InferRequest) -> dict[str, Tensor]:
         """One step as a request to its composing model; returns what it wrote, by ensemble tensor name."""
         inputs = tuple(Tensor(model_input, pool[name].datatype, pool[name].shape, pool[name].data)
-                       for model_input, name in step.input_map)
+                       for model_input, name in step.input_map if name in pool)  # not: an optional input left out
         version = str(step.model_version) if step.model_version >= 0 else ""
         served = self._registry.resolve(step.model_name, version)
         response = await served.infer(InferRequest(
