@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -221,7 +222,9 @@ class PythonProcessModel(process.ProcessModel):
         self._reply_offset = 0  # where the next BLS call's outputs go in the requests arena
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
-        self._finished: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._wake_lock = threading.Lock()  # a BLS call ending after close() must not write to a reused fd
+        # Finished BLS calls: (the worker's connection that made the call, its call id, the outcome).
+        self._finished: queue.SimpleQueue[tuple[Any, int, Any]] = queue.SimpleQueue()
         super().__init__(spec, model_file, device, (instance_name, version), 1, limits,
                          ("numpy", "shoal.backends.python.runner"))
 
@@ -270,13 +273,14 @@ class PythonProcessModel(process.ProcessModel):
         while True:
             try:
                 ready = connection.wait([self._conn, self._wake_read], timeout=0.05)
-            except OSError:
+            except (OSError, ValueError):  # closed under us: _check_running says so
                 ready = []
             if self._wake_read in ready:
                 os.read(self._wake_read, 4096)
             while not self._finished.empty():
-                call_id, future = self._finished.get()
-                self._reply(call_id, bls.result_of(future))
+                caller, call_id, future = self._finished.get()
+                if caller is self._conn:  # a replaced worker's calls are dropped: the new one counts ids from 0
+                    self._reply(call_id, bls.result_of(future))
             if self._conn in ready:
                 try:
                     message = self._conn.recv()
@@ -295,13 +299,17 @@ class PythonProcessModel(process.ProcessModel):
 
     def _start_call(self, call_id: int, call: bls.BlsCall) -> None:
         future = bls.start(self._host, call)
+        caller = self._conn
 
         def finished(done: Any) -> None:
-            self._finished.put((call_id, done))
-            try:
-                os.write(self._wake_write, b"x")
-            except OSError:
-                pass  # the pipe is full (a wake-up is pending anyway) or closed
+            self._finished.put((caller, call_id, done))
+            with self._wake_lock:
+                if self._wake_write < 0:
+                    return  # closed
+                try:
+                    os.write(self._wake_write, b"x")
+                except OSError:
+                    pass  # the pipe is full: a wake-up is pending anyway
 
         future.add_done_callback(finished)
 
@@ -335,7 +343,9 @@ class PythonProcessModel(process.ProcessModel):
 
     def close(self) -> None:
         super().close()
-        for fd in (self._wake_read, self._wake_write):
+        with self._wake_lock:
+            fds, self._wake_read, self._wake_write = (self._wake_read, self._wake_write), -1, -1
+        for fd in fds:
             try:
                 os.close(fd)
             except OSError:
