@@ -45,7 +45,7 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
     """The core's request, and for each requested output whether it goes back as binary data."""
     try:
         document = json.loads(header)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
         raise invalid(f"failed to parse the request JSON buffer: {exc}") from None
     if not isinstance(document, dict):
         raise invalid("Unable to parse 'inputs': the inference request must be a JSON object")

@@ -1,0 +1,32 @@
+"""Hostile requests over HTTP that once got a 500 or were quietly accepted: each must be a clean
+400 with Triton's error body, and the server must log no traceback for a client's mistake.
+
+Found by the review of the HTTP endpoint; each test failed before its fix.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import RunningServer
+from tests.test_http_errors import error
+
+FP32_INFER = "/v2/models/identity_fp32/infer"
+BYTES_INFER = "/v2/models/identity_bytes/infer"
+
+
+def _no_traceback(server: RunningServer) -> None:
+    assert "unexpected error while serving an HTTP request" not in server.log(), server.log()
+
+
+def test_deeply_nested_json_is_400_not_500(example_server: RunningServer) -> None:
+    """Python's JSON parser gives up on deep nesting with RecursionError, not ValueError."""
+    deep = "[" * 100_000 + "]" * 100_000
+    status, message = error(example_server, "POST", FP32_INFER, '{"inputs": ' + deep + "}")
+    assert status == 400 and message.startswith("failed to parse the request JSON buffer"), message
+    status, message = error(example_server, "POST", "/v2/repository/index", deep)
+    assert status == 400 and message.startswith("failed to parse the request JSON buffer"), message
+    load = json.dumps({"parameters": {"config": deep}})
+    status, message = error(example_server, "POST", "/v2/repository/models/simple/load", load)
+    assert status == 400 and "config parameter is not valid JSON" in message, message
+    _no_traceback(example_server)
