@@ -30,3 +30,14 @@ def test_deeply_nested_json_is_400_not_500(example_server: RunningServer) -> Non
     status, message = error(example_server, "POST", "/v2/repository/models/simple/load", load)
     assert status == 400 and "config parameter is not valid JSON" in message, message
     _no_traceback(example_server)
+
+
+def _one_string(value: object) -> dict[str, object]:
+    return {"inputs": [{"name": "IN", "datatype": "BYTES", "shape": [1, 1], "data": [value]}]}
+
+
+def test_a_lone_surrogate_in_bytes_data_is_400(example_server: RunningServer) -> None:
+    """JSON's "\\ud800" parses to a str that has no UTF-8 encoding."""
+    status, message = error(example_server, "POST", BYTES_INFER, json.dumps(_one_string("\ud800")))
+    assert status == 400 and "not valid Unicode" in message, message
+    _no_traceback(example_server)

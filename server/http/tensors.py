@@ -168,7 +168,11 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
         if kind not in "U" and flat.size:
             raise invalid(f"Unable to parse 'data' of input '{shown(name)}': BYTES data must be strings")
         array = np.empty(flat.size, dtype=object)
-        array[:] = [item.encode("utf-8") for item in flat.tolist()]
+        try:
+            array[:] = [item.encode("utf-8") for item in flat.tolist()]
+        except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate has no UTF-8
+            raise invalid(f"Unable to parse 'data' of input '{shown(name)}': a string is not valid Unicode "
+                          "(a lone surrogate)") from None
         return array.reshape(shape)
     target = datatype.numpy_dtype
     if target.kind in "iu" and kind in "fO" and flat.size:
