@@ -41,3 +41,12 @@ def test_a_lone_surrogate_in_bytes_data_is_400(example_server: RunningServer) ->
     status, message = error(example_server, "POST", BYTES_INFER, json.dumps(_one_string("\ud800")))
     assert status == 400 and "not valid Unicode" in message, message
     _no_traceback(example_server)
+
+
+def test_a_number_among_bytes_strings_is_refused(example_server: RunningServer) -> None:
+    """numpy reads ["a", 1] as two strings; the README promises a number for BYTES is refused."""
+    mixed = {"inputs": [{"name": "IN", "datatype": "BYTES", "shape": [1, 2], "data": ["a", 1]}]}
+    assert error(example_server, "POST", BYTES_INFER, mixed) == (
+        400, "Unable to parse 'data' of input 'IN': BYTES data must be strings")
+    nested = {"inputs": [{"name": "IN", "datatype": "BYTES", "shape": [2, 1], "data": [["a"], [True]]}]}
+    assert error(example_server, "POST", BYTES_INFER, nested)[0] == 400

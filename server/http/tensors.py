@@ -165,11 +165,13 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
     flat = values.reshape(-1)
     kind = flat.dtype.kind
     if datatype is DataType.BYTES:
-        if kind not in "U" and flat.size:
+        # numpy turns a number among strings into a string ("1"): the JSON values are checked, not its kind
+        items = np.asarray(data, dtype=object).reshape(-1).tolist() if flat.size else []
+        if not all(type(item) is str for item in items):
             raise invalid(f"Unable to parse 'data' of input '{shown(name)}': BYTES data must be strings")
         array = np.empty(flat.size, dtype=object)
         try:
-            array[:] = [item.encode("utf-8") for item in flat.tolist()]
+            array[:] = [item.encode("utf-8") for item in items]
         except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate has no UTF-8
             raise invalid(f"Unable to parse 'data' of input '{shown(name)}': a string is not valid Unicode "
                           "(a lone surrogate)") from None
