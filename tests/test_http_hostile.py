@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from tests.conftest import RunningServer
-from tests.test_http_errors import error
+from tests.test_http_errors import call, error
 
 FP32_INFER = "/v2/models/identity_fp32/infer"
 BYTES_INFER = "/v2/models/identity_bytes/infer"
@@ -50,3 +50,15 @@ def test_a_number_among_bytes_strings_is_refused(example_server: RunningServer) 
         400, "Unable to parse 'data' of input 'IN': BYTES data must be strings")
     nested = {"inputs": [{"name": "IN", "datatype": "BYTES", "shape": [2, 1], "data": [["a"], [True]]}]}
     assert error(example_server, "POST", BYTES_INFER, nested)[0] == 400
+
+
+def test_a_float_too_large_for_its_type_is_refused_not_made_infinite(example_server: RunningServer) -> None:
+    """1e300 does not fit FP32 or FP16: refused as an integer out of range is, not sent on as inf."""
+    for model, datatype in (("identity_fp32", "FP32"), ("identity_fp16", "FP16"), ("identity_bf16", "BF16")):
+        body = {"inputs": [{"name": "IN", "datatype": datatype, "shape": [1, 2], "data": [1.0, -1e300]}]}
+        assert error(example_server, "POST", f"/v2/models/{model}/infer", body) == (
+            400, f"input 'IN': a value does not fit {datatype}")
+    infinite = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1e999]}]}  # inf as sent
+    status, headers, content = call(example_server, "POST", FP32_INFER, json.dumps(infinite))
+    assert status == 200 and json.loads(content)["outputs"][0]["data"] == [float("inf")], content
+    assert "RuntimeWarning" not in example_server.log()

@@ -182,8 +182,12 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
     if flat.size and kind not in _KINDS_ACCEPTED[target.kind]:
         raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
                       f"got {_kind_name(kind)}")
-    converted = flat.astype(target)
+    with np.errstate(over="ignore"):  # a float past the type's range becomes inf: refused below
+        converted = flat.astype(target)
     if kind in "iu" and target.kind in "iu" and not np.array_equal(converted, flat):
+        raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
+    if target.kind in "fV" and flat.size and not np.array_equal(
+            np.isfinite(converted.astype(np.float64)), np.isfinite(flat.astype(np.float64))):
         raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
     return converted.reshape(shape)
 
