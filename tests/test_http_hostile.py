@@ -62,3 +62,17 @@ def test_a_float_too_large_for_its_type_is_refused_not_made_infinite(example_ser
     status, headers, content = call(example_server, "POST", FP32_INFER, json.dumps(infinite))
     assert status == 200 and json.loads(content)["outputs"][0]["data"] == [float("inf")], content
     assert "RuntimeWarning" not in example_server.log()
+
+
+def test_binary_data_flags_must_be_booleans(example_server: RunningServer) -> None:
+    """"false" is truthy in Python: it once asked for binary data. Triton's words for a non-boolean."""
+    one = [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1]}]
+    per_output = {"inputs": one, "outputs": [{"name": "OUT", "parameters": {"binary_data": "false"}}]}
+    assert error(example_server, "POST", FP32_INFER, per_output) == (
+        400, "Unable to parse 'binary_data': attempt to access JSON non-boolean as boolean")
+    every_output = {"inputs": one, "parameters": {"binary_data_output": 0}}
+    assert error(example_server, "POST", FP32_INFER, every_output) == (
+        400, "Unable to parse 'binary_data_output': attempt to access JSON non-boolean as boolean")
+    fine = {"inputs": one, "outputs": [{"name": "OUT", "parameters": {"binary_data": False}}]}
+    status, headers, content = call(example_server, "POST", FP32_INFER, json.dumps(fine))
+    assert status == 200 and json.loads(content)["outputs"][0]["data"] == [1.0], content

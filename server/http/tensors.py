@@ -53,7 +53,7 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
     if not isinstance(inputs_json, list):
         raise invalid("Unable to parse 'inputs': attempt to access non-existing object member 'inputs'")
     parameters = _object(document.get("parameters", {}), "parameters")
-    binary_default = parameters.pop("binary_data_output", False)
+    binary_default = _boolean(parameters.pop("binary_data_output", False), "binary_data_output")
     _check_bytes_cost(model, inputs_json)
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
@@ -69,7 +69,7 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
         raise invalid(f"the request body holds {len(binary) - offset} bytes of binary data past the inputs that "
                       "declare binary_data_size")
     outputs_json = document.get("outputs")
-    requested, class_counts, output_regions, binary_outputs = _outputs(outputs_json, bool(binary_default))
+    requested, class_counts, output_regions, binary_outputs = _outputs(outputs_json, binary_default)
     request_id = document.get("id", "")
     if not isinstance(request_id, str):
         raise invalid("Unable to parse 'id': expected a string")
@@ -106,6 +106,13 @@ def _check_bytes_cost(model: str, inputs_json: list[Any]) -> None:
             f"{payload} bytes: decoded, they would take about {cost // 2**20} MiB, more than the "
             f"{allowed // 2**20} MiB allowed; send fewer, longer elements, or split the request"
         )
+
+
+def _boolean(value: Any, what: str) -> bool:
+    """A flag that must be a JSON boolean ("false" would be truthy), in Triton's words."""
+    if not isinstance(value, bool):
+        raise invalid(f"Unable to parse '{what}': attempt to access JSON non-boolean as boolean")
+    return value
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -247,7 +254,7 @@ def _outputs(
             raise invalid("Unable to parse 'outputs': each output needs a 'name' (a string)")
         parameters = _object(entry.get("parameters", {}), "parameters")
         names.append(name)
-        binary[name] = bool(parameters.get("binary_data", binary_default))
+        binary[name] = _boolean(parameters.get("binary_data", binary_default), "binary_data")
         if "classification" in parameters:
             count = parameters["classification"]
             if not isinstance(count, int) or isinstance(count, bool):
