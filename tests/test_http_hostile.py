@@ -7,6 +7,8 @@ Found by the review of the HTTP endpoint; each test failed before its fix.
 from __future__ import annotations
 
 import json
+import os
+import uuid
 
 from tests.conftest import RunningServer
 from tests.test_http_errors import call, error
@@ -76,3 +78,33 @@ def test_binary_data_flags_must_be_booleans(example_server: RunningServer) -> No
     fine = {"inputs": one, "outputs": [{"name": "OUT", "parameters": {"binary_data": False}}]}
     status, headers, content = call(example_server, "POST", FP32_INFER, json.dumps(fine))
     assert status == 200 and json.loads(content)["outputs"][0]["data"] == [1.0], content
+
+
+def test_an_output_in_shared_memory_takes_no_classification_or_binary_data(example_server: RunningServer) -> None:
+    """Triton's HTTP front end refuses both (ValidateOutputParameter): classification results are not
+    written to shared memory, and an output cannot come back both in a region and as binary data."""
+    key = f"shoal-test-{uuid.uuid4().hex}"
+    descriptor = os.open(f"/dev/shm/{key}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(descriptor, 64)
+        assert call(example_server, "POST", "/v2/systemsharedmemory/region/out/register",
+                    json.dumps({"key": key, "offset": 0, "byte_size": 64}))[0] == 200
+        inputs = [{"name": "IN", "datatype": "FP32", "shape": [1, 3], "data": [1, 3, 2]}]
+        region = {"shared_memory_region": "out", "shared_memory_byte_size": 64}
+
+        def with_output(**parameters: object) -> dict[str, object]:
+            return {"inputs": inputs, "outputs": [{"name": "OUT", "parameters": {**region, **parameters}}]}
+
+        assert error(example_server, "POST", FP32_INFER, with_output(classification=2)) == (
+            400, "Output can't set both 'shared_memory_region' and 'classification'")
+        assert error(example_server, "POST", FP32_INFER, with_output(binary_data=True)) == (
+            400, "Output can't set both 'shared_memory_region' and 'binary_data'")
+        assert os.pread(descriptor, 64, 0) == bytes(64)  # nothing was written
+        status, _, content = call(example_server, "POST", FP32_INFER, json.dumps(with_output(binary_data=False)))
+        assert status == 200 and "data" not in json.loads(content)["outputs"][0], content
+        assert os.pread(descriptor, 12, 0) == b"".join(v.to_bytes(4, "little") for v in (0x3F800000, 0x40400000,
+                                                                                      0x40000000))
+    finally:
+        call(example_server, "POST", "/v2/systemsharedmemory/region/out/unregister")
+        os.close(descriptor)
+        os.unlink(f"/dev/shm/{key}")

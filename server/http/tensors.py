@@ -255,6 +255,10 @@ def _outputs(
         parameters = _object(entry.get("parameters", {}), "parameters")
         names.append(name)
         binary[name] = _boolean(parameters.get("binary_data", binary_default), "binary_data")
+        if "shared_memory_region" in parameters:  # as Triton's ValidateOutputParameter
+            for conflict in ("classification", "binary_data"):
+                if parameters.get(conflict, False) is not False:
+                    raise invalid(f"Output can't set both 'shared_memory_region' and '{conflict}'")
         if "classification" in parameters:
             count = parameters["classification"]
             if not isinstance(count, int) or isinstance(count, bool):
