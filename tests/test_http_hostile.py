@@ -108,3 +108,12 @@ def test_an_output_in_shared_memory_takes_no_classification_or_binary_data(examp
         call(example_server, "POST", "/v2/systemsharedmemory/region/out/unregister")
         os.close(descriptor)
         os.unlink(f"/dev/shm/{key}")
+
+
+def test_an_input_with_two_sources_names_them_as_triton_does(example_server: RunningServer) -> None:
+    both = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1],
+                        "parameters": {"binary_data_size": 4, "shared_memory_region": "r",
+                                       "shared_memory_byte_size": 4}}]}
+    assert error(example_server, "POST", FP32_INFER, both) == (
+        400, "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+             "'shared_memory_region' in 'parameters'. But set 'data' 'binary_data_size' 'shared_memory_region'")

@@ -139,9 +139,11 @@ def _input(model: str, entry: dict[str, Any], binary: memoryview) -> tuple[Tenso
         raise invalid(f"input '{shown(name)}': {exc}") from None
     parameters = _object(entry.get("parameters", {}), "parameters")
     region = shared_memory_slice(name, parameters)
-    sources = ["data" in entry, "binary_data_size" in parameters, region is not None]
-    if sum(sources) != 1:
-        which = "no field is set" if not any(sources) else "more than one field is set"
+    sources = {"data": "data" in entry, "binary_data_size": "binary_data_size" in parameters,
+               "shared_memory_region": region is not None}
+    if sum(sources.values()) != 1:
+        which = "no field is set" if not any(sources.values()) else "set " + " ".join(
+            f"'{field}'" for field, given in sources.items() if given)  # Triton's words
         raise invalid(f"Input must set only one of the following fields: {_DATA_FIELDS}. But {which}")
     if region is not None:
         return RegionInput(name, datatype, dims, region), 0
