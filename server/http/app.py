@@ -27,6 +27,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _WBITS = {"gzip": 31, "deflate": 15, "x-gzip": 31}  # zlib's window bits: 31 reads the gzip wrapper, 15 zlib's
+_MAX_INFLATION = 1032  # deflate's largest ratio: what a compressed body can grow to, at most
 
 
 class HttpApp:
@@ -78,7 +79,7 @@ class HttpApp:
             return body
         if encoding not in _WBITS:
             raise HttpError(501, "Unsupported compression type")
-        if len(body) > OFF_LOOP_BYTES:
+        if len(body) * _MAX_INFLATION > OFF_LOOP_BYTES:  # a few KiB can inflate to many MiB
             return await asyncio.to_thread(self._decompress, body, encoding)
         return self._decompress(body, encoding)
 
