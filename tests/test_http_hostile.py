@@ -14,11 +14,15 @@ import threading
 import uuid
 import zlib
 
+import numpy as np
 import pytest
 
 from shoal.http import app as http_app
+from shoal.http import handlers, tensors
 from shoal.http.app import HttpApp
-from shoal.http.handlers import Reply
+from shoal.http.handlers import Reply, Request
+from shoal.protocol.types import DataType
+from shoal.types import InferRequest, InferResponse, Tensor
 from tests.conftest import RunningServer
 from tests.test_http_errors import call, error
 
@@ -190,3 +194,41 @@ def test_answers_are_compressed_off_the_loop_at_zlib_s_default_level(
         assert compressed == zlib.compress(body, 6)
     loop_thread = asyncio.run(answer(b"{}"))
     assert threads[-1] == loop_thread
+
+
+class _EchoCore:
+    """A core that answers every request with one FP32 output of ``size`` elements."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        data = np.zeros(self.size, np.float32)
+        return InferResponse(request.model_name, "1", "", (Tensor("OUT", DataType.FP32, data.shape, data),),
+                             frozenset())
+
+
+@pytest.mark.parametrize(("size", "binary", "off_loop"), [
+    (100_000, False, True),  # 100,000 JSON values: ~60 ms of Python work
+    (100_000, True, False),  # 400 KB of raw bytes: one copy, on the loop
+    (100, False, False),
+])
+def test_an_answer_of_many_json_values_is_encoded_off_the_loop(
+        monkeypatch: pytest.MonkeyPatch, size: int, binary: bool, off_loop: bool) -> None:
+    threads: list[int] = []
+    real = tensors.infer_response
+
+    def recording(*args: object) -> tuple[bytes, int | None]:
+        threads.append(threading.get_ident())
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tensors, "infer_response", recording)
+    body = json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1], "data": [1]}],
+                       "parameters": {"binary_data_output": binary}}).encode()
+
+    async def infer() -> int:
+        await handlers.infer(_EchoCore(size), Request({"model": "m"}, {}, body))  # type: ignore[arg-type]
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(infer())
+    assert (threads[-1] != loop_thread) is off_loop
