@@ -10,6 +10,7 @@ import asyncio
 import gzip
 import json
 import os
+import socket
 import threading
 import uuid
 import zlib
@@ -21,6 +22,7 @@ from shoal.http import app as http_app
 from shoal.http import handlers, tensors
 from shoal.http.app import HttpApp
 from shoal.http.handlers import Reply, Request
+from shoal.http.server import MAX_HEAD_BYTES
 from shoal.protocol.types import DataType
 from shoal.types import InferRequest, InferResponse, Tensor
 from tests.conftest import RunningServer
@@ -232,3 +234,40 @@ def test_an_answer_of_many_json_values_is_encoded_off_the_loop(
 
     loop_thread = asyncio.run(infer())
     assert (threads[-1] != loop_thread) is off_loop
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    sock.settimeout(30)
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    return answer
+
+
+def test_an_endless_header_is_431_and_the_connection_closed(example_server: RunningServer) -> None:
+    """httptools keeps a header it is still reading in memory whole: 300 MB of one header line grew the
+    server by as much. Past MAX_HEAD_BYTES the server answers 431, closes, and keeps serving."""
+    with socket.create_connection(("127.0.0.1", example_server.http_port)) as sock:
+        sock.sendall(b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        try:
+            for _ in range(4 * MAX_HEAD_BYTES // 2**16):
+                sock.sendall(b"a" * 2**16)
+        except OSError:
+            pass  # closed by the server while sending: its answer is still there to read
+        answer = _read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {
+        "error": f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"}
+    status, _, content = call(example_server, "GET", "/v2/health/ready")
+    assert status == 200, content
+
+
+def test_heads_are_counted_per_request_on_a_kept_alive_connection(example_server: RunningServer) -> None:
+    """Many requests on one connection, each with a large (allowed) header, all answered."""
+    header = b"X-Pad: " + b"a" * (MAX_HEAD_BYTES // 3) + b"\r\n"
+    request = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n"
+    with socket.create_connection(("127.0.0.1", example_server.http_port)) as sock:
+        for _ in range(6):
+            sock.sendall(request)
+            sock.settimeout(30)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
