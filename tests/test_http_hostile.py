@@ -271,3 +271,18 @@ def test_heads_are_counted_per_request_on_a_kept_alive_connection(example_server
             sock.sendall(request)
             sock.settimeout(30)
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize("value", [{"a": 1}, [1, 2], None])
+def test_a_request_parameter_must_be_a_scalar(example_server: RunningServer, value: object) -> None:
+    """As Triton's SetTritonParameterFromJsonParameter: an object, list or null reached the core and
+    the models' request.parameters() before."""
+    body = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1]}], "parameters": {"p": value}}
+    assert error(example_server, "POST", FP32_INFER, body) == (
+        400, "parameter 'p' has invalid type. It should be either 'int', 'bool', or 'string'.")
+
+
+def test_scalar_request_parameters_are_accepted(example_server: RunningServer) -> None:
+    body = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1]}],
+            "parameters": {"s": "x", "i": -3, "b": True, "d": 0.5}}
+    assert call(example_server, "POST", FP32_INFER, json.dumps(body))[0] == 200

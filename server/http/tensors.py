@@ -54,6 +54,10 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
         raise invalid("Unable to parse 'inputs': attempt to access non-existing object member 'inputs'")
     parameters = _object(document.get("parameters", {}), "parameters")
     binary_default = _boolean(parameters.pop("binary_data_output", False), "binary_data_output")
+    for key, value in parameters.items():  # as Triton's SetTritonParameterFromJsonParameter
+        if not isinstance(value, str | int | float):  # bool is an int
+            raise invalid(f"parameter '{shown(key)}' has invalid type. It should be either 'int', 'bool', or "
+                          "'string'.")
     _check_bytes_cost(model, inputs_json)
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
