@@ -286,3 +286,14 @@ def test_scalar_request_parameters_are_accepted(example_server: RunningServer) -
     body = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1]}],
             "parameters": {"s": "x", "i": -3, "b": True, "d": 0.5}}
     assert call(example_server, "POST", FP32_INFER, json.dumps(body))[0] == 200
+
+
+@pytest.mark.parametrize(("accept", "chosen"), [
+    ("gzip;q=0.1, deflate;q=0.9", "deflate"),  # the client prefers deflate
+    ("identity;q=1, gzip;q=0.5", None),  # ... or no compression at all
+    ("deflate, gzip", "deflate"),  # equal weights: the first listed, as Triton's CompressionTypeUsed
+    ("gzip, deflate", "gzip"),
+    ("br;q=1, gzip;q=0.2", "gzip"),
+])
+def test_accept_encoding_follows_the_client_s_weights(accept: str, chosen: str | None) -> None:
+    assert http_app._accepted_encoding(accept) == chosen

@@ -121,17 +121,19 @@ def route(method: str, path: str) -> tuple[Handler, dict[str, str], str]:
 
 
 def _accepted_encoding(accept: str) -> str | None:
-    """gzip or deflate if the client accepts one (gzip first), else None."""
-    offered = set()
+    """gzip or deflate if the client prefers one, else None (identity), as Triton's
+    CompressionTypeUsed: the highest weight above 0 wins, the first listed among equals."""
+    chosen, best = "identity", 0.0
     for item in accept.lower().split(","):
         name, _, weight = item.partition(";")
         quality = weight.strip().removeprefix("q=").strip() if weight.strip().startswith("q=") else "1"
         try:
-            if float(quality) > 0:
-                offered.add(name.strip())
+            value = float(quality)
         except ValueError:
             continue  # a malformed weight: that coding is not offered
-    return next((name for name in ("gzip", "deflate") if name in offered), None)
+        if name.strip() in ("identity", "gzip", "deflate") and value > best:  # nan is never > best
+            chosen, best = name.strip(), value
+    return None if chosen == "identity" else chosen
 
 
 def _compress(body: bytes, encoding: str) -> bytes:
