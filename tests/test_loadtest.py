@@ -188,8 +188,8 @@ def test_open_loop_with_two_processes(load_server: RunningServer, tmp_path: Path
     out_json = tmp_path / "r.json"
     result = shoal_load("-m", "simple", "-u", load_server.url, "--request-rate", "200", "--distribution", "poisson",
                         "--processes", "2", "--json", str(out_json), *FAST)
-    assert result.returncode == 0, result.stderr
     step = json.loads(out_json.read_text())["steps"][0]
+    assert result.returncode == 0, (step["errors"], result.stderr)
     assert step["request_rate"] == 200 and not step["errors"]
     assert 120 < step["throughput"] < 280  # a Poisson schedule at 200/s over ~1.5 s
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -128,8 +130,16 @@ class LoadTester:
         self._has_statistics = self._server_has_statistics()
 
     def __enter__(self) -> LoadTester:
-        for process in self._processes:
-            process.start()
+        # Started with SIGINT ignored, they ignore it from birth (Python keeps an inherited SIG_IGN): a
+        # Ctrl-C while a process is still importing would otherwise print its KeyboardInterrupt traceback.
+        main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            for process in self._processes:
+                process.start()
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, previous)
         return self
 
     def __exit__(self, *exc: object) -> None:

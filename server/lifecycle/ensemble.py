@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.backends.devices import Device
-from shoal.errors import ErrorCode, ShoalError, invalid
+from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle import tensors
 from shoal.lifecycle.model import ModelVersion
 from shoal.lifecycle.state import ModelEntry, ModelState, VersionEntry
@@ -174,8 +174,12 @@ class EnsembleVersion(ModelVersion):
 
     async def _run(self, steps: Sequence[EnsembleStep], pool: dict[str, Tensor], request: InferRequest) -> None:
         """Start every step whose tensors exist; as each finishes, add what it wrote and start the
-        steps that were waiting for it. The first failure cancels the steps still running."""
-        waiting = {index: {t for t in step.reads if t not in pool} for index, step in enumerate(steps)}
+        steps that were waiting for it. The first failure cancels the steps still running. An optional
+        ensemble input the request left out is not waited for: its steps run without it (as Triton's),
+        and the composing model's own checks decide whether it may be missing."""
+        absent = {tensor.name for tensor in self.spec.inputs} - pool.keys()
+        waiting = {index: {t for t in step.reads if t not in pool and t not in absent}
+                   for index, step in enumerate(steps)}
         ready = _arrived({}, pool, waiting)
         running: dict[asyncio.Task[dict[str, Tensor]], int] = {}
         try:
@@ -204,14 +208,14 @@ class EnsembleVersion(ModelVersion):
                 task.cancel()
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
-        if waiting:  # an optional ensemble input the request left out, which a step needs
+        if waiting:  # a step never got a tensor: a composing model answered without an output it was asked for
             missing = sorted(set().union(*waiting.values()) - pool.keys())
-            raise invalid(f"ensemble tensor '{missing[0]}' is needed by a step but was not provided")
+            raise ShoalError(ErrorCode.INTERNAL, f"ensemble tensor '{missing[0]}' was not written by its step")
 
     async def _step(self, step: EnsembleStep, pool: dict[str, Tensor], request: InferRequest) -> dict[str, Tensor]:
         """One step as a request to its composing model; returns what it wrote, by ensemble tensor name."""
         inputs = tuple(Tensor(model_input, pool[name].datatype, pool[name].shape, pool[name].data)
-                       for model_input, name in step.input_map)
+                       for model_input, name in step.input_map if name in pool)  # not: an optional input left out
         version = str(step.model_version) if step.model_version >= 0 else ""
         served = self._registry.resolve(step.model_name, version)
         response = await served.infer(InferRequest(
@@ -374,20 +378,38 @@ class Dependents:
                 self._dormant.add(ensemble_name)
 
     async def wake(self) -> None:
-        """Load again the ensembles ``retire`` unloaded whose steps fit their models now."""
-        for name in sorted(self._dormant):
+        """Load the ensembles whose steps fit their models now: those ``retire`` unloaded, and those whose
+        load failed for their steps (a composing model missing or not loaded then), as Triton's dependency
+        graph loads a model once the models it waits for are there."""
+        for name in sorted(self._dormant | self._failed_for_steps()):
             try:
-                spec = self._manager.entry(name).spec
+                entry: ModelEntry | None = self._manager.entry(name)
             except ShoalError:  # its folder was removed meanwhile
-                spec = None
-            if spec is None or spec.ensemble is None:
+                entry = None
+            if entry is None or entry.spec is None or entry.spec.ensemble is None:
                 self._dormant.discard(name)
-            elif not unfit(spec, self._manager):
+            elif entry.state is not ModelState.UNAVAILABLE:  # loaded (or loading) meanwhile: a nested wake
+                self._dormant.discard(name)
+            elif not unfit(entry.spec, self._manager):
                 self._dormant.discard(name)
                 try:
                     await self._manager.load(name)
                 except ShoalError as exc:
                     logger.error("ensemble %s: %s", name, exc.message)
+
+    def _failed_for_steps(self) -> set[str]:
+        """Ensembles not unloaded on purpose whose versions ``load_versions`` left UNAVAILABLE: the only
+        reason it does is that the steps did not fit the composing models as loaded then."""
+        failed = set()
+        for name in self._manager.names():
+            try:
+                entry = self._manager.entry(name)
+            except ShoalError:
+                continue
+            if (entry.spec is not None and entry.spec.ensemble is not None and not entry.unloaded
+                    and entry.state is ModelState.UNAVAILABLE and entry.versions and not entry.ready_versions()):
+                failed.add(name)
+        return failed
 
     def forget(self, name: str) -> None:
         """``name`` was unloaded on purpose: it stays unloaded."""

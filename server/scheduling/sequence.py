@@ -119,9 +119,10 @@ class SequenceScheduler:
         try:
             return await request.future
         except asyncio.CancelledError:
-            if not request.future.done():  # the client gave up while it was queued
+            # Cancelling this task cancelled the future too, so the lane skips it (and still honours its END).
+            if not request.taken:  # the client gave up while it was queued
                 self.statistics.record_failure(time.monotonic_ns() - now, FailureReason.CANCELED)
-                request.future.cancel()  # the lane skips it (and still honours its END)
+            request.future.cancel()
             raise
 
     def _flags(self, parameters: Mapping[str, Any]) -> Flags:
@@ -219,9 +220,11 @@ class SequenceScheduler:
         while self._backlog:
             backlog = self._backlog.popleft()
             requests = [r for r in backlog.requests if not r.future.done()]
-            if not requests:
-                continue
             cid = backlog.correlation_id
+            if not requests:  # every request it sent was given up: the sequence is over, not waiting
+                if self._backlogged.get(cid) is backlog:
+                    del self._backlogged[cid]
+                continue
             slot.correlation_id = cid
             if self._backlogged.get(cid) is backlog:
                 del self._backlogged[cid]
@@ -304,9 +307,11 @@ class SequenceScheduler:
 
     @property
     def queued(self) -> int:
-        """Requests waiting: in slot queues and in the backlog."""
-        in_slots = sum(1 for slots in self._slots for slot in slots for r in slot.queue if r is not None)
-        return in_slots + sum(len(b.requests) for b in self._backlog)
+        """Requests waiting, in slot queues and in the backlog (not those their clients gave up: nobody
+        waits for them, and ``stop`` must not wait for a slot to free to drop them)."""
+        in_slots = sum(1 for slots in self._slots for slot in slots for r in slot.queue
+                       if r is not None and not r.future.done())
+        return in_slots + sum(1 for b in self._backlog for r in b.requests if not r.future.done())
 
     async def stop(self) -> None:
         """Refuse new requests, let what is queued run, then stop the lanes."""

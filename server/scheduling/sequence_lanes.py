@@ -2,8 +2,9 @@
 
 ``DirectLane`` (Triton's DirectSequenceBatch): one batch at a time on its instance. A batch holds
 rows 0..*k*, row *i* the next request of slot *i*, *k* the highest slot with a request ready; a
-slot with none, or whose request's shapes differ from the batch's, is a null row (a copy of
-another row with READY false and CORRID 0) whose outputs are dropped. With
+slot with none, or whose request's shapes (or its sequence's state's, where a state has variable
+dims) differ from the batch's, is a null row (a copy of another row with READY false and CORRID 0)
+whose outputs are dropped. With
 ``max_queue_delay_microseconds`` and ``minimum_slot_utilization`` set, a batch waits until enough
 slots are ready or the oldest request has waited the delay.
 
@@ -25,13 +26,13 @@ from typing import Protocol
 
 import numpy as np
 
-from shoal.errors import ShoalError
+from shoal.errors import ErrorCode, ShoalError
 from shoal.repository.config import DynamicBatching
 from shoal.repository.sequence_config import Control, ControlKind, SequenceBatching
 from shoal.scheduling.base import Executor
 from shoal.scheduling.dynamic import Scheduler
-from shoal.scheduling.sequence_slots import RELEASE, SequenceRequest, Slot
-from shoal.statistics import FailureReason, ModelStatistics, Phases
+from shoal.scheduling.sequence_slots import RELEASE, Outputs, SequenceRequest, Slot
+from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,16 @@ def _keep_state(owner: Owner, slot: Slot, results: dict[str, np.ndarray], row: i
     }
 
 
+def _check_results(results: dict[str, np.ndarray], wanted: Sequence[str], rows: int | None) -> None:
+    """Every wanted output present, with ``rows`` rows when batching (None: not batching)."""
+    for name in wanted:
+        if name not in results:
+            raise ShoalError(ErrorCode.INTERNAL, f"the model returned no output '{name}'")
+        shape = np.shape(results[name])
+        if rows is not None and (not shape or shape[0] != rows):
+            raise ShoalError(ErrorCode.INTERNAL, f"output '{name}' has shape {list(shape)}, not a batch of {rows} rows")
+
+
 def _wanted(owner: Owner, requests: Sequence[SequenceRequest]) -> list[str]:
     names = dict.fromkeys(name for request in requests for name in request.outputs)
     names.update(dict.fromkeys(state.output_name for state in owner.batching.states))
@@ -138,6 +149,7 @@ class DirectLane:
         self.slots = slots
         self.delay_ns = owner.batching.max_queue_delay_us * 1000
         self.utilization = owner.batching.minimum_slot_utilization
+        self.variable_states = any(-1 in state.dims for state in owner.batching.states)
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -182,27 +194,41 @@ class DirectLane:
                 return [], (self.delay_ns - age) / 1e9
         representative = fronts[0]
         assert representative is not None
+        shape = self._shape(ready[0], representative)
         rows: list[Row] = []
         for slot in self.slots[: ready[-1].index + 1]:
             front = slot.queue[0] if slot.queue else None
-            if front is not None and front.signature == representative.signature:
+            if front is not None and self._shape(slot, front) == shape:
                 slot.queue.popleft()
+                front.taken = True
                 rows.append((slot, front))
             else:
                 rows.append((slot, None))
         return rows, None
 
+    def _shape(self, slot: Slot, request: SequenceRequest) -> tuple[object, ...]:
+        """What must be equal for rows to share a batch: the request's input shapes and, for states with
+        variable dims, the shapes of the state the row would run with (sequences' states grow apart)."""
+        if not self.variable_states:
+            return request.signature
+        if request.start or slot.states is None:
+            states = tuple(np.shape(state.start_value()) for state in self.owner.batching.states)
+        else:
+            states = tuple(np.shape(slot.states[state.input_name]) for state in self.owner.batching.states)
+        return request.signature, states
+
     async def _execute(self, rows: list[Row]) -> None:
         owner = self.owner
         real = [(slot, request) for slot, request in rows if request is not None]
-        states = {id(slot): row_states(owner.batching, slot, request) for slot, request in real}
         start = time.monotonic_ns()
-        try:
+        try:  # whatever fails here fails this batch's requests only: the lane must go on serving its slots
+            states = {id(slot): row_states(owner.batching, slot, request) for slot, request in real}
             fallback = next(iter(states.values()), {})
             feed = build_feed(owner, rows, [states.get(id(slot), fallback) for slot, _ in rows])
             gathered = time.monotonic_ns()
             results = await self.executor.run(feed, _wanted(owner, [r for _, r in real]))
             executed = time.monotonic_ns()
+            parts = self._split(rows, results)
         except Exception as exc:  # noqa: BLE001 - fails this batch's requests only
             if not isinstance(exc, ShoalError):
                 logger.error("a sequence batch of %d row(s) failed", len(rows), exc_info=exc)
@@ -211,14 +237,6 @@ class DirectLane:
                 if request.end:
                     owner.release(slot)
             return
-        batched = owner.max_batch_size > 0
-        parts = []
-        for position, (slot, row) in enumerate(rows):
-            if row is None:
-                continue
-            _keep_state(owner, slot, results, position if batched else None)
-            part = {name: results[name][position:position + 1] if batched else results[name] for name in row.outputs}
-            parts.append((slot, row, part))
         done = time.monotonic_ns()
         phases = Phases(gathered - start, executed - gathered, done - executed)
         owner.statistics.record_execution(len(rows), phases, inferences=len(parts))
@@ -230,6 +248,21 @@ class DirectLane:
                 request.future.set_result(part)
             if request.end:
                 owner.release(slot)
+
+    def _split(self, rows: list[Row], results: dict[str, np.ndarray]) -> list[tuple[Slot, SequenceRequest, Outputs]]:
+        """Each real row's outputs, with its state kept for its sequence's next request; INTERNAL where the
+        model did not answer one row per batch row (as the dynamic batcher's ``scatter``)."""
+        owner = self.owner
+        batched = owner.max_batch_size > 0
+        _check_results(results, _wanted(owner, [r for _, r in rows if r is not None]), len(rows) if batched else None)
+        parts = []
+        for position, (slot, row) in enumerate(rows):
+            if row is None:
+                continue
+            _keep_state(owner, slot, results, position if batched else None)
+            part = {name: results[name][position:position + 1] if batched else results[name] for name in row.outputs}
+            parts.append((slot, row, part))
+        return parts
 
     async def stop(self) -> None:
         self._stopping = True
@@ -275,22 +308,28 @@ class OldestLane:
                     self.owner.release(slot)  # may move a backlogged sequence in, and wake this slot again
                 continue
             self._in_flight.add(slot.index)
+            front.taken = True
             task = asyncio.create_task(self._run_one(slot, front))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _run_one(self, slot: Slot, request: SequenceRequest) -> None:
         owner = self.owner
+        # This task runs in the context of whichever request woke the slot: the dynamic batcher must add
+        # the phases to this request's caller (an ensemble's totals), not to that one's.
+        ALSO_COUNT_PHASES.set(request.also_count)
         try:
             states = row_states(owner.batching, slot, request)
             feed = build_feed(owner, [(slot, request)], [states])
             batch_size = 1 if owner.max_batch_size > 0 else 0
-            results = await self._batcher.submit(feed, _wanted(owner, [request]), batch_size, {})
+            wanted = _wanted(owner, [request])
+            results = await self._batcher.submit(feed, wanted, batch_size, {})
+            _check_results(results, wanted, batch_size or None)
+            _keep_state(owner, slot, results, 0 if owner.max_batch_size > 0 else None)
         except Exception as exc:  # noqa: BLE001 - counted by the dynamic batcher; answered here
             if not request.future.done():
                 request.future.set_exception(exc)
         else:
-            _keep_state(owner, slot, results, 0 if owner.max_batch_size > 0 else None)
             if not request.future.done():
                 request.future.set_result({name: results[name] for name in request.outputs})
         finally:

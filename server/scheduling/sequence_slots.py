@@ -27,6 +27,7 @@ class SequenceRequest:
     arrival_ns: int
     future: asyncio.Future[Outputs] = field(repr=False)
     signature: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    taken: bool = False  # a lane took it into a batch: no longer queued
     # The caller's aggregator (an ensemble's: statistics.ALSO_COUNT_PHASES), taken as the request is made.
     also_count: PhaseTotals | None = field(default_factory=ALSO_COUNT_PHASES.get)
 
