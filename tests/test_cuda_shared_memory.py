@@ -213,7 +213,7 @@ def test_a_request_reads_and_writes_cuda_regions_through_the_core_flow(fake: Fak
     read = shared_memory.with_region_inputs(registry, request)
     np.testing.assert_array_equal(read.inputs[0].data, np.frombuffer(bytes(range(8, 16)), np.int32).reshape(1, 2))
     windows = shared_memory.output_windows(registry, request)
-    assert shared_memory.on_device(windows)
+    assert shared_memory.costly_outputs(windows)
     out = np.array([[5, 6]], np.int64)
     response = InferResponse("m", "1", "", (Tensor("OUT", DataType.INT64, (1, 2), out),
                                            Tensor("EXTRA", DataType.INT32, (1,), np.array([1], np.int32))))

@@ -263,3 +263,25 @@ def test_a_segment_truncated_after_registration_fails_only_that_request(
 def test_an_unnamed_region_is_refused(client: grpcclient.InferenceServerClient, regions) -> None:
     _, key, _ = regions(64)
     expect_error("INVALID_ARGUMENT", "needs a name", lambda: client.register_system_shared_memory("", key, 64))
+
+
+def test_large_region_copies_leave_the_event_loop() -> None:
+    """Region bytes past COSTLY_BYTES are read and written on a thread (256 MiB on the loop stalled it ~0.9 s)."""
+    from shoal.core import shared_memory
+    from shoal.dataplane.regions import RegionRegistry, Window
+    from shoal.protocol.types import DataType
+    from shoal.types import InferRequest, RegionInput, RegionSlice
+
+    def request(byte_size: int) -> InferRequest:
+        where = RegionSlice("r", 0, byte_size)
+        return InferRequest("m", "", "", (), region_inputs=(RegionInput("IN", DataType.UINT8, (byte_size,), where),))
+
+    registry = RegionRegistry(max_total_bytes=1 << 30)
+    assert not shared_memory.costly(registry, request(4096))
+    assert shared_memory.costly(registry, request(shared_memory.COSTLY_BYTES + 1))
+    with open(os.devnull, "rb") as file:
+        small = {"OUT": Window("r", file, 0, 4096)}  # type: ignore[arg-type]
+        large = {"OUT": Window("r", file, 0, shared_memory.COSTLY_BYTES + 1)}  # type: ignore[arg-type]
+        assert not shared_memory.costly_outputs(small)  # type: ignore[arg-type]
+        assert shared_memory.costly_outputs(large)  # type: ignore[arg-type]
+    registry.close()

@@ -81,7 +81,7 @@ class HttpControl:
     """Metadata, config and statistics over HTTP, shaped as ``InferenceClient`` returns them."""
 
     def __init__(self, url: str, timeout_s: float = 10.0) -> None:
-        self.base = url if "://" in url else f"http://{url}"
+        self.base = (url if "://" in url else f"http://{url}").rstrip("/")  # paths below start with /
         self.timeout_s = timeout_s
 
     def _get(self, path: str) -> Any:

@@ -99,9 +99,16 @@ def _load_json(path: Path) -> dict[str, Any]:
 
 
 def _from_values(name: str, datatype: DataType, values: Any, shape: list[int]) -> np.ndarray:
-    flat = np.asarray(values, dtype=object if datatype is DataType.BYTES else datatype.numpy_dtype).reshape(-1)
-    if datatype is DataType.BYTES:
-        flat = np.array([v.encode() if isinstance(v, str) else bytes(v) for v in flat], dtype=object)
+    if datatype is DataType.BYTES:  # bytes(5) would be five zero bytes: only strings are taken
+        flat = np.asarray(values, dtype=object).reshape(-1)
+        if not all(isinstance(v, str) for v in flat):
+            raise InputError(f"--input-data: input '{name}' is BYTES: its values must be strings")
+        flat = np.array([v.encode() for v in flat], dtype=object)
+    else:
+        try:
+            flat = np.asarray(values, dtype=datatype.numpy_dtype).reshape(-1)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise InputError(f"--input-data: input '{name}' ({datatype.value}): {exc}") from None
     total = int(np.prod(shape))
     if flat.size == total:
         return flat.reshape(shape)

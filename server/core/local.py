@@ -117,7 +117,7 @@ class LocalCore:
                 return await served.infer(request)
             windows = shared_memory.output_windows(self.regions, request)
             response = await served.infer(request)
-            if shared_memory.on_device(windows):
+            if shared_memory.costly_outputs(windows):
                 return await asyncio.to_thread(shared_memory.write_region_outputs, windows, response)
             return shared_memory.write_region_outputs(windows, response)
         finally:

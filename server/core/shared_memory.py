@@ -63,13 +63,21 @@ def write_region_outputs(windows: dict[str, Window | CudaWindow], response: Infe
                                in_regions=frozenset(windows) & {t.name for t in outputs})
 
 
+# Region bytes past which a copy (preadv/pwrite of a client's segment) leaves the event loop: a
+# 256 MiB tensor read on the loop stalled every other call on it for most of a second.
+COSTLY_BYTES = 1 << 20
+
+
 def costly(registry: RegionRegistry, request: InferRequest) -> bool:
-    """Region inputs with many BYTES elements, or any in CUDA regions: read off the event loop."""
+    """Region inputs to read off the event loop: large ones, many BYTES elements, or any in CUDA regions."""
     if any(registry.on_device(r.where.region) for r in request.region_inputs):
+        return True
+    if sum(r.where.byte_size for r in request.region_inputs) > COSTLY_BYTES:
         return True
     return sum(math.prod(r.shape) for r in request.region_inputs if r.datatype is DataType.BYTES) > 16_384
 
 
-def on_device(windows: dict[str, Window | CudaWindow]) -> bool:
-    """Outputs go to a CUDA region: written off the event loop."""
-    return any(isinstance(w, CudaWindow) for w in windows.values())
+def costly_outputs(windows: dict[str, Window | CudaWindow]) -> bool:
+    """Outputs to write off the event loop: into CUDA regions, or large."""
+    return (any(isinstance(w, CudaWindow) for w in windows.values())
+            or sum(w.byte_size for w in windows.values()) > COSTLY_BYTES)

@@ -65,15 +65,23 @@ class Window:
     def read(self) -> np.ndarray:
         """A private copy of the window's bytes (uint8)."""
         data = np.empty(self.byte_size, np.uint8)
-        if self.byte_size and os.preadv(self.file.fileno(), [data.data], self.position) != self.byte_size:
-            raise _shrunk(self.name)
+        view, done = data.data, 0
+        while done < self.byte_size:  # Linux moves at most 2 GiB - 4 KiB per call
+            moved = os.preadv(self.file.fileno(), [view[done:]], self.position + done)
+            if moved <= 0:
+                raise _shrunk(self.name)
+            done += moved
         return data
 
     def write(self, data: bytes) -> None:
         if len(data) > self.byte_size:
             raise ValueError("the data is larger than the window")
-        if data and os.pwrite(self.file.fileno(), data, self.position) != len(data):
-            raise _shrunk(self.name)
+        view, done = memoryview(data), 0
+        while done < len(data):  # as read: one call may move less than asked
+            moved = os.pwrite(self.file.fileno(), view[done:], self.position + done)
+            if moved <= 0:
+                raise _shrunk(self.name)
+            done += moved
 
 
 def _shrunk(name: str) -> ShoalError:

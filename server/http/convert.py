@@ -33,7 +33,7 @@ def parse_object(body: bytes, what: str) -> dict[str, Any]:
         return {}
     try:
         document = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
         raise invalid(f"failed to parse the request JSON buffer: {exc}") from None
     if not isinstance(document, dict):
         raise invalid(f"the {what} request must be a JSON object, got a JSON {type(document).__name__}")
@@ -142,7 +142,7 @@ def load_config(name: str, body: dict[str, Any]) -> dict[str, Any] | None:
         raise invalid("invalid value type for load parameter 'config', expected string_param.")
     try:
         document = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise invalid(f"failed to load '{shown(name)}': the config parameter is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
         raise invalid(f"failed to load '{shown(name)}': the config parameter must be a JSON object (a ModelConfig), "

@@ -19,9 +19,11 @@ import ssl
 from collections.abc import Iterator
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from shoal.errors import StartupError
 from shoal.http.app import HttpApp
+from shoal.http.status import error_body
 from shoal.settings import HttpSettings
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,50 @@ logger = logging.getLogger(__name__)
 BACKLOG = 2048
 KEEP_ALIVE_S = 75  # idle keep-alive connections: longer than load balancers' usual 60 s
 START_TIMEOUT_S = 10.0
+# A request's line and headers, at most: httptools keeps a header it is still reading in memory
+# whole, so without a bound one endless header line grows the server until it runs out of memory.
+MAX_HEAD_BYTES = 2**20
+REFUSED_LINGER_S = 2.0  # a refused connection reads (and drops) what its client still sends, this long
+
+
+class _BoundedHead(HttpToolsProtocol):
+    """uvicorn's httptools protocol that answers 431 and closes once a request's head passes
+    ``MAX_HEAD_BYTES`` (counted per chunk received: at most one chunk more is read)."""
+
+    _in_head = True
+    _head_bytes = 0
+    _refused = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # what the client still sends after the 431 is dropped
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse()
+                return
+        super().data_received(data)
+
+    def _refuse(self) -> None:
+        """Answer 431, then close only the sending side for a while: closing a socket that still has
+        unread bytes resets the connection, and the client would lose the answer."""
+        self._refused = True
+        body = error_body(f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head, self._head_bytes = True, 0  # the next request's head, on a kept-alive connection
+        super().on_message_complete()
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -74,7 +120,7 @@ class HttpServer:
         port: int = sock.getsockname()[1]
         tls = self.settings.tls
         config = uvicorn.Config(
-            self.app, http="httptools", ws="none", lifespan="off", interface="asgi3", access_log=False,
+            self.app, http=_BoundedHead, ws="none", lifespan="off", interface="asgi3", access_log=False,
             log_config=None, server_header=False, proxy_headers=False, backlog=BACKLOG, timeout_keep_alive=KEEP_ALIVE_S,
             ssl_certfile=tls.server_cert if tls else None, ssl_keyfile=tls.server_key if tls else None,
             ssl_ca_certs=str(tls.root_cert) if tls and tls.root_cert else None,

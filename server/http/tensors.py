@@ -45,7 +45,7 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
     """The core's request, and for each requested output whether it goes back as binary data."""
     try:
         document = json.loads(header)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
         raise invalid(f"failed to parse the request JSON buffer: {exc}") from None
     if not isinstance(document, dict):
         raise invalid("Unable to parse 'inputs': the inference request must be a JSON object")
@@ -53,7 +53,11 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
     if not isinstance(inputs_json, list):
         raise invalid("Unable to parse 'inputs': attempt to access non-existing object member 'inputs'")
     parameters = _object(document.get("parameters", {}), "parameters")
-    binary_default = parameters.pop("binary_data_output", False)
+    binary_default = _boolean(parameters.pop("binary_data_output", False), "binary_data_output")
+    for key, value in parameters.items():  # as Triton's SetTritonParameterFromJsonParameter
+        if not isinstance(value, str | int | float):  # bool is an int
+            raise invalid(f"parameter '{shown(key)}' has invalid type. It should be either 'int', 'bool', or "
+                          "'string'.")
     _check_bytes_cost(model, inputs_json)
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
@@ -69,7 +73,7 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
         raise invalid(f"the request body holds {len(binary) - offset} bytes of binary data past the inputs that "
                       "declare binary_data_size")
     outputs_json = document.get("outputs")
-    requested, class_counts, output_regions, binary_outputs = _outputs(outputs_json, bool(binary_default))
+    requested, class_counts, output_regions, binary_outputs = _outputs(outputs_json, binary_default)
     request_id = document.get("id", "")
     if not isinstance(request_id, str):
         raise invalid("Unable to parse 'id': expected a string")
@@ -108,6 +112,13 @@ def _check_bytes_cost(model: str, inputs_json: list[Any]) -> None:
         )
 
 
+def _boolean(value: Any, what: str) -> bool:
+    """A flag that must be a JSON boolean ("false" would be truthy), in Triton's words."""
+    if not isinstance(value, bool):
+        raise invalid(f"Unable to parse '{what}': attempt to access JSON non-boolean as boolean")
+    return value
+
+
 def _object(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise invalid(f"Unable to parse '{what}': expected a JSON object")
@@ -132,9 +143,11 @@ def _input(model: str, entry: dict[str, Any], binary: memoryview) -> tuple[Tenso
         raise invalid(f"input '{shown(name)}': {exc}") from None
     parameters = _object(entry.get("parameters", {}), "parameters")
     region = shared_memory_slice(name, parameters)
-    sources = ["data" in entry, "binary_data_size" in parameters, region is not None]
-    if sum(sources) != 1:
-        which = "no field is set" if not any(sources) else "more than one field is set"
+    sources = {"data": "data" in entry, "binary_data_size": "binary_data_size" in parameters,
+               "shared_memory_region": region is not None}
+    if sum(sources.values()) != 1:
+        which = "no field is set" if not any(sources.values()) else "set " + " ".join(
+            f"'{field}'" for field, given in sources.items() if given)  # Triton's words
         raise invalid(f"Input must set only one of the following fields: {_DATA_FIELDS}. But {which}")
     if region is not None:
         return RegionInput(name, datatype, dims, region), 0
@@ -165,10 +178,16 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
     flat = values.reshape(-1)
     kind = flat.dtype.kind
     if datatype is DataType.BYTES:
-        if kind not in "U" and flat.size:
+        # numpy turns a number among strings into a string ("1"): the JSON values are checked, not its kind
+        items = np.asarray(data, dtype=object).reshape(-1).tolist() if flat.size else []
+        if not all(type(item) is str for item in items):
             raise invalid(f"Unable to parse 'data' of input '{shown(name)}': BYTES data must be strings")
         array = np.empty(flat.size, dtype=object)
-        array[:] = [item.encode("utf-8") for item in flat.tolist()]
+        try:
+            array[:] = [item.encode("utf-8") for item in items]
+        except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate has no UTF-8
+            raise invalid(f"Unable to parse 'data' of input '{shown(name)}': a string is not valid Unicode "
+                          "(a lone surrogate)") from None
         return array.reshape(shape)
     target = datatype.numpy_dtype
     if target.kind in "iu" and kind in "fO" and flat.size:
@@ -176,8 +195,12 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
     if flat.size and kind not in _KINDS_ACCEPTED[target.kind]:
         raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
                       f"got {_kind_name(kind)}")
-    converted = flat.astype(target)
+    with np.errstate(over="ignore"):  # a float past the type's range becomes inf: refused below
+        converted = flat.astype(target)
     if kind in "iu" and target.kind in "iu" and not np.array_equal(converted, flat):
+        raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
+    if target.kind in "fV" and flat.size and not np.array_equal(
+            np.isfinite(converted.astype(np.float64)), np.isfinite(flat.astype(np.float64))):
         raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
     return converted.reshape(shape)
 
@@ -237,7 +260,11 @@ def _outputs(
             raise invalid("Unable to parse 'outputs': each output needs a 'name' (a string)")
         parameters = _object(entry.get("parameters", {}), "parameters")
         names.append(name)
-        binary[name] = bool(parameters.get("binary_data", binary_default))
+        binary[name] = _boolean(parameters.get("binary_data", binary_default), "binary_data")
+        if "shared_memory_region" in parameters:  # as Triton's ValidateOutputParameter
+            for conflict in ("classification", "binary_data"):
+                if parameters.get(conflict, False) is not False:
+                    raise invalid(f"Output can't set both 'shared_memory_region' and '{conflict}'")
         if "classification" in parameters:
             count = parameters["classification"]
             if not isinstance(count, int) or isinstance(count, bool):

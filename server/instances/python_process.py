@@ -300,7 +300,10 @@ class PythonProcessModel(process.ProcessModel):
         self._reply_offset = 0  # where the next BLS call's outputs go in the requests arena
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
-        self._finished: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._wake_lock = threading.Lock()  # a BLS call ending after close() must not write to a reused fd
+        # Finished BLS calls: (the worker's connection that made the call, its call id, the outcome: the
+        # call's future, or one (BlsResult, final) response of an exec(decoupled=True)).
+        self._finished: queue.SimpleQueue[tuple[Any, int, Any]] = queue.SimpleQueue()
         self._decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
         self._sinks: list[Any] = []  # the running batch's response sinks (a decoupled model)
         self._cancel_sent: set[int] = set()
@@ -355,12 +358,14 @@ class PythonProcessModel(process.ProcessModel):
         while True:
             try:
                 ready = connection.wait([self._conn, self._wake_read], timeout=0.05)
-            except OSError:
+            except (OSError, ValueError):  # closed under us: _check_running says so
                 ready = []
             if self._wake_read in ready:
                 os.read(self._wake_read, 4096)
             while not self._finished.empty():
-                call_id, done = self._finished.get()
+                caller, call_id, done = self._finished.get()
+                if caller is not self._conn:  # a replaced worker's calls are dropped: the new one counts ids from 0
+                    continue
                 if isinstance(done, tuple):  # one response of an exec(decoupled=True)
                     self._reply(call_id, *done)
                     if done[1]:
@@ -403,12 +408,17 @@ class PythonProcessModel(process.ProcessModel):
                     pass  # the worker is gone: the wait finds it dead
 
     def _start_call(self, call_id: int, call: bls.BlsCall) -> None:
+        caller = self._conn
+
         def finished(done: Any) -> None:  # the call's future, or one (BlsResult, final) of a decoupled call
-            self._finished.put((call_id, done))
-            try:
-                os.write(self._wake_write, b"x")
-            except OSError:
-                pass  # the pipe is full (a wake-up is pending anyway) or closed
+            self._finished.put((caller, call_id, done))
+            with self._wake_lock:
+                if self._wake_write < 0:
+                    return  # closed
+                try:
+                    os.write(self._wake_write, b"x")
+                except OSError:
+                    pass  # the pipe is full: a wake-up is pending anyway
 
         sink = bls.CallbackSink(lambda result, final: finished((result, final))) if call.decoupled else None
         bls.start(self._host, call, sink).add_done_callback(finished)
@@ -443,7 +453,9 @@ class PythonProcessModel(process.ProcessModel):
 
     def close(self) -> None:
         super().close()
-        for fd in (self._wake_read, self._wake_write):
+        with self._wake_lock:
+            fds, self._wake_read, self._wake_write = (self._wake_read, self._wake_write), -1, -1
+        for fd in fds:
             try:
                 os.close(fd)
             except OSError:

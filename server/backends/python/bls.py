@@ -100,6 +100,13 @@ def call_of(request: pb_utils.InferenceRequest, decoupled: bool = False) -> BlsC
     parameters = json.loads(request.parameters() or "{}")
     if request.timeout():
         parameters.setdefault("timeout", int(request.timeout()))
+    # A call into a sequence-batched model: the correlation id and flags as a client's request parameters.
+    if request.correlation_id() not in (0, ""):
+        parameters.setdefault("sequence_id", request.correlation_id())
+    if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+        parameters.setdefault("sequence_start", True)
+    if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+        parameters.setdefault("sequence_end", True)
     return BlsCall(request.model_name(), "" if version < 0 else str(version), request.request_id(),
                    {tensor.name(): tensor.as_numpy() for tensor in request.inputs()},
                    tuple(request.requested_output_names()), parameters, decoupled)
