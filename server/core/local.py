@@ -175,9 +175,9 @@ class LocalCore:
         self._require_explicit()
         await self.manager.load(name, config_override)
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._require_explicit()
-        await self.manager.unload(name)
+        await self.manager.unload(name, unload_dependents)
 
     async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self.regions.register(name, key, offset, byte_size)

@@ -194,8 +194,8 @@ class RemoteCore:
     async def load_model(self, name: str, config_override: dict[str, Any] | None) -> None:
         await self._call("load_model", name, config_override)
 
-    async def unload_model(self, name: str) -> None:
-        await self._call("unload_model", name)
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        await self._call("unload_model", name, unload_dependents)
 
     async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
         await self._call("register_system_shared_memory", name, key, offset, byte_size)

@@ -333,6 +333,16 @@ def load_parameters(message: service_pb2.RepositoryModelLoadRequest) -> dict[str
     return document
 
 
+def unload_dependents(message: service_pb2.RepositoryModelUnloadRequest) -> bool:
+    """The unload's ``unload_dependents`` parameter (tritonclient's ``unload_model(..., unload_dependents=)``)."""
+    if "unload_dependents" not in message.parameters:
+        return False
+    param = message.parameters["unload_dependents"]
+    if param.WhichOneof("parameter_choice") != "bool_param":
+        raise invalid("invalid value type for 'unload_dependents' parameter, expected bool_param.")
+    return bool(param.bool_param)
+
+
 def repository_index(entries: list[IndexEntry]) -> service_pb2.RepositoryIndexResponse:
     message = service_pb2.RepositoryIndexResponse()
     for e in entries:

@@ -199,8 +199,7 @@ class InferenceServicer:
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
-        # unload_dependents is accepted; Shoal has no ensembles, so there are no dependents.
-        await self.core.unload_model(request.model_name)
+        await self.core.unload_model(request.model_name, convert.unload_dependents(request))
         return pb.RepositoryModelUnloadResponse()
 
 

@@ -126,6 +126,17 @@ def index_ready_only(body: dict[str, Any]) -> bool:
     return ready
 
 
+def unload_dependents(body: dict[str, Any]) -> bool:
+    """The unload's ``{"parameters": {"unload_dependents": true}}``, as tritonclient.http sends it."""
+    parameters = body.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise invalid("'parameters' must be a JSON object")
+    value = parameters.get("unload_dependents", False)
+    if not isinstance(value, bool):
+        raise invalid("invalid value type for 'unload_dependents' parameter, expected bool_param.")
+    return value
+
+
 def load_config(name: str, body: dict[str, Any]) -> dict[str, Any] | None:
     """The ``config`` override of a load (``{"parameters": {"config": "<ModelConfig JSON>"}}``), checked
     as the gRPC path checks it; model files sent inline (``file:...``) are refused the same way."""

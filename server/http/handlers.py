@@ -129,8 +129,8 @@ async def load(core: Core, request: Request) -> Reply:
 
 
 async def unload(core: Core, request: Request) -> Reply:
-    convert.parse_object(request.body, "unload")  # unload_dependents: Shoal has no ensembles, so no dependents
-    await core.unload_model(request.path["model"])
+    body = convert.parse_object(request.body, "unload")
+    await core.unload_model(request.path["model"], convert.unload_dependents(body))
     return Reply()
 
 

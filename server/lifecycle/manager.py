@@ -149,12 +149,18 @@ class ModelManager:
         await self._dependents.retire(name, only_unfit=True)
         await self._dependents.wake()
 
-    async def unload(self, name: str) -> None:
-        """Stop routing to ``name``, let its queued and running requests finish, free the weights."""
+    async def unload(self, name: str, unload_dependents: bool = False) -> None:
+        """Stop routing to ``name``, let its queued and running requests finish, free the weights.
+
+        ``unload_dependents`` (Triton's flag of that name): an ensemble's composing models are unloaded
+        after it, each with its own, except those another loaded ensemble still uses.
+        """
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.get(name)
             if entry is None or entry.spec is None and not entry.versions:
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to unload '{shown(name)}': the model is not loaded")
+            composing = entry.spec.ensemble.composing_models if unload_dependents and entry.spec is not None \
+                and entry.spec.ensemble is not None else ()
             entry.unloaded = True  # strict readiness stops waiting for it at once
             if entry.state is not ModelState.READY:  # failed or unloaded already: nothing to release
                 entry.reason = UNLOADED
@@ -163,6 +169,17 @@ class ModelManager:
             self._changed()
         self._dependents.forget(name)
         await self._dependents.retire(name)
+        for model in composing:
+            if self._loaded(model) and not self._used_by_a_loaded_ensemble(model):
+                await self.unload(model, unload_dependents=True)
+
+    def _loaded(self, name: str) -> bool:
+        entry = self._models.get(name)
+        return entry is not None and entry.state is ModelState.READY
+
+    def _used_by_a_loaded_ensemble(self, name: str) -> bool:
+        return any(entry.state is ModelState.READY and entry.spec is not None and entry.spec.ensemble is not None
+                   and name in entry.spec.ensemble.composing_models for entry in self._models.values())
 
     def memory_in_use(self) -> dict[str, int]:
         """Bytes the loaded versions hold, per device (also read from load threads: copies first)."""
