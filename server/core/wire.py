@@ -8,6 +8,7 @@ import numpy as np
 from shoal.errors import invalid, shown
 from shoal.protocol import tensors
 from shoal.protocol.types import DataType
+from shoal.types import RegionSlice
 
 
 def decode_raw(
@@ -36,3 +37,18 @@ def content_error(name: str, model: str, exc: tensors.WireFormatError) -> str:
         return (f"incomplete string length indicator {where}, expecting 4 bytes but only {exc.available} bytes "
                 "available. Please make sure the string length indicator is in one buffer.")
     return f"input '{name}' for model '{model}': {exc}"
+
+
+def region_slice(name: str, region: str | None, offset: int | None, byte_size: int | None) -> RegionSlice | None:
+    """Where a tensor's shared-memory parameters (already read from either transport) place it, with
+    Triton's front-end rules and messages; None when the tensor is not in shared memory."""
+    if region is None:
+        for key, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
+            if value is not None:
+                raise invalid(f"'{key}' can not be specified without 'shared_memory_region' parameter for tensor "
+                              f"'{shown(name)}'")
+        return None
+    if byte_size is None:
+        raise invalid(f"'shared_memory_byte_size' must be specified along with 'shared_memory_region' parameter "
+                      f"for tensor '{shown(name)}'")
+    return RegionSlice(region, offset or 0, byte_size)

@@ -23,7 +23,7 @@ from shoal.core import (
     ServerMetadata,
     StatisticsRow,
 )
-from shoal.core.wire import content_error, decode_raw
+from shoal.core.wire import content_error, decode_raw, region_slice
 from shoal.errors import invalid, shown
 from shoal.protocol import config_pb2, service_pb2, tensors
 from shoal.protocol.types import DataType
@@ -228,19 +228,8 @@ def shared_memory_slice(name: str, parameters: Any) -> RegionSlice | None:
             raise invalid(f"invalid value type for '{key}' parameter for tensor '{name}', expected {kind}.")
         return getattr(parameters[key], kind)
 
-    region = typed("shared_memory_region", "string_param")
-    offset = typed("shared_memory_offset", "int64_param")
-    byte_size = typed("shared_memory_byte_size", "int64_param")
-    if region is None:
-        for key, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
-            if value is not None:
-                raise invalid(f"'{key}' can not be specified without 'shared_memory_region' parameter for tensor "
-                              f"'{name}'")
-        return None
-    if byte_size is None:
-        raise invalid(f"'shared_memory_byte_size' must be specified along with 'shared_memory_region' parameter "
-                      f"for tensor '{name}'")
-    return RegionSlice(region, offset or 0, byte_size)
+    return region_slice(name, typed("shared_memory_region", "string_param"),
+                        typed("shared_memory_offset", "int64_param"), typed("shared_memory_byte_size", "int64_param"))
 
 
 def class_counts(message: service_pb2.ModelInferRequest) -> dict[str, int]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.core.wire import decode_raw
+from shoal.core.wire import decode_raw, region_slice
 from shoal.errors import invalid, shown
 from shoal.protocol import tensors
 from shoal.protocol.types import DataType
@@ -225,24 +225,18 @@ def _kind_name(kind: str) -> str:
 def shared_memory_slice(name: str, parameters: dict[str, Any]) -> RegionSlice | None:
     """Where a tensor's shared-memory parameters place it, checked as Triton's front end does; None
     when it is not in shared memory."""
-    region = parameters.get("shared_memory_region")
-    offset = parameters.get("shared_memory_offset")
-    byte_size = parameters.get("shared_memory_byte_size")
-    if region is None:
-        for key, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
-            if value is not None:
-                raise invalid(f"'{key}' can not be specified without 'shared_memory_region' parameter for tensor "
-                              f"'{shown(name)}'")
+    located = region_slice(name, parameters.get("shared_memory_region"), parameters.get("shared_memory_offset"),
+                           parameters.get("shared_memory_byte_size"))
+    if located is None:
         return None
-    if byte_size is None:
-        raise invalid(f"'shared_memory_byte_size' must be specified along with 'shared_memory_region' parameter "
-                      f"for tensor '{shown(name)}'")
-    for key, value, kind in (("shared_memory_region", region, str), ("shared_memory_offset", offset or 0, int),
-                             ("shared_memory_byte_size", byte_size, int)):
+    # JSON carries any type: the values must be what gRPC's typed parameters guarantee.
+    for key, value, kind in (("shared_memory_region", located.region, str),
+                             ("shared_memory_offset", located.offset, int),
+                             ("shared_memory_byte_size", located.byte_size, int)):
         if not isinstance(value, kind) or isinstance(value, bool):
             raise invalid(f"invalid value type for '{key}' parameter for tensor '{shown(name)}', expected "
                           f"{'string' if kind is str else 'integer'}.")
-    return RegionSlice(region, offset or 0, byte_size)
+    return located
 
 
 def _outputs(
