@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,45 @@ def perf_analyzers(url: str, model: str, concurrency: int, clients: int, window_
         figures = [_perf_figures(out) for out in outs]
     return {"throughput": sum(f["throughput"] for f in figures),
             **{key: max(f[key] for f in figures) for key in figures[0] if key != "throughput"}}
+
+
+def closed_loop(callers: list[tuple[Callable[[], Any], Callable[[], None]]], seconds: float,
+                pid: int | None = None) -> dict[str, float]:
+    """Back-to-back calls, one thread per ``(call, close)`` pair, for ``seconds`` (each warmed by one call
+    first, closed after): requests, throughput, p50 and p99; with ``pid``, that process tree's CPU per request."""
+    for call, _ in callers:
+        call()  # warm: connection, first allocation
+    latencies: list[float] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def run(call: Callable[[], Any]) -> None:
+        mine = []
+        while time.monotonic() < deadline:
+            start = time.perf_counter()
+            call()
+            mine.append(time.perf_counter() - start)
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=run, args=(call,)) for call, _ in callers]
+    cpu_before = sum(tree_cpu_seconds(pid).values()) if pid else 0.0
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=seconds + 60)
+    elapsed = time.monotonic() - started
+    cpu = sum(tree_cpu_seconds(pid).values()) - cpu_before if pid else 0.0
+    for _, close in callers:
+        close()
+    ordered = sorted(latencies)
+    figures = {"infer_per_s": len(ordered) / elapsed, "p50_us": ordered[len(ordered) // 2] * 1e6 if ordered else 0.0,
+               "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6 if ordered else 0.0,
+               "requests": len(ordered)}
+    if pid:
+        figures["server_cpu_us_per_request"] = cpu / max(1, len(ordered)) * 1e6
+    return figures
 
 
 def in_process(

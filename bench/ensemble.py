@@ -16,10 +16,7 @@ per request comes from the server process tree's CPU time over each measurement.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import save_results, tree_cpu_seconds  # noqa: E402
+from bench._perf import closed_loop, save_results  # noqa: E402
 from bench._server import REPO_ROOT, shoal_server  # noqa: E402
 
 RAW = np.random.default_rng(0).integers(0, 256, (1, 256), dtype=np.uint8)
@@ -67,37 +64,7 @@ def client_chain_caller(url: str) -> tuple[Callable[[], np.ndarray], Callable[[]
 def measure(make: Callable[[str], tuple[Callable[[], np.ndarray], Callable[[], None]]], url: str, pid: int,
             concurrency: int, seconds: float) -> dict[str, float]:
     """Back-to-back calls from ``concurrency`` threads for ``seconds``: throughput, p50, p99, server CPU."""
-    callers = [make(url) for _ in range(concurrency)]
-    for call, _ in callers:
-        call()  # warm: connection, first allocation
-    latencies: list[float] = []
-    lock = threading.Lock()
-    deadline = time.monotonic() + seconds
-
-    def run(call: Callable[[], np.ndarray]) -> None:
-        mine = []
-        while time.monotonic() < deadline:
-            start = time.perf_counter()
-            call()
-            mine.append(time.perf_counter() - start)
-        with lock:
-            latencies.extend(mine)
-
-    threads = [threading.Thread(target=run, args=(call,)) for call, _ in callers]
-    cpu_before = sum(tree_cpu_seconds(pid).values())
-    started = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=seconds + 60)
-    elapsed = time.monotonic() - started
-    cpu = sum(tree_cpu_seconds(pid).values()) - cpu_before
-    for _, close in callers:
-        close()
-    ordered = sorted(latencies)
-    return {"infer_per_s": len(latencies) / elapsed, "p50_us": statistics.median(ordered) * 1e6,
-            "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6,
-            "server_cpu_us_per_request": cpu / max(1, len(latencies)) * 1e6, "requests": len(latencies)}
+    return closed_loop([make(url) for _ in range(concurrency)], seconds, pid)
 
 
 def main() -> None:

@@ -16,11 +16,8 @@ bench/results/shared_memory[_<label>].csv.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +28,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import save_results  # noqa: E402
+from bench._perf import closed_loop, save_results  # noqa: E402
 from shoal.tools import local_server  # noqa: E402
 
 ELEMENTS = 1 << 20
@@ -99,33 +96,7 @@ def shm_caller(url: str) -> tuple[Callable[[], None], Callable[[], None]]:
 def measure(make: Callable[[str], tuple[Callable[[], None], Callable[[], None]]], url: str, concurrency: int,
             seconds: float) -> dict[str, float]:
     """Back-to-back calls from ``concurrency`` threads for ``seconds``: throughput and p50."""
-    callers = [make(url) for _ in range(concurrency)]
-    for call, _ in callers:
-        call()  # warm: connection, first allocation
-    latencies: list[float] = []
-    lock = threading.Lock()
-    deadline = time.monotonic() + seconds
-
-    def run(call: Callable[[], None]) -> None:
-        mine = []
-        while time.monotonic() < deadline:
-            start = time.perf_counter()
-            call()
-            mine.append(time.perf_counter() - start)
-        with lock:
-            latencies.extend(mine)
-
-    threads = [threading.Thread(target=run, args=(call,)) for call, _ in callers]
-    started = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=seconds + 60)
-    elapsed = time.monotonic() - started
-    for _, close in callers:
-        close()
-    return {"infer_per_s": len(latencies) / elapsed, "p50_us": statistics.median(latencies) * 1e6,
-            "requests": len(latencies)}
+    return closed_loop([make(url) for _ in range(concurrency)], seconds)
 
 
 def main() -> None:
