@@ -115,3 +115,29 @@ sequence_batching {{
   control_input [ {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }} ]{STATE}
 }}
 """)
+
+
+def add_torch_passthrough_state(repo: Path, name: str, strategy: str = "direct { }", processes: bool = False) -> None:
+    """TorchScript whose state output is one of its inputs, returned as it came (no new tensor):
+    OUTPUT = INPUT - STATE_IN, STATE_OUT = INPUT. So the state the server keeps between steps is the
+    request's own input tensor: it must outlive the request's memory (issue 22)."""
+    import torch
+
+    class PassThrough(torch.nn.Module):
+        def forward(self, INPUT: torch.Tensor,  # noqa: N803 - Triton's tensor names
+                    STATE_IN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return INPUT - STATE_IN, INPUT
+
+    (repo / name / "1").mkdir(parents=True)
+    torch.jit.script(PassThrough()).save(str(repo / name / "1" / "model.pt"))  # type: ignore[no-untyped-call]
+    write_config(repo / name, f"""
+name: "{name}"
+backend: "pytorch"
+max_batch_size: 4
+input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]{PROCESSES if processes else ""}
+sequence_batching {{
+  {strategy}{STATE}
+}}
+""")

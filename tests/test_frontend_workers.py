@@ -217,7 +217,7 @@ def test_a_full_pool_answers_unavailable_and_the_worker_keeps_serving(tmp_path: 
 
 def test_a_request_cancelled_before_the_host_starts_it_is_still_answered() -> None:
     """INFER and CANCEL read in one go: the task is cancelled before its first step, and the worker
-    still gets the one answer that lets it free the request's input block."""
+    still gets its one answer, and the RELEASE that lets it reuse the request's input block."""
     import asyncio
     import socket
 
@@ -237,7 +237,8 @@ def test_a_request_cancelled_before_the_host_starts_it_is_still_answered() -> No
 
         def received(message: tuple[object, ...]) -> None:
             answers.append(message)
-            if {a[1] for a in answers} == {1, 2}:
+            if {a[1] for a in answers if a[0] != messages.RELEASE} == {1, 2} and \
+                    (messages.RELEASE, [1]) in answers:
                 both_answered.set()
 
         requests, responses = Arena.create("t-requests", 1 << 16), Arena.create("t-responses", 1 << 16)
@@ -254,7 +255,9 @@ def test_a_request_cancelled_before_the_host_starts_it_is_still_answered() -> No
         return answers
 
     answers = asyncio.run(scenario())
-    assert sorted((a[1], a[0]) for a in answers) == [(1, messages.ERROR), (2, messages.RESULT)]
+    assert (messages.RELEASE, [1]) in answers  # never read: its block is the worker's again
+    assert sorted((a[1], a[0]) for a in answers if a[0] != messages.RELEASE) == [(1, messages.ERROR),
+                                                                                 (2, messages.RESULT)]
 
 
 def test_a_stopped_worker_is_replaced_by_the_liveness_check(tmp_path: Path) -> None:

@@ -1,9 +1,12 @@
 """The host's side of one front-end worker: answers its ``RemoteCore`` with the host's ``LocalCore``.
 
-Inputs are read in place from the worker's arena; outputs are copied once into a block of the
-host's arena for that worker, which the worker gives back when it has encoded the reply. If the
-worker dies, what it had in flight still runs to the end (the scheduler never loses an accepted
-request) and the answers are dropped with the channel.
+Inputs are read in place from the worker's arena, and the worker reuses a request's block only
+when the host says (RELEASE) that nothing here refers to it any more: the last view of the inputs
+is gone, wherever it went (a batch, a sequence's state, a decoupled model's thread), however long
+after the answer. Outputs are copied once into a block of the host's arena for that worker, which
+the worker gives back when it has encoded the reply. If the worker dies, what it had in flight
+still runs to the end (the scheduler never loses an accepted request) and the answers are dropped
+with the channel.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class CoreHost:
         self.responses = responses  # this host's arena for the worker: outputs are written to it
         self._allocator = BlockAllocator(responses.size)
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._releases: dict[int, InputRelease] = {}  # requests whose inputs the worker still keeps for us
+        self._released: list[int] = []  # their ids once nothing here reads them: the next RELEASE
+        self._release_pending = False  # a RELEASE is scheduled on the loop
+        self._loop = asyncio.get_running_loop()
         self._channel: Channel | None = None
         self.closed = asyncio.Event()
         self.answered_ping_at = 0.0  # time.monotonic() of the worker's last PONG
@@ -59,8 +66,10 @@ class CoreHost:
     def _received(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == messages.INFER:
+            self._releases[message[1]] = InputRelease(self, message[1])
             self._start(message[1], self._infer(*message[1:]))
         elif kind == messages.STREAM:
+            self._releases[message[1]] = InputRelease(self, message[1])
             self._start(message[1], self._stream(*message[1:]))
         elif kind == messages.CALL:
             self._start(message[1], self._call(*message[1:]))
@@ -86,19 +95,48 @@ class CoreHost:
 
     def _finished(self, request_id: int, task: asyncio.Task[None]) -> None:
         self._tasks.pop(request_id, None)
+        release = self._releases.pop(request_id, None)
+        if release is not None and not release.handed_out:  # its inputs were never read: free them now
+            release()
         if task.cancelled():
             # Cancelled before its first step (INFER and CANCEL read together): the coroutine never
             # ran its own handler, and the worker still waits for the answer that frees its block.
             self._failed(request_id, asyncio.CancelledError())
 
-    async def _request(self, header: tuple[Any, ...], slots: list[tensors.Slot]) -> InferRequest:
+    async def _request(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> InferRequest:
+        """The request, its inputs views of the worker's block; the block is released with the last view."""
         name, version, client_id, requested, parameters, class_counts, region_inputs, output_regions = header
+        release = self._releases[request_id]
+        release.handed_out = True
         if tensors.costly(slots):  # many BYTES to decode: off the loop
-            inputs = await asyncio.to_thread(tensors.unpack, self.requests, slots)
+            inputs = await asyncio.to_thread(self._unpack, slots, release)
         else:
-            inputs = tensors.unpack(self.requests, slots)
+            inputs = self._unpack(slots, release)
         return InferRequest(name, version, client_id, inputs, requested, parameters, class_counts,
                             region_inputs, output_regions)
+
+    def _unpack(self, slots: list[tensors.Slot], release: InputRelease) -> tuple[Tensor, ...]:
+        try:
+            return tensors.unpack(self.requests, slots, release)
+        except BaseException:
+            release()  # no view was made, or none is left: the block is the worker's again
+            raise
+
+    def inputs_released(self, request_id: int) -> None:
+        """Nothing here refers to the request's inputs any more; from any thread (a view's finalizer)."""
+        self._released.append(request_id)
+        if not self._release_pending:
+            self._release_pending = True
+            try:
+                self._loop.call_soon_threadsafe(self._send_released)
+            except RuntimeError:
+                pass  # the loop is closed: so is the channel, and the worker with it
+
+    def _send_released(self) -> None:
+        self._release_pending = False  # before the swap: an id added after it schedules another send
+        released, self._released = self._released, []
+        if released:
+            self.send((messages.RELEASE, released))
 
     async def _pack(self, moved: list[Tensor]) -> tuple[int, list[tensors.Slot]]:
         """Outputs copied into a block of this host's arena for the worker, which frees it when done."""
@@ -111,7 +149,7 @@ class CoreHost:
 
     async def _infer(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> None:
         try:
-            response = await self.core.infer(await self._request(header, slots))
+            response = await self.core.infer(await self._request(request_id, header, slots))
             in_regions = [(index, t.name, t.datatype.value, t.shape) for index, t in enumerate(response.outputs)
                           if t.name in response.in_regions]  # written into the client's memory: no bytes to move
             block, out = await self._pack([t for t in response.outputs if t.name not in response.in_regions])
@@ -127,7 +165,7 @@ class CoreHost:
         """A streaming inference: a STREAMED message per response, each outputs in its own block,
         until the final one; an ERROR instead when the request fails before (or cancelled)."""
         try:
-            async for part in self.core.infer_stream(await self._request(header, slots)):
+            async for part in self.core.infer_stream(await self._request(request_id, header, slots)):
                 names, block = None, tensors.NO_BLOCK
                 out: list[tensors.Slot] = []
                 if part.response is not None:
@@ -164,3 +202,23 @@ class CoreHost:
             logger.error("unexpected error while serving a front-end worker's request", exc_info=exc)
             code, message = ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
         self.send((messages.ERROR, request_id, code.value, bounded(message)))
+
+
+class InputRelease:
+    """Tells the worker, once, that the host is done with one request's input block.
+
+    Runs when the last view of the inputs is collected (``tensors.unpack``'s ``on_release``), or at
+    once when no view was ever made (``handed_out`` False: the request failed or was cancelled first).
+    """
+
+    __slots__ = ("host", "request_id", "handed_out", "done")
+
+    def __init__(self, host: CoreHost, request_id: int) -> None:
+        self.host, self.request_id = host, request_id
+        self.handed_out = False
+        self.done = False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.host.inputs_released(self.request_id)

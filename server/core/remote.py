@@ -1,9 +1,10 @@
 """``Core`` in a front-end worker process: every call goes to the host over a ``dataplane`` channel.
 
 Input tensors are copied once, from the gRPC message into a block of the worker's arena; the host
-reads them in place. Outputs come back the same way in the host's arena and are handed to the
-transport as views; the block goes back to the host once the last view is gone (after the
-transport has encoded the reply). A full arena answers UNAVAILABLE: the pool bounds the memory.
+reads them in place, and the block is reused only once the host has RELEASEd it (views of inputs
+can outlive the answer there, see ``core.messages``). Outputs come back the same way in the host's
+arena and are handed to the transport as views; the block goes back to the host once the last view
+is gone (after the transport has encoded the reply). A full arena answers UNAVAILABLE: the pool bounds the memory.
 """
 
 from __future__ import annotations
@@ -42,10 +43,9 @@ FREE_FLUSH_S = 0.002
 
 
 class RemoteStream:
-    """A streaming request the host answers: its input block, and its parts for the reader."""
+    """A streaming request the host answers: its parts for the reader."""
 
-    def __init__(self, block: int) -> None:
-        self.block = block  # freed at the final part: the host reads the inputs until then
+    def __init__(self) -> None:
         self.parts: asyncio.Queue[StreamedResponse | ShoalError] = asyncio.Queue()
         self.abandoned = False  # the reader gave up: parts still coming are released, not queued
 
@@ -64,7 +64,8 @@ class RemoteCore:
         self._on_health = on_health or (lambda: None)
         self._on_stop = on_stop or (lambda grace_s: None)
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[asyncio.Future[Any], int]] = {}  # id -> (answer, input block)
+        self._pending: dict[int, asyncio.Future[Any]] = {}  # id -> its answer
+        self._input_blocks: dict[int, int] = {}  # id -> its input block, until the host releases it
         self._streams: dict[int, RemoteStream] = {}  # streaming requests the host still answers
         self._freed: list[int] = []  # response blocks to give back
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -145,8 +146,9 @@ class RemoteCore:
             self._free_input(block)
             raise ShoalError(ErrorCode.UNAVAILABLE, HOST_GONE)
         request_id = next(self._ids)
-        stream = RemoteStream(block)
+        stream = RemoteStream()
         self._streams[request_id] = stream
+        self._hold_input(request_id, block)
         self._flush_freed()
         channel.send((messages.STREAM, request_id, self._header(request), slots))
         try:
@@ -168,7 +170,6 @@ class RemoteCore:
         final = message[0] != messages.STREAMED or message[5]
         if final:
             del self._streams[message[1]]
-            self._free_input(stream.block)
         if message[0] != messages.STREAMED:
             stream.put(ShoalError(ErrorCode(message[2]), message[3]))
             return
@@ -224,7 +225,7 @@ class RemoteCore:
 
     async def _send(self, kind: str, body: tuple[Any, ...], block: int) -> Any:
         """Send one request and wait for its answer. The input block stays taken until the host
-        answers, even when the caller is cancelled: the host may still be reading it."""
+        releases it, whenever that is (answered, cancelled or not): the host may still be reading it."""
         channel = self._channel
         if channel is None or channel.closed:
             self._free_input(block)
@@ -232,7 +233,8 @@ class RemoteCore:
         request_id = next(self._ids)
         assert self._loop is not None
         answer = self._loop.create_future()
-        self._pending[request_id] = (answer, block)
+        self._pending[request_id] = answer
+        self._hold_input(request_id, block)
         self._flush_freed()
         channel.send((kind, request_id, *body))
         try:
@@ -254,14 +256,16 @@ class RemoteCore:
             if self._channel is not None:
                 self._channel.send((messages.PONG,))
             return
+        if kind == messages.RELEASE:
+            for request_id in message[1]:
+                self._free_input(self._input_blocks.pop(request_id, tensors.NO_BLOCK))
+            return
         if message[1] in self._streams:
             self._streamed(message)
             return
-        pending = self._pending.pop(message[1], None)
-        if pending is None:  # an id this worker never sent: ignore it rather than fail every later answer
+        answer = self._pending.pop(message[1], None)
+        if answer is None:  # an id this worker never sent: ignore it rather than fail every later answer
             return
-        answer, block = pending
-        self._free_input(block)
         if kind == messages.INFERRED:
             self._inferred(answer, *message[2:])
         elif answer.done():
@@ -298,6 +302,10 @@ class RemoteCore:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(_resolve, answer, response)
 
+    def _hold_input(self, request_id: int, block: int) -> None:
+        if block != tensors.NO_BLOCK:
+            self._input_blocks[request_id] = block
+
     def _free_input(self, block: int) -> None:
         if block != tensors.NO_BLOCK:
             self.requests.release_pages(block, self._allocator.free(block))
@@ -322,10 +330,13 @@ class RemoteCore:
             self._freed = []
 
     def _host_gone(self) -> None:
-        for answer, _ in self._pending.values():
+        for answer in self._pending.values():
             if not answer.done():
                 answer.set_exception(ShoalError(ErrorCode.UNAVAILABLE, HOST_GONE))
         self._pending.clear()
+        for block in self._input_blocks.values():  # nothing reads them any more
+            self._free_input(block)
+        self._input_blocks.clear()
         for stream in self._streams.values():
             stream.put(ShoalError(ErrorCode.UNAVAILABLE, HOST_GONE))
         self._streams.clear()

@@ -114,11 +114,14 @@ def build_feed(owner: Owner, rows: Sequence[Row], states: Sequence[dict[str, np.
 
 
 def _keep_state(owner: Owner, slot: Slot, results: dict[str, np.ndarray], row: int | None) -> None:
+    """The sequence's next state: always a copy it owns. A model's state output can be a view of
+    memory the request owned (its input passed through, in a front-end worker's arena or a client's
+    region) or of a buffer the model reuses; the state outlives the request, so it holds neither."""
     if not owner.batching.states:
         return
     slot.states = {
-        state.input_name: np.asarray(results[state.output_name] if row is None else results[state.output_name][row])
-        .astype(state.datatype.numpy_dtype, copy=False)
+        state.input_name: np.array(results[state.output_name] if row is None else results[state.output_name][row],
+                                   dtype=state.datatype.numpy_dtype)
         for state in owner.batching.states
     }
 
