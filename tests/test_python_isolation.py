@@ -9,6 +9,7 @@ so an answer computed with another model's files is a wrong number.
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 import urllib.error
 import urllib.request
@@ -196,7 +197,8 @@ input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
 """
 
-# X[0] picks what execute raises (0: nothing, Y = 2 X).
+# X[0] picks what execute raises (0: nothing, Y = 2 X); 6: a generator of responses that raises as it
+# is read; 7: a response whose output_tensors raises, read by the server after execute returned.
 RAISER = """
 import asyncio
 import sys
@@ -208,6 +210,11 @@ class ModelStop(BaseException):
     pass
 
 
+class LateResponse(pb_utils.InferenceResponse):
+    def output_tensors(self):
+        sys.exit(7)
+
+
 RAISED = {1: lambda: sys.exit(3), 2: KeyboardInterrupt, 3: asyncio.CancelledError, 4: GeneratorExit, 5: ModelStop}
 
 
@@ -217,12 +224,17 @@ class TritonPythonModel:
             code = int(pb_utils.get_input_tensor_by_name(request, "X").as_numpy()[0])
             if code in RAISED:
                 raise RAISED[code]()
+            if code == 6:
+                return (sys.exit(6) for _ in requests)
+            if code == 7:
+                return [LateResponse([]) for _ in requests]
         return [pb_utils.InferenceResponse([pb_utils.Tensor(
             "Y", pb_utils.get_input_tensor_by_name(request, "X").as_numpy() * 2)]) for request in requests]
 """
 
 RAISER_ASYNC = RAISER.replace("    def execute(", "    async def execute(")
-RAISED_NAMES = {1: "SystemExit", 2: "KeyboardInterrupt", 3: "CancelledError", 4: "GeneratorExit", 5: "ModelStop"}
+RAISED_NAMES = {1: "SystemExit: 3", 2: "KeyboardInterrupt", 3: "CancelledError", 4: "GeneratorExit", 5: "ModelStop",
+                6: "SystemExit: 6"}
 
 
 def _call(client: grpcclient.InferenceServerClient, model: str, value: float) -> np.ndarray:
@@ -256,8 +268,25 @@ def test_a_base_exception_in_execute_fails_that_request_only(tmp_path: Path, ser
     assert server.stop() == 0, server.log()
     log = server.log()
     for model in ("raiser", "raiser_async"):  # process instances log in their worker
+        assert log.count(f"model instance {model}_0_0: execute raised ") == len(RAISED_NAMES), log
         for exception in RAISED_NAMES.values():
-            assert log.count(f"model instance {model}_0_0: execute raised {exception}") == 1, (model, exception, log)
+            assert f"model instance {model}_0_0: execute raised {exception}" in log, (model, exception, log)
+
+
+def test_a_base_exception_after_execute_fails_that_request_only(tmp_path: Path, server_factory: Any) -> None:
+    """What the server reads of a thread model's responses runs the model's code too: a SystemExit
+    there fails that request (INTERNAL, logged once) on its way off the instance thread."""
+    repo = tmp_path / "repo"
+    pm.write_model(repo, "raiser", RAISER_CONFIG + THREADS, RAISER)
+    server = server_factory(repo)
+    with grpcclient.InferenceServerClient(server.url) as client:
+        with pytest.raises(InferenceServerException) as caught:
+            _call(client, "raiser", 7)
+        assert caught.value.status() == "StatusCode.INTERNAL", caught.value
+        assert "model 'raiser' version 1 failed: SystemExit: 7" in caught.value.message(), caught.value.message()
+        np.testing.assert_array_equal(_call(client, "raiser", 0.25), [0.5])
+    assert server.stop() == 0, server.log()
+    assert server.log().count("a batch of 1 request(s) failed") == 1, server.log()
 
 
 INIT_EXITS = """
@@ -325,4 +354,32 @@ def test_a_base_exception_in_initialize_fails_that_load_only(tmp_path: Path, ser
             client.unload_model("exits_on_finalize", client_timeout=TIMEOUT_S)
             wait_until(lambda: not client.is_model_ready("exits_on_finalize"), TIMEOUT_S, "the unload")
         np.testing.assert_array_equal(_call(client, "raiser", 0.75), [1.5])
+    assert server.stop() == 0, server.log()
+
+
+class _ExitsWhenUnpickled:
+    """Pickled as a call of sys.exit(4): what a hostile or broken pickled module runs at load."""
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return sys.exit, (4,)
+
+
+def test_a_pickled_pytorch_model_calling_sys_exit_fails_its_load_only(tmp_path: Path, server_factory: Any) -> None:
+    """Other backends load on the same load threads: a SystemExit raised while one loads fails that
+    model (UNAVAILABLE, with the reason) and the server starts and serves the rest."""
+    torch = pytest.importorskip("torch")
+    repo = tmp_path / "repo"
+    (repo / "exits" / "1").mkdir(parents=True)
+    torch.save(_ExitsWhenUnpickled(), repo / "exits" / "1" / "model.pt")
+    (repo / "exits" / "config.pbtxt").write_text(
+        'backend: "pytorch"\nmax_batch_size: 0\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
+        'parameters { key: "pickled_module" value: { string_value: "true" } }\n')
+    pm.write_model(repo, "raiser", RAISER_CONFIG + THREADS, RAISER)
+    server = server_factory(repo, "--strict-readiness", "false")
+    with grpcclient.InferenceServerClient(server.url) as client:
+        index = {entry["name"]: entry for entry in client.get_model_repository_index(as_json=True)["models"]}
+        assert index["exits"]["state"] == "UNAVAILABLE" and "SystemExit: 4" in index["exits"]["reason"], index
+        np.testing.assert_array_equal(_call(client, "raiser", 0.25), [0.5])
     assert server.stop() == 0, server.log()

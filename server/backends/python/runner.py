@@ -252,7 +252,8 @@ class ModelRunner:
     def execute(self, items: Sequence[RequestData]) -> list[Outcome]:
         requests = self._requests(items)
         try:
-            responses = self._await(self.model.execute(requests))
+            returned = self._await(self.model.execute(requests))
+            responses = None if returned is None else list(returned)  # a generator runs the model's code here
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: the batch fails, the instance goes on
             return self._failed(items, self._raised(exc))
         if responses is None:  # the responses may have gone through the response senders
@@ -260,7 +261,6 @@ class ModelRunner:
             if any(response is None for response in responses):
                 return self._failed(items, "execute returned None, and not every request was answered "
                                            "through its response sender with TRITONSERVER_RESPONSE_COMPLETE_FINAL")
-        responses = list(responses)
         if len(responses) != len(requests):
             return self._failed(items, "Number of InferenceResponse objects do not match the number of "
                                        f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
