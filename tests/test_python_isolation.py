@@ -383,3 +383,35 @@ def test_a_pickled_pytorch_model_calling_sys_exit_fails_its_load_only(tmp_path: 
         assert index["exits"]["state"] == "UNAVAILABLE" and "SystemExit: 4" in index["exits"]["reason"], index
         np.testing.assert_array_equal(_call(client, "raiser", 0.25), [0.5])
     assert server.stop() == 0, server.log()
+
+
+def test_a_decoupled_models_sys_exit_closes_its_stream_with_the_reason(tmp_path: Path, server_factory: Any) -> None:
+    """A decoupled model that sent a response and then calls sys.exit: the request ends with an
+    error response naming SystemExit after the one it sent, and the model keeps answering."""
+    from tests.decoupled_models import SQUARE, SQUARE_CONFIG
+    from tests.test_decoupled import Stream
+
+    source = SQUARE.replace("            sender = request.get_response_sender()\n",
+                            "            sender = request.get_response_sender()\n"
+                            "            if n == 13:\n"
+                            "                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor('OUT', "
+                            "np.array([1], dtype=np.int32))]))\n"
+                            "                raise SystemExit(3)\n")
+    assert "SystemExit" in source
+    repo = tmp_path / "repo"
+    pm.write_model(repo, "square_thread", SQUARE_CONFIG + THREADS, source)
+    pm.write_model(repo, "square_process", SQUARE_CONFIG, source)
+    server = server_factory(repo)
+    with grpcclient.InferenceServerClient(server.url) as client:
+        stream = Stream(client)
+        try:
+            for model in ("square_thread", "square_process"):
+                stream.send(model, "exits", IN=np.array([13], dtype=np.int32))
+                (sent, no_error), (nothing, error) = stream.take(2)
+                assert no_error is None and int(sent.as_numpy("OUT")[0]) == 1, no_error
+                assert nothing is None and f"for model '{model}_0_0', message: SystemExit: 3" in error.message(), error
+                stream.send(model, "two", IN=np.array([2], dtype=np.int32))
+                assert [int(result.as_numpy("OUT")[0]) for result, _ in stream.take(2)] == [2, 2]
+        finally:
+            client.stop_stream()
+    assert server.stop() == 0, server.log()

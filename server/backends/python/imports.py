@@ -13,15 +13,19 @@ cannot go on ``sys.path``: the first model to import ``helper`` would serve ever
   package, so ``import helper``, ``from helper import f`` and ``import subpkg.mod`` in model.py or
   in any of its files, at load or later in ``execute``, and from any thread, mean this version's
   files. A name the folder does not provide is imported as usual; so is a relative import.
-  ``triton_python_backend_utils`` is always Shoal's. Other ways of importing by name
-  (``importlib.import_module``, pickle) do not see the folder: a model that needs them runs as a
-  process instance, whose folder is on its process's ``sys.path`` as in Triton's stub.
+  ``triton_python_backend_utils`` is always Shoal's, and a standard library module's name always
+  the standard library's: a server has most of them imported already, which a folder on
+  ``sys.path`` never shadowed either, and shadowing only the others would hang on import order.
+  Other ways of importing by name (``importlib.import_module``, pickle) do not see the folder: a
+  model that needs them runs as a process instance, whose folder is on its process's ``sys.path``
+  as in Triton's stub. A file shipped only as bytecode (``.pyc``) loads with the server's builtins.
 - The folder's files are compiled from their source at each load (no ``__pycache__`` is read or
   written), so a changed file runs after a reload whatever its timestamps.
 - ``close`` (at unload) drops the package and its modules from ``sys.modules``.
 
-No lock is taken here: each context touches only its own names, and Python's import lock is per
-module, so models loading or importing on several threads at once do not meet.
+Only installing the finder (once) takes a lock: each context touches only its own names, and
+Python's import lock is per module, so models loading or importing on several threads at once do
+not meet.
 """
 
 from __future__ import annotations
@@ -142,7 +146,7 @@ class ModelImports:
 def _folder_provides(folder: Path, top: str) -> bool:
     """Whether ``import top`` means the folder's: a module or regular package of it; a plain directory
     (a namespace package) only where nothing else by that name is importable."""
-    if top == UTILS_NAME or top in sys.builtin_module_names:
+    if top == UTILS_NAME or top in sys.stdlib_module_names:
         return False
     spec = importlib.machinery.PathFinder.find_spec(top, [str(folder)])
     if spec is None:
