@@ -40,7 +40,8 @@ instance_group [ { count: 2 kind: KIND_CPU } ]
 """
 
 # F comes from helper.py (which imports subpkg.mod itself), G from subpkg/mod.py, H from lazy.py,
-# which model.py imports only when execute runs.
+# which model.py imports only when execute runs; lazy.py reads its constant from a folder without
+# __init__.py (a namespace package) and imports json, which the folder's json.py must not shadow.
 FILES_MODEL = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -73,7 +74,11 @@ def _write_version(folder: Path, k: int) -> None:
     (folder / "helper.py").write_text(_helper(k))
     (folder / "subpkg" / "__init__.py").write_text("")
     (folder / "subpkg" / "mod.py").write_text(f"def g(x):\n    return x + {k}\n")
-    (folder / "lazy.py").write_text(f"from helper import f\n\n\ndef h(x):\n    return f(x) - {k}\n")
+    (folder / "nsdir").mkdir(exist_ok=True)
+    (folder / "nsdir" / "thing.py").write_text(f"K = {k}\n")
+    (folder / "json.py").write_text("raise ImportError('the standard library was shadowed')\n")
+    (folder / "lazy.py").write_text("import json\n\nimport nsdir.thing\nfrom helper import f\n\n\n"
+                                    "def h(x):\n    return f(x) - nsdir.thing.K + len(json.dumps([]))\n")
 
 
 def add_files_model(repo: Path, name: str, k: int, extra: str = THREADS) -> Path:
@@ -88,7 +93,7 @@ def expected(x: np.ndarray, k: int, k_helper: int | None = None) -> dict[str, np
     """The outputs computed here: ``k_helper`` is helper.py's constant where it differs from the others'."""
     g = x + k
     f = g * (k if k_helper is None else k_helper)
-    return {"F": f, "G": g, "H": f - k}
+    return {"F": f, "G": g, "H": f - k + 2}
 
 
 X = np.array([1.0, 2.5, -4.0], dtype=np.float32)
@@ -160,8 +165,8 @@ def test_models_loaded_together_each_run_their_own_files(tmp_path: Path, server_
         for (name, x), got in zip(calls, answers, strict=True):
             _assert_outputs(got, expected(x, constants[name]), name)
         loaded = _modules_from(client, repo / "plus_two" / "1")
-        assert len(loaded) >= 2 * 5, loaded  # two instances: model, helper, subpkg, subpkg.mod, lazy each
-        assert not {"helper", "lazy", "subpkg", "subpkg.mod", "model"} & set(loaded), loaded
+        assert len(loaded) >= 2 * 6, loaded  # two instances: model, helper, subpkg, subpkg.mod, lazy, nsdir.thing
+        assert not {"helper", "lazy", "subpkg", "subpkg.mod", "model", "nsdir.thing", "json"} & set(loaded), loaded
         client.unload_model("plus_two", client_timeout=TIMEOUT_S)
         wait_until(lambda: not client.is_model_ready("plus_two"), TIMEOUT_S, "plus_two to unload")
         assert _modules_from(client, repo / "plus_two" / "1") == []

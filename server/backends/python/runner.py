@@ -46,7 +46,7 @@ from shoal.protocol.types import DataType
 logger = logging.getLogger(__name__)
 
 MODULE_NAME = UTILS_NAME
-_HIDDEN_FRAMES = (str(Path(__file__).resolve().parents[2]), str(Path(asyncio.__file__).parent))
+_HIDDEN_FRAMES = (str(Path(__file__).resolve().parents[2]), str(Path(asyncio.__file__).parent), "<frozen importlib.")
 # TritonError codes → the names of Shoal's error codes (shoal.errors.ErrorCode values).
 _ERROR_CODES = {pb_utils.TritonError.INVALID_ARG: "invalid_argument", pb_utils.TritonError.NOT_FOUND: "not_found",
                 pb_utils.TritonError.UNAVAILABLE: "unavailable", pb_utils.TritonError.UNSUPPORTED: "unsupported",
@@ -124,7 +124,8 @@ def _import_on_path(model_file: Path) -> Any:
 def describe_error(exc: BaseException) -> str:
     """``Type: message`` then Triton's ``At:`` frames (innermost first), as its load and execute errors read.
 
-    Frames of Shoal and asyncio are left out: the model author's own code is what the frames show.
+    Frames of Shoal, asyncio and the import machinery are left out: the model author's own code is
+    what the frames show.
     """
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, SyntaxError):
