@@ -3,6 +3,12 @@
 Each instance is one thread that calls ``run`` on the shared ``LoadedModel`` of its
 device: ``count: 4`` gives four concurrent executions and one copy of the weights.
 Execution never happens on the event loop; the scheduler decides what runs where.
+
+Whatever a call raises on an instance thread goes to its caller as an ``Exception``: a
+``BaseException`` that is none (SystemExit, KeyboardInterrupt, asyncio.CancelledError,
+GeneratorExit) comes from the model's code, never from the event loop's own cancellation, so it
+arrives wrapped in ``RaisedOnInstance`` and fails that batch like any backend error; unwrapped it
+would stop the server's loop, or read as a request the client cancelled.
 """
 
 from __future__ import annotations
@@ -21,6 +27,18 @@ from shoal.backends.base import LoadedModel
 from shoal.backends.devices import Device
 
 Call = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]]
+
+
+class RaisedOnInstance(Exception):
+    """A call on an instance thread raised a BaseException that is no Exception (its ``__cause__``)."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__(f"{type(raised).__name__}: {raised}")
+        self.__cause__ = raised
+
+
+def _for_caller(exc: BaseException) -> Exception:
+    return exc if isinstance(exc, Exception) else RaisedOnInstance(exc)
 
 
 class InstanceThread:
@@ -58,7 +76,7 @@ class InstanceThread:
             try:
                 result, error = function(*args), None
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
-                result, error = None, exc
+                result, error = None, _for_caller(exc)
             try:
                 loop.call_soon_threadsafe(_resolve, future, result, error)
             except RuntimeError:  # the loop is closed: nobody waits for the answer

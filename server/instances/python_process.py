@@ -30,7 +30,6 @@ import itertools
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -259,7 +258,7 @@ def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any
         instance_name, version = handle
         model = runner.ModelRunner(spec.config_json, model_path, runner.model_args(
             spec.config_json, model_path, instance_name, device.kind.upper(), device.index, version))
-    except Exception as exc:  # noqa: BLE001 - the load error names it, as Triton's does
+    except BaseException as exc:  # noqa: BLE001 - SystemExit too: the load error names it, as Triton's does
         conn.send((FAILED, runner.describe_error(exc).rstrip()))
         return
     conn.send(READY)
@@ -281,10 +280,7 @@ def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any
     except (EOFError, OSError):
         return
     finally:
-        try:
-            model.finalize()
-        except Exception as exc:  # noqa: BLE001 - the worker ends anyway
-            sys.stderr.write(f"finalize failed: {exc}\n")
+        model.finalize()  # it logs what the model's finalize raises
 
 
 # -- the server side ------------------------------------------------------------------------------

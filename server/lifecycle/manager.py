@@ -427,7 +427,11 @@ def _devices(spec: ModelSpec) -> set[Any]:
 
 
 def _load_and_warm(spec: ModelSpec, version: int, folder: Path) -> ModelVersion:
-    """Load one version and run a zero-filled request on every copy; ShoalError if it fails to load."""
+    """Load one version and run a zero-filled request on every copy; ShoalError if it fails to load.
+
+    It runs on a load thread, where no cancellation of the event loop's arrives: a BaseException
+    that is no Exception was raised by the model's code and fails this load only.
+    """
     try:
         served = ModelVersion.load(spec, version, folder)
     except ShoalError as exc:
@@ -436,8 +440,11 @@ def _load_and_warm(spec: ModelSpec, version: int, folder: Path) -> ModelVersion:
     except Exception as exc:  # a backend bug must not take the other models down
         logger.exception("model %s version %d: unexpected load failure", spec.name, version)
         raise ShoalError(ErrorCode.UNAVAILABLE, f"unexpected load failure: {exc}") from exc
+    except BaseException as exc:  # noqa: BLE001 - SystemExit & co. from a model file, on this load thread
+        logger.error("model %s version %d: loading raised %s", spec.name, version, type(exc).__name__, exc_info=exc)
+        raise ShoalError(ErrorCode.UNAVAILABLE, f"unexpected load failure: {type(exc).__name__}: {exc}") from None
     try:
         served.warm_up()
-    except Exception as exc:  # noqa: BLE001 - zeros may be no valid input; real requests decide
+    except BaseException as exc:  # noqa: BLE001 - zeros may be no valid input; real requests decide
         logger.warning("model %s version %d: warm-up with zero inputs failed: %s", spec.name, version, exc)
     return served

@@ -53,7 +53,11 @@ def sink_of(pending: Any) -> Any:
 
 
 class ThreadInstance:
-    """A Python model instance on an instance thread of the server (``process_instances: false``)."""
+    """A Python model instance on an instance thread of the server (``process_instances: false``).
+
+    It imports the model's files in an import context of its own (``imports``), so models and
+    versions sharing the server's ``sys.modules`` each run their own ``helper.py``.
+    """
 
     weight_bytes = 0
 
@@ -64,8 +68,8 @@ class ThreadInstance:
                                  version)
         self._decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
         try:
-            self._runner = runner.ModelRunner(spec.config_json, model_file, args)
-        except Exception as exc:  # noqa: BLE001 - the load error, with Triton's wording
+            self._runner = runner.ModelRunner(spec.config_json, model_file, args, isolated=True)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too (argparse): this load fails, not the server
             raise load_failed(runner.describe_error(exc).rstrip()) from None
 
     def bind_host(self, host: bls.HostInfer) -> None:

@@ -6,6 +6,18 @@ A batch is a list of requests, never concatenated (Triton does not concatenate f
 models). Each request gets its own outcome: its outputs, or an error with Triton's wording
 where Triton has one (an ``execute`` that raises, a wrong number of responses), so one bad
 request never fails the server and a failing ``execute`` fails only its batch.
+
+What the model's code raises is caught whatever it is, ``BaseException`` included: ``sys.exit``
+(argparse on bad arguments calls it), ``KeyboardInterrupt``, ``asyncio.CancelledError`` or
+``GeneratorExit`` in ``execute`` fails that batch's requests with Triton's execute wording, in
+``initialize`` fails that load, in ``finalize`` is logged while the unload goes on. In a thread
+instance such an exception would otherwise reach the server's event loop and stop the server or
+read as the server's own cancellation; in a worker process it would end the worker. The ones that
+are no ``Exception`` are logged once, since the model meant to stop more than its batch.
+
+A thread instance imports its folder's files in an import context of its own
+(``shoal.backends.python.imports``: the rule is written there); a worker process puts the folder
+first on its ``sys.path``, as Triton's stub does, the process being the model's alone.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import logging
 import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -26,11 +39,14 @@ from typing import Any
 import numpy as np
 
 from shoal.backends.python import pb_utils
+from shoal.backends.python.imports import UTILS_NAME, ModelImports
 from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol.types import DataType
 
-MODULE_NAME = "triton_python_backend_utils"
-_HIDDEN_FRAMES = (str(Path(__file__).resolve().parents[2]), str(Path(asyncio.__file__).parent))
+logger = logging.getLogger(__name__)
+
+MODULE_NAME = UTILS_NAME
+_HIDDEN_FRAMES = (str(Path(__file__).resolve().parents[2]), str(Path(asyncio.__file__).parent), "<frozen importlib.")
 # TritonError codes → the names of Shoal's error codes (shoal.errors.ErrorCode values).
 _ERROR_CODES = {pb_utils.TritonError.INVALID_ARG: "invalid_argument", pb_utils.TritonError.NOT_FOUND: "not_found",
                 pb_utils.TritonError.UNAVAILABLE: "unavailable", pb_utils.TritonError.UNSUPPORTED: "unsupported",
@@ -80,9 +96,18 @@ def install_utils() -> None:
     sys.modules.setdefault(MODULE_NAME, pb_utils)
 
 
-def import_model_class(model_file: Path) -> Any:
-    """Import ``model_file`` as Triton does (its folder importable) and return ``TritonPythonModel``."""
+def import_model_class(model_file: Path, imports: ModelImports | None = None) -> Any:
+    """Import ``model_file`` and return its ``TritonPythonModel``: within ``imports`` (a thread
+    instance's own context), else as Triton does, its folder first on ``sys.path`` (a process of its own)."""
     install_utils()
+    module = _import_on_path(model_file) if imports is None else imports.load(model_file)
+    model_class = getattr(module, "TritonPythonModel", None)
+    if model_class is None:
+        raise AttributeError(f"{model_file.name} defines no class TritonPythonModel")
+    return model_class
+
+
+def _import_on_path(model_file: Path) -> Any:
     folder = str(model_file.parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
@@ -93,16 +118,14 @@ def import_model_class(model_file: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    model_class = getattr(module, "TritonPythonModel", None)
-    if model_class is None:
-        raise AttributeError(f"{model_file.name} defines no class TritonPythonModel")
-    return model_class
+    return module
 
 
 def describe_error(exc: BaseException) -> str:
     """``Type: message`` then Triton's ``At:`` frames (innermost first), as its load and execute errors read.
 
-    Frames of Shoal and asyncio are left out: the model author's own code is what the frames show.
+    Frames of Shoal, asyncio and the import machinery are left out: the model author's own code is
+    what the frames show.
     """
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, SyntaxError):
@@ -150,16 +173,26 @@ def triton_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class ModelRunner:
-    """One instance of a Python model: the user's object, its output datatypes, its event loop."""
+    """One instance of a Python model: the user's object, its output datatypes, its event loop.
 
-    def __init__(self, config: Mapping[str, Any], model_file: Path, args: dict[str, str]) -> None:
+    ``isolated``: import the model's files in an import context of this instance's own (a thread
+    instance), released by ``finalize`` or by a failed start.
+    """
+
+    def __init__(self, config: Mapping[str, Any], model_file: Path, args: dict[str, str],
+                 isolated: bool = False) -> None:
         self.instance_name = args["model_instance_name"]
         self._datatypes = {o["name"]: DataType.from_config_name(o["data_type"]) for o in config.get("output", ())}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.model = import_model_class(model_file)()
-        initialize = getattr(self.model, "initialize", None)
-        if initialize is not None:
-            self._await(initialize(args))
+        self._imports = ModelImports(model_file.parent) if isolated else None
+        try:
+            self.model = import_model_class(model_file, self._imports)()
+            initialize = getattr(self.model, "initialize", None)
+            if initialize is not None:
+                self._await(initialize(args))
+        except BaseException:
+            self._release()
+            raise
 
     def _await(self, result: Any) -> Any:
         """A coroutine (async initialize/execute) runs to its end on this instance's loop; else as is."""
@@ -193,9 +226,9 @@ class ModelRunner:
             senders.append(sender)
         try:
             returned = self._await(self.model.execute(requests))
-        except Exception as exc:  # noqa: BLE001 - the batch fails, the instance goes on
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the batch fails, the instance goes on
             message = f"Failed to process the request(s) for model '{self.instance_name}', message: " \
-                      f"{describe_error(exc)}"
+                      f"{self._raised(exc)}"
             return self._close_open(senders, message)
         if returned is not None:
             return self._close_open(senders, f"Python model '{self.instance_name}' is using the decoupled mode "
@@ -220,20 +253,28 @@ class ModelRunner:
     def execute(self, items: Sequence[RequestData]) -> list[Outcome]:
         requests = self._requests(items)
         try:
-            responses = self._await(self.model.execute(requests))
-        except Exception as exc:  # noqa: BLE001 - the batch fails, the instance goes on
-            return self._failed(items, describe_error(exc))
+            returned = self._await(self.model.execute(requests))
+            responses = None if returned is None else list(returned)  # a generator runs the model's code here
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the batch fails, the instance goes on
+            return self._failed(items, self._raised(exc))
         if responses is None:  # the responses may have gone through the response senders
             responses = [self._sent(request) for request in requests]
             if any(response is None for response in responses):
                 return self._failed(items, "execute returned None, and not every request was answered "
                                            "through its response sender with TRITONSERVER_RESPONSE_COMPLETE_FINAL")
-        responses = list(responses)
         if len(responses) != len(requests):
             return self._failed(items, "Number of InferenceResponse objects do not match the number of "
                                        f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
                                        f"and InferenceResponse(s) size is:{len(responses)}\n")
         return [self._outcome(item, response) for item, response in zip(items, responses, strict=True)]
+
+    def _raised(self, exc: BaseException) -> str:
+        """The text of what ``execute`` raised; one that is no Exception (SystemExit...) is logged too."""
+        text = describe_error(exc)
+        if not isinstance(exc, Exception):
+            logger.error("model instance %s: execute raised %s; only this batch fails", self.instance_name,
+                         text.rstrip())
+        return text
 
     def _failed(self, items: Sequence[RequestData], message: str) -> list[Outcome]:
         text = f"Failed to process the request(s) for model '{self.instance_name}', message: {message}"
@@ -272,10 +313,20 @@ class ModelRunner:
         return Outcome(outputs=outputs)
 
     def finalize(self) -> None:
+        """The model's ``finalize``; what it raises is logged, and the instance is released all the same."""
         finalize = getattr(self.model, "finalize", None)
         try:
             if finalize is not None:
                 self._await(finalize())
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: an unload always completes
+            logger.error("model instance %s: finalize raised %s", self.instance_name, describe_error(exc).rstrip())
         finally:
-            if self._loop is not None:
-                self._loop.close()
+            self._release()
+
+    def _release(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+        if self._imports is not None:
+            self._imports.close()
+            self._imports = None
