@@ -9,6 +9,7 @@ so an answer computed with another model's files is a wrong number.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 import urllib.error
@@ -181,11 +182,13 @@ def test_poll_mode_runs_a_new_versions_files_and_a_changed_helper(tmp_path: Path
     server = server_factory(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.3")
     with grpcclient.InferenceServerClient(server.url) as client:
         _assert_outputs(_infer(client, "versions"), expected(X, 2), "version 1")
-        _write_version(folder / "2", 3)
+        _write_version(tmp_path / "staged", 3)  # written whole, then moved in: a poll never sees half of it
+        (tmp_path / "staged").rename(folder / "2")
         wait_until(lambda: client.is_model_ready("versions", "2") and not client.is_model_ready("versions", "1"),
                    TIMEOUT_S, "version 2 to replace version 1")
         _assert_outputs(_infer(client, "versions"), expected(X, 3), "version 2")
-        (folder / "2" / "helper.py").write_text(_helper(4))  # same size, new constant
+        (tmp_path / "helper.py").write_text(_helper(4))  # same size, new constant, moved in whole
+        os.replace(tmp_path / "helper.py", folder / "2" / "helper.py")
         want = expected(X, 3, k_helper=4)
         wait_until(lambda: np.array_equal(_infer(client, "versions")["F"], want["F"]), TIMEOUT_S,
                    "the edited helper.py to run")
