@@ -272,11 +272,17 @@ def test_a_base_exception_in_execute_fails_that_request_only(tmp_path: Path, ser
                        in caught.value.message(), (model, caught.value.message())
                 np.testing.assert_array_equal(_call(client, model, 0.5), [1.0])
         with httpclient.InferenceServerClient(server.http_url) as http:
+            tensor = httpclient.InferInput("X", [1], "FP32")
+            tensor.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+            with pytest.raises(InferenceServerException) as over_http:  # a JSON error body, parsed
+                http.infer("raiser", [tensor])
+            assert "message: SystemExit: 3" in over_http.value.message(), over_http.value
             assert http.is_server_live() and http.is_model_ready("raiser")
     assert server.stop() == 0, server.log()
     log = server.log()
     for model in ("raiser", "raiser_async"):  # process instances log in their worker
-        assert log.count(f"model instance {model}_0_0: execute raised ") == len(RAISED_NAMES), log
+        calls = len(RAISED_NAMES) + (model == "raiser")  # and the one over HTTP
+        assert log.count(f"model instance {model}_0_0: execute raised ") == calls, log
         for exception in RAISED_NAMES.values():
             assert f"model instance {model}_0_0: execute raised {exception}" in log, (model, exception, log)
 
