@@ -166,7 +166,8 @@ def test_models_loaded_together_each_run_their_own_files(tmp_path: Path, server_
         for (name, x), got in zip(calls, answers, strict=True):
             _assert_outputs(got, expected(x, constants[name]), name)
         loaded = _modules_from(client, repo / "plus_two" / "1")
-        assert len(loaded) >= 2 * 6, loaded  # two instances: model, helper, subpkg, subpkg.mod, lazy, nsdir.thing
+        # Each of the two instances loaded model, helper, subpkg and subpkg.mod; one that executed, lazy too.
+        assert len(loaded) >= 2 * 4 and any(name.endswith(".lazy") for name in loaded), loaded
         assert not {"helper", "lazy", "subpkg", "subpkg.mod", "model", "nsdir.thing", "json"} & set(loaded), loaded
         client.unload_model("plus_two", client_timeout=TIMEOUT_S)
         wait_until(lambda: not client.is_model_ready("plus_two"), TIMEOUT_S, "plus_two to unload")
