@@ -55,8 +55,8 @@ def sink_of(pending: Any) -> Any:
 class ThreadInstance:
     """A Python model instance on an instance thread of the server (``process_instances: false``).
 
-    It imports the model's files in an import context of its own (``imports``), so models and
-    versions sharing the server's ``sys.modules`` each run their own ``helper.py``.
+    It imports the model's files in an import context of its own (``shoal.backends.python.imports``),
+    so models and versions sharing the server's ``sys.modules`` each run their own ``helper.py``.
     """
 
     weight_bytes = 0

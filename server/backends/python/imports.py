@@ -35,6 +35,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import itertools
+import os
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -159,5 +160,5 @@ def _folder_provides(folder: Path, top: str) -> bool:
 def _forget_finders(folder: Path) -> None:
     """Drop the cached directory finders of ``folder`` and its subfolders, so files are looked up anew."""
     root = str(folder)
-    for key in [key for key in list(sys.path_importer_cache) if key == root or key.startswith(root + "/")]:
+    for key in [key for key in list(sys.path_importer_cache) if key == root or key.startswith(root + os.sep)]:
         sys.path_importer_cache.pop(key, None)
