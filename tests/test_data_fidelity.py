@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import queue
 import shutil
 import zlib
 from collections.abc import Iterator
@@ -61,6 +62,30 @@ class TritonPythonModel:
 
 THREADS = 'parameters { key: "process_instances" value: { string_value: "false" } }'
 
+# A decoupled model: one response of OUT with N elements, then one of a single element with FINAL.
+STREAMER = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.full(n, n, dtype=np.int32))]))
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.ones(1, dtype=np.int32))]),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+STREAMER_CONFIG = """
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
 
 def _shaper_config(max_batch_size: int, out: str, extra: str = THREADS) -> str:
     return f"""
@@ -88,6 +113,7 @@ def _add_models(repo: Path) -> None:
     ensemble_models.add_ensemble(repo, "ensemble_declares_4", [ensemble_models.step(
         "shaper_any", {"IN": "IN"}, {"OUT": "OUT"})], io=io.replace("[ 4 ]", "[ 1, 4 ]"), max_batch_size=0)
     _add_torch_float64(repo)
+    python_models.write_model(repo, "streamer", STREAMER_CONFIG, STREAMER)
     sequence_models.add_accumulator(repo, "accumulator")
     models.add_identity(repo, "bytes", "BYTES", max_batch_size=0)
     models.add_identity(repo, "fp32", "FP32", max_batch_size=0)
@@ -334,6 +360,25 @@ def test_output_datatypes_are_checked_against_the_config(server: RunningServer) 
     assert caught.value.status() == "StatusCode.INTERNAL"
     assert caught.value.message() == ("unexpected datatype TYPE_FP64 for inference output 'OUTPUT__0' for model "
                                       "'widen', expecting TYPE_FP32")
+
+
+def test_a_decoupled_models_responses_are_checked(server: RunningServer) -> None:
+    arrived: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    with grpcclient.InferenceServerClient(server.url) as client:
+        client.start_stream(callback=lambda result, error: arrived.put((result, error)))
+        for n in (1, 2):
+            tensor = grpcclient.InferInput("N", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([n], dtype=np.int32))
+            client.async_stream_infer("streamer", [tensor], request_id=str(n))
+            first, last = arrived.get(timeout=60), arrived.get(timeout=60)
+            assert last[1] is None and last[0].as_numpy("OUT").tolist() == [1]
+            if n == 1:
+                assert first[1] is None and first[0].as_numpy("OUT").tolist() == [1]
+            else:
+                assert first[0] is None and first[1].message() == (
+                    "unexpected shape for output 'OUT' for model 'streamer', model configuration shape is [1], "
+                    "inference shape is [2]"), first[1]
+        client.stop_stream()
 
 
 # -- item 8b: NUL bytes in path fields of a config override ----------------------------------------------------

@@ -236,6 +236,24 @@ def _unexpected_shape(spec: ModelSpec, name: str, expected: list[int], shape: tu
                                           f"{_dims(shape)}")
 
 
+def streamed_outputs(spec: ModelSpec, request: InferRequest, arrays: Mapping[str, np.ndarray]) -> tuple[Tensor, ...]:
+    """One response of a decoupled model, its outputs checked as ``finish`` checks a reply's (against
+    the request's own batch size); an output its config does not list goes on as the model sent it."""
+    batch_size = 0
+    if spec.max_batch_size > 0:
+        shapes = [t.shape for t in request.inputs] + [t.shape for t in request.region_inputs]
+        batch_size = shapes[0][0] if shapes and shapes[0] else 0
+    outputs = []
+    for name, array in arrays.items():
+        tensor_spec = spec.output(name)
+        if tensor_spec is None:
+            outputs.append(Tensor(name, DataType.from_numpy(array.dtype), tuple(array.shape), array))
+            continue
+        data = checked_output(spec, tensor_spec, np.asarray(array), batch_size)
+        outputs.append(Tensor(name, tensor_spec.datatype, tuple(data.shape), data))
+    return tuple(outputs)
+
+
 def _fits(shape: tuple[int, ...], expected: list[int]) -> bool:
     return len(shape) == len(expected) and all(e in (-1, s) for e, s in zip(expected, shape, strict=True))
 
