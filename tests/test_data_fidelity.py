@@ -226,6 +226,15 @@ def test_a_number_past_a_double_is_refused_not_infinity(server: RunningServer) -
     assert status == 400 and "too big to be stored in double" in message, message
 
 
+def test_integers_past_64_bits_are_read_as_doubles_for_float_types(server: RunningServer) -> None:
+    """As Triton reads them (numpy alone keeps them as objects); out of range for integer types they are
+    refused, where Triton refuses INT64/UINT64 but wraps INT8 128 to -128."""
+    status, _, body = call(server, "POST", _infer_path("fp32"), _request("FP32", [2**64 + 5, 0.5]))
+    assert status == 200 and json.loads(body)["outputs"][0]["data"] == [float(np.float32(2**64)), 0.5], body
+    status, message = error(server, "POST", _infer_path("fp32"), _request("FP32", [10**400]))
+    assert status == 400 and "too big to be stored in double" in message, message
+
+
 # -- item 8d: compressed bodies --------------------------------------------------------------------------------
 
 

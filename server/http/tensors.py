@@ -246,6 +246,8 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any,
     target = datatype.numpy_dtype
     if target.kind in "iu" and kind in "fO" and flat.size:
         return _large_integers(name, datatype, shape, data)
+    if target.kind in "fV" and kind == "O" and flat.size:
+        flat, kind = _integers_as_doubles(name, datatype, flat), "f"
     if flat.size and kind not in _KINDS_ACCEPTED[target.kind]:
         raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
                       f"got {_kind_name(kind)}")
@@ -271,6 +273,19 @@ def _large_integers(name: str, datatype: DataType, shape: tuple[int, ...], data:
         return np.array(items, dtype=datatype.numpy_dtype).reshape(shape)
     except OverflowError:
         raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}") from None
+
+
+def _integers_as_doubles(name: str, datatype: DataType, flat: np.ndarray) -> np.ndarray:
+    """Numbers for a float type among which numpy found integers past 64 bits (it keeps them as
+    objects): read as doubles, as Triton reads them; one past a double's range is refused."""
+    items = flat.tolist()
+    if not all(type(item) in (int, float) for item in items):  # not a bool, a string or a list
+        raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
+                      "got values of mixed types")
+    try:
+        return np.array([float(item) for item in items])
+    except OverflowError:
+        raise _too_big(f"a value of input '{shown(name)}'") from None
 
 
 def _kind_name(kind: str) -> str:
