@@ -6,6 +6,11 @@ another in input order (each in the raw wire format: little-endian, BYTES as 4-b
 prefixed elements). A response does the same for the outputs asked for with ``binary_data``
 (or all of them with the request parameter ``binary_data_output``); the others carry ``data``,
 a flat JSON list (BYTES as strings). A request's ``data`` may be flat or nested.
+
+JSON as Triton's rapidjson reads and writes it: ``NaN``, ``Infinity`` and ``-Infinity`` are read
+and written (not strict JSON, but what Triton and tritonclient exchange); a number past a double's
+range (``1e400``) is refused, not read as infinity. A JSON string holds Unicode: BYTES data goes in
+as its UTF-8, and an output whose bytes are not UTF-8 is refused as JSON (binary data carries it).
 """
 
 from __future__ import annotations
