@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
+
 from shoal import __version__
 from shoal.core import (
     DECOUPLED_REFUSED,
@@ -27,11 +29,12 @@ from shoal.core import (
 from shoal.dataplane import cuda
 from shoal.dataplane.regions import RegionRegistry
 from shoal.errors import ErrorCode, ShoalError
+from shoal.lifecycle import tensors
 from shoal.lifecycle.manager import ModelManager
+from shoal.lifecycle.model import ModelVersion
 from shoal.lifecycle.streaming import ENDED, ResponseSink, StreamingRequest, is_decoupled
-from shoal.protocol.types import DataType
 from shoal.settings import ServerSettings
-from shoal.types import InferRequest, InferResponse, Tensor
+from shoal.types import InferRequest, InferResponse
 
 SERVER_NAME = "shoal"
 # Only what is implemented end to end; clients gate features on these strings.
@@ -147,15 +150,8 @@ class LocalCore:
                         message = f"internal error: {type(error).__name__}: {error}"
                     yield StreamedResponse(None, True, message)
                     return
-                if isinstance(item, ShoalError):
-                    yield StreamedResponse(None, final, item.message)
-                elif item is not None:
-                    outputs = tuple(Tensor(name, DataType.from_numpy(array.dtype), tuple(array.shape), array)
-                                    for name, array in item.items())
-                    yield StreamedResponse(InferResponse(served.spec.name, str(served.version), request.id,
-                                                         outputs), final)
-                elif final:
-                    yield StreamedResponse(None, True)
+                if item is not None or final:
+                    yield _streamed(served, request, item, final)
                 if final:
                     return
         finally:
@@ -236,3 +232,18 @@ class LocalCore:
                 ErrorCode.UNAVAILABLE,
                 "explicit model load / unload is not allowed: start the server with --model-control-mode explicit",
             )
+
+
+def _streamed(served: ModelVersion, request: InferRequest, item: dict[str, np.ndarray] | ShoalError | None,
+              final: bool) -> StreamedResponse:
+    """One item of a decoupled model's sink as a response, its outputs checked against the config as
+    every reply's are (``tensors.finish``)."""
+    if isinstance(item, dict):
+        try:
+            outputs = tensors.streamed_outputs(served.spec, request, item)
+        except ShoalError as exc:
+            return StreamedResponse(None, final, exc.message)
+        return StreamedResponse(InferResponse(served.spec.name, str(served.version), request.id, outputs), final)
+    if isinstance(item, ShoalError):
+        return StreamedResponse(None, final, item.message)
+    return StreamedResponse(None, True)  # the FINAL flag alone

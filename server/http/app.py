@@ -97,6 +97,9 @@ class HttpApp:
             raise self._too_large(len(data), decompressed=True)
         if not decompressor.eof:
             raise HttpError(400, f"the request body is not valid {encoding} data: it ends early")
+        if decompressor.unused_data:  # Triton ignores them; they could be a second body, or data lost
+            raise HttpError(400, f"the request body is not valid {encoding} data: "
+                                 f"{len(decompressor.unused_data)} bytes follow the end of the compressed data")
         return data
 
     def _too_large(self, size: int, decompressed: bool = False) -> HttpError:

@@ -6,6 +6,11 @@ another in input order (each in the raw wire format: little-endian, BYTES as 4-b
 prefixed elements). A response does the same for the outputs asked for with ``binary_data``
 (or all of them with the request parameter ``binary_data_output``); the others carry ``data``,
 a flat JSON list (BYTES as strings). A request's ``data`` may be flat or nested.
+
+JSON as Triton's rapidjson reads and writes it: ``NaN``, ``Infinity`` and ``-Infinity`` are read
+and written (not strict JSON, but what Triton and tritonclient exchange); a number past a double's
+range (``1e400``) is refused, not read as infinity. A JSON string holds Unicode: BYTES data goes in
+as its UTF-8, and an output whose bytes are not UTF-8 is refused as JSON (binary data carries it).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from shoal.core.wire import decode_raw, region_slice
-from shoal.errors import invalid, shown
+from shoal.errors import ShoalError, invalid, shown
 from shoal.protocol import tensors
 from shoal.protocol.types import DataType
 from shoal.types import InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
@@ -43,10 +48,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
 
 def infer_request(model: str, version: str, header: bytes, binary: memoryview) -> tuple[InferRequest, dict[str, bool]]:
     """The core's request, and for each requested output whether it goes back as binary data."""
-    try:
-        document = json.loads(header)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
-        raise invalid(f"failed to parse the request JSON buffer: {exc}") from None
+    document, infinity_written = _parse_header(header)
     if not isinstance(document, dict):
         raise invalid("Unable to parse 'inputs': the inference request must be a JSON object")
     inputs_json = document.get("inputs")
@@ -54,16 +56,19 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
         raise invalid("Unable to parse 'inputs': attempt to access non-existing object member 'inputs'")
     parameters = _object(document.get("parameters", {}), "parameters")
     binary_default = _boolean(parameters.pop("binary_data_output", False), "binary_data_output")
+    _check_reserved(parameters)
     for key, value in parameters.items():  # as Triton's SetTritonParameterFromJsonParameter
         if not isinstance(value, str | int | float):  # bool is an int
             raise invalid(f"parameter '{shown(key)}' has invalid type. It should be either 'int', 'bool', or "
                           "'string'.")
+        if isinstance(value, float) and math.isinf(value) and not infinity_written:
+            raise _too_big(f"the value of parameter '{shown(key)}'")
     _check_bytes_cost(model, inputs_json)
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
     offset = 0
     for entry in inputs_json:
-        tensor, used = _input(model, _object(entry, "inputs"), binary[offset:])
+        tensor, used = _input(model, _object(entry, "inputs"), binary[offset:], infinity_written)
         offset += used
         if isinstance(tensor, RegionInput):
             region_inputs.append(tensor)
@@ -90,6 +95,57 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
 BYTES_OBJECT_BYTES = 56
 MAX_BYTES_OBJECTS_PER_PAYLOAD = 4
 BYTES_OBJECTS_FLOOR = 128 * 2**20
+
+
+def _check_reserved(parameters: dict[str, Any]) -> None:
+    """The parameters Triton's HTTP front end reads itself, in its words: JSON numbers carry any
+    integer, so a ``sequence_id`` of 2^64+5 must be refused, not wrapped to sequence 5."""
+    for key in ("sequence_start", "sequence_end"):
+        if key in parameters and not isinstance(parameters[key], bool):
+            raise invalid(f"Unable to parse '{key}': attempt to access JSON non-boolean as boolean")
+    for key in ("priority", "timeout"):
+        if key in parameters and not _is_uint64(parameters[key]):
+            raise invalid(f"Unable to parse '{key}': attempt to access JSON non-unsigned-integer as unsigned-integer")
+    sequence_id = parameters.get("sequence_id", "")
+    if not isinstance(sequence_id, str) and not _is_uint64(sequence_id):
+        raise invalid("Unable to parse 'sequence_id': attempt to access JSON non-string as string")
+
+
+def _is_uint64(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**64  # not a bool, not 5.0
+
+
+def _parse_header(header: bytes) -> tuple[Any, bool]:
+    """The JSON header, and whether it writes ``Infinity`` or ``-Infinity`` (``NaN`` and both infinities
+    are read, as Triton's rapidjson reads them). A number past a double's range is refused, as
+    rapidjson refuses it, where Python would read it as infinity: without an infinity written, every
+    infinite value is such a number (``json_data`` refuses it); with one, the header is read again
+    checking each number, a cost (about 1.5x the parse) only such requests pay."""
+    written = False
+
+    def constant(name: str) -> float:
+        nonlocal written
+        written = written or name != "NaN"
+        return float(name)
+
+    try:
+        document = json.loads(header, parse_constant=constant)
+        if written:
+            document = json.loads(header, parse_float=_double)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
+        raise invalid(f"failed to parse the request JSON buffer: {exc}") from None
+    return document, written
+
+
+def _double(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _too_big(text)
+    return value
+
+
+def _too_big(text: str) -> ShoalError:
+    return invalid(f"failed to parse the request JSON buffer: Number too big to be stored in double: {shown(text)}")
 
 
 def _check_bytes_cost(model: str, inputs_json: list[Any]) -> None:
@@ -125,8 +181,9 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _input(model: str, entry: dict[str, Any], binary: memoryview) -> tuple[Tensor | RegionInput, int]:
-    """One input and the binary bytes it took."""
+def _input(model: str, entry: dict[str, Any], binary: memoryview,
+           infinity_written: bool) -> tuple[Tensor | RegionInput, int]:
+    """One input and the binary bytes it took; ``infinity_written``: see ``_parse_header``."""
     name, datatype_name, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
     if not isinstance(name, str) or not isinstance(datatype_name, str) or not isinstance(shape, list) \
             or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
@@ -152,7 +209,7 @@ def _input(model: str, entry: dict[str, Any], binary: memoryview) -> tuple[Tenso
     if region is not None:
         return RegionInput(name, datatype, dims, region), 0
     if "data" in entry:
-        return Tensor(name, datatype, dims, json_data(name, datatype, dims, entry["data"])), 0
+        return Tensor(name, datatype, dims, json_data(name, datatype, dims, entry["data"], infinity_written)), 0
     size = parameters["binary_data_size"]
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise invalid(f"input '{shown(name)}': 'binary_data_size' must be a non-negative integer")
@@ -165,9 +222,11 @@ def _input(model: str, entry: dict[str, Any], binary: memoryview) -> tuple[Tenso
 _KINDS_ACCEPTED = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "V": "iuf"}  # V: ml_dtypes' bfloat16
 
 
-def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) -> np.ndarray:
+def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any,
+              infinity_written: bool) -> np.ndarray:
     """``data``, flat or nested, as an array of ``shape``; values of the wrong kind are refused
-    (a float for an integer type, a number for BYTES), never silently converted."""
+    (a float for an integer type, a number for BYTES), never silently converted. Without
+    ``infinity_written`` an infinite value was a number past a double's range (``_parse_header``)."""
     try:
         values = np.asarray(data)
     except ValueError:
@@ -192,6 +251,8 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
     target = datatype.numpy_dtype
     if target.kind in "iu" and kind in "fO" and flat.size:
         return _large_integers(name, datatype, shape, data)
+    if target.kind in "fV" and kind == "O" and flat.size:
+        flat, kind = _integers_as_doubles(name, datatype, flat), "f"
     if flat.size and kind not in _KINDS_ACCEPTED[target.kind]:
         raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
                       f"got {_kind_name(kind)}")
@@ -199,6 +260,8 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
         converted = flat.astype(target)
     if kind in "iu" and target.kind in "iu" and not np.array_equal(converted, flat):
         raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
+    if kind == "f" and not infinity_written and np.isinf(flat).any():
+        raise _too_big(f"a value of input '{shown(name)}'")
     if target.kind in "fV" and flat.size and not np.array_equal(
             np.isfinite(converted.astype(np.float64)), np.isfinite(flat.astype(np.float64))):
         raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
@@ -215,6 +278,19 @@ def _large_integers(name: str, datatype: DataType, shape: tuple[int, ...], data:
         return np.array(items, dtype=datatype.numpy_dtype).reshape(shape)
     except OverflowError:
         raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}") from None
+
+
+def _integers_as_doubles(name: str, datatype: DataType, flat: np.ndarray) -> np.ndarray:
+    """Numbers for a float type among which numpy found integers past 64 bits (it keeps them as
+    objects): read as doubles, as Triton reads them; one past a double's range is refused."""
+    items = flat.tolist()
+    if not all(type(item) in (int, float) for item in items):  # not a bool, a string or a list
+        raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
+                      "got values of mixed types")
+    try:
+        return np.array([float(item) for item in items])
+    except OverflowError:
+        raise _too_big(f"a value of input '{shown(name)}'") from None
 
 
 def _kind_name(kind: str) -> str:
@@ -299,7 +375,25 @@ def infer_response(response: InferResponse, binary_outputs: dict[str, bool]) -> 
 def _json_values(tensor: Tensor) -> list[Any]:
     flat = tensor.data.reshape(-1)
     if tensor.datatype is DataType.BYTES:
-        return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in flat.tolist()]
+        return _json_strings(tensor.name, flat.tolist())
     if tensor.datatype is DataType.BF16:
         return flat.astype(np.float32).tolist()
     return flat.tolist()
+
+
+def _json_strings(name: str, values: list[Any]) -> list[str]:
+    """BYTES elements as JSON strings, which hold Unicode only: bytes that are not UTF-8 are refused
+    rather than changed (Triton writes them raw, which makes the body invalid JSON)."""
+    strings = []
+    for index, value in enumerate(values):
+        if not isinstance(value, bytes):
+            strings.append(str(value))
+            continue
+        try:
+            strings.append(value.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise invalid(
+                f"output '{shown(name)}' holds bytes that are not valid UTF-8 (element {index}), which a JSON "
+                'string cannot carry unchanged; ask for it as binary data: "binary_data": true in the '
+                'output\'s parameters, or "binary_data_output": true in the request\'s') from None
+    return strings

@@ -32,6 +32,7 @@ from shoal.repository.config import (
     ModelSpec,
     detect_backend,
     normalize,
+    nul_in_file_names,
     read_config,
     read_labels,
     to_spec,
@@ -72,6 +73,9 @@ class ConfigOverride:
                           f"{_shortened(wire_names(str(exc)), document)}") from None
         if config.name and config.name != name:
             raise invalid(f"failed to load '{shown(name)}': the config override names model '{shown(config.name)}'")
+        problem = nul_in_file_names(config)
+        if problem is not None:
+            raise invalid(f"failed to load '{shown(name)}': {problem}")
         return cls(config)
 
 

@@ -179,28 +179,14 @@ def finish_is_costly(prepared: Prepared, results: Mapping[str, np.ndarray]) -> b
 
 
 def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray]) -> tuple[Tensor, ...]:
-    """Turn backend results into response tensors: config datatypes and shapes; an output
-    requested as a classification becomes its top classes per batch row (BYTES)."""
+    """Turn backend results into response tensors, each checked against the config's datatype and
+    dims (``checked_output``); an output requested as a classification becomes its top classes per
+    batch row (BYTES)."""
     tensors = []
     for name in prepared.outputs:
         tensor_spec = spec.output(name)
         assert tensor_spec is not None
-        data = np.asarray(results[name])
-        scalar_for_ones = data.ndim == 0 and spec.max_batch_size == 0 and all(d == 1 for d in tensor_spec.dims)
-        if tensor_spec.reshape is not None or scalar_for_ones:
-            # a reshape back to the config dims; a scalar the model returns for config dims of 1s
-            # (no reshape) is reported with those dims, as Triton's ORT backend does
-            lead = [prepared.batch_size] if spec.max_batch_size > 0 else []
-            data = data.reshape(lead + list(tensor_spec.dims))
-        if spec.max_batch_size > 0 and (data.ndim == 0 or data.shape[0] != prepared.batch_size):
-            raise ShoalError(
-                ErrorCode.INTERNAL,
-                f"model '{spec.name}' returned output '{name}' with shape {list(data.shape)} "
-                f"for a batch of {prepared.batch_size}",
-            )
-        wanted = tensor_spec.datatype.numpy_dtype
-        if data.dtype != wanted:
-            data = data.astype(wanted)
+        data = checked_output(spec, tensor_spec, np.asarray(results[name]), prepared.batch_size)
         count = prepared.class_counts.get(name)
         if count is None:
             tensors.append(Tensor(name, tensor_spec.datatype, tuple(data.shape), data))
@@ -209,6 +195,76 @@ def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray
         classes = classification.top_k(data, tensor_spec.datatype, count, batched, tensor_spec.labels)
         tensors.append(Tensor(name, DataType.BYTES, tuple(classes.shape), classes))
     return tuple(tensors)
+
+
+def checked_output(spec: ModelSpec, tensor_spec: TensorSpec, data: np.ndarray, batch_size: int) -> np.ndarray:
+    """An output as the model returned it, refused (INTERNAL: the model broke its config, not the
+    client) unless its datatype is the config's and its shape the config's dims, ``-1`` matching any
+    size, after the request's own batch size when the model batches; with ``reshape`` the model's
+    shape is the reshape's (or already the dims'), and the answer's the dims'. Every backend and
+    instance kind, and every ensemble step, answers through here, so a model that returns [3,7] for
+    dims [4] fails its request instead of sending it on. Triton's Python backend checks neither;
+    these are the words of its TensorFlow and PyTorch backends."""
+    name = tensor_spec.name
+    if tensor_spec.datatype is DataType.BYTES:
+        if data.dtype.kind not in "OSU":
+            raise _unexpected_datatype(spec, name, data, tensor_spec.datatype)
+        data = data.astype(np.object_, copy=False)
+    elif data.dtype != tensor_spec.datatype.numpy_dtype:
+        raise _unexpected_datatype(spec, name, data, tensor_spec.datatype)
+    lead = [batch_size] if spec.max_batch_size > 0 else []
+    dims = lead + list(tensor_spec.dims)
+    if data.ndim == 0 and not lead and all(d == 1 for d in tensor_spec.dims):
+        return data.reshape(dims)  # a scalar for dims of 1s: reported with the dims, as Triton's ORT backend does
+    if tensor_spec.reshape is None or _fits(data.shape, dims):
+        expected = dims
+    else:
+        expected = lead + list(tensor_spec.reshape)
+    if not _fits(data.shape, expected):
+        raise _unexpected_shape(spec, name, expected, data.shape)
+    if expected is dims:
+        return data
+    try:
+        return data.reshape(dims)
+    except ValueError:  # a -1 numpy cannot infer (no elements)
+        raise _unexpected_shape(spec, name, dims, data.shape) from None
+
+
+def _unexpected_shape(spec: ModelSpec, name: str, expected: list[int], shape: tuple[int, ...]) -> ShoalError:
+    return ShoalError(ErrorCode.INTERNAL, f"unexpected shape for output '{name}' for model '{spec.name}', "
+                                          f"model configuration shape is {_dims(expected)}, inference shape is "
+                                          f"{_dims(shape)}")
+
+
+def streamed_outputs(spec: ModelSpec, request: InferRequest, arrays: Mapping[str, np.ndarray]) -> tuple[Tensor, ...]:
+    """One response of a decoupled model, its outputs checked as ``finish`` checks a reply's (against
+    the request's own batch size); an output its config does not list goes on as the model sent it."""
+    batch_size = 0
+    if spec.max_batch_size > 0:
+        shapes = [t.shape for t in request.inputs] + [t.shape for t in request.region_inputs]
+        batch_size = shapes[0][0] if shapes and shapes[0] else 0
+    outputs = []
+    for name, array in arrays.items():
+        tensor_spec = spec.output(name)
+        if tensor_spec is None:
+            outputs.append(Tensor(name, DataType.from_numpy(array.dtype), tuple(array.shape), array))
+            continue
+        data = checked_output(spec, tensor_spec, np.asarray(array), batch_size)
+        outputs.append(Tensor(name, tensor_spec.datatype, tuple(data.shape), data))
+    return tuple(outputs)
+
+
+def _fits(shape: tuple[int, ...], expected: list[int]) -> bool:
+    return len(shape) == len(expected) and all(e in (-1, s) for e, s in zip(expected, shape, strict=True))
+
+
+def _unexpected_datatype(spec: ModelSpec, name: str, data: np.ndarray, wanted: DataType) -> ShoalError:
+    try:
+        returned = DataType.from_numpy(data.dtype).config_name
+    except ValueError:  # no Triton datatype at all (a numpy complex, a datetime)
+        returned = f"numpy {data.dtype}"
+    return ShoalError(ErrorCode.INTERNAL, f"unexpected datatype {returned} for inference output '{name}' for model "
+                                          f"'{spec.name}', expecting {wanted.config_name}")
 
 
 def zeros_feed(spec: ModelSpec) -> dict[str, np.ndarray]:

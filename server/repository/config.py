@@ -277,11 +277,29 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
 
 
 def validate_filename(config: config_pb2.ModelConfig, model_name: str) -> None:
-    """``default_model_filename`` is a plain file name in the version folder (checked before any open)."""
+    """``default_model_filename`` is a plain file name in the version folder, and no file name the
+    config gives holds a NUL byte (both checked before any open)."""
+    problem = nul_in_file_names(config)
+    if problem is not None:
+        raise load_failed(f"model '{model_name}': {problem}")
     filename = config.default_model_filename
     if filename and (Path(filename).name != filename or filename in {".", ".."}):
         raise load_failed(f"model '{model_name}': default_model_filename must be a file name inside the "
                           f"version folder, got {shown(filename)!r}")
+
+
+def nul_in_file_names(config: config_pb2.ModelConfig) -> str | None:
+    """What is wrong when a field of ``config`` that names a file holds a NUL byte, which no file
+    name can (opening one raises ValueError); None when none does. A config override checks this
+    first, to refuse it as a bad argument that names the field."""
+    named = [("default_model_filename", config.default_model_filename)]
+    named += [(f"label_filename of output '{shown(o.name)}'", o.label_filename) for o in config.output]
+    named += [(f"data_file of initial_state '{shown(initial.name)}'", initial.data_file)
+              for state in config.sequence_batching.state for initial in state.initial_state]
+    for what, value in named:
+        if "\0" in value:
+            return f"{what} holds a NUL byte, which no file name can hold"
+    return None
 
 
 def _validate_reshape(label: str, dims: list[int], reshape: list[int]) -> None:

@@ -42,11 +42,13 @@ def checked_path(repository: Path, relative: str | PurePath) -> Path:
     """The real path of ``relative`` (a path inside ``repository``), every symlink resolved.
 
     Refuses absolute paths, ``..`` that climbs out, symlinks (at any depth) whose target is
-    outside the repository, and names too long to exist, all with the same ``outside`` message;
+    outside the repository, and names too long to exist or holding a NUL byte (which no file
+    name can; resolving one raises ValueError), all with the same ``outside`` message;
     nothing is opened and the target's existence plays no part.
     """
     path = PurePath(relative)
-    if path.is_absolute() or any(len(os.fsencode(part)) > MAX_NAME_BYTES for part in path.parts):
+    if path.is_absolute() or "\0" in str(path) or any(len(os.fsencode(part)) > MAX_NAME_BYTES
+                                                      for part in path.parts):
         raise outside(relative)
     root = repository.resolve()
     try:
