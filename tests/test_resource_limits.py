@@ -329,3 +329,25 @@ def test_http_takes_at_most_half_the_descriptors(monkeypatch: pytest.MonkeyPatch
     assert server_module.connection_bound(4096) == 512 and server_module.connection_bound(100) == 100
     monkeypatch.setattr(server_module, "open_file_limit", lambda: None)
     assert server_module.connection_bound(4096) == 4096
+
+
+def test_running_out_of_descriptors_is_logged_once_and_recovers(repo: Path, server_factory) -> None:
+    """asyncio logged each failed accept with a traceback, every second, per listener."""
+    server = server_factory(repo)
+    processes = [server.pid, *children(server.pid)]
+    limits = {pid: resource.prlimit(pid, resource.RLIMIT_NOFILE) for pid in processes}
+    with contextlib.ExitStack() as sockets:
+        for pid in processes:  # a few descriptors left to each process
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (descriptors(pid) + 8, limits[pid][1]))
+        for _ in range(40 * len(processes)):
+            sockets.enter_context(connect(server))
+        wait_until(lambda: "cannot accept new connections" in server.log(), CLOSE_TIMEOUT_S, "the report")
+        first = server.log().count("cannot accept new connections")
+        time.sleep(3)  # accepts are retried each second: three more failures, that must not be logged
+        for pid in processes:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, limits[pid])
+    log = server.log()
+    assert ACCEPT_FAILED not in log and "Traceback" not in log, log
+    assert 1 <= log.count("cannot accept new connections") == first <= len(processes), log
+    wait_until(lambda: call(server, "GET", "/v2/health/live")[0] == 200, CLOSE_TIMEOUT_S, "HTTP served again")
+    assert grpc_live(server)
