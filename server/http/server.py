@@ -115,21 +115,27 @@ class _Guarded(HttpToolsProtocol):
             return  # what the client still sends after a refusal is dropped
         self._last_read = self.loop.time()
         if self._in_head:
-            if self._timer is None:  # the first bytes of the next request on a kept-alive connection
-                self._arm(self._guard.settings.header_timeout_s, self._head_timed_out)
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(431, f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
                 return
         super().data_received(data)
+        if self._timer is None and not self._refused and not self.transport.is_closing():
+            self._arm_for_the_rest()
+
+    def _arm_for_the_rest(self) -> None:
+        """A deadline for what this request has still to send, if anything: most requests come whole in
+        one read, and arm no timer at all."""
+        if not self._in_head:
+            self._arm(self._body_check_delay(), self._check_body)
+        elif self._head_bytes:  # part of the next request's head, on a kept-alive connection
+            self._arm(self._guard.settings.header_timeout_s, self._head_timed_out)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm()
-        self._body_started = self._last_read = self.loop.time()
+        self._body_started = self.loop.time()
         super().on_headers_complete()
-        if not self._refused:
-            self._arm(self._body_check_delay(), self._check_body)
 
     def on_message_complete(self) -> None:
         self._in_head, self._head_bytes = True, 0  # the next request's head, on a kept-alive connection
