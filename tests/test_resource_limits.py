@@ -221,6 +221,7 @@ def test_past_the_connection_bound_a_new_connection_is_refused(
         assert grpc_live(server)
     wait_until(lambda: call(server, "GET", "/v2/health/live")[0] == 200, CLOSE_TIMEOUT_S,
                "a new connection served once the others closed")
+    wait_until(lambda: "--http-max-connections allows here" in server.log(), CLOSE_TIMEOUT_S, "the refusal logged")
 
 
 @pytest.fixture

@@ -51,16 +51,29 @@ START_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 2**20
 REFUSED_LINGER_S = 2.0  # a refused connection reads (and drops) what its client still sends, this long
 MAX_LINGERING = 256  # refused connections lingering at once; past it one is closed at once (its answer may be lost)
+REFUSALS_LOG_INTERVAL_S = 60.0
 DESCRIPTOR_SHARE = 2  # HTTP connections take at most 1/2 of the process's descriptors, whatever the option says
 
 
 @dataclass
 class _Guard:
-    """What the connections of one server share: its limits, and how many refused ones still linger."""
+    """What the connections of one server share: its limits, how many refused ones still linger,
+    and the refusals not yet reported (at most one line per ``REFUSALS_LOG_INTERVAL_S``)."""
 
     settings: HttpSettings
     max_connections: int
     lingering: int = 0
+    unreported: int = 0
+    reported_at: float = -REFUSALS_LOG_INTERVAL_S
+
+    def count_refusal(self, now: float) -> None:
+        self.unreported += 1
+        if now - self.reported_at < REFUSALS_LOG_INTERVAL_S:
+            return
+        logger.warning("refused %d HTTP connection(s) since the last report: %d are open, the most "
+                       "--http-max-connections allows here (reported at most every %.0f s)", self.unreported,
+                       self.max_connections, REFUSALS_LOG_INTERVAL_S)
+        self.unreported, self.reported_at = 0, now
 
 
 class _GuardedConfig(uvicorn.Config):
@@ -97,6 +110,7 @@ class _Guarded(HttpToolsProtocol):
         guard = self._guard
         if len(self.connections) >= guard.max_connections:
             self.transport = transport  # uvicorn's state stays unset: this connection is never served
+            guard.count_refusal(self.loop.time())
             self._refuse(503, f"the server has {guard.max_connections} open HTTP connections, the most it serves "
                               "(--http-max-connections); try again later")
             return
