@@ -343,12 +343,11 @@ def test_running_out_of_descriptors_is_logged_once_and_recovers(repo: Path, serv
         for _ in range(40 * len(processes)):
             sockets.enter_context(connect(server))
         wait_until(lambda: "cannot accept new connections" in server.log(), CLOSE_TIMEOUT_S, "the report")
-        first = server.log().count("cannot accept new connections")
         time.sleep(3)  # accepts are retried each second: three more failures, that must not be logged
         for pid in processes:
             resource.prlimit(pid, resource.RLIMIT_NOFILE, limits[pid])
     log = server.log()
     assert ACCEPT_FAILED not in log and "Traceback" not in log, log
-    assert 1 <= log.count("cannot accept new connections") == first <= len(processes), log
+    assert 1 <= log.count("cannot accept new connections") <= len(processes), log  # one line per process
     wait_until(lambda: call(server, "GET", "/v2/health/live")[0] == 200, CLOSE_TIMEOUT_S, "HTTP served again")
     assert grpc_live(server)
