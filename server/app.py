@@ -30,6 +30,7 @@ from typing import Protocol
 import grpc
 
 from shoal.core.local import LocalCore
+from shoal.descriptors import AcceptFailureLog
 from shoal.errors import StartupError
 from shoal.frontend.supervisor import WorkerSupervisor
 from shoal.grpc.health import HealthReporter
@@ -47,6 +48,7 @@ STREAM_GRACE_S = 1.0  # after the drain, for RPCs that are open but carry no req
 
 async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(name)s: %(message)s") -> int:
     """Serve until SIGTERM/SIGINT; the exit code (0, or EXIT_FORCED from the watchdog)."""
+    AcceptFailureLog().install()
     refuse_used_ports(settings)
     if settings.allow_metrics:
         refuse_used_port("metrics", settings.metrics_address, settings.metrics_port, reuse_port=False)
@@ -59,7 +61,8 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
         memory_budgets=dict(settings.memory_budgets),
     )
     core = LocalCore(manager, strict_readiness=settings.strict_readiness,
-                     max_shared_memory_bytes=settings.shared_memory_max_bytes)
+                     max_shared_memory_bytes=settings.shared_memory_max_bytes,
+                     max_shared_memory_regions=settings.shared_memory_max_regions)
     await manager.start(settings.startup_models)
     front = WorkerFrontEnd(core, settings, log_format) if settings.grpc_workers else InProcessFrontEnd(core, settings)
     try:
@@ -139,7 +142,8 @@ class InProcessFrontEnd:
         http_port = 0
         if self.settings.allow_http:
             http = self.settings.http
-            self.http = HttpServer(HttpApp(self.core, http.max_input_bytes, http.restrictions), http)
+            app = HttpApp(self.core, http.max_input_bytes, http.restrictions, http.max_pending_body_bytes)
+            self.http = HttpServer(app, http)
             http_port = await self.http.start()
             logger.info("Started HTTPService at %s:%d", http.address, http_port)
         await self.server.start()

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from shoal import __version__
+from shoal.descriptors import raise_open_file_limit
 from shoal.settings import (
     EXIT_STARTUP_FAILED,
     GrpcLimits,
@@ -133,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shared-memory-max-mb", type=float, default=65536.0,
                        help="the most shared memory clients may register in all, in MiB (default 65536); "
                             "the memory stays the client's")
+    serve.add_argument("--shared-memory-max-regions", type=int, default=4096, metavar="N",
+                       help="the most shared-memory regions (system and CUDA) registered at once (default 4096)")
     _add_http_arguments(serve)
     tls = serve.add_argument_group("TLS (Triton's flag names)")
     tls.add_argument("--grpc-use-ssl", type=_bool, default=False, help="serve gRPC over TLS")
@@ -155,6 +158,20 @@ def _add_http_arguments(serve: argparse.ArgumentParser) -> None:
                       help="require header KEY=VALUE for these API categories (as --grpc-restricted-protocol)")
     http.add_argument("--http-max-input-size", type=int, default=64 << 20, metavar="BYTES",
                       help="largest request body, also once decompressed (default 67108864, as Triton)")
+    http.add_argument("--http-header-timeout-secs", type=_positive, default=30.0, metavar="SECONDS",
+                      help="close a connection whose request line and headers are not in within this long (default 30)")
+    http.add_argument("--http-body-idle-timeout-secs", type=_positive, default=60.0, metavar="SECONDS",
+                      help="close a connection that sends no byte of a request body for this long (default 60)")
+    http.add_argument("--http-body-timeout-secs", type=_positive, default=300.0, metavar="SECONDS",
+                      help="close a connection whose request body is not in whole within this long (default 300)")
+    http.add_argument("--http-keep-alive-timeout-secs", type=_positive, default=75.0, metavar="SECONDS",
+                      help="close a connection idle between requests this long (default 75)")
+    http.add_argument("--http-max-connections", type=int, default=4096, metavar="N",
+                      help="open HTTP connections per process; past it a new one is answered 503 and closed "
+                           "(default 4096, at most half the process's descriptors)")
+    http.add_argument("--http-max-pending-body-mb", type=_positive, default=2048.0, metavar="MB",
+                      help="request bodies being received at once, per process; past it a request is answered 503 "
+                           "(default 2048)")
     http.add_argument("--http-use-ssl", type=_bool, default=False, help="serve HTTP over TLS (HTTPS)")
     http.add_argument("--http-server-cert", type=Path, help="PEM certificate chain of the HTTP server")
     http.add_argument("--http-server-key", type=Path, help="PEM private key of the HTTP server")
@@ -215,11 +232,17 @@ def _http_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         restrictions = tuple(parse_restriction(text) for text in args.http_restricted_api)
     except ValueError as exc:
         parser.error(f"--http-restricted-api {exc}")
-    if args.http_max_input_size < 1:
-        parser.error("--http-max-input-size must be at least 1")
+    if args.http_max_input_size < 1 or args.http_max_connections < 1:
+        parser.error("--http-max-input-size and --http-max-connections must be at least 1")
     return HttpSettings(address=args.http_address or args.grpc_address, port=args.http_port,
                         max_input_bytes=args.http_max_input_size, restrictions=restrictions,
-                        reuse_port=args.reuse_http_port, tls=_tls_settings(parser, args, "http"))
+                        reuse_port=args.reuse_http_port, tls=_tls_settings(parser, args, "http"),
+                        header_timeout_s=args.http_header_timeout_secs,
+                        body_idle_timeout_s=args.http_body_idle_timeout_secs,
+                        body_timeout_s=args.http_body_timeout_secs,
+                        keep_alive_timeout_s=args.http_keep_alive_timeout_secs,
+                        max_connections=args.http_max_connections,
+                        max_pending_body_bytes=int(min(args.http_max_pending_body_mb, 2**40 / 2**20) * 2**20))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,11 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model needs --model-control-mode explicit")
     if not (args.repository_poll_secs > 0 and args.grpc_max_message_mb > 0 and args.grpc_worker_pool_mb >= 1
-            and args.shared_memory_max_mb >= 0 and args.grpc_worker_liveness_secs >= 0):
+            and args.shared_memory_max_mb >= 0 and args.grpc_worker_liveness_secs >= 0
+            and args.shared_memory_max_regions >= 0):
         parser.error("--repository-poll-secs and --grpc-max-message-mb must be positive, "
-                     "--grpc-worker-pool-mb at least 1, --shared-memory-max-mb and --grpc-worker-liveness-secs "
-                     "at least 0")
+                     "--grpc-worker-pool-mb at least 1, --shared-memory-max-mb, --shared-memory-max-regions and "
+                     "--grpc-worker-liveness-secs at least 0")
     logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO, format=LOG_FORMAT)
+    raise_open_file_limit()
     if not args.model_repository.is_dir():
         print(f"shoal: error: model repository {args.model_repository} is not a folder", file=sys.stderr)
         return 2
@@ -280,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_workers=args.grpc_workers,
         grpc_worker_pool_bytes=int(min(args.grpc_worker_pool_mb, 2**40 / 2**20) * 2**20),
         shared_memory_max_bytes=int(min(args.shared_memory_max_mb, 2**50 / 2**20) * 2**20),
+        shared_memory_max_regions=args.shared_memory_max_regions,
         grpc_worker_liveness_s=args.grpc_worker_liveness_secs,
         allow_http=args.allow_http,
         http=_http_settings(parser, args),

@@ -59,6 +59,13 @@ class HttpSettings:
     restrictions: tuple[Restriction, ...] = ()  # --http-restricted-api
     reuse_port: bool = False  # SO_REUSEPORT for other servers; Shoal's own workers always share it
     tls: TlsSettings | None = None
+    # Reading a request, as a reverse proxy bounds it (shoal.http.server says why these values).
+    header_timeout_s: float = 30.0  # the request line and headers, from the first byte (or the accept)
+    body_idle_timeout_s: float = 60.0  # no byte of the body for this long
+    body_timeout_s: float = 300.0  # the whole body
+    keep_alive_timeout_s: float = 75.0  # an idle connection between requests
+    max_connections: int = 4096  # open connections per process; past it a new one gets 503
+    max_pending_body_bytes: int = 2 << 30  # request bodies being received at once, per process; past it 503
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,7 @@ class ServerSettings:
     grpc_worker_pool_bytes: int = 1 << 30  # each worker's shared memory, per direction
     grpc_worker_liveness_s: float = 5.0  # ping each worker this often; one that misses a ping is replaced (0: off)
     shared_memory_max_bytes: int = 64 << 30  # clients' registered shared-memory regions, in all
+    shared_memory_max_regions: int = 4096  # system and CUDA regions registered at once
     allow_http: bool = True
     http: HttpSettings = HttpSettings()
 

@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     "instances": 4, "scheduling": 4,
     "backends": 3,
     "repository": 2, "dataplane": 2,
-    "settings": 1, "statistics": 1, "types": 1, "errors": 1,
+    "settings": 1, "statistics": 1, "types": 1, "errors": 1, "descriptors": 1,
     "clients": 1,  # the client library: the protocol is all it shares with the server
     "protocol": 0, "__init__": 0,
 }

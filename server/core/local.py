@@ -56,10 +56,11 @@ class LocalCore:
     """``Core`` over this process's ``ModelManager``."""
 
     def __init__(self, manager: ModelManager, strict_readiness: bool = True,
-                 max_shared_memory_bytes: int = ServerSettings.shared_memory_max_bytes) -> None:
+                 max_shared_memory_bytes: int = ServerSettings.shared_memory_max_bytes,
+                 max_shared_memory_regions: int = ServerSettings.shared_memory_max_regions) -> None:
         self.manager = manager
         self.strict_readiness = strict_readiness
-        self.regions = RegionRegistry(max_shared_memory_bytes)
+        self.regions = RegionRegistry(max_shared_memory_bytes, max_shared_memory_regions)
         self._accepting = True
         self._in_flight = 0  # inference requests accepted and not yet answered
         self._idle = asyncio.Event()

@@ -1,22 +1,32 @@
 """Shared-memory regions that clients register: Triton's system shared-memory extension.
 
 A client creates a POSIX shared-memory segment (``tritonclient.utils.shared_memory``) and
-registers a window of it by name, key, offset and size. The server keeps the segment open and
-reads inputs from it and writes outputs into it with ``preadv``/``pwrite``: one copy each way, no
-tensor bytes on the wire. Not a mapping, on purpose: a client can shrink its segment at any time,
-and touching a mapped page past the new end kills the whole server with SIGBUS; a read or write
-of the descriptor just comes up short, which is an error for that one request.
+registers a window of it by name, key, offset and size. The server reads inputs from it and
+writes outputs into it with ``preadv``/``pwrite``: one copy each way, no tensor bytes on the
+wire. Not a mapping, on purpose: a client can shrink its segment at any time, and touching a
+mapped page past the new end kills the whole server with SIGBUS; a read or write of the
+descriptor just comes up short, which is an error for that one request.
+
+A registered region does not hold a descriptor of its own: held open, 1,008 registrations of one
+64-byte segment took every descriptor of a server at the usual soft limit of 1,024, and it
+stopped accepting connections. The ``OPEN_SEGMENTS`` regions used last keep theirs open (opening
+a segment costs ~25 us, more than the read of a small tensor); another is opened again by the
+request that uses it. The segment's identity (device and inode) is recorded at registration and
+checked at each opening, so a key that now names another segment is an error, never another
+file read. Unlike Triton's mapping, a segment its client unlinked while registered fails the
+requests that must open it again.
 
 What the server opens is only what the key names: a segment in /dev/shm, opened the way
 ``shm_open`` does (the key's one leading ``/`` dropped, no other ``/``, never a symlink, only a
 regular file). It never unlinks a segment (the client created it) and never uses
 ``multiprocessing.shared_memory``, whose resource tracker would unlink the client's segment when
 the server exits. Unregistering drops the region from the registry; a request that located it
-before keeps its descriptor open until it is done, so it never reads or writes another file.
+before keeps its own descriptor open until it is done, so it never reads or writes another file.
 Messages and status codes are Triton's (server src/shared_memory_manager.cc).
 
 CUDA regions (``dataplane.cuda``) live in the same registry, as in Triton: one namespace of
-names, one bound on what is registered; each kind's status and unregister see only its own.
+names, one bound on what is registered (bytes and regions); each kind's status and unregister see
+only its own.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from __future__ import annotations
 import io
 import os
 import stat
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -36,7 +48,8 @@ from shoal.errors import ErrorCode, ShoalError, shown
 
 SHM_FOLDER = Path("/dev/shm")
 MAX_KEY_CHARS = 255  # NAME_MAX
-MAX_REGIONS = 1024  # each holds a descriptor open: a bound on what clients can make the server hold
+MAX_REGIONS = 4096  # the default bound on regions registered at once (--shared-memory-max-regions)
+OPEN_SEGMENTS = 64  # descriptors kept open, for the regions used last
 
 
 @dataclass(frozen=True)
@@ -50,12 +63,13 @@ class RegionStatus:
 @dataclass(frozen=True)
 class _Region:
     status: RegionStatus
-    file: io.FileIO  # the segment, open read/write; closed when the last user lets go
+    identity: tuple[int, int]  # st_dev and st_ino of the segment registered
 
 
 @dataclass(frozen=True)
 class Window:
-    """``byte_size`` bytes of a region, from ``position`` in its segment; holds the segment open."""
+    """``byte_size`` bytes of a region, from ``position`` in its segment; holds the segment open
+    (its own descriptor, closed when the last user lets go)."""
 
     name: str
     file: io.FileIO
@@ -95,9 +109,12 @@ _Kind = TypeVar("_Kind", _Region, CudaRegion)
 class RegionRegistry:
     """The shared-memory regions registered with this server, system and CUDA, by name."""
 
-    def __init__(self, max_total_bytes: int) -> None:
+    def __init__(self, max_total_bytes: int, max_regions: int = MAX_REGIONS) -> None:
         self.max_total_bytes = max_total_bytes
+        self.max_regions = max_regions
         self._regions: dict[str, _Region | CudaRegion] = {}
+        self._open: OrderedDict[str, io.FileIO] = OrderedDict()  # by region name, the last used at the end
+        self._open_lock = threading.Lock()  # windows are located on the loop and on worker threads
 
     @property
     def total_bytes(self) -> int:
@@ -108,12 +125,15 @@ class RegionRegistry:
         if byte_size <= 0 or offset < 0:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
                              "unable to process address spaceInvalid argument")
-        segment = io.FileIO(_open_segment(key), "r+", closefd=True)
-        if offset + byte_size > os.fstat(segment.fileno()).st_size:
-            segment.close()
+        fd = _open_segment(key)
+        try:
+            found = os.fstat(fd)
+        finally:
+            os.close(fd)  # opened again by each request that uses the region
+        if offset + byte_size > found.st_size:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT,
                              f"failed to register shared memory region '{shown(name)}': invalid args")
-        self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), segment)
+        self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), (found.st_dev, found.st_ino))
 
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         cuda.require_runtime(name)  # without GPUs every registration is refused first, as in Triton
@@ -125,9 +145,10 @@ class RegionRegistry:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, "a shared memory region needs a name ('' means every region)")
         if name in self._regions:
             raise ShoalError(ErrorCode.ALREADY_EXISTS, f"shared memory region '{shown(name)}' already in manager")
-        if len(self._regions) >= MAX_REGIONS:
+        if len(self._regions) >= self.max_regions:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
-                             f"{MAX_REGIONS} regions are registered already, the most this server holds")
+                             f"{self.max_regions} regions are registered already, the most this server holds "
+                             "(--shared-memory-max-regions)")
         if self.total_bytes + byte_size > self.max_total_bytes:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, (
                 f"failed to register shared memory region '{shown(name)}': {byte_size} more bytes would pass the "
@@ -145,6 +166,8 @@ class RegionRegistry:
     def _forget(self, name: str, kind: type[_Region] | type[CudaRegion]) -> None:
         for known in [n for n, r in self._regions.items() if isinstance(r, kind) and (not name or n == name)]:
             del self._regions[known]
+            with self._open_lock:
+                self._open.pop(known, None)  # closed once no request holds a window of it
 
     def status(self, name: str) -> list[RegionStatus]:
         return [r.status for r in self._listed(name, _Region)]
@@ -180,7 +203,22 @@ class RegionRegistry:
                              f"Invalid offset + byte size for shared memory region: '{shown(name)}'")
         if isinstance(region, CudaRegion):
             return CudaWindow(name, region.mapping, offset, byte_size)
-        return Window(name, region.file, region.status.offset + offset, byte_size)
+        return Window(name, self._segment(region), region.status.offset + offset, byte_size)
+
+    def _segment(self, region: _Region) -> io.FileIO:
+        """The region's segment, open: kept from a recent request, or opened again (and kept)."""
+        name = region.status.name
+        with self._open_lock:
+            file = self._open.get(name)
+            if file is not None:
+                self._open.move_to_end(name)
+                return file
+        file = _reopen(region)
+        with self._open_lock:
+            self._open[name] = file
+            if len(self._open) > OPEN_SEGMENTS:
+                self._open.popitem(last=False)  # closed once no request holds a window of it
+        return file
 
     def on_device(self, name: str) -> bool:
         """Whether ``name`` is a CUDA region: its copies block on the device, so they run off the loop."""
@@ -188,6 +226,19 @@ class RegionRegistry:
 
     def close(self) -> None:
         self._regions.clear()
+        with self._open_lock:
+            self._open.clear()
+
+
+def _reopen(region: _Region) -> io.FileIO:
+    """The region's segment, opened for one request; an error if its key now names another segment."""
+    fd = _open_segment(region.status.key)
+    found = os.fstat(fd)
+    if (found.st_dev, found.st_ino) != region.identity:
+        os.close(fd)
+        raise ShoalError(ErrorCode.INTERNAL, f"shared memory region '{shown(region.status.name)}': its key "
+                         f"'{shown(region.status.key)}' names another segment than the one registered")
+    return io.FileIO(fd, "r+", closefd=True)
 
 
 def _open_segment(key: str) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from shoal.core.remote import RemoteCore
 from shoal.dataplane.arena import Arena
+from shoal.descriptors import AcceptFailureLog, raise_open_file_limit
 from shoal.errors import StartupError
 from shoal.grpc.health import HealthReporter
 from shoal.grpc.server import build_server
@@ -84,6 +85,7 @@ def _die_with_parent() -> None:
 
 async def serve(sock: socket.socket, config: WorkerConfig) -> int:
     """Serve gRPC (and HTTP) until the host says stop or goes away; the exit code."""
+    AcceptFailureLog().install()
     requests = Arena(config.requests_fd, config.pool_bytes)
     responses = Arena(config.responses_fd, config.pool_bytes)
     requests.close_fd()
@@ -111,7 +113,8 @@ async def serve(sock: socket.socket, config: WorkerConfig) -> int:
         server, port = build_server(InferenceServicer(core), health, config.address, config.port, config.tls,
                                     config.limits)
         if config.http is not None:
-            http = HttpServer(HttpApp(core, config.http.max_input_bytes, config.http.restrictions), config.http,
+            http = HttpServer(HttpApp(core, config.http.max_input_bytes, config.http.restrictions,
+                                      config.http.max_pending_body_bytes), config.http,
                               reuse_port=True)
             http_port = await http.start()
     except StartupError as exc:
@@ -145,4 +148,5 @@ def main() -> int:
     config = _receive_config(sock)
     logging.basicConfig(level=config.log_level,
                         format=config.log_format.replace("%(name)s", f"worker{config.index} %(name)s"))
+    raise_open_file_limit(logging.DEBUG)  # the host raised it already; a worker started otherwise raises its own
     return asyncio.run(serve(sock, config))

@@ -4,6 +4,8 @@ Everything a handler needs is done here once for every endpoint: the path and me
 (404 and 405 otherwise, in Triton's words), ``--http-restricted-api`` is enforced (403), the body
 is read up to ``max_body_bytes`` (413 past it, checked against Content-Length before reading) and
 decompressed (``Content-Encoding`` gzip or deflate, bounded the same way; others 501, as Triton),
+the bodies being received at once are bounded by ``max_pending_body_bytes`` (503 past it: without
+it, slow uploads on many connections could hold up to 64 MiB each),
 and the answer is compressed when the client accepts it (``Accept-Encoding``). Every failure,
 expected or not, becomes Triton's ``{"error": "..."}`` with the status from ``http.status``.
 """
@@ -20,7 +22,7 @@ from shoal.core import Core
 from shoal.errors import ErrorCode, ShoalError
 from shoal.http.handlers import OFF_LOOP_BYTES, ROUTES, Handler, Reply, Request
 from shoal.http.status import HttpError, error_body, to_http
-from shoal.settings import Restriction
+from shoal.settings import HttpSettings, Restriction
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -36,10 +38,13 @@ _MAX_INFLATION = 1032  # deflate's largest ratio: what a compressed body can gro
 class HttpApp:
     """Triton's HTTP API over ``core``; the same object serves in the host and in front-end workers."""
 
-    def __init__(self, core: Core, max_body_bytes: int, restrictions: tuple[Restriction, ...] = ()) -> None:
+    def __init__(self, core: Core, max_body_bytes: int, restrictions: tuple[Restriction, ...] = (),
+                 max_pending_body_bytes: int = HttpSettings.max_pending_body_bytes) -> None:
         self.core = core
         self.max_body_bytes = max_body_bytes
         self.restrictions = restrictions
+        self.max_pending_body_bytes = max_pending_body_bytes
+        self._pending_body_bytes = 0  # of the bodies being received now: their Content-Length, or what came
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,18 +69,24 @@ class HttpApp:
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large(int(declared))
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise HttpError(400, "the client closed the connection before sending the whole request")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large(size)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        reserved = self._reserve(int(declared) if declared.isdigit() else 0)
+        try:
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise HttpError(400, "the client closed the connection before sending the whole request")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise self._too_large(size)
+                if size > reserved:  # no Content-Length (chunked), or more than it said
+                    reserved += self._reserve(size - reserved)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        finally:
+            self._pending_body_bytes -= reserved
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         encoding = headers.get("content-encoding", "identity").strip().lower()
         if encoding == "identity" or not body:
@@ -85,6 +96,17 @@ class HttpApp:
         if len(body) * _MAX_INFLATION > OFF_LOOP_BYTES:  # a few KiB can inflate to many MiB
             return await asyncio.to_thread(self._decompress, body, encoding)
         return self._decompress(body, encoding)
+
+    def _reserve(self, size: int) -> int:
+        """Count ``size`` more bytes of bodies being received; 503 past the bound, unless nothing else
+        is being received (one body up to ``max_body_bytes`` is always taken)."""
+        if self._pending_body_bytes and self._pending_body_bytes + size > self.max_pending_body_bytes:
+            raise ShoalError(ErrorCode.UNAVAILABLE, (
+                f"the server is receiving {self._pending_body_bytes} bytes of request bodies already, and "
+                f"{size} more would pass its limit of {self.max_pending_body_bytes} "
+                "(--http-max-pending-body-mb); try again later"))
+        self._pending_body_bytes += size
+        return size
 
     def _decompress(self, body: bytes, encoding: str) -> bytes:
         """At most ``max_body_bytes`` out, so a small compressed body cannot take the server's memory."""
