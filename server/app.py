@@ -86,6 +86,7 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    os.register_at_fork(after_in_child=_forget_server_signals)
     await stop.wait()
 
     deadline = time.monotonic() + settings.exit_timeout_s
@@ -199,6 +200,17 @@ class WorkerFrontEnd:
 
     def kill(self) -> None:
         self.supervisor.kill()
+
+
+def _forget_server_signals() -> None:
+    """In a process a model forks from the server (``multiprocessing``'s fork start method, ``os.fork``
+    in a thread instance): the loop's signal handling is the server's, not the child's. The child
+    inherits the loop's wakeup descriptor, so the SIGTERM that ``Pool.terminate`` sends its workers
+    would reach the server's loop and stop the server; and asyncio's handlers would keep the child
+    from ending. The child gets the default handlers and no wakeup descriptor instead."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def force_exit(core: LocalCore, front: FrontEnd, timeout_s: float) -> None:

@@ -9,13 +9,21 @@ clients' requests through the same worker meanwhile, and compare every answer wi
 
 from __future__ import annotations
 
+import asyncio
+import os
+import queue
+import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from tests.conftest import RunningServer, start_server
 from tests.models import add_identity
@@ -90,7 +98,6 @@ def test_the_host_releases_a_worker_block_only_when_no_view_of_it_is_left() -> N
     """The host's side of the rule, without a server: a core that keeps a request's input (as a
     sequence keeps a passed-through state) holds the worker's block after the answer; RELEASE comes
     when the last view is gone, not before."""
-    import asyncio
     import gc
     import socket
 
@@ -137,3 +144,167 @@ def test_the_host_releases_a_worker_block_only_when_no_view_of_it_is_left() -> N
     before, released = asyncio.run(scenario())
     assert before == [messages.INFERRED], "the block was released while the core still held a view of it"
     assert released == [messages.RELEASE, [7]]
+
+
+# -- what a worker's pool gets back, and when (found by review) --------------------------------------------
+
+POOL_MB = 8
+BIG_ELEMENTS = 5 * 1024 * 1024 // 4  # 5 MiB of FP32: two at once do not fit in the pool
+
+DECOUPLED_ECHO = """
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            data = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            sender = request.get_response_sender()
+            threading.Thread(target=self.answer, args=(sender, data)).start()
+        return None
+
+    def answer(self, sender, data):
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", data[:4].copy())]),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+
+def _big(value: float) -> list[grpcclient.InferInput]:
+    tensor = grpcclient.InferInput("IN", [BIG_ELEMENTS], "FP32")
+    tensor.set_data_from_numpy(np.full(BIG_ELEMENTS, value, dtype=np.float32))
+    return [tensor]
+
+
+def _until_served(call: Callable[[], object], what: str, timeout_s: float = 30.0) -> object:
+    """``call()`` until it is not refused for a full pool: the block of an answered request comes back
+    with the host's RELEASE, which may follow the answer by a moment, but must come."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except InferenceServerException as exc:
+            if "pool is full" not in str(exc) or time.monotonic() > deadline:
+                raise AssertionError(f"{what}: {exc}") from None
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    from tests import python_models
+
+    repo = tmp_path_factory.mktemp("repo")
+    for name in ("big", "big_too"):
+        add_identity(repo, name, "FP32", max_batch_size=0)
+    python_models.write_model(repo, "stream_threads", """
+        backend: "python"
+        max_batch_size: 0
+        model_transaction_policy { decoupled: true }
+        input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        parameters { key: "process_instances" value: { string_value: "false" } }
+        """, DECOUPLED_ECHO)
+    running = start_server(repo, tmp_path_factory.mktemp("server"), "--grpc-workers", "1",
+                           "--grpc-worker-pool-mb", str(POOL_MB))
+    yield running
+    assert running.stop() == 0, running.log()
+
+
+def test_an_idle_model_holds_no_block_of_its_last_request(small_pool_server: RunningServer) -> None:
+    """The batcher's loop kept its last batch while it waited for the next one: every model that had
+    served pinned its last request's inputs in every worker's pool, so a request near the pool's size
+    failed for good on an idle server."""
+    with grpcclient.InferenceServerClient(small_pool_server.url) as client:
+        assert client.infer("big", _big(1.0)).as_numpy("OUT")[0] == 1.0
+        answer = _until_served(lambda: client.infer("big_too", _big(2.0)), "a second big request, other model")
+        assert answer.as_numpy("OUT")[-1] == 2.0  # type: ignore[attr-defined]
+
+
+def _stream_once(url: str, value: float) -> list[float]:
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    with grpcclient.InferenceServerClient(url) as client:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            client.async_stream_infer("stream_threads", _big(value))
+            result, error = answers.get(timeout=60)
+        finally:
+            client.stop_stream()
+    if error is not None:
+        raise error
+    return list(np.asarray(result.as_numpy("OUT")).tolist())
+
+
+def test_a_decoupled_thread_models_streams_give_their_blocks_back(small_pool_server: RunningServer) -> None:
+    """A thread instance's request and its response sender referred to each other: the inputs of every
+    stream waited for a full garbage collection, and streams filled the worker's pool."""
+    for step in range(4):
+        answer = _until_served(lambda value=float(step): _stream_once(small_pool_server.url, value), f"stream {step}")
+        assert answer == [float(step)] * 4
+
+
+def test_a_block_packed_for_a_caller_cancelled_meanwhile_is_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Costly messages are packed on a worker thread, which a cancelled caller cannot stop: the block it
+    takes used to stay taken for good (in a worker's pool for a client's deadline, in the host's for a
+    cancelled request with many BYTES outputs)."""
+    from shoal.dataplane import tensors
+    from shoal.dataplane.arena import Arena, BlockAllocator
+    from shoal.protocol.types import DataType
+    from shoal.types import Tensor
+
+    started, go = threading.Event(), threading.Event()
+    real_pack = tensors.pack
+
+    def held_pack(*args: Any) -> Any:
+        started.set()
+        assert go.wait(30)
+        return real_pack(*args)
+
+    monkeypatch.setattr(tensors, "pack", held_pack)
+    value = Tensor("IN", DataType.BYTES, (3,), np.array([b"a", b"bc", b"def"], dtype=np.object_))
+
+    async def scenario() -> tuple[int, int]:
+        arena = Arena.create("t-cancelled", 1 << 16)
+        allocator = BlockAllocator(arena.size)
+        try:
+            packing = asyncio.create_task(tensors.pack_off_loop(arena, allocator, [value]))
+            assert await asyncio.to_thread(started.wait, 30)
+            packing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await packing
+            go.set()
+            deadline = time.monotonic() + 30
+            while allocator.free_bytes != allocator.capacity and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return allocator.free_bytes, allocator.capacity
+        finally:
+            arena.close()
+
+    free, capacity = asyncio.run(scenario())
+    assert free == capacity
+
+
+def _worker_mappings(pid: int) -> int:
+    return sum("memfd:shoal-worker" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+def test_a_dead_workers_arenas_are_unmapped_by_the_host(tmp_path: Path) -> None:
+    """The host kept both arenas of every worker that died mapped: memory it never gave back."""
+    from tests.polling import wait_until
+    from tests.test_frontend_workers import worker_pids
+
+    repo = tmp_path / "repo"
+    add_identity(repo, "echo", "FP32", dims="[ 1 ]")
+    server = start_server(repo, tmp_path, "--grpc-workers", "1")
+    try:
+        with_one_worker = _worker_mappings(server.pid)
+        for _ in range(3):
+            [killed] = worker_pids(server)
+            os.kill(killed, signal.SIGKILL)
+            wait_until(lambda gone=killed: len(worker_pids(server)) == 1 and gone not in worker_pids(server),
+                       what="a new worker in place of the killed one")
+        wait_until(lambda: _worker_mappings(server.pid) == with_one_worker, timeout_s=60,
+                   what=f"the host to map only its live worker's arenas ({with_one_worker} mappings): "
+                   f"{Path(f'/proc/{server.pid}/maps').read_text().count('shoal-worker')} now")
+    finally:
+        assert server.stop() == 0, server.log()

@@ -430,3 +430,49 @@ def test_a_decoupled_models_sys_exit_closes_its_stream_with_the_reason(tmp_path:
         finally:
             client.stop_stream()
     assert server.stop() == 0, server.log()
+
+
+FORKING_MODEL = """
+import os
+import signal
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            # What multiprocessing's fork start method does, then Pool.terminate(): SIGTERM to the child.
+            child = os.fork()
+            if child == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+                os._exit(0)  # reached only if the child outlived its SIGTERM
+            _, status = os.waitpid(child, 0)
+            # Ended by a signal: its SIGTERM (or a crash in a library's fork handler, which a process forked
+            # from the threads of a server may meet before it runs any code: see the README).
+            outlived_sigterm = os.WIFEXITED(status)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * (-1 if outlived_sigterm else 3))]))
+        return responses
+"""
+
+
+def test_a_thread_model_that_forks_does_not_stop_the_server(tmp_path: Path, server_factory: Any) -> None:
+    """A process forked by a thread instance inherited the server loop's signal wakeup descriptor and
+    handlers: the SIGTERM that ``Pool.terminate`` sends its forked processes reached the server's loop
+    and shut the server down, and the child outlived it. Now the child ends on it, the server serves on."""
+    repo = tmp_path / "repo"
+    pm.write_model(repo, "forks", pm.DOUBLE_CONFIG + THREADS, FORKING_MODEL)
+    pm.write_model(repo, "double", pm.DOUBLE_CONFIG, pm.DOUBLE)
+    server = server_factory(repo)
+    with grpcclient.InferenceServerClient(server.url) as client:
+        for round_ in range(6):
+            x = np.arange(4, dtype=np.float32) + round_
+            tensor = grpcclient.InferInput("X", [4], "FP32")
+            tensor.set_data_from_numpy(x)
+            assert client.infer("forks", [tensor], client_timeout=TIMEOUT_S).as_numpy("Y").tolist() == (x * 3).tolist()
+            assert client.infer("double", [tensor], client_timeout=TIMEOUT_S).as_numpy("Y").tolist() == (x * 2).tolist()
+        assert client.is_server_live()
+    assert "shutting down" not in server.log()

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any
 
@@ -39,9 +40,12 @@ class CoreHost:
         self._allocator = BlockAllocator(responses.size)
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._releases: dict[int, InputRelease] = {}  # requests whose inputs the worker still keeps for us
-        self._released: list[int] = []  # their ids once nothing here reads them: the next RELEASE
+        # Their ids once nothing here reads them: the next RELEASE. A deque that is drained, never
+        # swapped for another, so an id appended by another thread at any moment is never lost.
+        self._released: deque[int] = deque()
         self._release_pending = False  # a RELEASE is scheduled on the loop
         self._loop = asyncio.get_running_loop()
+        self._closing = False
         self._channel: Channel | None = None
         self.closed = asyncio.Event()
         self.answered_ping_at = 0.0  # time.monotonic() of the worker's last PONG
@@ -56,8 +60,17 @@ class CoreHost:
             self._channel.send(message)
 
     def close(self) -> None:
+        """The worker is gone or stopping: close the channel, and unmap both arenas once no request of
+        the worker is left running here (a dead worker's arenas would otherwise stay mapped)."""
         if self._channel is not None:
             self._channel.close()
+        self._closing = True
+        self._unmap_when_idle()
+
+    def _unmap_when_idle(self) -> None:
+        if self._closing and not self._tasks:
+            self.requests.close()  # a view still alive somewhere keeps its mapping until it goes
+            self.responses.close()
 
     @property
     def in_flight(self) -> int:
@@ -98,6 +111,7 @@ class CoreHost:
         release = self._releases.pop(request_id, None)
         if release is not None and not release.handed_out:  # its inputs were never read: free them now
             release()
+        self._unmap_when_idle()
         if task.cancelled():
             # Cancelled before its first step (INFER and CANCEL read together): the coroutine never
             # ran its own handler, and the worker still waits for the answer that frees its block.
@@ -133,8 +147,10 @@ class CoreHost:
                 pass  # the loop is closed: so is the channel, and the worker with it
 
     def _send_released(self) -> None:
-        self._release_pending = False  # before the swap: an id added after it schedules another send
-        released, self._released = self._released, []
+        self._release_pending = False  # before draining: an id added after the drain schedules another send
+        released = []
+        while self._released:
+            released.append(self._released.popleft())
         if released:
             self.send((messages.RELEASE, released))
 
@@ -142,7 +158,7 @@ class CoreHost:
         """Outputs copied into a block of this host's arena for the worker, which frees it when done."""
         try:
             if tensors.costly(moved):
-                return await asyncio.to_thread(tensors.pack, self.responses, self._allocator, moved)
+                return await tensors.pack_off_loop(self.responses, self._allocator, moved)
             return tensors.pack(self.responses, self._allocator, moved)
         except PoolFull as exc:
             raise ShoalError(ErrorCode.UNAVAILABLE, f"the response does not fit: it {exc}") from None
@@ -158,8 +174,10 @@ class CoreHost:
             if not isinstance(exc, Exception | asyncio.CancelledError):
                 raise
             return
-        self.send((messages.INFERRED, request_id, (response.model_name, response.model_version, response.id),
-                   block, out, in_regions))
+        names = (response.model_name, response.model_version, response.id)
+        del response  # its outputs may be views of the inputs (an identity model): copied, so let them go
+        self._send_released()  # inputs let go of by now go first: the worker can reuse them for its next request
+        self.send((messages.INFERRED, request_id, names, block, out, in_regions))
 
     async def _stream(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> None:
         """A streaming inference: a STREAMED message per response, each outputs in its own block,
@@ -201,6 +219,7 @@ class CoreHost:
         else:
             logger.error("unexpected error while serving a front-end worker's request", exc_info=exc)
             code, message = ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        self._send_released()
         self.send((messages.ERROR, request_id, code.value, bounded(message)))
 
 

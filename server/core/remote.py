@@ -112,8 +112,10 @@ class RemoteCore:
         config: dict[str, Any] = await self._call("model_config", name, version)
         return config
 
-    def _pack_inputs(self, request: InferRequest) -> tuple[int, list[tensors.Slot]]:
+    async def _pack_inputs(self, request: InferRequest) -> tuple[int, list[tensors.Slot]]:
         try:
+            if tensors.costly(request.inputs):  # many BYTES to encode: off the loop
+                return await tensors.pack_off_loop(self.requests, self._allocator, request.inputs)
             return tensors.pack(self.requests, self._allocator, request.inputs)
         except PoolFull as exc:
             advice = ("it can never fit: start the server with a larger --grpc-worker-pool-mb"
@@ -128,19 +130,13 @@ class RemoteCore:
                 request.parameters, request.class_counts, request.region_inputs, request.output_regions)
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        if tensors.costly(request.inputs):
-            block, slots = await asyncio.to_thread(self._pack_inputs, request)
-        else:
-            block, slots = self._pack_inputs(request)
+        block, slots = await self._pack_inputs(request)
         response: InferResponse = await self._send(messages.INFER, (self._header(request), slots), block)
         return response
 
     async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamedResponse]:
         """The host's responses as they come (``RemoteStream``); a give-up is sent as CANCEL."""
-        if tensors.costly(request.inputs):
-            block, slots = await asyncio.to_thread(self._pack_inputs, request)
-        else:
-            block, slots = self._pack_inputs(request)
+        block, slots = await self._pack_inputs(request)
         channel = self._channel
         if channel is None or channel.closed:
             self._free_input(block)

@@ -1,7 +1,8 @@
 """Tensors in an arena: one block per message, a small slot per tensor that travels in the message.
 
 ``pack`` takes the block from the arena's ``BlockAllocator`` (many messages in flight: front-end
-workers); ``pack_at`` writes at a fixed offset (one message at a time: process instances).
+workers; ``pack_off_loop`` on a worker thread for a costly message); ``pack_at`` writes at a fixed
+offset (one message at a time: process instances).
 
 A slot is ``(name, datatype, shape, offset, nbytes)``: plain values, cheap to pickle. Fixed-size
 datatypes are stored in native byte order (both processes run on this host) and read back as
@@ -11,6 +12,7 @@ are decoded on the reading side.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import math
 import weakref
@@ -65,6 +67,28 @@ def pack(arena: Arena, allocator: BlockAllocator, tensors: Sequence[Tensor]) -> 
         return NO_BLOCK, [(t.name, t.datatype.value, t.shape, 0, 0) for t in tensors]
     block = allocator.allocate(total)
     return block, _write(arena, block, tensors, payloads, sizes)
+
+
+async def pack_off_loop(arena: Arena, allocator: BlockAllocator, tensors: Sequence[Tensor]) -> tuple[int, list[Slot]]:
+    """``pack`` on a worker thread, for a costly message (``costly``), the event loop serving meanwhile.
+
+    The thread cannot be stopped: if the caller is cancelled while it runs, the block it takes is
+    freed when it finishes, since the caller that would have sent or freed it is gone.
+    """
+    work = asyncio.ensure_future(asyncio.to_thread(pack, arena, allocator, tensors))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        work.add_done_callback(lambda done: _free_abandoned(arena, allocator, done))
+        raise
+
+
+def _free_abandoned(arena: Arena, allocator: BlockAllocator, done: asyncio.Future[tuple[int, list[Slot]]]) -> None:
+    if done.cancelled() or done.exception() is not None:
+        return  # nothing was allocated (PoolFull allocates nothing)
+    block = done.result()[0]
+    if block != NO_BLOCK:
+        arena.release_pages(block, allocator.free(block))
 
 
 def pack_at(arena: Arena, offset: int, tensors: Sequence[Tensor]) -> list[Slot]:

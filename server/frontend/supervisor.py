@@ -97,6 +97,15 @@ class WorkerSupervisor:
         pool_bytes = self.settings.grpc_worker_pool_bytes
         requests = Arena.create(f"shoal-worker{index}-requests", pool_bytes)
         responses = Arena.create(f"shoal-worker{index}-responses", pool_bytes)
+        try:
+            return await self._start_worker_with(index, requests, responses)
+        except BaseException:
+            requests.close()  # a worker that did not start (killed while starting, say): no mapping stays
+            responses.close()
+            raise
+
+    async def _start_worker_with(self, index: int, requests: Arena, responses: Arena) -> tuple[int, int]:
+        pool_bytes = self.settings.grpc_worker_pool_bytes
         host_end, worker_end = socket.socketpair()
         try:
             process = await asyncio.create_subprocess_exec(
@@ -113,14 +122,19 @@ class WorkerSupervisor:
             log_format=self.log_format,
             http=replace(self.settings.http, port=self.http_port) if self.settings.allow_http else None,
         )
-        send_config(host_end, config)
-        requests.close_fd()  # the worker has its own descriptors now; the mappings stay
-        responses.close_fd()
         host = CoreHost(self.core, requests, responses)
-        await host.connect(host_end)
-        worker = Worker(index, process, host)
-        self.workers[index] = worker
-        ports = await self._wait_started(worker)
+        try:
+            send_config(host_end, config)
+            requests.close_fd()  # the worker has its own descriptors now; the mappings stay
+            responses.close_fd()
+            await host.connect(host_end)
+            worker = Worker(index, process, host)
+            self.workers[index] = worker
+            ports = await self._wait_started(worker)
+        except BaseException:
+            host.close()
+            host_end.close()
+            raise
         for watch in (self._watch(worker), self._check_liveness(worker)):
             watcher = asyncio.create_task(watch)
             self._watchers.add(watcher)

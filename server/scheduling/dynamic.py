@@ -238,6 +238,10 @@ class Scheduler:
             task = asyncio.create_task(self._execute(executor, batch))
             self._executions.add(task)
             task.add_done_callback(self._executions.discard)
+            # This loop waits for the next executor with no reference to the last batch: its
+            # inputs may be views of memory the requests owned (a front-end worker's arena block
+            # is reused only when no view of it is left), so an idle model must not hold them.
+            del batch, task
 
     async def _next_batch(self) -> list[Pending]:
         while True:

@@ -225,6 +225,17 @@ class ModelRunner:
             request._sender = sender
             senders.append(sender)
         try:
+            self._run_decoupled(requests, senders, is_cancelled)
+        finally:
+            # A request and its sender refer to each other: without this, the request's inputs (views of
+            # memory the request owned, such as a front-end worker's arena) would wait for a full
+            # garbage collection after the stream ended, not go with the last reference.
+            for request in requests:
+                request._sender = None
+
+    def _run_decoupled(self, requests: list[pb_utils.InferenceRequest],
+                       senders: list[pb_utils.InferenceResponseSender], is_cancelled: Callable[[int], bool]) -> None:
+        try:
             returned = self._await(self.model.execute(requests))
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: the batch fails, the instance goes on
             message = f"Failed to process the request(s) for model '{self.instance_name}', message: " \
@@ -252,6 +263,13 @@ class ModelRunner:
 
     def execute(self, items: Sequence[RequestData]) -> list[Outcome]:
         requests = self._requests(items)
+        try:
+            return self._execute(items, requests)
+        finally:
+            for request in requests:  # a sender the model asked for refers back to its request: a cycle
+                request._sender = None
+
+    def _execute(self, items: Sequence[RequestData], requests: list[pb_utils.InferenceRequest]) -> list[Outcome]:
         try:
             returned = self._await(self.model.execute(requests))
             responses = None if returned is None else list(returned)  # a generator runs the model's code here
