@@ -1,7 +1,8 @@
-"""Python models' process instances under stress: SIGKILL of the host."""
+"""Python models' process instances under stress: SIGKILL of the host, BLS from many threads, BLS to itself."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from tests import python_models as pm
 from tests.polling import wait_until
@@ -22,6 +24,7 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
 
 # execute writes entered in its model folder (so the test knows a request is in it), then never returns.
 STUCK_IN_EXECUTE = """
+import concurrent.futures
 import os
 import time
 
@@ -144,3 +147,219 @@ def test_sigkill_of_the_host_takes_every_instance_process_with_it(tmp_path: Path
                 except ProcessLookupError:
                     pass
             assert not left, f"outlived the server: {commands}"
+
+
+
+# -- a worker whose loop ends is replaced, whatever threads the model left (issue 22, item 4) ---------
+
+# X[0] == 13 calls sys.exit() in execute, with a non-daemon thread running since initialize.
+EXITS_WITH_A_THREAD_LEFT = NON_DAEMON_THREAD.replace(
+    "    def execute(self, requests):\n",
+    "    def execute(self, requests):\n"
+    "        import sys\n"
+    "        if pb_utils.get_input_tensor_by_name(requests[0], \"X\").as_numpy()[0] == 13:\n"
+    "            sys.exit(3)\n")
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_whose_loop_ended_is_replaced_though_a_thread_of_the_model_runs(
+    tmp_path: Path, server_factory
+) -> None:
+    """Before, the process lingered for the model's thread, not answering: the instance hung for good."""
+    repo = tmp_path / "repo"
+    pm.write_model(repo, "exits", X_CONFIG, EXITS_WITH_A_THREAD_LEFT)
+    server = server_factory(repo)
+    with grpcclient.InferenceServerClient(server.url) as client:
+        with pytest.raises(InferenceServerException, match="died"):
+            client.infer("exits", _x(np.full(2, 13.0)), client_timeout=30)
+        assert client.infer("exits", _x(np.ones(2)), client_timeout=60).as_numpy("Y").tolist() == [1.0, 1.0]
+
+
+# -- BLS from several threads of one instance (issue 22, item 4) ------------------------------------
+
+THREADS = 'parameters { key: "process_instances" value: { string_value: "false" } }'
+TARGET_INSTANCES = "instance_group [ { count: 2 kind: KIND_CPU } ]\n"
+STREAM_CONFIG = X_CONFIG + "model_transaction_policy { decoupled: true }\n" + TARGET_INSTANCES
+
+# The called models: an answer that depends on the input, so a reply given to the wrong call shows.
+AFFINE = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2 + 1)]) for r in requests]
+"""
+
+# Decoupled: 2x+1, 2x+2, 2x+3 as three responses, then the FINAL flag on its own.
+AFFINE_STREAM = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            sender = request.get_response_sender()
+            for k in (1, 2, 3):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2 + k)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+# Per request, 4 threads (a new pool each time, as a user writes it) each make two calls in turn and
+# read the first reply only after the second came back: a reply rewritten under its caller shows too.
+# HOW is how a thread makes one call; Y is every reply's Y, in call order.
+THREADED_CALLER = """
+import asyncio
+import concurrent.futures
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def call(x, target):
+    return pb_utils.InferenceRequest(model_name=target, requested_output_names=["Y"],
+                                     inputs=[pb_utils.Tensor("X", x)])
+
+
+def outputs(reply):
+    if reply.has_error():
+        raise pb_utils.TritonModelException(reply.error().message())
+    return [pb_utils.get_output_tensor_by_name(reply, "Y").as_numpy()]
+
+
+async def awaited(awaitable):
+    return await awaitable
+
+
+def exec_sync(x):
+    return outputs(call(x, "affine").exec())
+
+
+def exec_async(x):
+    return outputs(asyncio.run(awaited(call(x, "affine").async_exec())))
+
+
+def exec_stream(x):
+    found = []
+    for reply in call(x, "affine_stream").exec(decoupled=True):
+        if reply.has_error() or pb_utils.get_output_tensor_by_name(reply, "Y") is not None:
+            found += outputs(reply)
+    return found
+
+
+HOW = {how}
+
+
+def two_calls(x):
+    first = HOW(x)
+    second = HOW(x + 0.5)
+    return [*first, *second]
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                replies = list(pool.map(two_calls, [x + 1000 * k for k in range(4)]))
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("Y", np.concatenate([y for thread in replies for y in thread]))]))
+        return responses
+"""
+
+# An async execute: two async_exec calls gathered on the loop while two threads call exec.
+ASYNC_CALLER = """
+import asyncio
+import concurrent.futures
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def call(x):
+    return pb_utils.InferenceRequest(model_name="affine", requested_output_names=["Y"],
+                                     inputs=[pb_utils.Tensor("X", x)])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    async def execute(self, requests):
+        loop = asyncio.get_running_loop()
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            replies = await asyncio.gather(call(x).async_exec(), call(x + 1000).async_exec(),
+                                           loop.run_in_executor(self.pool, lambda: call(x + 2000).exec()),
+                                           loop.run_in_executor(self.pool, lambda: call(x + 3000).exec()))
+            for reply in replies:
+                if reply.has_error():
+                    raise pb_utils.TritonModelException(reply.error().message())
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.concatenate(
+                [pb_utils.get_output_tensor_by_name(reply, "Y").as_numpy() for reply in replies]))]))
+        return responses
+"""
+
+
+CALLERS = {"threads_exec": THREADED_CALLER.replace("{how}", "exec_sync"),
+           "threads_async_exec": THREADED_CALLER.replace("{how}", "exec_async"),
+           "threads_stream": THREADED_CALLER.replace("{how}", "exec_stream"),
+           "async_and_threads": ASYNC_CALLER}
+CLIENT_THREADS, REQUESTS_PER_THREAD = 4, 6
+
+
+def _expected(caller: str, x: np.ndarray) -> np.ndarray:
+    """What ``caller`` answers for ``x``, computed here."""
+    if caller == "async_and_threads":
+        return np.concatenate([(x + 1000 * k) * 2 + 1 for k in range(4)])
+    answers = (1, 2, 3) if caller == "threads_stream" else (1,)
+    return np.concatenate([(x + 1000 * k + half) * 2 + a for k in range(4) for half in (0, 0.5) for a in answers])
+
+
+def _bls_repository(repo: Path) -> list[str]:
+    """The called models and every caller, each as a process instance and as a thread instance."""
+    pm.write_model(repo, "affine", X_CONFIG + TARGET_INSTANCES, AFFINE)
+    pm.write_model(repo, "affine_stream", STREAM_CONFIG, AFFINE_STREAM)
+    names = []
+    for caller, source in CALLERS.items():
+        for kind, extra in (("process", ""), ("thread", THREADS)):
+            names.append(f"{caller}_{kind}")
+            pm.write_model(repo, names[-1], X_CONFIG + extra, source)
+    return names
+
+
+def _hammer(url: str, model: str, thread: int) -> list[str]:
+    """Requests one after another, each with its own input; what went wrong, if anything."""
+    wrong = []
+    with grpcclient.InferenceServerClient(url) as client:
+        for index in range(REQUESTS_PER_THREAD):
+            x = np.arange(2048, dtype=np.float32) + 100_000 * thread + 10_000 * index
+            try:
+                y = client.infer(model, _x(x), client_timeout=60).as_numpy("Y")
+            except InferenceServerException as exc:
+                wrong.append(f"{model} request {thread}.{index}: {exc}")
+                continue
+            if y.shape != _expected(model.rsplit("_", 1)[0], x).shape or not np.array_equal(
+                    y, _expected(model.rsplit("_", 1)[0], x)):
+                wrong.append(f"{model} request {thread}.{index}: another call's answer")
+    return wrong
+
+
+@pytest.mark.timeout(600)
+def test_bls_from_many_threads_of_one_instance_gets_every_call_its_own_answer(
+    tmp_path: Path, server_factory
+) -> None:
+    """exec, async_exec and exec(decoupled=True) from the threads of one instance (and async_exec on its
+    loop beside exec on threads), many requests at once: each call gets its own reply, none hangs."""
+    repo = tmp_path / "repo"
+    names = _bls_repository(repo)
+    server = server_factory(repo)
+    with concurrent.futures.ThreadPoolExecutor(CLIENT_THREADS * len(names)) as pool:
+        runs = [pool.submit(_hammer, server.url, name, thread) for name in names for thread in range(CLIENT_THREADS)]
+        wrong = [line for run in runs for line in run.result(timeout=400)]
+    assert not wrong, "\n".join(wrong[:20])

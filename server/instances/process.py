@@ -33,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -165,9 +166,21 @@ def _worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, thre
 
 
 def _worker_entry(main: Any, *args: Any) -> None:
-    """A worker process starts here: it dies with the host whatever ``main`` (its loop) is doing."""
+    """A worker process starts here: it dies with the host whatever ``main`` (its loop) is doing, and
+    ends as soon as ``main`` does, however (a model's ``sys.exit()`` included): a thread the model left
+    running, daemon or not, never holds a worker whose loop is gone, so the server sees it die and
+    replaces it instead of waiting for its answer forever."""
     lifeline.guard_worker(args[-1])
-    main(*args)
+    code = 0
+    try:
+        main(*args)
+    except BaseException:  # noqa: BLE001 - whatever ended the loop, the process ends with it
+        logger.exception("the worker process's loop ended with an error")
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 @dataclass(frozen=True)

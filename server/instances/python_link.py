@@ -1,0 +1,180 @@
+"""The worker's end of BLS in a Python process instance, safe from any thread of the model.
+
+Triton's BLS is thread-safe: ``exec()``, ``async_exec()`` and ``exec(decoupled=True)`` may run
+from several threads of one model at once (a ``ThreadPoolExecutor`` mapping ``exec`` over calls).
+All of a batch's replies come over the one pipe, so one thread at a time reads it: whichever
+caller is waiting and finds no other reading (the leader). It files what it read under the
+call's id and wakes the others; each caller takes only its own reply, and call ids are unique
+for the worker's life, so no call ever gets another's answer. ``async_exec`` waits the same way
+on a thread of its event loop's executor, never reading the pipe on the loop.
+
+Tensor lifetimes: a call's inputs are packed into the responses arena at a range reserved for
+that call alone (the offset moves under a lock) and stay untouched until the next batch; the
+server copies them out as it reads the call. A reply's outputs lie in the requests arena at a
+range the server never rewrites while the batch runs, and the reading thread copies them before
+filing the reply: what a caller holds is its own, whatever other calls do meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from shoal.backends.python import bls, pb_utils
+from shoal.dataplane import tensors
+from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
+from shoal.instances import process
+from shoal.instances.process import REQUESTS, RESPONSES
+
+# The pipe during a batch (the rest of the conversation is in shoal.instances.python_process):
+# worker → server (BLS, call id, BlsCall, input slots); server → worker (BLS_REPLY, call id,
+# BlsResult, output slots, final) and (CANCEL_REQUEST, index) when a decoupled request's client gave up.
+BLS, BLS_REPLY, CANCEL_REQUEST = "bls", "bls_reply", "cancel_request"
+
+T = TypeVar("T")
+
+
+def aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[tensors.Slot] | None, int]:
+    """``arrays`` packed at ``offset``, and where the next pack may start; (None, offset) when they do not fit."""
+    try:
+        slots = tensors.pack_at(arena, offset, process._as_tensors(arrays))
+    except PoolFull:
+        return None, offset
+    return slots, aligned(max(offset, tensors.extent(slots)))
+
+
+def take(arena: Arena, slots: list[tensors.Slot]) -> dict[str, Any]:
+    """Copies of the tensors at ``slots`` (the arena is rewritten by the next batch)."""
+    return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in tensors.unpack(arena, slots)}
+
+
+class PipeLink:
+    """In the worker: BLS calls go to the server over the pipe; replies are matched by call id."""
+
+    def __init__(self, conn: Any, arenas: dict[str, Arena]) -> None:
+        self._conn, self._arenas = conn, arenas
+        self._ids = itertools.count()
+        self._packing = threading.Lock()  # one call at a time reserves its range of the responses arena
+        self._offset = 0  # where the next BLS call's inputs go in the responses arena
+        self._filed = threading.Condition()  # guards what follows; notified whenever something is filed
+        self._reading = False  # a thread is reading the pipe
+        self._results: dict[int, bls.BlsResult] = {}
+        self._parts: dict[int, collections.deque[tuple[bls.BlsResult, bool]]] = {}  # exec(decoupled=True)
+        self._cancelled: set[int] = set()  # the running decoupled batch's requests whose clients gave up
+
+    def begin(self) -> None:
+        """A batch starts: BLS inputs go from the start of the responses arena again."""
+        with self._packing:
+            self._offset = 0
+
+    def end(self) -> None:
+        """After a batch: replies still unclaimed are dropped (their tensors are about to be rewritten)."""
+        with self._filed:
+            self._results.clear()
+            self._parts.clear()
+            self._cancelled.clear()
+
+    def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        call_id = next(self._ids)
+        self._send(call_id, request)
+        return bls.response_of(self._wait(lambda: self._results.pop(call_id, None)))
+
+    def infer_stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
+        """``exec(decoupled=True)``: the responses as they come, read while iterating."""
+        call_id = next(self._ids)
+        parts: collections.deque[tuple[bls.BlsResult, bool]] = collections.deque()
+        with self._filed:
+            self._parts[call_id] = parts  # before sending: a reply read by another thread finds it
+        self._send(call_id, request, decoupled=True)
+        return self._stream(call_id, parts)
+
+    def _stream(self, call_id: int, parts: collections.deque[tuple[bls.BlsResult, bool]]
+                ) -> Iterator[pb_utils.InferenceResponse]:
+        while True:
+            result, final = self._wait(lambda: parts.popleft() if parts else None)
+            yield bls.response_of(result)
+            if final:
+                with self._filed:
+                    self._parts.pop(call_id, None)
+                return
+
+    def infer_async(self, request: pb_utils.InferenceRequest) -> Any:
+        call_id = next(self._ids)
+        self._send(call_id, request)
+
+        async def wait() -> pb_utils.InferenceResponse:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(None, self._wait, lambda: self._results.pop(call_id, None))
+            return bls.response_of(result)
+
+        return wait()
+
+    def is_cancelled(self, index: int) -> bool:
+        """Whether the decoupled batch's request ``index`` was cancelled, after reading what has come."""
+        with self._filed:
+            if self._reading:  # the reader files a cancellation too
+                return index in self._cancelled
+            self._reading = True
+        try:
+            while self._conn.poll(0):
+                self._receive_one()
+        finally:
+            with self._filed:
+                self._reading = False
+                self._filed.notify_all()
+        with self._filed:
+            return index in self._cancelled
+
+    def _send(self, call_id: int, request: pb_utils.InferenceRequest, decoupled: bool = False) -> None:
+        call = bls.call_of(request, decoupled)
+        with self._packing:
+            slots, self._offset = put(self._arenas[RESPONSES], self._offset, call.inputs)
+        self._conn.send((BLS, call_id, call if slots is None else replace(call, inputs={}), slots))
+
+    def _wait(self, claim: Callable[[], T | None]) -> T:
+        """``claim()``'s first value other than None (tried with the lock held); until then, this thread
+        reads the pipe whenever no other does, and sleeps while one does."""
+        with self._filed:
+            while (found := claim()) is None:
+                if self._reading:
+                    self._filed.wait()
+                    continue
+                self._reading = True
+                self._filed.release()
+                try:
+                    self._receive_one()
+                finally:
+                    self._filed.acquire()
+                    self._reading = False
+                    self._filed.notify_all()
+            return found
+
+    def _receive_one(self) -> None:
+        """Read one message (this thread is the reader) and file it under the lock."""
+        message = self._conn.recv()
+        if not isinstance(message, tuple):
+            return  # nothing else is sent to a worker while it runs a batch
+        if message[0] == CANCEL_REQUEST:
+            with self._filed:
+                self._cancelled.add(message[1])
+            return
+        if message[0] != BLS_REPLY:
+            return
+        _, call_id, result, slots, final = message
+        if slots is not None:
+            result = replace(result, outputs=take(self._arenas[REQUESTS], slots))
+        with self._filed:
+            parts = self._parts.get(call_id)
+            if parts is not None:
+                parts.append((result, final))
+            else:
+                self._results[call_id] = result
