@@ -363,3 +363,54 @@ def test_bls_from_many_threads_of_one_instance_gets_every_call_its_own_answer(
         runs = [pool.submit(_hammer, server.url, name, thread) for name in names for thread in range(CLIENT_THREADS)]
         wrong = [line for run in runs for line in run.result(timeout=400)]
     assert not wrong, "\n".join(wrong[:20])
+
+
+# -- BLS to itself (issue 22, item 8) ---------------------------------------------------------------
+
+# X[0] > 0: call this same model with zeros (a leaf call) and answer the leaf's Y + 1, or its error.
+CALLS_ITSELF = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.name = args["model_name"]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if x[0] <= 0:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+                continue
+            reply = pb_utils.InferenceRequest(model_name=self.name, requested_output_names=["Y"],
+                                              inputs=[pb_utils.Tensor("X", np.zeros_like(x))]).exec()
+            if reply.has_error():
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(reply.error().message())))
+            else:
+                y = pb_utils.get_output_tensor_by_name(reply, "Y").as_numpy()
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y + 1)]))
+        return responses
+"""
+
+
+@pytest.mark.timeout(240)
+def test_bls_to_itself_with_one_instance_is_refused_and_the_model_keeps_serving(
+    tmp_path: Path, server_factory
+) -> None:
+    """With one instance the call would wait for the instance that makes it, forever (Triton 2.51 hangs so,
+    timeout or not): it fails at once with a message that says why; with two instances it is served."""
+    repo = tmp_path / "repo"
+    for kind, extra in (("process", ""), ("thread", THREADS)):
+        pm.write_model(repo, f"self_{kind}", X_CONFIG + "instance_group [ { count: 1 kind: KIND_CPU } ]\n" + extra,
+                       CALLS_ITSELF)
+        pm.write_model(repo, f"self_{kind}_twice", X_CONFIG + TARGET_INSTANCES + extra, CALLS_ITSELF)
+    server = server_factory(repo)
+    with grpcclient.InferenceServerClient(server.url) as client:
+        for kind in ("process", "thread"):
+            with pytest.raises(InferenceServerException, match="its only instance"):
+                client.infer(f"self_{kind}", _x(np.ones(2)), client_timeout=30)
+            assert client.infer(f"self_{kind}", _x(np.zeros(2)), client_timeout=30).as_numpy("Y").tolist() == [0, 0]
+            answer = client.infer(f"self_{kind}_twice", _x(np.ones(2)), client_timeout=30).as_numpy("Y")
+            assert answer.tolist() == [1, 1]

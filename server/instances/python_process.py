@@ -188,6 +188,7 @@ class PythonProcessModel(process.ProcessModel):
     def __init__(self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int,
                  limits: WorkerLimits) -> None:
         self._host: bls.HostInfer | None = None
+        self._caller: Any = None
         self._reply_offset = 0  # where the next BLS call's outputs go in the requests arena
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
@@ -202,8 +203,9 @@ class PythonProcessModel(process.ProcessModel):
         super().__init__(spec, model_file, device, (instance_name, version), 1, limits,
                          ("numpy", "shoal.backends.python.runner"))
 
-    def bind_host(self, host: bls.HostInfer) -> None:
-        self._host = host
+    def bind_host(self, host: bls.HostInfer, caller: Any) -> None:
+        """``caller``: this instance's version, named by every BLS call of the worker, from any thread."""
+        self._host, self._caller = host, caller
 
     def run_requests(self, batch: Sequence[Any]) -> list[dict[str, Any] | ShoalError]:
         """Each queued request's outputs, or its own error; the batch goes to the worker as a list."""
@@ -312,7 +314,7 @@ class PythonProcessModel(process.ProcessModel):
                     pass  # the pipe is full: a wake-up is pending anyway
 
         sink = bls.CallbackSink(lambda result, final: finished((result, final))) if call.decoupled else None
-        bls.start(self._host, call, sink).add_done_callback(finished)
+        bls.start(self._host, call, sink, self._caller).add_done_callback(finished)
 
     def _reply(self, call_id: int, result: bls.BlsResult, final: bool = True) -> None:
         slots = None
