@@ -365,6 +365,65 @@ def test_bls_from_many_threads_of_one_instance_gets_every_call_its_own_answer(
     assert not wrong, "\n".join(wrong[:20])
 
 
+# X[0] == 1 takes 3 s; others are answered at once (by another of its instances).
+SLOW_FOR_ONE = """
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
+        if x[0] == 1:
+            time.sleep(3)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]) for r in requests]
+"""
+
+# Gives up on its call after 0.5 s (asyncio.wait_for) and answers -1; the abandoned call's wait goes on.
+GIVES_UP = """
+import asyncio
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            call = pb_utils.InferenceRequest(model_name="slow", requested_output_names=["Y"],
+                                             inputs=[pb_utils.Tensor("X", x)])
+            try:
+                reply = await asyncio.wait_for(call.async_exec(), 0.5)
+                y = pb_utils.get_output_tensor_by_name(reply, "Y").as_numpy()
+            except asyncio.TimeoutError:
+                y = np.full_like(x, -1)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return responses
+"""
+
+
+@pytest.mark.timeout(240)
+def test_an_abandoned_async_exec_never_swallows_the_next_batch(tmp_path: Path, server_factory) -> None:
+    """The thread still waiting for a given-up call's reply after the batch ended must not read the pipe
+    in the worker's place: the next requests are answered, and the late reply goes to that thread alone."""
+    repo = tmp_path / "repo"
+    pm.write_model(repo, "slow", X_CONFIG + "instance_group [ { count: 4 kind: KIND_CPU } ]\n" + THREADS, SLOW_FOR_ONE)
+    for kind, extra in (("process", ""), ("thread", THREADS)):
+        pm.write_model(repo, f"gives_up_{kind}", X_CONFIG + extra, GIVES_UP)
+    server = server_factory(repo)
+    with grpcclient.InferenceServerClient(server.url) as client:
+        for kind in ("process", "thread"):
+            assert client.infer(f"gives_up_{kind}", _x(np.ones(2)), client_timeout=30).as_numpy("Y").tolist() == [
+                -1, -1]
+            for value in range(2, 8):
+                answer = client.infer(f"gives_up_{kind}", _x(np.full(2, float(value))), client_timeout=30)
+                assert answer.as_numpy("Y").tolist() == [value, value]
+
+
 # -- BLS to itself (issue 22, item 8) ---------------------------------------------------------------
 
 # X[0] > 0: call this same model with zeros (a leaf call) and answer the leaf's Y + 1, or its error.

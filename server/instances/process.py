@@ -106,7 +106,12 @@ def _as_tensors(arrays: Mapping[str, np.ndarray]) -> list[Tensor]:
 def _receive_arena(conn: Any, arenas: dict[str, Arena], message: tuple[str, str, int]) -> None:
     """In a worker: map the arena whose descriptor follows ``message`` on the pipe, in place of the old one."""
     _, which, size = message
-    arena = Arena(reduction.recv_handle(conn), size)
+    map_arena(arenas, which, size, reduction.recv_handle(conn))
+
+
+def map_arena(arenas: dict[str, Arena], which: str, size: int, fd: int) -> None:
+    """In a worker: map the arena ``fd`` (received from the server) in place of the old one."""
+    arena = Arena(fd, size)
     arena.close_fd()  # the mapping is all a worker needs
     old = arenas.get(which)
     arenas[which] = arena

@@ -2,11 +2,14 @@
 
 Triton's BLS is thread-safe: ``exec()``, ``async_exec()`` and ``exec(decoupled=True)`` may run
 from several threads of one model at once (a ``ThreadPoolExecutor`` mapping ``exec`` over calls).
-All of a batch's replies come over the one pipe, so one thread at a time reads it: whichever
-caller is waiting and finds no other reading (the leader). It files what it read under the
-call's id and wakes the others; each caller takes only its own reply, and call ids are unique
-for the worker's life, so no call ever gets another's answer. ``async_exec`` waits the same way
-on a thread of its event loop's executor, never reading the pipe on the loop.
+Every message comes over the one pipe, so one thread at a time reads it: whichever thread is
+waiting and finds no other reading (the leader), be it a caller or the worker's main loop
+between batches (``next_message``). It files what it read (a reply under its call's id, anything
+else for the main loop) and wakes the others; each takes only what is its own, and call ids are
+unique for the worker's life, so no call ever gets another's answer, and a thread the model left
+waiting after its batch (an ``async_exec`` given up by ``asyncio.wait_for``) never swallows the
+next batch. ``async_exec`` waits the same way on a thread of its event loop's executor, never
+reading the pipe on the loop.
 
 Tensor lifetimes: a call's inputs are packed into the responses arena at a range reserved for
 that call alone (the offset moves under a lock) and stay untouched until the next batch; the
@@ -23,13 +26,14 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
+from multiprocessing import reduction
 from typing import Any, TypeVar
 
 from shoal.backends.python import bls, pb_utils
 from shoal.dataplane import tensors
 from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
 from shoal.instances import process
-from shoal.instances.process import REQUESTS, RESPONSES
+from shoal.instances.process import ARENA, REQUESTS, RESPONSES
 
 # The pipe during a batch (the rest of the conversation is in shoal.instances.python_process):
 # worker → server (BLS, call id, BlsCall, input slots); server → worker (BLS_REPLY, call id,
@@ -70,6 +74,8 @@ class PipeLink:
         self._results: dict[int, bls.BlsResult] = {}
         self._parts: dict[int, collections.deque[tuple[bls.BlsResult, bool]]] = {}  # exec(decoupled=True)
         self._cancelled: set[int] = set()  # the running decoupled batch's requests whose clients gave up
+        self._control: collections.deque[tuple[Any]] = collections.deque()  # the main loop's: runs, pings, arenas
+        self._ended: BaseException | None = None  # the pipe's end (EOF): every waiter sees it
 
     def begin(self) -> None:
         """A batch starts: BLS inputs go from the start of the responses arena again."""
@@ -82,6 +88,11 @@ class PipeLink:
             self._results.clear()
             self._parts.clear()
             self._cancelled.clear()
+
+    def next_message(self) -> Any:
+        """The main loop's next message: a run, a ping, None (stop), or (ARENA, which, size, fd)."""
+        (message,) = self._wait(lambda: self._control.popleft() if self._control else None)
+        return message
 
     def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         call_id = next(self._ids)
@@ -145,6 +156,8 @@ class PipeLink:
         reads the pipe whenever no other does, and sleeps while one does."""
         with self._filed:
             while (found := claim()) is None:
+                if self._ended is not None:
+                    raise EOFError("the server closed the worker's pipe") from self._ended
                 if self._reading:
                     self._filed.wait()
                     continue
@@ -160,14 +173,21 @@ class PipeLink:
 
     def _receive_one(self) -> None:
         """Read one message (this thread is the reader) and file it under the lock."""
-        message = self._conn.recv()
-        if not isinstance(message, tuple):
-            return  # nothing else is sent to a worker while it runs a batch
+        try:
+            message = self._conn.recv()
+            if isinstance(message, tuple) and message[0] == ARENA:  # its descriptor follows at once
+                message = (*message, reduction.recv_handle(self._conn))
+        except (EOFError, OSError) as exc:
+            with self._filed:
+                self._ended = exc
+            return
+        if not (isinstance(message, tuple) and message[0] in (BLS_REPLY, CANCEL_REQUEST)):
+            with self._filed:
+                self._control.append((message,))  # boxed: None (stop) is a message too
+            return
         if message[0] == CANCEL_REQUEST:
             with self._filed:
                 self._cancelled.add(message[1])
-            return
-        if message[0] != BLS_REPLY:
             return
         _, call_id, result, slots, final = message
         if slots is not None:

@@ -89,10 +89,10 @@ def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dic
                 return (DONE, [([], exc.message, "internal") for _ in outcomes])
             needed = offset + exc.wanted
             conn.send((GROW, needed))
-            message = conn.recv()
+            message = link.next_message()
             if not (isinstance(message, tuple) and message[0] == ARENA):
                 return None
-            process._receive_arena(conn, arenas, message)
+            process.map_arena(arenas, *message[1:])
 
 
 class LockedConn:
@@ -156,13 +156,13 @@ def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any
     conn.send(READY)
     try:
         while True:
-            message = conn.recv()
+            message = link.next_message()  # the link reads the pipe: a thread of the model may be reading it
             if message is None:
                 return
             if message == PING:
                 conn.send(PING)
             elif message[0] == ARENA:
-                process._receive_arena(conn, arenas, message)
+                process.map_arena(arenas, *message[1:])
             elif message[0] == RUN_REQUESTS:
                 run = _run_decoupled if decoupled else _run_batch
                 reply = run(model, link, conn, arenas, message[1])
