@@ -24,6 +24,7 @@ import asyncio
 import collections
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from multiprocessing import reduction
@@ -41,6 +42,10 @@ from shoal.instances.process import ARENA, REQUESTS, RESPONSES
 BLS, BLS_REPLY, CANCEL_REQUEST = "bls", "bls_reply", "cancel_request"
 
 T = TypeVar("T")
+
+
+class Mailbox(collections.deque[tuple[bls.BlsResult, bool]]):
+    """One call's replies as (result, final), oldest first."""
 
 
 def aligned(offset: int) -> int:
@@ -71,8 +76,9 @@ class PipeLink:
         self._offset = 0  # where the next BLS call's inputs go in the responses arena
         self._filed = threading.Condition()  # guards what follows; notified whenever something is filed
         self._reading = False  # a thread is reading the pipe
-        self._results: dict[int, bls.BlsResult] = {}
-        self._parts: dict[int, collections.deque[tuple[bls.BlsResult, bool]]] = {}  # exec(decoupled=True)
+        # Each call's replies (one, or an exec(decoupled=True)'s stream), held weakly: the box of a call
+        # its caller let go (an iterator dropped halfway) goes with it, and replies for it are dropped.
+        self._mailboxes: weakref.WeakValueDictionary[int, Mailbox] = weakref.WeakValueDictionary()
         self._cancelled: set[int] = set()  # the running decoupled batch's requests whose clients gave up
         self._control: collections.deque[tuple[Any]] = collections.deque()  # the main loop's: runs, pings, arenas
         self._ended: BaseException | None = None  # the pipe's end (EOF): every waiter sees it
@@ -83,10 +89,9 @@ class PipeLink:
             self._offset = 0
 
     def end(self) -> None:
-        """After a batch: replies still unclaimed are dropped (their tensors are about to be rewritten)."""
+        """After a batch: its cancellations are forgotten. Calls still waiting (a thread the model left)
+        keep their mailboxes: their replies are copies, whenever they come."""
         with self._filed:
-            self._results.clear()
-            self._parts.clear()
             self._cancelled.clear()
 
     def next_message(self) -> Any:
@@ -95,36 +100,26 @@ class PipeLink:
         return message
 
     def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        call_id = next(self._ids)
-        self._send(call_id, request)
-        return bls.response_of(self._wait(lambda: self._results.pop(call_id, None)))
+        box = self._send(request)
+        result, _ = self._wait(lambda: box.popleft() if box else None)
+        return bls.response_of(result)
 
     def infer_stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
         """``exec(decoupled=True)``: the responses as they come, read while iterating."""
-        call_id = next(self._ids)
-        parts: collections.deque[tuple[bls.BlsResult, bool]] = collections.deque()
-        with self._filed:
-            self._parts[call_id] = parts  # before sending: a reply read by another thread finds it
-        self._send(call_id, request, decoupled=True)
-        return self._stream(call_id, parts)
+        return self._stream(self._send(request, decoupled=True))
 
-    def _stream(self, call_id: int, parts: collections.deque[tuple[bls.BlsResult, bool]]
-                ) -> Iterator[pb_utils.InferenceResponse]:
-        while True:
-            result, final = self._wait(lambda: parts.popleft() if parts else None)
+    def _stream(self, box: Mailbox) -> Iterator[pb_utils.InferenceResponse]:
+        final = False
+        while not final:
+            result, final = self._wait(lambda: box.popleft() if box else None)
             yield bls.response_of(result)
-            if final:
-                with self._filed:
-                    self._parts.pop(call_id, None)
-                return
 
     def infer_async(self, request: pb_utils.InferenceRequest) -> Any:
-        call_id = next(self._ids)
-        self._send(call_id, request)
+        box = self._send(request)
 
         async def wait() -> pb_utils.InferenceResponse:
             loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(None, self._wait, lambda: self._results.pop(call_id, None))
+            result, _ = await loop.run_in_executor(None, self._wait, lambda: box.popleft() if box else None)
             return bls.response_of(result)
 
         return wait()
@@ -145,11 +140,17 @@ class PipeLink:
         with self._filed:
             return index in self._cancelled
 
-    def _send(self, call_id: int, request: pb_utils.InferenceRequest, decoupled: bool = False) -> None:
+    def _send(self, request: pb_utils.InferenceRequest, decoupled: bool = False) -> Mailbox:
+        """Send the call; the mailbox its replies go to, open before it is sent (another thread may read them)."""
         call = bls.call_of(request, decoupled)
+        box: Mailbox = Mailbox()
+        with self._filed:
+            call_id = next(self._ids)
+            self._mailboxes[call_id] = box
         with self._packing:
             slots, self._offset = put(self._arenas[RESPONSES], self._offset, call.inputs)
         self._conn.send((BLS, call_id, call if slots is None else replace(call, inputs={}), slots))
+        return box
 
     def _wait(self, claim: Callable[[], T | None]) -> T:
         """``claim()``'s first value other than None (tried with the lock held); until then, this thread
@@ -193,8 +194,6 @@ class PipeLink:
         if slots is not None:
             result = replace(result, outputs=take(self._arenas[REQUESTS], slots))
         with self._filed:
-            parts = self._parts.get(call_id)
-            if parts is not None:
-                parts.append((result, final))
-            else:
-                self._results[call_id] = result
+            box = self._mailboxes.get(call_id)
+            if box is not None:  # else its caller let go of it
+                box.append((result, final))
