@@ -23,7 +23,8 @@ A worker that dies, or passes the model's ``execution_timeout_ms``, fails the re
 running with UNAVAILABLE and is killed and started again (the arenas stay, the new worker gets
 them); a watchdog pings idle workers every ``liveness_check_interval_ms`` and replaces one that
 is dead or does not answer (stopped, hung). While a worker cannot be started its instance is
-not ``healthy``; ModelReady is false when no instance of a version is.
+not ``healthy``; ModelReady is false when no instance of a version is. And every worker dies
+with the server, however the server dies (``shoal.instances.lifeline``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -47,6 +49,7 @@ from shoal.backends.devices import Device
 from shoal.dataplane import tensors
 from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError, load_failed
+from shoal.instances import lifeline
 from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec
 from shoal.types import Tensor
@@ -71,6 +74,7 @@ MAX_ARENA_BYTES = 1 << 32  # per direction: two of the largest gRPC messages
 PING = "ping"  # the liveness check: an idle worker echoes it at once
 READY, RUN, ARENA, OK, FAILED, GROW = "ready", "run", "arena", "ok", "failed", "grow"
 REQUESTS, RESPONSES = "requests", "responses"
+FORKSERVER_GUARD = "shoal.instances.forkserver_guard"
 
 
 def arena_bytes(needed: int, what: str) -> int:
@@ -102,7 +106,12 @@ def _as_tensors(arrays: Mapping[str, np.ndarray]) -> list[Tensor]:
 def _receive_arena(conn: Any, arenas: dict[str, Arena], message: tuple[str, str, int]) -> None:
     """In a worker: map the arena whose descriptor follows ``message`` on the pipe, in place of the old one."""
     _, which, size = message
-    arena = Arena(reduction.recv_handle(conn), size)
+    map_arena(arenas, which, size, reduction.recv_handle(conn))
+
+
+def map_arena(arenas: dict[str, Arena], which: str, size: int, fd: int) -> None:
+    """In a worker: map the arena ``fd`` (received from the server) in place of the old one."""
+    arena = Arena(fd, size)
     arena.close_fd()  # the mapping is all a worker needs
     old = arenas.get(which)
     arenas[which] = arena
@@ -161,6 +170,24 @@ def _worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, thre
             return
 
 
+def _worker_entry(main: Any, *args: Any) -> None:
+    """A worker process starts here: it dies with the host whatever ``main`` (its loop) is doing, and
+    ends as soon as ``main`` does, however (a model's ``sys.exit()`` included): a thread the model left
+    running, daemon or not, never holds a worker whose loop is gone, so the server sees it die and
+    replaces it instead of waiting for its answer forever."""
+    lifeline.guard_worker(args[-1])
+    code = 0
+    try:
+        main(*args)
+    except BaseException:  # noqa: BLE001 - whatever ended the loop, the process ends with it
+        logger.exception("the worker process's loop ended with an error")
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 @dataclass(frozen=True)
 class WorkerLimits:
     """How long a worker may take: per request, and to answer a liveness ping when idle (0: never checked)."""
@@ -206,7 +233,8 @@ class ProcessModel:
         # objects cross processes (importing torch makes shared tensors travel as their memory
         # segment or CUDA IPC handle, never by value): the same context torch.multiprocessing gives.
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload([*preload, __name__, type(self).__module__])
+        # The guard comes first: the fork server dies with this process (shoal.instances.lifeline).
+        self._context.set_forkserver_preload([FORKSERVER_GUARD, *preload, __name__, type(self).__module__])
         self._lock = threading.Lock()  # one conversation with the worker at a time
         self._closing = threading.Event()
         self._failure = ""  # why no worker is running; "" while one is
@@ -236,11 +264,11 @@ class ProcessModel:
     def _start(self) -> None:
         self._conn, child = self._context.Pipe()
         self._process = self._context.Process(
-            target=type(self).worker_main,
-            args=(self._spec, self._path, self._device, self._handle, self._threads, child),
+            target=_worker_entry,
+            args=(type(self).worker_main, self._spec, self._path, self._device, self._handle, self._threads, child),
             daemon=True, name=f"shoal-{self._spec.name}-worker",
         )
-        self._process.start()
+        lifeline.launch(self._process)
         child.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         reply: Any = None

@@ -21,18 +21,18 @@ the next batch rewrites both arenas. An arena is never replaced during a batch (
 views of its inputs), so BLS tensors that do not fit in the room left travel pickled on the pipe
 instead (their slots are then None). While a batch runs, the server thread waits on both the pipe
 and a wake-up pipe that finished BLS calls write to, so a reply goes back as soon as it is ready.
+In the worker, BLS calls may come from any thread of the model at once: ``python_link`` reads
+their replies and keeps each call's tensors its own.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from multiprocessing import connection
 from pathlib import Path
@@ -42,123 +42,22 @@ import shoal.backends.python as python_backend
 from shoal.backends.devices import Device
 from shoal.backends.python import bls, pb_utils, runner
 from shoal.dataplane import tensors
-from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
+from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError
 from shoal.instances import process
 from shoal.instances.process import ARENA, FAILED, GROW, PING, READY, REQUESTS, RESPONSES, WorkerLimits
+from shoal.instances.python_link import BLS, BLS_REPLY, CANCEL_REQUEST, PipeLink, aligned, put, take
 from shoal.repository.config import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-RUN_REQUESTS, BLS, BLS_REPLY, DONE = "run_requests", "bls", "bls_reply", "done"
+RUN_REQUESTS, DONE = "run_requests", "done"
 # A decoupled model's batch: (RESPONSE, index, outputs | None, error, code, final) as the model sends
-# each response (outputs pickled on the pipe), and (CANCEL_REQUEST, index) when the client gave up.
-RESPONSE, CANCEL_REQUEST = "response", "cancel_request"
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGNMENT) * ALIGNMENT
-
-
-def _put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[tensors.Slot] | None, int]:
-    """``arrays`` packed at ``offset``, and where the next pack may start; (None, offset) when they do not fit."""
-    try:
-        slots = tensors.pack_at(arena, offset, process._as_tensors(arrays))
-    except PoolFull:
-        return None, offset
-    return slots, _aligned(max(offset, tensors.extent(slots)))
-
-
-def _take(arena: Arena, slots: list[tensors.Slot]) -> dict[str, Any]:
-    """Copies of the tensors at ``slots`` (the arena is rewritten by the next batch)."""
-    return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in tensors.unpack(arena, slots)}
+# each response (outputs pickled on the pipe); CANCEL_REQUEST (python_link) when the client gave up.
+RESPONSE = "response"
 
 
 # -- the worker process ---------------------------------------------------------------------------
-
-class PipeLink:
-    """In the worker: BLS calls go to the server over the pipe; replies are matched by call id."""
-
-    def __init__(self, conn: Any, arenas: dict[str, Arena]) -> None:
-        self._conn, self._arenas = conn, arenas
-        self._ids = itertools.count()
-        self._waiting: dict[int, asyncio.Future[bls.BlsResult]] = {}
-        self._results: dict[int, bls.BlsResult] = {}
-        self._parts: dict[int, list[tuple[bls.BlsResult, bool]]] = {}  # exec(decoupled=True) calls
-        self._reading: asyncio.AbstractEventLoop | None = None
-        self._offset = 0  # where the next BLS call's inputs go in the responses arena
-
-    def begin(self) -> None:
-        """A batch starts: BLS inputs go from the start of the responses arena again."""
-        self._offset = 0
-
-    def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        call_id = self._send(request)
-        while call_id not in self._results:
-            self._dispatch(self._conn.recv())
-        return bls.response_of(self._results.pop(call_id))
-
-    def infer_stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
-        """``exec(decoupled=True)``: the responses as they come over the pipe, read while iterating."""
-        call_id = self._send(request, decoupled=True)
-        parts = self._parts[call_id] = []
-        while True:
-            while not parts:
-                self._dispatch(self._conn.recv())
-            result, final = parts.pop(0)
-            yield bls.response_of(result)
-            if final:
-                del self._parts[call_id]
-                return
-
-    def infer_async(self, request: pb_utils.InferenceRequest) -> Any:
-        loop = asyncio.get_running_loop()
-        if self._reading is not loop:
-            loop.add_reader(self._conn.fileno(), self._readable)
-            self._reading = loop
-        future: asyncio.Future[bls.BlsResult] = loop.create_future()
-        self._waiting[self._send(request)] = future
-
-        async def wait() -> pb_utils.InferenceResponse:
-            return bls.response_of(await future)
-
-        return wait()
-
-    def stop_reading(self) -> None:
-        """After a batch: the pipe is the main loop's again."""
-        if self._reading is not None and not self._reading.is_closed():
-            self._reading.remove_reader(self._conn.fileno())
-        self._reading = None
-        self._waiting.clear()
-        self._results.clear()
-        self._parts.clear()
-
-    def _send(self, request: pb_utils.InferenceRequest, decoupled: bool = False) -> int:
-        call_id = next(self._ids)
-        call = bls.call_of(request, decoupled)
-        slots, self._offset = _put(self._arenas[RESPONSES], self._offset, call.inputs)
-        self._conn.send((BLS, call_id, call if slots is None else replace(call, inputs={}), slots))
-        return call_id
-
-    def _readable(self) -> None:
-        while self._conn.poll(0):
-            self._dispatch(self._conn.recv())
-
-    def _dispatch(self, message: Any) -> None:
-        if not (isinstance(message, tuple) and message[0] == BLS_REPLY):
-            return  # nothing else is sent to a worker while it runs a batch
-        _, call_id, result, slots, final = message
-        if slots is not None:
-            result = replace(result, outputs=_take(self._arenas[REQUESTS], slots))
-        if call_id in self._parts:
-            self._parts[call_id].append((result, final))
-            return
-        future = self._waiting.pop(call_id, None)
-        if future is None:
-            self._results[call_id] = result
-        elif not future.done():
-            future.set_result(result)
-
 
 def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena],
                requests: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:
@@ -170,7 +69,7 @@ def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dic
     try:
         outcomes = model.execute(items)
     finally:
-        link.stop_reading()
+        link.end()
     del items
     while True:
         answers: list[tuple[Any, ...]] = []
@@ -181,7 +80,7 @@ def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dic
                     answers.append(([], outcome.error, outcome.code))
                     continue
                 slots = tensors.pack_at(arenas[RESPONSES], offset, process._as_tensors(outcome.outputs))
-                offset = _aligned(max(offset, tensors.extent(slots)))
+                offset = aligned(max(offset, tensors.extent(slots)))
                 answers.append((slots, "", ""))
             return (DONE, answers)
         except (PoolFull, ShoalError) as exc:
@@ -189,10 +88,10 @@ def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dic
                 return (DONE, [([], exc.message, "internal") for _ in outcomes])
             needed = offset + exc.wanted
             conn.send((GROW, needed))
-            message = conn.recv()
+            message = link.next_message()
             if not (isinstance(message, tuple) and message[0] == ARENA):
                 return None
-            process._receive_arena(conn, arenas, message)
+            process.map_arena(arenas, *message[1:])
 
 
 class LockedConn:
@@ -215,7 +114,6 @@ def _run_decoupled(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas:
     for slots, outputs, request_id, correlation_id, parameters in requests:
         feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
         items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters))
-    cancelled: set[int] = set()
     lock = threading.Lock()
     batch_open = [True]  # a response sent after DONE (by a cancelled request's thread) is dropped
 
@@ -228,18 +126,11 @@ def _run_decoupled(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas:
             else:
                 conn.send((RESPONSE, index, outcome.outputs, outcome.error, outcome.code, final))
 
-    def is_cancelled(index: int) -> bool:
-        while conn.poll(0):  # only cancellations come while a batch waits for its FINAL flags
-            message = conn.recv()
-            if isinstance(message, tuple) and message[0] == CANCEL_REQUEST:
-                cancelled.add(message[1])
-        return index in cancelled
-
     link.begin()
     try:
-        model.execute_decoupled(items, emit, is_cancelled)
+        model.execute_decoupled(items, emit, link.is_cancelled)
     finally:
-        link.stop_reading()
+        link.end()
         with lock:
             batch_open[0] = False
     return (DONE, [([], "", "") for _ in requests])
@@ -264,13 +155,13 @@ def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any
     conn.send(READY)
     try:
         while True:
-            message = conn.recv()
+            message = link.next_message()  # the link reads the pipe: a thread of the model may be reading it
             if message is None:
                 return
             if message == PING:
                 conn.send(PING)
             elif message[0] == ARENA:
-                process._receive_arena(conn, arenas, message)
+                process.map_arena(arenas, *message[1:])
             elif message[0] == RUN_REQUESTS:
                 run = _run_decoupled if decoupled else _run_batch
                 reply = run(model, link, conn, arenas, message[1])
@@ -293,6 +184,7 @@ class PythonProcessModel(process.ProcessModel):
     def __init__(self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int,
                  limits: WorkerLimits) -> None:
         self._host: bls.HostInfer | None = None
+        self._caller: Any = None
         self._reply_offset = 0  # where the next BLS call's outputs go in the requests arena
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
@@ -307,8 +199,9 @@ class PythonProcessModel(process.ProcessModel):
         super().__init__(spec, model_file, device, (instance_name, version), 1, limits,
                          ("numpy", "shoal.backends.python.runner"))
 
-    def bind_host(self, host: bls.HostInfer) -> None:
-        self._host = host
+    def bind_host(self, host: bls.HostInfer, caller: Any) -> None:
+        """``caller``: this instance's version, named by every BLS call of the worker, from any thread."""
+        self._host, self._caller = host, caller
 
     def run_requests(self, batch: Sequence[Any]) -> list[dict[str, Any] | ShoalError]:
         """Each queued request's outputs, or its own error; the batch goes to the worker as a list."""
@@ -341,7 +234,7 @@ class PythonProcessModel(process.ProcessModel):
             try:
                 for pending, feed in zip(batch, feeds, strict=True):
                     slots = tensors.pack_at(self._arenas[REQUESTS], offset, feed)
-                    offset = _aligned(max(offset, tensors.extent(slots)))
+                    offset = aligned(max(offset, tensors.extent(slots)))
                     data = runner.request_data({}, pending.outputs, pending.context)
                     requests.append((slots, list(data.outputs), data.request_id, data.correlation_id,
                                      dict(data.parameters)))
@@ -382,7 +275,7 @@ class PythonProcessModel(process.ProcessModel):
                 elif isinstance(message, tuple) and message[0] == BLS:
                     _, call_id, call, slots = message
                     if slots is not None:
-                        call = replace(call, inputs=_take(self._arenas[RESPONSES], slots))
+                        call = replace(call, inputs=take(self._arenas[RESPONSES], slots))
                     self._start_call(call_id, call)
             self._send_cancellations()
             self._check_running(deadline)
@@ -417,12 +310,12 @@ class PythonProcessModel(process.ProcessModel):
                     pass  # the pipe is full: a wake-up is pending anyway
 
         sink = bls.CallbackSink(lambda result, final: finished((result, final))) if call.decoupled else None
-        bls.start(self._host, call, sink).add_done_callback(finished)
+        bls.start(self._host, call, sink, self._caller).add_done_callback(finished)
 
     def _reply(self, call_id: int, result: bls.BlsResult, final: bool = True) -> None:
         slots = None
         if result.outputs is not None:
-            slots, self._reply_offset = _put(self._arenas[REQUESTS], self._reply_offset, result.outputs)
+            slots, self._reply_offset = put(self._arenas[REQUESTS], self._reply_offset, result.outputs)
             if slots is not None:
                 result = replace(result, outputs={})
         try:

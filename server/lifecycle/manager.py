@@ -66,6 +66,16 @@ async def release(versions: Iterable[VersionEntry], reason: str = UNLOADED) -> N
         version.transition(ModelState.UNAVAILABLE, reason)
 
 
+def _refuse_a_call_that_waits_for_itself(target: ModelVersion) -> None:
+    """A BLS call from a version's only instance to that same version would wait for the instance that
+    makes it, forever (Triton 2.51 hangs so, with a request timeout or without): it fails at once."""
+    if target.instance_count == 1:
+        raise ShoalError(ErrorCode.INVALID_ARGUMENT,
+                         f"model '{target.spec.name}' version {target.version}: a BLS call to itself from its only "
+                         "instance would wait forever for that instance, which runs the caller; give the model "
+                         "an instance_group count of 2 or more")
+
+
 class ModelManager:
     def __init__(
         self,
@@ -312,17 +322,22 @@ class ModelManager:
 
     # -- queries -------------------------------------------------------------------------------------
 
-    def host_infer(self, request: InferRequest, sink: Any = None) -> concurrent.futures.Future[InferResponse]:
+    def host_infer(self, request: InferRequest, sink: Any = None,
+                   caller: ModelVersion | None = None) -> concurrent.futures.Future[InferResponse]:
         """A model's request to another model of this server (BLS), from any thread: it runs on the
         serving loop through the target version's scheduler and statistics, as a client's would.
-        With ``sink`` (``exec(decoupled=True)``) a decoupled model's responses go there as they come."""
+        With ``sink`` (``exec(decoupled=True)``) a decoupled model's responses go there as they come.
+        ``caller``: the version whose instance makes the call (``ModelVersion.bind_host``)."""
         if self._loop is None or self._loop.is_closed():
             raise ShoalError(ErrorCode.UNAVAILABLE, "the server is not serving")
         if sink is not None:
             request = StreamingRequest.of(request, sink)
 
         async def infer() -> InferResponse:
-            return await self.resolve(request.model_name, request.model_version).infer(request)
+            target = self.resolve(request.model_name, request.model_version)
+            if target is caller:
+                _refuse_a_call_that_waits_for_itself(target)
+            return await target.infer(request)
 
         return asyncio.run_coroutine_threadsafe(infer(), self._loop)
 

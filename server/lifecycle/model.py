@@ -109,12 +109,13 @@ class ModelVersion:
         )
         return cls(spec, version, built.pool, built.memory_bytes, backend)
 
-    def bind_host(self, host: Callable[[InferRequest], Any]) -> None:
-        """Give the instances that call other models (Python models' BLS) the host's entry point."""
+    def bind_host(self, host: Callable[..., Any]) -> None:
+        """Give the instances that call other models (Python models' BLS) the host's entry point, and
+        this version, which they name as the caller (a call to the calling version itself may be refused)."""
         for model in self.pool.models():
             bind = getattr(model, "bind_host", None)
             if bind is not None:
-                bind(host)
+                bind(host, self)
 
     @property
     def queued(self) -> int:

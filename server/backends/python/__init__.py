@@ -63,6 +63,7 @@ class ThreadInstance:
 
     def __init__(self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int) -> None:
         self._link = bls.ThreadLink(None)
+        self._caller: Any = None
         pb_utils.set_host_link(self._link)
         args = runner.model_args(spec.config_json, model_file, instance_name, device.kind.upper(), device.index,
                                  version)
@@ -72,11 +73,17 @@ class ThreadInstance:
         except BaseException as exc:  # noqa: BLE001 - SystemExit too (argparse): this load fails, not the server
             raise load_failed(runner.describe_error(exc).rstrip()) from None
 
-    def bind_host(self, host: bls.HostInfer) -> None:
+    def bind_host(self, host: bls.HostInfer, caller: Any) -> None:
+        """``caller``: this instance's version, named by the BLS calls its execute makes on its thread."""
         self._link.host = host
+        self._caller = caller
 
     def run_requests(self, batch: Sequence[Any]) -> list[dict[str, np.ndarray] | ShoalError]:
         pb_utils.set_host_link(self._link)  # every thread instance of a server holds the same host
+        with bls.running_as(self._caller):
+            return self._run(batch)
+
+    def _run(self, batch: Sequence[Any]) -> list[dict[str, np.ndarray] | ShoalError]:
         items = [runner.request_data(pending.feed, pending.outputs, pending.context) for pending in batch]
         if self._decoupled:
             sinks = [sink_of(pending) for pending in batch]

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import queue
+import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,12 +28,20 @@ from shoal.errors import ShoalError
 from shoal.protocol.types import DataType
 from shoal.types import InferRequest, InferResponse, Tensor
 
-# The host's entry point: (request, sink or None) -> the execution's future; with a sink (a BLS
-# ``exec(decoupled=True)``) a decoupled model's responses go to ``sink.put(item, final)`` as they come.
 logger = logging.getLogger(__name__)
+
+# The host's entry point: (request, sink or None, caller=...) -> the execution's future; with a sink (a
+# BLS ``exec(decoupled=True)``) a decoupled model's responses go to ``sink.put(item, final)`` as they
+# come. ``caller`` is the calling model's version as the lifecycle gave it (``bind_host``), or None
+# when unknown; the host refuses a call that would wait for the very instance that makes it.
 
 HostInfer = Callable[..., "concurrent.futures.Future[InferResponse]"]
 _ENDED = object()  # queued after a streaming call's last response: its execution ended
+_running = threading.local()  # thread mode: the calling version, on a thread running its instance's execute
+
+
+def _caller_here() -> Any:
+    return getattr(_running, "caller", None)
 
 
 @dataclass(frozen=True)
@@ -75,14 +85,14 @@ def part_result(item: Mapping[str, np.ndarray] | ShoalError | None) -> BlsResult
     return BlsResult(outputs=dict(item or {}))
 
 
-def streamed(host: HostInfer | None, call: BlsCall) -> Iterator[tuple[BlsResult, bool]]:
+def streamed(host: HostInfer | None, call: BlsCall, caller: Any = None) -> Iterator[tuple[BlsResult, bool]]:
     """A decoupled call's responses as they come, in the calling thread; the last one is final.
 
     A model that is not decoupled gives its one response; a failure (or an execution that ended
     without FINAL) ends the iteration with an error or empty final response.
     """
     items: queue.SimpleQueue[tuple[Any, bool]] = queue.SimpleQueue()
-    future = start(host, call, CallbackSink(lambda result, final: items.put((result, final))))
+    future = start(host, call, CallbackSink(lambda result, final: items.put((result, final))), caller)
     future.add_done_callback(lambda _: items.put((_ENDED, True)))
     while True:
         result, final = items.get()
@@ -139,11 +149,12 @@ def response_of(result: BlsResult) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse([pb_utils.Tensor(name, data) for name, data in result.outputs.items()])
 
 
-def start(host: HostInfer | None, call: BlsCall, sink: Any = None) -> concurrent.futures.Future[InferResponse]:
+def start(host: HostInfer | None, call: BlsCall, sink: Any = None,
+          caller: Any = None) -> concurrent.futures.Future[InferResponse]:
     """Hand ``call`` to the host; a failed future when the model is not served by a server."""
     if host is not None:
         try:
-            return host(core_request(call), sink) if sink is not None else host(core_request(call))
+            return host(core_request(call), sink, caller=caller)
         except Exception as exc:  # noqa: BLE001 - e.g. a datatype numpy has and Triton has not
             failed: concurrent.futures.Future[InferResponse] = concurrent.futures.Future()
             failed.set_exception(exc)
@@ -153,20 +164,34 @@ def start(host: HostInfer | None, call: BlsCall, sink: Any = None) -> concurrent
     return failed
 
 
+@contextlib.contextmanager
+def running_as(caller: Any) -> Iterator[None]:
+    """While a thread instance runs ``execute`` on this thread, its BLS calls from this thread name
+    ``caller``. Only this thread: the link is one for the whole server (``pb_utils.set_host_link``), and
+    a thread the model started cannot be told apart from another model's, so its calls name no caller."""
+    previous = getattr(_running, "caller", None)
+    _running.caller = caller
+    try:
+        yield
+    finally:
+        _running.caller = previous
+
+
 class ThreadLink:
-    """In thread mode: BLS calls go straight to the host from the instance thread."""
+    """In thread mode: BLS calls go straight to the host from the calling thread."""
 
     def __init__(self, host: HostInfer | None) -> None:
         self.host = host
 
     def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        return response_of(result_of(start(self.host, call_of(request))))
+        return response_of(result_of(start(self.host, call_of(request), caller=_caller_here())))
 
     def infer_stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
-        return (response_of(result) for result, _ in streamed(self.host, call_of(request, decoupled=True)))
+        parts = streamed(self.host, call_of(request, decoupled=True), _caller_here())
+        return (response_of(result) for result, _ in parts)
 
     def infer_async(self, request: pb_utils.InferenceRequest) -> Awaitable[pb_utils.InferenceResponse]:
-        future = start(self.host, call_of(request))
+        future = start(self.host, call_of(request), caller=_caller_here())
 
         async def wait() -> pb_utils.InferenceResponse:
             await asyncio.wait([asyncio.wrap_future(future)])  # a failure is read below, not raised

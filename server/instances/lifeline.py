@@ -1,0 +1,83 @@
+"""Every process started for instances dies with the host, however the host dies (SIGKILL, OOM kill).
+
+A worker outliving its host holds memory (GPU memory on a GPU host) and, stuck in ``execute``,
+holding a non-daemon thread or blocking in ``finalize``, it never ends by itself. Workers are
+children of multiprocessing's fork server, not of the host, and every worker holds the fork
+server's "alive" pipe and the resource tracker's pipe, so those two outlive the host as long as
+one worker does. The kernel ends the chain from the top, whatever each process is doing:
+
+    host ──PDEATHSIG──▶ fork server ──PDEATHSIG──▶ each worker
+
+PDEATHSIG fires when the *thread* that forked a child ends, so every worker is started on one
+launcher thread that lives as long as the host (``launch``): the fork server is spawned by that
+thread, and sets its own PDEATHSIG when it imports ``shoal.instances.forkserver_guard`` (a preload
+module); the fork server is single-threaded, so a worker's PDEATHSIG is tied to its whole life.
+Once the fork server and the workers are gone, the resource tracker reads EOF and exits.
+
+A worker also watches its pipe from a thread (``watch_host``): when the host's end closes, it
+kills itself. That covers the moments before PDEATHSIG is set (a host that dies while a worker
+starts) and a fork server not started by ``launch``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import logging
+import os
+import select
+import signal
+import threading
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+HOST_PID_ENV = "SHOAL_INSTANCE_HOST_PID"  # read by the fork server: the process it must die with
+_PR_SET_PDEATHSIG = 1
+_HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
+# One thread that never ends before the host: the fork server's PDEATHSIG is tied to it.
+_launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-instance-launcher")
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when ``parent`` (the thread that forked it) dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
+def launch(process: BaseProcess) -> None:
+    """Start ``process`` (a forkserver context's) on the launcher thread, so that a fork server it
+    spawns dies with this process, not with the calling thread."""
+    os.environ[HOST_PID_ENV] = str(os.getpid())
+    _launcher.submit(process.start).result()
+
+
+def guard_forkserver() -> None:
+    """In the fork server, before it forks anything: die with the host that spawned it."""
+    host = os.environ.get(HOST_PID_ENV, "")
+    if host.isdigit() and int(host) != os.getpid():
+        die_with_parent(int(host))
+
+
+def guard_worker(conn: Any) -> None:
+    """In a worker, first thing: die with the fork server (the kernel), and with the host's end of ``conn``."""
+    die_with_parent(os.getppid())
+    watch_host(conn)
+
+
+def watch_host(conn: Any) -> None:
+    """Kill this process once the host's end of ``conn`` is closed, whatever its other threads do."""
+    fd = os.dup(conn.fileno())  # its own descriptor: the worker may close ``conn`` while it ends
+    threading.Thread(target=_kill_on_hangup, args=(fd,), name="shoal-host-watch", daemon=True).start()
+
+
+def _kill_on_hangup(fd: int) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)  # the peer's close only: data on the pipe does not wake it
+    while True:
+        if any(events & _HANGUP for _, events in poller.poll()):
+            os.kill(os.getpid(), signal.SIGKILL)

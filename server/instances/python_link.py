@@ -1,0 +1,199 @@
+"""The worker's end of BLS in a Python process instance, safe from any thread of the model.
+
+Triton's BLS is thread-safe: ``exec()``, ``async_exec()`` and ``exec(decoupled=True)`` may run
+from several threads of one model at once (a ``ThreadPoolExecutor`` mapping ``exec`` over calls).
+Every message comes over the one pipe, so one thread at a time reads it: whichever thread is
+waiting and finds no other reading (the leader), be it a caller or the worker's main loop
+between batches (``next_message``). It files what it read (a reply under its call's id, anything
+else for the main loop) and wakes the others; each takes only what is its own, and call ids are
+unique for the worker's life, so no call ever gets another's answer, and a thread the model left
+waiting after its batch (an ``async_exec`` given up by ``asyncio.wait_for``) never swallows the
+next batch. ``async_exec`` waits the same way on a thread of its event loop's executor, never
+reading the pipe on the loop.
+
+Tensor lifetimes: a call's inputs are packed into the responses arena at a range reserved for
+that call alone (the offset moves under a lock) and stay untouched until the next batch; the
+server copies them out as it reads the call. A reply's outputs lie in the requests arena at a
+range the server never rewrites while the batch runs, and the reading thread copies them before
+filing the reply: what a caller holds is its own, whatever other calls do meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from multiprocessing import reduction
+from typing import Any, TypeVar
+
+from shoal.backends.python import bls, pb_utils
+from shoal.dataplane import tensors
+from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
+from shoal.instances import process
+from shoal.instances.process import ARENA, REQUESTS, RESPONSES
+
+# The pipe during a batch (the rest of the conversation is in shoal.instances.python_process):
+# worker → server (BLS, call id, BlsCall, input slots); server → worker (BLS_REPLY, call id,
+# BlsResult, output slots, final) and (CANCEL_REQUEST, index) when a decoupled request's client gave up.
+BLS, BLS_REPLY, CANCEL_REQUEST = "bls", "bls_reply", "cancel_request"
+
+T = TypeVar("T")
+
+
+class Mailbox(collections.deque[tuple[bls.BlsResult, bool]]):
+    """One call's replies as (result, final), oldest first."""
+
+
+def aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[tensors.Slot] | None, int]:
+    """``arrays`` packed at ``offset``, and where the next pack may start; (None, offset) when they do not fit."""
+    try:
+        slots = tensors.pack_at(arena, offset, process._as_tensors(arrays))
+    except PoolFull:
+        return None, offset
+    return slots, aligned(max(offset, tensors.extent(slots)))
+
+
+def take(arena: Arena, slots: list[tensors.Slot]) -> dict[str, Any]:
+    """Copies of the tensors at ``slots`` (the arena is rewritten by the next batch)."""
+    return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in tensors.unpack(arena, slots)}
+
+
+class PipeLink:
+    """In the worker: BLS calls go to the server over the pipe; replies are matched by call id."""
+
+    def __init__(self, conn: Any, arenas: dict[str, Arena]) -> None:
+        self._conn, self._arenas = conn, arenas
+        self._ids = itertools.count()
+        self._packing = threading.Lock()  # one call at a time reserves its range of the responses arena
+        self._offset = 0  # where the next BLS call's inputs go in the responses arena
+        self._filed = threading.Condition()  # guards what follows; notified whenever something is filed
+        self._reading = False  # a thread is reading the pipe
+        # Each call's replies (one, or an exec(decoupled=True)'s stream), held weakly: the box of a call
+        # its caller let go (an iterator dropped halfway) goes with it, and replies for it are dropped.
+        self._mailboxes: weakref.WeakValueDictionary[int, Mailbox] = weakref.WeakValueDictionary()
+        self._cancelled: set[int] = set()  # the running decoupled batch's requests whose clients gave up
+        self._control: collections.deque[tuple[Any]] = collections.deque()  # the main loop's: runs, pings, arenas
+        self._ended: BaseException | None = None  # the pipe's end (EOF): every waiter sees it
+
+    def begin(self) -> None:
+        """A batch starts: BLS inputs go from the start of the responses arena again."""
+        with self._packing:
+            self._offset = 0
+
+    def end(self) -> None:
+        """After a batch: its cancellations are forgotten. Calls still waiting (a thread the model left)
+        keep their mailboxes: their replies are copies, whenever they come."""
+        with self._filed:
+            self._cancelled.clear()
+
+    def next_message(self) -> Any:
+        """The main loop's next message: a run, a ping, None (stop), or (ARENA, which, size, fd)."""
+        (message,) = self._wait(lambda: self._control.popleft() if self._control else None)
+        return message
+
+    def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        box = self._send(request)
+        result, _ = self._wait(lambda: box.popleft() if box else None)
+        return bls.response_of(result)
+
+    def infer_stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
+        """``exec(decoupled=True)``: the responses as they come, read while iterating."""
+        return self._stream(self._send(request, decoupled=True))
+
+    def _stream(self, box: Mailbox) -> Iterator[pb_utils.InferenceResponse]:
+        final = False
+        while not final:
+            result, final = self._wait(lambda: box.popleft() if box else None)
+            yield bls.response_of(result)
+
+    def infer_async(self, request: pb_utils.InferenceRequest) -> Any:
+        box = self._send(request)
+
+        async def wait() -> pb_utils.InferenceResponse:
+            loop = asyncio.get_running_loop()
+            result, _ = await loop.run_in_executor(None, self._wait, lambda: box.popleft() if box else None)
+            return bls.response_of(result)
+
+        return wait()
+
+    def is_cancelled(self, index: int) -> bool:
+        """Whether the decoupled batch's request ``index`` was cancelled, after reading what has come."""
+        with self._filed:
+            if self._reading:  # the reader files a cancellation too
+                return index in self._cancelled
+            self._reading = True
+        try:
+            while self._conn.poll(0):
+                self._receive_one()
+        finally:
+            with self._filed:
+                self._reading = False
+                self._filed.notify_all()
+        with self._filed:
+            return index in self._cancelled
+
+    def _send(self, request: pb_utils.InferenceRequest, decoupled: bool = False) -> Mailbox:
+        """Send the call; the mailbox its replies go to, open before it is sent (another thread may read them)."""
+        call = bls.call_of(request, decoupled)
+        box: Mailbox = Mailbox()
+        with self._filed:
+            call_id = next(self._ids)
+            self._mailboxes[call_id] = box
+        with self._packing:
+            slots, self._offset = put(self._arenas[RESPONSES], self._offset, call.inputs)
+        self._conn.send((BLS, call_id, call if slots is None else replace(call, inputs={}), slots))
+        return box
+
+    def _wait(self, claim: Callable[[], T | None]) -> T:
+        """``claim()``'s first value other than None (tried with the lock held); until then, this thread
+        reads the pipe whenever no other does, and sleeps while one does."""
+        with self._filed:
+            while (found := claim()) is None:
+                if self._ended is not None:
+                    raise EOFError("the server closed the worker's pipe") from self._ended
+                if self._reading:
+                    self._filed.wait()
+                    continue
+                self._reading = True
+                self._filed.release()
+                try:
+                    self._receive_one()
+                finally:
+                    self._filed.acquire()
+                    self._reading = False
+                    self._filed.notify_all()
+            return found
+
+    def _receive_one(self) -> None:
+        """Read one message (this thread is the reader) and file it under the lock."""
+        try:
+            message = self._conn.recv()
+            if isinstance(message, tuple) and message[0] == ARENA:  # its descriptor follows at once
+                message = (*message, reduction.recv_handle(self._conn))
+        except (EOFError, OSError) as exc:
+            with self._filed:
+                self._ended = exc
+            return
+        if not (isinstance(message, tuple) and message[0] in (BLS_REPLY, CANCEL_REQUEST)):
+            with self._filed:
+                self._control.append((message,))  # boxed: None (stop) is a message too
+            return
+        if message[0] == CANCEL_REQUEST:
+            with self._filed:
+                self._cancelled.add(message[1])
+            return
+        _, call_id, result, slots, final = message
+        if slots is not None:
+            result = replace(result, outputs=take(self._arenas[REQUESTS], slots))
+        with self._filed:
+            box = self._mailboxes.get(call_id)
+            if box is not None:  # else its caller let go of it
+                box.append((result, final))
