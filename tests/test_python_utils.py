@@ -132,16 +132,30 @@ def test_an_error_response_or_a_missing_output_fails_that_request_alone(tmp_path
 def test_bls_tensors_go_into_the_arena_when_they_fit() -> None:
     """What decides, in process mode, whether a BLS call's tensors cross in the arena or on the pipe."""
     from shoal.dataplane.arena import Arena
-    from shoal.instances.python_process import _put, _take
+    from shoal.instances.python_link import put, take
 
     arena = Arena.create("test-bls", 1 << 20)
     try:
         small = {"A": np.arange(10, dtype=np.float32), "B": np.array([b"x", b"yz"], dtype=np.object_)}
-        slots, after = _put(arena, 100, small)
+        slots, after = put(arena, 100, small)
         assert slots is not None and after % 64 == 0 and after > 100
-        taken = _take(arena, slots)
+        taken = take(arena, slots)
         np.testing.assert_array_equal(taken["A"], small["A"])
         assert list(taken["B"]) == [b"x", b"yz"]
-        assert _put(arena, after, {"C": np.zeros(1 << 18, np.float32)}) == (None, after)  # 1 MiB: no room left
+        assert put(arena, after, {"C": np.zeros(1 << 18, np.float32)}) == (None, after)  # 1 MiB: no room left
     finally:
         arena.close()
+
+
+def test_bytes_are_taken_wherever_a_string_is_as_tritons_pybind_layer_does() -> None:
+    """Triton's BLS example names the model with ``model_name.as_numpy()[0]``, the bytes of a BYTES
+    input: pybind11 turns bytes into the string, so Shoal's classes take them too (issue 23)."""
+    request = pb_utils.InferenceRequest(model_name=b"add_sub", requested_output_names=[b"OUTPUT0", "OUTPUT1"],
+                                        request_id=b"r-1", correlation_id=b"c-9", parameters=b'{"k": 1}',
+                                        inputs=[pb_utils.Tensor(b"INPUT0", np.zeros(4, np.float32))])
+    assert request.model_name() == "add_sub"
+    assert request.requested_output_names() == ["OUTPUT0", "OUTPUT1"]
+    assert (request.request_id(), request.correlation_id(), request.parameters()) == ("r-1", "c-9", '{"k": 1}')
+    assert request.inputs()[0].name() == "INPUT0"
+    assert pb_utils.TritonError(b"broke").message() == "broke"
+    assert pb_utils.InferenceResponse([], parameters=b'{"a": true}').parameters() == '{"a": true}'

@@ -80,13 +80,23 @@ def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
     return np.array(items, dtype=np.object_)
 
 
+def _text(value: Any) -> Any:
+    """``bytes`` as the ``str`` they encode (UTF-8), anything else as it is.
+
+    Triton's ``pb_utils`` classes are C++ behind pybind11, which takes ``bytes`` wherever it takes a
+    string: its BLS example passes ``model_name.as_numpy()[0]``, the ``bytes`` of a BYTES input, as
+    the model name. Shoal's take them the same way (names, ids, messages, JSON parameters).
+    """
+    return value.decode("utf-8") if isinstance(value, bytes | bytearray) else value
+
+
 class TritonError:
     """An error a model returns in a response (``InferenceResponse(error=TritonError(...))``)."""
 
     UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
 
     def __init__(self, message: str, code: int = INTERNAL) -> None:
-        self._message, self._code = str(message), code
+        self._message, self._code = str(_text(message)), code
 
     def message(self) -> str:
         return self._message
@@ -112,7 +122,7 @@ class Tensor:
         array = np.asarray(data) if dtype is None else np.asarray(data, dtype=dtype)
         if array.dtype.kind in "SU":  # Triton keeps strings as BYTES objects
             array = array.astype(np.object_)
-        self._name, self._data = name, array
+        self._name, self._data = _text(name), array
 
     def name(self) -> str:
         return self._name
@@ -190,6 +200,7 @@ class InferenceResponse:
                  parameters: dict[str, Any] | str | None = None) -> None:
         self._outputs = list(output_tensors or ())
         self._error = error
+        parameters = _text(parameters)
         self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
 
     def output_tensors(self) -> list[Tensor]:
@@ -277,11 +288,12 @@ class InferenceRequest:
                  requested_output_names: Iterable[str] = (), request_id: str = "", correlation_id: int | str = 0,
                  model_version: int = -1, flags: int = 0, timeout: int = 0, preferred_memory: Any = None,
                  trace: Any = None, parameters: dict[str, Any] | str | None = None) -> None:
-        self._model_name, self._model_version = model_name, model_version
+        self._model_name, self._model_version = _text(model_name), model_version
         self._inputs = list(inputs)
-        self._requested = list(requested_output_names)
-        self._request_id, self._correlation_id = request_id, correlation_id
+        self._requested = [_text(name) for name in requested_output_names]
+        self._request_id, self._correlation_id = _text(request_id), _text(correlation_id)
         self._flags, self._timeout = flags, timeout
+        parameters = _text(parameters)
         self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
         self._sender: InferenceResponseSender | None = None
 
@@ -348,23 +360,23 @@ class Logger:
 
     @classmethod
     def log(cls, message: str, level: int = INFO) -> None:
-        logger.log(cls._LEVELS.get(level, logging.INFO), "%s", message)
+        logger.log(cls._LEVELS.get(level, logging.INFO), "%s", _text(message))
 
     @classmethod
     def log_info(cls, message: str) -> None:
-        logger.info("%s", message)
+        logger.info("%s", _text(message))
 
     @classmethod
     def log_warn(cls, message: str) -> None:
-        logger.warning("%s", message)
+        logger.warning("%s", _text(message))
 
     @classmethod
     def log_error(cls, message: str) -> None:
-        logger.error("%s", message)
+        logger.error("%s", _text(message))
 
     @classmethod
     def log_verbose(cls, message: str) -> None:
-        logger.debug("%s", message)
+        logger.debug("%s", _text(message))
 
 
 class LogLevel:
