@@ -87,7 +87,12 @@ def _text(value: Any) -> Any:
     string: its BLS example passes ``model_name.as_numpy()[0]``, the ``bytes`` of a BYTES input, as
     the model name. Shoal's take them the same way (names, ids, messages, JSON parameters).
     """
-    return value.decode("utf-8") if isinstance(value, bytes | bytearray) else value
+    return bytes(value).decode("utf-8") if isinstance(value, bytes | bytearray) else value
+
+
+def _name(value: str | bytes) -> str:
+    """A name or id given as ``str`` or ``bytes`` (``_text``), as a ``str``."""
+    return str(_text(value))
 
 
 class TritonError:
@@ -118,11 +123,11 @@ class TritonModelException(Exception):
 class Tensor:
     """A named tensor: numpy data on the CPU."""
 
-    def __init__(self, name: str, data: Any, dtype: Any = None) -> None:
+    def __init__(self, name: str | bytes, data: Any, dtype: Any = None) -> None:
         array = np.asarray(data) if dtype is None else np.asarray(data, dtype=dtype)
         if array.dtype.kind in "SU":  # Triton keeps strings as BYTES objects
             array = array.astype(np.object_)
-        self._name, self._data = _text(name), array
+        self._name, self._data = _name(name), array
 
     def name(self) -> str:
         return self._name
@@ -284,14 +289,16 @@ class InferenceResponseSender:
 class InferenceRequest:
     """A request: one the model received, or one it builds to call another model (BLS)."""
 
-    def __init__(self, model_name: str = "", inputs: Iterable[Tensor] = (),
-                 requested_output_names: Iterable[str] = (), request_id: str = "", correlation_id: int | str = 0,
+    def __init__(self, model_name: str | bytes = "", inputs: Iterable[Tensor] = (),
+                 requested_output_names: Iterable[str | bytes] = (), request_id: str | bytes = "",
+                 correlation_id: int | str | bytes = 0,
                  model_version: int = -1, flags: int = 0, timeout: int = 0, preferred_memory: Any = None,
                  trace: Any = None, parameters: dict[str, Any] | str | None = None) -> None:
-        self._model_name, self._model_version = _text(model_name), model_version
+        self._model_name, self._model_version = _name(model_name), model_version
         self._inputs = list(inputs)
-        self._requested = [_text(name) for name in requested_output_names]
-        self._request_id, self._correlation_id = _text(request_id), _text(correlation_id)
+        self._requested = [_name(name) for name in requested_output_names]
+        self._request_id = _name(request_id)
+        self._correlation_id: int | str = _text(correlation_id)
         self._flags, self._timeout = flags, timeout
         parameters = _text(parameters)
         self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
