@@ -90,6 +90,27 @@ sequence_batching {{
 """)
 
 
+def _save_torch_sequence_model(repo: Path, name: str, module: object, instances: int, processes: bool,
+                               batching: str) -> None:
+    """A TorchScript model with INPUT -> OUTPUT (FP32 rows of 1, batches of 4) and the implicit state
+    STATE_IN -> STATE_OUT, under ``sequence_batching { batching STATE }``."""
+    import torch
+
+    (repo / name / "1").mkdir(parents=True)
+    torch.jit.script(module).save(str(repo / name / "1" / "model.pt"))  # type: ignore[no-untyped-call]
+    write_config(repo / name, f"""
+name: "{name}"
+backend: "pytorch"
+max_batch_size: 4
+input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+instance_group [ {{ count: {instances} kind: KIND_CPU }} ]{PROCESSES if processes else ""}
+sequence_batching {{
+  {batching}{STATE}
+}}
+""")
+
+
 def add_torch_accumulator(repo: Path, name: str, processes: bool = False) -> None:
     """TorchScript: forward(INPUT, START, STATE_IN) -> (OUTPUT, STATE_OUT), the running sum, reset at START;
     ``processes``: its instances are worker processes (process_instances)."""
@@ -101,20 +122,10 @@ def add_torch_accumulator(repo: Path, name: str, processes: bool = False) -> Non
             total = STATE_IN * (1 - START.float()) + INPUT
             return total, total
 
-    (repo / name / "1").mkdir(parents=True)
-    torch.jit.script(Accumulator()).save(str(repo / name / "1" / "model.pt"))  # type: ignore[no-untyped-call]
-    write_config(repo / name, f"""
-name: "{name}"
-backend: "pytorch"
-max_batch_size: 4
-input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-instance_group [ {{ count: 2 kind: KIND_CPU }} ]{PROCESSES if processes else ""}
-sequence_batching {{
-  oldest {{ max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }}
-  control_input [ {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }} ]{STATE}
-}}
-""")
+    _save_torch_sequence_model(
+        repo, name, Accumulator(), 2, processes,
+        "oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }\n  control_input [ { name: "
+        "\"START\" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]")
 
 
 def add_torch_passthrough_state(repo: Path, name: str, strategy: str = "direct { }", processes: bool = False) -> None:
@@ -128,16 +139,4 @@ def add_torch_passthrough_state(repo: Path, name: str, strategy: str = "direct {
                     STATE_IN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return INPUT - STATE_IN, INPUT
 
-    (repo / name / "1").mkdir(parents=True)
-    torch.jit.script(PassThrough()).save(str(repo / name / "1" / "model.pt"))  # type: ignore[no-untyped-call]
-    write_config(repo / name, f"""
-name: "{name}"
-backend: "pytorch"
-max_batch_size: 4
-input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-instance_group [ {{ count: 1 kind: KIND_CPU }} ]{PROCESSES if processes else ""}
-sequence_batching {{
-  {strategy}{STATE}
-}}
-""")
+    _save_torch_sequence_model(repo, name, PassThrough(), 1, processes, strategy)
