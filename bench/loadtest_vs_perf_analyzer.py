@@ -1,25 +1,31 @@
 """shoal-load beside Triton's perf_analyzer on the same server, model and concurrencies, one run.
 
-    python bench/loadtest_vs_perf_analyzer.py [--concurrency 1 2 4 8 16] [--window-s 2]
+    python bench/loadtest_vs_perf_analyzer.py [--concurrency 1 4 16] [--protocol grpc http] [--repeats 2]
+                                              [--models simple mlp] [--window-s 1] [--ceiling]
 
-Starts Shoal on model_repository/, measures `simple` and `mlp` with perf_analyzer and with
-shoal-load (1 and 2 processes) at each concurrency, and prints throughputs and their ratios.
-Then measures the load tester's own ceiling: requests/s it drives against a model that does
-no work (identity backend, 4 floats) at concurrency 32. Writes
+Starts Shoal on model_repository/ and, for each model, protocol and concurrency, measures it
+``--repeats`` times in turn with perf_analyzer, shoal-load in 1 process and shoal-load in 2
+processes, so that a machine shared with other work disturbs all three alike; prints each
+throughput and the ratio of each shoal-load run to the perf_analyzer run just before it, then
+the range of those ratios. With ``--ceiling``, also the load tester's own ceiling: requests/s it
+drives against a model that does no work (identity backend, 4 floats) at concurrency 32. Writes
 bench/results/loadtest_vs_perf_analyzer.csv.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import install_perf_analyzer, perf_analyzer, save_results, shoal_load  # noqa: E402
-from bench._server import REPO_ROOT, shoal_server  # noqa: E402
+from bench._perf import install_perf_analyzer, perf_analyzer, save_results  # noqa: E402
+from bench._server import REPO_ROOT  # noqa: E402
+from shoal.tools import local_server  # noqa: E402
 
 NOOP_CONFIG = """
 backend: "identity"
@@ -28,39 +34,93 @@ input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
 output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
 instance_group [ { count: 2 kind: KIND_CPU } ]
 """
+STABILITY_PERCENT = 20.0
+MAX_WINDOWS = 10  # perf_analyzer's default --max-trials
+
+
+def shoal_load(url: str, model: str, concurrency: int, window_s: float, processes: int, protocol: str) -> float:
+    """Throughput (inferences/s) of one closed-loop shoal-load step, measured as perf_analyzer is here."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "r.json"
+        subprocess.run(
+            [sys.executable, "-m", "shoal.clients.loadtest", "-i", protocol, "-m", model, "-u", url,
+             "--concurrency", str(concurrency), "--processes", str(processes), "--input-data", "zeros",
+             "--window-s", str(window_s), "--stability", str(STABILITY_PERCENT), "--max-windows", str(MAX_WINDOWS),
+             "--json", str(out), "--no-progress"],
+            check=True, capture_output=True, timeout=120,
+        )
+        return float(json.loads(out.read_text())["steps"][0]["throughput"])
+
+
+def measure_in_turn(urls: dict[str, str], model: str, protocol: str, concurrency: int, window_s: float,
+                    repeats: int) -> list[dict[str, object]]:
+    """``repeats`` rounds of perf_analyzer, shoal-load 1 process, shoal-load 2 processes, one after the other."""
+    rows: list[dict[str, object]] = []
+    url = urls[protocol]
+    for round_index in range(repeats):
+        try:
+            pa = perf_analyzer(url, model, concurrency, int(window_s * 1000), max_trials=MAX_WINDOWS,
+                               stability_percent=STABILITY_PERCENT, protocol=protocol)["throughput"]
+        except subprocess.CalledProcessError:  # no three windows within STABILITY_PERCENT: it writes no figure
+            print(f"{model:<7} {protocol:<5} {concurrency:>4} {round_index + 1:>5} | perf_analyzer found no stable "
+                  "figure: round left out", flush=True)
+            continue
+        one = shoal_load(url, model, concurrency, window_s, 1, protocol)
+        two = shoal_load(url, model, concurrency, window_s, 2, protocol)
+        row: dict[str, object] = {"model": model, "protocol": protocol, "concurrency": concurrency,
+                                  "round": round_index + 1, "perf_analyzer": round(pa, 1),
+                                  "shoal_load_1proc": round(one, 1), "shoal_load_2proc": round(two, 1),
+                                  "ratio_1proc": round(one / pa, 2), "ratio_2proc": round(two / pa, 2)}
+        print(f"{model:<7} {protocol:<5} {concurrency:>4} {round_index + 1:>5} | {pa:>13.0f} | {one:>13.0f} "
+              f"{one / pa:>6.2f} | {two:>13.0f} {two / pa:>6.2f}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def print_ranges(rows: list[dict[str, object]]) -> None:
+    """Per model, protocol and concurrency: the range of each ratio over the rounds."""
+    print("\nratio ranges (shoal-load / perf_analyzer, over the rounds):")
+    keys = dict.fromkeys((r["model"], r["protocol"], r["concurrency"]) for r in rows)
+    for model, protocol, concurrency in keys:
+        mine = [r for r in rows if (r["model"], r["protocol"], r["concurrency"]) == (model, protocol, concurrency)]
+        spans = []
+        for column in ("ratio_1proc", "ratio_2proc"):
+            values = [float(str(r[column])) for r in mine]
+            spans.append(f"{min(values):.2f}–{max(values):.2f}")
+        print(f"  {model:<7} {protocol:<5} c={concurrency:<3} 1 process {spans[0]}, 2 processes {spans[1]}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--window-s", type=float, default=2.0)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--protocol", nargs="+", choices=["grpc", "http"], default=["grpc", "http"])
+    parser.add_argument("--models", nargs="+", choices=["simple", "mlp"], default=["simple"])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--window-s", type=float, default=1.0)
+    parser.add_argument("--ceiling", action="store_true", help="also the no-op model at concurrency 32")
     args = parser.parse_args()
     install_perf_analyzer()
-    rows = []
+    rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as folder:
         repo = Path(folder)
-        for name in ("simple", "mlp"):
+        for name in args.models:
             shutil.copytree(REPO_ROOT / "model_repository" / name, repo / name)
         (repo / "noop" / "1").mkdir(parents=True)
         (repo / "noop" / "config.pbtxt").write_text(NOOP_CONFIG)
-        with shoal_server(repo) as (url, _):
-            for model in ("simple", "mlp"):
-                for concurrency in args.concurrency:
-                    pa = perf_analyzer(url, model, concurrency, int(args.window_s * 1000))["throughput"]
-                    one = shoal_load(url, model, concurrency, args.window_s, processes=1)
-                    two = shoal_load(url, model, concurrency, args.window_s, processes=2)
-                    rows.append({"model": model, "concurrency": concurrency, "perf_analyzer": pa,
-                                 "shoal_load_1proc": one, "shoal_load_2proc": two})
-            ceiling = {p: shoal_load(url, "noop", 32, args.window_s, processes=p) for p in (1, 2)}
-            pa_noop = perf_analyzer(url, "noop", 32, int(args.window_s * 1000))["throughput"]
-    print(f"{'model':<7} {'conc':>4} | {'perf_analyzer':>13} | {'shoal-load 1p':>13} {'ratio':>6} | "
-          f"{'shoal-load 2p':>13} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['model']:<7} {r['concurrency']:>4} | {r['perf_analyzer']:>13.0f} | {r['shoal_load_1proc']:>13.0f} "
-              f"{r['shoal_load_1proc'] / r['perf_analyzer']:>6.2f} | {r['shoal_load_2proc']:>13.0f} "
-              f"{r['shoal_load_2proc'] / r['perf_analyzer']:>6.2f}")
-    print(f"\nno-op model at concurrency 32: shoal-load 1 process {ceiling[1]:.0f}/s, 2 processes {ceiling[2]:.0f}/s, "
-          f"perf_analyzer {pa_noop:.0f}/s")
+        with local_server.running(repo) as server:
+            urls = {"grpc": server.url, "http": server.http_url}
+            print(f"{'model':<7} {'proto':<5} {'conc':>4} {'round':>5} | {'perf_analyzer':>13} | "
+                  f"{'shoal-load 1p':>13} {'ratio':>6} | {'shoal-load 2p':>13} {'ratio':>6}")
+            for model in args.models:
+                for protocol in args.protocol:
+                    for concurrency in args.concurrency:
+                        rows += measure_in_turn(urls, model, protocol, concurrency, args.window_s, args.repeats)
+            print_ranges(rows)
+            if args.ceiling:
+                ceiling = {p: shoal_load(server.url, "noop", 32, args.window_s, p, "grpc") for p in (1, 2)}
+                pa_noop = perf_analyzer(server.url, "noop", 32, int(args.window_s * 1000))["throughput"]
+                print(f"\nno-op model at concurrency 32: shoal-load 1 process {ceiling[1]:.0f}/s, 2 processes "
+                      f"{ceiling[2]:.0f}/s, perf_analyzer {pa_noop:.0f}/s")
     save_results(rows, "loadtest_vs_perf_analyzer.csv")
 
 

@@ -5,19 +5,25 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import multiprocessing
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from shoal.clients import InferenceClient
 from shoal.clients.loadtest.cli import parse_steps
+from shoal.clients.loadtest.measure import LoadTester, Settings
 from shoal.clients.loadtest.report import PERF_ANALYZER_COLUMNS
 from tests import models
 from tests.conftest import RunningServer
+from tests.models import REPO_ROOT
 from tests.polling import success_count, wait_until
 
 FAST = ["--warmup-s", "0.3", "--window-s", "0.5", "--max-windows", "4", "--max-seconds", "60", "--no-progress"]
@@ -64,7 +70,7 @@ def test_sweep_writes_csv_json_and_png(load_server: RunningServer, tmp_path: Pat
     for row in rows:
         assert float(row["Inferences/Second"]) > 0
         assert 0 < float(row["p50 latency"]) <= float(row["p99 latency"]) <= float(row["Max latency"])
-        assert row["Errors"] == ""
+        assert row["Errors"] == "0"  # as the table says: 0, not an empty cell
         assert float(row["Server Compute Infer"]) > 0  # breakdown from ModelStatistics deltas
     steps = json.loads(out_json.read_text())["steps"]
     assert steps[1]["concurrency"] == 2 and steps[1]["requests"] > 0
@@ -192,6 +198,81 @@ def test_open_loop_with_two_processes(load_server: RunningServer, tmp_path: Path
     assert result.returncode == 0, (step["errors"], result.stderr)
     assert step["request_rate"] == 200 and not step["errors"]
     assert 120 < step["throughput"] < 280  # a Poisson schedule at 200/s over ~1.5 s
+
+
+def test_the_first_window_counts_load_though_the_processes_start_slowly(load_server: RunningServer,
+                                                                       tmp_path: Path) -> None:
+    """The step starts once every load process is ready: no warm-up, yet the first window is loaded.
+    Before, the clock started 0.5 s after the processes were spawned, while they still imported: with
+    ``--warmup-s 0.5`` the first windows read 0 infer/s."""
+    out_json = tmp_path / "r.json"
+    result = shoal_load("-m", "simple", "-u", load_server.url, "--concurrency", "2", "--processes", "2",
+                        "--warmup-s", "0", "--window-s", "0.3", "--max-windows", "3", "--stability", "0.001",
+                        "--max-seconds", "60", "--json", str(out_json), "--no-progress")
+    assert result.returncode == 0, result.stderr
+    windows = json.loads(out_json.read_text())["steps"][0]["window_throughputs"]
+    assert len(windows) == 3 and min(windows) > 0.1 * max(windows), windows
+
+
+def test_an_open_loop_starts_on_schedule_without_a_burst(load_server: RunningServer, tmp_path: Path) -> None:
+    """An open loop's schedule starts when its process is ready. Before, a process that was still
+    importing found its schedule seconds in the past and sent the backlog at once: past the server's
+    100 concurrent streams per connection (``--grpc-max-concurrent-streams``) they were refused
+    (RST_STREAM REFUSED_STREAM: UNAVAILABLE), and the first window read far above the rate."""
+    out_json = tmp_path / "r.json"
+    result = shoal_load("-m", "simple", "-u", load_server.url, "--request-rate", "300", "--processes", "2",
+                        "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "3", "--stability", "0.001",
+                        "--max-seconds", "60", "--json", str(out_json), "--no-progress")
+    step = json.loads(out_json.read_text())["steps"][0]
+    assert result.returncode == 0 and not step["errors"], (step["errors"], result.stderr)
+    assert max(step["window_throughputs"]) < 2 * 300, step["window_throughputs"]
+
+
+def test_a_ctrl_c_while_the_load_processes_start_is_raised_not_lost() -> None:
+    """The parent blocks SIGINT while it spawns (so the children are born blocking it) and raises the
+    Ctrl-C that came meanwhile. Ignoring it instead lost it: the tuner then ran to its end, exit 0."""
+    main_thread = threading.main_thread().ident
+    assert main_thread is not None
+
+    class InterruptingRequest(bytes):
+        """A request that, as the load process's arguments are pickled in ``start()``, delivers a Ctrl-C."""
+
+        def __reduce__(self) -> tuple[type[bytes], tuple[bytes]]:
+            signal.pthread_kill(main_thread, signal.SIGINT)
+            return bytes, (bytes(self),)
+
+    settings = Settings("127.0.0.1:1", "m", "", InterruptingRequest(b"x"), 1, processes=2)
+    with pytest.raises(KeyboardInterrupt):
+        with LoadTester(settings):
+            for _ in range(1000):  # where the interrupt lands: in __enter__, or at the latest here
+                pass
+    assert wait_until(lambda: not multiprocessing.active_children(), timeout_s=30, what="the load processes to end")
+
+
+def _readme_commands() -> list[str]:
+    """The shoal-load commands of the README's section on it."""
+    text = (REPO_ROOT / "README.md").read_text()
+    start = text.index("\n## Load testing: `shoal-load`\n")
+    section = text[start:text.index("\n## ", start + 1)]
+    return [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+            for line in block.splitlines() if line.startswith(".venv/bin/shoal-load ")]
+
+
+def test_the_readme_examples_run_and_finish_quickly(load_server: RunningServer, tmp_path: Path) -> None:
+    """Each README command is bounded (--max-seconds) and completes every step, as written."""
+    commands = _readme_commands()
+    assert len(commands) == 2
+    for command in commands:
+        args = shlex.split(command)[1:]
+        assert "--max-seconds" in args, command
+        if "-u" in args:
+            args[args.index("-u") + 1] = load_server.http_url if "http" in args else load_server.url
+        else:
+            args += ["-u", load_server.url]  # the README's server listens on the default port
+        result = subprocess.run([sys.executable, "-m", "shoal.clients.loadtest", *args, "--no-progress"],
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert result.returncode == 0 and "not run" not in result.stderr, (command, result.stderr)
+    assert (tmp_path / "simple.csv").is_file() and (tmp_path / "simple.png").is_file()
 
 
 def test_fixed_request_count(load_server: RunningServer, tmp_path: Path) -> None:

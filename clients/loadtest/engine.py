@@ -1,8 +1,11 @@
 """The load-generating worker process: asyncio, pre-serialized requests over gRPC or HTTP.
 
-A worker process receives steps on a command queue and, for each, sends requests from
-``start_at`` on (closed loop: ``concurrency`` coroutines each waiting for its reply; open
-loop: sends on a constant or Poisson schedule). Requests completing after the warm-up are
+A worker process receives steps on a command queue. For each it opens its channels, reports
+``Ready`` and waits for the parent's ``Start``: the parent fixes the start once every process
+is ready, so a process still importing (seconds on a busy machine) never eats into the warm-up
+or the first windows. From ``start_at`` on it sends requests (closed loop: ``concurrency``
+coroutines each waiting for its reply; open loop: sends on a constant or Poisson schedule).
+Requests completing after the warm-up are
 counted in fixed windows and each window is reported to the parent on a result queue:
 (worker index, step index, window index, latencies in µs, errors by status).
 Everything runs until the parent sets the step's stop event or its deadline passes; requests
@@ -11,7 +14,8 @@ then in flight get ``STOP_GRACE_S`` to complete (and are counted), the rest are 
 A closed-loop coroutine whose requests fail backs off exponentially (``BACKOFF_FIRST_S``
 doubling up to ``BACKOFF_MAX_S``, reset by a success): a dead server costs a few failures
 per second per coroutine, not a busy loop. The open loop keeps its schedule (its rate bounds it).
-A load process ignores SIGINT (the parent stops it) and exits when its parent is gone.
+A load process ignores SIGINT (the parent stops it) and exits when its parent is gone. It is
+born with SIGINT blocked (see ``measure.LoadTester.__enter__``) and ignores it before unblocking.
 """
 
 from __future__ import annotations
@@ -36,9 +40,13 @@ from shoal.protocol import METHODS
 INFER_PATH = METHODS["ModelInfer"].path
 MAX_MESSAGE_BYTES = 2**31 - 1
 OPEN_LOOP_MAX_OUTSTANDING = 10_000
+# An open loop's requests go round-robin over this many channels: a server refuses streams past its
+# limit per connection (Shoal's --grpc-max-concurrent-streams, 100), and a stall piles requests up.
+OPEN_LOOP_CHANNELS = 8
 BACKOFF_FIRST_S = 0.001
 BACKOFF_MAX_S = 0.5
 STOP_GRACE_S = 2.0
+CONNECT_WAIT_S = 2.0  # bound on opening the channels before a step starts
 
 
 @dataclass(frozen=True)
@@ -47,10 +55,26 @@ class Step:
     concurrency: int  # closed loop: coroutines in this process (0 in open loop)
     request_rate: float  # open loop: requests/s from this process (0 in closed loop)
     poisson: bool
-    start_at: float  # time.monotonic() value, shared by all processes on the machine
     warmup_s: float
     window_s: float
-    deadline: float  # monotonic time after which the step ends regardless
+    ready_by: float  # monotonic time after which a process stops waiting for its Start
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A process has its channels open and waits for the step's Start."""
+
+    worker: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Start:
+    """When every process of a step starts sending, and when the step ends regardless."""
+
+    step: int
+    start_at: float  # time.monotonic() value, shared by all processes on the machine
+    deadline: float
 
 
 @dataclass(frozen=True)
@@ -65,9 +89,9 @@ class WindowReport:
 class _Windows:
     """Counts completions into windows by completion time; flushes whole windows to the parent."""
 
-    def __init__(self, worker: int, step: Step, results: Any) -> None:
+    def __init__(self, worker: int, step: Step, start: Start, results: Any) -> None:
         self.worker, self.step, self.results = worker, step, results
-        self.measure_from = step.start_at + step.warmup_s
+        self.measure_from = start.start_at + step.warmup_s
         self.current = 0
         self.latencies: list[float] = []
         self.errors: Counter[str] = Counter()
@@ -144,6 +168,16 @@ class _Senders:
             return str(exc.code().name)
         return None
 
+    async def connect(self, timeout_s: float) -> None:
+        """Open the gRPC channels before the start (HTTP connects on first use, within the warm-up);
+        a server that does not answer within ``timeout_s`` is left to the load to report."""
+        if isinstance(self.request, HttpRequest):
+            return
+        try:
+            await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self.channels)), timeout_s)
+        except TimeoutError:
+            return
+
     async def close(self) -> None:
         if isinstance(self.request, HttpRequest):
             await self.session.close()
@@ -153,16 +187,44 @@ class _Senders:
 
 
 async def _run_step(worker: int, url: str, request: bytes | HttpRequest, step: Step, workers_per_channel: int,
-                    stop: multiprocessing.synchronize.Event, results: Any) -> None:
-    senders = _Senders(url, request, max(1, step.concurrency), workers_per_channel)
-    windows = _Windows(worker, step, results)
+                    commands: Any, stop: multiprocessing.synchronize.Event, results: Any) -> None:
+    senders = _Senders(url, request, step.concurrency or OPEN_LOOP_CHANNELS * workers_per_channel,
+                       workers_per_channel)
+    await senders.connect(min(CONNECT_WAIT_S, max(0.0, step.ready_by - time.monotonic())))
+    results.put(Ready(worker, step.index))
+    start = await asyncio.to_thread(_wait_for_start, commands, step, stop)
+    if start is not None:
+        await _send_load(worker, senders, step, start, stop, results)
+    results.put(("done", worker, step.index, time.monotonic()))
+    await senders.close()
+
+
+def _wait_for_start(commands: Any, step: Step, stop: multiprocessing.synchronize.Event) -> Start | None:
+    """The parent's Start of ``step``; None when the step was stopped or ``step.ready_by`` passed first."""
+    while not stop.is_set() and time.monotonic() < step.ready_by:
+        try:
+            message = commands.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if message is None:  # the parent is closing: leave its None for worker_main
+            commands.put(None)
+            return None
+        if isinstance(message, Start) and message.step == step.index:
+            return message
+    return None
+
+
+async def _send_load(worker: int, senders: _Senders, step: Step, start: Start,
+                     stop: multiprocessing.synchronize.Event, results: Any) -> None:
+    """Send from ``start.start_at`` until stopped or the deadline, counting completions in windows."""
+    windows = _Windows(worker, step, start, results)
 
     def running() -> bool:
-        return not stop.is_set() and time.monotonic() < step.deadline
+        return not stop.is_set() and time.monotonic() < start.deadline
 
     async def send(index: int) -> bool:
         sent = time.monotonic()
-        error = await senders.send(index, max(1.0, step.deadline - sent))
+        error = await senders.send(index, max(1.0, start.deadline - sent))
         finished = time.monotonic()
         windows.record(finished, finished - sent, error)
         return error is None
@@ -179,7 +241,7 @@ async def _run_step(worker: int, url: str, request: bytes | HttpRequest, step: S
     in_flight: set[asyncio.Task[bool]] = set()  # open loop: sent, not yet answered
 
     async def open_loop() -> None:
-        next_send = step.start_at
+        next_send = start.start_at
         rng = random.Random(worker)
         turn = 0
         while running():
@@ -189,14 +251,14 @@ async def _run_step(worker: int, url: str, request: bytes | HttpRequest, step: S
             if len(in_flight) >= OPEN_LOOP_MAX_OUTSTANDING:
                 windows.record(time.monotonic(), 0.0, "CLIENT_OVERLOADED")
             else:
-                task = asyncio.create_task(send(turn))
+                task = asyncio.create_task(send(turn * senders.workers_per_channel))  # the next channel each time
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
             turn += 1
             gap = 1.0 / step.request_rate
             next_send += rng.expovariate(1.0 / gap) if step.poisson else gap
 
-    delay = step.start_at - time.monotonic()
+    delay = start.start_at - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
     loops = [asyncio.create_task(closed_loop(i)) for i in range(step.concurrency)] if step.concurrency > 0 else [
@@ -211,14 +273,13 @@ async def _run_step(worker: int, url: str, request: bytes | HttpRequest, step: S
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     windows.flush()
-    results.put(("done", worker, step.index, time.monotonic()))
-    await senders.close()
 
 
 def worker_main(worker: int, url: str, request: bytes | HttpRequest, workers_per_channel: int, commands: Any,
                 results: Any, stop: multiprocessing.synchronize.Event) -> None:
     """Entry point of a load process: run steps from ``commands`` until it sends None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # born blocked; now ignored instead
     parent = multiprocessing.parent_process()
     while True:
         try:
@@ -229,4 +290,5 @@ def worker_main(worker: int, url: str, request: bytes | HttpRequest, workers_per
             continue
         if step is None:
             return
-        asyncio.run(_run_step(worker, url, request, step, workers_per_channel, stop, results))
+        if isinstance(step, Step):  # a Start left over from a step this process did not reach is dropped
+            asyncio.run(_run_step(worker, url, request, step, workers_per_channel, commands, stop, results))

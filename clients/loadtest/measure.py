@@ -1,6 +1,8 @@
 """The parent of a load test: runs steps on the worker processes, decides when a step is stable.
 
-A step measures windows of ``window_s`` after a warm-up until the last three windows agree
+A step starts once every load process reports ``Ready`` (a process still importing would
+otherwise leave the warm-up and the first windows empty); it measures windows of ``window_s``
+after a warm-up until the last three windows agree
 within ``stability`` (throughput and mean latency: max/min − 1), or ``max_windows`` pass, or
 — with ``request_count`` — until that many requests completed. The step's throughput and
 latencies are those of its last three windows (all measured windows with ``request_count``);
@@ -14,10 +16,10 @@ far, marked ``interrupted``.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import queue
 import signal
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -27,11 +29,14 @@ from typing import Any
 import numpy as np
 
 from shoal.clients.loadtest.control import CONTROL_ERRORS, connect
-from shoal.clients.loadtest.engine import Step, WindowReport, worker_main
+from shoal.clients.loadtest.engine import Ready, Start, Step, WindowReport, worker_main
 from shoal.clients.loadtest.http import HttpRequest
 
 STABLE_WINDOWS = 3
 STATISTICS = ("queue", "compute_input", "compute_infer", "compute_output", "success")
+READY_TIMEOUT_S = 60.0  # load processes import and connect in seconds, even on a busy machine
+READY_SLACK_S = 5.0  # a ready process waits this much longer for its Start than the parent waits for Ready
+START_MARGIN_S = 0.05  # from sending Start to start_at: the Start must reach every process first
 
 
 @dataclass(frozen=True)
@@ -130,16 +135,20 @@ class LoadTester:
         self._has_statistics = self._server_has_statistics()
 
     def __enter__(self) -> LoadTester:
-        # Started with SIGINT ignored, they ignore it from birth (Python keeps an inherited SIG_IGN): a
-        # Ctrl-C while a process is still importing would otherwise print its KeyboardInterrupt traceback.
-        main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        # The load processes are born with SIGINT blocked (the mask survives fork and exec), so a Ctrl-C
+        # while one still imports prints no KeyboardInterrupt traceback; each ignores SIGINT, then unblocks
+        # it. Here a Ctrl-C meanwhile stays pending and is raised once they started: ignoring SIGINT here
+        # instead lost it (the tuner then ran to its end and exited 0).
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            for process in self._processes:
-                process.start()
-        finally:
-            if main_thread:
-                signal.signal(signal.SIGINT, previous)
+            try:
+                for process in self._processes:
+                    process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -150,6 +159,8 @@ class LoadTester:
         for command in self._commands:
             command.put(None)
         for process in self._processes:
+            if process.pid is None:  # never started: a Ctrl-C came first
+                continue
             process.join(timeout=10)
             if process.is_alive():
                 process.terminate()
@@ -184,36 +195,56 @@ class LoadTester:
         """Measure one step; ``deadline`` (monotonic) bounds it, on top of ``max_windows``."""
         s = self.settings
         self._stop.clear()
-        start_at = time.monotonic() + 0.5  # every process starts at the same moment
-        budget = s.warmup_s + s.window_s * (s.max_windows + 1) + 5
-        step_deadline = min(start_at + budget, deadline) if deadline else start_at + budget
         step_index = self._step_index
         self._step_index += 1
         # Closed loop: no more processes than requests in flight; open loop: the rate is split.
         active = min(s.processes, concurrency) if concurrency else s.processes
         self._active = active
+        ready_until = min(time.monotonic() + READY_TIMEOUT_S, deadline or math.inf)
         for index, command in enumerate(self._commands[:active]):
-            share = _share(concurrency, active, index)
-            command.put(Step(step_index, share, request_rate / active, s.poisson, start_at, s.warmup_s,
-                             s.window_s, step_deadline))
+            command.put(Step(step_index, _share(concurrency, active, index), request_rate / active, s.poisson,
+                             s.warmup_s, s.window_s, ready_until + READY_SLACK_S))
         windows: list[WindowStats] = []
         totals = _Totals()
         snapshots: list[Any] = []
+        measure_from = None
         interrupted = False
         try:
-            wait = start_at + s.warmup_s - time.monotonic()
+            start = self._start(step_index, ready_until, deadline)
+            measure_from = start.start_at + s.warmup_s
+            wait = measure_from - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
             snapshots.append(self._snapshot())
-            self._measure(step_index, step_deadline, concurrency, request_rate, windows, totals, snapshots)
+            self._measure(step_index, start.deadline, concurrency, request_rate, windows, totals, snapshots)
         except KeyboardInterrupt:
             interrupted = True
         self._stop.set()
         self._drain(step_index, totals, timeout_s=10 if interrupted else 30)
         result = _summarize(concurrency, request_rate, windows, s, snapshots, totals)
-        result.seconds = max(0.0, (totals.ended_at or time.monotonic()) - (start_at + s.warmup_s))
+        if measure_from is not None:
+            result.seconds = max(0.0, (totals.ended_at or time.monotonic()) - measure_from)
         result.interrupted = interrupted
         return result
+
+    def _start(self, step_index: int, ready_until: float, deadline: float | None) -> Start:
+        """Wait (until ``ready_until``) for every active process to be Ready, then start them all at once:
+        the warm-up and the windows count from when the load really starts."""
+        ready: set[int] = set()
+        while len(ready) < self._active and time.monotonic() < ready_until:
+            try:
+                message = self._results.get(timeout=max(0.05, ready_until - time.monotonic()))
+            except queue.Empty:
+                break
+            if isinstance(message, Ready) and message.step == step_index:
+                ready.add(message.worker)
+        s = self.settings
+        start_at = time.monotonic() + START_MARGIN_S
+        budget = s.warmup_s + s.window_s * (s.max_windows + 1) + 5
+        start = Start(step_index, start_at, min(start_at + budget, deadline or math.inf))
+        for command in self._commands[:self._active]:
+            command.put(start)
+        return start
 
     def _measure(self, step_index: int, step_deadline: float, concurrency: int, request_rate: float,
                  windows: list[WindowStats], totals: _Totals, snapshots: list[Any]) -> None:

@@ -45,7 +45,7 @@ def csv_row(step: StepResult) -> dict[str, object]:
         "Avg latency": round(latency["avg"]),
         "Max latency": round(latency["max"]),
         "Requests": step.requests,
-        "Errors": ";".join(f"{k}={v}" for k, v in sorted(step.errors.items())),
+        "Errors": ";".join(f"{k}={v}" for k, v in sorted(step.errors.items())) or 0,  # 0 as in the table
         "Stable": step.stable,
     }
     return row
