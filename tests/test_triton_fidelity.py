@@ -277,7 +277,7 @@ def test_bytes_counts_over_http_binary(server: RunningServer, counts: tuple[int,
 def test_a_front_end_error_comes_before_a_content_error(server: RunningServer) -> None:
     """Triton's front end (server src/grpc/infer_handler.cc ``InferGRPCToInput``) reads every input
     before its core checks contents: an input without data is named, though the one before it has
-    too few strings."""
+    too few strings (Triton 2.51 answers so)."""
     request = service_pb2.ModelInferRequest(model_name="strs")
     request.inputs.add(name="INPUT0", datatype="BYTES", shape=[16])
     request.inputs.add(name="INPUT1", datatype="BYTES", shape=[16])
@@ -285,6 +285,17 @@ def test_a_front_end_error_comes_before_a_content_error(server: RunningServer) -
     with grpc.insecure_channel(server.url) as channel, pytest.raises(grpc.RpcError) as caught:
         service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
     assert caught.value.details() == "unable to find data for input tensor 'INPUT1' for model 'strs' in request."
+
+
+def test_typed_bytes_contents_name_the_last_unfit_input(server: RunningServer) -> None:
+    """Typed ``bytes_contents`` are serialized by the front end and counted by the core, in the same
+    order as raw contents (Triton 2.51: INPUT1 named)."""
+    request = service_pb2.ModelInferRequest(model_name="strs")
+    request.inputs.add(name="INPUT0", datatype="BYTES", shape=[16]).contents.bytes_contents.extend([b"a"] * 14)
+    request.inputs.add(name="INPUT1", datatype="BYTES", shape=[16]).contents.bytes_contents.extend([b"a"] * 15)
+    with grpc.insecure_channel(server.url) as channel, pytest.raises(grpc.RpcError) as caught:
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
+    assert caught.value.details() == "expected 16 string elements for inference input 'INPUT1' for model 'strs', got 15"
 
 
 def _int_input() -> httpclient.InferInput:
