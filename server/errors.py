@@ -10,8 +10,9 @@ Exception tree::
         UNAVAILABLE        a model that is not ready, unloading, or a server shutting down
         UNSUPPORTED        a feature Shoal does not implement
         ALREADY_EXISTS     a name that is taken
-        INTERNAL           a backend failed while executing
-        LOAD_FAILED        a model could not be loaded (config, model file, device)
+        INTERNAL           a backend failed while executing; a load not read from the repository
+        LOAD_FAILED        a model could not be loaded (config, model file, device); a load that
+                           ends so is answered INVALID_ARGUMENT, as Triton's (lifecycle.manager)
         PERMISSION_DENIED  a restricted call without the configured header (gRPC: UNAVAILABLE, as Triton)
     StartupError(message)  the server cannot start (a port in use): a clear line and exit 1
 
@@ -79,6 +80,14 @@ def invalid(message: str) -> ShoalError:
 
 def load_failed(message: str) -> ShoalError:
     return ShoalError(ErrorCode.LOAD_FAILED, message)
+
+
+def poll_failed(model: str, why: str) -> ShoalError:
+    """Triton's answer to a load it could not even read from the repository (core
+    model_repository_manager.cc ``LoadModel``: a missing folder, a file override it cannot write):
+    INTERNAL, in its words, which clients match; Shoal adds why after them."""
+    return ShoalError(ErrorCode.INTERNAL,
+                      f"failed to load '{shown(model)}', failed to poll from model repository: {why}")
 
 
 def unsupported(what: str) -> ShoalError:

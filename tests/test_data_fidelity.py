@@ -436,6 +436,6 @@ def test_a_nul_byte_in_a_config_file_fails_the_load_naming_the_field(server: Run
         status, message = error(server, "POST", "/v2/repository/models/nul_label/load")
     finally:
         shutil.rmtree(repository / "nul_label")
-    assert status == 503  # a model that fails to load, as every load failure here
-    assert message == ("failed to load 'nul_label': model 'nul_label': label_filename of output 'OUT' holds a NUL "
-                       "byte, which no file name can hold"), message
+    assert status == 400  # a model that fails to load: INVALID_ARGUMENT, as Triton's
+    assert message == ("load failed for model 'nul_label': model 'nul_label': label_filename of output 'OUT' holds "
+                       "a NUL byte, which no file name can hold"), message

@@ -166,7 +166,7 @@ def test_states_through_load_unload_and_shutdown(tmp_path: Path, closes: list[st
         assert _rows(manager, "a") == [("1", S.READY, "")]
         assert _rows(manager, "b") == [("", S.UNKNOWN, "")]  # in the repository, never loaded
         assert manager.all_ready()
-        with pytest.raises(ShoalError, match="failed to load 'broken'"):
+        with pytest.raises(ShoalError, match="load failed for model 'broken'"):
             await manager.load("broken")
         assert _rows(manager, "broken")[0][1] is S.UNAVAILABLE and not manager.all_ready()
         await manager.unload("broken")  # unloaded on purpose: readiness stops waiting for it
@@ -222,7 +222,7 @@ def test_a_failed_reload_releases_nothing_and_keeps_the_old_version_serving(
         await manager.load("a")
         with pytest.raises(ShoalError) as caught:
             await manager.load("a", {"backend": "identity", "input": [{"name": "IN", "data_type": "TYPE_FP32"}]})
-        assert caught.value.code is ErrorCode.UNAVAILABLE
+        assert caught.value.code is ErrorCode.INVALID_ARGUMENT  # Triton's "load failed for model 'a': ..."
         assert manager.entry("a").state is S.READY and "reload failed" in manager.entry("a").reason
         assert closes == [] and manager.resolve("a", "1").spec.name == "a"
         await manager.close()

@@ -356,11 +356,11 @@ def test_a_base_exception_in_initialize_fails_that_load_only(tmp_path: Path, ser
         for name, (_, reason) in LOAD_FAILURES.items():
             with pytest.raises(InferenceServerException) as caught:
                 client.load_model(name, client_timeout=TIMEOUT_S)
-            assert f"failed to load '{name}'" in caught.value.message() and reason in caught.value.message(), \
+            assert f"load failed for model '{name}'" in caught.value.message() and reason in caught.value.message(), \
                 caught.value.message()
             assert not client.is_model_ready(name)
             status, body = _http_load(server, name)
-            assert status == 503 and reason in body["error"], (status, body)  # UNAVAILABLE, in a JSON body
+            assert status == 400 and reason in body["error"], (status, body)  # INVALID_ARGUMENT, as Triton's
             index = {entry["name"]: entry for entry in client.get_model_repository_index(as_json=True)["models"]}
             assert index[name]["state"] == "UNAVAILABLE" and reason in index[name]["reason"], index[name]
         for _ in range(2):  # finalize's sys.exit: the unload completes, and the model loads again

@@ -125,7 +125,7 @@ def test_override_filename_outside_is_refused_before_any_open(tmp_path: Path, ou
                 answers.append((caught.value.status, message.rpartition(", got ")[0]))
     assert len(set(answers)) == 1, "\n".join(map(str, answers))
     status, message = answers[0]
-    assert status == grpc.StatusCode.UNAVAILABLE
+    assert status == grpc.StatusCode.INVALID_ARGUMENT  # a load that fails, as Triton answers it
     assert "default_model_filename must be a file name inside the version folder" in message
     assert "Protobuf" not in message and "not found" not in message
     assert_no_traceback(server.log())
@@ -192,10 +192,13 @@ def test_reasons_and_errors_name_files_relative_to_the_repository(tmp_path: Path
     assert "corrupt_file/1/model.onnx" in index["corrupt_file"][1], index["corrupt_file"]
     messages = [reason for _, reason in index.values()]
     with InferenceClient(server.url, timeout_s=60) as client:
-        for name in ("bad_syntax", "corrupt_file", "no_file", "a" * 10_000, "a" * 255, "b" * 255 + "/x"):
+        codes = grpc.StatusCode  # a load that fails: Triton's INVALID_ARGUMENT; no such folder: its INTERNAL
+        for name, status in (("bad_syntax", codes.INVALID_ARGUMENT), ("corrupt_file", codes.INVALID_ARGUMENT),
+                             ("no_file", codes.INVALID_ARGUMENT), ("a" * 10_000, codes.UNAVAILABLE),
+                             ("a" * 255, codes.INTERNAL), ("b" * 255 + "/x", codes.UNAVAILABLE)):
             with pytest.raises(ClientError) as caught:
                 client.load_model(name)
-            assert caught.value.status == grpc.StatusCode.UNAVAILABLE, caught.value
+            assert caught.value.status == status, caught.value
             messages.append(caught.value.message)
     for message in messages:
         assert str(repo) not in message and str(repo.resolve()) not in message, message
@@ -339,7 +342,7 @@ def test_memory_budget_holds_under_concurrent_loads(tmp_path: Path, server_facto
     assert sorted(errors) == sorted(names)
     refused = [exc for exc in errors.values() if exc is not None]
     assert len(refused) == 1, errors
-    assert refused[0].status == grpc.StatusCode.UNAVAILABLE and "memory budget" in refused[0].message
+    assert refused[0].status == grpc.StatusCode.INVALID_ARGUMENT and "memory budget" in refused[0].message
     with InferenceClient(server.url, timeout_s=60) as client:
         assert sum(client.is_model_ready(name) for name in names) == 1
         held = sum(int(m["byte_size"]) for s in client.statistics() for m in s.get("memory_usage", []))

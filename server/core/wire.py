@@ -1,13 +1,15 @@
-"""Tensor content as the wire carries it, decoded with Triton's messages for content that does not
-fit its shape: shared by the transports (raw contents) and the host (shared-memory regions)."""
+"""What both transports read off the wire the same way: tensor content as the wire carries it,
+decoded with Triton's messages for content that does not fit its shape (the host uses it too, for
+shared-memory regions), and the model files a load may send."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from shoal.errors import invalid, shown
+from shoal.errors import ShoalError, invalid, poll_failed, shown
 from shoal.protocol import tensors
 from shoal.protocol.types import DataType
+from shoal.repository.scanner import MAX_NAME_BYTES
 from shoal.types import RegionSlice
 
 
@@ -19,6 +21,47 @@ def decode_raw(
         return tensors.from_raw(datatype, shape, raw)
     except tensors.WireFormatError as exc:
         raise invalid(content_error(name, model, exc)) from None
+
+
+class UnfitContents:
+    """Content that does not fit its shape, refused as Triton's core refuses it: once the front end
+    has read every input (its own errors, such as an input without data, come first), naming the
+    input Triton's checks reach first. Triton walks a request's inputs in its map's order, which was
+    the reverse of the request's in every order of two to four inputs tried on Triton 2.51: so the
+    last unfit input noted is the one refused."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._refusal: ShoalError | None = None
+
+    def decode(self, name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes | memoryview) -> np.ndarray:
+        """Raw content as an array; when it does not fit, noted, and an empty stand-in returned."""
+        try:
+            return tensors.from_raw(datatype, shape, raw)
+        except tensors.WireFormatError as exc:
+            self.note(name, exc)
+            return np.empty(0, dtype=datatype.numpy_dtype)
+
+    def note(self, name: str, exc: tensors.WireFormatError) -> None:
+        self._refusal = invalid(content_error(name, self.model, exc))
+
+    def check(self) -> None:
+        """Refuse the request if any of its contents did not fit."""
+        if self._refusal is not None:
+            raise self._refusal
+
+
+def refuse_model_files(model: str, keys: list[str]) -> None:
+    """A load's ``file:<path>`` parameters, refused: Shoal loads no model files sent with a request.
+    One whose path has a part longer than a file name can be is INTERNAL, in Triton's words (its
+    model-control example asserts them: Triton cannot write that file into the repository)."""
+    files = [key for key in keys if key.startswith("file:")]
+    for key in files:
+        if any(len(part.encode()) > MAX_NAME_BYTES for part in key.removeprefix("file:").split("/")):
+            raise poll_failed(model, f"a part of the path of load parameter '{shown(key)}' is longer than "
+                                     f"{MAX_NAME_BYTES} bytes (NAME_MAX)")
+    if files:
+        raise invalid(f"loading model files sent with the request ({shown(files[0])}) is not supported")
 
 
 def content_error(name: str, model: str, exc: tensors.WireFormatError) -> str:

@@ -23,7 +23,7 @@ from shoal.core import (
     ServerMetadata,
     StatisticsRow,
 )
-from shoal.core.wire import content_error, decode_raw, region_slice
+from shoal.core.wire import UnfitContents, refuse_model_files, region_slice
 from shoal.errors import invalid, shown
 from shoal.protocol import config_pb2, service_pb2, tensors
 from shoal.protocol.types import DataType
@@ -50,11 +50,13 @@ _CONTENTS_FIELD = {
 
 
 def decode_contents(
-    name: str, datatype: DataType, shape: tuple[int, ...], contents: service_pb2.InferTensorContents, model: str = ""
+    name: str, datatype: DataType, shape: tuple[int, ...], contents: service_pb2.InferTensorContents,
+    unfit: UnfitContents,
 ) -> np.ndarray:
     """Typed contents as an array. As Triton's gRPC front end turns them into bytes for the core
-    to check (server src/grpc/infer_handler.cc ``InferGRPCToInput``), a wrong count is refused
-    with the core's byte-size or string-count message."""
+    to check (server src/grpc/infer_handler.cc ``InferGRPCToInput``), a wrong count is noted in
+    ``unfit``, to be refused with the core's byte-size or string-count message."""
+    model = unfit.model
     _check_contents_fields(name, datatype, contents, model)
     field = _CONTENTS_FIELD.get(datatype)
     if field is None:
@@ -67,7 +69,8 @@ def decode_contents(
         else:
             mismatch = tensors.ByteSizeMismatch(datatype, shape, count * datatype.item_size,
                                                 len(values) * datatype.item_size)
-        raise invalid(content_error(name, model, mismatch))
+        unfit.note(name, mismatch)
+        return np.empty(0, dtype=datatype.numpy_dtype)
     if datatype is DataType.BYTES:
         array = np.empty(count, dtype=object)
         array[:] = list(values)
@@ -164,6 +167,7 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
     check_bytes_cost(message, raw)
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
+    unfit = UnfitContents(model)
     for tensor in message.inputs:
         datatype, shape = _declared(tensor.name, tensor.datatype, tuple(tensor.shape))
         where = shared_memory_slice(tensor.name, tensor.parameters) if tensor.parameters else None
@@ -178,13 +182,14 @@ def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
             raise invalid(f"contents field must not be specified when using raw_input_contents for "
                           f"'{shown(tensor.name)}' for model '{shown(model)}'")
         if len(inputs) < len(raw):
-            data = decode_raw(tensor.name, datatype, shape, raw[len(inputs)], model)
+            data = unfit.decode(tensor.name, datatype, shape, raw[len(inputs)])
         elif tensor.HasField("contents"):
-            data = decode_contents(tensor.name, datatype, shape, tensor.contents, model)
+            data = decode_contents(tensor.name, datatype, shape, tensor.contents, unfit)
         else:
             raise invalid(f"unable to find data for input tensor '{shown(tensor.name)}' for model '{shown(model)}' "
                           "in request.")
         inputs.append(Tensor(tensor.name, datatype, shape, data))
+    unfit.check()
     output_regions = {o.name: where for o in message.outputs
                       if o.parameters and (where := shared_memory_slice(o.name, o.parameters)) is not None}
     return InferRequest(
@@ -303,9 +308,7 @@ def model_config(config_json: dict[str, Any]) -> service_pb2.ModelConfigResponse
 def load_parameters(message: service_pb2.RepositoryModelLoadRequest) -> dict[str, Any] | None:
     """The ``config`` override of a load: a ModelConfig as a JSON object, decoded here (the config
     pipeline turns it into a ModelConfig); model files sent inline are refused."""
-    files = [key for key in message.parameters if key.startswith("file:")]
-    if files:
-        raise invalid(f"loading model files sent with the request ({shown(files[0])}) is not supported")
+    refuse_model_files(message.model_name, list(message.parameters))
     if "config" not in message.parameters:
         return None
     param = message.parameters["config"]

@@ -6,7 +6,8 @@ is read up to ``max_body_bytes`` (413 past it, checked against Content-Length be
 decompressed (``Content-Encoding`` gzip or deflate, bounded the same way; others 501, as Triton),
 the bodies being received at once are bounded by ``max_pending_body_bytes`` (503 past it: without
 it, slow uploads on many connections could hold up to 64 MiB each),
-and the answer is compressed when the client accepts it (``Accept-Encoding``). Every failure,
+and a successful inference answer is compressed when its request accepts it (``Accept-Encoding``),
+as Triton's is; no other answer ever is. Every failure,
 expected or not, becomes Triton's ``{"error": "..."}`` with the status from ``http.status``.
 """
 
@@ -172,7 +173,7 @@ async def _send(send: Send, reply: Reply, accept: str) -> None:
     body = reply.body
     headers = [(b"content-type", reply.content_type.encode())]
     headers += [(name.encode(), value.encode()) for name, value in reply.headers.items()]
-    encoding = _accepted_encoding(accept) if accept and body else None
+    encoding = _accepted_encoding(accept) if accept and body and reply.compressible else None
     if encoding is not None:
         if len(body) > COMPRESS_OFF_LOOP_BYTES:
             body = await asyncio.to_thread(_compress, body, encoding)

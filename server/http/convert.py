@@ -1,7 +1,8 @@
 """JSON ↔ core types for every endpoint but inference (``http.tensors``): one function per message.
 
 Shapes and field names are Triton's HTTP answers (KServe v2 REST and Triton's extensions), which
-are the gRPC messages' proto3 JSON with their field names, and 64-bit integers as JSON numbers.
+are the gRPC messages' proto3 JSON with their field names, every field printed (defaults too), and
+64-bit integers as JSON numbers (in the config, the ones Triton turns into numbers: ``model_config``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import binascii
 import json
 from typing import Any
 
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf import json_format
 
 from shoal.core import (
     CudaRegionStatus,
@@ -22,6 +23,7 @@ from shoal.core import (
     ServerMetadata,
     StatisticsRow,
 )
+from shoal.core.wire import refuse_model_files
 from shoal.errors import invalid, shown
 from shoal.protocol import config_pb2
 from shoal.statistics import Duration
@@ -52,52 +54,78 @@ def model_metadata(metadata: ModelMetadata) -> dict[str, Any]:
             "inputs": tensors(metadata.inputs), "outputs": tensors(metadata.outputs)}
 
 
-_INT64_TYPES = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
-                FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+# The 64-bit fields Triton's ModelConfigToJson (core model_config_utils.cc) turns back into JSON
+# numbers, as paths: "[]" steps into each item of a list, "{}" into each value of a map. Every other
+# 64-bit field stays a string there, as protobuf prints it: optimization.cuda.graph_spec dims,
+# instance_group.secondary_devices.device_id, and sequence_batching.state.initial_state.dims (its fix
+# looks for initial_state in the wrong message).
+_NUMBER_PATHS = (
+    ("input", "[]", "dims"), ("input", "[]", "reshape", "shape"),
+    ("output", "[]", "dims"), ("output", "[]", "reshape", "shape"),
+    ("version_policy", "specific", "versions"),
+    ("dynamic_batching", "max_queue_delay_microseconds"), ("dynamic_batching", "priority_levels"),
+    ("dynamic_batching", "default_priority_level"),
+    ("dynamic_batching", "default_queue_policy", "default_timeout_microseconds"),
+    ("dynamic_batching", "priority_queue_policy", "{}", "default_timeout_microseconds"),
+    ("sequence_batching", "max_sequence_idle_microseconds"),
+    ("sequence_batching", "oldest", "max_queue_delay_microseconds"),
+    ("sequence_batching", "direct", "max_queue_delay_microseconds"),
+    ("sequence_batching", "state", "[]", "dims"),
+    ("ensemble_scheduling", "step", "[]", "model_version"),
+    ("model_warmup", "[]", "inputs", "{}", "dims"),
+)
 
 
 def model_config(config_json: dict[str, Any]) -> dict[str, Any]:
-    """The core's proto3 JSON config with 64-bit integers as numbers (``"dims": [16]``), as Triton's."""
-    return _numbers(config_pb2.ModelConfig.DESCRIPTOR, config_json)
+    """The config as Triton's HTTP answer prints it: every field without presence, defaults included
+    (``"max_batch_size": 0``, ``"optional": false``, ``"batch_input": []``), as protobuf's JSON printer
+    with ``always_print_primitive_fields`` writes it (clients such as Triton's own read
+    ``config["max_batch_size"]``); unset messages left out; then Triton's 64-bit fields as numbers."""
+    message = json_format.ParseDict(config_json, config_pb2.ModelConfig())
+    document: dict[str, Any] = json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                                         always_print_fields_with_no_presence=True)
+    for path in _NUMBER_PATHS:
+        _numbers_at(document, path)
+    return document
 
 
-def _numbers(descriptor: Descriptor, document: dict[str, Any]) -> dict[str, Any]:
-    converted: dict[str, Any] = {}
-    for key, value in document.items():
-        field = descriptor.fields_by_name.get(key)
-        if field is None:
-            converted[key] = value
-        elif field.message_type is not None and field.message_type.GetOptions().map_entry:
-            entry = field.message_type.fields_by_name["value"]
-            converted[key] = {k: _field_value(entry, v) for k, v in value.items()}
-        elif field.label == FieldDescriptor.LABEL_REPEATED:
-            converted[key] = [_field_value(field, item) for item in value]
-        else:
-            converted[key] = _field_value(field, value)
-    return converted
-
-
-def _field_value(field: FieldDescriptor, value: Any) -> Any:
-    if field.message_type is not None and isinstance(value, dict):
-        return _numbers(field.message_type, value)
-    if field.type in _INT64_TYPES and isinstance(value, str):
-        return int(value)
-    return value
+def _numbers_at(node: Any, path: tuple[str, ...]) -> None:
+    """Turn the 64-bit integer strings at ``path`` under ``node`` (a value or a list of them) into numbers."""
+    step, rest = path[0], path[1:]
+    if step in ("[]", "{}"):
+        children = node if step == "[]" else list(node.values())
+        for child in children:
+            _numbers_at(child, rest)
+        return
+    if not isinstance(node, dict) or step not in node:
+        return
+    if rest:
+        _numbers_at(node[step], rest)
+    elif isinstance(node[step], list):
+        node[step] = [int(value) for value in node[step]]
+    else:
+        node[step] = int(node[step])
 
 
 def _duration(source: Duration) -> dict[str, int]:
     return {"count": source.count, "ns": source.ns}
 
 
+# Triton prints its response cache's counts in every model's statistics; Shoal has no response cache.
+_NO_CACHE = {"cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0}}
+
+
 def model_statistics(rows: list[StatisticsRow]) -> dict[str, Any]:
+    """Triton's statistics answer, with every key its HTTP answer has (server src/http_server.cc)."""
     entries = []
     for row in rows:
         stats = row.statistics
         entries.append({
             "name": row.name, "version": row.version, "last_inference": stats.last_inference_ms,
             "inference_count": stats.inference_count, "execution_count": stats.execution_count,
-            "inference_stats": {field: _duration(getattr(stats, field)) for field in (
+            "inference_stats": {**{field: _duration(getattr(stats, field)) for field in (
                 "success", "fail", "queue", "compute_input", "compute_infer", "compute_output")},
+                **_NO_CACHE},
             "batch_stats": [
                 {"batch_size": size, "compute_input": _duration(batch.compute_input),
                  "compute_infer": _duration(batch.compute_infer), "compute_output": _duration(batch.compute_output)}
@@ -105,6 +133,7 @@ def model_statistics(rows: list[StatisticsRow]) -> dict[str, Any]:
             ],
             "memory_usage": [{"type": kind, "id": device_id, "byte_size": byte_size}
                              for (kind, device_id), byte_size in sorted(row.memory_bytes.items())],
+            "response_stats": {},  # Triton's per-response statistics of decoupled models: Shoal keeps none
         })
     return {"model_stats": entries}
 
@@ -143,9 +172,7 @@ def load_config(name: str, body: dict[str, Any]) -> dict[str, Any] | None:
     parameters = body.get("parameters", {})
     if not isinstance(parameters, dict):
         raise invalid("'parameters' must be a JSON object")
-    files = [key for key in parameters if key.startswith("file:")]
-    if files:
-        raise invalid(f"loading model files sent with the request ({shown(files[0])}) is not supported")
+    refuse_model_files(name, list(parameters))
     if "config" not in parameters:
         return None
     text = parameters["config"]

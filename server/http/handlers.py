@@ -39,6 +39,9 @@ class Reply:
     body: bytes = b""
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
+    # Only a successful inference answer may be compressed (Triton's http_server.cc compresses nothing
+    # else): tritonclient reads every other answer as it comes, and aiohttp asks for gzip on its own.
+    compressible: bool = False
 
 
 def _json(document: Any) -> Reply:
@@ -99,9 +102,9 @@ async def infer(core: Core, request: Request) -> Reply:
     costly = costly or _costly_answer(response, binary_outputs)
     body, header_length = await _run(costly, tensors.infer_response, response, binary_outputs)
     if header_length is None:
-        return Reply(body=body)
+        return Reply(body=body, compressible=True)
     return Reply(body=body, content_type="application/octet-stream",
-                 headers={"inference-header-content-length": str(header_length)})
+                 headers={"inference-header-content-length": str(header_length)}, compressible=True)
 
 
 def _costly_answer(response: InferResponse, binary_outputs: dict[str, bool]) -> bool:

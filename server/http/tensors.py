@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.core.wire import decode_raw, region_slice
+from shoal.core.wire import UnfitContents, region_slice
 from shoal.errors import ShoalError, invalid, shown
 from shoal.protocol import tensors
 from shoal.protocol.types import DataType
@@ -67,8 +67,9 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
     offset = 0
+    unfit = UnfitContents(model)
     for entry in inputs_json:
-        tensor, used = _input(model, _object(entry, "inputs"), binary[offset:], infinity_written)
+        tensor, used = _input(unfit, _object(entry, "inputs"), binary[offset:], infinity_written)
         offset += used
         if isinstance(tensor, RegionInput):
             region_inputs.append(tensor)
@@ -77,6 +78,7 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
     if offset != len(binary):
         raise invalid(f"the request body holds {len(binary) - offset} bytes of binary data past the inputs that "
                       "declare binary_data_size")
+    unfit.check()
     outputs_json = document.get("outputs")
     requested, class_counts, output_regions, binary_outputs = _outputs(outputs_json, binary_default)
     request_id = document.get("id", "")
@@ -181,9 +183,10 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _input(model: str, entry: dict[str, Any], binary: memoryview,
+def _input(unfit: UnfitContents, entry: dict[str, Any], binary: memoryview,
            infinity_written: bool) -> tuple[Tensor | RegionInput, int]:
-    """One input and the binary bytes it took; ``infinity_written``: see ``_parse_header``."""
+    """One input and the binary bytes it took (binary content that does not fit its shape is noted
+    in ``unfit``); ``infinity_written``: see ``_parse_header``."""
     name, datatype_name, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
     if not isinstance(name, str) or not isinstance(datatype_name, str) or not isinstance(shape, list) \
             or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
@@ -215,7 +218,7 @@ def _input(model: str, entry: dict[str, Any], binary: memoryview,
         raise invalid(f"input '{shown(name)}': 'binary_data_size' must be a non-negative integer")
     if size > len(binary):
         raise invalid(f"unexpected size {len(binary)} for binary data of input '{shown(name)}', expecting {size}")
-    return Tensor(name, datatype, dims, decode_raw(name, datatype, dims, binary[:size], model)), size
+    return Tensor(name, datatype, dims, unfit.decode(name, datatype, dims, binary[:size])), size
 
 
 # numpy kind of the datatype -> kinds of JSON values it takes: integers for floats, never the reverse.

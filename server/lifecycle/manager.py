@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from shoal.errors import ErrorCode, ShoalError, shown, unknown_model
+from shoal.errors import ErrorCode, ShoalError, poll_failed, shown, unknown_model
 from shoal.lifecycle import ensemble
 from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
 from shoal.lifecycle.configure import ConfigOverride, configure, model_file
@@ -120,8 +120,7 @@ class ModelManager:
         self._loop = asyncio.get_running_loop()  # where BLS requests from models run (host_infer)
         folder = scanner.model_dir(self.repository, name)
         if not folder.is_dir():
-            raise ShoalError(ErrorCode.UNAVAILABLE,
-                             f"failed to load '{shown(name)}': no such model folder in the repository")
+            raise poll_failed(name, "no such model folder in the repository")
         override = ConfigOverride.parse(name, config_override) if config_override is not None else None
         await self._dependents.load_composing(name, override.config if override else None)
         async with self._locks.setdefault(name, asyncio.Lock()):
@@ -144,12 +143,12 @@ class ModelManager:
                 if old is not None and old.ready_versions():
                     old.reason = f"reload failed, previous version kept serving: {entry.reason}"
                     self._changed()
-                    raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{shown(name)}': {entry.reason}")
+                    raise _load_refusal(entry)
                 self._models[name] = entry
                 self._changed()
                 if old is not None:
                     await self._retire(old)
-                raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{shown(name)}': {entry.reason}")
+                raise _load_refusal(entry)
             entry.transition(ModelState.READY)
             with self._ledger.settling(reserved):  # the entry's bytes now count as in use, not reserved
                 self._models[name] = entry  # the switch: one assignment on the event loop
@@ -410,6 +409,17 @@ class ModelManager:
         """Drain and unload everything (shutdown)."""
         for entry in list(self._models.values()):
             await self._retire(entry)
+
+
+def _load_refusal(entry: ModelEntry) -> ShoalError:
+    """Triton's answer to a load that left no version ready (core model_repository_manager.cc
+    ``LoadUnloadModels``, model_lifecycle.cc ``OnLoadComplete``): INVALID_ARGUMENT, each failed
+    version's state and reason, or the model's reason when no version was tried (Triton ends it with
+    a newline, which Shoal leaves out)."""
+    failed = "".join(f"version {number} is at {version.state.value} state: {version.reason};"
+                     for number, version in sorted(entry.versions.items()) if version.state is not ModelState.READY)
+    return ShoalError(ErrorCode.INVALID_ARGUMENT, f"load failed for model '{shown(entry.name)}': "
+                                                  f"{failed or entry.reason}")
 
 
 def _unchanged_versions(old: ModelEntry | None, new: ModelEntry, chosen: list[int]) -> dict[int, VersionEntry]:

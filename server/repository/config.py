@@ -210,8 +210,10 @@ def normalize(
         sequence_config.normalize(out)
     if ensemble_config.is_ensemble(out):  # no instances of its own; Triton sets decoupled after its checks
         out.model_transaction_policy.SetInParent()
-    elif not out.instance_group:
-        out.instance_group.add()
+    else:
+        _normalize_pinned_memory(out.optimization)
+        if not out.instance_group:
+            out.instance_group.add()
     kinds = config_pb2.ModelInstanceGroup.Kind
     for index, group in enumerate(out.instance_group):
         if not group.name:
@@ -222,6 +224,15 @@ def normalize(
                 kind = auto_kind(out.backend, group)
             group.count = DEFAULT_CPU_INSTANCE_COUNT.get(out.backend, 1) if kind == kinds.KIND_CPU else 1
     return out
+
+
+def _normalize_pinned_memory(optimization: config_pb2.ModelOptimizationPolicy) -> None:
+    """Triton's NormalizeModelConfig: pinned input and output buffers on unless the config says, so
+    the config a client reads back has Triton's ``optimization`` block (Shoal copies no pinned memory)."""
+    if not optimization.HasField("input_pinned_memory"):
+        optimization.input_pinned_memory.enable = True
+    if not optimization.HasField("output_pinned_memory"):
+        optimization.output_pinned_memory.enable = True
 
 
 def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
