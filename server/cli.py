@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--repository-poll-secs", type=float, default=15.0, help="poll interval (default 15)")
     serve.add_argument("--load-model", action="append", default=[], metavar="NAME",
                        help="explicit mode: load NAME at start (repeatable; '*' for all)")
+    serve.add_argument("--exit-on-error", type=_bool, default=True,
+                       help="a model that fails to load at start ends the server (exit 1) after logging why; "
+                            "false serves the others (default true, as Triton)")
     serve.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics (default true)")
     serve.add_argument("--metrics-address", help="address of the metrics endpoint (default: --grpc-address)")
     serve.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002; 0 = any free)")
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         control_mode=args.model_control_mode,
         poll_interval_s=args.repository_poll_secs,
         startup_models=tuple(args.load_model),
+        exit_on_error=args.exit_on_error,
         allow_metrics=args.allow_metrics,
         metrics_address=args.metrics_address or args.grpc_address,
         metrics_port=args.metrics_port,
