@@ -5,6 +5,8 @@ server (``--exit-on-error``), Ctrl-C stops it without a traceback, ``config chec
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import python_models
 from tests.conftest import start_server
+from tests.models import EXAMPLES, REPO_ROOT
 from tests.polling import wait_until
 
 EXIT_TIMEOUT_S = 120.0  # the 2-core machine is shared: start-up and stop get a generous bound
@@ -97,8 +100,7 @@ def test_a_model_that_fails_at_start_ends_the_server(tmp_path: Path, mode: tuple
     assert f"shoal: error: failed to load all models: {failed} " in log, log
     assert "Traceback" not in log, log
     assert not (tmp_path / "port").exists()  # it never served
-    if failed == "broken":
-        assert "SyntaxError: expected ':'" in log, log  # why, logged before the exit
+    assert f"E shoal.lifecycle.manager: model {failed}: failed to load '{failed}'" in log, log  # before the exit
 
 
 @pytest.mark.parametrize("flag", [("--exit-on-error=false",), ("--exit-on-error", "false")])
@@ -149,3 +151,71 @@ def test_ctrl_c_stops_python_workers_without_a_traceback(tmp_path: Path) -> None
     assert "stopped" in log, log
     assert "HTTPService at 127.0.0.1:" in log and "Metrics Service at 127.0.0.1:" in log, log
 
+
+# -- item 8: config check refuses what serve refuses ---------------------------------------------
+
+def _shoal(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shoal", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("fault", ["syntax_error", "import_error"])
+def test_config_check_reports_the_load_error_serve_reports(tmp_path: Path, fault: str) -> None:
+    repo = _repository(tmp_path, broken=False)
+    python_models.add_fault(repo, fault)
+    checked = _shoal("config", "check", str(repo))
+    server = start_server(repo, tmp_path, "--exit-on-error", "false")
+    try:
+        with grpc.insecure_channel(server.url) as channel:
+            index = InferenceStub(channel).RepositoryIndex(pb.RepositoryIndexRequest()).models
+            reason = next(model.reason for model in index if model.name == fault)
+    finally:
+        assert server.stop() == 0, server.log()
+    assert checked.returncode == 1, checked
+    assert f"FAIL  {fault}: {reason.splitlines()[0]}\n" in checked.stdout, (checked.stdout, reason)
+    assert "ok    good\n" in checked.stdout
+
+
+def test_config_check_imports_a_python_model_but_never_runs_it(tmp_path: Path) -> None:
+    """Import-time code runs (as at load); ``initialize`` and ``execute`` do not."""
+    repo = tmp_path / "repo"
+    marker = tmp_path / "ran"
+    python_models.write_model(repo, "watched", python_models.ECHO_CONFIG, f"""
+        import pathlib
+        pathlib.Path({str(marker)!r}).with_suffix(".imported").touch()
+
+        class TritonPythonModel:
+            def initialize(self, args):
+                pathlib.Path({str(marker)!r}).touch()
+
+            def execute(self, requests):
+                pathlib.Path({str(marker)!r}).touch()
+        """)
+    checked = _shoal("config", "check", str(repo))
+    assert checked.returncode == 0 and "ok    watched" in checked.stdout, checked
+    assert marker.with_suffix(".imported").exists() and not marker.exists()
+
+
+# -- item 10: one default instance count in --help, the generated file and the README ------------
+
+def test_generate_help_states_the_instance_count_the_generated_file_has(tmp_path: Path) -> None:
+    shutil.copy(EXAMPLES / "simple" / "1" / "model.onnx", tmp_path / "simple.onnx")
+    helped = _shoal("config", "generate", "--help")
+    generated = _shoal("config", "generate", str(tmp_path / "simple.onnx"), "--kind", "KIND_CPU", "--output", "-")
+    assert helped.returncode == 0 and generated.returncode == 0, (helped, generated)
+    rule = "2 for an onnxruntime model on the CPU, else 1, as Triton"
+    assert rule in " ".join(helped.stdout.split()), helped.stdout
+    comment = " ".join(line.removeprefix("# ") for line in generated.stdout.splitlines() if line.startswith("#"))
+    assert rule in comment, generated.stdout
+    assert "count: 2\n" in generated.stdout and "kind: KIND_CPU" in generated.stdout, generated.stdout
+    assert rule in " ".join((REPO_ROOT / "README.md").read_text().split())
+
+
+# -- item 11: the README's first screen ----------------------------------------------------------
+
+def test_readme_first_screen_names_the_interfaces_and_quotes_extras() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    first_screen = readme.split("\n---\n", 1)[0]
+    assert first_screen.count("```bash\n") == 2  # serve model_repository/, run the tests
+    assert "every interface" in first_screen and "--grpc-address 127.0.0.1" in first_screen
+    installs = [line for line in readme.splitlines() if "pip install" in line and "[" in line]
+    assert installs and all(re.search(r"pip install [^\[]*\"[^\"]*\[", line) for line in installs), installs
