@@ -2,7 +2,9 @@
 
 Start: every port is checked before the models load, so a port in use is a clear error at once
 (``StartupError``, exit 1); gRPC and HTTP never share their ports unless ``--reuse-grpc-port`` /
-``--reuse-http-port`` say so.
+``--reuse-http-port`` say so. A model that fails to load at start (every one tried, each failure
+logged) is a ``StartupError`` too, after the loaded ones are unloaded, unless ``--exit-on-error``
+is false: Triton's ``error: creating server: Internal - failed to load all models``, exit 1.
 
 Stop (SIGTERM/SIGINT), all within ``--exit-timeout-secs``:
 
@@ -63,7 +65,11 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
     core = LocalCore(manager, strict_readiness=settings.strict_readiness,
                      max_shared_memory_bytes=settings.shared_memory_max_bytes,
                      max_shared_memory_regions=settings.shared_memory_max_regions)
-    await manager.start(settings.startup_models)
+    failures = await manager.start(settings.startup_models)
+    if failures and settings.exit_on_error:
+        await manager.close()  # the models that did load, and their worker processes
+        raise StartupError(f"failed to load all models: {', '.join(sorted(failures))} (logged above; "
+                           "--exit-on-error=false serves the others)")
     front = WorkerFrontEnd(core, settings, log_format) if settings.grpc_workers else InProcessFrontEnd(core, settings)
     try:
         port, http_port = await front.start()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shoal import __version__
 from shoal.descriptors import raise_open_file_limit
+from shoal.repository.instance_defaults import DEFAULT_INSTANCE_COUNT_RULE
 from shoal.settings import (
     EXIT_STARTUP_FAILED,
     GrpcLimits,
@@ -45,6 +46,17 @@ def _count(text: str) -> int:
     if not 0 <= count <= MAX_GRPC_WORKERS:
         raise argparse.ArgumentTypeError(f"expected 0..{MAX_GRPC_WORKERS}, got {count}")
     return count
+
+
+def _at_least_one(text: str) -> int:
+    """An integer of 1 or more (``int`` alone takes 0 and negatives)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> float:
@@ -107,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--repository-poll-secs", type=float, default=15.0, help="poll interval (default 15)")
     serve.add_argument("--load-model", action="append", default=[], metavar="NAME",
                        help="explicit mode: load NAME at start (repeatable; '*' for all)")
+    serve.add_argument("--exit-on-error", type=_bool, default=True,
+                       help="a model that fails to load at start ends the server (exit 1) after logging why; "
+                            "false serves the others (default true, as Triton)")
     serve.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics (default true)")
     serve.add_argument("--metrics-address", help="address of the metrics endpoint (default: --grpc-address)")
     serve.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002; 0 = any free)")
@@ -187,7 +202,8 @@ def _add_config_commands(commands: argparse._SubParsersAction) -> None:  # type:
                                                   "version folder or model file in one (repo/m/1/model.onnx: repo/m)")
     generate.add_argument("--name", help="model name (default: the folder or file name)")
     generate.add_argument("--max-batch-size", type=int, help="instead of Triton's default of 4 when batching")
-    generate.add_argument("--instance-count", type=int, help="executors per device (default 1)")
+    generate.add_argument("--instance-count", type=_at_least_one,
+                          help=f"executors per device (default: {DEFAULT_INSTANCE_COUNT_RULE})")
     generate.add_argument("--kind", choices=["KIND_AUTO", "KIND_CPU", "KIND_GPU"])
     generate.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:DIMS",
                           help="an input of a TorchScript model (one sample's dims), e.g. INPUT__0:FP32:3,224,224")
@@ -298,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         control_mode=args.model_control_mode,
         poll_interval_s=args.repository_poll_secs,
         startup_models=tuple(args.load_model),
+        exit_on_error=args.exit_on_error,
         allow_metrics=args.allow_metrics,
         metrics_address=args.metrics_address or args.grpc_address,
         metrics_port=args.metrics_port,

@@ -23,6 +23,7 @@ from shoal.protocol.types import DataType
 from shoal.repository import scanner
 from shoal.repository.config import CONFIG_FILENAME, DEFAULT_MODEL_FILENAMES
 from shoal.repository.config_text import format_fields
+from shoal.repository.instance_defaults import DEFAULT_INSTANCE_COUNT_RULE
 from shoal.repository.model_io import complete
 
 MODEL_SUFFIXES = {".onnx": "model.onnx", ".pt": "model.pt"}
@@ -101,7 +102,7 @@ def generate(folder: Path, options: GenerateOptions) -> str:
     if options.max_batch_size is not None:
         base.max_batch_size = options.max_batch_size
     if options.instance_count is not None or options.kind is not None:
-        group = base.instance_group.add(count=options.instance_count or 1)
+        group = base.instance_group.add(count=options.instance_count or 0)  # 0: normalize's default for the kind
         group.kind = config_pb2.ModelInstanceGroup.Kind.Value(options.kind or "KIND_AUTO")
     versions = scanner.list_versions(folder)
     torch_file = next((folder / str(versions[-1]) / f for f in ("model.pt", "model.pt2")
@@ -134,7 +135,8 @@ def render(configured: Configured, source: Path) -> str:
         counts = ", ".join(str(g.count) for g in config.instance_group)
         reasons.setdefault(
             "instance_group",
-            f"{counts} executor(s) sharing one copy of the weights per device; `shoal config tune` measures more",
+            f"{counts} executor(s) sharing one copy of the weights per device (a group without a count gets "
+            f"{DEFAULT_INSTANCE_COUNT_RULE}); `shoal config tune` measures more",
         )
     reasons.setdefault("version_policy", "serve the newest version folder (Triton's default)")
     if any(g.kind == config_pb2.ModelInstanceGroup.KIND_AUTO for g in config.instance_group):

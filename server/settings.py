@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Exit codes of ``shoal serve`` (2 is argparse's for a bad command line).
-EXIT_STARTUP_FAILED = 1  # the server cannot start as asked: a port in use
+EXIT_STARTUP_FAILED = 1  # the server cannot start as asked: a port in use, a model that fails to load
 EXIT_FORCED = 3  # --exit-timeout-secs passed before the drain ended: workers killed
 
 
@@ -82,6 +82,7 @@ class ServerSettings:
     control_mode: str = "none"  # none | poll | explicit
     poll_interval_s: float = 15.0
     startup_models: tuple[str, ...] = ()  # explicit mode; "*" for all
+    exit_on_error: bool = True  # a model that fails to load at start ends the server (Triton's default)
     allow_metrics: bool = True
     metrics_address: str = "0.0.0.0"  # the CLI defaults it to --grpc-address
     metrics_port: int = 8002

@@ -17,7 +17,7 @@ from tests.test_rpcs import A, B, decode, simple_request
 def test_broken_models_beside_healthy(tmp_path: Path, server_factory) -> None:
     repo = models.repository(tmp_path, "simple")
     reasons = models.add_broken_models(repo)
-    server = server_factory(repo)
+    server = server_factory(repo, "--exit-on-error", "false")
     with grpc.insecure_channel(server.url) as channel:
         stub = InferenceStub(channel)
         index = {m.name: m for m in stub.RepositoryIndex(pb.RepositoryIndexRequest()).models}
@@ -53,7 +53,7 @@ def test_mismatch_messages_name_the_tensor(tmp_path: Path, server_factory) -> No
         (repo / "simple").rename(repo / name)
         config = repo / name / "config.pbtxt"
         config.write_text(config.read_text().replace('"simple"', f'"{name}"').replace(old, new, 1))
-    server = server_factory(repo, "--strict-readiness", "false")
+    server = server_factory(repo, "--strict-readiness", "false", "--exit-on-error", "false")
     with grpc.insecure_channel(server.url) as channel:
         stub = InferenceStub(channel)
         assert stub.ServerReady(pb.ServerReadyRequest()).ready  # not strict: the server itself is up
@@ -69,7 +69,7 @@ def test_gpu_instance_group_without_a_gpu_is_a_clear_load_error(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a GPU host too: the server sees no CUDA device
     repo = models.repository(tmp_path, "simple")
     models.set_instance_kind(repo / "simple", "KIND_GPU")
-    server = server_factory(repo)
+    server = server_factory(repo, "--exit-on-error", "false")
     with grpc.insecure_channel(server.url) as channel:
         index = InferenceStub(channel).RepositoryIndex(pb.RepositoryIndexRequest()).models
     assert index[0].state == "UNAVAILABLE"

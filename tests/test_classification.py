@@ -133,7 +133,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repo: Path, tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
+    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false")
     yield running
     assert running.stop() == 0, running.log()
 

@@ -166,7 +166,8 @@ def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory,
         partial = client.model_config("partial")
         assert partial["max_batch_size"] == 2 and partial["instance_group"][0]["count"] == 3
         assert [o["name"] for o in partial["output"]] == ["OUTPUT0", "OUTPUT1"]
-    strict = server_factory(repo, "--strict-model-config", "true", "--strict-readiness", "false")
+    strict = server_factory(repo, "--strict-model-config", "true", "--strict-readiness", "false",
+                            "--exit-on-error", "false")
     with InferenceClient(strict.url, timeout_s=30) as client:
         index = {e.name: e for e in client.repository_index()}
     assert index["bare"].state == "UNAVAILABLE" and "no config.pbtxt" in index["bare"].reason

@@ -38,7 +38,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     repo = tmp_path_factory.mktemp("repo")
     ensemble_models.add_serving_ensembles(repo)
     refused = ensemble_models.add_invalid_ensembles(repo)
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
+    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false")
     yield Served(running, refused)
     assert running.stop() == 0, running.log()
 

@@ -23,7 +23,8 @@ def running(tmp_path: Path, server_factory):
     repo = models.repository(tmp_path, "simple")
     models.add_broken_models(repo)
     return server_factory(repo, "--model-control-mode", "explicit", "--load-model", "simple", "--load-model",
-                          "bad_syntax", "--grpc-restricted-protocol", "model-repository:admin-key=s3cret")
+                          "bad_syntax", "--grpc-restricted-protocol", "model-repository:admin-key=s3cret",
+                          "--exit-on-error", "false")
 
 
 def test_health_service_per_model(running) -> None:

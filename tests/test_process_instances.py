@@ -271,7 +271,7 @@ def test_pickled_eager_module_in_threads_and_processes(tmp_path: Path, server_fa
             + (f'parameters {{ key: "process_instances" value: {{ string_value: "{processes}" }} }}\n'
                if processes else "")
         )
-    server = server_factory(repo, "--strict-readiness", "false")
+    server = server_factory(repo, "--strict-readiness", "false", "--exit-on-error", "false")
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     expected = module(torch.from_numpy(x)).detach().numpy()
     with InferenceClient(server.url, timeout_s=60) as client:

@@ -56,7 +56,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     sequence = pm.add_add_sub(repo, "sequence")
     config = (sequence / "config.pbtxt").read_text().replace("dynamic_batching", "sequence_batching")
     (sequence / "config.pbtxt").write_text(config.replace("max_queue_delay_microseconds: 0", ""))
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
+    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false")
     yield running
     assert running.stop() == 0, running.log()
 

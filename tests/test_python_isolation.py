@@ -392,7 +392,7 @@ def test_a_pickled_pytorch_model_calling_sys_exit_fails_its_load_only(tmp_path: 
         'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
         'parameters { key: "pickled_module" value: { string_value: "true" } }\n')
     pm.write_model(repo, "raiser", RAISER_CONFIG + THREADS, RAISER)
-    server = server_factory(repo, "--strict-readiness", "false")
+    server = server_factory(repo, "--strict-readiness", "false", "--exit-on-error", "false")
     with grpcclient.InferenceServerClient(server.url) as client:
         index = {entry["name"]: entry for entry in client.get_model_repository_index(as_json=True)["models"]}
         assert index["exits"]["state"] == "UNAVAILABLE" and "SystemExit: 4" in index["exits"]["reason"], index

@@ -77,7 +77,8 @@ def torch_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ..
     add_torchscript(repo, "three_inputs", [*INDEXED_IN, ("INPUT__2", "TYPE_INT32", "[ 4 ]")], INDEXED_OUT)
     add_torchscript(repo, "timeout_in_threads", INDEXED_IN, INDEXED_OUT,
                     f'{ON_CPU}\nparameters {{ key: "execution_timeout_ms" value: {{ string_value: "100" }} }}')
-    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--strict-readiness", "false")
+    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--strict-readiness", "false",
+                          "--exit-on-error", "false")
     yield server
     assert server.stop() == 0, server.log()
 
@@ -147,7 +148,8 @@ def test_memory_budget_refuses_an_oversized_model(tmp_path: Path, server_factory
         _config("big", [("x", "TYPE_FP32", "[ 1024 ]")], [("y", "TYPE_FP32", "[ 1024 ]")], ON_CPU)
     )
     models.copy_example(repo, "simple")
-    server = server_factory(repo, "--memory-budget-mb", "cpu=2", "--strict-readiness", "false")
+    server = server_factory(repo, "--memory-budget-mb", "cpu=2", "--strict-readiness", "false",
+                            "--exit-on-error", "false")
     with InferenceClient(server.url, timeout_s=30) as client:
         index = {e.name: e for e in client.repository_index()}
         assert index["big"].state == "UNAVAILABLE"

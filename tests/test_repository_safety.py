@@ -84,7 +84,7 @@ def test_symlinks_out_of_the_repository_are_refused_alike(tmp_path: Path, outsid
 
         extra = copy_simple(repo, f"extra_{suffix}")  # e.g. ONNX external weights beside the model file
         (extra / "1" / "weights.bin").symlink_to(outside / "model" / "1" / ("model.onnx" if exists else "no.bin"))
-    server = server_factory(repo)
+    server = server_factory(repo, "--exit-on-error", "false")
     index = index_of(server.url)
     expected = {
         "version": "'version_{}/1' " + OUTSIDE,
@@ -164,7 +164,8 @@ def test_poll_mode_fingerprint_does_not_follow_symlinks_out(tmp_path: Path, outs
     (repo / "escape" / "1").mkdir(parents=True)
     (repo / "escape" / "config.pbtxt").symlink_to(outside / "identity_config.pbtxt")
     models.add_broken_models(repo)
-    server = server_factory(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2")
+    server = server_factory(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2",
+                            "--exit-on-error", "false")
     models.copy_example(repo, "mlp")  # a later scan must still work
     with InferenceClient(server.url, timeout_s=60) as client:
         assert wait_until(lambda: client.is_model_ready("mlp"))
@@ -185,7 +186,7 @@ def test_reasons_and_errors_name_files_relative_to_the_repository(tmp_path: Path
     (repo / "no_file" / "1").mkdir(parents=True)
     (repo / "no_file" / "config.pbtxt").write_text(
         (models.EXAMPLES / "simple" / "config.pbtxt").read_text().replace('"simple"', '"no_file"'))
-    server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "*")
+    server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "*", "--exit-on-error", "false")
     index = index_of(server.url)
     assert index["bad_syntax"][1].startswith("bad_syntax/config.pbtxt:"), index["bad_syntax"]
     assert "no_file/1/model.onnx" in index["no_file"][1], index["no_file"]
@@ -246,7 +247,7 @@ def test_reshape_must_hold_as_many_elements_as_dims(tmp_path: Path, server_facto
             output [ {{ name: "OUT" data_type: TYPE_FP32 dims: {dims} reshape {{ shape: {reshape} }} }} ]
             """)
         (repo / name / "1").mkdir()
-    server = server_factory(repo, "--strict-readiness", "false")
+    server = server_factory(repo, "--strict-readiness", "false", "--exit-on-error", "false")
     index = index_of(server.url)
     assert index["good_variable"][0] == "READY"
     for name in ("bad_count", "bad_runs"):
@@ -304,7 +305,7 @@ def test_onnxruntime_writes_no_telemetry(tmp_path: Path, server_factory, monkeyp
     repo = models.repository(tmp_path, "simple")
     (repo / "broken" / "1").mkdir(parents=True)  # an ORT error message, as telemetry would record
     (repo / "broken" / "1" / "model.onnx").write_bytes(b"not a model")
-    server = server_factory(repo, "--strict-readiness", "false")
+    server = server_factory(repo, "--strict-readiness", "false", "--exit-on-error", "false")
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     with InferenceClient(server.url, timeout_s=60) as client:
         np.testing.assert_array_equal(client.infer("simple", {"INPUT0": a, "INPUT1": a})["OUTPUT0"], 2 * a)

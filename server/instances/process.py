@@ -145,6 +145,7 @@ def _execute(model: Any, conn: Any, arenas: dict[str, Arena], slots: list[tensor
 
 def _worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
     """A worker process: the backend attaches the model to the server's weights, requests come from the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the host's to handle; it stops us
     try:
         model = backend_for(spec).attach(spec, model_path, device, handle, threads)
     except Exception as exc:  # noqa: BLE001 - the load error names it

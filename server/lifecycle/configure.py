@@ -19,6 +19,7 @@ from google.protobuf import json_format
 from shoal.backends.base import describe_model
 from shoal.backends.devices import cuda_device_count
 from shoal.backends.python.autocomplete import auto_complete as python_auto_complete
+from shoal.backends.python.autocomplete import check_import as python_check_import
 from shoal.backends.python.runner import triton_config
 from shoal.errors import MAX_ECHO_CHARS, ShoalError, invalid, load_failed, shown
 from shoal.lifecycle.model import resolve_kind
@@ -188,8 +189,10 @@ def check_against_model(configured: Configured, folder: Path) -> None:
     for version in spec.version_policy.select(scanner.list_versions(folder)):
         scanner.checked_version_dir(folder, version)
         path = model_file(configured.config.default_model_filename, folder, version)
-        if spec.backend == "python":  # a model.py declares no tensors; its instances report what fails
+        label = scanner.relative_name(folder.parent, path)
+        if spec.backend == "python":  # a model.py declares no tensors: it is imported, as an instance does
             if not path.is_file():
-                raise load_failed(f"model file {scanner.relative_name(folder.parent, path)} not found")
+                raise load_failed(f"model file {label} not found")
+            python_check_import(path, label)
             continue
-        check_io(backend_spec(spec), describe_model(spec.backend, path, scanner.relative_name(folder.parent, path)))
+        check_io(backend_spec(spec), describe_model(spec.backend, path, label))

@@ -101,12 +101,17 @@ class ModelManager:
 
     # -- loading -------------------------------------------------------------------------------------
 
-    async def start(self, startup_models: tuple[str, ...] = ()) -> None:
-        """Load what the control mode says to load at start."""
+    async def start(self, startup_models: tuple[str, ...] = ()) -> dict[str, str]:
+        """Load what the control mode says to load at start; each model that failed, with why.
+
+        Every model is tried and each failure logged, so the caller (``--exit-on-error``) can end
+        the server naming them all, as Triton does.
+        """
         if self.control_mode == "explicit" and "*" not in startup_models:
             names = list(startup_models)
         else:
             names = scanner.list_models(self.repository)
+        failures: dict[str, str] = {}
         for name in names:
             if name in self._models:  # loaded already, as a model an ensemble uses
                 continue
@@ -114,6 +119,8 @@ class ModelManager:
                 await self.load(name)
             except ShoalError as exc:
                 logger.error("model %s: %s", name, exc.message)
+                failures[name] = exc.message
+        return failures
 
     async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None:
         """Load or reload ``name``; ``config_override`` is a ModelConfig as a JSON object (RepositoryModelLoad)."""

@@ -25,6 +25,7 @@ from shoal.protocol import config_pb2, wire_names
 from shoal.protocol.types import DataType
 from shoal.repository import ensemble_config, sequence_config
 from shoal.repository.ensemble_config import EnsembleScheduling
+from shoal.repository.instance_defaults import DEFAULT_CPU_INSTANCE_COUNT
 from shoal.repository.scanner import CONFIG_FILENAME as CONFIG_FILENAME
 from shoal.repository.scanner import checked_path
 
@@ -33,7 +34,6 @@ PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pyt
 BACKEND_PLATFORMS = {backend: platform for platform, backend in PLATFORM_BACKENDS.items()}
 DEFAULT_MODEL_FILENAMES = {"onnxruntime": "model.onnx", "pytorch": "model.pt", "python": "model.py"}
 # Triton gives CPU instance groups of these backends two instances by default.
-DEFAULT_CPU_INSTANCE_COUNT = {"onnxruntime": 2}
 # The batcher keeps two queues per priority level and walks them per batch; Triton sets no bound, but a
 # config asking for billions of levels must be refused at load, not exhaust memory.
 MAX_PRIORITY_LEVELS = 1024

@@ -6,7 +6,8 @@ as read; what it returns is the config the model loads with. Shoal does the same
 child process (``python -m shoal.backends.python.autocomplete MODEL_PY``, config JSON in on stdin,
 out on stdout), so a model file's import-time code never runs in the server. A model file that
 does not mention ``auto_complete_config`` is not imported here: Triton's default keeps the config
-as it is, and import errors are then reported when the instances start.
+as it is, and import errors are then reported when the instances start; ``shoal config check``
+imports every model file in the same child (``check_import``) to report them without serving.
 """
 
 from __future__ import annotations
@@ -91,18 +92,29 @@ def auto_complete(config: dict[str, Any], model_file: Path, label: str) -> dict[
         raise load_failed(f"model file {label} cannot be read: {exc.strerror}") from None
     if "auto_complete_config" not in source:
         return config
+    completed: dict[str, Any] = json.loads(_in_child(model_file, label, config))
+    return completed
+
+
+def check_import(model_file: Path, label: str) -> None:
+    """LOAD_FAILED with the error an instance's load reports if ``model_file`` does not import or
+    defines no ``TritonPythonModel`` (``shoal config check`` refuses what ``serve`` refuses). It is
+    imported in the same child as ``auto_complete``: never initialized, never executed."""
+    _in_child(model_file, label, None)
+
+
+def _in_child(model_file: Path, label: str, config: dict[str, Any] | None) -> str:
+    """What the child prints: the completed ``config``, or nothing when ``config`` is None (import only)."""
+    step, late = ("importing it", "did not finish") if config is None else ("auto_complete_config", "did not return")
     try:
         done = subprocess.run([sys.executable, "-P", "-m", __name__, str(model_file)], input=json.dumps(config),
                               capture_output=True, text=True, timeout=AUTO_COMPLETE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise load_failed(f"{label}: auto_complete_config did not return within "
-                          f"{AUTO_COMPLETE_TIMEOUT_S:.0f} s") from None
+        raise load_failed(f"{label}: {step} {late} within {AUTO_COMPLETE_TIMEOUT_S:.0f} s") from None
     if done.returncode != 0:
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        raise load_failed(lines[-1] if lines else f"{label}: auto_complete_config failed "
-                                                  f"(exit code {done.returncode})")
-    completed: dict[str, Any] = json.loads(done.stdout)
-    return completed
+        raise load_failed(lines[-1] if lines else f"{label}: {step} failed (exit code {done.returncode})")
+    return done.stdout
 
 
 def _main() -> None:
@@ -112,6 +124,8 @@ def _main() -> None:
     config = json.loads(sys.stdin.read())
     try:
         model_class = runner.import_model_class(Path(sys.argv[1]))
+        if config is None:  # only the import was asked for (check_import)
+            return
         wrapper = ModelConfig(config)
         complete = getattr(model_class, "auto_complete_config", None)
         if complete is not None:
