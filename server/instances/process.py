@@ -280,6 +280,8 @@ class ProcessModel:
                     break
             except (EOFError, OSError):
                 break
+        if reply is None:
+            reply = self._last_word()  # a worker that said why and exited at once: its reason is still in the pipe
         if reply != READY:
             self._kill()
             if isinstance(reply, tuple) and reply[0] == FAILED:  # the worker said why (a model file's error)
@@ -289,6 +291,13 @@ class ProcessModel:
         for which in self._arenas:
             self._send_arena(which)
         logger.info("model %s: worker process %d ready", self._spec.name, self._process.pid)
+
+    def _last_word(self) -> Any:
+        """What a worker that ended while starting left in the pipe, if anything."""
+        try:
+            return self._conn.recv() if self._conn.poll(0) else None
+        except (EOFError, OSError):
+            return None
 
     def _send_arena(self, which: str) -> None:
         """Hand the worker an arena: a message, then its descriptor over the pipe. Lock held."""
