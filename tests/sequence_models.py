@@ -97,7 +97,7 @@ def _save_torch_sequence_model(repo: Path, name: str, module: object, instances:
     import torch
 
     (repo / name / "1").mkdir(parents=True)
-    torch.jit.script(module).save(str(repo / name / "1" / "model.pt"))  # type: ignore[no-untyped-call]
+    torch.jit.script(module).save(str(repo / name / "1" / "model.pt"))
     write_config(repo / name, f"""
 name: "{name}"
 backend: "pytorch"

@@ -82,7 +82,8 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
                               "a value does not fit INT8"),
     "classification type": (_classification("3"), "invalid value type for 'classification' parameter"),
     "classification value": (_classification(0), "invalid value for 'classification' parameter"),
-    "file: load parameter": (_load("file:" + LONG, "x"), "loading model files sent with the request"),
+    # A file name no file system holds: Triton's INTERNAL "failed to poll from model repository".
+    "file: load parameter": (_load("file:" + LONG, "x"), "failed to poll from model repository"),
     "config not JSON": (_load("config", "{"), "the config parameter is not valid JSON"),
     "config not an object": (_load("config", "[]"), "the config parameter must be a JSON object"),
     "override names another model": (lambda: ConfigOverride.parse("m", {"name": LONG}),

@@ -181,7 +181,7 @@ def test_answers_are_compressed_off_the_loop_at_zlib_s_default_level(
         sent.append(message)
 
     async def answer(body: bytes) -> int:
-        await http_app._send(send, Reply(body=body), encoding)
+        await http_app._send(send, Reply(body=body, compressible=True), encoding)  # an inference answer
         return threading.get_ident()
 
     body = json.dumps(list(range(100_000))).encode()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shoal.errors import ShoalError, invalid, poll_failed, shown
+from shoal.errors import invalid, poll_failed, shown
 from shoal.protocol import tensors
 from shoal.protocol.types import DataType
 from shoal.repository.scanner import MAX_NAME_BYTES
@@ -32,7 +32,9 @@ class UnfitContents:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self._refusal: ShoalError | None = None
+        # The message, not an exception: one kept here would hold its context's traceback, whose frames
+        # hold the request's payload, in a cycle through this object (freed only by the cyclic collector).
+        self._refusal = ""
 
     def decode(self, name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes | memoryview) -> np.ndarray:
         """Raw content as an array; when it does not fit, noted, and an empty stand-in returned."""
@@ -43,12 +45,12 @@ class UnfitContents:
             return np.empty(0, dtype=datatype.numpy_dtype)
 
     def note(self, name: str, exc: tensors.WireFormatError) -> None:
-        self._refusal = invalid(content_error(name, self.model, exc))
+        self._refusal = content_error(name, self.model, exc)
 
     def check(self) -> None:
         """Refuse the request if any of its contents did not fit."""
-        if self._refusal is not None:
-            raise self._refusal
+        if self._refusal:
+            raise invalid(self._refusal)
 
 
 def refuse_model_files(model: str, keys: list[str]) -> None:
