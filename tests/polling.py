@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from shoal.clients import ClientError, InferenceClient
 from shoal.tools.local_server import LocalServer
@@ -41,3 +42,17 @@ def success_count(client: InferenceClient, model: str) -> int:
     except ClientError:
         return 0
     return sum(int(row.get("inference_stats", {}).get("success", {}).get("count", 0)) for row in rows)
+
+
+def live_members(group: int | None = None, session: int | None = None) -> list[int]:
+    """Live processes of a process group or a session, from /proc (zombies left out: they only wait
+    to be reaped): what a test checks is gone once the server or tool that started them has ended."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and (int(fields[2]) == group or int(fields[3]) == session):
+            members.append(int(stat.parent.name))
+    return members

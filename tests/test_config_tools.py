@@ -20,7 +20,7 @@ from shoal.protocol import config_pb2
 from shoal.repository.config import parse_config
 from tests import models
 from tests.models import EXAMPLES
-from tests.polling import wait_until
+from tests.polling import live_members, wait_until
 
 
 def shoal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -441,17 +441,6 @@ def test_ctrl_c_stops_the_tuner_with_what_it_measured(tmp_path: Path) -> None:
     assert tune.returncode == 130, stderr
     assert "Traceback" not in stderr and "interrupted" in stderr
     assert (folder / "tuning" / "tune.csv").is_file() and not (folder / "config.tuned.pbtxt").exists()
-    assert wait_until(lambda: not _session_members(tune.pid), timeout_s=30), "a server outlived the tuner"
+    assert wait_until(lambda: not live_members(session=tune.pid), timeout_s=30), "a server outlived the tuner"
 
 
-def _session_members(session: int) -> list[int]:
-    """Processes of the session that ``start_new_session`` gave the tuner (servers, load processes)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":  # field 6 of stat, after pid and (comm)
-            members.append(int(stat.parent.name))
-    return members

@@ -22,7 +22,7 @@ from shoal.protocol import service_pb2 as pb
 from tests import python_models
 from tests.conftest import start_server
 from tests.models import EXAMPLES, REPO_ROOT
-from tests.polling import wait_until
+from tests.polling import live_members, wait_until
 
 EXIT_TIMEOUT_S = 120.0  # the 2-core machine is shared: start-up and stop get a generous bound
 
@@ -54,22 +54,11 @@ def _serve_in_own_session(repo: Path, tmp_path: Path, *args: str) -> Iterator[su
     try:
         yield server
     finally:
-        if _group_members(server.pid):
+        if live_members(group=server.pid):
             os.killpg(server.pid, signal.SIGKILL)
         server.wait()
 
 
-def _group_members(group: int) -> list[int]:
-    """Live processes of process group ``group`` (zombies left out: they are only waiting to be reaped)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == group and fields[0] != "Z":  # field 5 of stat, after pid, (comm), state, ppid
-            members.append(int(stat.parent.name))
-    return members
 
 
 def _exit_code(server: subprocess.Popen[bytes]) -> int:
@@ -94,7 +83,7 @@ def test_a_model_that_fails_at_start_ends_the_server(tmp_path: Path, mode: tuple
     repo = _repository(tmp_path, broken=True)
     with _serve_in_own_session(repo, tmp_path, *mode) as server:
         assert _exit_code(server) == 1, (tmp_path / "server.log").read_text()
-        assert wait_until(lambda: not _group_members(server.pid), timeout_s=30, what="the worker processes to end")
+        assert wait_until(lambda: not live_members(group=server.pid), timeout_s=30, what="the worker processes to end")
     log = (tmp_path / "server.log").read_text()
     failed = "absent" if "absent" in mode else "broken"
     assert f"shoal: error: failed to load all models: {failed} " in log, log
@@ -147,7 +136,7 @@ def test_ctrl_c_stops_python_workers_without_a_traceback(tmp_path: Path) -> None
         assert server.poll() is None, (tmp_path / "server.log").read_text()
         os.killpg(server.pid, signal.SIGINT)
         assert _exit_code(server) == 0, (tmp_path / "server.log").read_text()
-        assert wait_until(lambda: not _group_members(server.pid), timeout_s=30, what="the worker processes to end")
+        assert wait_until(lambda: not live_members(group=server.pid), timeout_s=30, what="the worker processes to end")
     log = (tmp_path / "server.log").read_text()
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
     assert "stopped" in log, log

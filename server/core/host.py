@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Coroutine
@@ -45,6 +46,7 @@ class CoreHost:
         self._released: deque[int] = deque()
         self._release_pending = False  # a RELEASE is scheduled on the loop
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._closing = False
         self._channel: Channel | None = None
         self.closed = asyncio.Event()
@@ -141,10 +143,13 @@ class CoreHost:
         self._released.append(request_id)
         if not self._release_pending:
             self._release_pending = True
+            if threading.get_ident() == self._loop_thread:  # the usual case: no wake-up write needed
+                self._loop.call_soon(self._send_released)
+                return
             try:
                 self._loop.call_soon_threadsafe(self._send_released)
-            except RuntimeError:
-                pass  # the loop is closed: so is the channel, and the worker with it
+            except RuntimeError:  # the loop is closed: so is the channel, and the worker with it
+                self._release_pending = False
 
     def _send_released(self) -> None:
         self._release_pending = False  # before draining: an id added after the drain schedules another send

@@ -17,10 +17,10 @@ def decode_raw(
     name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes | memoryview, model: str = ""
 ) -> np.ndarray:
     """Raw content as an array; a size that does not fit the shape is refused in Triton's words."""
-    try:
-        return tensors.from_raw(datatype, shape, raw)
-    except tensors.WireFormatError as exc:
-        raise invalid(content_error(name, model, exc)) from None
+    unfit = UnfitContents(model)
+    data = unfit.decode(name, datatype, shape, raw)
+    unfit.check()
+    return data
 
 
 class UnfitContents:
