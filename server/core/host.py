@@ -143,12 +143,12 @@ class CoreHost:
         self._released.append(request_id)
         if not self._release_pending:
             self._release_pending = True
-            if threading.get_ident() == self._loop_thread:  # the usual case: no wake-up write needed
-                self._loop.call_soon(self._send_released)
-                return
             try:
-                self._loop.call_soon_threadsafe(self._send_released)
-            except RuntimeError:  # the loop is closed: so is the channel, and the worker with it
+                if threading.get_ident() == self._loop_thread:  # the usual case: no wake-up write needed
+                    self._loop.call_soon(self._send_released)
+                else:
+                    self._loop.call_soon_threadsafe(self._send_released)
+            except RuntimeError:  # the loop is closed (a view let go at exit): so is the channel, and the worker
                 self._release_pending = False
 
     def _send_released(self) -> None:
