@@ -85,14 +85,15 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
     background: set[asyncio.Task[None]] = set()
     if settings.control_mode == "poll":
         background.add(asyncio.create_task(manager.poll_forever(settings.poll_interval_s)))
-    if settings.port_file is not None:
-        settings.port_file.write_text(f"{port}\n{metrics_port}\n{http_port}\n")  # 0: disabled
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     os.register_at_fork(after_in_child=_forget_server_signals)
+    # Written once the handlers are in: a script that signals as soon as it reads the ports gets the
+    # drain, not asyncio.run's KeyboardInterrupt (a Ctrl-C test sent SIGINT in between, on a busy CI).
+    if settings.port_file is not None:
+        settings.port_file.write_text(f"{port}\n{metrics_port}\n{http_port}\n")  # 0: disabled
     await stop.wait()
 
     deadline = time.monotonic() + settings.exit_timeout_s
