@@ -74,6 +74,7 @@ def test_sweep_writes_csv_json_and_png(load_server: RunningServer, tmp_path: Pat
         assert float(row["Server Compute Infer"]) > 0  # breakdown from ModelStatistics deltas
     steps = json.loads(out_json.read_text())["steps"]
     assert steps[1]["concurrency"] == 2 and steps[1]["requests"] > 0
+    assert all(step["client_cpu_us"] > 0 for step in steps)  # the load processes' own CPU per request
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from matplotlib.image import imread
 

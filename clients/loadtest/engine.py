@@ -9,7 +9,9 @@ Requests completing after the warm-up are
 counted in fixed windows and each window is reported to the parent on a result queue:
 (worker index, step index, window index, latencies in µs, errors by status).
 Everything runs until the parent sets the step's stop event or its deadline passes; requests
-then in flight get ``STOP_GRACE_S`` to complete (and are counted), the rest are cancelled.
+then in flight get ``STOP_GRACE_S`` to complete (and are counted), the rest are cancelled. The
+``done`` message carries the CPU the process spent sending (``time.process_time``, all threads) and
+how many requests completed meanwhile.
 
 A closed-loop coroutine whose requests fail backs off exponentially (``BACKOFF_FIRST_S``
 doubling up to ``BACKOFF_MAX_S``, reset by a success): a dead server costs a few failures
@@ -34,7 +36,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from shoal.clients.loadtest.http import HttpRequest
+from shoal.clients.loadtest.http import ConnectionPool, HttpRequest
 from shoal.protocol import METHODS
 
 INFER_PATH = METHODS["ModelInfer"].path
@@ -95,8 +97,10 @@ class _Windows:
         self.current = 0
         self.latencies: list[float] = []
         self.errors: Counter[str] = Counter()
+        self.completed = 0  # every request answered (or failed), warm-up included
 
     def record(self, finished: float, latency_s: float, error: str | None) -> None:
+        self.completed += 1
         if finished < self.measure_from:
             return
         window = int((finished - self.measure_from) / self.step.window_s)
@@ -125,7 +129,7 @@ class _Windows:
 
 class _Senders:
     """Where a worker's coroutines send: gRPC channels shared by ``workers_per_channel`` coroutines, or
-    one HTTP/1.1 session (a keep-alive connection per request in flight, as HTTP cannot multiplex).
+    a pool of keep-alive HTTP/1.1 connections (one per request in flight, as HTTP cannot multiplex).
 
     ``send(index, timeout_s)`` returns None on success, else the error's name: the gRPC status, or
     ``HTTP_<status>`` / ``CONNECTION_ERROR`` / ``DEADLINE_EXCEEDED`` over HTTP.
@@ -134,53 +138,38 @@ class _Senders:
     def __init__(self, url: str, request: bytes | HttpRequest, coroutines: int, workers_per_channel: int) -> None:
         self.request = request
         self.workers_per_channel = workers_per_channel
+        self.coroutines = coroutines
         if isinstance(request, HttpRequest):
-            import aiohttp
-
-            base = url if "://" in url else f"http://{url}"
-            self.session = aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=0))
-            self.count = coroutines
+            self.pool = ConnectionPool(url, request)
             return
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self.channels = [grpc.aio.insecure_channel(url, options) for _ in range(-(-coroutines // workers_per_channel))]
         self.calls = [c.unary_unary(INFER_PATH, request_serializer=None, response_deserializer=None)
                       for c in self.channels]
-        self.count = len(self.calls)
 
     async def send(self, index: int, timeout_s: float) -> str | None:
-        request = self.request
-        if isinstance(request, HttpRequest):
-            import aiohttp
-
-            try:
-                async with self.session.post(request.path, data=request.body, headers=request.headers,
-                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as answer:
-                    await answer.read()
-                    return None if answer.status == 200 else f"HTTP_{answer.status}"
-            except TimeoutError:
-                return "DEADLINE_EXCEEDED"
-            except aiohttp.ClientError:
-                return "CONNECTION_ERROR"
+        if isinstance(self.request, HttpRequest):
+            return await self.pool.send(timeout_s)
         try:
-            await self.calls[(index // self.workers_per_channel) % self.count](request, timeout=timeout_s)
+            await self.calls[(index // self.workers_per_channel) % len(self.calls)](self.request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return str(exc.code().name)
         return None
 
     async def connect(self, timeout_s: float) -> None:
-        """Open the gRPC channels before the start (HTTP connects on first use, within the warm-up);
-        a server that does not answer within ``timeout_s`` is left to the load to report."""
-        if isinstance(self.request, HttpRequest):
-            return
+        """Open the gRPC channels, or an HTTP connection per coroutine, before the start; a server that
+        does not answer within ``timeout_s`` is left to the load to report."""
+        opening = self.pool.connect(self.coroutines) if isinstance(self.request, HttpRequest) else asyncio.gather(
+            *(c.channel_ready() for c in self.channels))
         try:
-            await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self.channels)), timeout_s)
+            await asyncio.wait_for(opening, timeout_s)
         except TimeoutError:
             return
 
     async def close(self) -> None:
         if isinstance(self.request, HttpRequest):
-            await self.session.close()
+            await self.pool.close()
             return
         for channel in self.channels:
             await channel.close()
@@ -193,9 +182,12 @@ async def _run_step(worker: int, url: str, request: bytes | HttpRequest, step: S
     await senders.connect(min(CONNECT_WAIT_S, max(0.0, step.ready_by - time.monotonic())))
     results.put(Ready(worker, step.index))
     start = await asyncio.to_thread(_wait_for_start, commands, step, stop)
+    cpu_s, completed = 0.0, 0
     if start is not None:
-        await _send_load(worker, senders, step, start, stop, results)
-    results.put(("done", worker, step.index, time.monotonic()))
+        before = time.process_time()  # the whole process: its grpc threads too
+        completed = await _send_load(worker, senders, step, start, stop, results)
+        cpu_s = time.process_time() - before
+    results.put(("done", worker, step.index, time.monotonic(), cpu_s, completed))
     await senders.close()
 
 
@@ -215,8 +207,9 @@ def _wait_for_start(commands: Any, step: Step, stop: multiprocessing.synchronize
 
 
 async def _send_load(worker: int, senders: _Senders, step: Step, start: Start,
-                     stop: multiprocessing.synchronize.Event, results: Any) -> None:
-    """Send from ``start.start_at`` until stopped or the deadline, counting completions in windows."""
+                     stop: multiprocessing.synchronize.Event, results: Any) -> int:
+    """Send from ``start.start_at`` until stopped or the deadline, counting completions in windows; returns
+    how many requests completed (warm-up included)."""
     windows = _Windows(worker, step, start, results)
 
     def running() -> bool:
@@ -273,6 +266,7 @@ async def _send_load(worker: int, senders: _Senders, step: Step, start: Start,
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     windows.flush()
+    return windows.completed
 
 
 def worker_main(worker: int, url: str, request: bytes | HttpRequest, workers_per_channel: int, commands: Any,

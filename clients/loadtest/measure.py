@@ -70,6 +70,9 @@ class StepResult:
     server_us: dict[str, float] | None = None  # per request: queue, compute_input/infer/output, request
     window_throughputs: list[float] = field(default_factory=list)
     seconds: float = 0.0  # the time ``requests`` and ``errors`` cover: from the warm-up's end to the step's end
+    # The load processes' own CPU per answered request over the whole step (warm-up included): what the load
+    # generator took from a machine it shares with the server.
+    client_cpu_us: float = 0.0
     interrupted: bool = False  # stopped by Ctrl-C: what was measured until then
 
 
@@ -97,6 +100,8 @@ class _Totals:
         self.errors: Counter[str] = Counter()
         self.finished_workers = 0
         self.ended_at = 0.0  # monotonic time the last worker finished the step
+        self.completed = 0  # every request of the step that completed, warm-up included
+        self.cpu_s = 0.0  # the load processes' CPU while sending them
 
     def add(self, message: object, step_index: int) -> WindowReport | None:
         """Count one message from a worker; returns it when it is a window of this step."""
@@ -107,6 +112,8 @@ class _Totals:
         if isinstance(message, tuple) and message[0] == "done" and message[2] == step_index:
             self.finished_workers += 1
             self.ended_at = max(self.ended_at, message[3])
+            self.cpu_s += message[4]
+            self.completed += message[5]
         return None  # a late message of an earlier step, or "done"
 
 
@@ -224,6 +231,7 @@ class LoadTester:
         result = _summarize(concurrency, request_rate, windows, s, snapshots, totals)
         if measure_from is not None:
             result.seconds = max(0.0, (totals.ended_at or time.monotonic()) - measure_from)
+        result.client_cpu_us = totals.cpu_s / totals.completed * 1e6 if totals.completed else 0.0
         result.interrupted = interrupted
         return result
 
