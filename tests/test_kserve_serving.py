@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -170,16 +171,17 @@ def _ready(port: int) -> bool:
         return False
 
 
-def _start(base: Path, repository: Path, args: list[str]) -> Served:
+def _start(base: Path, repository: Path, args: list[str], bin_dir: Path = Path(sys.executable).parent) -> Served:
     """The server as the kubelet would start it: the args as the command line, ``shoal`` found on
-    PATH (the image's venv), UID 1000 when the suite can set it, HOME absent, TMPDIR of its own."""
+    PATH (``bin_dir``, as the image's venv), UID 1000 when the suite can set it, HOME absent, TMPDIR
+    of its own."""
     tmpdir = base / "tmp"
     tmpdir.mkdir()
     if AS_ROOT:
         os.chown(tmpdir, SERVER_UID, SERVER_UID)
     port_file = tmpdir / "ports"
     command = _swapped(args, repository, port_file)
-    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "HOME": str(base / "no-home"), "TMPDIR": str(tmpdir), "PYTHONDONTWRITEBYTECODE": "1",
            "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"}
     log = base / "server.log"
@@ -414,3 +416,61 @@ def test_the_trainedmodel_flow(scratch: Path) -> None:
     finally:
         code = server.stop()
     assert code == 0, server.log_text()
+
+
+def _docker_build_context(context: Path) -> None:
+    """What the Dockerfile's build stage COPYs, copied as Docker would, from a fresh clone (the
+    git-ignored generated protobuf modules left out, so the build must make them)."""
+    skip = shutil.ignore_patterns("__pycache__", "*_pb2.py", "*_pb2.pyi")
+    lines = (dm.REPO_ROOT / "Dockerfile").read_text().split("\nFROM ")[1].splitlines()
+    copies = [line.split()[1:] for line in lines if line.startswith("COPY ") and "--from" not in line]
+    assert copies, "the build stage copies nothing"
+    for *sources, destination in copies:
+        for source in sources:
+            target = context / destination / source if destination.endswith("/") else context / destination
+            if (dm.REPO_ROOT / source).is_dir():
+                shutil.copytree(dm.REPO_ROOT / source, target, ignore=skip)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(dm.REPO_ROOT / source, target)
+
+
+def test_the_images_install_serves_from_a_clean_venv(scratch: Path) -> None:
+    """The Dockerfile's install, without Docker: the wheel built from what its build stage copies,
+    installed into a fresh venv, then ``shoal serve`` with the runtime's args from that venv, as
+    UID 1000, on a read-only repository. Kept cheap: the wheel is built without build isolation
+    (the suite's setuptools and grpcio-tools, not downloaded ones) and the fresh venv reaches
+    Shoal's dependencies through a .pth line to the suite's venv instead of installing them (minutes
+    for onnxruntime and grpcio); Shoal itself comes only from the wheel."""
+    base = scratch / "image"
+    _docker_build_context(base / "context")
+    wheels, venv = base / "wheels", base / "opt-shoal"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    for command in ([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(base / "context")],
+                    [sys.executable, "-m", "venv", "--without-pip", str(venv)]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    (wheel,) = wheels.glob("shoal-*.whl")
+    done = subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", str(wheel)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "zz_shoal_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import shoal.protocol.grpc_service_pb2, shoal; "
+                            "print(shoal.__file__)"], capture_output=True, text=True, timeout=60)
+    assert where.stdout.strip() == str(site / "shoal" / "__init__.py"), where.stderr
+    repository = base / "mnt" / "models"
+    repository.mkdir(parents=True)
+    models.copy_example(repository, "simple")
+    _read_only(base / "mnt")
+    server = _start(base, repository, dm.dockerfile_instruction("CMD"), bin_dir=venv / "bin")
+    try:
+        a = list(range(16))
+        infer = json.dumps({"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": a}
+                                       for n in ("INPUT0", "INPUT1")]}).encode()
+        status, body = _http(server.http_port, "POST", "/v2/models/simple/infer", infer)
+        assert status == 200 and json.loads(body)["outputs"][0]["data"] == [2 * v for v in a]
+    finally:
+        code = server.stop()
+    assert code == 0, server.log_text()
+    assert not re.search(r"Permission denied|Read-only file system|Traceback", server.log_text())
