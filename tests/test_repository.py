@@ -176,6 +176,19 @@ def test_a_top_level_symlink_out_of_the_repository_is_a_model_folder(tmp_path: P
         scanner.list_versions(folder)
 
 
+def test_a_linked_model_folder_is_named_by_its_link_in_messages(tmp_path: Path) -> None:
+    """A reason that names a file of a model folder linked from outside names it as the repository
+    does (``linked/1/model.onnx``), never by the target's absolute path."""
+    repo, store = tmp_path / "repo", tmp_path / "store"
+    (store / "abc123" / "1").mkdir(parents=True)
+    repo.mkdir()
+    (repo / "linked").symlink_to(store / "abc123", target_is_directory=True)
+    real = (store / "abc123").resolve()
+    text = f"Load model from {real}/1/model.onnx failed: protobuf parsing failed ({real})"
+    assert scanner.without_repository_path(repo, text) == \
+        "Load model from linked/1/model.onnx failed: protobuf parsing failed (linked)"
+
+
 @pytest.mark.parametrize("target", ["repository", "above", "file", "dangling"])
 def test_a_top_level_symlink_to_the_repository_or_no_folder_is_skipped(tmp_path: Path, target: str) -> None:
     """A top-level symlink to the repository or a folder holding it would put everything inside

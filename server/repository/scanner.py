@@ -112,7 +112,14 @@ def relative_name(repository: Path, path: Path) -> str:
 
 
 def without_repository_path(repository: Path, text: str) -> str:
-    """``text`` with the repository's absolute path taken out, so the files it names read relative."""
+    """``text`` with the repository's absolute path taken out, so the files it names read relative;
+    a model folder linked from outside (the module docstring's rule) reads as its name."""
+    real = repository.resolve()
+    if os.sep in text and real.is_dir():
+        for entry in real.iterdir():
+            folder = _linked_model_folder(real, entry.name) if entry.is_symlink() else None
+            if folder is not None:
+                text = text.replace(str(folder) + os.sep, entry.name + os.sep).replace(str(folder), entry.name)
     for root in {str(repository.resolve()), str(repository.absolute())}:
         text = text.replace(root + os.sep, "").replace(root, ".")
     return text
