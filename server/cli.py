@@ -95,9 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model repository over gRPC and HTTP (KServe v2 / Triton)")
-    serve.add_argument("--model-repository", type=Path, required=True, help="folder of model folders")
+    serve.add_argument("--model-repository", "--model-store", dest="model_repository", type=Path, required=True,
+                       help="folder of model folders (--model-store: Triton's alias, as kserve-tritonserver passes)")
     serve.add_argument("--grpc-address", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     serve.add_argument("--grpc-port", type=_port, default=8001, help="port (default 8001; 0 = any free)")
+    serve.add_argument("--allow-grpc", type=_bool, default=True,
+                       help="serve gRPC (default true; Triton's flag, which KServe passes: only true is taken)")
     serve.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1 or more = debug")
     serve.add_argument(
         "--strict-readiness", type=_bool, default=True,
@@ -270,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         logging.basicConfig(level=logging.WARNING, format="%(levelname).1s %(name)s: %(message)s")
         return _config(parser, args)
+    if not args.allow_grpc:
+        parser.error("--allow-grpc=false: Shoal always serves gRPC (--grpc-port=0 takes any free port)")
     tls = _tls_settings(parser, args)
     try:
         restrictions = tuple(parse_restriction(text) for text in args.grpc_restricted_protocol)

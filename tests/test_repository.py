@@ -154,14 +154,65 @@ def test_unsafe_model_names_are_refused(tmp_path: Path, name: str) -> None:
     assert caught.value.code is ErrorCode.MODEL_NOT_FOUND  # unknown_model: UNAVAILABLE over gRPC
 
 
-def test_symlink_out_of_the_repository_is_skipped(tmp_path: Path) -> None:
-    repo, outside = tmp_path / "repo", tmp_path / "outside"
+def test_a_top_level_symlink_out_of_the_repository_is_a_model_folder(tmp_path: Path) -> None:
+    """kserve-storage's local download puts a symlink in place of each top-level entry (issue 25):
+    the model is the link's name, its files are checked against the target's real path."""
+    repo, store = tmp_path / "repo", tmp_path / "store"
     (repo / "good").mkdir(parents=True)
-    outside.mkdir()
-    (repo / "escape").symlink_to(outside, target_is_directory=True)
+    (store / "abc123" / "1").mkdir(parents=True)
+    (store / "other" / "1").mkdir(parents=True)
+    (store / "abc123" / "1" / "ok").symlink_to(store / "abc123" / "1")
+    (store / "abc123" / "1" / "to_other").symlink_to(store / "other" / "1")
+    (store / "abc123" / "2").symlink_to(store / "other" / "1", target_is_directory=True)
+    (repo / "linked").symlink_to(store / "abc123", target_is_directory=True)
+    assert scanner.list_models(repo) == ["good", "linked"]
+    folder = scanner.model_dir(repo, "linked")
+    assert folder == repo.resolve() / "linked" and folder.name == "linked"
+    assert scanner.checked_path(repo, "linked/1/ok") == (store / "abc123" / "1").resolve()
+    for relative in ("linked/1/to_other", "linked/../store/other/1", "linked/2"):
+        with pytest.raises(ShoalError, match="is not a path inside the model repository"):
+            scanner.checked_path(repo, relative)
+    with pytest.raises(ShoalError, match="'linked/2' is not a path inside the model repository"):
+        scanner.list_versions(folder)
+
+
+def test_a_linked_model_folder_is_named_by_its_link_in_messages(tmp_path: Path) -> None:
+    """A reason that names a file of a model folder linked from outside names it as the repository
+    does (``linked/1/model.onnx``), never by the target's absolute path."""
+    repo, store = tmp_path / "repo", tmp_path / "store"
+    (store / "abc123" / "1").mkdir(parents=True)
+    repo.mkdir()
+    (repo / "linked").symlink_to(store / "abc123", target_is_directory=True)
+    real = (store / "abc123").resolve()
+    text = f"Load model from {real}/1/model.onnx failed: protobuf parsing failed ({real})"
+    assert scanner.without_repository_path(repo, text) == \
+        "Load model from linked/1/model.onnx failed: protobuf parsing failed (linked)"
+
+
+@pytest.mark.parametrize("target", ["repository", "above", "file", "dangling"])
+def test_a_top_level_symlink_to_the_repository_or_no_folder_is_skipped(tmp_path: Path, target: str) -> None:
+    """A top-level symlink to the repository or a folder holding it would put everything inside
+    one model folder; one to a file or nothing is no model folder."""
+    repo = tmp_path / "repo"
+    (repo / "good").mkdir(parents=True)
+    (tmp_path / "afile").write_text("x")
+    destination = {"repository": repo, "above": tmp_path.parent, "file": tmp_path / "afile",
+                   "dangling": tmp_path / "nothing"}[target]
+    (repo / "escape").symlink_to(destination)
     assert scanner.list_models(repo) == ["good"]
     with pytest.raises(ShoalError):
         scanner.model_dir(repo, "escape")
+    if target == "above":  # through "escape", the whole file system would be inside
+        with pytest.raises(ShoalError):
+            scanner.checked_path(repo, f"escape/{tmp_path.name}/afile")
+
+
+def test_the_repository_may_itself_be_a_symlink(tmp_path: Path) -> None:
+    """An oci:// modelcar makes /mnt/models itself a symlink (issue 25)."""
+    (tmp_path / "real" / "m" / "1").mkdir(parents=True)
+    (tmp_path / "mnt").symlink_to(tmp_path / "real", target_is_directory=True)
+    assert scanner.list_models(tmp_path / "mnt") == ["m"]
+    assert scanner.list_versions(scanner.model_dir(tmp_path / "mnt", "m")) == [1]
 
 
 @pytest.mark.parametrize(("dims", "reshape"), [("[1]", "[]"), ("[4]", "[2, 2]"), ("[-1, 4]", "[-1, 2, 2]"),

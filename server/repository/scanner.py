@@ -5,6 +5,19 @@ repository-relative name into a real path (symlinks resolved) inside the reposit
 that leads outside is refused with one message that names only what the caller gave, so the
 answer is the same whether or not the target exists. Messages name files relative to the
 repository (``simple/1/model.onnx``), never by their absolute path on the server.
+
+What "inside" means (the containment rule):
+
+- The repository is its real path: ``/mnt/models`` may itself be a symlink (KServe's ``oci://``
+  modelcar mounts it so).
+- A top-level entry is a model folder wherever it really lies: whoever lays out the repository
+  chooses its top level, and KServe's ``kserve-storage`` local download puts a symlink in place
+  of each top-level entry, pointing outside the repository. Only an entry whose target is the
+  repository or a folder holding it is no model folder (it would make everything "inside").
+- Below a top-level entry, every path must resolve inside the repository or inside the real
+  path of that same model folder. A config, version folder, model file, label file or weight
+  file that a symlink or ``..`` leads anywhere else is refused, so a model folder can never
+  reach the rest of the file system, nor another model folder placed outside the repository.
 """
 
 from __future__ import annotations
@@ -56,7 +69,26 @@ def checked_path(repository: Path, relative: str | PurePath) -> Path:
     except (OSError, RuntimeError):  # a symlink loop
         raise outside(relative) from None
     if not real.is_relative_to(root):
-        raise outside(relative)
+        folder = _linked_model_folder(root, path.parts[0]) if path.parts else None
+        if folder is None or not real.is_relative_to(folder):
+            raise outside(relative)
+    return real
+
+
+def _linked_model_folder(root: Path, name: str) -> Path | None:
+    """The real path of top-level entry ``name`` of repository ``root`` (a real path) when it is a
+    symlink to a folder elsewhere (the module docstring's rule); None for any other entry."""
+    if not is_safe_model_name(name):
+        return None
+    entry = root / name
+    try:
+        if not entry.is_symlink():
+            return None
+        real = entry.resolve(strict=True)
+    except (OSError, RuntimeError):  # dangling, a loop, unreadable
+        return None
+    if real.is_relative_to(root) or root.is_relative_to(real) or not real.is_dir():
+        return None  # inside the repository (the usual rule holds), or the repository or a folder above it
     return real
 
 
@@ -80,7 +112,14 @@ def relative_name(repository: Path, path: Path) -> str:
 
 
 def without_repository_path(repository: Path, text: str) -> str:
-    """``text`` with the repository's absolute path taken out, so the files it names read relative."""
+    """``text`` with the repository's absolute path taken out, so the files it names read relative;
+    a model folder linked from outside (the module docstring's rule) reads as its name."""
+    real = repository.resolve()
+    if os.sep in text and real.is_dir():
+        for entry in real.iterdir():
+            folder = _linked_model_folder(real, entry.name) if entry.is_symlink() else None
+            if folder is not None:
+                text = text.replace(str(folder) + os.sep, entry.name + os.sep).replace(str(folder), entry.name)
     for root in {str(repository.resolve()), str(repository.absolute())}:
         text = text.replace(root + os.sep, "").replace(root, ".")
     return text
@@ -91,10 +130,19 @@ def model_dir(repository: Path, name: str) -> Path:
     if not is_safe_model_name(name):
         raise unknown_model(name)
     root = repository.resolve()
-    path = (root / name).resolve()
-    if path.parent != root:
+    if not _is_model_entry(root, name):
         raise unknown_model(name)
-    return path
+    return root / name
+
+
+def _is_model_entry(root: Path, name: str) -> bool:
+    """Top-level entry ``name`` of ``root`` (a real path) may be a model folder: a folder in the
+    repository, or a symlink to one elsewhere (the module docstring's rule)."""
+    try:
+        real = (root / name).resolve()
+    except (OSError, RuntimeError):
+        return False
+    return real.parent == root or _linked_model_folder(root, name) is not None
 
 
 def looks_like_model_folder(folder: Path) -> bool:
@@ -141,7 +189,7 @@ def list_models(repository: Path, warn: bool = True) -> list[str]:
     for entry in sorted(repository.iterdir()):
         if entry.name.startswith(".") or not entry.is_dir():
             continue
-        if not is_safe_model_name(entry.name) or entry.resolve().parent != repository.resolve():
+        if not is_safe_model_name(entry.name) or not _is_model_entry(repository.resolve(), entry.name):
             logger.warning("skipping model folder %r: unsafe name or it points outside the repository", entry.name)
             continue
         names.append(entry.name)
