@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reuse-grpc-port", type=_bool, default=False,
                        help="let other servers bind the gRPC port too (SO_REUSEPORT); default false: a port in use "
                             "is an error")
+    serve.add_argument("--grpc-engine", choices=("auto", "native", "grpcio"), default="auto",
+                       help="what serves gRPC: native = pygrpc-native (HTTP/2 in Rust, the faster), grpcio = "
+                            "grpc.aio (TLS); auto (default) = native unless TLS is on or it does not import here")
     serve.add_argument("--grpc-workers", "--frontend-workers", dest="grpc_workers", type=_count, default=0,
                        help="front-end processes serving gRPC and HTTP on their ports, beside the process that holds "
                             "the models; 0 serves both in that process (default 0)")
@@ -331,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             max_concurrent_streams=args.grpc_max_concurrent_streams,
             restrictions=restrictions,
             reuse_port=args.reuse_grpc_port,
+            engine=args.grpc_engine,
         ),
     )
     return asyncio.run(_serve(settings))

@@ -47,6 +47,7 @@ class GrpcLimits:
     max_concurrent_streams: int = 100  # per connection; 0 = grpc's default (unbounded, open to rapid reset)
     restrictions: tuple[Restriction, ...] = ()
     reuse_port: bool = False  # SO_REUSEPORT: let other servers bind this port too (Triton's --reuse-grpc-port)
+    engine: str = "auto"  # --grpc-engine: auto | native | grpcio (shoal.grpc.engine)
 
 
 @dataclass(frozen=True)
