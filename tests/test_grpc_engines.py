@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,6 +106,19 @@ def test_tritonclient_streaming(engine_server: RunningServer) -> None:
     assert len(errors) == 1 and "nope" in str(errors[0])
 
 
+def test_a_client_that_sends_keepalive_pings_keeps_being_answered(engine_server: RunningServer) -> None:
+    """Pings every 200 ms, also between calls: grpcio's ping policy may end the connection with GOAWAY
+    (too_many_pings) and the client dials again; pygrpc-native accepts them. Either way every call is answered."""
+    keepalive = triton.KeepAliveOptions(keepalive_time_ms=200, keepalive_timeout_ms=10_000,
+                                        keepalive_permit_without_calls=True, http2_max_pings_without_data=0)
+    with triton.InferenceServerClient(engine_server.url, keepalive_options=keepalive) as client:
+        for _ in range(3):
+            result = client.infer("simple", _inputs(triton), client_timeout=30)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
+            time.sleep(1.0)  # idle on purpose: only pings cross the connection meanwhile
+        assert client.is_server_live()
+
+
 def test_streams_on_many_connections_are_not_bounded_together(engine_server: RunningServer) -> None:
     """pygrpc-native proxies ModelStreamInfer to its grpc.aio fallback; 150 streams held open at once on
     150 connections (more than one connection's limit of 100) each get their answer."""
@@ -142,3 +157,25 @@ def test_streams_on_many_connections_are_not_bounded_together(engine_server: Run
         for channel in channels:
             channel.close()
     assert not failures, failures[:3]
+
+
+def test_auto_falls_back_where_native_cannot_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TLS, a pygrpc-native outside the tested range, or none importable: auto is grpcio and says why;
+    ``native`` is a startup error that says the same."""
+    import pygrpc_native
+
+    from shoal.errors import StartupError
+    from shoal.grpc import engine
+
+    assert engine.choose("auto", tls=False).name == "native"
+    assert engine.choose("auto", tls=True) == engine.EngineChoice("grpcio", "TLS is on, which pygrpc-native "
+                                                                            "cannot serve")
+    assert engine.choose("grpcio", tls=False).name == "grpcio"
+    monkeypatch.setattr(pygrpc_native, "__version__", "0.6.0")
+    choice = engine.choose("auto", tls=False)
+    assert choice.name == "grpcio" and "pygrpc-native 0.6.0 is outside the tested range 0.5 to 0.6" in choice.reason
+    monkeypatch.setitem(sys.modules, "pygrpc_native", None)  # what a platform without its wheel sees
+    choice = engine.choose("auto", tls=False)
+    assert choice.name == "grpcio" and choice.reason.startswith("pygrpc-native does not import here")
+    with pytest.raises(StartupError, match="--grpc-engine native: pygrpc-native does not import here"):
+        engine.choose("native", tls=False)
