@@ -179,3 +179,15 @@ def test_auto_falls_back_where_native_cannot_serve(monkeypatch: pytest.MonkeyPat
     assert choice.name == "grpcio" and choice.reason.startswith("pygrpc-native does not import here")
     with pytest.raises(StartupError, match="--grpc-engine native: pygrpc-native does not import here"):
         engine.choose("native", tls=False)
+
+
+def test_the_tested_range_is_the_pinned_one() -> None:
+    import tomllib
+
+    from shoal.grpc import engine
+    from tests.models import REPO_ROOT
+
+    dependencies = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pin,) = [d for d in dependencies if d.startswith("pygrpc-native")]
+    (low_major, low_minor), (high_major, high_minor) = engine.TESTED_NATIVE
+    assert pin.split(";")[0] == f"pygrpc-native>={low_major}.{low_minor},<{high_major}.{high_minor}"

@@ -18,15 +18,12 @@ checks holds on both.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from shoal.errors import StartupError
-
-logger = logging.getLogger(__name__)
 
 ENGINES = ("auto", "native", "grpcio")
 # The pygrpc-native releases the suite ran on; pyproject.toml pins the same range.
