@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-budget-mb", action="append", default=[], metavar="DEVICE=MB",
                        help="memory all models may hold on a device (cpu, gpu:0, ...); loads beyond it are refused")
     serve.add_argument("--grpc-max-concurrent-streams", type=int, default=100,
-                       help="concurrent RPCs per client connection (default 100; 0 = grpc's, unbounded, which "
-                            "leaves the server open to HTTP/2 rapid reset)")
+                       help="concurrent RPCs per client connection (default 100; 0 = the engine's own: unbounded "
+                            "on grpcio, which leaves the server open to HTTP/2 rapid reset, 1024 on native)")
     serve.add_argument("--reuse-grpc-port", type=_bool, default=False,
                        help="let other servers bind the gRPC port too (SO_REUSEPORT); default false: a port in use "
                             "is an error")

@@ -90,7 +90,8 @@ def build_server(
         # Also grpc core's bound on stream churn: streams past the limit are refused in the
         # transport, so a client that opens and resets streams at once (HTTP/2 rapid reset) no
         # longer floods the queue of calls waiting for the server, which cancels other
-        # connections' calls when it overflows (bench/rapid_reset.py).
+        # connections' calls when it overflows (bench/rapid_reset.py). pygrpc-native reads the same
+        # option (1024 without it) and also ends a connection that resets streams fast with GOAWAY.
         options.append(("grpc.max_concurrent_streams", limits.max_concurrent_streams))
     quiet_answers_not_sent()  # a client that leaves as it is answered is no server error
     server = engine.create(choice, options)
