@@ -1,7 +1,7 @@
 """HTTP/2 rapid reset: one connection opens and resets streams as fast as it can; does a separate,
 well-behaved connection still get its requests answered?
 
-    python bench/rapid_reset.py [--streams 2000000 --max-seconds 5]
+    python bench/rapid_reset.py [--streams 2000000 --max-seconds 5] [--grpc-engine auto|native|grpcio]
 
 For each configuration a Shoal server starts on a free loopback port with one identity model.
 A victim thread sends ModelInfer requests one after another on its own channel (each with a
@@ -195,6 +195,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=2_000_000, help="most streams the attacker opens")
     parser.add_argument("--max-seconds", type=float, default=5.0, help="how long the attack (and each window) lasts")
+    parser.add_argument("--grpc-engine", default="auto", choices=("auto", "native", "grpcio"),
+                        help="the engine of every server (default auto: native on this insecure listener)")
     args = parser.parse_args()
     configurations = {  # label: (server arguments, attack streams)
         "no attack (baseline)": ((), 0),
@@ -206,9 +208,11 @@ def main() -> None:
         (model / "1").mkdir(parents=True)
         (model / "config.pbtxt").write_text(IDENTITY_CONFIG)
         repo = model.parent
-        rows = [measure(repo, label, extra, streams, args.max_seconds)
+        rows = [measure(repo, label, ("--grpc-engine", args.grpc_engine, *extra), streams, args.max_seconds)
                 for label, (extra, streams) in configurations.items()]
-    save_results(rows, "rapid_reset.csv")
+    for row in rows:
+        row["engine"] = args.grpc_engine
+    save_results(rows, f"rapid_reset_{args.grpc_engine}.csv" if args.grpc_engine != "auto" else "rapid_reset.csv")
 
 
 if __name__ == "__main__":

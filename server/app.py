@@ -35,6 +35,7 @@ from shoal.core.local import LocalCore
 from shoal.descriptors import AcceptFailureLog
 from shoal.errors import StartupError
 from shoal.frontend.supervisor import WorkerSupervisor
+from shoal.grpc import engine
 from shoal.grpc.health import HealthReporter
 from shoal.grpc.server import build_server
 from shoal.grpc.servicer import InferenceServicer
@@ -145,8 +146,9 @@ class InProcessFrontEnd:
 
     async def start(self) -> tuple[int, int]:
         await self.health.sync(self.core)
-        self.server, port = build_server(InferenceServicer(self.core), self.health, self.settings.grpc_address,
-                                         self.settings.grpc_port, self.settings.tls, self.settings.grpc)
+        self.server, port, choice = build_server(InferenceServicer(self.core), self.health,
+                                                 self.settings.grpc_address, self.settings.grpc_port,
+                                                 self.settings.tls, self.settings.grpc)
         http_port = 0
         if self.settings.allow_http:
             http = self.settings.http
@@ -155,7 +157,8 @@ class InProcessFrontEnd:
             http_port = await self.http.start()
             logger.info("Started HTTPService at %s:%d", http.address, http_port)
         await self.server.start()
-        logger.info("Started GRPCInferenceService at %s:%d", self.settings.grpc_address, port)
+        logger.info("Started GRPCInferenceService at %s:%d (%s)", self.settings.grpc_address, port,
+                    choice.describe())
         return port, http_port
 
     def health_changed(self) -> None:
@@ -189,9 +192,10 @@ class WorkerFrontEnd:
         # Checked again now that the models are loaded: the workers bind with SO_REUSEPORT, so a
         # server that took a port meanwhile would otherwise share it silently.
         refuse_used_ports(settings)
+        choice = engine.choose(settings.grpc.engine, settings.tls is not None)  # what each worker chooses too
         port, http_port = await self.supervisor.start()
-        logger.info("Started GRPCInferenceService at %s:%d in %d front-end worker processes",
-                    settings.grpc_address, port, len(self.supervisor.workers))
+        logger.info("Started GRPCInferenceService at %s:%d in %d front-end worker processes (%s)",
+                    settings.grpc_address, port, len(self.supervisor.workers), choice.describe())
         if settings.allow_http:
             logger.info("Started HTTPService at %s:%d in the same processes", settings.http.address, http_port)
         return port, http_port

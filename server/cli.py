@@ -135,11 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-budget-mb", action="append", default=[], metavar="DEVICE=MB",
                        help="memory all models may hold on a device (cpu, gpu:0, ...); loads beyond it are refused")
     serve.add_argument("--grpc-max-concurrent-streams", type=int, default=100,
-                       help="concurrent RPCs per client connection (default 100; 0 = grpc's, unbounded, which "
-                            "leaves the server open to HTTP/2 rapid reset)")
+                       help="concurrent RPCs per client connection (default 100; 0 = the engine's own: unbounded "
+                            "on grpcio, which leaves the server open to HTTP/2 rapid reset, 1024 on native)")
     serve.add_argument("--reuse-grpc-port", type=_bool, default=False,
                        help="let other servers bind the gRPC port too (SO_REUSEPORT); default false: a port in use "
                             "is an error")
+    serve.add_argument("--grpc-engine", choices=("auto", "native", "grpcio"), default="auto",
+                       help="what serves gRPC: native = pygrpc-native (HTTP/2 in Rust, the faster), grpcio = "
+                            "grpc.aio (TLS); auto (default) = native unless TLS is on or it does not import here")
     serve.add_argument("--grpc-workers", "--frontend-workers", dest="grpc_workers", type=_count, default=0,
                        help="front-end processes serving gRPC and HTTP on their ports, beside the process that holds "
                             "the models; 0 serves both in that process (default 0)")
@@ -336,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             max_concurrent_streams=args.grpc_max_concurrent_streams,
             restrictions=restrictions,
             reuse_port=args.reuse_grpc_port,
+            engine=args.grpc_engine,
         ),
     )
     return asyncio.run(_serve(settings))

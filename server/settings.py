@@ -44,9 +44,10 @@ def parse_restriction(text: str) -> Restriction:
 class GrpcLimits:
     # Triton and tritonclient accept messages up to INT32_MAX bytes; grpc's default is 4 MiB.
     max_message_bytes: int = 2**31 - 1
-    max_concurrent_streams: int = 100  # per connection; 0 = grpc's default (unbounded, open to rapid reset)
+    max_concurrent_streams: int = 100  # per connection; 0 = the engine's (grpcio: unbounded, open to rapid reset)
     restrictions: tuple[Restriction, ...] = ()
     reuse_port: bool = False  # SO_REUSEPORT: let other servers bind this port too (Triton's --reuse-grpc-port)
+    engine: str = "auto"  # --grpc-engine: auto | native | grpcio (shoal.grpc.engine)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,12 @@ from tests import models
 
 STARTUP_TIMEOUT_S = 60.0
 # Every test that starts its server through a fixture runs in both process layouts (issue 12):
-# gRPC served by the process that holds the models, and by two front-end worker processes.
+# gRPC served by the process that holds the models, and by two front-end worker processes; both on
+# the default engine (--grpc-engine auto: pygrpc-native on these insecure listeners).
 LAYOUTS = {"one-process": (), "two-workers": ("--grpc-workers", "2")}
+# Tests marked ``other_engine`` (the gRPC-focused modules and tests, issue 24) also run on the other
+# engine, in the one-process layout: grpc.aio, which serves TLS and any host without pygrpc-native.
+OTHER_ENGINE = {"one-process-grpcio": ("--grpc-engine", "grpcio")}
 
 
 RunningServer = LocalServer
@@ -46,10 +50,19 @@ def nothing_left_in_dev_shm() -> Iterator[None]:
     assert not left, f"left in /dev/shm by the test session: {sorted(left)}"
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``layout`` takes every layout; with the ``other_engine`` mark, the other engine's too."""
+    if "layout" in metafunc.fixturenames:
+        names = list(LAYOUTS)
+        if metafunc.definition.get_closest_marker("other_engine") is not None:
+            names += list(OTHER_ENGINE)
+        metafunc.parametrize("layout", names, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
 def layout(request: pytest.FixtureRequest) -> tuple[str, ...]:
-    """The command-line arguments of one process layout."""
-    return LAYOUTS[request.param]
+    """The command-line arguments of one process layout (and engine)."""
+    return {**LAYOUTS, **OTHER_ENGINE}[request.param]
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ from tests.conftest import RunningServer
 from tests.models import ALL_DATATYPES
 from tests.test_datatypes import sample
 
+pytestmark = pytest.mark.other_engine  # every gRPC test here also runs on grpcio (conftest)
+
 A = np.arange(32, dtype=np.int32).reshape(2, 16)
 
 

@@ -27,6 +27,7 @@ def running(tmp_path: Path, server_factory):
                           "--exit-on-error", "false")
 
 
+@pytest.mark.other_engine
 def test_health_service_per_model(running) -> None:
     with grpc.insecure_channel(running.url) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -42,6 +43,7 @@ def test_health_service_per_model(running) -> None:
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.other_engine
 def test_reflection_lists_and_describes_the_wire_service(running) -> None:
     with grpc.insecure_channel(running.url) as channel:
         database = ProtoReflectionDescriptorDatabase(channel)
@@ -81,6 +83,7 @@ def test_metrics_can_be_turned_off(tmp_path: Path, server_factory) -> None:
     assert server.metrics_port == 0
 
 
+@pytest.mark.other_engine
 def test_repository_control_needs_the_configured_header(running) -> None:
     with InferenceClient(running.url, timeout_s=30) as anonymous:
         for call in (lambda: anonymous.load_model("simple"), lambda: anonymous.unload_model("simple"),
@@ -96,6 +99,7 @@ def test_repository_control_needs_the_configured_header(running) -> None:
         assert any(e.name == "simple" and e.state == "READY" for e in admin.repository_index())
 
 
+@pytest.mark.other_engine
 def test_message_size_limit(tmp_path: Path, server_factory) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -22,6 +22,7 @@ BINARY = Path(os.environ.get("SHOAL_PERF_ANALYZER", REPO_ROOT / ".bench-venv" / 
 
 @pytest.mark.skipif(not BINARY.exists(), reason=f"perf_analyzer not installed at {BINARY}: "
                     "run bench/install_perf_analyzer.sh")
+@pytest.mark.other_engine
 def test_perf_analyzer_concurrency_sweep(tmp_path: Path, server_factory) -> None:
     repo = models.repository(tmp_path, "simple")
     server = server_factory(repo)

@@ -26,6 +26,8 @@ from shoal.types import InferRequest, InferResponse
 from tests import models
 from tests.conftest import open_channel
 
+pytestmark = pytest.mark.other_engine  # every gRPC test here also runs on grpcio (conftest)
+
 DELAY_MS = 20
 
 

@@ -12,6 +12,8 @@ from shoal.protocol import METHODS, InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests.conftest import RunningServer
 
+pytestmark = pytest.mark.other_engine  # every gRPC test here also runs on grpcio (conftest)
+
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
 B = np.full((1, 16), 3, dtype=np.int32)
 

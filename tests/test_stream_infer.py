@@ -20,6 +20,8 @@ from tests import models
 from tests.conftest import RunningServer, open_channel, start_server
 from tests.polling import wait_until
 
+pytestmark = pytest.mark.other_engine  # every gRPC test here also runs on grpcio (conftest)
+
 SLOW_MS = 500  # long enough that every request of a test is read while the first still executes
 RESPONSE_TIMEOUT_S = 60
 

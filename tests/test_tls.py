@@ -50,6 +50,9 @@ def test_tls(pki: Path, tmp_path: Path, server_factory) -> None:
                             "--grpc-server-key", str(pki / "server.key"), credentials=credentials)
     with InferenceClient(server.url, tls=_client_tls(pki, with_certificate=False), timeout_s=10) as client:
         assert client.is_model_ready("simple")
+    # pygrpc-native has no TLS: --grpc-engine auto serves it on grpc.aio, and says so (in each worker too)
+    assert "(engine grpcio: TLS is on, which pygrpc-native cannot serve)" in server.log(), server.log()
+    assert "engine native" not in server.log()
     with InferenceClient(server.url, timeout_s=5) as plaintext:
         with pytest.raises(ClientError) as caught:
             plaintext.is_live()
@@ -72,6 +75,20 @@ def test_mutual_tls_requires_a_client_certificate(pki: Path, tmp_path: Path, ser
         with pytest.raises(ClientError) as caught:
             anonymous.is_live()
     assert caught.value.status == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_native_engine_with_tls_is_a_clear_startup_error(pki: Path, tmp_path: Path) -> None:
+    import sys
+
+    repo = models.repository(tmp_path, "simple")
+    result = subprocess.run([sys.executable, "-m", "shoal", "serve", "--model-repository", str(repo), "--grpc-port",
+                             "0", "--http-port", "0", "--metrics-port", "0", "--grpc-address", "127.0.0.1",
+                             "--grpc-engine", "native", "--grpc-use-ssl", "true", "--grpc-server-cert",
+                             str(pki / "server.pem"), "--grpc-server-key", str(pki / "server.key")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "--grpc-engine native cannot serve TLS (pygrpc-native has none); use --grpc-engine auto or grpcio" \
+        in result.stderr
 
 
 def test_tls_flags_are_checked() -> None:

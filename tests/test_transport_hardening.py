@@ -41,6 +41,7 @@ def resident_mb(pid: int) -> float:
     raise AssertionError("no VmRSS line")
 
 
+@pytest.mark.other_engine
 @pytest.mark.parametrize(("model", "datatype"), [("nope", "UINT8"), ("identity", "FP32")])
 def test_rejected_large_requests_do_not_pile_up(tmp_path: Path, server_factory, model: str, datatype: str) -> None:
     """Each rejected request's payload is freed with it, not when the cyclic collector runs."""
@@ -112,6 +113,7 @@ def metrics_text(server: RunningServer) -> str:
         return reply.read().decode()
 
 
+@pytest.mark.other_engine
 @pytest.mark.parametrize("which", ["gRPC", "metrics"])
 def test_a_port_in_use_is_a_clear_error_and_the_first_server_keeps_serving(
     tmp_path: Path, server_factory, which: str
@@ -132,6 +134,7 @@ def test_a_port_in_use_is_a_clear_error_and_the_first_server_keeps_serving(
     assert "nv_inference_count" in metrics_text(first)
 
 
+@pytest.mark.other_engine
 def test_the_grpc_port_is_shared_only_on_purpose(tmp_path: Path, server_factory) -> None:
     """A first server that shares its port (SO_REUSEPORT, as several processes of one server would)
     still refuses a second that did not opt in; one that opts in starts beside it."""
@@ -163,6 +166,7 @@ def test_metrics_listen_on_the_grpc_address_unless_told(tmp_path: Path, server_f
 # -- restrictions ----------------------------------------------------------------------------------
 
 
+@pytest.mark.other_engine
 def test_the_health_restriction_covers_grpc_health(tmp_path: Path, server_factory) -> None:
     repo = models.repository(tmp_path, "simple")
     server = server_factory(repo, "--grpc-restricted-protocol", "health:probe-key=s3cret")
@@ -249,6 +253,7 @@ def test_exit_timeout_is_a_hard_bound(tmp_path: Path, server_factory) -> None:
     assert "exit timeout of 2 s passed with 2 requests in flight" in server.log()
 
 
+@pytest.mark.other_engine
 def test_health_says_not_serving_during_the_drain(tmp_path: Path, server_factory) -> None:
     """During the drain gRPC still answers: health NOT_SERVING (Check and an open Watch), new requests
     refused; then exit 0, without waiting out the exit timeout for the Watch stream."""
@@ -335,9 +340,26 @@ def server_settings(port: int) -> dict[int, int]:
             for i in range(0, len(payload), 6)}
 
 
+def attack(port: int, streams: int, deadline: float) -> tuple[int, int]:
+    """Open and reset ``streams`` streams, dialling again whenever the server ends the attacker's connection
+    (a GOAWAY or a close is a defence too); the streams sent and the connections that took."""
+    sent = connections = 0
+    while sent < streams and time.monotonic() < deadline:
+        attacker = rapid_reset.Attacker(port)
+        connections += 1
+        try:
+            sent += attacker.run(port, streams - sent, deadline)
+        finally:
+            attacker.close()
+    return sent, connections
+
+
+@pytest.mark.other_engine
 def test_rapid_reset_on_one_connection_does_not_fail_another(tmp_path: Path, server_factory) -> None:
     """Streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS 100), so 50,000 streams
-    opened and reset at once on one connection leave another connection's requests answered."""
+    opened and reset at once leave another connection's requests answered. grpcio takes them all on
+    one connection; pygrpc-native ends an attacking connection with GOAWAY after a few hundred, so
+    the attacker dials again (bench/rapid_reset.py counts both)."""
     repo = tmp_path / "repo"
     repo.mkdir()
     models.add_identity(repo, "identity", "FP32", dims="[ 16 ]")
@@ -346,16 +368,15 @@ def test_rapid_reset_on_one_connection_does_not_fail_another(tmp_path: Path, ser
     statuses: list[str] = []
     with InferenceClient(server.url, timeout_s=20) as client:
         client.infer("identity", {"IN": np.ones((1, 16), np.float32)})  # connected before the attack
-        attacker = rapid_reset.Attacker(server.port)
         with ThreadPoolExecutor(1) as pool:
-            attack = pool.submit(attacker.run, server.port, 50_000, time.monotonic() + 60)
-            while not attack.done() and len(statuses) < 10_000:
+            attacking = pool.submit(attack, server.port, 50_000, time.monotonic() + 60)
+            while not attacking.done() and len(statuses) < 10_000:
                 try:
                     client.infer("identity", {"IN": np.ones((1, 16), np.float32)})
                     statuses.append("OK")
                 except ClientError as error:
                     statuses.append(error.status.name)
-            sent = attack.result(timeout=60)
-        attacker.close()
+            sent, _ = attacking.result(timeout=90)
+        client.infer("identity", {"IN": np.ones((1, 16), np.float32)})  # and after it
     assert sent == 50_000
     assert statuses and set(statuses) == {"OK"}, collections.Counter(statuses)

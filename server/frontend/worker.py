@@ -110,8 +110,8 @@ async def serve(sock: socket.socket, config: WorkerConfig) -> int:
     http: HttpServer | None = None
     http_port = 0
     try:
-        server, port = build_server(InferenceServicer(core), health, config.address, config.port, config.tls,
-                                    config.limits)
+        server, port, engine = build_server(InferenceServicer(core), health, config.address, config.port,
+                                            config.tls, config.limits)
         if config.http is not None:
             http = HttpServer(HttpApp(core, config.http.max_input_bytes, config.http.restrictions,
                                       config.http.max_pending_body_bytes), config.http,
@@ -121,6 +121,8 @@ async def serve(sock: socket.socket, config: WorkerConfig) -> int:
         core.started(str(exc))
         return 1
     await server.start()
+    logger.info("front-end worker %d serves gRPC on %s:%d (%s)", config.index, config.address, port,
+                engine.describe())
     core.started((port, http_port))
     host_gone = asyncio.create_task(core.closed.wait())
     stopping = asyncio.create_task(stop.wait())

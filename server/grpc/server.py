@@ -1,5 +1,9 @@
-"""Build the grpc.aio server: every RPC of the table, and grpc.health.v1, under the error guard and the
+"""Build the gRPC server: every RPC of the table, and grpc.health.v1, under the error guard and the
 restrictions; plus reflection. The port is never shared by accident (``grpc.so_reuseport`` off).
+
+The engine (pygrpc-native or grpc.aio) is ``engine.choose``'s; both get the same options and the same
+handlers, registered per service (``add_registered_method_handlers``), which pygrpc-native serves
+natively; reflection is a generic handler, served by its grpc.aio fallback.
 
 Requests are handed to the guard as bytes and decoded there (see ``status.parse``).
 """
@@ -10,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from shoal.errors import StartupError
-from shoal.grpc import reflection
+from shoal.grpc import engine, reflection
 from shoal.grpc.health import HealthReporter
 from shoal.grpc.restrict import CATEGORIES, restricted
 from shoal.grpc.servicer import InferenceServicer
@@ -70,9 +74,11 @@ def build_server(
     port: int,
     tls: TlsSettings | None = None,
     limits: GrpcLimits | None = None,
-) -> tuple[grpc.aio.Server, int]:
-    """The server and the port it bound (pass port 0 for a free one: no pick-then-release race)."""
+) -> tuple[grpc.aio.Server, int, engine.EngineChoice]:
+    """The server, the port it bound (pass port 0 for a free one: no pick-then-release race) and the engine
+    that serves it, with why (for the log line that starts it)."""
     limits = limits or GrpcLimits()
+    choice = engine.choose(limits.engine, tls is not None)
     options: list[tuple[str, int]] = [
         ("grpc.max_send_message_length", limits.max_message_bytes),
         ("grpc.max_receive_message_length", limits.max_message_bytes),
@@ -84,14 +90,13 @@ def build_server(
         # Also grpc core's bound on stream churn: streams past the limit are refused in the
         # transport, so a client that opens and resets streams at once (HTTP/2 rapid reset) no
         # longer floods the queue of calls waiting for the server, which cancels other
-        # connections' calls when it overflows (bench/rapid_reset.py).
+        # connections' calls when it overflows (bench/rapid_reset.py). pygrpc-native reads the same
+        # option (1024 without it) and also ends a connection that resets streams fast with GOAWAY.
         options.append(("grpc.max_concurrent_streams", limits.max_concurrent_streams))
     quiet_answers_not_sent()  # a client that leaves as it is answered is no server error
-    server = grpc.aio.server(options=options)
-    server.add_generic_rpc_handlers((
-        grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(servicer, limits.restrictions)),
-        grpc.method_handlers_generic_handler(HEALTH_SERVICE, health_handlers(health, limits.restrictions)),
-    ))
+    server = engine.create(choice, options)
+    server.add_registered_method_handlers(SERVICE_NAME, method_handlers(servicer, limits.restrictions))
+    server.add_registered_method_handlers(HEALTH_SERVICE, health_handlers(health, limits.restrictions))
     reflection.enable(server, (HEALTH_SERVICE,))
     target = f"{address}:{port}"
     try:
@@ -100,4 +105,4 @@ def build_server(
         bound = 0
     if bound == 0:
         raise StartupError(f"cannot serve gRPC on {target}: the port is in use or the address is not this host's")
-    return server, bound
+    return server, bound, choice

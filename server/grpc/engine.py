@@ -1,0 +1,88 @@
+"""Which gRPC engine serves the listener: pygrpc-native or grpcio's ``grpc.aio``.
+
+``--grpc-engine``:
+
+- ``native``: pygrpc-native's ``aio.server()`` (HTTP/2 and gRPC framing in Rust, outside the GIL;
+  handlers on this event loop). It serves the unary and server-streaming methods itself; what it
+  cannot serve natively (ModelStreamInfer, a bidirectional stream, and server reflection, added as
+  a generic handler) goes to the grpc.aio server it runs behind itself on a Unix socket. It has no
+  TLS: asking for it with TLS is a startup error.
+- ``grpcio``: ``grpc.aio.server()``, every method, TLS and mTLS.
+- ``auto`` (the default): ``native`` wherever it can serve the configuration (an insecure listener
+  and a pygrpc-native in the tested range that imports on this platform), ``grpcio`` otherwise. The
+  line that starts the listener names the engine and why.
+
+Both are given the same options and the same handlers (``server.build_server``): what the suite
+checks holds on both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from shoal.errors import StartupError
+
+ENGINES = ("auto", "native", "grpcio")
+# The pygrpc-native releases the suite ran on; pyproject.toml pins the same range.
+TESTED_NATIVE = ((0, 5), (0, 6))  # [0.5, 0.6)
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    name: str  # "native" or "grpcio"
+    reason: str  # for the log line that starts the listener
+
+    def describe(self) -> str:
+        return f"engine {self.name}: {self.reason}"
+
+
+def _native_unusable() -> str | None:
+    """Why pygrpc-native cannot serve here, or None when it can."""
+    try:
+        import pygrpc_native
+        import pygrpc_native.aio  # noqa: F401 - the server itself, which needs grpcio
+    except ImportError as exc:  # no wheel for this platform, or not installed
+        return f"pygrpc-native does not import here ({exc})"
+    version = getattr(pygrpc_native, "__version__", "0")
+    try:
+        release = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return f"pygrpc-native {version} is not a release this server was tested with"
+    low, high = TESTED_NATIVE
+    if not low <= release < high:
+        return f"pygrpc-native {version} is outside the tested range {'.'.join(map(str, low))} to " \
+               f"{'.'.join(map(str, high))}"
+    return None
+
+
+def choose(requested: str, tls: bool) -> EngineChoice:
+    """The engine for ``requested`` (one of ``ENGINES``); StartupError if ``native`` cannot serve as asked."""
+    if requested == "grpcio":
+        return EngineChoice("grpcio", "--grpc-engine grpcio")
+    if tls:
+        if requested == "native":
+            raise StartupError("--grpc-engine native cannot serve TLS (pygrpc-native has none); "
+                               "use --grpc-engine auto or grpcio")
+        return EngineChoice("grpcio", "TLS is on, which pygrpc-native cannot serve")
+    unusable = _native_unusable()
+    if unusable is not None:
+        if requested == "native":
+            raise StartupError(f"--grpc-engine native: {unusable}; use --grpc-engine auto or grpcio")
+        return EngineChoice("grpcio", unusable)
+    if requested == "native":
+        return EngineChoice("native", "--grpc-engine native")
+    return EngineChoice("native", "insecure listener, pygrpc-native serves it (ModelStreamInfer and reflection "
+                                  "through its grpc.aio fallback)")
+
+
+def create(choice: EngineChoice, options: list[tuple[str, Any]]) -> grpc.aio.Server:
+    """An unstarted server of the chosen engine, with ``options`` (grpcio's names; pygrpc-native reads the
+    message limits, keepalive, max concurrent streams and SO_REUSEPORT the same way)."""
+    if choice.name == "native":
+        import pygrpc_native.aio
+
+        return pygrpc_native.aio.server(options=options)
+    return grpc.aio.server(options=options)
