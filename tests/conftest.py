@@ -38,14 +38,23 @@ def start_server(
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_in_dev_shm() -> Iterator[None]:
-    """Shared memory is released, also by the servers and workers tests kill with SIGKILL (issue 12)."""
+    """Shared memory is released, also by the servers and workers tests kill with SIGKILL (issue 12).
+
+    Named semaphores (``sem.*``) are not counted: every Python process on the machine that uses
+    multiprocessing makes ``sem.mp-*`` files and its resource tracker removes them, so another test
+    session or benchmark running meanwhile (CI shares the machine) would fail this one. Shoal's own
+    memory is memfds and names nothing; what a session leaves is a segment."""
     shm = Path("/dev/shm")
-    before = set(os.listdir(shm)) if shm.is_dir() else set()
+
+    def segments() -> set[str]:
+        return {name for name in os.listdir(shm) if not name.startswith("sem.")}
+
+    before = segments() if shm.is_dir() else set()
     yield
     if not shm.is_dir():
         return
     deadline = time.monotonic() + 5  # processes ending right now release theirs on exit
-    while (left := set(os.listdir(shm)) - before) and time.monotonic() < deadline:
+    while (left := segments() - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"left in /dev/shm by the test session: {sorted(left)}"
 
