@@ -4,11 +4,13 @@ get loaded, and how the cores are split."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from shoal.backends.devices import CPU, Device
+from shoal.backends.devices import CPU, Device, usable_cores
 from shoal.errors import ShoalError
 from shoal.instances.pool import Placement, build_pool
 from shoal.lifecycle import model
@@ -36,7 +38,7 @@ def test_shared_weights_load_one_copy_per_device_for_all_groups() -> None:
     pool = build_pool("m", [Placement("a", CPU, 3), Placement("b", CPU, 1)], load, share_weights=True)
     assert len(pool.instances) == 4 and len(loads) == 1
     assert {id(i.model) for i in pool.instances} == {id(loads[0])}
-    assert loads[0].threads == max(1, (os.cpu_count() or 1) // 4)
+    assert loads[0].threads == max(1, usable_cores() // 4)
     assert [i.name for i in pool.instances] == ["a_0", "a_1", "a_2", "b_0"]
     pool.close()
     assert loads[0].closed
@@ -51,7 +53,7 @@ def test_without_sharing_each_executor_loads_a_copy_and_the_cores_are_split() ->
 
     pool = build_pool("m", [Placement("a", CPU, 4)], load, share_weights=False)
     assert len(loads) == 4 and len({id(i.model) for i in pool.instances}) == 4
-    assert all(copy.threads == max(1, (os.cpu_count() or 1) // 4) for copy in loads)
+    assert all(copy.threads == max(1, usable_cores() // 4) for copy in loads)
     pool.close()
     assert all(copy.closed for copy in loads)
 
@@ -219,3 +221,28 @@ def test_a_spec_finds_its_tensors_by_name_and_lists_its_outputs_in_order() -> No
     assert spec.input("IN") is spec.inputs[0] and spec.input("OUT") is None
     assert spec.output("OUT") is spec.outputs[0] and spec.output("IN") is None
     assert spec.output_names == tuple(t.name for t in spec.outputs)
+
+
+def test_cores_are_the_ones_this_process_may_use_not_the_machines(tmp_path: Path) -> None:
+    """A process pinned to one core (taskset, a container's cpuset) gives its one executor 1 thread,
+    not os.cpu_count()'s; a cgroup CPU quota (a Kubernetes CPU limit) caps the count too."""
+    script = (
+        "import os\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "from shoal.backends.devices import CPU\n"
+        "from shoal.instances.pool import Placement, build_pool\n"
+        "threads = []\n"
+        "pool = build_pool('m', [Placement('a', CPU, 1)], lambda device, n: threads.append(n) or object(), True)\n"
+        "print(threads[0])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1"
+
+    cpu_max = tmp_path / "cpu.max"
+    affinity = len(os.sched_getaffinity(0))
+    for text, expected in (("100000 100000\n", 1), ("150000 100000\n", min(affinity, 2)),
+                           ("max 100000\n", affinity), ("nonsense\n", affinity)):
+        cpu_max.write_text(text)
+        assert usable_cores(cpu_max) == expected, text
+    assert usable_cores(tmp_path / "absent") == affinity

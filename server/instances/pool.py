@@ -14,7 +14,6 @@ would stop the server's loop, or read as a request the client cancelled.
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from shoal.backends.base import LoadedModel
-from shoal.backends.devices import Device
+from shoal.backends.devices import Device, usable_cores
 
 Call = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]]
 
@@ -185,12 +184,13 @@ LoadCopy = Callable[[Device, int], LoadedModel]  # (device, threads for this cop
 def build_pool(model_name: str, placements: list[Placement], load: LoadCopy, share_weights: bool) -> InstancePool:
     """Create the executors; one copy of the weights per device, or one per executor if not sharing.
 
-    Threads: every executor's own thread computes too, so each copy gets the device's cores
-    divided by its executors (at least 1) and N concurrent executions never oversubscribe the
-    machine. bench/ort_sharing.py measured one shared ONNX Runtime session against N sessions
-    sharing initializers: same memory and throughput within 5%, so the simpler one is kept.
+    Threads: every executor's own thread computes too, so each copy gets the cores this process may
+    use (``usable_cores``: affinity and CPU quota) divided by its executors (at least 1), and N
+    concurrent executions never oversubscribe the machine. bench/ort_sharing.py measured one shared
+    ONNX Runtime session against N sessions sharing initializers: same memory and throughput within
+    5%, so the simpler one is kept.
     """
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     per_device: dict[Device, int] = {}
     for placement in placements:
         per_device[placement.device] = per_device.get(placement.device, 0) + placement.count
