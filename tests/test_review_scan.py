@@ -103,7 +103,7 @@ def test_one_repository_flag_still_parses() -> None:
 @pytest.mark.parametrize(("target", "phrase"), [
     ("repository", "the repository itself or a folder holding it"),
     ("above", "the repository itself or a folder holding it"),
-    ("version", "a folder below another model folder"),
+    ("version", "a folder inside the repository below its top level"),
 ])
 def test_a_skipped_top_level_link_is_skipped_in_words(tmp_path: Path, target: str, phrase: str,
                                                        caplog: pytest.LogCaptureFixture) -> None:
