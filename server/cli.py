@@ -8,6 +8,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 from shoal import __version__
 from shoal.descriptors import raise_open_file_limit
@@ -32,6 +33,18 @@ def _bool(text: str) -> bool:
     if lowered in {"0", "false", "no", "off"}:
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class _OneRepository(argparse.Action):
+    """--model-repository or its alias --model-store, once: Triton serves every repository it is
+    given, Shoal serves one, so a second is refused rather than silently replacing the first."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string}: Shoal serves one model repository; --model-repository or "
+                         "--model-store was given more than once")
+        setattr(namespace, self.dest, values)
 
 
 def _port(text: str) -> int:
@@ -96,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model repository over gRPC and HTTP (KServe v2 / Triton)")
     serve.add_argument("--model-repository", "--model-store", dest="model_repository", type=Path, required=True,
+                       action=_OneRepository,
                        help="folder of model folders (--model-store: Triton's alias, as kserve-tritonserver passes)")
     serve.add_argument("--grpc-address", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     serve.add_argument("--grpc-port", type=_port, default=8001, help="port (default 8001; 0 = any free)")

@@ -14,7 +14,7 @@ from shoal.repository.config import CONFIG_FILENAME
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """Digests of config.pbtxt and of each version folder (its files' names, sizes and mtimes)."""
+    """Digests of config.pbtxt and of each version folder (its real path, its files' names, sizes and mtimes)."""
 
     config: str
     versions: tuple[tuple[int, str], ...]
@@ -28,6 +28,9 @@ def fingerprint_of(folder: Path) -> Fingerprint:
     """Changes when config.pbtxt, a version folder or a file in one changes (poll mode).
 
     Every path is checked first; a file whose real path is outside the repository counts by name only.
+    A version folder's digest holds its own real path and its files': a link retargeted to another
+    folder is a change even where that folder's files have the same names, sizes and mtimes (an
+    image or archive that normalizes timestamps).
     """
     repository = folder.parent
     config = scanner.checked_path(repository, PurePath(folder.name, CONFIG_FILENAME))
@@ -36,6 +39,7 @@ def fingerprint_of(folder: Path) -> Fingerprint:
     for version in scanner.list_versions(folder, warn=False) if folder.is_dir() else []:
         digest = hashlib.sha256()
         version_dir = scanner.checked_path(repository, PurePath(folder.name, str(version)))
+        digest.update(str(version_dir).encode())
         for path in sorted(version_dir.rglob("*")):
             relative = path.relative_to(version_dir)
             try:
@@ -44,7 +48,7 @@ def fingerprint_of(folder: Path) -> Fingerprint:
                 digest.update(f"|{relative}:outside".encode())
                 continue
             stat = real.stat()
-            digest.update(f"|{relative}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+            digest.update(f"|{relative}:{real}:{stat.st_size}:{stat.st_mtime_ns}".encode())
         versions.append((version, digest.hexdigest()))
     return Fingerprint(config_digest, tuple(versions))
 

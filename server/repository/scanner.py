@@ -145,6 +145,19 @@ def _is_model_entry(root: Path, name: str) -> bool:
     return real.parent == root or _linked_model_folder(root, name) is not None
 
 
+def _skip_reason(root: Path, name: str) -> str:
+    """Why top-level entry ``name`` of ``root`` (a real path), a folder, is no model folder."""
+    if not is_safe_model_name(name):
+        return "unsafe name"
+    try:
+        real = (root / name).resolve()
+    except (OSError, RuntimeError):  # changed since it was listed
+        return "it cannot be resolved"
+    if root.is_relative_to(real):
+        return "it links to the repository itself or a folder holding it"
+    return "it links to a folder inside the repository below its top level"
+
+
 def looks_like_model_folder(folder: Path) -> bool:
     """A model folder rather than a repository: it holds a config.pbtxt, or an integer folder
     with a model file in it."""
@@ -190,7 +203,7 @@ def list_models(repository: Path, warn: bool = True) -> list[str]:
         if entry.name.startswith(".") or not entry.is_dir():
             continue
         if not is_safe_model_name(entry.name) or not _is_model_entry(repository.resolve(), entry.name):
-            logger.warning("skipping model folder %r: unsafe name or it points outside the repository", entry.name)
+            logger.warning("skipping model folder %r: %s", entry.name, _skip_reason(repository.resolve(), entry.name))
             continue
         names.append(entry.name)
     if not names and warn:

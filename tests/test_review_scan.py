@@ -1,0 +1,119 @@
+"""Review of issue 25's repository rule and command line: what a hostile reading of a top-level
+symlink to a model folder outside the repository, and of Triton's flag aliases, found."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from shoal.cli import build_parser
+from shoal.clients import InferenceClient
+from shoal.lifecycle.fingerprint import fingerprint_of
+from shoal.repository import scanner
+from tests import models
+from tests.conftest import start_server
+from tests.polling import wait_until
+
+ADD_CONFIG = """
+backend: "onnxruntime"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+MTIME_NS = 1_700_000_000_000_000_000  # what an image or archive that normalizes timestamps gives every file
+
+
+def _add_model(folder: Path, addend: float) -> None:
+    """OUT = IN + addend, its model file as long as any other addend's, its mtime fixed."""
+    models.write_config(folder, ADD_CONFIG)
+    weight = numpy_helper.from_array(np.full(4, addend, dtype=np.float32), "W")
+    graph = helper.make_graph([helper.make_node("Add", ["IN", "W"], ["OUT"])], "add",
+                              [helper.make_tensor_value_info("IN", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("OUT", TensorProto.FLOAT, [4])], [weight])
+    models.save_onnx(graph, folder / "1" / "model.onnx")
+    for path in (folder / "config.pbtxt", folder / "1" / "model.onnx"):
+        os.utime(path, ns=(MTIME_NS, MTIME_NS))
+
+
+def _retarget(link: Path, target: Path) -> None:
+    """Point ``link`` at ``target`` in one step, as Kubernetes' atomic writer swaps its ``..data`` link."""
+    fresh = link.with_name(f".{link.name}.new")
+    fresh.symlink_to(target, target_is_directory=True)
+    os.replace(fresh, link)
+
+
+def _linked_layout(tmp_path: Path) -> tuple[Path, Path, Path]:
+    repo, store = tmp_path / "repo", tmp_path / "store"
+    repo.mkdir()
+    _add_model(store / "one", 1.0)
+    _add_model(store / "two", 2.0)
+    assert (store / "one" / "1" / "model.onnx").stat().st_size == (store / "two" / "1" / "model.onnx").stat().st_size
+    (repo / "add").symlink_to(store / "one", target_is_directory=True)
+    return repo, store / "one", store / "two"
+
+
+def test_a_retargeted_top_level_link_is_a_change(tmp_path: Path) -> None:
+    """A top-level link now pointing at another model folder is another model, even where that
+    folder's config reads the same and its files have the same names, sizes and mtimes."""
+    repo, _, two = _linked_layout(tmp_path)
+    before = fingerprint_of(scanner.model_dir(repo, "add"))
+    _retarget(repo / "add", two)
+    assert fingerprint_of(scanner.model_dir(repo, "add")) != before
+
+
+def test_poll_mode_serves_the_new_target_of_a_retargeted_link(tmp_path: Path) -> None:
+    repo, _, two = _linked_layout(tmp_path)
+    server = start_server(repo, tmp_path, "--model-control-mode", "poll", "--repository-poll-secs", "0.2")
+    x = np.zeros(4, dtype=np.float32)
+    try:
+        with InferenceClient(server.url, timeout_s=60) as client:
+            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 1)
+            _retarget(repo / "add", two)
+            wait_until(lambda: client.infer("add", {"IN": x})["OUT"][0] == 2.0, timeout_s=15,
+                       what="the poller to serve the link's new target")
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model-store=/a", "--model-repository=/b"],
+    ["--model-repository=/a", "--model-store=/b"],
+    ["--model-repository", "/a", "--model-repository", "/b"],
+])
+def test_a_second_repository_is_refused_not_dropped(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Triton serves every --model-repository/--model-store it is given; Shoal serves one, so a
+    second must be refused, not silently replace the first."""
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["serve", *argv])
+    assert caught.value.code == 2
+    assert "one model repository" in capsys.readouterr().err
+
+
+def test_one_repository_flag_still_parses() -> None:
+    for flag in ("--model-store", "--model-repository"):
+        assert str(build_parser().parse_args(["serve", f"{flag}=/mnt/models"]).model_repository) == "/mnt/models"
+
+
+@pytest.mark.parametrize(("target", "phrase"), [
+    ("repository", "the repository itself or a folder holding it"),
+    ("above", "the repository itself or a folder holding it"),
+    ("version", "a folder inside the repository below its top level"),
+])
+def test_a_skipped_top_level_link_is_skipped_in_words(tmp_path: Path, target: str, phrase: str,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Links out of the repository are model folders now: the skip warning must not say "it points
+    outside the repository" for a link it skips for another reason, and must say which."""
+    repo = tmp_path / "repo"
+    (repo / "good" / "1").mkdir(parents=True)
+    destination = {"repository": repo, "above": tmp_path, "version": repo / "good" / "1"}[target]
+    (repo / "escape").symlink_to(destination, target_is_directory=True)
+    with caplog.at_level(logging.WARNING):
+        assert scanner.list_models(repo) == ["good"]
+    assert "'escape'" in caplog.text and phrase in caplog.text, caplog.text
+    assert "points outside the repository" not in caplog.text, caplog.text
