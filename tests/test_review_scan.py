@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from shoal.cli import build_parser
 from shoal.clients import InferenceClient
+from shoal.errors import ShoalError
 from shoal.lifecycle.fingerprint import fingerprint_of
 from shoal.repository import scanner
 from tests import models
@@ -117,3 +118,20 @@ def test_a_skipped_top_level_link_is_skipped_in_words(tmp_path: Path, target: st
         assert scanner.list_models(repo) == ["good"]
     assert "'escape'" in caplog.text and phrase in caplog.text, caplog.text
     assert "points outside the repository" not in caplog.text, caplog.text
+
+
+def test_a_file_behind_a_symlinked_subfolder_is_checked_too(tmp_path: Path) -> None:
+    """``1/sub -> ../data`` stays inside the model folder, but ``data/w.bin -> secret`` below it points
+    outside: the version is refused, as a direct link would be (the walk once stopped at symlinked folders)."""
+    repo, secret = tmp_path / "repo", tmp_path / "secret.bin"
+    secret.write_bytes(b"not yours")
+    _add_model(repo / "m", 1.0)
+    (repo / "m" / "data").mkdir()
+    (repo / "m" / "data" / "w.bin").symlink_to(secret)
+    (repo / "m" / "1" / "sub").symlink_to(Path("..") / "data", target_is_directory=True)
+    with pytest.raises(ShoalError, match="is not a path inside the model repository"):
+        scanner.checked_version_dir(repo / "m", 1)
+    (repo / "m" / "data" / "w.bin").unlink()
+    (repo / "m" / "data" / "w.bin").write_bytes(b"fine")
+    (repo / "m" / "data" / "loop").symlink_to(Path("..") / "1", target_is_directory=True)  # a loop: it ends
+    assert scanner.checked_version_dir(repo / "m", 1) == (repo / "m" / "1").resolve()

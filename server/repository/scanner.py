@@ -94,12 +94,20 @@ def _linked_model_folder(root: Path, name: str) -> Path | None:
 
 def checked_version_dir(folder: Path, version: int) -> Path:
     """The real path of a version folder of model folder ``folder``, after checking it and every
-    entry in it (external weight files, a ``model.onnx/`` folder) with ``checked_path``."""
+    entry below it (external weight files, a ``model.onnx/`` folder) with ``checked_path``, through
+    symlinked subfolders too: ``1/sub -> ../data`` stays inside, but ``data/w.bin -> /secret`` in it
+    must be refused as well (each real folder is walked once, so a symlink loop ends)."""
     relative = PurePath(folder.name, str(version))
     real = checked_path(folder.parent, relative)
-    if real.is_dir():
-        for entry in real.rglob("*"):  # rglob does not descend into symlinked folders
-            checked_path(folder.parent, relative / entry.relative_to(real))
+    walked = {real}
+    pending = [(relative, real)] if real.is_dir() else []
+    while pending:
+        here, here_real = pending.pop()
+        for entry in here_real.iterdir():
+            entry_real = checked_path(folder.parent, here / entry.name)
+            if entry_real.is_dir() and entry_real not in walked:
+                walked.add(entry_real)
+                pending.append((here / entry.name, entry_real))
     return real
 
 
