@@ -1,0 +1,64 @@
+"""Review of --grpc-engine (issue 24): what broke on the pinned grpcio and the native engine.
+
+In-process: ``build_server`` on each engine with a core that answers only what is asked, so these run in
+a second and need no model."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from shoal.grpc.health import HealthReporter
+from shoal.grpc.server import build_server
+from shoal.grpc.servicer import InferenceServicer
+from shoal.protocol import InferenceStub
+from shoal.protocol import service_pb2 as pb
+from shoal.settings import GrpcLimits
+
+
+class _Core:
+    """Live and ready; a stream's request names an unknown model, answered in-stream."""
+
+    async def live(self) -> bool:
+        return True
+
+    async def ready(self) -> bool:
+        return True
+
+    async def model_config(self, name: str, version: str) -> dict:
+        raise LookupError(name)
+
+    async def infer(self, request: object) -> object:
+        raise LookupError("no model here")
+
+
+async def _serve_and_ask(engine: str) -> tuple[bool, str]:
+    server, port, choice = build_server(InferenceServicer(_Core()), HealthReporter(), "127.0.0.1", 0,
+                                        limits=GrpcLimits(engine=engine))
+    assert choice.name == engine
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = InferenceStub(channel)
+            live = (await stub.ServerLive(pb.ServerLiveRequest(), timeout=10)).live
+
+            async def one_request() -> AsyncIterator[pb.ModelInferRequest]:
+                yield pb.ModelInferRequest(model_name="nope", id="r1")
+
+            answers = [answer async for answer in stub.ModelStreamInfer(one_request(), timeout=10)]
+            return live, answers[0].infer_response.id
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("engine", ["native", "grpcio"])
+def test_every_engine_serves_unary_rpcs_and_model_stream_infer(engine: str) -> None:
+    """grpc.aio's ``add_registered_method_handlers`` is a no-op below grpcio 1.84 (the pinned range): a
+    server that registers only that way answers every RPC UNIMPLEMENTED "Method not found!" on grpcio
+    (so every TLS server), and pygrpc-native's grpc.aio fallback, registered the same way by
+    pygrpc-native itself, does not serve ModelStreamInfer either."""
+    live, answered = asyncio.run(_serve_and_ask(engine))
+    assert live and answered == "r1"
