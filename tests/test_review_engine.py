@@ -85,3 +85,31 @@ def test_a_killed_native_server_leaves_no_fallback_socket(tmp_path: Path, monkey
         os.kill(server.pid, signal.SIGKILL)
         server.process.wait(timeout=30)
     assert not list(private.glob("pygrpc-native-*"))
+
+
+async def _list_services(engine: str) -> list[str]:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    server, port, _ = build_server(InferenceServicer(_Core()), HealthReporter(), "127.0.0.1", 0,
+                                   limits=GrpcLimits(engine=engine))
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+            async def ask() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+            answers = [answer async for answer in stub.ServerReflectionInfo(ask(), timeout=10)]
+            return sorted(service.name for service in answers[0].list_services_response.service)
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("engine", ["native", "grpcio"])
+def test_every_engine_serves_reflection(engine: str) -> None:
+    """grpcio-reflection's generated code registers its bidi method both ways; pygrpc-native drops the
+    generic handler of a registered service and hands the registered one to its fallback with grpc.aio's
+    ``add_registered_method_handlers`` (a no-op below 1.84): reflection was UNIMPLEMENTED on native."""
+    assert asyncio.run(_list_services(engine)) == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                                                   "inference.GRPCInferenceService"]
