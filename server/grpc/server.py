@@ -62,36 +62,20 @@ def health_handlers(
     }
 
 
-class _StreamedMethods(grpc.GenericRpcHandler):
-    """Request-streaming methods by path, for pygrpc-native's grpc.aio fallback. Not a
-    ``grpc.ServiceRpcHandler``: pygrpc-native drops those of services also registered with it."""
-
-    def __init__(self, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self._handlers = handlers
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        return self._handlers.get(handler_call_details.method)
-
-
 def register(server: grpc.aio.Server, choice: engine.EngineChoice,
              services: dict[str, dict[str, grpc.RpcMethodHandler]]) -> None:
     """Each service's handlers, so that the engine serves every one of them.
 
     grpc.aio's ``add_registered_method_handlers`` does nothing below grpcio 1.84 (the pinned range), so
-    grpcio gets generic handlers, as before the engines. pygrpc-native serves what is registered with
-    it natively, but registers request-streaming methods on its grpc.aio fallback the same no-op way:
-    those (ModelStreamInfer) go to the fallback as a generic handler."""
+    grpcio gets generic handlers, as before the engines. pygrpc-native serves what is registered with it
+    natively, and its server (``engine.create``) hands request-streaming methods (ModelStreamInfer) to its
+    grpc.aio fallback as a generic handler."""
     if choice.name != "native":
         server.add_generic_rpc_handlers(tuple(grpc.method_handlers_generic_handler(name, handlers)
                                               for name, handlers in services.items()))
         return
-    streamed = {}
     for name, handlers in services.items():
-        server.add_registered_method_handlers(
-            name, {method: h for method, h in handlers.items() if not h.request_streaming})
-        streamed.update({f"/{name}/{method}": h for method, h in handlers.items() if h.request_streaming})
-    if streamed:
-        server.add_generic_rpc_handlers((_StreamedMethods(streamed),))
+        server.add_registered_method_handlers(name, handlers)
 
 
 def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
