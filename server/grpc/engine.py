@@ -82,7 +82,38 @@ def create(choice: EngineChoice, options: list[tuple[str, Any]]) -> grpc.aio.Ser
     """An unstarted server of the chosen engine, with ``options`` (grpcio's names; pygrpc-native reads the
     message limits, keepalive, max concurrent streams and SO_REUSEPORT the same way)."""
     if choice.name == "native":
-        import pygrpc_native.aio
-
-        return pygrpc_native.aio.server(options=options)
+        return _native_server_class()(options=options)
     return grpc.aio.server(options=options)
+
+
+class _StreamedMethods(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """Request-streaming methods by path, for pygrpc-native's grpc.aio fallback. Not a
+    ``grpc.ServiceRpcHandler``: pygrpc-native drops those of services also registered with it."""
+
+    def __init__(self, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self._handlers = handlers
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return self._handlers.get(handler_call_details.method)
+
+
+def _native_server_class() -> type:
+    """pygrpc-native's aio server, whose request-streaming methods reach its grpc.aio fallback.
+
+    pygrpc-native 0.5 registers them on the fallback with ``add_registered_method_handlers``, which grpc.aio
+    does not implement below grpcio 1.84 (the pinned range): ModelStreamInfer and reflection (whose
+    generated code registers both ways, and whose generic handler pygrpc-native then drops) answered
+    UNIMPLEMENTED. Here they go to the fallback as a generic handler; the rest is served natively."""
+    import pygrpc_native.aio
+
+    class NativeServer(pygrpc_native.aio.Server):
+        def add_registered_method_handlers(self, service_name: str,
+                                           method_handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+            streamed = {f"/{service_name}/{name}": handler for name, handler in method_handlers.items()
+                        if handler.request_streaming}
+            super().add_registered_method_handlers(
+                service_name, {name: h for name, h in method_handlers.items() if not h.request_streaming})
+            if streamed:
+                self.add_generic_rpc_handlers((_StreamedMethods(streamed),))
+
+    return NativeServer

@@ -2,8 +2,9 @@
 restrictions; plus reflection. The port is never shared by accident (``grpc.so_reuseport`` off).
 
 The engine (pygrpc-native or grpc.aio) is ``engine.choose``'s; both get the same options and the same
-handlers, registered per service (``add_registered_method_handlers``), which pygrpc-native serves
-natively; reflection is a generic handler, served by its grpc.aio fallback.
+handlers (``register``: registered per service on pygrpc-native, which serves those natively; generic
+on grpc.aio, whose ``add_registered_method_handlers`` does nothing below grpcio 1.84); reflection and
+ModelStreamInfer are generic handlers, served by pygrpc-native's grpc.aio fallback.
 
 Requests are handed to the guard as bytes and decoded there (see ``status.parse``).
 """
@@ -61,6 +62,22 @@ def health_handlers(
     }
 
 
+def register(server: grpc.aio.Server, choice: engine.EngineChoice,
+             services: dict[str, dict[str, grpc.RpcMethodHandler]]) -> None:
+    """Each service's handlers, so that the engine serves every one of them.
+
+    grpc.aio's ``add_registered_method_handlers`` does nothing below grpcio 1.84 (the pinned range), so
+    grpcio gets generic handlers, as before the engines. pygrpc-native serves what is registered with it
+    natively, and its server (``engine.create``) hands request-streaming methods (ModelStreamInfer) to its
+    grpc.aio fallback as a generic handler."""
+    if choice.name != "native":
+        server.add_generic_rpc_handlers(tuple(grpc.method_handlers_generic_handler(name, handlers)
+                                              for name, handlers in services.items()))
+        return
+    for name, handlers in services.items():
+        server.add_registered_method_handlers(name, handlers)
+
+
 def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
     root = tls.root_cert.read_bytes() if tls.root_cert else None
     pair = (tls.server_key.read_bytes(), tls.server_cert.read_bytes())
@@ -95,8 +112,8 @@ def build_server(
         options.append(("grpc.max_concurrent_streams", limits.max_concurrent_streams))
     quiet_answers_not_sent()  # a client that leaves as it is answered is no server error
     server = engine.create(choice, options)
-    server.add_registered_method_handlers(SERVICE_NAME, method_handlers(servicer, limits.restrictions))
-    server.add_registered_method_handlers(HEALTH_SERVICE, health_handlers(health, limits.restrictions))
+    register(server, choice, {SERVICE_NAME: method_handlers(servicer, limits.restrictions),
+                              HEALTH_SERVICE: health_handlers(health, limits.restrictions)})
     reflection.enable(server, (HEALTH_SERVICE,))
     target = f"{address}:{port}"
     try:
