@@ -9,6 +9,7 @@ lets ``x-kubernetes-int-or-string`` take numbers (``cpu: 0.1``), as ../shared/ks
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,11 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = REPO_ROOT / "deploy"
-KSERVE_DATA = REPO_ROOT.parent / "shared" / "kserve"
+# KServe's own CRD schemas and shipped runtimes: the shared folder beside the checkout (``../shared``), or this
+# machine's /work/shared when the checkout lies elsewhere (a clean clone under /tmp); $SHOAL_KSERVE_DATA overrides.
+KSERVE_PLACES = [Path(p) for p in [os.environ.get("SHOAL_KSERVE_DATA", "")] if p] + [
+    REPO_ROOT.parent / "shared" / "kserve", Path("/work/shared/kserve")]
+KSERVE_DATA = next((place for place in KSERVE_PLACES if (place / "crds").is_dir()), KSERVE_PLACES[0])
 CRDS = KSERVE_DATA / "crds"
 SHIPPED_RUNTIMES = KSERVE_DATA / "runtimes"
 RUNTIME_KINDS = {"ServingRuntime", "ClusterServingRuntime"}
