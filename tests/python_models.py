@@ -240,3 +240,34 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", total)]))
         return responses
 """
+
+# Two BLS calls with tensors too big for the arenas (they travel pickled on the pipe), crossing: the
+# first call's reply is ready, and being written to the worker, when the model writes the second call.
+# The server's thread once wrote that reply while the worker wrote its call, each waiting for the other
+# to read, and the request never ended. The pause makes that order the likely one; it proves nothing alone.
+BLS_CROSSING = """
+import asyncio
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+def call(x):
+    return pb_utils.InferenceRequest(model_name="double", requested_output_names=["Y"],
+                                     inputs=[pb_utils.Tensor("X", x)]).async_exec()
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            first = call(x)
+            time.sleep(0.5)  # "double" answers the first call meanwhile (no thread of this worker reads)
+            second = call(x + 1)
+            a, b = await asyncio.gather(first, second)
+            total = pb_utils.get_output_tensor_by_name(a, "Y").as_numpy() + pb_utils.get_output_tensor_by_name(
+                b, "Y").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", total)]))
+        return responses
+"""

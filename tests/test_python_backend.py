@@ -53,6 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     pm.add_add_sub(repo, "threads_with_timeout", extra=THREADS + "\n" + _timeout(1000))
     pm.write_model(repo, "double", pm.DOUBLE_CONFIG, pm.DOUBLE)
     pm.write_model(repo, "bls_double", pm.DOUBLE_CONFIG, pm.BLS_DOUBLE)
+    pm.write_model(repo, "bls_crossing", pm.DOUBLE_CONFIG, pm.BLS_CROSSING)
     sequence = pm.add_add_sub(repo, "sequence")
     config = (sequence / "config.pbtxt").read_text().replace("dynamic_batching", "sequence_batching")
     (sequence / "config.pbtxt").write_text(config.replace("max_queue_delay_microseconds: 0", ""))
@@ -187,6 +188,17 @@ def test_bls_tensors_small_and_larger_than_the_arenas(client: grpcclient.Inferen
     tensor = grpcclient.InferInput("X", [elements], "FP32")
     tensor.set_data_from_numpy(x)
     np.testing.assert_array_equal(client.infer("bls_double", [tensor]).as_numpy("Y"), x * 8)
+
+
+def test_big_bls_calls_and_replies_crossing_on_the_pipe_do_not_wait_on_each_other(
+        client: grpcclient.InferenceServerClient) -> None:
+    """A 6 MB reply written to the worker while the worker writes a 6 MB call: the server keeps reading
+    (CI once hung here for good: each side blocked writing, neither reading)."""
+    x = np.random.default_rng(7).standard_normal(1_500_000).astype(np.float32)
+    tensor = grpcclient.InferInput("X", [x.size], "FP32")
+    tensor.set_data_from_numpy(x)
+    answer = client.infer("bls_crossing", [tensor], client_timeout=60).as_numpy("Y")
+    np.testing.assert_array_equal(answer, x * 2 + (x + 1) * 2)
 
 
 def test_load_errors_name_the_traceback_s_last_line(client: grpcclient.InferenceServerClient) -> None:

@@ -12,10 +12,13 @@ next batch. ``async_exec`` waits the same way on a thread of its event loop's ex
 reading the pipe on the loop.
 
 Tensor lifetimes: a call's inputs are packed into the responses arena at a range reserved for
-that call alone (the offset moves under a lock) and stay untouched until the next batch; the
-server copies them out as it reads the call. A reply's outputs lie in the requests arena at a
-range the server never rewrites while the batch runs, and the reading thread copies them before
-filing the reply: what a caller holds is its own, whatever other calls do meanwhile.
+that call alone (the offset moves under a lock) and stay untouched until the next batch (the
+batch's outputs go after them); the server copies them out as it reads the call, which it does
+before it reads the batch's end. A reply's outputs lie in the requests arena at a range the server
+never rewrites while the batch runs, and the reading thread copies them before filing the reply:
+what a caller holds is its own, whatever other calls do meanwhile. Past its batch the arenas are
+the next batch's: a call made then travels pickled, and a reply read then from an arena is refused
+(its caller gets an error: the bytes there may be another batch's).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from shoal.instances.process import ARENA, REQUESTS, RESPONSES
 
 # The pipe during a batch (the rest of the conversation is in shoal.instances.python_process):
 # worker → server (BLS, call id, BlsCall, input slots); server → worker (BLS_REPLY, call id,
-# BlsResult, output slots, final) and (CANCEL_REQUEST, index) when a decoupled request's client gave up.
+# BlsResult, output slots, final, batch) and (CANCEL_REQUEST, index) when a decoupled request's client
+# gave up. ``batch``: the number of the batch during which the server put the outputs in the arena.
 BLS, BLS_REPLY, CANCEL_REQUEST = "bls", "bls_reply", "cancel_request"
 
 T = TypeVar("T")
@@ -72,8 +76,11 @@ class PipeLink:
     def __init__(self, conn: Any, arenas: dict[str, Arena]) -> None:
         self._conn, self._arenas = conn, arenas
         self._ids = itertools.count()
-        self._packing = threading.Lock()  # one call at a time reserves its range of the responses arena
-        self._offset = 0  # where the next BLS call's inputs go in the responses arena
+        # Guards the two below: one call at a time reserves its range of the responses arena, and a
+        # batch does not end while a reply's outputs are being copied from its arena.
+        self._packing = threading.Lock()
+        self._offset: int | None = None  # where the next BLS call's inputs go; None between batches
+        self._batch: int | None = None  # the running batch's number; None between batches
         self._filed = threading.Condition()  # guards what follows; notified whenever something is filed
         self._reading = False  # a thread is reading the pipe
         # Each call's replies (one, or an exec(decoupled=True)'s stream), held weakly: the box of a call
@@ -83,16 +90,20 @@ class PipeLink:
         self._control: collections.deque[tuple[Any]] = collections.deque()  # the main loop's: runs, pings, arenas
         self._ended: BaseException | None = None  # the pipe's end (EOF): every waiter sees it
 
-    def begin(self) -> None:
-        """A batch starts: BLS inputs go from the start of the responses arena again."""
+    def begin(self, batch: int) -> None:
+        """Batch ``batch`` starts: BLS inputs go from the start of the responses arena again."""
         with self._packing:
-            self._offset = 0
+            self._offset, self._batch = 0, batch
 
-    def end(self) -> None:
-        """After a batch: its cancellations are forgotten. Calls still waiting (a thread the model left)
-        keep their mailboxes: their replies are copies, whenever they come."""
+    def end(self) -> int:
+        """After a batch: where in the responses arena its outputs may start (after its calls' inputs).
+        Its cancellations are forgotten. Calls still waiting (a thread the model left) keep their
+        mailboxes; a call made from now on travels pickled."""
+        with self._packing:
+            first_free, self._offset, self._batch = self._offset or 0, None, None
         with self._filed:
             self._cancelled.clear()
+        return first_free
 
     def next_message(self) -> Any:
         """The main loop's next message: a run, a ping, None (stop), or (ARENA, which, size, fd)."""
@@ -147,8 +158,10 @@ class PipeLink:
         with self._filed:
             call_id = next(self._ids)
             self._mailboxes[call_id] = box
+        slots = None
         with self._packing:
-            slots, self._offset = put(self._arenas[RESPONSES], self._offset, call.inputs)
+            if self._offset is not None:
+                slots, self._offset = put(self._arenas[RESPONSES], self._offset, call.inputs)
         self._conn.send((BLS, call_id, call if slots is None else replace(call, inputs={}), slots))
         return box
 
@@ -190,9 +203,14 @@ class PipeLink:
             with self._filed:
                 self._cancelled.add(message[1])
             return
-        _, call_id, result, slots, final = message
+        _, call_id, result, slots, final, batch = message
         if slots is not None:
-            result = replace(result, outputs=take(self._arenas[REQUESTS], slots))
+            with self._packing:
+                if batch == self._batch:
+                    result = replace(result, outputs=take(self._arenas[REQUESTS], slots))
+                else:
+                    result = bls.BlsResult(error="the BLS call's reply came after the batch that made the call had "
+                                                 "ended; its outputs are gone (await BLS calls within execute)")
         with self._filed:
             box = self._mailboxes.get(call_id)
             if box is not None:  # else its caller let go of it

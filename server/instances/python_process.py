@@ -4,9 +4,9 @@ Built on the process instances' one mechanism (``shoal.instances.process``): a f
 per instance, two memfd arenas for tensors, a pipe for small messages, the same restart on death,
 execution timeout and liveness checks. What differs is the conversation for a batch:
 
-    server → worker  (RUN_REQUESTS, [(input slots, outputs, request id, correlation id, parameters)])
+    server → worker  (RUN_REQUESTS, [(input slots, outputs, request id, correlation id, parameters)], batch)
     worker → server  (BLS, call id, BlsCall, input slots)  a model's request to another model, any number
-    server → worker  (BLS_REPLY, call id, BlsResult, output slots, final)  as each of those finishes
+    server → worker  (BLS_REPLY, call id, BlsResult, output slots, final, batch)  as each of those finishes
                                                      (exec(decoupled=True): one per response)
     worker → server  (RESPONSE, index, outputs, error, code, final)  a decoupled model's responses
     server → worker  (CANCEL_REQUEST, index)          a decoupled request's client gave up
@@ -14,19 +14,23 @@ execution timeout and liveness checks. What differs is the conversation for a ba
     worker → server  (DONE, [(output slots, error, code)])
 
 Inputs of every request are packed one after another at the start of the requests arena,
-outputs likewise in the responses arena. A BLS call's tensors go the same way while a batch runs:
-its inputs into the responses arena (the worker's side) after those of earlier calls, its
-outputs into the requests arena after the batch's inputs; each side copies what it reads, since
-the next batch rewrites both arenas. An arena is never replaced during a batch (the model holds
-views of its inputs), so BLS tensors that do not fit in the room left travel pickled on the pipe
-instead (their slots are then None). While a batch runs, the server thread waits on both the pipe
-and a wake-up pipe that finished BLS calls write to, so a reply goes back as soon as it is ready.
-In the worker, BLS calls may come from any thread of the model at once: ``python_link`` reads
-their replies and keeps each call's tensors its own.
+outputs in the responses arena after the batch's BLS inputs. A BLS call's tensors go the same way
+while a batch runs: its inputs into the responses arena (the worker's side) after those of earlier
+calls, its outputs into the requests arena after the batch's inputs; each side copies what it
+reads, since the next batch rewrites both arenas. So a reply says which batch's arena holds it
+(``batch``): the worker takes a reply's tensors from the arena only while that batch runs, and a
+caller the model left waiting past its batch gets an error, never the next batch's bytes. An arena
+is never replaced during a batch (the model holds views of its inputs), so BLS tensors that do not
+fit in the room left travel pickled on the pipe instead (their slots are then None). While a batch
+runs, the server thread waits on both the pipe and a wake-up pipe that finished BLS calls write to,
+so a reply goes back as soon as it is ready; it only reads: what it says to the worker meanwhile goes
+through an ``Outbox`` (why: ``shoal.instances.outbox``). In the worker, BLS calls may come from any
+thread of the model at once: ``python_link`` reads their replies and keeps each call's tensors its own.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -46,6 +50,7 @@ from shoal.dataplane import tensors
 from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError
 from shoal.instances import process
+from shoal.instances.outbox import Outbox
 from shoal.instances.process import ARENA, FAILED, GROW, PING, READY, REQUESTS, RESPONSES, WorkerLimits
 from shoal.instances.python_link import BLS, BLS_REPLY, CANCEL_REQUEST, PipeLink, aligned, put, take
 from shoal.repository.config import ModelSpec
@@ -61,20 +66,20 @@ RESPONSE = "response"
 # -- the worker process ---------------------------------------------------------------------------
 
 def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena],
-               requests: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:
+               requests: list[tuple[Any, ...]], batch: int) -> tuple[Any, ...] | None:
     items = []
     for slots, outputs, request_id, correlation_id, parameters in requests:
         feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
         items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters))
-    link.begin()
+    link.begin(batch)
     try:
         outcomes = model.execute(items)
     finally:
-        link.end()
+        first_free = link.end()  # the outputs go after the BLS calls' inputs, which the server may not have read
     del items
     while True:
         answers: list[tuple[Any, ...]] = []
-        offset = 0
+        offset = first_free
         try:
             for outcome in outcomes:
                 if outcome.outputs is None:
@@ -109,7 +114,7 @@ class LockedConn:
 
 
 def _run_decoupled(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena],
-                   requests: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+                   requests: list[tuple[Any, ...]], batch: int) -> tuple[Any, ...]:
     """A decoupled model's batch: responses go to the server as they are sent, DONE once all are FINAL."""
     items = []
     for slots, outputs, request_id, correlation_id, parameters in requests:
@@ -127,7 +132,7 @@ def _run_decoupled(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas:
             else:
                 conn.send((RESPONSE, index, outcome.outputs, outcome.error, outcome.code, final))
 
-    link.begin()
+    link.begin(batch)
     try:
         model.execute_decoupled(items, emit, link.is_cancelled)
     finally:
@@ -166,7 +171,7 @@ def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any
                 process.map_arena(arenas, *message[1:])
             elif message[0] == RUN_REQUESTS:
                 run = _run_decoupled if decoupled else _run_batch
-                reply = run(model, link, conn, arenas, message[1])
+                reply = run(model, link, conn, arenas, message[1], message[2])
                 if reply is None:
                     return
                 conn.send(reply)
@@ -198,6 +203,9 @@ class PythonProcessModel(process.ProcessModel):
         self._sinks: list[Any] = []  # the running batch's response sinks (a decoupled model)
         self._cancel_sent: set[int] = set()
         self._streams_closed: set[int] = set()  # exec(decoupled=True) calls whose FINAL went to the worker
+        self._batches = itertools.count()  # which batch's arena holds a BLS reply's outputs
+        self._batch = -1
+        self._outbox: Outbox | None = None  # what the running batch's conversation says to the worker
         super().__init__(spec, model_file, device, (instance_name, version), 1, limits,
                          ("numpy", "shoal.backends.python.runner"))
 
@@ -217,16 +225,20 @@ class PythonProcessModel(process.ProcessModel):
             self._cancel_sent, self._streams_closed = set(), set()
             requests, used = self._pack_inputs(batch)
             self._reply_offset = used  # BLS outputs go after the batch's inputs
+            self._batch = next(self._batches)
             timeout_s = self._limits.execution_timeout_s
             deadline = time.monotonic() + timeout_s if timeout_s else None
             try:
                 try:
-                    self._conn.send((RUN_REQUESTS, requests))
+                    self._conn.send((RUN_REQUESTS, requests, self._batch))
                 except OSError:
                     pass  # the worker is gone: the wait finds it dead and replaces it
                 answers = self._conversation(deadline)
                 return self._unpack_outputs(answers)
             finally:
+                if self._outbox is not None:  # all it held was written, unless the worker died: then it drops it
+                    self._outbox.close()
+                    self._outbox = None
                 process._trim(self._arenas[REQUESTS], max(used, self._reply_offset))
 
     def _pack_inputs(self, batch: Sequence[Any]) -> tuple[list[tuple[Any, ...]], int]:
@@ -269,8 +281,10 @@ class PythonProcessModel(process.ProcessModel):
                 except (EOFError, OSError):
                     message = None
                 if isinstance(message, tuple) and message[0] == DONE:
+                    self._flush(deadline)  # the worker reads again; what follows goes on the pipe directly
                     return list(message[1])
                 if isinstance(message, tuple) and message[0] == GROW:
+                    self._flush(deadline)
                     self._grow(RESPONSES, message[1])
                 elif isinstance(message, tuple) and message[0] == RESPONSE:
                     self._forward(*message[1:])
@@ -280,6 +294,17 @@ class PythonProcessModel(process.ProcessModel):
                         call = replace(call, inputs=take(self._arenas[RESPONSES], slots))
                     self._start_call(call_id, call)
             self._send_cancellations()
+            self._check_running(deadline)
+
+    def _post(self, message: Any) -> None:
+        """Say ``message`` to the worker during the batch, without ever blocking the reading thread."""
+        if self._outbox is None:
+            self._outbox = Outbox(self._conn, f"shoal-{self._spec.name}-outbox")
+        self._outbox.send(message)
+
+    def _flush(self, deadline: float | None) -> None:
+        """Until all posted is written: the worker is reading (it waits for the server's next word)."""
+        while self._outbox is not None and not self._outbox.wait_sent(0.05):
             self._check_running(deadline)
 
     def _forward(self, index: int, outputs: dict[str, Any] | None, error: str, code: str, final: bool) -> None:
@@ -293,10 +318,7 @@ class PythonProcessModel(process.ProcessModel):
         for index, sink in enumerate(self._sinks):
             if sink.cancelled and index not in self._cancel_sent:
                 self._cancel_sent.add(index)
-                try:
-                    self._conn.send((CANCEL_REQUEST, index))
-                except OSError:
-                    pass  # the worker is gone: the wait finds it dead
+                self._post((CANCEL_REQUEST, index))
 
     def _start_call(self, call_id: int, call: bls.BlsCall) -> None:
         caller = self._conn
@@ -320,10 +342,7 @@ class PythonProcessModel(process.ProcessModel):
             slots, self._reply_offset = put(self._arenas[REQUESTS], self._reply_offset, result.outputs)
             if slots is not None:
                 result = replace(result, outputs={})
-        try:
-            self._conn.send((BLS_REPLY, call_id, result, slots, final))
-        except OSError:
-            pass  # the worker is gone: the wait finds it dead
+        self._post((BLS_REPLY, call_id, result, slots, final, self._batch))
 
     def _unpack_outputs(self, answers: list[tuple[Any, ...]]) -> list[dict[str, Any] | ShoalError]:
         responses = self._arenas[RESPONSES]
