@@ -122,22 +122,26 @@ def _add_models(repo: Path) -> None:
 
 def _add_torch_float64(repo: Path) -> None:
     """A TorchScript model that returns FP64 where its config declares FP32, for inputs past 5 only (the
-    backend's load-time check, with zeros, sees FP32)."""
+    backend's load-time check, with zeros, sees FP32); also behind the sequence batcher, one request at
+    a time (``widen_sequence``) and in batches of its lanes (``widen_sequence_batched``)."""
     import torch
 
     class Widen(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x.double() if bool(x[0] > 5) else x
+            return x.double() if bool(x.flatten()[0] > 5) else x
 
-    (repo / "widen" / "1").mkdir(parents=True)
-    torch.jit.script(Widen()).save(str(repo / "widen" / "1" / "model.pt"))
-    models.write_config(repo / "widen", """
-        backend: "pytorch"
-        max_batch_size: 0
-        input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-        output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-        instance_group [ { count: 1 kind: KIND_CPU } ]
-        """)
+    for name, batch, batcher in (("widen", 0, ""), ("widen_sequence", 0, "sequence_batching { }"),
+                                 ("widen_sequence_batched", 2, "sequence_batching { }")):
+        (repo / name / "1").mkdir(parents=True)
+        torch.jit.script(Widen()).save(str(repo / name / "1" / "model.pt"))
+        models.write_config(repo / name, f"""
+            backend: "pytorch"
+            max_batch_size: {batch}
+            input [ {{ name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+            output [ {{ name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+            instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+            {batcher}
+            """)
 
 
 @pytest.fixture(scope="module")
@@ -369,6 +373,39 @@ def test_output_datatypes_are_checked_against_the_config(server: RunningServer) 
     assert caught.value.status() == "StatusCode.INTERNAL"
     assert caught.value.message() == ("unexpected datatype TYPE_FP64 for inference output 'OUTPUT__0' for model "
                                       "'widen', expecting TYPE_FP32")
+
+
+def _counts(client: grpcclient.InferenceServerClient, model: str) -> tuple[int, int]:
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]["inference_stats"]
+    return int(stats["success"].get("count", 0)), int(stats["fail"].get("count", 0))
+
+
+def test_a_request_whose_outputs_break_the_config_counts_as_failed(server: RunningServer) -> None:
+    """The client gets INTERNAL, and the statistics say failed, not success (the schedulers counted a
+    request before its outputs were checked): Python models (a list of requests), the dynamic path,
+    and the sequence batcher one request at a time and in a batch of its lanes."""
+    with grpcclient.InferenceServerClient(server.url) as client:
+        for model in ("shaper", "shaper_threads"):
+            before = _counts(client, model)
+            _shape(client, model, [4])
+            _shape_error(client, model, [5])
+            assert _counts(client, model) == (before[0] + 1, before[1] + 1), model
+        for model, sequence in (("widen", False), ("widen_sequence", True), ("widen_sequence_batched", True)):
+            before = _counts(client, model)
+            for value, fails in ((1.0, False), (10.0, True)):
+                shape = [1, 2] if model.endswith("batched") else [2]
+                tensor = grpcclient.InferInput("INPUT__0", shape, "FP32")
+                tensor.set_data_from_numpy(np.full(shape, value, dtype=np.float32))
+                flags: dict[str, Any] = {"sequence_id": 77, "sequence_start": True, "sequence_end": True} \
+                    if sequence else {}
+                if not fails:
+                    assert client.infer(model, [tensor], **flags).as_numpy("OUTPUT__0").tolist() == np.full(
+                        shape, value).tolist()
+                    continue
+                with pytest.raises(InferenceServerException, match="unexpected datatype TYPE_FP64") as caught:
+                    client.infer(model, [tensor], **flags)
+                assert caught.value.status() == "StatusCode.INTERNAL"
+            assert _counts(client, model) == (before[0] + 1, before[1] + 1), model
 
 
 def test_a_decoupled_models_responses_are_checked(server: RunningServer) -> None:

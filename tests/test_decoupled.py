@@ -117,6 +117,9 @@ def test_square_answers_n_times_and_zero_times(client: grpcclient.InferenceServe
     (one,) = stream.take(1)
     assert one[0].get_response().id == "one"
     assert stream.nothing_more()
+    # Four requests, each a success (its responses are checked in the sink, not as one answer's outputs)
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]["inference_stats"]
+    assert int(stats["success"].get("count", 0)) >= 4 and not stats["fail"].get("count"), stats
 
 
 def test_many_requests_in_flight_on_one_stream_are_answered_as_they_come(

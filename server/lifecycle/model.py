@@ -150,13 +150,17 @@ class ModelVersion:
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
             raise
         try:
+            # A decoupled model's responses are checked as they go into the sink; its answer has no outputs.
+            streamed = getattr(request, "sink", None) is not None and is_decoupled(self.spec.config_json)
+            check = None if streamed else tensors.output_check(self.spec, prepared)
             if isinstance(self.scheduler, Scheduler):  # it hands the request on to executors that take requests
                 results = await self.scheduler.submit(
-                    prepared.feed, prepared.outputs, prepared.batch_size, request.parameters, context=request
+                    prepared.feed, prepared.outputs, prepared.batch_size, request.parameters, context=request,
+                    check=check,
                 )
             else:
                 results = await self.scheduler.submit(
-                    prepared.feed, prepared.outputs, prepared.batch_size, request.parameters
+                    prepared.feed, prepared.outputs, prepared.batch_size, request.parameters, check=check
                 )
         except ShoalError:
             raise
@@ -164,13 +168,13 @@ class ModelVersion:
             raise ShoalError(
                 ErrorCode.INTERNAL, f"model '{self.spec.name}' version {self.version} failed: {exc}"
             ) from exc
-        if getattr(request, "sink", None) is not None and is_decoupled(self.spec.config_json):  # outputs: in the sink
+        if streamed:  # outputs: in the sink
             return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                                  outputs=())
         if tensors.finish_is_costly(prepared, results):  # a wide classification: off the event loop
-            outputs = await asyncio.to_thread(tensors.finish, self.spec, prepared, results)
+            outputs = await asyncio.to_thread(tensors.respond, self.spec, prepared, results)
         else:
-            outputs = tensors.finish(self.spec, prepared, results)
+            outputs = tensors.respond(self.spec, prepared, results)
         return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                              outputs=outputs)
 

@@ -6,7 +6,7 @@ tensor, in Triton's words where Triton answers the same case (clients match on t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -173,7 +173,7 @@ FINISH_OFF_LOOP_ELEMENTS = 16_384
 
 
 def finish_is_costly(prepared: Prepared, results: Mapping[str, np.ndarray]) -> bool:
-    """Whether ``finish`` would hold the event loop for long: a classification of a wide output."""
+    """Whether ``respond`` would hold the event loop for long: a classification of a wide output."""
     classified = sum(np.size(results[name]) for name in prepared.class_counts if name in results)
     return classified > FINISH_OFF_LOOP_ELEMENTS
 
@@ -182,11 +182,31 @@ def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray
     """Turn backend results into response tensors, each checked against the config's datatype and
     dims (``checked_output``); an output requested as a classification becomes its top classes per
     batch row (BYTES)."""
+    return respond(spec, prepared, output_check(spec, prepared)(results))
+
+
+def output_check(spec: ModelSpec, prepared: Prepared) -> Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]:
+    """One request's outputs, each through ``checked_output``: what the scheduler applies to the
+    request's part before it counts the request (a failure, when the model broke its config)."""
+    def check(results: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        found = {}
+        for name in prepared.outputs:
+            tensor_spec = spec.output(name)
+            assert tensor_spec is not None
+            if name not in results:
+                raise ShoalError(ErrorCode.INTERNAL, f"the model returned no output '{name}'")
+            found[name] = checked_output(spec, tensor_spec, np.asarray(results[name]), prepared.batch_size)
+        return found
+    return check
+
+
+def respond(spec: ModelSpec, prepared: Prepared, checked: Mapping[str, np.ndarray]) -> tuple[Tensor, ...]:
+    """Response tensors of outputs ``output_check`` passed; classifications become their top classes."""
     tensors = []
     for name in prepared.outputs:
         tensor_spec = spec.output(name)
         assert tensor_spec is not None
-        data = checked_output(spec, tensor_spec, np.asarray(results[name]), prepared.batch_size)
+        data = checked[name]
         count = prepared.class_counts.get(name)
         if count is None:
             tensors.append(Tensor(name, tensor_spec.datatype, tuple(data.shape), data))

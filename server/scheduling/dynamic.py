@@ -56,7 +56,7 @@ from shoal.repository.config import DynamicBatching, QueuePolicy
 from shoal.scheduling.base import Executor, Runner
 from shoal.scheduling.batching import gather, scatter
 from shoal.scheduling.clock import deadline_clock
-from shoal.scheduling.requests import execute_each, takes_requests
+from shoal.scheduling.requests import OutputCheck, checked, execute_each, takes_requests
 from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases, PhaseTotals
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class Pending:
     future: asyncio.Future[Outputs] = field(repr=False)
     delayed: bool = False
     context: Any = None  # the core request it came from, for executors that take requests (requests.py)
+    check: OutputCheck | None = None  # its outputs checked before it counts as a success
     also_count: PhaseTotals | None = None  # the caller's aggregator (an ensemble's), if it set one
 
 
@@ -122,9 +123,9 @@ class Scheduler:
 
     async def submit(
         self, feed: Mapping[str, np.ndarray], outputs: Sequence[str], batch_size: int, parameters: Mapping[str, Any],
-        context: Any = None,
+        context: Any = None, check: OutputCheck | None = None,
     ) -> Outputs:
-        """Queue one request and wait for its own rows of the outputs."""
+        """Queue one request and wait for its own rows of the outputs (through ``check``, if given)."""
         if self._stopping:
             raise ShoalError(ErrorCode.UNAVAILABLE, "the model is unloading")
         if self._loop_task is None:
@@ -152,6 +153,7 @@ class Scheduler:
             sequence=next(self._sequence),
             future=asyncio.get_running_loop().create_future(),
             context=context,
+            check=check,
             also_count=ALSO_COUNT_PHASES.get(),
         )
         self._queue(level)[pending.sequence] = pending
@@ -365,10 +367,14 @@ class Scheduler:
         phases = Phases(gathered - start, executed - gathered, done - executed)
         self.statistics.record_execution(sum(p.size for p in batch), phases)
         for pending, part in zip(batch, parts, strict=True):
-            self.statistics.record_success(done - pending.arrival_ns, start - pending.arrival_ns, phases)
-            if pending.also_count is not None:
-                pending.also_count.add(phases)
-            self._settle(pending, part)
+            outcome = checked(pending.check, part)
+            if isinstance(outcome, ShoalError):
+                self.statistics.record_failure(done - pending.arrival_ns, FailureReason.BACKEND)
+            else:
+                self.statistics.record_success(done - pending.arrival_ns, start - pending.arrival_ns, phases)
+                if pending.also_count is not None:
+                    pending.also_count.add(phases)
+            self._settle(pending, outcome)
 
     def _settle(self, pending: Pending, outcome: Outputs | BaseException | None) -> None:
         """Complete a request; with ``preserve_ordering`` completions are released in arrival order."""

@@ -21,6 +21,21 @@ from shoal.statistics import FailureReason, ModelStatistics, Phases
 logger = logging.getLogger(__name__)
 
 Outputs = dict[str, np.ndarray]
+# A request's own outputs checked against its model's config (and converted as the caller wants
+# them); raises ShoalError when the model broke its config. The scheduler applies it to each
+# request's part before it counts the request, so a request that fails it is a failure in the
+# statistics, as Triton's backends count one whose outputs they cannot return.
+OutputCheck = Callable[[Outputs], Outputs]
+
+
+def checked(check: OutputCheck | None, part: Outputs) -> Outputs | ShoalError:
+    """``part`` through the request's check: its outputs, or the error that fails the request."""
+    if check is None:
+        return part
+    try:
+        return check(part)
+    except ShoalError as exc:
+        return exc
 
 
 class QueuedRequest(Protocol):
@@ -29,6 +44,7 @@ class QueuedRequest(Protocol):
     size: int
     arrival_ns: int
     context: Any
+    check: OutputCheck | None
 
 
 def takes_requests(executor: Any) -> bool:
@@ -60,6 +76,8 @@ async def execute_each(executor: Any, batch: Sequence[QueuedRequest], statistics
     phases = Phases(0, done - start, 0)
     statistics.record_execution(sum(p.size for p in batch), phases)
     for pending, result in zip(batch, results, strict=True):
+        if not isinstance(result, ShoalError):
+            result = checked(pending.check, result)
         if isinstance(result, ShoalError):
             statistics.record_failure(done - pending.arrival_ns, FailureReason.BACKEND)
         else:

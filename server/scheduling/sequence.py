@@ -42,6 +42,7 @@ import numpy as np
 from shoal.errors import ErrorCode, ShoalError, invalid
 from shoal.repository.sequence_config import SequenceBatching
 from shoal.scheduling.base import Executor
+from shoal.scheduling.requests import OutputCheck
 from shoal.scheduling.sequence_lanes import make_lane
 from shoal.scheduling.sequence_slots import RELEASE, Backlog, CorrelationId, Outputs, SequenceRequest, Slot
 from shoal.statistics import FailureReason, ModelStatistics
@@ -91,9 +92,11 @@ class SequenceScheduler:
     # -- submission ---------------------------------------------------------------------------------
 
     async def submit(
-        self, feed: Mapping[str, np.ndarray], outputs: Sequence[str], batch_size: int, parameters: Mapping[str, Any]
+        self, feed: Mapping[str, np.ndarray], outputs: Sequence[str], batch_size: int, parameters: Mapping[str, Any],
+        check: OutputCheck | None = None,
     ) -> Outputs:
-        """Route one request to its sequence's slot (or the backlog) and wait for its outputs."""
+        """Route one request to its sequence's slot (or the backlog) and wait for its outputs (through
+        ``check``, if given)."""
         now = time.monotonic_ns()
         try:
             if self._stopping:
@@ -114,6 +117,7 @@ class SequenceScheduler:
             feed=feed, outputs=tuple(outputs), correlation_id=flags.correlation_id, start=flags.start,
             end=flags.end, arrival_ns=now, future=asyncio.get_running_loop().create_future(),
             signature=tuple((name, a.shape[1:] if batch_size else a.shape) for name, a in feed.items()),
+            check=check,
         )
         self._route(request, flags.timeout_us)
         try:

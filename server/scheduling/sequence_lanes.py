@@ -31,6 +31,7 @@ from shoal.repository.config import DynamicBatching
 from shoal.repository.sequence_config import Control, ControlKind, SequenceBatching
 from shoal.scheduling.base import Executor
 from shoal.scheduling.dynamic import Scheduler
+from shoal.scheduling.requests import checked
 from shoal.scheduling.sequence_slots import RELEASE, Outputs, SequenceRequest, Slot
 from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases
 
@@ -244,11 +245,15 @@ class DirectLane:
         phases = Phases(gathered - start, executed - gathered, done - executed)
         owner.statistics.record_execution(len(rows), phases, inferences=len(parts))
         for slot, request, part in parts:
-            owner.statistics.record_success(done - request.arrival_ns, start - request.arrival_ns, phases)
-            if request.also_count is not None:
-                request.also_count.add(phases)
-            if not request.future.done():
-                request.future.set_result(part)
+            outcome = checked(request.check, part)
+            if isinstance(outcome, ShoalError):
+                owner.fail(request, outcome, FailureReason.BACKEND)
+            else:
+                owner.statistics.record_success(done - request.arrival_ns, start - request.arrival_ns, phases)
+                if request.also_count is not None:
+                    request.also_count.add(phases)
+                if not request.future.done():
+                    request.future.set_result(outcome)
             if request.end:
                 owner.release(slot)
 
@@ -326,7 +331,9 @@ class OldestLane:
             feed = build_feed(owner, [(slot, request)], [states])
             batch_size = 1 if owner.max_batch_size > 0 else 0
             wanted = _wanted(owner, [request])
-            results = await self._batcher.submit(feed, wanted, batch_size, {})
+            check = request.check
+            results = await self._batcher.submit(  # the request's outputs checked there; its states kept too
+                feed, wanted, batch_size, {}, check=None if check is None else lambda part: {**part, **check(part)})
             _check_results(results, wanted, batch_size or None)
             _keep_state(owner, slot, results, 0 if owner.max_batch_size > 0 else None)
         except Exception as exc:  # noqa: BLE001 - counted by the dynamic batcher; answered here
