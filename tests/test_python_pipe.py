@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from shoal.backends.python import bls, pb_utils, runner
 from shoal.dataplane.arena import Arena
 from shoal.instances import python_process
+from shoal.instances.outbox import Outbox
 from shoal.instances.process import REQUESTS, RESPONSES
 from shoal.instances.python_link import BLS, BLS_REPLY, PipeLink, put, take
 
@@ -78,3 +80,52 @@ def test_a_reply_is_taken_from_the_arena_only_while_its_batch_runs(ends: Any) ->
     assert late.has_error() and "came after the batch that made the call had ended" in late.error().message()
     link.end()
     assert reply(7).has_error()  # between batches no arena is any call's
+
+
+class _PausingConn:
+    """The worker's pipe end; a BLS call sent from the thread named "left" pauses first, as a thread
+    the scheduler takes the CPU from between reserving its arena range and sending."""
+
+    def __init__(self, conn: Any, reserved: threading.Event) -> None:
+        self._conn, self._reserved = conn, reserved
+        self.recv, self.poll, self.fileno = conn.recv, conn.poll, conn.fileno
+
+    def send(self, message: Any) -> None:
+        if message[0] == BLS and threading.current_thread().name == "left":
+            self._reserved.set()
+            threading.Event().wait(0.5)  # the pause itself: nothing to wait for
+        self._conn.send(message)
+
+
+def test_a_call_with_inputs_in_the_arena_is_on_the_pipe_before_its_batch_ends(ends: Any) -> None:
+    """A thread of the model reserves its call's range, then loses the CPU before sending; the batch's
+    end waits for it, so the server reads the call before DONE, its inputs intact (it once read the
+    call in the next batch, over which that batch's outputs had been packed)."""
+    server, worker, arenas = ends
+    reserved = threading.Event()
+    link = PipeLink(_PausingConn(worker, reserved), arenas)
+    x = np.arange(1000, dtype=np.float32)
+
+    class LeavesACallBehind:
+        def execute(self, items: Any) -> list[runner.Outcome]:
+            threading.Thread(target=lambda: link.infer_async(_call(x)).close(), name="left").start()
+            reserved.wait(10)
+            return [runner.Outcome({"Y": np.zeros(4, np.float32)})]
+
+    done = python_process._run_batch(LeavesACallBehind(), link, worker, arenas, [], 0)
+    worker.send(done)
+    kind, _, _, slots = server.recv()
+    assert kind == BLS and slots is not None
+    np.testing.assert_array_equal(take(arenas[RESPONSES], slots)["X"], x)
+    assert server.recv()[0] == python_process.DONE
+
+
+def test_an_outbox_that_cannot_send_a_message_says_so_and_does_not_hang(ends: Any) -> None:
+    """A message that cannot be pickled (or a MemoryError) once killed the outbox's thread: its waiters
+    waited for good. Now the error is kept for the instance, which replaces its worker."""
+    server, _, _ = ends
+    outbox = Outbox(server, "test-outbox")
+    outbox.send(("fine", 1))
+    outbox.send(("unpicklable", lambda: None))
+    assert outbox.wait_sent(10) and outbox.error is not None
+    outbox.close()

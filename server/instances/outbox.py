@@ -27,6 +27,8 @@ class Outbox:
     """Sends messages on a pipe, in order, from a daemon thread; ``wait_sent`` says when all went."""
 
     def __init__(self, conn: connection.Connection, name: str) -> None:
+        self.of = conn  # the pipe it writes to (a duplicate of)
+        self.error: BaseException | None = None  # why a message could not be sent, other than a dead pipe
         self._conn = connection.Connection(os.dup(conn.fileno()))
         self._queue: collections.deque[Any] = collections.deque()
         self._unsent = 0
@@ -60,13 +62,16 @@ class Outbox:
                     message = self._queue.popleft()
                 if message is _CLOSE:
                     return
-                if not broken:
-                    try:
+                try:
+                    if not broken:
                         self._conn.send(message)
-                    except OSError:  # the worker is gone: whoever waits on it finds it dead
-                        broken = True
-                with self._changed:
-                    self._unsent -= 1
-                    self._changed.notify_all()
+                except OSError:  # the worker is gone: whoever waits on it finds it dead
+                    broken = True
+                except BaseException as exc:  # noqa: BLE001 - e.g. MemoryError pickling a reply: the owner decides
+                    broken, self.error = True, exc
+                finally:
+                    with self._changed:
+                        self._unsent -= 1
+                        self._changed.notify_all()
         finally:
             self._conn.close()

@@ -97,8 +97,10 @@ class PipeLink:
 
     def end(self) -> int:
         """After a batch: where in the responses arena its outputs may start (after its calls' inputs).
-        Its cancellations are forgotten. Calls still waiting (a thread the model left) keep their
-        mailboxes; a call made from now on travels pickled."""
+        Every call whose inputs lie in the arena is on the pipe by now (``_send`` sends them under the
+        lock this takes), so the server reads them before the batch's end. Its cancellations are
+        forgotten. Calls still waiting (a thread the model left) keep their mailboxes; a call made
+        from now on travels pickled."""
         with self._packing:
             first_free, self._offset, self._batch = self._offset or 0, None, None
         with self._filed:
@@ -158,11 +160,13 @@ class PipeLink:
         with self._filed:
             call_id = next(self._ids)
             self._mailboxes[call_id] = box
-        slots = None
-        with self._packing:
+        with self._packing:  # held until sent: the batch cannot end between the two (see ``end``)
             if self._offset is not None:
                 slots, self._offset = put(self._arenas[RESPONSES], self._offset, call.inputs)
-        self._conn.send((BLS, call_id, call if slots is None else replace(call, inputs={}), slots))
+                if slots is not None:
+                    self._conn.send((BLS, call_id, replace(call, inputs={}), slots))
+                    return box
+        self._conn.send((BLS, call_id, call, None))
         return box
 
     def _wait(self, claim: Callable[[], T | None]) -> T:

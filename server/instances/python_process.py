@@ -98,6 +98,7 @@ def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dic
             if not (isinstance(message, tuple) and message[0] == ARENA):
                 return None
             process.map_arena(arenas, *message[1:])
+            first_free = 0  # a new arena: no BLS call's inputs in it (the server read them before GROW)
 
 
 class LockedConn:
@@ -236,9 +237,7 @@ class PythonProcessModel(process.ProcessModel):
                 answers = self._conversation(deadline)
                 return self._unpack_outputs(answers)
             finally:
-                if self._outbox is not None:  # all it held was written, unless the worker died: then it drops it
-                    self._outbox.close()
-                    self._outbox = None
+                self._end_outbox()
                 process._trim(self._arenas[REQUESTS], max(used, self._reply_offset))
 
     def _pack_inputs(self, batch: Sequence[Any]) -> tuple[list[tuple[Any, ...]], int]:
@@ -294,6 +293,7 @@ class PythonProcessModel(process.ProcessModel):
                         call = replace(call, inputs=take(self._arenas[RESPONSES], slots))
                     self._start_call(call_id, call)
             self._send_cancellations()
+            self._check_outbox()
             self._check_running(deadline)
 
     def _post(self, message: Any) -> None:
@@ -306,6 +306,28 @@ class PythonProcessModel(process.ProcessModel):
         """Until all posted is written: the worker is reading (it waits for the server's next word)."""
         while self._outbox is not None and not self._outbox.wait_sent(0.05):
             self._check_running(deadline)
+        self._check_outbox()
+
+    def _check_outbox(self) -> None:
+        """A message the outbox could not send (not a dead pipe): a call of the worker would wait for
+        its reply for good, so the worker is replaced and the batch fails."""
+        if self._outbox is not None and self._outbox.error is not None:
+            error = self._outbox.error
+            self._replace(f"could not be sent a message ({type(error).__name__}: {error})")
+            raise ShoalError(ErrorCode.INTERNAL, f"model '{self._spec.name}': a message to the instance process "
+                                                 f"could not be sent ({type(error).__name__}); it was restarted")
+
+    def _end_outbox(self) -> None:
+        """After the batch: the outbox ends once it has written what it holds. Had the conversation
+        ended with messages still unsent to a live worker (an error on the way), their writes could
+        interleave with the next direct ones: that worker is replaced instead."""
+        outbox, self._outbox = self._outbox, None
+        if outbox is None:
+            return
+        drained = outbox.wait_sent(0)
+        outbox.close()
+        if not drained and outbox.of is self._conn and not self._closing.is_set():
+            self._replace("was left with messages of a failed batch unsent")
 
     def _forward(self, index: int, outputs: dict[str, Any] | None, error: str, code: str, final: bool) -> None:
         """One response of a decoupled model, on to its request's sink."""
