@@ -27,7 +27,7 @@ class Outbox:
     """Sends messages on a pipe, in order, from a daemon thread; ``wait_sent`` says when all went."""
 
     def __init__(self, conn: connection.Connection, name: str) -> None:
-        self.of = conn  # the pipe it writes to (a duplicate of)
+        self.target = conn  # the pipe it writes to (on a duplicate of its descriptor)
         self.error: BaseException | None = None  # why a message could not be sent, other than a dead pipe
         self._conn = connection.Connection(os.dup(conn.fileno()))
         self._queue: collections.deque[Any] = collections.deque()

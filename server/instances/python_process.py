@@ -320,13 +320,18 @@ class PythonProcessModel(process.ProcessModel):
     def _end_outbox(self) -> None:
         """After the batch: the outbox ends once it has written what it holds. Had the conversation
         ended with messages still unsent to a live worker (an error on the way), their writes could
-        interleave with the next direct ones: that worker is replaced instead."""
+        interleave with the next direct ones (a request, a ping, close's stop): that worker is replaced
+        instead, or killed when the instance is closing."""
         outbox, self._outbox = self._outbox, None
         if outbox is None:
             return
         drained = outbox.wait_sent(0)
         outbox.close()
-        if not drained and outbox.of is self._conn and not self._closing.is_set():
+        if drained or outbox.target is not self._conn:
+            return
+        if self._closing.is_set():
+            self._kill()
+        else:
             self._replace("was left with messages of a failed batch unsent")
 
     def _forward(self, index: int, outputs: dict[str, Any] | None, error: str, code: str, final: bool) -> None:
