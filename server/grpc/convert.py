@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 from google.protobuf import json_format
@@ -120,27 +120,32 @@ MAX_BYTES_OBJECTS_PER_PAYLOAD = 4
 BYTES_OBJECTS_FLOOR = 128 * 2**20  # 2.4M elements of any length
 
 
-def check_bytes_cost(message: service_pb2.ModelInferRequest, raw: list[bytes]) -> None:
+def check_bytes_cost(declared: DeclaredInputs, raw: list[bytes]) -> None:
     """Refuse a request whose BYTES elements would cost far more memory than it carries.
 
     Counts are bounded before decoding: a raw input holds at most a fourth of its bytes in
     elements, and no more than its shape says are ever made (reading stops there)."""
+    if not declared.bytes_inputs:
+        return
     elements = payload = 0
-    for index, tensor in enumerate(t for t in message.inputs if not in_shared_memory(t)):
-        if tensor.datatype != DataType.BYTES.value:
+    index = 0
+    for tensor, _, datatype_name, shape, _, in_region in declared.entries:
+        if in_region:
             continue
-        declared = max(0, math.prod(tensor.shape))
-        if index < len(raw):
-            elements += min(declared, len(raw[index]) // 4)
-            payload += len(raw[index])
-        elif tensor.HasField("contents"):
-            elements += len(tensor.contents.bytes_contents)
-            payload += tensor.contents.ByteSize()
+        if datatype_name == _BYTES:
+            declared_count = max(0, math.prod(shape))
+            if index < len(raw):
+                elements += min(declared_count, len(raw[index]) // 4)
+                payload += len(raw[index])
+            elif tensor.HasField("contents"):
+                elements += len(tensor.contents.bytes_contents)
+                payload += tensor.contents.ByteSize()
+        index += 1
     cost = elements * BYTES_OBJECT_BYTES
     allowed = max(BYTES_OBJECTS_FLOOR, MAX_BYTES_OBJECTS_PER_PAYLOAD * payload)
     if cost > allowed:
         raise invalid(
-            f"the BYTES inputs of this request for model '{shown(message.model_name)}' hold up to {elements} "
+            f"the BYTES inputs of this request for model '{shown(declared.model)}' hold up to {elements} "
             f"elements in {payload} bytes: decoded, they would take about {cost // 2**20} MiB, more than the "
             f"{allowed // 2**20} MiB allowed (the larger of {BYTES_OBJECTS_FLOOR // 2**20} MiB and "
             f"{MAX_BYTES_OBJECTS_PER_PAYLOAD} times their size); send fewer, longer elements, or split the request"
@@ -156,69 +161,126 @@ def parameter_value(param: Any) -> Any:
     return getattr(param, choice) if choice else None
 
 
-def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
-    """The request; ``raw_input_contents`` line up, in order, with the inputs not in shared memory."""
+# One input as the message declares it, read once: (message entry, name, datatype name, shape,
+# parameters or None, whether its parameters name a shared-memory region). Nothing checked yet.
+DeclaredInput: TypeAlias = tuple[Any, str, str, tuple[int, ...], Any, bool]
+_DATATYPES = {datatype.value: datatype for datatype in DataType}
+_BYTES = DataType.BYTES.value
+_ITEM_SIZES = {datatype.value: datatype.item_size for datatype in DataType}
+
+
+class DeclaredInputs(NamedTuple):
+    """A request's inputs read off the message in one walk, with what decoding them would cost
+    (elements and bytes of the inputs not in shared memory, from their declared shapes; unknown
+    datatypes count nothing, they are refused when decoded)."""
+
+    model: str
+    entries: list[DeclaredInput]
+    inline: int  # inputs whose data the message carries
+    bytes_elements: int
+    data_bytes: int
+    bytes_inputs: bool  # any inline BYTES input
+
+
+def declare_inputs(message: service_pb2.ModelInferRequest) -> DeclaredInputs:
+    """Each input's fields read once (every read of a protobuf field builds a new Python object)."""
+    entries: list[DeclaredInput] = []
+    inline = bytes_elements = data_bytes = 0
+    bytes_inputs = False
+    for tensor in message.inputs:
+        parameters = tensor.parameters
+        in_region = bool(parameters) and "shared_memory_region" in parameters
+        datatype_name, shape = tensor.datatype, tuple(tensor.shape)
+        entries.append((tensor, tensor.name, datatype_name, shape, parameters if parameters else None, in_region))
+        if in_region:
+            continue  # read from the client's segment by the host, never converted here
+        inline += 1
+        if datatype_name == _BYTES:
+            bytes_inputs = True
+            bytes_elements += abs(math.prod(shape))  # a bad shape is refused when decoded
+        elif datatype_name in _ITEM_SIZES:
+            data_bytes += abs(math.prod(shape)) * _ITEM_SIZES[datatype_name]
+    return DeclaredInputs(message.model_name, entries, inline, bytes_elements, data_bytes, bytes_inputs)
+
+
+def infer_request(message: service_pb2.ModelInferRequest, declared: DeclaredInputs | None = None) -> InferRequest:
+    """The request; ``raw_input_contents`` line up, in order, with the inputs not in shared memory.
+    ``declared``: ``declare_inputs(message)``, when the caller has read it already."""
+    if declared is None:
+        declared = declare_inputs(message)
+    model = declared.model
+    if len(message.raw_input_contents) > declared.inline:
+        raise invalid(f"expected {declared.inline} raw_input_contents entries (one per input not in shared memory), "
+                      f"got {len(message.raw_input_contents)}")
     raw = list(message.raw_input_contents)  # each read of an entry copies it out of the message: once
-    model = message.model_name
-    inline = sum(1 for tensor in message.inputs if not tensor.parameters or not in_shared_memory(tensor))
-    if len(raw) > inline:
-        raise invalid(f"expected {inline} raw_input_contents entries (one per input not in shared memory), "
-                      f"got {len(raw)}")
-    check_bytes_cost(message, raw)
+    check_bytes_cost(declared, raw)
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
     unfit = UnfitContents(model)
-    for tensor in message.inputs:
-        datatype, shape = _declared(tensor.name, tensor.datatype, tuple(tensor.shape))
-        where = shared_memory_slice(tensor.name, tensor.parameters) if tensor.parameters else None
+    for tensor, name, datatype_name, shape, parameters, _ in declared.entries:
+        datatype = _declared(name, datatype_name, shape)
+        where = shared_memory_slice(name, parameters) if parameters is not None else None
         if where is not None:
             if tensor.HasField("contents"):
                 raise invalid(f"unexpected 'content' provided when using shared memory for input tensor "
-                              f"'{shown(tensor.name)}' for model '{shown(model)}'")
-            region_inputs.append(RegionInput(tensor.name, datatype, shape, where))
+                              f"'{shown(name)}' for model '{shown(model)}'")
+            region_inputs.append(RegionInput(name, datatype, shape, where))
             continue
         # Triton's front end (server src/grpc/infer_handler.cc InferGRPCToInput) words these three.
         if raw and tensor.HasField("contents"):
             raise invalid(f"contents field must not be specified when using raw_input_contents for "
-                          f"'{shown(tensor.name)}' for model '{shown(model)}'")
+                          f"'{shown(name)}' for model '{shown(model)}'")
         if len(inputs) < len(raw):
-            data = unfit.decode(tensor.name, datatype, shape, raw[len(inputs)])
+            data = unfit.decode(name, datatype, shape, raw[len(inputs)])
         elif tensor.HasField("contents"):
-            data = decode_contents(tensor.name, datatype, shape, tensor.contents, unfit)
+            data = decode_contents(name, datatype, shape, tensor.contents, unfit)
         else:
-            raise invalid(f"unable to find data for input tensor '{shown(tensor.name)}' for model '{shown(model)}' "
+            raise invalid(f"unable to find data for input tensor '{shown(name)}' for model '{shown(model)}' "
                           "in request.")
-        inputs.append(Tensor(tensor.name, datatype, shape, data))
+        inputs.append(Tensor(name, datatype, shape, data))
     unfit.check()
-    output_regions = {o.name: where for o in message.outputs
-                      if o.parameters and (where := shared_memory_slice(o.name, o.parameters)) is not None}
+    requested, output_regions, class_counts = _requested_outputs(message.outputs)
     return InferRequest(
-        model_name=message.model_name,
+        model_name=model,
         model_version=message.model_version,
         id=message.id,
         inputs=tuple(inputs),
-        requested_outputs=tuple(o.name for o in message.outputs) if message.outputs else None,
-        parameters={k: parameter_value(v) for k, v in message.parameters.items()},
-        class_counts=class_counts(message),
+        requested_outputs=requested,
+        parameters={k: parameter_value(v) for k, v in message.parameters.items()} if message.parameters else {},
+        class_counts=class_counts,
         region_inputs=tuple(region_inputs),
         output_regions=output_regions,
     )
 
 
-def _declared(name: str, datatype_name: str, shape: tuple[int, ...]) -> tuple[DataType, tuple[int, ...]]:
-    try:
-        datatype = DataType(datatype_name)
-    except ValueError:
-        raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'") from None
+def _requested_outputs(outputs: Any) -> tuple[tuple[str, ...] | None, dict[str, RegionSlice], dict[str, int]]:
+    """The outputs' names (None: none listed, so all), those placed in shared memory, and those asked as
+    classifications; every shared-memory placement is checked before any classification."""
+    if not outputs:
+        return None, {}, {}
+    names = []
+    with_parameters = []
+    regions = {}
+    for output in outputs:
+        name = output.name
+        names.append(name)
+        parameters = output.parameters
+        if parameters:
+            with_parameters.append((name, parameters))
+            if (where := shared_memory_slice(name, parameters)) is not None:
+                regions[name] = where
+    return tuple(names), regions, class_counts(with_parameters)
+
+
+def _declared(name: str, datatype_name: str, shape: tuple[int, ...]) -> DataType:
+    datatype = _DATATYPES.get(datatype_name)
+    if datatype is None:
+        raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'")
     try:
         tensors.check_shape(datatype, shape)
     except tensors.WireFormatError as exc:
         raise invalid(f"input '{shown(name)}': {exc}") from None
-    return datatype, shape
-
-
-def in_shared_memory(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> bool:
-    return "shared_memory_region" in tensor.parameters
+    return datatype
 
 
 def shared_memory_slice(name: str, parameters: Any) -> RegionSlice | None:
@@ -237,21 +299,22 @@ def shared_memory_slice(name: str, parameters: Any) -> RegionSlice | None:
                         typed("shared_memory_offset", "int64_param"), typed("shared_memory_byte_size", "int64_param"))
 
 
-def class_counts(message: service_pb2.ModelInferRequest) -> dict[str, int]:
-    """The classification extension's per-output ``classification`` parameter: an int64_param
-    above 0, checked with Triton's wording (grpc_utils.cc ParseClassificationParams)."""
+def class_counts(outputs: list[tuple[str, Any]]) -> dict[str, int]:
+    """The classification extension's per-output ``classification`` parameter (outputs given as name
+    and parameters): an int64_param above 0, checked with Triton's wording (grpc_utils.cc
+    ParseClassificationParams)."""
     counts = {}
-    for output in message.outputs:
-        if "classification" not in output.parameters:
+    for name, parameters in outputs:
+        if "classification" not in parameters:
             continue
-        param = output.parameters["classification"]
+        param = parameters["classification"]
         if param.WhichOneof("parameter_choice") != "int64_param":
-            raise invalid(f"output '{shown(output.name)}': invalid value type for 'classification' parameter, "
+            raise invalid(f"output '{shown(name)}': invalid value type for 'classification' parameter, "
                           "expected int64_param")
         if param.int64_param <= 0:
-            raise invalid(f"output '{shown(output.name)}': invalid value for 'classification' parameter, "
+            raise invalid(f"output '{shown(name)}': invalid value for 'classification' parameter, "
                           f"expected > 0, got {param.int64_param}")
-        counts[output.name] = param.int64_param
+        counts[name] = param.int64_param
     return counts
 
 

@@ -12,7 +12,6 @@ so the loop keeps answering.
 from __future__ import annotations
 
 import asyncio
-import math
 
 from shoal.grpc import convert
 from shoal.protocol import service_pb2
@@ -23,25 +22,10 @@ from shoal.types import InferRequest, InferResponse
 # and 1 MiB of fixed-size data a copy or two of that size.
 OFF_LOOP_BYTES_ELEMENTS = 16_384
 OFF_LOOP_BYTES = 2**20
-_ITEM_SIZES = {datatype.value: datatype.item_size for datatype in DataType}
 
 
 def _costly(bytes_elements: int, data_bytes: int) -> bool:
     return bytes_elements > OFF_LOOP_BYTES_ELEMENTS or data_bytes > OFF_LOOP_BYTES
-
-
-def _request_is_costly(message: service_pb2.ModelInferRequest) -> bool:
-    """Judged from the declared shapes (reading an entry's raw content would copy it here)."""
-    bytes_elements = data_bytes = 0
-    for tensor in message.inputs:
-        if convert.in_shared_memory(tensor):
-            continue  # read from the client's segment by the host, never converted here
-        count = abs(math.prod(tensor.shape))  # a bad shape is refused in the conversion, wherever it runs
-        if tensor.datatype == DataType.BYTES.value:
-            bytes_elements += count
-        elif tensor.datatype in _ITEM_SIZES:
-            data_bytes += count * _ITEM_SIZES[tensor.datatype]
-    return _costly(bytes_elements, data_bytes)
 
 
 def _response_is_costly(response: InferResponse) -> bool:
@@ -52,9 +36,10 @@ def _response_is_costly(response: InferResponse) -> bool:
 
 async def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
     """``convert.infer_request``, on a worker thread when the message declares much data."""
-    if _request_is_costly(message):
-        return await asyncio.to_thread(convert.infer_request, message)
-    return convert.infer_request(message)
+    declared = convert.declare_inputs(message)  # judged from the declared shapes (reading raw content copies it)
+    if _costly(declared.bytes_elements, declared.data_bytes):
+        return await asyncio.to_thread(convert.infer_request, message, declared)
+    return convert.infer_request(message, declared)
 
 
 async def infer_response(response: InferResponse) -> service_pb2.ModelInferResponse:

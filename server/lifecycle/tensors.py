@@ -123,6 +123,10 @@ def _batch_size(spec: ModelSpec, tensors: list[Tensor]) -> int:
 
 
 def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> None:
+    if tensor.datatype is tensor_spec.datatype and (
+        tensor.shape[1:] if spec.max_batch_size > 0 else tensor.shape
+    ) == tensor_spec.dims:
+        return  # the usual case, exact: every dim fixed and equal (a -1 in dims never equals a size)
     if tensor.datatype is not tensor_spec.datatype:
         raise invalid(
             f"inference input '{shown(tensor.name)}' data-type is '{tensor.datatype.value}', "
@@ -226,6 +230,10 @@ def checked_output(spec: ModelSpec, tensor_spec: TensorSpec, data: np.ndarray, b
     dims [4] fails its request instead of sending it on. Triton's Python backend checks neither;
     these are the words of its TensorFlow and PyTorch backends."""
     name = tensor_spec.name
+    if data.dtype is tensor_spec.datatype.numpy_dtype and data.shape == (
+        (batch_size, *tensor_spec.dims) if spec.max_batch_size > 0 else tensor_spec.dims
+    ):
+        return data  # the usual case, exact: the config's dtype object and every dim equal (-1 never equals)
     if tensor_spec.datatype is DataType.BYTES:
         if data.dtype.kind not in "OSU":
             raise _unexpected_datatype(spec, name, data, tensor_spec.datatype)

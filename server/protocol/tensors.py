@@ -25,6 +25,11 @@ _WIRE_DTYPES = {
     datatype: datatype.numpy_dtype.newbyteorder("<") if datatype.item_size > 1 else datatype.numpy_dtype
     for datatype in DataType if datatype is not DataType.BYTES
 }
+# Read per tensor, so looked up here rather than through the enum's properties (each a few hundred ns).
+_ITEM_SIZES = {datatype: datatype.item_size for datatype in DataType}
+_NATIVE_DTYPES = {datatype: datatype.numpy_dtype for datatype in DataType}
+# Datatypes whose wire bytes are already the native layout (every one of them on a little-endian host).
+_WIRE_IS_NATIVE = {datatype for datatype, wire in _WIRE_DTYPES.items() if wire == datatype.numpy_dtype}
 
 
 class WireFormatError(ValueError):
@@ -70,10 +75,11 @@ def check_shape(datatype: DataType, shape: tuple[int, ...]) -> None:
     """
     if len(shape) > MAX_DIMS:  # first: the messages below print the shape
         raise WireFormatError(f"shape has {len(shape)} dimensions, at most {MAX_DIMS} are supported")
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:
         raise WireFormatError(f"shape {list(shape)} has a negative dimension")
-    item_size = _OBJECT_SIZE if datatype is DataType.BYTES else datatype.item_size
-    if math.prod(d for d in shape if d) * item_size > _MAX_BYTES:
+    item_size = _OBJECT_SIZE if datatype is DataType.BYTES else _ITEM_SIZES[datatype]
+    size = math.prod(shape) or math.prod(d for d in shape if d)
+    if size * item_size > _MAX_BYTES:
         raise WireFormatError(f"shape {list(shape)} of {datatype.value} is larger than any array can be")
 
 
@@ -177,16 +183,19 @@ def from_raw(datatype: DataType, shape: tuple[int, ...], raw: bytes | memoryview
     count = math.prod(shape)
     if datatype is DataType.BYTES:
         return deserialize_bytes(bytes(raw), count).reshape(shape)  # no copy when ``raw`` is bytes already
-    expected = count * datatype.item_size
+    expected = count * _ITEM_SIZES[datatype]
     if len(raw) != expected:
         raise ByteSizeMismatch(datatype, shape, expected, len(raw))
-    return np.frombuffer(raw, dtype=_WIRE_DTYPES[datatype]).reshape(shape).astype(datatype.numpy_dtype, copy=False)
+    array = np.frombuffer(raw, dtype=_WIRE_DTYPES[datatype]).reshape(shape)
+    return array if datatype in _WIRE_IS_NATIVE else array.astype(_NATIVE_DTYPES[datatype])
 
 
 def to_raw(datatype: DataType, array: np.ndarray) -> bytes:
     if datatype is DataType.BYTES:
         return serialize_bytes(array)
-    data = np.ascontiguousarray(array, dtype=datatype.numpy_dtype)
+    data = np.ascontiguousarray(array, dtype=_NATIVE_DTYPES[datatype])
+    if datatype in _WIRE_IS_NATIVE:
+        return data.tobytes()
     if data.dtype.byteorder == ">":
         data = data.byteswap().view(data.dtype.newbyteorder("<"))
     return data.tobytes()
