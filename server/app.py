@@ -71,6 +71,7 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
         await manager.close()  # the models that did load, and their worker processes
         raise StartupError(f"failed to load all models: {', '.join(sorted(failures))} (logged above; "
                            "--exit-on-error=false serves the others)")
+    logger.info("Front-end layout: %s", settings.grpc_workers_choice or f"{settings.grpc_workers} front-end workers")
     front = WorkerFrontEnd(core, settings, log_format) if settings.grpc_workers else InProcessFrontEnd(core, settings)
     try:
         port, http_port = await front.start()

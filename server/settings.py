@@ -91,6 +91,7 @@ class ServerSettings:
     memory_budgets: tuple[tuple[str, int], ...] = ()  # (device, bytes): "cpu", "gpu:0"
     # Front-end worker processes serving gRPC; 0 serves it in this process (see shoal.frontend).
     grpc_workers: int = 0
+    grpc_workers_choice: str = ""  # the count and why (--grpc-workers auto: the cores seen, the rule), for the log
     grpc_worker_pool_bytes: int = 1 << 30  # each worker's shared memory, per direction
     grpc_worker_liveness_s: float = 5.0  # ping each worker this often; one that misses a ping is replaced (0: off)
     shared_memory_max_bytes: int = 64 << 30  # clients' registered shared-memory regions, in all

@@ -143,9 +143,26 @@ CONTAINERS = dm.shoal_containers()
 
 @pytest.mark.parametrize(("where", "args", "env"), CONTAINERS, ids=[c[0] for c in CONTAINERS])
 def test_every_shoal_container_command_line_parses(where: str, args: list[str], env: dict[str, str]) -> None:
-    parsed = _parse(args, {**env, "SHOAL_CPU_REQUEST": "2"})  # the downward API gives whole cores
+    parsed = _parse(args, env)
     assert str(parsed.model_repository) == "/mnt/models" and parsed.allow_grpc and parsed.allow_http
     assert not any("=" not in arg for arg in args[2:]), "every flag in the =-joined form, as KServe writes them"
+
+
+def test_auto_workers_count_a_cpu_limit() -> None:
+    """``--grpc-workers=auto`` reads the cgroup CPU quota, which only a CPU limit sets (without one it would count
+    the node's cores): every container that asks for auto has a limit, and on a 64-core node the 2-CPU Deployment
+    gets the one-process layout, the fastest measured on 2 cores."""
+    from shoal.backends.devices import CpuAllowance
+    from shoal.frontend.worker_count import resolve
+
+    autos = [(doc, container) for _, doc in dm.shoal_manifests() for container in dm.containers(doc)
+             if "--grpc-workers=auto" in container.get("args", [])]
+    assert any(doc["kind"] == "Deployment" for doc, _ in autos)
+    for _, container in autos:
+        assert container.get("resources", {}).get("limits", {}).get("cpu"), "auto without a CPU limit counts the node"
+    deployment = next(container for doc, container in autos if doc["kind"] == "Deployment")
+    assert str(deployment["resources"]["limits"]["cpu"]) == "2"
+    assert resolve("auto", CpuAllowance(affinity=64, quota=2.0)).count == 0
 
 
 def test_kserve_tritonservers_own_arguments_parse_as_shoals() -> None:

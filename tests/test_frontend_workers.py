@@ -276,3 +276,25 @@ def test_a_stopped_worker_is_replaced_by_the_liveness_check(tmp_path: Path) -> N
             assert client.infer("echo", rows(4)).as_numpy("OUT").tolist() == [[4, 4]]
     finally:
         assert server.stop() == 0
+
+
+def test_auto_starts_the_workers_its_rule_gives_for_the_cores_here_and_says_so(tmp_path: Path) -> None:
+    """``--grpc-workers auto``: the count the rule gives for this process's cores (0 on a 2-core machine, workers
+    from 4), and the start-up log names it, the cores seen and the rule."""
+    from shoal.frontend.worker_count import RULE, resolve
+
+    expected = resolve("auto")  # the server inherits this process's affinity and cgroup
+    repo = tmp_path / "repo"
+    models.add_delayed_identity(repo, "echo", delay_ms=0)
+    server = start_server(repo, tmp_path, "--grpc-workers", "auto")
+    try:
+        with own_connection(server.url) as client:
+            assert client.infer("echo", rows(3)).as_numpy("OUT").tolist() == [[3, 3]]
+        assert len(worker_pids(server)) == expected.count
+        log = server.log()
+        assert f"Front-end layout: {expected.describe()}" in log, log
+        assert f"{expected.count} front-end workers (--grpc-workers auto: " in log and RULE in log
+        if expected.count:
+            assert f"in {expected.count} front-end worker processes" in log, log
+    finally:
+        assert server.stop() == 0, server.log()
