@@ -32,6 +32,10 @@ class DataType(enum.Enum):
     BYTES = "BYTES"
     BF16 = "BF16"
 
+    # Members are singletons compared by identity, so identity hashing is consistent with equality; Enum's
+    # own __hash__ is Python code (hash of the name), and every request looks datatypes up in dicts.
+    __hash__ = object.__hash__
+
     @property
     def config_name(self) -> str:
         """``TYPE_*`` spelling used in config.pbtxt (BYTES is ``TYPE_STRING`` there)."""
