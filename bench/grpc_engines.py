@@ -1,7 +1,7 @@
 """The two gRPC engines (``--grpc-engine native`` and ``grpcio``) alternated on one repository, for issue 24's choice
 of the default.
 
-    python bench/grpc_engines.py [--rounds 2] [--window-ms 1500] [--workers 0] [--label after]
+    python bench/grpc_engines.py [--rounds 2] [--window-ms 1500] [--workers 0] [--compare-io-threads] [--label after]
 
 Model: tiny (model_repository/simple: add/sub, INT32 [1,16]), max_batch_size 32, one instance, dynamic_batching {
 max_queue_delay_microseconds: 200 }, 2 ONNX Runtime threads (bench/side_by_side.py's configuration). Each round starts
@@ -11,7 +11,8 @@ pygrpc-native sends to its grpc.aio fallback. CPU per request: CPU seconds (utim
 process tree over the run divided by the requests its ModelStatistics counted over the same span. Prints a markdown
 table (the median over rounds per engine, and native / grpcio) and writes bench/results/grpc_engines[_<label>].csv
 (every round). A run whose windows never agree within 20% (the machine is shared) is measured again over exactly 3
-windows (``stable`` 0 in the CSV).
+windows (``stable`` 0 in the CSV). With ``--compare-io-threads`` the two servers are both native, with
+``--grpc-io-threads 1`` and ``2`` (pygrpc-native's own default), instead of the two engines.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from bench._perf import (  # noqa: E402
 )
 from bench._server import shoal_server  # noqa: E402
 
-ENGINES = ("native", "grpcio")
+ENGINES = {"native": ("--grpc-engine", "native"), "grpcio": ("--grpc-engine", "grpcio")}
+IO_THREADS = {"io1": ("--grpc-engine", "native", "--grpc-io-threads", "1"),
+              "io2": ("--grpc-engine", "native", "--grpc-io-threads", "2")}
 ORT_THREADS = 2
 MAX_TRIALS = 6
 BATCHING = "dynamic_batching { max_queue_delay_microseconds: 200 }"
@@ -73,17 +76,17 @@ def measure(url: str, pid: int, concurrency: int, extra: tuple[str, ...], window
             "cpu_us_per_request": round(1e6 * (host_s + children_s) / requests), "stable": stable}
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    def median(engine: str, key: str, field: str) -> float:
-        values = [row[field] for row in rows if row["engine"] == engine and row["workload"] == key]
+def table(rows: list[dict[str, Any]], first: str, second: str) -> str:
+    def median(variant: str, key: str, field: str) -> float:
+        values = [row[field] for row in rows if row["engine"] == variant and row["workload"] == key]
         return statistics.median(values) if values else float("nan")
 
-    lines = ["| workload | figure | native | grpcio | native / grpcio |", "|---|---|---|---|---|"]
+    lines = [f"| workload | figure | {first} | {second} | {first} / {second} |", "|---|---|---|---|---|"]
     for key, _, _ in WORKLOADS:
         for field, title in (("throughput", "requests/s"), ("p50_us", "p50 µs"),
                              ("cpu_us_per_request", "server CPU µs per request")):
-            native, grpcio = median("native", key, field), median("grpcio", key, field)
-            lines.append(f"| {key} | {title} | {native:,.0f} | {grpcio:,.0f} | {native / grpcio:.2f}× |")
+            a, b = median(first, key, field), median(second, key, field)
+            lines.append(f"| {key} | {title} | {a:,.0f} | {b:,.0f} | {a / b:.2f}× |")
     return "\n".join(lines)
 
 
@@ -92,8 +95,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--window-ms", type=int, default=1500)
     parser.add_argument("--workers", type=int, default=0, help="--grpc-workers of every server (default 0)")
+    parser.add_argument("--compare-io-threads", action="store_true",
+                        help="native with --grpc-io-threads 1 against 2, instead of the two engines")
     parser.add_argument("--label", default="")
     args = parser.parse_args()
+    variants = IO_THREADS if args.compare_io_threads else ENGINES
     install_perf_analyzer()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
@@ -102,8 +108,8 @@ def main() -> None:
         threads = f'parameters {{ key: "intra_op_thread_count" value: {{ string_value: "{ORT_THREADS}" }} }}\n'
         write_simple(repo, "tiny", f"\n{BATCHING}\n{threads}")
         for round_number in range(1, args.rounds + 1):
-            for engine in ENGINES:
-                flags = ("--grpc-engine", engine, "--grpc-workers", str(args.workers))
+            for engine, variant_flags in variants.items():
+                flags = (*variant_flags, "--grpc-workers", str(args.workers))
                 with shoal_server(repo, *flags) as (url, pid):
                     for key, concurrency, extra in WORKLOADS:
                         row = {"round": round_number, "engine": engine, "workers": args.workers, "workload": key,
@@ -111,8 +117,9 @@ def main() -> None:
                         print(row, flush=True)
                         rows.append(row)
     suffix = f"_{args.label}" if args.label else ""
-    print(f"\nbench/grpc_engines.py --rounds {args.rounds} --workers {args.workers}: median of the rounds\n")
-    print(table(rows))
+    compared = " --compare-io-threads" if args.compare_io_threads else ""
+    print(f"\nbench/grpc_engines.py --rounds {args.rounds} --workers {args.workers}{compared}: median of the rounds\n")
+    print(table(rows, *variants))
     save_results(rows, f'grpc_engines{suffix}.csv')
 
 

@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-engine", choices=("auto", "native", "grpcio"), default="auto",
                        help="what serves gRPC: native = pygrpc-native (HTTP/2 in Rust, the faster), grpcio = "
                             "grpc.aio (TLS); auto (default) = native unless TLS is on or it does not import here")
+    serve.add_argument("--grpc-io-threads", type=_count, default=0, metavar="N",
+                       help="threads pygrpc-native (the native engine) runs HTTP/2 on, in each process that serves "
+                            "gRPC; 0 (default) = 1 below 4 usable cores, else 2")
     serve.add_argument("--grpc-workers", "--frontend-workers", dest="grpc_workers", type=_worker_count, default=0,
                        metavar="N|auto",
                        help="front-end processes serving gRPC and HTTP on their ports, beside the process that holds "
@@ -371,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             restrictions=restrictions,
             reuse_port=args.reuse_grpc_port,
             engine=args.grpc_engine,
+            io_threads=args.grpc_io_threads,
         ),
     )
     return asyncio.run(_serve(settings))

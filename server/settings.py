@@ -48,6 +48,7 @@ class GrpcLimits:
     restrictions: tuple[Restriction, ...] = ()
     reuse_port: bool = False  # SO_REUSEPORT: let other servers bind this port too (Triton's --reuse-grpc-port)
     engine: str = "auto"  # --grpc-engine: auto | native | grpcio (shoal.grpc.engine)
+    io_threads: int = 0  # --grpc-io-threads: pygrpc-native's HTTP/2 threads; 0 = from the usable cores
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 
+from shoal.grpc import engine
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import models
@@ -40,12 +41,35 @@ def test_the_listener_names_its_engine_and_why(tmp_path: Path, server_factory) -
         assert len(workers) == 2, log
 
 
+def test_native_io_threads_follow_the_usable_cores_unless_given() -> None:
+    """One I/O thread below 4 usable cores (a second only competes with the loop there), pygrpc-native's 2 from 4;
+    a count given on the command line wins; grpcio runs no threads of its own."""
+    native = engine.choose("native", tls=False)
+    assert [native.with_io_threads(0, cores).io_threads for cores in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 2]
+    assert native.with_io_threads(3, 2).io_threads == 3
+    assert "; 3 I/O threads" in native.with_io_threads(3, 2).describe()
+    assert engine.choose("grpcio", tls=False).with_io_threads(0, 2).io_threads == 0
+
+
+def test_the_io_thread_count_given_is_the_one_served_and_logged(tmp_path: Path) -> None:
+    """``--grpc-io-threads 3``: the native listener runs 3 I/O threads (counted in /proc), and says so."""
+    (tmp_path / "server").mkdir()
+    server = start_server(models.repository(tmp_path, "simple"), tmp_path / "server", "--grpc-engine", "native",
+                          "--grpc-io-threads", "3")
+    try:
+        assert "(engine native: --grpc-engine native; 3 I/O threads)" in server.log(), server.log()
+        names = [(task / "comm").read_text().strip() for task in Path(f"/proc/{server.process.pid}/task").iterdir()]
+        assert names.count("grpc-native-io") == 3, names
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 @pytest.fixture(scope="module", params=ENGINES)
 def engine_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     models.copy_example(repo, "simple")
     server = start_server(repo, tmp_path_factory.mktemp("server"), "--grpc-engine", request.param)
-    assert f"(engine {request.param}: --grpc-engine {request.param})" in server.log()
+    assert f"(engine {request.param}: --grpc-engine {request.param}" in server.log()
     yield server
     assert server.stop() == 0, server.log()
 

@@ -14,11 +14,17 @@
 
 Both are given the same options and the same handlers (``server.build_server``): what the suite
 checks holds on both.
+
+pygrpc-native runs HTTP/2 on threads of its own (``--grpc-io-threads``; its default is 2). With 0
+(the default) the count follows the cores this process may use (``io_threads_for``): one below 4
+cores, else 2. On 2 cores a second I/O thread only competes with the event loop and the model's
+threads for the same cores: ``python bench/grpc_engines.py --compare-io-threads`` measured one
+thread against two (README, Benchmarks).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -34,9 +40,26 @@ TESTED_NATIVE = ((0, 5), (0, 6))  # [0.5, 0.6)
 class EngineChoice:
     name: str  # "native" or "grpcio"
     reason: str  # for the log line that starts the listener
+    io_threads: int = 0  # native: pygrpc-native's HTTP/2 threads (set by ``with_io_threads``)
 
     def describe(self) -> str:
-        return f"engine {self.name}: {self.reason}"
+        threads = f"; {self.io_threads} I/O thread{'s' if self.io_threads != 1 else ''}" if self.io_threads else ""
+        return f"engine {self.name}: {self.reason}{threads}"
+
+    def with_io_threads(self, requested: int, cores: int) -> EngineChoice:
+        """This choice with its I/O thread count: ``requested``, or from ``cores`` when 0 (grpcio: none of its own)."""
+        if self.name != "native":
+            return self
+        return replace(self, io_threads=requested or io_threads_for(cores))
+
+
+# Below this many usable cores pygrpc-native gets one I/O thread, from it two (pygrpc-native's default).
+TWO_IO_THREADS_FROM_CORES = 4
+
+
+def io_threads_for(cores: int) -> int:
+    """pygrpc-native's I/O threads on ``cores`` usable cores (the rule in the module's docstring)."""
+    return 1 if cores < TWO_IO_THREADS_FROM_CORES else 2
 
 
 def _native_unusable() -> str | None:
@@ -82,7 +105,7 @@ def create(choice: EngineChoice, options: list[tuple[str, Any]]) -> grpc.aio.Ser
     """An unstarted server of the chosen engine, with ``options`` (grpcio's names; pygrpc-native reads the
     message limits, keepalive, max concurrent streams and SO_REUSEPORT the same way)."""
     if choice.name == "native":
-        return _native_server_class()(options=options)
+        return _native_server_class()(options=options, io_threads=choice.io_threads or 2)
     return grpc.aio.server(options=options)
 
 
