@@ -33,6 +33,11 @@ class TritonServer:
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def http_url(self) -> str:
+        """``host:port`` of its HTTP endpoint (run_triton.sh serves HTTP on the port below gRPC's)."""
+        return f"127.0.0.1:{self.port - 1}"
+
 
 def free_triton_port(first: int = 18100, last: int = 18999) -> int:
     """A gRPC port with the ports below (HTTP) and above (metrics) it free too, on 127.0.0.1."""

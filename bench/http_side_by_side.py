@@ -138,7 +138,7 @@ def main() -> None:
         for round_number in range(1, args.rounds + 1):
             if not args.skip_triton:
                 with triton_server(repos.triton, log_path=Path(folder) / f"triton-{round_number}.log") as triton:
-                    urls = Urls(triton.url, f"127.0.0.1:{triton.port - 1}")
+                    urls = Urls(triton.url, triton.http_url)
                     rows += measure(urls, "Triton 2.51", round_number, args.window_ms)
             for workers in args.workers:
                 with local_server.running(repos.shoal, "--frontend-workers", str(workers)) as server:

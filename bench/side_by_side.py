@@ -167,14 +167,18 @@ def measure_server(column: Column, url: str, pid: int, round_number: int,
     return rows
 
 
+def ort_feed(workload: Workload) -> dict[str, np.ndarray]:
+    """Zero inputs of ``workload``'s model and batch, as the in-process loop feeds its session."""
+    if workload.model == "tiny":
+        return {name: np.zeros((workload.batch, 16), np.int32) for name in ("INPUT0", "INPUT1")}
+    return {"INPUT0": np.zeros((workload.batch, WIDTH), np.float32)}
+
+
 def measure_in_process(files: dict[str, Path], round_number: int, window_ms: int) -> list[dict[str, Any]]:
     rows = []
     for workload in WORKLOADS:
-        if workload.model == "tiny":
-            feed = {name: np.zeros((workload.batch, 16), np.int32) for name in ("INPUT0", "INPUT1")}
-        else:
-            feed = {"INPUT0": np.zeros((workload.batch, WIDTH), np.float32)}
-        figures = in_process(files[workload.model], feed, workload.concurrency, window_ms / 1000, ORT_THREADS)
+        figures = in_process(files[workload.model], ort_feed(workload), workload.concurrency, window_ms / 1000,
+                             ORT_THREADS)
         row = {"round": round_number, "column": "ort", "workload": workload.key, **figures}
         rows.append(row)
         print(progress_line(row), flush=True)
