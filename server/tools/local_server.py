@@ -66,8 +66,10 @@ def start(
     log_path: Path | None = None,
     credentials: grpc.ChannelCredentials | None = None,
     timeout_s: float = 120.0,
+    python_path: Path | None = None,
 ) -> LocalServer:
-    """Start ``python -m shoal serve`` on 127.0.0.1 and wait until ServerLive answers."""
+    """Start ``python -m shoal serve`` on 127.0.0.1 and wait until ServerLive answers; with ``python_path``,
+    the ``shoal`` package found there is the one served (a benchmark's earlier revision)."""
     port_file = work_dir / "port"
     port_file.unlink(missing_ok=True)
     if "--metrics-port" not in extra_args:  # never collide on Triton's default 8002
@@ -78,7 +80,8 @@ def start(
         process = subprocess.Popen(
             [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repository),
              "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--port-file", str(port_file), *extra_args],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPATH": str(python_path)} if python_path else {})},
         )
     try:
         return _wait_until_serving(process, port_file, log_path, credentials, time.monotonic() + timeout_s)
@@ -120,10 +123,11 @@ def _wait_until_serving(
 
 
 @contextmanager
-def running(repository: Path, *extra_args: str, timeout_s: float = 120.0) -> Iterator[LocalServer]:
+def running(repository: Path, *extra_args: str, timeout_s: float = 120.0,
+            python_path: Path | None = None) -> Iterator[LocalServer]:
     """A server for the duration of a ``with`` block, stopped gracefully afterwards."""
     with tempfile.TemporaryDirectory() as folder:
-        server = start(repository, *extra_args, work_dir=Path(folder), timeout_s=timeout_s)
+        server = start(repository, *extra_args, work_dir=Path(folder), timeout_s=timeout_s, python_path=python_path)
         try:
             yield server
         finally:
