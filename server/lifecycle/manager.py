@@ -357,11 +357,11 @@ class ModelManager:
         """The version to serve: ``""`` means the highest READY one, as Triton."""
         model = self.entry(name)
         if not version:
-            ready = model.ready_versions()
-            if not ready:
+            newest = model.newest_ready()
+            if newest is None:
                 why = model.reason or model.state.value
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{shown(name)}' has no available versions: {why}")
-            chosen = model.versions[ready[-1]]
+            chosen = model.versions[newest]
         else:
             number = int(version) if _VERSION.match(version) else None
             found = model.versions.get(number) if number is not None else None

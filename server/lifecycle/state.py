@@ -114,6 +114,10 @@ class ModelEntry(Lifecycle):
     def ready_versions(self) -> list[int]:
         return sorted(v for v, e in self.versions.items() if e.state is ModelState.READY)
 
+    def newest_ready(self) -> int | None:
+        """The highest READY version (what a request naming none is served by), or None; once per request."""
+        return max((v for v, e in self.versions.items() if e.state is ModelState.READY), default=None)
+
 
 @dataclass(frozen=True)
 class IndexEntry:
