@@ -60,6 +60,9 @@ class DataType(enum.Enum):
 
     @classmethod
     def from_numpy(cls, dtype: np.dtype[Any]) -> DataType:
+        found = _FROM_NUMPY.get(dtype)  # the usual case, once per output; equal dtypes hash alike
+        if found is not None:
+            return found
         for datatype, candidate in _NUMPY.items():
             if candidate == dtype:
                 return datatype
@@ -84,6 +87,7 @@ _NUMPY: dict[DataType, np.dtype[Any]] = {
     DataType.BYTES: np.dtype(np.object_),
     DataType.BF16: np.dtype(ml_dtypes.bfloat16),
 }
+_FROM_NUMPY: dict[np.dtype[Any], DataType] = {dtype: datatype for datatype, dtype in _NUMPY.items()}
 
 
 @dataclass(frozen=True)

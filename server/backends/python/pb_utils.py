@@ -87,7 +87,18 @@ def _text(value: Any) -> Any:
     string: its BLS example passes ``model_name.as_numpy()[0]``, the ``bytes`` of a BYTES input, as
     the model name. Shoal's take them the same way (names, ids, messages, JSON parameters).
     """
-    return bytes(value).decode("utf-8") if isinstance(value, bytes | bytearray) else value
+    return bytes(value).decode("utf-8") if isinstance(value, _BYTES_TYPES) else value
+
+
+_BYTES_TYPES = (bytes, bytearray)
+
+
+def _parameters_text(parameters: dict[str, Any] | str | bytes | None) -> str:
+    """Parameters as the JSON text ``parameters()`` returns; none as ``{}`` without a JSON encoder (per request)."""
+    parameters = _text(parameters)
+    if isinstance(parameters, str):
+        return parameters
+    return json.dumps(parameters) if parameters else "{}"
 
 
 def _name(value: str | bytes) -> str:
@@ -205,8 +216,7 @@ class InferenceResponse:
                  parameters: dict[str, Any] | str | None = None) -> None:
         self._outputs = list(output_tensors or ())
         self._error = error
-        parameters = _text(parameters)
-        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        self._parameters = _parameters_text(parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return self._outputs
@@ -300,8 +310,7 @@ class InferenceRequest:
         self._request_id = _name(request_id)
         self._correlation_id: int | str = _text(correlation_id)
         self._flags, self._timeout = flags, timeout
-        parameters = _text(parameters)
-        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        self._parameters = _parameters_text(parameters)
         self._sender: InferenceResponseSender | None = None
 
     def model_name(self) -> str:
