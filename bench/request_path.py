@@ -67,8 +67,8 @@ def measure(url: str, pid: int, model: str, concurrency: int, window_ms: int) ->
 def compare(rows: list[dict[str, Any]]) -> str:
     """Medians over rounds, before against after, per model and concurrency."""
     def median(variant: str, model: str, concurrency: int, field: str) -> float:
-        return statistics.median(row[field] for row in rows if (row["server"], row["model"], row["concurrency"])
-                                 == (variant, model, concurrency))
+        return float(statistics.median(row[field] for row in rows if (row["server"], row["model"], row["concurrency"])
+                                       == (variant, model, concurrency)))
 
     lines = ["| model, concurrency | infer/s before | after | after / before | p50 µs before | after "
              "| CPU µs/request before | after | after / before |", "|---|---|---|---|---|---|---|---|---|"]
