@@ -184,6 +184,8 @@ _REGION = r"(?:/region/(?P<region>[^/]+))?"
 # (pattern, methods, handler, restriction category), matched in order; methods separated by |.
 ROUTES: list[tuple[re.Pattern[str], str, Handler, str]] = [
     (re.compile(pattern), method, handler, category) for pattern, method, handler, category in (
+        # First: every request walks the list until its pattern matches (no two patterns match one path).
+        (_MODEL + "/infer", "POST", infer, "inference"),
         ("/v2/health/live", "GET", live, "health"),
         ("/v2/health/ready", "GET", ready, "health"),
         ("/v2", "GET", server_metadata, "metadata"),
@@ -192,7 +194,6 @@ ROUTES: list[tuple[re.Pattern[str], str, Handler, str]] = [
         (_MODEL + "/ready", "GET", model_ready, "health"),
         (_MODEL + "/config", "GET", model_config, "model-config"),
         (_MODEL + "/stats", "GET", model_statistics, "statistics"),
-        (_MODEL + "/infer", "POST", infer, "inference"),
         ("/v2/repository/index", "POST", repository_index, "model-repository"),
         ("/v2/repository/models/(?P<model>[^/]+)/load", "POST", load, "model-repository"),
         ("/v2/repository/models/(?P<model>[^/]+)/unload", "POST", unload, "model-repository"),
