@@ -45,11 +45,11 @@ def _infer(request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResp
 def _recording(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bool]:
     """Replace ``convert.<name>`` by a wrapper that notes whether each call ran on the main thread."""
     on_main: list[bool] = []
-    original: Callable[[Any], Any] = getattr(convert, name)
+    original: Callable[..., Any] = getattr(convert, name)
 
-    def wrapper(message: Any) -> Any:
+    def wrapper(message: Any, *args: Any) -> Any:
         on_main.append(threading.current_thread() is threading.main_thread())
-        return original(message)
+        return original(message, *args)
 
     monkeypatch.setattr(convert, name, wrapper)
     return on_main
