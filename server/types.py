@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from shoal.protocol.tensors import deserialize_bytes
 from shoal.protocol.types import DataType
 
 
@@ -18,6 +20,24 @@ class Tensor:
     datatype: DataType
     shape: tuple[int, ...]
     data: np.ndarray
+
+
+@dataclass(frozen=True)
+class EncodedTensor(Tensor):
+    """A BYTES tensor still as the wire carries it: ``data`` is a flat uint8 array of elements, each
+    a 4-byte little-endian length then its bytes, not yet checked against ``shape``.
+
+    A front-end worker forwards BYTES inputs so and gets BYTES outputs back so: the host decodes
+    inputs and encodes outputs once, and the worker never builds an object per element. A
+    transport writes ``data`` as it is (``raw``), or ``decoded()`` for a format that needs values.
+    """
+
+    def raw(self) -> bytes:
+        return self.data.tobytes()
+
+    def decoded(self) -> Tensor:
+        data = deserialize_bytes(self.data.tobytes(), math.prod(self.shape)).reshape(self.shape)
+        return Tensor(self.name, self.datatype, self.shape, data)
 
 
 @dataclass(frozen=True)

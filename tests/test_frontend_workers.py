@@ -14,6 +14,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -230,34 +231,33 @@ def test_a_request_cancelled_before_the_host_starts_it_is_still_answered() -> No
         async def live(self) -> bool:
             return True
 
-    async def scenario() -> list[tuple[object, ...]]:
+    async def scenario() -> list[Any]:
         host_end, worker_end = socket.socketpair()
-        answers: list[tuple[object, ...]] = []
+        answers: list[Any] = []
         both_answered = asyncio.Event()
 
-        def received(message: tuple[object, ...]) -> None:
+        def received(message: Any) -> None:
             answers.append(message)
-            if {a[1] for a in answers if a[0] != messages.RELEASE} == {1, 2} and \
-                    (messages.RELEASE, [1]) in answers:
+            if {a.id for a in answers if not isinstance(a, messages.Release)} == {1, 2} and \
+                    messages.Release([1]) in answers:
                 both_answered.set()
 
         requests, responses = Arena.create("t-requests", 1 << 16), Arena.create("t-responses", 1 << 16)
         host = CoreHost(LiveCore(), requests, responses)  # type: ignore[arg-type]
         await host.connect(host_end)
-        worker = await Channel.open(worker_end, received, lambda: None)
-        header = ("m", "", "", None, {}, {}, (), {})
-        worker.send((messages.INFER, 1, header, []))  # both go out in one write
-        worker.send((messages.CANCEL, 1))
-        worker.send((messages.CALL, 2, "live", ()))  # the channel still serves after the cancel
+        worker = await Channel.open(worker_end, received, lambda: None, messages.RECORDS)
+        worker.send(messages.Infer(1, "m", "", "", None, {}, {}, (), {}, [], False, []))  # both go out in one write
+        worker.send(messages.Cancel(1))
+        worker.send(messages.Call(2, "live", ()))  # the channel still serves after the cancel
         await asyncio.wait_for(both_answered.wait(), 10)
         host.close()
         worker.close()
         return answers
 
     answers = asyncio.run(scenario())
-    assert (messages.RELEASE, [1]) in answers  # never read: its block is the worker's again
-    assert sorted((a[1], a[0]) for a in answers if a[0] != messages.RELEASE) == [(1, messages.ERROR),
-                                                                                 (2, messages.RESULT)]
+    assert messages.Release([1]) in answers  # never read: its block is the worker's again
+    assert sorted((a.id, type(a).__name__) for a in answers if not isinstance(a, messages.Release)) == [
+        (1, "Error"), (2, "Result")]
 
 
 def test_a_stopped_worker_is_replaced_by_the_liveness_check(tmp_path: Path) -> None:

@@ -116,17 +116,17 @@ def test_the_host_releases_a_worker_block_only_when_no_view_of_it_is_left() -> N
             kept.append(request.inputs[0].data)  # outlives the request, as a state would
             return InferResponse(request.model_name, "1", request.id, ())
 
-    async def scenario() -> tuple[list[object], list[object]]:
+    async def scenario() -> tuple[list[object], Any]:
         host_end, worker_end = socket.socketpair()
-        received: asyncio.Queue[tuple[object, ...]] = asyncio.Queue()
+        received: asyncio.Queue[Any] = asyncio.Queue()
         requests, responses = Arena.create("t-requests", 1 << 16), Arena.create("t-responses", 1 << 16)
         try:
             host = CoreHost(KeepingCore(), requests, responses)  # type: ignore[arg-type]
             await host.connect(host_end)
-            worker = await Channel.open(worker_end, received.put_nowait, lambda: None)
+            worker = await Channel.open(worker_end, received.put_nowait, lambda: None, messages.RECORDS)
             value = Tensor("IN", DataType.FP32, (1, 4), np.arange(4, dtype=np.float32).reshape(1, 4))
             _, slots = tensors.pack(requests, BlockAllocator(requests.size), [value])
-            worker.send((messages.INFER, 7, ("m", "", "", None, {}, {}, (), {}), slots))
+            worker.send(messages.Infer(7, "m", "", "", None, {}, {}, (), {}, slots, False, []))
             answered = await asyncio.wait_for(received.get(), 10)
             # A RELEASE due at the answer would have been written with it, in the same write.
             early = [received.get_nowait() for _ in range(received.qsize())]
@@ -136,14 +136,14 @@ def test_the_host_releases_a_worker_block_only_when_no_view_of_it_is_left() -> N
             released = await asyncio.wait_for(received.get(), 10)
             host.close()
             worker.close()
-            return [answered[0], *early], list(released)
+            return [type(answered), *map(type, early)], released
         finally:
             requests.close()
             responses.close()
 
     before, released = asyncio.run(scenario())
-    assert before == [messages.INFERRED], "the block was released while the core still held a view of it"
-    assert released == [messages.RELEASE, [7]]
+    assert before == [messages.Inferred], "the block was released while the core still held a view of it"
+    assert type(released) is messages.Release and released.ids == [7]
 
 
 # -- what a worker's pool gets back, and when (found by review) --------------------------------------------

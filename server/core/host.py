@@ -7,6 +7,11 @@ after the answer. Outputs are copied once into a block of the host's arena for t
 the worker gives back when it has encoded the reply. If the worker dies, what it had in flight
 still runs to the end (the scheduler never loses an accepted request) and the answers are dropped
 with the channel.
+
+The host decodes BYTES inputs once, here: a worker forwards them as the wire carries them,
+unchecked, so content that does not fit its shape is refused here with the words and status the
+one-process layout's transport uses (``core.wire.UnfitContents``). Outputs are encoded once, into
+the block; the worker writes them to the wire as they are.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 from shoal.core import messages
 from shoal.core.local import LocalCore
+from shoal.core.wire import UnfitContents
 from shoal.dataplane import tensors
 from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
 from shoal.dataplane.channel import Channel
@@ -55,9 +61,9 @@ class CoreHost:
         self.started: asyncio.Future[tuple[int, int] | str] = asyncio.get_running_loop().create_future()
 
     async def connect(self, sock: socket.socket) -> None:
-        self._channel = await Channel.open(sock, self._received, self.closed.set)
+        self._channel = await Channel.open(sock, self._received, self.closed.set, messages.RECORDS)
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: Any) -> None:
         if self._channel is not None:
             self._channel.send(message)
 
@@ -78,30 +84,31 @@ class CoreHost:
     def in_flight(self) -> int:
         return len(self._tasks)
 
-    def _received(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == messages.INFER:
-            self._releases[message[1]] = InputRelease(self, message[1])
-            self._start(message[1], self._infer(*message[1:]))
-        elif kind == messages.STREAM:
-            self._releases[message[1]] = InputRelease(self, message[1])
-            self._start(message[1], self._stream(*message[1:]))
-        elif kind == messages.CALL:
-            self._start(message[1], self._call(*message[1:]))
-        elif kind == messages.CANCEL:
-            task = self._tasks.get(message[1])
+    def _received(self, message: Any) -> None:
+        kind = type(message)
+        if kind is messages.Infer:
+            self._free_blocks(message.freed)
+            self._releases[message.id] = InputRelease(self, message.id)
+            self._start(message.id, self._stream(message) if message.streaming else self._infer(message))
+        elif kind is messages.Free:
+            self._free_blocks(message.blocks)
+        elif kind is messages.Call:
+            self._start(message.id, self._call(message))
+        elif kind is messages.Cancel:
+            task = self._tasks.get(message.id)
             if task is not None:
                 task.cancel()
-        elif kind == messages.PONG:
+        elif kind is messages.Pong:
             self.answered_ping_at = time.monotonic()
-        elif kind == messages.STARTED:
+        elif kind is messages.Started:
             if not self.started.done():
-                self.started.set_result(message[1])
-        elif kind == messages.FREE:
-            for block in message[1]:
-                self.responses.release_pages(block, self._allocator.free(block))
+                self.started.set_result(message.ports_or_problem)
         else:
-            logger.error("a front-end worker sent an unknown message kind %r", kind)
+            logger.error("a front-end worker sent an unknown message %.100r", message)
+
+    def _free_blocks(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.responses.release_pages(block, self._allocator.free(block))
 
     def _start(self, request_id: int, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -119,21 +126,31 @@ class CoreHost:
             # ran its own handler, and the worker still waits for the answer that frees its block.
             self._failed(request_id, asyncio.CancelledError())
 
-    async def _request(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> InferRequest:
-        """The request, its inputs views of the worker's block; the block is released with the last view."""
-        name, version, client_id, requested, parameters, class_counts, region_inputs, output_regions = header
-        release = self._releases[request_id]
+    async def _request(self, message: messages.Infer) -> InferRequest:
+        """The request, its inputs views of the worker's block (BYTES decoded, once); the block is
+        released with the last view."""
+        release = self._releases[message.id]
         release.handed_out = True
-        if tensors.costly(slots):  # many BYTES to decode: off the loop
-            inputs = await asyncio.to_thread(self._unpack, slots, release)
+        if tensors.costly(message.slots):  # many BYTES to decode: off the loop
+            inputs = await asyncio.to_thread(self._unpack, message.model_name, message.slots, release)
         else:
-            inputs = self._unpack(slots, release)
-        return InferRequest(name, version, client_id, inputs, requested, parameters, class_counts,
-                            region_inputs, output_regions)
+            inputs = self._unpack(message.model_name, message.slots, release)
+        return InferRequest(message.model_name, message.model_version, message.request_id, inputs,
+                            message.requested_outputs, message.parameters, message.class_counts,
+                            message.region_inputs, message.output_regions)
 
-    def _unpack(self, slots: list[tensors.Slot], release: InputRelease) -> tuple[Tensor, ...]:
+    def _unpack(self, model: str, slots: list[tensors.Slot], release: InputRelease) -> tuple[Tensor, ...]:
+        """The inputs; BYTES that do not fit their shape refused as the one-process transport refuses them
+        (every input read first, the last unfit one named: ``UnfitContents``)."""
+        unfit = UnfitContents(model)
         try:
-            return tensors.unpack(self.requests, slots, release)
+            inputs = tensors.unpack(self.requests, slots, release, on_unfit=unfit.note)
+            try:
+                unfit.check()
+            except ShoalError:
+                del inputs  # refused: no view of the block may stay in this frame's traceback
+                raise
+            return inputs
         except BaseException:
             release()  # no view was made, or none is left: the block is the worker's again
             raise
@@ -153,11 +170,16 @@ class CoreHost:
 
     def _send_released(self) -> None:
         self._release_pending = False  # before draining: an id added after the drain schedules another send
+        released = self._take_released()
+        if released:
+            self.send(messages.Release(released))
+
+    def _take_released(self) -> list[int]:
+        """The ids released since the last message that said so, for a message going to the worker now."""
         released = []
         while self._released:
             released.append(self._released.popleft())
-        if released:
-            self.send((messages.RELEASE, released))
+        return released
 
     async def _pack(self, moved: list[Tensor]) -> tuple[int, list[tensors.Slot]]:
         """Outputs copied into a block of this host's arena for the worker, which frees it when done."""
@@ -168,9 +190,10 @@ class CoreHost:
         except PoolFull as exc:
             raise ShoalError(ErrorCode.UNAVAILABLE, f"the response does not fit: it {exc}") from None
 
-    async def _infer(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> None:
+    async def _infer(self, message: messages.Infer) -> None:
+        request_id = message.id
         try:
-            response = await self.core.infer(await self._request(request_id, header, slots))
+            response = await self.core.infer(await self._request(message))
             in_regions = [(index, t.name, t.datatype.value, t.shape) for index, t in enumerate(response.outputs)
                           if t.name in response.in_regions]  # written into the client's memory: no bytes to move
             block, out = await self._pack([t for t in response.outputs if t.name not in response.in_regions])
@@ -181,21 +204,22 @@ class CoreHost:
             return
         names = (response.model_name, response.model_version, response.id)
         del response  # its outputs may be views of the inputs (an identity model): copied, so let them go
-        self._send_released()  # inputs let go of by now go first: the worker can reuse them for its next request
-        self.send((messages.INFERRED, request_id, names, block, out, in_regions))
+        # Inputs let go of by now ride with the answer: the worker can reuse them for its next request.
+        self.send(messages.Inferred(request_id, *names, block, out, in_regions, self._take_released()))
 
-    async def _stream(self, request_id: int, header: tuple[Any, ...], slots: list[tensors.Slot]) -> None:
-        """A streaming inference: a STREAMED message per response, each outputs in its own block,
-        until the final one; an ERROR instead when the request fails before (or cancelled)."""
+    async def _stream(self, message: messages.Infer) -> None:
+        """A streaming inference: a Streamed message per response, each outputs in its own block,
+        until the final one; an Error instead when the request fails before (or cancelled)."""
+        request_id = message.id
         try:
-            async for part in self.core.infer_stream(await self._request(request_id, header, slots)):
+            async for part in self.core.infer_stream(await self._request(message)):
                 names, block = None, tensors.NO_BLOCK
                 out: list[tensors.Slot] = []
                 if part.response is not None:
                     response = part.response
                     names = (response.model_name, response.model_version, response.id)
                     block, out = await self._pack(list(response.outputs))
-                self.send((messages.STREAMED, request_id, names, block, out, part.final, part.error))
+                self.send(messages.Streamed(request_id, names, block, out, part.final, part.error))
                 if part.final:
                     return
             raise ShoalError(ErrorCode.INTERNAL, "the stream of responses ended without its final response")
@@ -204,17 +228,18 @@ class CoreHost:
             if not isinstance(exc, Exception | asyncio.CancelledError):
                 raise
 
-    async def _call(self, request_id: int, method: str, args: tuple[Any, ...]) -> None:
+    async def _call(self, message: messages.Call) -> None:
+        request_id, method = message.id, message.method
         try:
             if method not in messages.CALLS:
                 raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"unknown core call {method!r}")
-            value = await getattr(self.core, method)(*args)
+            value = await getattr(self.core, method)(*message.args)
         except BaseException as exc:  # noqa: BLE001
             self._failed(request_id, exc)
             if not isinstance(exc, Exception | asyncio.CancelledError):
                 raise
             return
-        self.send((messages.RESULT, request_id, value))
+        self.send(messages.Result(request_id, value))
 
     def _failed(self, request_id: int, exc: BaseException) -> None:
         if isinstance(exc, ShoalError):
@@ -225,7 +250,7 @@ class CoreHost:
             logger.error("unexpected error while serving a front-end worker's request", exc_info=exc)
             code, message = ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
         self._send_released()
-        self.send((messages.ERROR, request_id, code.value, bounded(message)))
+        self.send(messages.Error(request_id, code.value, bounded(message)))
 
 
 class InputRelease:

@@ -1,42 +1,145 @@
 """The messages a front-end worker (``RemoteCore``) and the host (``CoreHost``) exchange.
 
-Small tuples, first item the kind. Worker → host::
+Small typed records (``NamedTuple``), which the channel sends as their kind's index in ``RECORDS``
+and their fields (``dataplane.channel.Records``: as cheap to pickle as a bare tuple). Worker → host:
 
-    (CALL, id, method, args)          a control-plane call of ``Core`` (one of CALLS)
-    (INFER, id, header, slots)        an inference; inputs in the worker's arena
-    (STREAM, id, header, slots)       a streaming inference (a decoupled model's responses)
-    (CANCEL, id)                      the client gave up on ``id``
-    (FREE, [block, ...])              response blocks of the host's arena the worker is done with
-    (STARTED, port | message)         serving on ``port``, or why it cannot (then it exits)
-    (PONG,)                           the answer to a PING, from the worker's event loop
+- ``Call``: a control-plane call of ``Core`` (one of ``CALLS``)
+- ``Infer``: an inference, inputs in the worker's arena (``streaming``: a decoupled model's
+  responses, answered by ``Streamed``); ``freed``: response blocks the worker is done with, as a
+  ``Free`` would give them back (one message less per request)
+- ``Cancel``: the client gave up on ``id``
+- ``Free``: response blocks of the host's arena the worker is done with
+- ``Started``: serving on its (gRPC, HTTP) ports, or why it cannot (then it exits)
+- ``Pong``: the answer to a ``Ping``, from the worker's event loop
 
-Host → worker::
+Host → worker:
 
-    (RESULT, id, value)               a call's answer
-    (ERROR, id, code, message)        a call or inference failed (``ErrorCode`` value)
-    (INFERRED, id, header, block, slots)   outputs in the host's arena; the worker frees ``block``
-    (RELEASE, [id, ...])              nothing in the host refers to these requests' inputs any more
-    (STREAMED, id, header | None, block, slots, final, error)   one response of a STREAM, its
-                                      outputs in a block of their own (header None: no outputs)
-    (HEALTH,)                         model or server state changed: read health again
-    (STOP, grace_s)                   stop serving, finish what is open within ``grace_s``
-    (PING,)                           the liveness check: a worker whose loop is stuck never answers
+- ``Result``: a call's answer
+- ``Error``: a call or inference failed (an ``ErrorCode`` value and the message)
+- ``Inferred``: outputs in the host's arena; the worker frees ``block``; ``released``: requests
+  whose inputs were let go of by then, as a ``Release`` would say (its own id, usually)
+- ``Release``: nothing in the host refers to these requests' inputs any more
+- ``Streamed``: one response of a streaming ``Infer``, its outputs in a block of their own (``names``
+  None: no outputs)
+- ``Health``: model or server state changed: read health again
+- ``Stop``: stop serving, finish what is open within ``grace_s``
+- ``Ping``: the liveness check: a worker whose loop is stuck never answers
 
-Every INFER and CALL gets exactly one INFERRED, RESULT or ERROR, cancelled or not. A STREAM gets
-any number of STREAMED, then one final STREAMED or an ERROR, which plays that part. The answer does
-not free the request's input block: the host reads inputs in place, and views of them can outlive
-the answer (a sequence's state that is an input passed through, a batch still executing for a
-cancelled request, a decoupled model's thread). Every INFER and STREAM gets exactly one RELEASE of
-its id, before or after its answer, sent once no view of its inputs is left in the host; the worker
-reuses the block only then.
+Every ``Infer`` and ``Call`` gets exactly one ``Inferred``, ``Result`` or ``Error``, cancelled or
+not; a streaming ``Infer`` gets any number of ``Streamed``, then one final ``Streamed`` or an
+``Error``, which plays that part. The answer does not free the request's input block: the host
+reads inputs in place, and views of them can outlive the answer (a sequence's state that is an
+input passed through, a batch still executing for a cancelled request, a decoupled model's thread).
+Every ``Infer`` gets its id released exactly once, in a ``Release`` or an ``Inferred``'s
+``released``, before, with or after its answer, once no view of its inputs is left in the host; the
+worker reuses the block only then.
+
+Tensors travel as ``dataplane.tensors.Slot`` tuples; BYTES in the wire's encoding both ways, so
+only the host decodes inputs and encodes outputs.
 """
 
 from __future__ import annotations
 
-CALL, INFER, CANCEL, FREE, STARTED = "call", "infer", "cancel", "free", "started"
-RESULT, ERROR, INFERRED, HEALTH, STOP = "result", "error", "inferred", "health", "stop"
-PING, PONG, RELEASE = "ping", "pong", "release"
-STREAM, STREAMED = "stream", "streamed"
+from typing import Any, NamedTuple
+
+from shoal.dataplane.channel import Records
+from shoal.dataplane.tensors import Slot
+from shoal.types import RegionInput, RegionSlice
+
+# (index among the outputs, name, datatype name, shape) of an output written into the client's
+# shared memory: no bytes to move.
+RegionOutput = tuple[int, str, str, tuple[int, ...]]
+
+
+class Call(NamedTuple):
+    id: int
+    method: str
+    args: tuple[Any, ...]
+
+
+class Infer(NamedTuple):
+    """An ``InferRequest`` but its inputs, which are ``slots`` in the worker's arena."""
+
+    id: int
+    model_name: str
+    model_version: str
+    request_id: str
+    requested_outputs: tuple[str, ...] | None
+    parameters: dict[str, Any]
+    class_counts: dict[str, int]
+    region_inputs: tuple[RegionInput, ...]
+    output_regions: dict[str, RegionSlice]
+    slots: list[Slot]
+    streaming: bool
+    freed: list[int]
+
+
+class Cancel(NamedTuple):
+    id: int
+
+
+class Free(NamedTuple):
+    blocks: list[int]
+
+
+class Started(NamedTuple):
+    ports_or_problem: tuple[int, int] | str
+
+
+class Pong(NamedTuple):
+    pass
+
+
+class Result(NamedTuple):
+    id: int
+    value: Any
+
+
+class Error(NamedTuple):
+    id: int
+    code: str
+    message: str
+
+
+class Inferred(NamedTuple):
+    id: int
+    model_name: str
+    model_version: str
+    response_id: str
+    block: int
+    slots: list[Slot]
+    in_regions: list[RegionOutput]
+    released: list[int]
+
+
+class Release(NamedTuple):
+    ids: list[int]
+
+
+class Streamed(NamedTuple):
+    id: int
+    names: tuple[str, str, str] | None  # the response's model name, version and id
+    block: int
+    slots: list[Slot]
+    final: bool
+    error: str
+
+
+class Health(NamedTuple):
+    pass
+
+
+class Stop(NamedTuple):
+    grace_s: float
+
+
+class Ping(NamedTuple):
+    pass
+
+
+# Every kind of record the channel carries, both ways.
+RECORDS = Records([Call, Infer, Cancel, Free, Started, Pong, Result, Error, Inferred, Release, Streamed, Health, Stop,
+                   Ping])
 
 # The Core methods a worker may call by name (infer has its own message).
 CALLS = frozenset({

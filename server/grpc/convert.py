@@ -24,11 +24,11 @@ from shoal.core import (
     StatisticsRow,
 )
 from shoal.core.wire import UnfitContents, refuse_model_files, region_slice
-from shoal.errors import invalid, shown
+from shoal.errors import ShoalError, invalid, shown
 from shoal.protocol import config_pb2, service_pb2, tensors
 from shoal.protocol.types import DataType
 from shoal.statistics import Duration
-from shoal.types import InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
+from shoal.types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 
 _CONTENTS_FIELD = {
     DataType.BOOL: "bool_contents",
@@ -203,9 +203,11 @@ def declare_inputs(message: service_pb2.ModelInferRequest) -> DeclaredInputs:
     return DeclaredInputs(message.model_name, entries, inline, bytes_elements, data_bytes, bytes_inputs)
 
 
-def infer_request(message: service_pb2.ModelInferRequest, declared: DeclaredInputs | None = None) -> InferRequest:
+def infer_request(message: service_pb2.ModelInferRequest, declared: DeclaredInputs | None = None,
+                  encoded_bytes: bool = False) -> InferRequest:
     """The request; ``raw_input_contents`` line up, in order, with the inputs not in shared memory.
-    ``declared``: ``declare_inputs(message)``, when the caller has read it already."""
+    ``declared``: ``declare_inputs(message)``, when the caller has read it already. ``encoded_bytes``:
+    raw BYTES inputs are left as the wire carries them, unchecked (``infer_request_encoded``)."""
     if declared is None:
         declared = declare_inputs(message)
     model = declared.model
@@ -231,6 +233,9 @@ def infer_request(message: service_pb2.ModelInferRequest, declared: DeclaredInpu
             raise invalid(f"contents field must not be specified when using raw_input_contents for "
                           f"'{shown(name)}' for model '{shown(model)}'")
         if len(inputs) < len(raw):
+            if encoded_bytes and datatype_name == _BYTES:
+                inputs.append(EncodedTensor(name, datatype, shape, np.frombuffer(raw[len(inputs)], np.uint8)))
+                continue
             data = unfit.decode(name, datatype, shape, raw[len(inputs)])
         elif tensor.HasField("contents"):
             data = decode_contents(name, datatype, shape, tensor.contents, unfit)
@@ -251,6 +256,22 @@ def infer_request(message: service_pb2.ModelInferRequest, declared: DeclaredInpu
         region_inputs=tuple(region_inputs),
         output_regions=output_regions,
     )
+
+
+def infer_request_encoded(message: service_pb2.ModelInferRequest,
+                          declared: DeclaredInputs | None = None) -> InferRequest:
+    """``infer_request`` for a core that decodes BYTES inputs itself (a front-end worker's ``RemoteCore``:
+    its host decodes them once): raw BYTES inputs go on as ``EncodedTensor``, not decoded here, and the
+    host refuses content that does not fit its shape in the same words (``core.wire.UnfitContents``).
+
+    Everything else is checked here as ``infer_request`` checks it. A refusal is looked for again by
+    ``infer_request``, decoding everything: the request is refused for what the one-process layout
+    refuses it for, also when BYTES that do not fit come before another problem in Triton's order
+    (another input's content, a requested output's parameters). Only a refused request pays that."""
+    try:
+        return infer_request(message, declared, encoded_bytes=True)
+    except ShoalError:
+        return infer_request(message, declared)
 
 
 def _requested_outputs(outputs: Any) -> tuple[tuple[str, ...] | None, dict[str, RegionSlice], dict[str, int]]:
@@ -326,8 +347,12 @@ def infer_response(response: InferResponse) -> service_pb2.ModelInferResponse:
         message.outputs.add(name=tensor.name, datatype=tensor.datatype.value, shape=tensor.shape)
         # An output written into the client's shared memory keeps its place, empty, as in Triton:
         # tritonclient finds each output's raw entry by position.
-        in_region = tensor.name in response.in_regions
-        message.raw_output_contents.append(b"" if in_region else tensors.to_raw(tensor.datatype, tensor.data))
+        if tensor.name in response.in_regions:
+            message.raw_output_contents.append(b"")
+        elif isinstance(tensor, EncodedTensor):  # BYTES as the host encoded them (a front-end worker)
+            message.raw_output_contents.append(tensor.raw())
+        else:
+            message.raw_output_contents.append(tensors.to_raw(tensor.datatype, tensor.data))
     return message
 
 

@@ -16,7 +16,7 @@ import asyncio
 from shoal.grpc import convert
 from shoal.protocol import service_pb2
 from shoal.protocol.types import DataType
-from shoal.types import InferRequest, InferResponse
+from shoal.types import EncodedTensor, InferRequest, InferResponse
 
 # Past either, a message is converted off the loop: ~16k BYTES elements take a few ms to convert,
 # and 1 MiB of fixed-size data a copy or two of that size.
@@ -29,14 +29,27 @@ def _costly(bytes_elements: int, data_bytes: int) -> bool:
 
 
 def _response_is_costly(response: InferResponse) -> bool:
-    bytes_elements = sum(t.data.size for t in response.outputs if t.datatype is DataType.BYTES)
-    data_bytes = sum(t.data.nbytes for t in response.outputs if t.datatype is not DataType.BYTES)  # 0 in shm
+    """Decoded BYTES cost Python work per element; fixed-size and encoded BYTES (``EncodedTensor``) a copy."""
+    bytes_elements = data_bytes = 0
+    for t in response.outputs:
+        if t.datatype is DataType.BYTES and not isinstance(t, EncodedTensor):
+            bytes_elements += t.data.size
+        else:
+            data_bytes += t.data.nbytes  # 0 in shared memory
     return _costly(bytes_elements, data_bytes)
 
 
-async def infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
-    """``convert.infer_request``, on a worker thread when the message declares much data."""
+async def infer_request(message: service_pb2.ModelInferRequest, encoded_bytes: bool = False) -> InferRequest:
+    """``convert.infer_request``, on a worker thread when the message declares much data.
+
+    ``encoded_bytes``: ``convert.infer_request_encoded`` (raw BYTES inputs left encoded, for a core whose
+    host decodes them), where BYTES cost a copy, not work per element: judged by the least they can
+    weigh (a 4-byte length each)."""
     declared = convert.declare_inputs(message)  # judged from the declared shapes (reading raw content copies it)
+    if encoded_bytes:
+        if _costly(0, declared.data_bytes + 4 * declared.bytes_elements):
+            return await asyncio.to_thread(convert.infer_request_encoded, message, declared)
+        return convert.infer_request_encoded(message, declared)
     if _costly(declared.bytes_elements, declared.data_bytes):
         return await asyncio.to_thread(convert.infer_request, message, declared)
     return convert.infer_request(message, declared)

@@ -34,8 +34,12 @@ EMPTY_FINAL_PARAMETER, FINAL_PARAMETER = "triton_enable_empty_final_response", "
 
 
 class InferenceServicer:
-    def __init__(self, core: Core) -> None:
+    """``encoded_bytes``: hand the core raw BYTES inputs as the wire carries them (``EncodedTensor``),
+    for a core that decodes them itself: a front-end worker's ``RemoteCore``, whose host decodes once."""
+
+    def __init__(self, core: Core, encoded_bytes: bool = False) -> None:
         self.core = core
+        self.encoded_bytes = encoded_bytes
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=await self.core.live())
@@ -60,7 +64,8 @@ class InferenceServicer:
         return convert.model_config(await self.core.model_config(request.name, request.version))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        return await offload.infer_response(await self.core.infer(await offload.infer_request(request)))
+        inference = await offload.infer_request(request, self.encoded_bytes)
+        return await offload.infer_response(await self.core.infer(inference))
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
@@ -152,7 +157,7 @@ class InferenceServicer:
         response is written only when the client asked (``triton_enable_empty_final_response``)."""
         empty_final = _bool_parameter(request, EMPTY_FINAL_PARAMETER)
         try:
-            async for part in self.core.infer_stream(await offload.infer_request(request)):
+            async for part in self.core.infer_stream(await offload.infer_request(request, self.encoded_bytes)):
                 if part.response is not None:
                     message = await offload.infer_response(part.response)
                 elif part.error or empty_final:

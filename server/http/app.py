@@ -40,8 +40,10 @@ class HttpApp:
     """Triton's HTTP API over ``core``; the same object serves in the host and in front-end workers."""
 
     def __init__(self, core: Core, max_body_bytes: int, restrictions: tuple[Restriction, ...] = (),
-                 max_pending_body_bytes: int = HttpSettings.max_pending_body_bytes) -> None:
+                 max_pending_body_bytes: int = HttpSettings.max_pending_body_bytes,
+                 encoded_bytes: bool = False) -> None:
         self.core = core
+        self.encoded_bytes = encoded_bytes  # see handlers.Request
         self.max_body_bytes = max_body_bytes
         self.restrictions = restrictions
         self.max_pending_body_bytes = max_pending_body_bytes
@@ -55,7 +57,7 @@ class HttpApp:
             handler, path, category = route(scope["method"], scope["path"])
             self._check_restriction(category, headers)
             body = await self._read_body(receive, headers)
-            reply = await handler(self.core, Request(path, headers, body))
+            reply = await handler(self.core, Request(path, headers, body, self.encoded_bytes))
         except Exception as exc:  # noqa: BLE001 - every failure becomes Triton's error body
             status, message = to_http(exc)
             reply = Reply(status=status, body=error_body(message))

@@ -18,7 +18,7 @@ from shoal.errors import ShoalError, unsupported
 from shoal.http import convert, tensors
 from shoal.http.status import HttpError
 from shoal.protocol.types import DataType
-from shoal.types import InferResponse
+from shoal.types import EncodedTensor, InferResponse
 
 # Past this many body bytes (or answer elements that cost Python work each: BYTES, JSON values), decoding
 # and encoding run on a worker thread, off the event loop; a thread hop costs tens of µs, so not below.
@@ -31,6 +31,8 @@ class Request:
     path: dict[str, str]  # the path's named parts: model, version, region
     headers: dict[str, str]  # lower-case names
     body: bytes
+    # The core decodes BYTES inputs itself (a front-end worker's RemoteCore): binary ones are left encoded.
+    encoded_bytes: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ async def infer(core: Core, request: Request) -> Reply:
     """Decoding and encoding run off the loop for large bodies, as the gRPC path does."""
     header, binary = tensors.split_body(request.body, request.headers.get(tensors.HEADER_LENGTH))
     costly = len(request.body) > OFF_LOOP_BYTES
-    inference, binary_outputs = await _run(costly, tensors.infer_request, *_model(request), header, binary)
+    convert_request = tensors.infer_request_encoded if request.encoded_bytes else tensors.infer_request
+    inference, binary_outputs = await _run(costly, convert_request, *_model(request), header, binary)
     try:
         response = await core.infer(inference)
     except ShoalError as exc:  # Triton's HTTP words for a decoupled model (http_server.cc)
@@ -110,8 +113,9 @@ async def infer(core: Core, request: Request) -> Reply:
 def _costly_answer(response: InferResponse, binary_outputs: dict[str, bool]) -> bool:
     """Many bytes, or many elements that cost Python work each: BYTES, and every value sent as JSON
     (~0.6 µs each: 1 MiB of FP32 as a JSON list took ~0.15 s)."""
-    per_element = sum(t.data.size for t in response.outputs if t.datatype is DataType.BYTES or (
-        t.name not in response.in_regions and not binary_outputs.get(t.name, binary_outputs[""])))
+    per_element = sum(t.data.size for t in response.outputs if (
+        t.name not in response.in_regions and not binary_outputs.get(t.name, binary_outputs[""])
+    ) or (t.datatype is DataType.BYTES and not isinstance(t, EncodedTensor)))
     return per_element > OFF_LOOP_BYTES_ELEMENTS or sum(t.data.nbytes for t in response.outputs) > OFF_LOOP_BYTES
 
 

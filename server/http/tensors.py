@@ -25,7 +25,7 @@ from shoal.core.wire import UnfitContents, region_slice
 from shoal.errors import ShoalError, invalid, shown
 from shoal.protocol import tensors
 from shoal.protocol.types import DataType
-from shoal.types import InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
+from shoal.types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 
 HEADER_LENGTH = "inference-header-content-length"
 _DATA_FIELDS = "'data', 'binary_data_size' in 'parameters', 'shared_memory_region' in 'parameters'"
@@ -46,8 +46,23 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return body[:length], view[length:]
 
 
-def infer_request(model: str, version: str, header: bytes, binary: memoryview) -> tuple[InferRequest, dict[str, bool]]:
-    """The core's request, and for each requested output whether it goes back as binary data."""
+def infer_request_encoded(model: str, version: str, header: bytes,
+                          binary: memoryview) -> tuple[InferRequest, dict[str, bool]]:
+    """``infer_request`` for a core that decodes BYTES inputs itself (a front-end worker's ``RemoteCore``):
+    binary BYTES inputs go on as ``EncodedTensor``, and the host refuses content that does not fit its
+    shape in the same words. A refusal is looked for again by ``infer_request``, decoding everything, so
+    it is the one the one-process layout gives, whatever Triton's order of checks (as the gRPC path's
+    ``convert.infer_request_encoded``)."""
+    try:
+        return infer_request(model, version, header, binary, encoded_bytes=True)
+    except ShoalError:
+        return infer_request(model, version, header, binary)
+
+
+def infer_request(model: str, version: str, header: bytes, binary: memoryview,
+                  encoded_bytes: bool = False) -> tuple[InferRequest, dict[str, bool]]:
+    """The core's request, and for each requested output whether it goes back as binary data.
+    ``encoded_bytes``: binary BYTES inputs are left as the wire carries them, unchecked."""
     document, infinity_written = _parse_header(header)
     if not isinstance(document, dict):
         raise invalid("Unable to parse 'inputs': the inference request must be a JSON object")
@@ -69,7 +84,7 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview) -
     offset = 0
     unfit = UnfitContents(model)
     for entry in inputs_json:
-        tensor, used = _input(unfit, _object(entry, "inputs"), binary[offset:], infinity_written)
+        tensor, used = _input(unfit, _object(entry, "inputs"), binary[offset:], infinity_written, encoded_bytes)
         offset += used
         if isinstance(tensor, RegionInput):
             region_inputs.append(tensor)
@@ -184,9 +199,10 @@ def _object(value: Any, what: str) -> dict[str, Any]:
 
 
 def _input(unfit: UnfitContents, entry: dict[str, Any], binary: memoryview,
-           infinity_written: bool) -> tuple[Tensor | RegionInput, int]:
+           infinity_written: bool, encoded_bytes: bool = False) -> tuple[Tensor | RegionInput, int]:
     """One input and the binary bytes it took (binary content that does not fit its shape is noted
-    in ``unfit``); ``infinity_written``: see ``_parse_header``."""
+    in ``unfit``, binary BYTES left encoded with ``encoded_bytes``); ``infinity_written``: see
+    ``_parse_header``."""
     name, datatype_name, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
     if not isinstance(name, str) or not isinstance(datatype_name, str) or not isinstance(shape, list) \
             or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
@@ -218,6 +234,8 @@ def _input(unfit: UnfitContents, entry: dict[str, Any], binary: memoryview,
         raise invalid(f"input '{shown(name)}': 'binary_data_size' must be a non-negative integer")
     if size > len(binary):
         raise invalid(f"unexpected size {len(binary)} for binary data of input '{shown(name)}', expecting {size}")
+    if encoded_bytes and datatype is DataType.BYTES:
+        return EncodedTensor(name, datatype, dims, np.frombuffer(binary[:size], np.uint8)), size
     return Tensor(name, datatype, dims, unfit.decode(name, datatype, dims, binary[:size])), size
 
 
@@ -361,11 +379,12 @@ def infer_response(response: InferResponse, binary_outputs: dict[str, bool]) -> 
         if tensor.name in response.in_regions:
             pass  # written into the client's shared memory
         elif binary_outputs.get(tensor.name, binary_outputs[""]):
-            raw = tensors.to_raw(tensor.datatype, tensor.data)
+            # BYTES a front-end worker got encoded by the host go out as they are
+            raw = tensor.raw() if isinstance(tensor, EncodedTensor) else tensors.to_raw(tensor.datatype, tensor.data)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
-            entry["data"] = _json_values(tensor)
+            entry["data"] = _json_values(tensor.decoded() if isinstance(tensor, EncodedTensor) else tensor)
         outputs.append(entry)
     document: dict[str, Any] = {"id": response.id} if response.id else {}
     document.update(model_name=response.model_name, model_version=response.model_version, outputs=outputs)
