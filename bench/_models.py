@@ -30,6 +30,18 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {width} ] }} ]
     return folder
 
 
+# Issue 12's configuration, which every side-by-side benchmark gives its models: one instance (the
+# copied config's), a 200 µs dynamic batch, 2 ONNX Runtime intra-op threads.
+ORT_THREADS = 2
+BATCHING = "dynamic_batching { max_queue_delay_microseconds: 200 }"
+ORT_THREADS_PARAMETER = f'parameters {{ key: "intra_op_thread_count" value: {{ string_value: "{ORT_THREADS}" }} }}\n'
+
+
+def write_tiny(repo: Path, name: str = "tiny") -> Path:
+    """``simple`` (add/sub, INT32 [1,16]) with max_batch_size 32 and issue 12's configuration."""
+    return write_simple(repo, name, f"\n{BATCHING}\n{ORT_THREADS_PARAMETER}")
+
+
 def write_simple(repo: Path, name: str, config_extra: str, max_batch_size: int = 32) -> Path:
     """A copy of model_repository/simple (add/sub, INT32 [16]) named ``name``, with ``config_extra`` appended."""
     source = REPO_ROOT / "model_repository" / "simple"

@@ -38,11 +38,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import python_backend  # noqa: E402
+from bench._models import ORT_THREADS  # noqa: E402
 from bench._perf import RESULTS, in_process, install_perf_analyzer, save_results  # noqa: E402
 from bench._triton import triton_server  # noqa: E402
 from bench.http_side_by_side import run_perf  # noqa: E402
 from bench.side_by_side import (  # noqa: E402
-    ORT_THREADS,
     WORKLOADS,
     Repositories,
     measure_request_load,

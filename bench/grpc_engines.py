@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._models import write_simple  # noqa: E402
+from bench._models import write_tiny  # noqa: E402
 from bench._perf import (  # noqa: E402
     ANY_SPREAD,
     _perf_command,
@@ -43,9 +43,7 @@ from bench._server import shoal_server  # noqa: E402
 ENGINES = {"native": ("--grpc-engine", "native"), "grpcio": ("--grpc-engine", "grpcio")}
 IO_THREADS = {"io1": ("--grpc-engine", "native", "--grpc-io-threads", "1"),
               "io2": ("--grpc-engine", "native", "--grpc-io-threads", "2")}
-ORT_THREADS = 2
 MAX_TRIALS = 6
-BATCHING = "dynamic_batching { max_queue_delay_microseconds: 200 }"
 WORKLOADS = (  # key, concurrency, perf_analyzer's extra arguments
     ("infer_c1", 1, ()),
     ("infer_c16", 16, ()),
@@ -105,8 +103,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         repo = Path(folder) / "repo"
         repo.mkdir()
-        threads = f'parameters {{ key: "intra_op_thread_count" value: {{ string_value: "{ORT_THREADS}" }} }}\n'
-        write_simple(repo, "tiny", f"\n{BATCHING}\n{threads}")
+        write_tiny(repo)
         for round_number in range(1, args.rounds + 1):
             for engine, variant_flags in variants.items():
                 flags = (*variant_flags, "--grpc-workers", str(args.workers))

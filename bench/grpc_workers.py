@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._models import write_simple  # noqa: E402
+from bench._models import write_tiny  # noqa: E402
 from bench._perf import (  # noqa: E402
     ANY_SPREAD,
     CLOCK_TICKS,
@@ -56,10 +56,8 @@ from bench._perf import (  # noqa: E402
 from bench._server import shoal_server  # noqa: E402
 from shoal.frontend.worker_count import RULE, workers_for_cores  # noqa: E402
 
-ORT_THREADS = 2
 MAX_TRIALS = 6
 CONCURRENCY = 16
-BATCHING = "dynamic_batching { max_queue_delay_microseconds: 200 }"
 PROJECTED_WORKERS = range(0, 9)
 ENGINE_IO_THREAD = "grpc-native"  # how pygrpc-native names its I/O threads (/proc/<pid>/task/<tid>/comm)
 
@@ -189,8 +187,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         repo = Path(folder) / "repo"
         repo.mkdir()
-        threads = f'parameters {{ key: "intra_op_thread_count" value: {{ string_value: "{ORT_THREADS}" }} }}\n'
-        write_simple(repo, "tiny", f"\n{BATCHING}\n{threads}")
+        write_tiny(repo)
         for round_number in range(1, args.rounds + 1):
             for workers in dict.fromkeys(args.workers):
                 with shoal_server(repo, "--grpc-engine", "native", "--grpc-workers", str(workers)) as (url, pid):

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._models import write_mlp, write_simple  # noqa: E402
+from bench._models import BATCHING, ORT_THREADS, ORT_THREADS_PARAMETER, write_mlp, write_tiny  # noqa: E402
 from bench._perf import (  # noqa: E402
     ANY_SPREAD,
     RESULTS,
@@ -59,10 +59,8 @@ from bench._triton import triton_server, write_onnx_model  # noqa: E402
 from shoal.tools import local_server  # noqa: E402
 
 WIDTH, LAYERS = 1024, 4
-ORT_THREADS = 2
 MAX_TRIALS = 6  # windows per perf_analyzer run at most (it stops earlier once 3 agree within 20%)
 ONE_INSTANCE = "instance_group [ { count: 1, kind: KIND_CPU } ]"  # model_repository/simple has this line already
-BATCHING = "dynamic_batching { max_queue_delay_microseconds: 200 }"
 TINY_IO = "max_batch_size: 32\n" + "\n".join(
     f'{kind} [ {{ name: "{kind.upper()}0" data_type: TYPE_INT32 dims: [ 16 ] }}, '
     f'{{ name: "{kind.upper()}1" data_type: TYPE_INT32 dims: [ 16 ] }} ]' for kind in ("input", "output"))
@@ -110,9 +108,9 @@ def write_models(folder: Path) -> Repositories:
     shoal_repo, triton_repo = folder / "shoal", folder / "triton"
     shoal_repo.mkdir()
     triton_repo.mkdir()
-    threads = f'parameters {{ key: "intra_op_thread_count" value: {{ string_value: "{ORT_THREADS}" }} }}\n'
-    write_simple(shoal_repo, "tiny", f"\n{BATCHING}\n{threads}")
-    write_mlp(shoal_repo, "mlp", WIDTH, LAYERS, f"{ONE_INSTANCE}\n{BATCHING}\n{threads}", max_batch_size=32)
+    write_tiny(shoal_repo)
+    write_mlp(shoal_repo, "mlp", WIDTH, LAYERS, f"{ONE_INSTANCE}\n{BATCHING}\n{ORT_THREADS_PARAMETER}",
+              max_batch_size=32)
     files = {"tiny": shoal_repo / "tiny" / "1" / "model.onnx", "mlp": shoal_repo / "mlp" / "1" / "model.onnx"}
     for name, io_config in (("tiny", TINY_IO), ("mlp", MLP_IO)):
         write_onnx_model(triton_repo, name, files[name], io_config, f"{ONE_INSTANCE}\n{BATCHING}", ORT_THREADS)
