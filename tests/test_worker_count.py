@@ -63,7 +63,7 @@ def test_auto_takes_the_smaller_of_affinity_and_quota(tmp_path: Path, affinity: 
     allowance = cpu_allowance(write_cpu_max(tmp_path, text), affinity)
     chosen = resolve("auto", allowance)
     assert chosen.count == workers
-    assert f"{worker_count.usable_cores(allowance)} usable cores ({len(affinity)} in the CPU affinity" in \
+    assert f"{worker_count.whole_cores(allowance)} usable cores ({len(affinity)} in the CPU affinity" in \
         chosen.describe()
     assert RULE in chosen.describe()
 
@@ -71,7 +71,7 @@ def test_auto_takes_the_smaller_of_affinity_and_quota(tmp_path: Path, affinity: 
 def test_threads_round_a_fractional_quota_up_and_workers_down(tmp_path: Path) -> None:
     """ONNX Runtime's threads may use a part core (the quota throttles them); a worker needs a whole one."""
     allowance = cpu_allowance(write_cpu_max(tmp_path, "450000 100000\n"), SIXTEEN)
-    assert (allowance.cores(round_up=True), worker_count.usable_cores(allowance)) == (5, 4)
+    assert (allowance.cores(round_up=True), worker_count.whole_cores(allowance)) == (5, 4)
     assert usable_cores(write_cpu_max(tmp_path, "450000 100000\n")) == min(5, usable_cores(tmp_path / "absent"))
 
 

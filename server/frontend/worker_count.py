@@ -50,14 +50,14 @@ def workers_for_cores(cores: int) -> int:
     return min(MAX_AUTO_WORKERS, max(MIN_AUTO_WORKERS, (cores - HOST_CORES) // 2))
 
 
-def usable_cores(allowance: CpuAllowance) -> int:
+def whole_cores(allowance: CpuAllowance) -> int:
     """Whole cores the process may use: the affinity's, capped by the quota rounded down (a worker needs a core)."""
     return allowance.cores(round_up=False)
 
 
 def describe_cores(allowance: CpuAllowance) -> str:
     quota = "no cgroup CPU quota" if allowance.quota is None else f"cgroup CPU quota {allowance.quota:g} cores"
-    return f"{usable_cores(allowance)} usable cores ({allowance.affinity} in the CPU affinity, {quota})"
+    return f"{whole_cores(allowance)} usable cores ({allowance.affinity} in the CPU affinity, {quota})"
 
 
 @dataclass(frozen=True)
@@ -81,4 +81,4 @@ def resolve(value: int | str, allowance: CpuAllowance | None = None) -> WorkerCo
     if value != AUTO:
         return WorkerCount(int(value))
     seen = cpu_allowance() if allowance is None else allowance
-    return WorkerCount(workers_for_cores(usable_cores(seen)), seen)
+    return WorkerCount(workers_for_cores(whole_cores(seen)), seen)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2
 
-from shoal.backends.devices import usable_cores
+from shoal.backends.devices import cpu_allowance
 from shoal.errors import StartupError
 from shoal.grpc import engine, reflection
 from shoal.grpc.health import HealthReporter
@@ -96,7 +96,8 @@ def build_server(
     """The server, the port it bound (pass port 0 for a free one: no pick-then-release race) and the engine
     that serves it, with why (for the log line that starts it)."""
     limits = limits or GrpcLimits()
-    choice = engine.choose(limits.engine, tls is not None).with_io_threads(limits.io_threads, usable_cores())
+    choice = engine.choose(limits.engine, tls is not None).with_io_threads(
+        limits.io_threads, cpu_allowance().cores(round_up=False))  # whole cores, as --grpc-workers auto counts
     options: list[tuple[str, int]] = [
         ("grpc.max_send_message_length", limits.max_message_bytes),
         ("grpc.max_receive_message_length", limits.max_message_bytes),
