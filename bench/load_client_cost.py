@@ -5,10 +5,12 @@
 Starts Shoal on model_repository/ and drives the ``simple`` model from this process, one sender
 after the other in each round (so a machine shared with other work disturbs them alike):
 shoal-load's HTTP ``ConnectionPool``, aiohttp's client (what shoal-load used before; only when
-aiohttp is importable: tritonclient[http] brings it) and a raw grpc.aio unary call as shoal-load's
-gRPC path sends it. Prints requests/s and this process's CPU per request (user + system), and
-writes bench/results/load_client_cost.csv. On a machine where client and server share the cores,
-every microsecond here is taken from the server: that is why shoal-load's HTTP client is not aiohttp.
+aiohttp is importable: tritonclient[http] brings it), shoal-load's gRPC sender (the request as
+prebuilt HTTP/2 frames, ``clients/loadtest/grpc_h2.py``) and a grpc.aio unary call with the same
+serialized request (what shoal-load's gRPC path used before). Prints requests/s and this process's
+CPU per request (user + system), and writes bench/results/load_client_cost.csv. On a machine where
+client and server share the cores, every microsecond here is taken from the server: that is why
+shoal-load's clients are neither aiohttp nor grpc.aio.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import save_results  # noqa: E402
 from bench._server import REPO_ROOT  # noqa: E402
+from shoal.clients import messages  # noqa: E402
 from shoal.clients.loadtest.engine import INFER_PATH  # noqa: E402
+from shoal.clients.loadtest.grpc_h2 import PrebuiltGrpcChannel  # noqa: E402
 from shoal.clients.loadtest.http import ConnectionPool, HttpRequest, infer_request  # noqa: E402
 from shoal.tools import local_server  # noqa: E402
 
@@ -83,18 +87,29 @@ def aiohttp_sender(url: str, request: HttpRequest) -> Maker:
     return make
 
 
-def grpc_sender(url: str) -> Maker:
+def grpc_aio_sender(url: str, body: bytes) -> Maker:
     import grpc
-
-    from shoal.clients import messages
 
     async def make() -> tuple[Send, Callable[[], Awaitable[None]]]:
         channel = grpc.aio.insecure_channel(url)
         call = channel.unary_unary(INFER_PATH, request_serializer=None, response_deserializer=None)
-        body = messages.infer_request("simple", INPUTS).SerializeToString()
 
         async def send() -> None:
             await call(body, timeout=10)
+
+        return send, channel.close
+
+    return make
+
+
+def prebuilt_grpc_sender(url: str, body: bytes) -> Maker:
+    async def make() -> tuple[Send, Callable[[], Awaitable[None]]]:
+        channel = PrebuiltGrpcChannel(url, INFER_PATH, body)
+
+        async def send() -> None:
+            error = await channel.call(10)
+            if error:
+                raise RuntimeError(error)
 
         return send, channel.close
 
@@ -117,7 +132,9 @@ def main() -> None:
             senders["aiohttp client"] = aiohttp_sender(server.http_url, request)
         except ImportError:
             print("aiohttp is not installed: its row is left out")
-        senders["shoal-load grpc (grpc.aio)"] = grpc_sender(server.url)
+        body = messages.infer_request("simple", INPUTS).SerializeToString()
+        senders["shoal-load grpc (prebuilt HTTP/2)"] = prebuilt_grpc_sender(server.url, body)
+        senders["grpc.aio client"] = grpc_aio_sender(server.url, body)
         print(f"{'sender':<34} {'conc':>4} {'round':>5} | {'requests/s':>10} | {'client CPU/request':>18}")
         for round_index in range(args.rounds):
             for concurrency in args.concurrency:

@@ -147,7 +147,7 @@ def test_a_killed_worker_is_replaced_and_only_its_requests_fail(batching_server:
     for thread in threads:
         thread.join(timeout=20)
     assert outcome == {"spared": [[7, 7]], "doomed": "StatusCode.UNAVAILABLE"}
-    wait_until(lambda: len(worker_pids(batching_server)) == 2 and victim not in worker_pids(batching_server),
+    wait_until(lambda: len(live := worker_pids(batching_server)) == 2 and victim not in live,  # one reading of /proc
                what="a new worker in place of the killed one")
     assert survivor in worker_pids(batching_server)
     for value in range(8):  # new connections reach either worker, the new one included
@@ -268,7 +268,7 @@ def test_a_stopped_worker_is_replaced_by_the_liveness_check(tmp_path: Path) -> N
     try:
         [stopped] = worker_pids(server)
         os.kill(stopped, signal.SIGSTOP)
-        wait_until(lambda: len(worker_pids(server)) == 1 and stopped not in worker_pids(server),
+        wait_until(lambda: len(live := worker_pids(server)) == 1 and stopped not in live,  # one reading of /proc
                    what="a new worker in place of the stopped one")
         wait_until(lambda: "serves gRPC" in server.log().split("answered no liveness check", 1)[-1],
                    what="the new worker to serve")

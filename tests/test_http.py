@@ -255,7 +255,7 @@ def test_every_worker_serves_http_and_a_replaced_one_too(tmp_path: Path) -> None
         wait_until(lambda: server.log().count(where) == 2, what="both workers to serve HTTP")
         victim = min(worker_pids(server))
         os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: len(worker_pids(server)) == 2 and victim not in worker_pids(server),
+        wait_until(lambda: len(live := worker_pids(server)) == 2 and victim not in live,  # one reading of /proc
                    what="the killed worker to be replaced")
         wait_until(lambda: server.log().count(where) == 3, what="the new worker to serve HTTP")
         a = np.arange(16, dtype=np.int32).reshape(1, 16)

@@ -299,9 +299,12 @@ def test_a_dead_workers_arenas_are_unmapped_by_the_host(tmp_path: Path) -> None:
     try:
         with_one_worker = _worker_mappings(server.pid)
         for _ in range(3):
-            [killed] = worker_pids(server)
+            live = worker_pids(server)
+            assert len(live) == 1, f"workers {live}, expected 1:\n{server.log()}"
+            [killed] = live
             os.kill(killed, signal.SIGKILL)
-            wait_until(lambda gone=killed: len(worker_pids(server)) == 1 and gone not in worker_pids(server),
+            # one reading of /proc: two could see the dying worker, then the zombie, and no replacement yet
+            wait_until(lambda gone=killed: len(live := worker_pids(server)) == 1 and gone not in live,
                        what="a new worker in place of the killed one")
         wait_until(lambda: _worker_mappings(server.pid) == with_one_worker, timeout_s=60,
                    what=f"the host to map only its live worker's arenas ({with_one_worker} mappings): "

@@ -123,7 +123,8 @@ def test_a_killed_worker_fails_only_its_request_and_is_restarted(tmp_path: Path,
     assert [r for r in results if not isinstance(r, ClientError)][0] in (2.0, 4.0)
     with InferenceClient(server.url, timeout_s=60) as client:  # restarted: the model serves again
         assert [float(client.infer("heavy", {"x": np.full(4, 3.0, np.float32)})["y"][0]) for _ in range(4)] == [6.0] * 4
-    assert len(_worker_pids(server.pid)) == 2 and busy[0] not in _worker_pids(server.pid)
+    live = _worker_pids(server.pid)
+    assert len(live) == 2 and busy[0] not in live
 
 
 def _process_tree(pid: int) -> list[int]:
