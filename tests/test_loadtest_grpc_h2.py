@@ -52,10 +52,10 @@ def infer_request(model: str = "simple", elements: int = 16) -> bytes:
     return message.SerializeToString()
 
 
-async def aio_outcome(url: str, request: bytes) -> str | None:
+async def aio_outcome(url: str, request: bytes, timeout_s: float = 30) -> str | None:
     async with grpc.aio.insecure_channel(url) as channel:
         try:
-            await channel.unary_unary(INFER_PATH)(request, timeout=30)
+            await channel.unary_unary(INFER_PATH)(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return str(exc.code().name)
     return None
@@ -144,8 +144,10 @@ Respond = Callable[["ScriptedPeer", int], Awaitable[None]]
 class ScriptedPeer:
     """An HTTP/2 server on loopback that reads requests and answers each as ``respond`` says."""
 
-    def __init__(self, respond: Respond, settings: bytes = b"") -> None:
-        self.respond, self.settings = respond, settings
+    def __init__(self, respond: Respond, settings: bytes = b"", settings_after_s: float | None = 0.0) -> None:
+        self.respond, self.settings, self.settings_after_s = respond, settings, settings_after_s
+        self.client_settings: list[bytes] = []
+        self.hung_up = 0  # connections the client closed
         self.encoder = hpack.Encoder()  # per connection; it indexes what it sends: the client's decoder must keep up
         self.writer: asyncio.StreamWriter | None = None  # the newest connection's
         self.writers: list[asyncio.StreamWriter] = []
@@ -170,13 +172,17 @@ class ScriptedPeer:
         self.writer, self.encoder = writer, hpack.Encoder()
         self.writers.append(writer)
         await reader.readexactly(len(grpc_h2.PREFACE))
-        writer.write(frame(SETTINGS, 0, 0, self.settings))
+        if self.settings_after_s is not None:
+            asyncio.get_running_loop().call_later(
+                self.settings_after_s, writer.write, frame(SETTINGS, 0, 0, self.settings))
         try:
             while True:
                 head = await reader.readexactly(9)
                 length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
                 stream = int.from_bytes(head[5:], "big")
-                await reader.readexactly(length)
+                payload = await reader.readexactly(length)
+                if kind == SETTINGS and not flags & grpc_h2.ACK:
+                    self.client_settings.append(payload)
                 if kind == DATA and flags & END_STREAM:
                     self.requests.append(stream)
                     task = asyncio.ensure_future(self.respond(self, stream))
@@ -184,7 +190,9 @@ class ScriptedPeer:
                     task.add_done_callback(self.tasks.discard)
                 elif kind == RST_STREAM:
                     self.resets.append(stream)
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except asyncio.IncompleteReadError:
+            self.hung_up += 1
+        except ConnectionError:
             return
 
     def headers(self, stream: int, headers: list[tuple[str, str]], flags: int = 0) -> bytes:
@@ -270,24 +278,214 @@ def test_a_stream_limit_of_one_serialises_requests() -> None:
     assert most[0] == 1
 
 
-def test_goaway_fails_later_streams_and_the_next_request_reconnects() -> None:
+def test_goaway_sends_what_the_server_did_not_process_on_a_new_connection() -> None:
+    """Stream 3, above the GOAWAY's last id, was not processed: it goes to a new connection, as grpc's client's
+    transparent retry sends it, instead of failing UNAVAILABLE."""
     async def go_away_after_first(peer: ScriptedPeer, stream: int) -> None:
         assert peer.writer is not None
-        if stream == 1:
-            await peer.answer(stream)
-            return
-        if stream == 3:
+        if stream == 3 and len(peer.writers) == 1:
             peer.writer.write(frame(GOAWAY, 0, 0, struct.pack(">II", 1, 0)))
+            return
+        await peer.answer(stream)
 
-    async def go() -> list[str | None]:
+    async def go() -> tuple[list[str | None], list[int], int]:
         async with ScriptedPeer(go_away_after_first) as peer:
             channel = PrebuiltGrpcChannel(peer.target, INFER_PATH, b"x")
+            outcomes = [await channel.call(10), await channel.call(10), await channel.call(10)]
+            await channel.close()
+            return outcomes, peer.requests, len(peer.writers)
+
+    outcomes, requests, connections = run(go())  # type: ignore[misc]
+    assert outcomes == [None, None, None]
+    assert (requests, connections) == ([1, 3, 1, 3], 2)  # the second connection's streams start at 1 again
+
+
+def test_after_goaway_a_stream_it_kept_is_answered_and_then_the_old_connection_is_closed() -> None:
+    async def go_away_then_answer(peer: ScriptedPeer, stream: int) -> None:
+        assert peer.writer is not None
+        if stream == 1 and len(peer.writers) == 1:
+            peer.writer.write(frame(GOAWAY, 0, 0, struct.pack(">II", 1, 0)))  # stream 1 is still processed
+        await peer.answer(stream)
+
+    async def go() -> tuple[list[str | None], int]:
+        async with ScriptedPeer(go_away_then_answer) as peer:
+            channel = PrebuiltGrpcChannel(peer.target, INFER_PATH, b"x")
             outcomes = [await channel.call(10), await channel.call(10)]
-            outcomes.append(await channel.call(10))  # a new connection: its first stream is 1 again
+            while peer.hung_up < 1:  # the client closes the drained connection without being asked
+                await asyncio.sleep(0.005)
+            hung_up_before_close = peer.hung_up
+            await channel.close()
+            return outcomes, hung_up_before_close
+
+    assert run(go()) == ([None, None], 1)
+
+
+def test_a_refused_stream_is_sent_again_when_another_stream_is_reset() -> None:
+    """Stream 1 is refused while stream 3 is open; stream 3 then ends by RST_STREAM (not an answer), which
+    frees a stream just as well: stream 1's request goes again as stream 5."""
+
+    async def refuse_then_reset(peer: ScriptedPeer, stream: int) -> None:
+        assert peer.writer is not None
+        if stream == 1:
+            peer.writer.write(frame(RST_STREAM, 0, 1, struct.pack(">I", grpc_h2.REFUSED_STREAM)))
+        elif stream == 3:  # written after stream 1's refusal: the tasks answer in the order the requests came
+            peer.writer.write(frame(RST_STREAM, 0, 3, struct.pack(">I", 0x2)))  # INTERNAL_ERROR
+        else:
+            await peer.answer(stream)
+
+    async def go() -> tuple[list[str | None], list[int]]:
+        async with ScriptedPeer(refuse_then_reset) as peer:
+            channel = PrebuiltGrpcChannel(peer.target, INFER_PATH, b"x")
+            await channel.connect()
+            outcomes = await asyncio.gather(channel.call(20), channel.call(20))
+            await channel.close()
+            return list(outcomes), peer.requests
+
+    outcomes, requests = run(go())  # type: ignore[misc]
+    assert outcomes == [None, "INTERNAL"]
+    assert requests == [1, 3, 5]
+
+
+def test_a_server_that_never_finishes_the_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within the deadline: DEADLINE_EXCEEDED, as grpc.aio says for the same server. The handshake is bounded
+    (HANDSHAKE_S, 1 s here): past it the connection is given up as UNAVAILABLE, and the next request opens a
+    new one instead of waiting on the stuck one for ever."""
+    monkeypatch.setattr(grpc_h2, "HANDSHAKE_S", 1.0)
+
+    async def go() -> tuple[str | None, str | None, str | None, str | None, int]:
+        async with ScriptedPeer(answer_at_once, settings_after_s=None) as peer:
+            channel = PrebuiltGrpcChannel(peer.target, INFER_PATH, b"x")
+            mine = await channel.call(0.3)
+            theirs = await aio_outcome(peer.target, b"x", timeout_s=0.3)
+            stuck = await channel.call(60)  # waits on the first connection's handshake, until its bound
+            again = await channel.call(60)
+            await channel.close()
+            return mine, theirs, stuck, again, len(peer.writers)
+
+    mine, theirs, stuck, again, connections = run(go())  # type: ignore[misc]
+    assert mine == theirs == "DEADLINE_EXCEEDED"
+    assert stuck == again == "UNAVAILABLE"
+    assert connections == 3  # the sender's two and grpc.aio's one
+
+
+def test_the_deadline_counts_the_time_spent_connecting() -> None:
+    """The server's SETTINGS come 2 s after the connection; a request with a 2.5 s deadline that the server
+    never answers ends at its deadline, not 2.5 s after the handshake (which would be past 4.5 s)."""
+    async def never(peer: ScriptedPeer, stream: int) -> None:
+        return
+
+    async def go() -> tuple[str | None, float]:
+        async with ScriptedPeer(never, settings_after_s=2.0) as peer:
+            channel = PrebuiltGrpcChannel(peer.target, INFER_PATH, b"x")
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            outcome = await channel.call(2.5)
+            took = loop.time() - started
+            await channel.close()
+            return outcome, took
+
+    outcome, took = run(go())  # type: ignore[misc]
+    assert outcome == "DEADLINE_EXCEEDED"
+    assert took < 4.4
+
+
+def test_the_client_turns_push_off() -> None:
+    async def go() -> list[bytes]:
+        async with ScriptedPeer(answer_at_once) as peer:
+            channel = PrebuiltGrpcChannel(peer.target, INFER_PATH, b"x")
+            assert await channel.call(10) is None
+            await channel.close()
+            return peer.client_settings
+
+    [settings] = run(go())  # type: ignore[misc]
+    pairs = dict(struct.iter_unpack(">HI", settings))
+    assert pairs[grpc_h2.SETTINGS_ENABLE_PUSH] == 0
+
+
+def test_a_malformed_status_fails_its_own_request_only() -> None:
+    async def odd_statuses(peer: ScriptedPeer, stream: int) -> None:
+        assert peer.writer is not None
+        if stream == 1:
+            peer.writer.write(peer.headers(stream, [(":status", "200")])
+                              + peer.headers(stream, [("grpc-status", "abc")], END_STREAM))
+        elif stream == 3:
+            peer.writer.write(peer.headers(stream, [(":status", "x2")], END_STREAM))
+        else:
+            await peer.answer(stream)
+
+    async def go() -> tuple[list[str | None], int]:
+        async with ScriptedPeer(odd_statuses) as peer:
+            channel = PrebuiltGrpcChannel(peer.target, INFER_PATH, b"x")
+            outcomes = [await channel.call(10) for _ in range(3)]
+            await channel.close()
+            return outcomes, len(peer.writers)
+
+    assert run(go()) == (["UNKNOWN", "UNKNOWN", None], 1)  # the same connection served the third
+
+
+@pytest.mark.parametrize("broken", [
+    frame(SETTINGS, 0, 0, b"\x00\x04\x00"),  # not a multiple of 6
+    frame(HEADERS, END_HEADERS | PADDED, 1, b""),  # padded, with no room for the pad length
+    frame(HEADERS, END_HEADERS | PADDED, 1, b"\x05ab"),  # more padding than frame
+], ids=["settings-length", "empty-padded", "over-padded"])
+def test_a_malformed_frame_ends_the_connection_as_internal(broken: bytes) -> None:
+    async def send_broken(peer: ScriptedPeer, stream: int) -> None:
+        assert peer.writer is not None
+        if len(peer.writers) == 1:
+            peer.writer.write(broken)
+        else:
+            await peer.answer(stream)
+
+    async def go() -> list[str | None]:
+        async with ScriptedPeer(send_broken) as peer:
+            channel = PrebuiltGrpcChannel(peer.target, INFER_PATH, b"x")
+            outcomes = [await channel.call(10), await channel.call(10)]  # the second on a new connection
             await channel.close()
             return outcomes
 
-    assert run(go()) == [None, "UNAVAILABLE", None]
+    assert run(go()) == ["INTERNAL", None]
+
+
+def test_closing_the_channel_cancels_what_it_carries() -> None:
+    """One request on a stream and one waiting for a stream (limit 1) both end CANCELLED at close."""
+    async def never(peer: ScriptedPeer, stream: int) -> None:
+        return
+
+    async def go() -> list[str | None]:
+        settings = struct.pack(">HI", grpc_h2.SETTINGS_MAX_CONCURRENT_STREAMS, 1)
+        async with ScriptedPeer(never, settings) as peer:
+            channel = PrebuiltGrpcChannel(peer.target, INFER_PATH, b"x")
+            await channel.connect()
+            calls = [asyncio.ensure_future(channel.call(30)) for _ in range(2)]
+            while not peer.requests:
+                await asyncio.sleep(0.005)
+            await channel.close()
+            return list(await asyncio.gather(*calls))
+
+    assert run(go()) == ["CANCELLED", "CANCELLED"]
+
+
+def test_a_window_shrunk_after_the_handshake_hands_over_to_grpc_aio() -> None:
+    """The server lowers its stream window below the request's size in mid-connection: the sender stops
+    using the connection, and shoal-load's next request goes through grpc.aio (which this peer cannot
+    serve: its deadline passes)."""
+    async def shrink(peer: ScriptedPeer, stream: int) -> None:
+        assert peer.writer is not None
+        peer.settings = struct.pack(">HI", grpc_h2.SETTINGS_INITIAL_WINDOW_SIZE, 4)
+        peer.writer.write(frame(SETTINGS, 0, 0, peer.settings))
+        await peer.answer(stream)
+
+    async def go() -> tuple[str | None, str | None, type]:
+        async with ScriptedPeer(shrink) as peer:
+            senders = engine._Senders(peer.target, b"0123456789", 1, 8)
+            await senders.connect(10)
+            first = await senders.send(0, 10)
+            second = await senders.send(0, 0.5)
+            kind = type(senders.channels[0])
+            await senders.close()
+            return first, second, kind
+
+    assert run(go()) == (None, "DEADLINE_EXCEEDED", engine._AioChannel)
 
 
 def test_a_lost_connection_fails_what_was_in_flight() -> None:
@@ -340,7 +538,7 @@ def test_cancelling_a_request_resets_its_stream() -> None:
 
 def test_a_refused_stream_is_sent_again_and_one_always_refused_fails() -> None:
     """REFUSED_STREAM means the server did not process it (grpc's server refuses a stream a little past its
-    limit): sent again, as grpc's client does, up to MAX_REFUSALS times, then UNAVAILABLE."""
+    limit): sent again, as grpc's client does, up to MAX_RETRIES times, then UNAVAILABLE."""
     async def refuse_first(peer: ScriptedPeer, stream: int) -> None:
         assert peer.writer is not None
         if stream == 1:
@@ -360,4 +558,4 @@ def test_a_refused_stream_is_sent_again_and_one_always_refused_fails() -> None:
             return outcome, len(peer.requests)
 
     assert run(go(refuse_first)) == (None, 2)
-    assert run(go(refuse_all)) == ("UNAVAILABLE", grpc_h2.MAX_REFUSALS + 1)
+    assert run(go(refuse_all)) == ("UNAVAILABLE", grpc_h2.MAX_RETRIES + 1)

@@ -158,7 +158,16 @@ class _Senders:
     async def send(self, index: int, timeout_s: float) -> str | None:
         if isinstance(self.request, HttpRequest):
             return await self.pool.send(timeout_s)
-        return await self.channels[(index // self.workers_per_channel) % len(self.channels)].call(timeout_s)
+        which = (index // self.workers_per_channel) % len(self.channels)
+        channel = self.channels[which]
+        try:
+            return await channel.call(timeout_s)
+        except grpc_h2.PeerWindowTooSmall:  # said on a reconnection: grpc.aio from here on, this request too
+            if self.channels[which] is channel:
+                assert isinstance(self.request, bytes)
+                self.channels[which] = _AioChannel(self.url, self.request)
+                await channel.close()
+            return await self.channels[which].call(timeout_s)
 
     async def connect(self, timeout_s: float) -> None:
         """Open the gRPC channels, or an HTTP connection per coroutine, before the start; a server that

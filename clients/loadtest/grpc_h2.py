@@ -13,19 +13,22 @@ header blocks are decoded (hpack, the python-hyper library h2 itself uses) for `
 (``bench/load_client_cost.py``).
 
 What it implements of RFC 9113 and gRPC over HTTP/2, and no more:
-- the client preface; SETTINGS (acknowledged; the peer's MAX_CONCURRENT_STREAMS and
-  INITIAL_WINDOW_SIZE honoured), PING (answered), GOAWAY (streams above its last id fail as
-  UNAVAILABLE, new requests take a new connection), RST_STREAM (mapped to a status as gRPC
-  does), WINDOW_UPDATE (the connection's send window is tracked; a request that does not fit
-  waits); PADDED, PRIORITY and CONTINUATION in what it reads;
+- the client preface; SETTINGS (acknowledged; push disabled; the peer's MAX_CONCURRENT_STREAMS and
+  INITIAL_WINDOW_SIZE honoured), PING (answered), GOAWAY (streams above its last id and requests not
+  yet sent go to a new connection, as grpc's client retries them transparently: the server never
+  saw them), RST_STREAM (mapped to a status as gRPC does; REFUSED_STREAM sent again), WINDOW_UPDATE
+  (the connection's send window is tracked; a request that does not fit waits); PADDED, PRIORITY
+  and CONTINUATION in what it reads;
 - receive windows of 1 GiB per stream and a connection window topped up as answers arrive:
   answers larger than 1 GiB are not read (gRPC's own limit is 2 GiB);
 - requests whose gRPC message fits one DATA frame of the smallest size a peer may set (16 KiB)
   and the peer's stream window; ``fits`` says whether a request qualifies: shoal-load sends any
   other request, or to a peer whose window is smaller, with grpc.aio.
 
-A request's result is None on success or the gRPC status name (``UNAVAILABLE`` when the server
-cannot be reached or the connection is lost), as ``grpc.aio`` would report it.
+A request's result is None on success or the gRPC status name, as ``grpc.aio`` would report it:
+``UNAVAILABLE`` when the server cannot be reached or the connection is lost with the request on it,
+``DEADLINE_EXCEEDED`` when the deadline passes first (while connecting too), ``CANCELLED`` when the
+channel is closed under it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -42,7 +45,7 @@ import hpack
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8, 0x9
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY = 0x1, 0x1, 0x4, 0x8, 0x20
-SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE = 0x3, 0x4
+SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE = 0x2, 0x3, 0x4
 SMALLEST_MAX_FRAME = 16_384  # a peer may not set SETTINGS_MAX_FRAME_SIZE below this
 DEFAULT_WINDOW = 65_535
 RECEIVE_WINDOW = 1 << 30
@@ -54,7 +57,8 @@ HTTP_STATUS_NAMES = {400: "INTERNAL", 401: "UNAUTHENTICATED", 403: "PERMISSION_D
 # ... and of an RST_STREAM error code (grpc core's chttp2 transport).
 RESET_NAMES = {0x7: "UNAVAILABLE", 0x8: "CANCELLED", 0xB: "RESOURCE_EXHAUSTED", 0xC: "PERMISSION_DENIED"}
 REFUSED_STREAM, CANCEL = 0x7, 0x8
-MAX_REFUSALS = 10  # times one request is sent again after REFUSED_STREAM before it fails as UNAVAILABLE
+MAX_RETRIES = 10  # times one request is sent again (refused, or moved to a new connection) before it fails
+HANDSHAKE_S = 20.0  # a server that accepts the connection but sends no SETTINGS within this is unavailable
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -63,9 +67,17 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
 
 def _without_grpc_status(http_status: bytes) -> str:
     """The status of an answer that ended without grpc-status, as gRPC names it."""
-    if http_status == b"200":
-        return "UNKNOWN"  # a gRPC answer always ends with grpc-status
-    return HTTP_STATUS_NAMES.get(int(http_status or 0), "UNKNOWN")
+    if not http_status.isdigit() or http_status == b"200":
+        return "UNKNOWN"  # a gRPC answer always ends with grpc-status; a status that is not a number says nothing
+    return HTTP_STATUS_NAMES.get(int(http_status), "UNKNOWN")
+
+
+def _status_name(grpc_status: bytes) -> str | None:
+    """None for OK, else the status's name; a grpc-status that is not a known number is UNKNOWN."""
+    if not grpc_status.isdigit():
+        return "UNKNOWN"
+    code = int(grpc_status)
+    return None if code == 0 else STATUS_NAMES.get(code, "UNKNOWN")
 
 
 def fits(request: bytes) -> bool:
@@ -101,18 +113,32 @@ class Prebuilt:
 class _Call:
     result: asyncio.Future[str | None]
     stream: int = 0  # 0 until sent
-    refusals: int = 0
+    retries: int = 0
     http_status: bytes = b""
+    connection: _Connection | None = None  # the one it was last given to
+
+
+class _ProtocolError(Exception):
+    """A frame no HTTP/2 peer may send: the connection cannot be read on."""
+
+
+Redirect = Callable[[list[_Call]], None]
 
 
 class _Connection(asyncio.Protocol):
-    """One HTTP/2 connection carrying the prebuilt request on as many streams as the peer allows."""
+    """One HTTP/2 connection carrying the prebuilt request on as many streams as the peer allows.
 
-    def __init__(self, prebuilt: Prebuilt) -> None:
+    Requests the server cannot have processed (never sent, above a GOAWAY's last stream id, or
+    queued when the connection ended) are handed to ``redirect``, which gives them to the next one.
+    """
+
+    def __init__(self, prebuilt: Prebuilt, redirect: Redirect) -> None:
         self.prebuilt = prebuilt
+        self.redirect = redirect
         self.decoder = hpack.Decoder()
         self.transport: asyncio.Transport | None = None
         self.settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the peer's SETTINGS
+        self.settled.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, if no one waits
         self.buffer = bytearray()
         self.next_stream = 1
         self.active: dict[int, _Call] = {}
@@ -125,30 +151,49 @@ class _Connection(asyncio.Protocol):
         self.block: list[bytes] = []  # the header block being read (HEADERS, then CONTINUATION frames)
         self.block_stream = 0
         self.block_ends_stream = False
-        self.closed = False  # GOAWAY received or connection lost: no new streams
+        self.closed = False  # GOAWAY received, connection lost or closed: no new streams
+        self.lost = False
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        settings = struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW)
+        settings = struct.pack(">HIHI", SETTINGS_ENABLE_PUSH, 0, SETTINGS_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW)
         transport.write(PREFACE + frame(SETTINGS, 0, 0, settings)
                         + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", RECEIVE_WINDOW - DEFAULT_WINDOW)))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
         if not self.settled.done():
             self.settled.set_exception(ConnectionError("the server closed the connection"))
-        self._fail("UNAVAILABLE")
+        self.end("UNAVAILABLE")
 
-    def _fail(self, outcome: str) -> None:
-        """End the connection: every request on it or waiting for it gets ``outcome``."""
+    def end(self, outcome: str) -> None:
+        """End the connection: requests on it get ``outcome``; those the server never saw go elsewhere."""
         self.closed = True
-        for call in [*self.active.values(), *self.waiting, *self.refused]:
-            self._finish(call, outcome)
+        sent = list(self.active.values())
         self.active.clear()
-        self.waiting.clear()
-        self.refused.clear()
+        for call in sent:
+            self._finish(call, outcome)
+        self._redirect_unsent()
         if self.transport is not None:
+            self.transport.close()
+
+    def _retire(self) -> None:
+        """No new streams; unsent requests go elsewhere; the transport closes once the last answer is in."""
+        self.closed = True
+        self._redirect_unsent()
+        self._close_if_drained()
+
+    def _redirect_unsent(self) -> None:
+        unsent = [*self.refused, *self.waiting]
+        self.refused.clear()
+        self.waiting.clear()
+        if unsent:
+            self.redirect(unsent)
+
+    def _close_if_drained(self) -> None:
+        if self.closed and not self.active and self.transport is not None:
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -166,14 +211,14 @@ class _Connection(asyncio.Protocol):
             position += 9 + length
             try:
                 self._frame(kind, flags, stream, payload, replies)
-            except (hpack.HPACKError, ValueError):  # a header block we cannot read: nothing on it can be trusted
-                self._fail("INTERNAL")
+            except (hpack.HPACKError, _ProtocolError):  # nothing more on this connection can be trusted
+                self.end("INTERNAL")
                 return
         del buffer[:position]
         if self.received >= TOP_UP_AFTER:
             replies.append(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.received)))
             self.received = 0
-        if replies and self.transport is not None:
+        if replies and self.transport is not None and not self.lost:
             self.transport.write(b"".join(replies))
         self._send_waiting()
 
@@ -196,14 +241,16 @@ class _Connection(asyncio.Protocol):
             if not flags & ACK:
                 replies.append(frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
-            call = self.active.pop(stream, None)
+            call = self._stream_ended(stream)
             if call is not None:
                 self._reset(call, int.from_bytes(payload[:4], "big"))
         elif kind == GOAWAY:
             self._goaway(int.from_bytes(payload[:4], "big") & 0x7FFF_FFFF)
 
     def _settings(self, payload: bytes) -> None:
-        for offset in range(0, len(payload) - 5, 6):
+        if len(payload) % 6:
+            raise _ProtocolError("a SETTINGS frame's length is not a multiple of 6")
+        for offset in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, offset)
             if key == SETTINGS_MAX_CONCURRENT_STREAMS:
                 self.max_streams = value
@@ -211,6 +258,8 @@ class _Connection(asyncio.Protocol):
                 self.stream_window = value
         if not self.settled.done():
             self.settled.set_result(None)
+        elif self.window_too_small():  # shrunk under us: the channel finds out when it connects again
+            self._retire()
 
     def _header_fragment(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
         """Collect a header block (HEADERS, then CONTINUATION until END_HEADERS) and read it whole: every block
@@ -219,9 +268,13 @@ class _Connection(asyncio.Protocol):
         if kind == HEADERS:
             start, stop = 0, len(payload)
             if flags & PADDED:
+                if not payload or payload[0] >= len(payload):
+                    raise _ProtocolError("padding as long as the frame")
                 start, stop = 1, len(payload) - payload[0]
             if flags & PRIORITY:
                 start += 5
+            if start > stop:
+                raise _ProtocolError("a HEADERS frame too short for its priority")
             self.block_stream, self.block_ends_stream, self.block = stream, bool(flags & END_STREAM), []
             payload = payload[start:stop]
         self.block.append(payload)
@@ -241,29 +294,35 @@ class _Connection(asyncio.Protocol):
                 grpc_status = value
         if not ends_stream:
             return
-        self.active.pop(call.stream, None)
-        self._retry_refused()
-        if grpc_status is not None:
-            code = int(grpc_status)
-            self._finish(call, None if code == 0 else STATUS_NAMES.get(code, "UNKNOWN"))
-        else:
-            self._finish(call, _without_grpc_status(call.http_status))
+        self._stream_ended(call.stream)
+        self._finish(call, _without_grpc_status(call.http_status) if grpc_status is None
+                     else _status_name(grpc_status))
 
     def _trailers_missing(self, stream: int) -> None:
         """A stream the server ended with its DATA: no grpc-status came."""
+        call = self._stream_ended(stream)
+        if call is not None:
+            self._finish(call, _without_grpc_status(call.http_status))
+
+    def _stream_ended(self, stream: int) -> _Call | None:
+        """Whatever ended a stream, it frees one for the refused and the waiting."""
         call = self.active.pop(stream, None)
         if call is not None:
             self._retry_refused()
-            self._finish(call, _without_grpc_status(call.http_status))
+            self._close_if_drained()
+        return call
 
     def _reset(self, call: _Call, code: int) -> None:
         """A refused stream was never processed (RFC 9113 §8.7), so it is sent again, as grpc's client does,
         once another stream has ended: grpc's server counts a stream against its limit a little after it
         answered it. Any other reset ends the request."""
-        if code != REFUSED_STREAM or call.refusals >= MAX_REFUSALS:
+        if code != REFUSED_STREAM or call.retries >= MAX_RETRIES:
             self._finish(call, RESET_NAMES.get(code, "INTERNAL"))
             return
-        call.refusals += 1
+        if self.closed:
+            self.redirect([call])
+            return
+        call.retries += 1
         self.refused.append(call)
         if not self.active:
             self._retry_refused()
@@ -273,21 +332,19 @@ class _Connection(asyncio.Protocol):
             self.waiting.appendleft(self.refused.pop())
 
     def _goaway(self, last_stream: int) -> None:
-        self.closed = True
-        for stream in [s for s in self.active if s > last_stream]:
-            self._finish(self.active.pop(stream), "UNAVAILABLE")
-        for call in [*self.waiting, *self.refused]:
-            self._finish(call, "UNAVAILABLE")
-        self.waiting.clear()
-        self.refused.clear()
+        """Streams above ``last_stream`` were not processed (RFC 9113 §6.8): they go elsewhere with the unsent."""
+        above = [self.active.pop(stream) for stream in [s for s in self.active if s > last_stream]]
+        self.refused[:0] = above
+        self._retire()
 
     # -- requests
     def start(self, call: _Call) -> None:
         """Send ``call`` now if a stream and the send window allow, else queue it."""
+        call.connection = self
         if self.next_stream > 0x7FFF_FFFF:  # stream ids used up: the next request opens a new connection
-            self.closed = True
+            self._retire()
         if self.closed:
-            self._finish(call, "UNAVAILABLE")
+            self.redirect([call])
             return
         if self.waiting or not self._can_send():
             self.waiting.append(call)
@@ -295,7 +352,8 @@ class _Connection(asyncio.Protocol):
         self._send(call)
 
     def _can_send(self) -> bool:
-        return len(self.active) < self.max_streams and self.send_window >= len(self.prebuilt.message)
+        size = len(self.prebuilt.message)
+        return len(self.active) < self.max_streams and self.send_window >= size and self.stream_window >= size
 
     def _send(self, call: _Call) -> None:
         call.stream, self.next_stream = self.next_stream, self.next_stream + 2
@@ -312,8 +370,9 @@ class _Connection(asyncio.Protocol):
 
     def abandon(self, call: _Call) -> None:
         """The caller stopped waiting (deadline or cancellation): reset its stream, or drop it from the queue."""
-        if self.active.pop(call.stream, None) is not None and self.transport is not None and not self.closed:
-            self.transport.write(frame(RST_STREAM, 0, call.stream, struct.pack(">I", CANCEL)))
+        if self._stream_ended(call.stream) is not None:
+            if self.transport is not None and not self.lost:
+                self.transport.write(frame(RST_STREAM, 0, call.stream, struct.pack(">I", CANCEL)))
             self._send_waiting()
         elif call in self.waiting:
             self.waiting.remove(call)
@@ -339,8 +398,9 @@ class PeerWindowTooSmall(Exception):
 class PrebuiltGrpcChannel:
     """Sends the one prebuilt request to ``host:port`` over one HTTP/2 connection, reconnecting when it is lost.
 
-    ``connect`` raises ``PeerWindowTooSmall`` when the peer's stream window cannot take the request in one
-    frame (shoal-load then uses grpc.aio).
+    ``connect`` and ``call`` raise ``PeerWindowTooSmall`` when the peer's stream window cannot take the
+    request in one frame (shoal-load then uses grpc.aio), and go on raising it: a server that said so once
+    is not asked again.
     """
 
     def __init__(self, target: str, path: str, request: bytes) -> None:
@@ -350,13 +410,17 @@ class PrebuiltGrpcChannel:
         self.host, self.port = host.strip("[]"), int(port)
         self.prebuilt = Prebuilt.build(target, path, request)
         self.connection: _Connection | None = None
+        self.retiring: set[_Connection] = set()  # earlier connections still open (answers after a GOAWAY)
         self.opening: asyncio.Task[_Connection] | None = None
+        self.resending: set[asyncio.Task[None]] = set()
+        self.too_small: PeerWindowTooSmall | None = None
+        self.closed = False
 
     async def connect(self) -> _Connection:
+        if self.too_small is not None:
+            raise self.too_small
         if self.connection is not None and not self.connection.closed:
             return self.connection
-        if self.connection is not None and not self.connection.active and self.connection.transport is not None:
-            self.connection.transport.close()  # after a GOAWAY: nothing left to read on it
         if self.opening is None:
             self.opening = asyncio.ensure_future(self._open())
             # a caller that timed out leaves the task behind: its failure is read here, not logged as unretrieved
@@ -369,40 +433,95 @@ class PrebuiltGrpcChannel:
 
     async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        _, connection = await loop.create_connection(lambda: _Connection(self.prebuilt), self.host, self.port)
+        _, connection = await loop.create_connection(
+            lambda: _Connection(self.prebuilt, self._redirect), self.host, self.port)
         try:
-            await connection.settled
+            await asyncio.wait_for(asyncio.shield(connection.settled), HANDSHAKE_S)
+        except TimeoutError:
+            connection.end("UNAVAILABLE")
+            raise ConnectionError(f"no HTTP/2 SETTINGS from the server within {HANDSHAKE_S:.0f} s") from None
         except BaseException:
-            if connection.transport is not None:
-                connection.transport.close()
+            connection.end("UNAVAILABLE")
             raise
         if connection.window_too_small():
-            assert connection.transport is not None
-            connection.transport.close()
-            raise PeerWindowTooSmall(connection.stream_window, len(self.prebuilt.message))
+            connection.end("UNAVAILABLE")
+            self.too_small = PeerWindowTooSmall(connection.stream_window, len(self.prebuilt.message))
+            raise self.too_small
+        if self.connection is not None:
+            self.retiring.add(self.connection)
+        self.retiring = {c for c in self.retiring if c.transport is not None and not c.transport.is_closing()}
         self.connection = connection
         return connection
 
+    def _redirect(self, calls: list[_Call]) -> None:
+        """Give requests the server never processed to the next connection, as grpc's transparent retry does."""
+        again = []
+        for call in calls:
+            call.retries += 1
+            if call.result.done():
+                continue
+            if self.closed or call.retries > MAX_RETRIES:
+                _Connection._finish(call, "CANCELLED" if self.closed else "UNAVAILABLE")
+            else:
+                again.append(call)
+        if again:
+            task = asyncio.ensure_future(self._resend(again))
+            self.resending.add(task)
+            task.add_done_callback(self.resending.discard)
+
+    async def _resend(self, calls: list[_Call]) -> None:
+        try:
+            connection = await self.connect()
+        except asyncio.CancelledError:  # the channel closed
+            for call in calls:
+                _Connection._finish(call, "CANCELLED")
+            raise
+        except PeerWindowTooSmall as exc:
+            for call in calls:
+                if not call.result.done():
+                    call.result.set_exception(exc)
+            return
+        except OSError:
+            for call in calls:
+                _Connection._finish(call, "UNAVAILABLE")
+            return
+        for call in calls:
+            if not call.result.done():
+                connection.start(call)
+
     async def call(self, timeout_s: float) -> str | None:
         """Send the request once; None on success, else the gRPC status name."""
-        try:
-            connection = self.connection if self.connection is not None and not self.connection.closed else (
-                await asyncio.wait_for(self.connect(), timeout_s))
-        except (OSError, PeerWindowTooSmall):  # refused, reset, timed out (TimeoutError is an OSError)
-            return "UNAVAILABLE"
-        call = _Call(asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        connection = self.connection
+        if connection is None or connection.closed:
+            try:
+                async with asyncio.timeout_at(deadline) as scope:
+                    connection = await self.connect()
+            except TimeoutError:  # ours, or the kernel's on connect (an OSError too)
+                return "DEADLINE_EXCEEDED" if scope.expired() else "UNAVAILABLE"
+            except OSError:  # refused, reset
+                return "UNAVAILABLE"
+        call = _Call(loop.create_future())
         connection.start(call)
-        timer = asyncio.get_running_loop().call_later(timeout_s, connection._finish, call, "DEADLINE_EXCEEDED")
+        timer = loop.call_at(deadline, _Connection._finish, call, "DEADLINE_EXCEEDED")
         try:
             outcome = await call.result
         finally:
             timer.cancel()
-            if call.result.cancelled() or call.result.result() == "DEADLINE_EXCEEDED":
-                connection.abandon(call)
+            abandoned = call.result.cancelled() or (
+                call.result.exception() is None and call.result.result() == "DEADLINE_EXCEEDED")
+            if abandoned and call.connection is not None:
+                call.connection.abandon(call)
         return outcome
 
     async def close(self) -> None:
+        """Close every connection; requests still waiting end CANCELLED."""
+        self.closed = True
         if self.opening is not None:
             self.opening.cancel()
-        if self.connection is not None and self.connection.transport is not None:
-            self.connection.transport.close()
+        for task in list(self.resending):
+            task.cancel()
+        for connection in [*self.retiring, *([self.connection] if self.connection else [])]:
+            connection.end("CANCELLED")
+        self.retiring.clear()
