@@ -156,6 +156,7 @@ class CheckResult:
     model: str
     error: str | None
     completed: bool
+    warnings: tuple[str, ...] = ()
 
 
 def check_repository(repository: Path, strict: bool) -> list[CheckResult]:
@@ -168,7 +169,7 @@ def check_repository(repository: Path, strict: bool) -> list[CheckResult]:
                 raise load_failed(f"model '{name}': no integer version folder")
             if configured.spec.backend != "identity":
                 check_against_model(configured, folder)
-            results.append(CheckResult(name, None, configured.completed))
+            results.append(CheckResult(name, None, configured.completed, configured.warnings))
         except ShoalError as exc:
             results.append(CheckResult(name, exc.message, False))
     return results
@@ -182,6 +183,8 @@ def run_check(repository: Path, strict: bool) -> int:
         else:
             note = " (inputs/outputs completed from the model file)" if result.completed else ""
             print(f"ok    {result.model}{note}")
+            for warning in result.warnings:
+                print(f"      warning: {warning}")
     failed = sum(1 for r in results if r.error)
     print(f"{len(results) - failed} ok, {failed} failed", file=sys.stderr)
     return 1 if failed else 0

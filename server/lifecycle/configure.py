@@ -24,7 +24,7 @@ from shoal.backends.python.runner import triton_config
 from shoal.errors import MAX_ECHO_CHARS, ShoalError, invalid, load_failed, shown
 from shoal.lifecycle.model import resolve_kind
 from shoal.protocol import config_pb2, wire_names
-from shoal.repository import ensemble_config, scanner
+from shoal.repository import ensemble_config, scanner, unhonoured
 from shoal.repository.config import (
     CONFIG_FILENAME,
     DEFAULT_MODEL_FILENAMES,
@@ -50,6 +50,7 @@ class Configured:
     config: config_pb2.ModelConfig  # the completed, normalized config
     reasons: dict[str, str] = field(default_factory=dict)  # field → why auto-complete chose it
     completed: bool = False  # whether anything came from the model file
+    warnings: tuple[str, ...] = ()  # fields set that Shoal does not honour and that cannot change an answer
 
 
 def model_file(filename: str, folder: Path, version: int) -> Path:
@@ -135,9 +136,20 @@ def _configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None) 
             )
         config, reasons = complete(config, describe(config, folder))
         completed = True
+    warnings = unhonoured_warnings(config, name)  # what the user's config (or auto-complete) set, before defaults
     config = normalize(config, name, auto_kind=auto_kind)
     validate_config(config, name)
-    return Configured(to_spec(config, read_labels(folder, config)), config, reasons, completed)
+    return Configured(to_spec(config, read_labels(folder, config)), config, reasons, completed, warnings)
+
+
+def unhonoured_warnings(config: config_pb2.ModelConfig, name: str) -> tuple[str, ...]:
+    """Refuse the first field set that Shoal does not honour and that could change an answer; the
+    messages for the rest (``repository/unhonoured.py`` says which is which)."""
+    found = unhonoured.findings(config)
+    for finding in found:
+        if finding.treatment is unhonoured.Treatment.REFUSED:
+            raise load_failed(finding.message(name))
+    return tuple(finding.message(name) for finding in found)
 
 
 def python_completed(config: config_pb2.ModelConfig, folder: Path) -> config_pb2.ModelConfig:

@@ -217,7 +217,10 @@ class ModelManager:
         reservation) and the versions taken over from ``old``."""
         entry.fingerprint = fingerprint_or_none(folder)  # a path outside: configure says which
         try:
-            spec = configure(folder, self.strict_model_config, base=override.config if override else None).spec
+            configured = configure(folder, self.strict_model_config, base=override.config if override else None)
+            spec = configured.spec
+            for warning in configured.warnings:
+                logger.warning("%s", warning)
             available = scanner.list_versions(folder, warn=False)
         except ShoalError as exc:
             return exc.message, {}, []
