@@ -73,8 +73,7 @@ def repository() -> Iterator[Path]:
         shutil.copytree(SIMPLE, repo / "cached")
         (repo / "cached" / "config.pbtxt").write_text(
             config.replace('name: "simple"', 'name: "cached"') + "\nresponse_cache { enable: true }\n"
-            'model_warmup [ { name: "w" batch_size: 1 inputs { key: "INPUT0" value: { data_type: TYPE_INT32 '
-            "dims: [ 16 ] zero_data: true } } } ]\n")
+            'metric_tags { key: "team" value: "search" }\n')
         shutil.copytree(SIMPLE, repo / "custom_ops")
         (repo / "custom_ops" / "config.pbtxt").write_text(
             config.replace('name: "simple"', 'name: "custom_ops"')
@@ -100,7 +99,7 @@ def test_a_server_warns_refuses_and_serves_the_rest(repository: Path, tmp_path: 
             np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
         text = server.log()
         assert "model 'cached': response_cache is not honoured: the response cache is not implemented" in text
-        assert "model 'cached': model_warmup is not honoured" in text
+        assert "model 'cached': metric_tags is not honoured: metric tags are not added" in text
         assert not [line for line in text.splitlines() if "'simple'" in line and "not honoured" in line]
         client.close()
     finally:

@@ -97,9 +97,6 @@ class EnsembleVersion(ModelVersion):
     def can_serve(self) -> bool:
         return not self._closing
 
-    def warm_up(self) -> None:
-        """Nothing to warm: the composing models warmed themselves."""
-
     async def infer(self, request: InferRequest) -> InferResponse:
         if self._closing:
             raise ShoalError(ErrorCode.UNAVAILABLE, "the model is unloading")

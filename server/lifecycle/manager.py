@@ -29,13 +29,14 @@ import asyncio
 import concurrent.futures
 import logging
 import re
+import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from shoal.errors import ErrorCode, ShoalError, poll_failed, shown, unknown_model
-from shoal.lifecycle import ensemble
+from shoal.errors import ErrorCode, ShoalError, load_failed, poll_failed, shown, unknown_model
+from shoal.lifecycle import ensemble, warmup
 from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
 from shoal.lifecycle.configure import ConfigOverride, configure, model_file
 from shoal.lifecycle.fingerprint import fingerprint_or_none
@@ -269,7 +270,7 @@ class ModelManager:
             entry.transition(ModelState.UNAVAILABLE, refusal)
             return entry
         try:
-            served = _load_and_warm(spec, version, version_dir)
+            served = _load_and_warm(spec, version, version_dir, folder)
         except ShoalError as exc:
             budget.forget_estimate()
             entry.transition(ModelState.UNAVAILABLE, exc.message)
@@ -461,12 +462,15 @@ def _devices(spec: ModelSpec) -> set[Any]:
         return set()
 
 
-def _load_and_warm(spec: ModelSpec, version: int, folder: Path) -> ModelVersion:
-    """Load one version and run a zero-filled request on every copy; ShoalError if it fails to load.
+def _load_and_warm(spec: ModelSpec, version: int, folder: Path, model_folder: Path) -> ModelVersion:
+    """Load one version and warm every copy: the config's ``model_warmup`` samples (one that fails fails
+    the load, as Triton), else one zero-filled request (whose failure is only logged: zeros may be no
+    valid input; real requests decide). ShoalError if it fails.
 
     It runs on a load thread, where no cancellation of the event loop's arrives: a BaseException
     that is no Exception was raised by the model's code and fails this load only.
     """
+    samples = warmup.samples(spec, model_folder)  # before loading: a bad sample costs no load
     try:
         served = ModelVersion.load(spec, version, folder)
     except ShoalError as exc:
@@ -478,8 +482,19 @@ def _load_and_warm(spec: ModelSpec, version: int, folder: Path) -> ModelVersion:
     except BaseException as exc:  # noqa: BLE001 - SystemExit & co. from a model file, on this load thread
         logger.error("model %s version %d: loading raised %s", spec.name, version, type(exc).__name__, exc_info=exc)
         raise ShoalError(ErrorCode.UNAVAILABLE, f"unexpected load failure: {type(exc).__name__}: {exc}") from None
+    started = time.monotonic()
     try:
-        served.warm_up()
-    except BaseException as exc:  # noqa: BLE001 - zeros may be no valid input; real requests decide
-        logger.warning("model %s version %d: warm-up with zero inputs failed: %s", spec.name, version, exc)
+        served.warm_up(samples)
+    except BaseException as exc:  # noqa: BLE001 - the model's own code
+        if not samples:
+            logger.warning("model %s version %d: warm-up with zero inputs failed: %s", spec.name, version, exc)
+            return served
+        asyncio.run(served.close())
+        message = exc.message if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"
+        logger.error("model %s version %d: warm-up failed: %s", spec.name, version, message)
+        raise load_failed(f"model '{spec.name}' version {version}: warm-up failed: {message}") from None
+    if samples:
+        logger.info("model %s version %d: warmed up with %d sample(s), %d run(s) per copy, in %.0f ms",
+                    spec.name, version, len(samples), sum(s.runs for s in samples),
+                    (time.monotonic() - started) * 1000)
     return served

@@ -10,17 +10,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from shoal.backends.base import Backend, backend_for, backend_gpu_available
 from shoal.backends.devices import CPU, Device, cuda_device_count
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import strategy
 from shoal.instances.pool import InstancePool, Placement
-from shoal.lifecycle import tensors
+from shoal.lifecycle import tensors, warmup
 from shoal.lifecycle.streaming import is_decoupled
 from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
@@ -130,15 +132,27 @@ class ModelVersion:
         """At least one instance can take a request (a process instance whose worker is dead or hung cannot)."""
         return self.pool.can_serve()
 
-    def warm_up(self) -> None:
-        """Run one zero-filled request (batch 1) on every loaded copy, off the event loop."""
+    def warm_up(self, samples: Sequence[warmup.Sample] = ()) -> None:
+        """Run the config's warm-up samples (``lifecycle/warmup.py``) on every loaded copy, off the event
+        loop; without any, one zero-filled request (batch 1), whose failure the caller only logs."""
         spec = backend_spec(self.spec)
-        feed = tensors.zeros_feed(spec)
-        outputs = list(spec.output_names)
+        configured = bool(samples)
+        if not samples:
+            samples = [warmup.Sample("", tensors.zeros_feed(spec), spec.output_names, 1)]
+        zeros = tensors.zeros_feed(spec)  # the sequence batcher's own tensors, which a sample does not name
         for model in self.pool.models():
-            if hasattr(model, "run_requests"):  # a Python model: Triton runs no execute before a request
+            if hasattr(model, "run_requests"):  # a Python model: it runs lists of requests, not feeds
+                if configured:
+                    logger.warning("model %s version %d: model_warmup is not run for Python models yet",
+                                   self.spec.name, self.version)
+                    configured = False  # said once
                 continue
-            model.run(feed, outputs)
+            for sample in samples:
+                rows = next(iter(sample.feed.values())).shape[0] if spec.max_batch_size > 0 and sample.feed else 1
+                extra = {name: np.repeat(array, rows, axis=0) if spec.max_batch_size > 0 else array
+                         for name, array in zeros.items() if name not in sample.feed}
+                for _ in range(sample.runs):
+                    model.run({**sample.feed, **extra}, list(sample.outputs))
 
     async def infer(self, request: InferRequest) -> InferResponse:
         arrival_ns = time.monotonic_ns()

@@ -1,0 +1,124 @@
+"""Triton's ``model_warmup``: samples built at load and run on every loaded copy before the version takes traffic.
+
+Why here: Triton users rely on a sample that fails to fail the load (a version that cannot answer its
+own warm-up is UNAVAILABLE with the reason, never READY), and on the first real request not paying
+for lazy initialisation. A sample is built as a client's request would be (``tensors.prepare``: the
+same checks, the same reshape into the backend's shapes), so a sample a client could not send fails
+the load with the words a client would get. Data: ``zero_data`` (zeros; empty strings for BYTES),
+``random_data`` (uniform random values; BYTES get zeros, as Triton), ``input_data_file`` (the raw
+bytes of a file in the model's ``warmup/`` folder, read through the repository's path checks; BYTES
+as length-prefixed elements). A sample runs ``count`` times (0: once), batch size 0 is skipped, as
+Triton does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+
+import numpy as np
+from google.protobuf import json_format
+
+from shoal.errors import ShoalError, load_failed
+from shoal.lifecycle import tensors
+from shoal.protocol import config_pb2
+from shoal.protocol.tensors import deserialize_bytes
+from shoal.protocol.types import DataType
+from shoal.repository import scanner
+from shoal.repository.config import ModelSpec
+from shoal.types import InferRequest, Tensor
+
+WARMUP_FOLDER = "warmup"
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    feed: dict[str, np.ndarray]  # in the backend's shapes, as a prepared request's
+    outputs: tuple[str, ...]
+    runs: int
+
+
+def samples(spec: ModelSpec, model_folder: Path) -> list[Sample]:
+    """The config's warm-up samples, built and checked; ShoalError (load failed) names the first bad one."""
+    built = []
+    for document in spec.config_json.get("model_warmup") or []:
+        warmup = json_format.ParseDict(document, config_pb2.ModelWarmup())
+        if warmup.batch_size == 0:
+            continue
+        where = f"model '{spec.name}': warm-up sample '{warmup.name}'"
+        if spec.max_batch_size == 0 and warmup.batch_size != 1:
+            raise load_failed(f"{where}: batch_size must be 1 for a model that does not batch "
+                              f"(max_batch_size 0), got {warmup.batch_size}")
+        if warmup.batch_size > spec.max_batch_size > 0:
+            raise load_failed(f"{where}: batch_size {warmup.batch_size} is more than max_batch_size "
+                              f"{spec.max_batch_size}")
+        inputs = tuple(_tensor(where, name, value, warmup.batch_size, spec, model_folder)
+                       for name, value in sorted(warmup.inputs.items()))
+        request = InferRequest(spec.name, "", f"warmup:{warmup.name}", inputs)
+        try:
+            prepared = tensors.prepare(spec, request)
+        except ShoalError as exc:
+            raise load_failed(f"{where}: {exc.message}") from None
+        built.append(Sample(warmup.name, prepared.feed, tuple(prepared.outputs), max(1, warmup.count)))
+    return built
+
+
+def _tensor(where: str, name: str, value: config_pb2.ModelWarmup.Input, batch_size: int, spec: ModelSpec,
+            model_folder: Path) -> Tensor:
+    try:
+        datatype = DataType.from_config_name(config_pb2.DataType.Name(value.data_type))
+    except (KeyError, ValueError):
+        raise load_failed(f"{where}: input '{name}' has no valid data_type") from None
+    if any(d < 0 for d in value.dims):
+        raise load_failed(f"{where}: input '{name}' dims {list(value.dims)} must be fixed (no -1)")
+    shape = ((batch_size,) if spec.max_batch_size > 0 else ()) + tuple(value.dims)
+    count = math.prod(shape)
+    kind = value.WhichOneof("input_data_type")
+    if kind == "input_data_file":
+        raw = _read_file(where, name, value.input_data_file, model_folder)
+        data = _from_bytes(where, name, raw, datatype, count)
+    elif datatype is DataType.BYTES:  # zero or random: empty strings, as Triton
+        data = np.empty(count, dtype=object)
+        data[:] = [b""] * count
+    elif kind == "random_data":
+        data = _random(datatype, count)
+    elif kind == "zero_data":
+        data = np.zeros(count, dtype=datatype.numpy_dtype)
+    else:
+        raise load_failed(f"{where}: input '{name}' sets none of zero_data, random_data, input_data_file")
+    return Tensor(name, datatype, shape, data.reshape(shape))
+
+
+def _read_file(where: str, name: str, filename: str, model_folder: Path) -> bytes:
+    relative = PurePath(model_folder.name, WARMUP_FOLDER, filename)
+    path = scanner.checked_path(model_folder.parent, relative)
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise load_failed(f"{where}: input '{name}': cannot read {relative}: {exc.strerror}") from None
+
+
+def _from_bytes(where: str, name: str, raw: bytes, datatype: DataType, count: int) -> np.ndarray:
+    if datatype is DataType.BYTES:
+        try:
+            return deserialize_bytes(raw, count)
+        except ShoalError as exc:
+            raise load_failed(f"{where}: input '{name}': {exc.message}") from None
+    needed = count * datatype.item_size
+    if len(raw) < needed:
+        raise load_failed(f"{where}: input '{name}' needs {needed} bytes, but its input_data_file holds "
+                          f"{len(raw)}")
+    return np.frombuffer(raw[:needed], dtype=datatype.numpy_dtype.newbyteorder("<")).astype(datatype.numpy_dtype)
+
+
+def _random(datatype: DataType, count: int) -> np.ndarray:
+    generator = np.random.default_rng()
+    dtype = datatype.numpy_dtype
+    if dtype == np.bool_:
+        return generator.integers(0, 2, count).astype(np.bool_)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return generator.integers(max(info.min, -128), min(info.max, 127), count, endpoint=True).astype(dtype)
+    return generator.random(count).astype(dtype)
