@@ -136,13 +136,13 @@ def _configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None) 
             )
         config, reasons = complete(config, describe(config, folder))
         completed = True
-    warnings = unhonoured_warnings(config, name)  # what the user's config (or auto-complete) set, before defaults
+    warnings = refuse_or_warn_unhonoured(config, name)  # what the user's config (or auto-complete) set, before defaults
     config = normalize(config, name, auto_kind=auto_kind)
     validate_config(config, name)
     return Configured(to_spec(config, read_labels(folder, config)), config, reasons, completed, warnings)
 
 
-def unhonoured_warnings(config: config_pb2.ModelConfig, name: str) -> tuple[str, ...]:
+def refuse_or_warn_unhonoured(config: config_pb2.ModelConfig, name: str) -> tuple[str, ...]:
     """Refuse the first field set that Shoal does not honour and that could change an answer; the
     messages for the rest (``repository/unhonoured.py`` says which is which)."""
     found = unhonoured.findings(config)

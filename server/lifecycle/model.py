@@ -137,9 +137,9 @@ class ModelVersion:
         loop; without any, one zero-filled request (batch 1), whose failure the caller only logs."""
         spec = backend_spec(self.spec)
         configured = bool(samples)
+        zeros = tensors.zeros_feed(spec)  # also the sequence batcher's own tensors, which a sample does not name
         if not samples:
-            samples = [warmup.Sample("", tensors.zeros_feed(spec), spec.output_names, 1)]
-        zeros = tensors.zeros_feed(spec)  # the sequence batcher's own tensors, which a sample does not name
+            samples = [warmup.Sample("", zeros, spec.output_names, 1)]
         for model in self.pool.models():
             if hasattr(model, "run_requests"):  # a Python model: it runs lists of requests, not feeds
                 if configured:
