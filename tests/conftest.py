@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +36,25 @@ def start_server(
     """A real server on a free loopback port, its log kept in ``tmp_path`` for failure messages."""
     return local_server.start(repository, "--exit-timeout-secs", "5", *extra_args, work_dir=tmp_path,
                               log_path=tmp_path / "server.log", credentials=credentials, timeout_s=STARTUP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_temporary_folder_for_what_the_tests_start() -> Iterator[None]:
+    """The processes tests start (servers, their workers, tuners) keep their temporary files in one folder,
+    removed at the end of the session: a server a test kills with SIGKILL cannot remove its own (pygrpc-native's
+    fallback socket folder), and would otherwise leave it in /tmp. This process keeps its own temporary folder."""
+    tempfile.gettempdir()  # fixed now, before TMPDIR changes: pytest's tmp_path lives there
+    folder = tempfile.mkdtemp(prefix="shoal-tests-")
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = folder
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = previous
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

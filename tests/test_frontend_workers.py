@@ -156,6 +156,36 @@ def test_a_killed_worker_is_replaced_and_only_its_requests_fail(batching_server:
     assert "exited with code -9" in batching_server.log() and "starting it again" in batching_server.log()
 
 
+def _scratch(pid: int) -> Path:
+    """A worker's TMPDIR, from /proc (the environment it was started with)."""
+    variables = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if item)
+    return Path(variables[b"TMPDIR"].decode())
+
+
+def test_a_killed_workers_temporary_files_go_with_it(tmp_path: Path) -> None:
+    """pygrpc-native keeps its fallback socket in a temporary folder that only a graceful stop removes: each
+    worker's lives in a scratch folder of its own, which the host removes once the worker has exited (killed
+    or stopped), so restarts pile nothing up in /tmp."""
+    repo = tmp_path / "repo"
+    models.add_delayed_identity(repo, "echo", delay_ms=0)
+    server = start_server(repo, tmp_path, *WORKERS)
+    try:
+        scratch = {pid: _scratch(pid) for pid in worker_pids(server)}
+        assert len(set(scratch.values())) == 2
+        assert all(any(folder.glob("pygrpc-native-*/fallback.sock")) for folder in scratch.values()), scratch
+        victim, survivor = scratch
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: len(live := worker_pids(server)) == 2 and victim not in live,  # one reading of /proc
+                   what="a new worker in place of the killed one")
+        assert not scratch[victim].exists() and scratch[survivor].exists()
+        [replacement] = worker_pids(server) - {survivor}
+        scratch[replacement] = _scratch(replacement)
+        assert scratch[replacement].is_dir() and scratch[replacement] != scratch[victim]
+    finally:
+        assert server.stop() == 0
+    assert not any(folder.exists() for folder in scratch.values()), scratch
+
+
 def test_the_workers_die_with_the_host(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     models.add_delayed_identity(repo, "echo", delay_ms=0)

@@ -9,6 +9,11 @@ binds the configured port first (port 0: a free one), the others join it with SO
 the kernel spreads new connections across them. A worker that dies is started again on the same
 port; only the requests it held fail (their clients' connections drop), and the host finishes the
 ones it had accepted from it.
+
+Each worker's temporary files (pygrpc-native's fallback socket folder) go in a folder of its own
+(its ``TMPDIR``), which the host removes once the worker has exited: a worker that is killed, by the
+liveness check, the exit deadline or an operator, cleans nothing itself, and one left behind per
+restart would pile up in /tmp for as long as the server runs.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
@@ -42,6 +49,7 @@ class Worker:
     index: int
     process: asyncio.subprocess.Process
     host: CoreHost
+    scratch: str  # the worker's TMPDIR, removed once it has exited
     started_at: float = field(default_factory=time.monotonic)
 
 
@@ -78,9 +86,10 @@ class WorkerSupervisor:
         waits = [asyncio.create_task(w.process.wait()) for w in self.workers.values()]
         if waits:
             await asyncio.wait(waits, timeout=max(0.1, deadline - time.monotonic()))
-        self.kill()
+        self.kill()  # SIGKILLed, a worker writes nothing more: its scratch folder can go
         for worker in self.workers.values():
             worker.host.close()
+            shutil.rmtree(worker.scratch, ignore_errors=True)
         for watcher in self._watchers:
             watcher.cancel()
 
@@ -106,13 +115,17 @@ class WorkerSupervisor:
 
     async def _start_worker_with(self, index: int, requests: Arena, responses: Arena) -> tuple[int, int]:
         pool_bytes = self.settings.grpc_worker_pool_bytes
+        scratch = tempfile.mkdtemp(prefix=f"shoal-worker{index}-")
         host_end, worker_end = socket.socketpair()
         try:
             process = await asyncio.create_subprocess_exec(
                 # -P: no working directory on sys.path (a stray ssl.py there must not shadow a module)
                 sys.executable, "-P", "-m", "shoal.frontend", str(worker_end.fileno()),
-                pass_fds=(worker_end.fileno(), requests.fd, responses.fd),
+                pass_fds=(worker_end.fileno(), requests.fd, responses.fd), env={**os.environ, "TMPDIR": scratch},
             )
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
         finally:
             worker_end.close()
         config = WorkerConfig(
@@ -128,12 +141,16 @@ class WorkerSupervisor:
             requests.close_fd()  # the worker has its own descriptors now; the mappings stay
             responses.close_fd()
             await host.connect(host_end)
-            worker = Worker(index, process, host)
+            worker = Worker(index, process, host, scratch)
             self.workers[index] = worker
             ports = await self._wait_started(worker)
         except BaseException:
             host.close()
             host_end.close()
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            shutil.rmtree(scratch, ignore_errors=True)
             raise
         for watch in (self._watch(worker), self._check_liveness(worker)):
             watcher = asyncio.create_task(watch)
@@ -178,6 +195,7 @@ class WorkerSupervisor:
         """Start the worker again if it dies while the server is not stopping."""
         code = await worker.process.wait()
         worker.host.close()
+        shutil.rmtree(worker.scratch, ignore_errors=True)
         if self._stopping:
             return
         logger.error("front-end worker %d (pid %d) exited with code %s; the host finishes the %d requests it "
