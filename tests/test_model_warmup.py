@@ -122,3 +122,157 @@ def test_random_data_has_the_sample_datatype(datatype: DataType) -> None:
     values = warmup._random(datatype, 1000)
     assert values.dtype == datatype.numpy_dtype and values.shape == (1000,)
     assert len(np.unique(values)) > 1  # not a constant
+
+
+# -- Python models: each sample runs as a queued request through execute ----------------------------------
+
+TALLY = """
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    \"\"\"SEEN = 1000 x the executions before this request + the sum of every input value they held.\"\"\"
+
+    def initialize(self, args):
+        self.executions = 0
+        self.total = 0
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            if (values == -2).any():
+                raise ValueError("execute raised on -2")
+            if (values == -1).any():
+                response = pb_utils.InferenceResponse(error=pb_utils.TritonError("an error response for -1"))
+            else:
+                seen = np.full(values.shape, 1000 * self.executions + self.total, dtype=np.int64)
+                response = pb_utils.InferenceResponse([pb_utils.Tensor("SEEN", seen)])
+            self.executions += 1
+            self.total += int(values.sum())
+            if self.decoupled:
+                sender = request.get_response_sender()
+                sender.send(response)
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                responses.append(response)
+        return None if self.decoupled else responses
+"""
+TALLY_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "IN" data_type: TYPE_INT64 dims: [ 1 ] }} ]
+output [ {{ name: "SEEN" data_type: TYPE_INT64 dims: [ 1 ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+{extra}
+model_warmup [ {{ name: "w" batch_size: 2 count: 3 inputs {{ key: "IN" value: {{ data_type: TYPE_INT64 dims: [ 1 ]
+  input_data_file: "in.bin" }} }} }} ]
+"""
+THREADS = 'parameters { key: "process_instances" value: { string_value: "false" } }'
+DECOUPLED = "model_transaction_policy { decoupled: true }"
+KINDS = {"process": "", "thread": THREADS}
+PYTHON_FAILING = {"response": (-1, "an error response for -1"), "raises": (-2, "execute raised on -2")}
+
+
+def write_tally(repo: Path, name: str, extra: str, values: list[int]) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(TALLY)
+    (repo / name / "config.pbtxt").write_text(TALLY_CONFIG.format(name=name, extra=extra))
+    (repo / name / "warmup").mkdir()
+    (repo / name / "warmup" / "in.bin").write_bytes(np.array(values, dtype="<i8").tobytes())
+
+
+@pytest.fixture(scope="module")
+def python_server(tmp_path_factory: pytest.TempPathFactory):
+    repo = tmp_path_factory.mktemp("python_repo")
+    for kind, extra in KINDS.items():
+        write_tally(repo, f"tally_{kind}", extra, [7, 7])
+        write_tally(repo, f"stream_{kind}", f"{extra}\n{DECOUPLED}", [7, 7])
+        for failure, (value, _) in PYTHON_FAILING.items():
+            write_tally(repo, f"fails_{failure}_{kind}", extra, [value, 1])
+            write_tally(repo, f"stream_fails_{failure}_{kind}", f"{extra}\n{DECOUPLED}", [value, 1])
+    work = tmp_path_factory.mktemp("python_server")
+    running = local_server.start(repo, "--exit-on-error", "false", work_dir=work, log_path=work / "log")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_python_model_runs_its_samples_through_execute_before_it_is_ready(python_server, kind: str) -> None:
+    """Three runs of a two-row sample of 7s, on the model's one instance, before the first client's request."""
+    client = grpcclient.InferenceServerClient(python_server.url)
+    tensor = grpcclient.InferInput("IN", [1, 1], "INT64")
+    tensor.set_data_from_numpy(np.array([[5]], dtype=np.int64))
+    assert client.infer(f"tally_{kind}", [tensor]).as_numpy("SEEN").tolist() == [[3 * 1000 + 3 * 14]]
+    assert client.is_model_ready(f"stream_{kind}")
+    client.close()
+    for model in (f"tally_{kind}", f"stream_{kind}"):
+        assert f"model {model} version 1: warmed up with 1 sample(s), 3 run(s) per copy" in python_server.log()
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["returned", "streamed"])
+@pytest.mark.parametrize("failure", sorted(PYTHON_FAILING))
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_python_sample_that_fails_fails_the_load_with_the_models_words(
+    python_server, kind: str, failure: str, decoupled: bool
+) -> None:
+    model = f"{'stream_' if decoupled else ''}fails_{failure}_{kind}"
+    client = grpcclient.InferenceServerClient(python_server.url)
+    entry = {m.name: m for m in client.get_model_repository_index().models}[model]
+    client.close()
+    assert entry.state == "UNAVAILABLE"
+    assert entry.reason.startswith(f"model '{model}' version 1: warm-up failed: ")
+    assert PYTHON_FAILING[failure][1] in entry.reason, entry.reason
+
+
+CALLER = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    \"\"\"VALUE: what model 'plain' answers for this INDEX (a BLS call).\"\"\"
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            call = pb_utils.InferenceRequest(model_name="plain", requested_output_names=["VALUE"],
+                                             inputs=[pb_utils.get_input_tensor_by_name(request, "INDEX")])
+            answer = call.exec()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            responses.append(pb_utils.InferenceResponse([pb_utils.get_output_tensor_by_name(answer, "VALUE")]))
+        return responses
+"""
+
+
+def test_a_python_models_warm_up_may_call_other_models(tmp_path: Path) -> None:
+    """Its samples run as its requests do: BLS calls reach the server (here one to a model loaded before)."""
+    repo = tmp_path / "repo"
+    write_gather(repo, "plain", "")
+    write_gather(repo, "caller", "model_warmup [ {} ]".format(sample("w", 'input_data_file: "in.bin"', batch=1)),
+                 {"in.bin": np.array([3, 1], dtype="<i8").tobytes()})
+    (repo / "caller" / "1" / "model.onnx").unlink()
+    (repo / "caller" / "1" / "model.py").write_text(CALLER)
+    config = repo / "caller" / "config.pbtxt"
+    config.write_text(config.read_text().replace('backend: "onnxruntime"', 'backend: "python"'))
+    server = local_server.start(repo, "--model-control-mode", "explicit", "--load-model", "plain", work_dir=tmp_path,
+                                log_path=tmp_path / "log")
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        client.load_model("caller")
+        index = grpcclient.InferInput("INDEX", [1, 2], "INT64")
+        index.set_data_from_numpy(np.array([[0, 2]], dtype=np.int64))
+        np.testing.assert_array_equal(client.infer("caller", [index]).as_numpy("VALUE"), [[10.0, 30.0]])
+        statistics = client.get_inference_statistics("plain", as_json=True)["model_stats"][0]
+        assert int(statistics["inference_stats"]["success"]["count"]) == 2  # the warm-up's call, then the client's
+        client.close()
+    finally:
+        server.stop()
+    assert "model caller version 1: warmed up with 1 sample(s), 1 run(s) per copy" in (tmp_path / "log").read_text()

@@ -243,9 +243,7 @@ class ModelManager:
                 if version in unchanged:
                     versions[version] = unchanged[version]
                     continue
-                loaded = self._load_within_budget(spec, folder, version, budget)
-                if loaded.served is not None:  # Python models call other models through the host (BLS)
-                    loaded.served.bind_host(self.host_infer)
+                loaded = self._load_within_budget(spec, folder, version, budget, self.host_infer)
                 loaded.reason = scanner.without_repository_path(self.repository, loaded.reason)
                 versions[version] = loaded
         except BaseException:
@@ -256,7 +254,8 @@ class ModelManager:
         return reason, budget.reserved, list(unchanged.values())
 
     @staticmethod
-    def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget) -> VersionEntry:
+    def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget,
+                            host: Callable[..., Any]) -> VersionEntry:
         entry = VersionEntry(version)
         entry.transition(ModelState.LOADING)
         try:  # every path checked before anything is opened or stat'ed
@@ -270,7 +269,7 @@ class ModelManager:
             entry.transition(ModelState.UNAVAILABLE, refusal)
             return entry
         try:
-            served = _load_and_warm(spec, version, version_dir, folder)
+            served = _load_and_warm(spec, version, version_dir, folder, host)
         except ShoalError as exc:
             budget.forget_estimate()
             entry.transition(ModelState.UNAVAILABLE, exc.message)
@@ -462,10 +461,12 @@ def _devices(spec: ModelSpec) -> set[Any]:
         return set()
 
 
-def _load_and_warm(spec: ModelSpec, version: int, folder: Path, model_folder: Path) -> ModelVersion:
+def _load_and_warm(spec: ModelSpec, version: int, folder: Path, model_folder: Path,
+                   host: Callable[..., Any]) -> ModelVersion:
     """Load one version and warm every copy: the config's ``model_warmup`` samples (one that fails fails
     the load, as Triton), else one zero-filled request (whose failure is only logged: zeros may be no
-    valid input; real requests decide). ShoalError if it fails.
+    valid input; real requests decide). ShoalError if it fails. ``host`` is bound first: a Python
+    model's warm-up may call other models (BLS), as its requests may.
 
     It runs on a load thread, where no cancellation of the event loop's arrives: a BaseException
     that is no Exception was raised by the model's code and fails this load only.
@@ -482,6 +483,7 @@ def _load_and_warm(spec: ModelSpec, version: int, folder: Path, model_folder: Pa
     except BaseException as exc:  # noqa: BLE001 - SystemExit & co. from a model file, on this load thread
         logger.error("model %s version %d: loading raised %s", spec.name, version, type(exc).__name__, exc_info=exc)
         raise ShoalError(ErrorCode.UNAVAILABLE, f"unexpected load failure: {type(exc).__name__}: {exc}") from None
+    served.bind_host(host)
     started = time.monotonic()
     try:
         served.warm_up(samples)

@@ -134,18 +134,18 @@ class ModelVersion:
 
     def warm_up(self, samples: Sequence[warmup.Sample] = ()) -> None:
         """Run the config's warm-up samples (``lifecycle/warmup.py``) on every loaded copy, off the event
-        loop; without any, one zero-filled request (batch 1), whose failure the caller only logs."""
+        loop; without any, one zero-filled request (batch 1), whose failure the caller only logs, but
+        for Python models (their ``execute`` is the user's code: it runs only on the config's samples)."""
         spec = backend_spec(self.spec)
         configured = bool(samples)
         zeros = tensors.zeros_feed(spec)  # also the sequence batcher's own tensors, which a sample does not name
         if not samples:
             samples = [warmup.Sample("", zeros, spec.output_names, 1)]
+        decoupled = is_decoupled(self.spec.config_json)
         for model in self.pool.models():
             if hasattr(model, "run_requests"):  # a Python model: it runs lists of requests, not feeds
-                if configured:
-                    logger.warning("model %s version %d: model_warmup is not run for Python models yet",
-                                   self.spec.name, self.version)
-                    configured = False  # said once
+                for sample in samples if configured else ():  # its execute is the user's: no zeros of ours
+                    warmup.run_on_requests(model, sample, decoupled)
                 continue
             for sample in samples:
                 rows = next(iter(sample.feed.values())).shape[0] if spec.max_batch_size > 0 and sample.feed else 1

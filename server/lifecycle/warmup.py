@@ -9,18 +9,24 @@ the load with the words a client would get. Data: ``zero_data`` (zeros; empty st
 bytes of a file in the model's ``warmup/`` folder, read through the repository's path checks; BYTES
 as length-prefixed elements). A sample runs ``count`` times (0: once), batch size 0 is skipped, as
 Triton does.
+
+Python models run each sample as one queued request (``run_on_requests``), as a client's would reach
+``execute``: its BLS calls go to the serving loop, and a decoupled model's responses go to a sink that
+keeps the first error and waits (``STREAM_TIMEOUT_S`` at most) for the FINAL flag.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path, PurePath
+from typing import Any
 
 import numpy as np
 from google.protobuf import json_format
 
-from shoal.errors import ShoalError, load_failed
+from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.lifecycle import tensors
 from shoal.protocol import config_pb2
 from shoal.protocol.tensors import deserialize_bytes
@@ -30,6 +36,7 @@ from shoal.repository.config import ModelSpec
 from shoal.types import InferRequest, Tensor
 
 WARMUP_FOLDER = "warmup"
+STREAM_TIMEOUT_S = 60.0  # a decoupled Python model's warm-up request: its FINAL flag comes within this
 
 
 @dataclass(frozen=True)
@@ -122,3 +129,55 @@ def _random(datatype: DataType, count: int) -> np.ndarray:
         info = np.iinfo(dtype)
         return generator.integers(max(info.min, -128), min(info.max, 127), count, endpoint=True).astype(dtype)
     return generator.random(count).astype(dtype)
+
+
+@dataclass(frozen=True)
+class _WarmupRequest:
+    """What a Python model reads of a queued request's core request (``runner.request_data``, ``sink_of``)."""
+
+    id: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+    sink: _StreamSink | None = None
+
+
+@dataclass(frozen=True)
+class _Queued:
+    """A sample as the scheduler would queue it for a model that runs lists of requests."""
+
+    feed: dict[str, np.ndarray]
+    outputs: tuple[str, ...]
+    context: _WarmupRequest
+
+
+class _StreamSink:
+    """A decoupled model's warm-up responses, put from any thread: the first error kept, the FINAL flag awaited."""
+
+    cancelled = False
+
+    def __init__(self) -> None:
+        self.error: ShoalError | None = None
+        self.final = threading.Event()
+
+    def put(self, item: Any, final: bool) -> None:
+        if isinstance(item, ShoalError) and self.error is None:
+            self.error = item
+        if final:
+            self.final.set()
+
+
+def run_on_requests(model: Any, sample: Sample, decoupled: bool) -> None:
+    """Run ``sample`` ``runs`` times on a model that takes queued requests (a Python model's
+    ``run_requests``); ShoalError with the model's own words if an execution failed."""
+    for _ in range(sample.runs):
+        sink = _StreamSink() if decoupled else None
+        queued = _Queued(sample.feed, sample.outputs, _WarmupRequest(f"warmup:{sample.name}", sink=sink))
+        [outcome] = model.run_requests([queued])
+        if isinstance(outcome, ShoalError):
+            raise outcome
+        if sink is None:
+            continue
+        if not sink.final.wait(STREAM_TIMEOUT_S):
+            raise ShoalError(ErrorCode.INTERNAL, f"the model sent no response with the FINAL flag within "
+                                                 f"{STREAM_TIMEOUT_S:.0f} s")
+        if sink.error is not None:
+            raise sink.error

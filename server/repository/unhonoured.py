@@ -67,7 +67,7 @@ FIELDS: dict[str, tuple[Treatment, str]] = {
                               "served instead"),
     "metric_tags": (W, "metric tags are not added to the metrics' labels"),
     "parameters": (H, "passed to the backend, which reads its own keys"),
-    "model_warmup": (H, "run on every copy at load (lifecycle/warmup.py); Python models: warned, not run yet"),
+    "model_warmup": (H, "run on every copy at load (lifecycle/warmup.py)"),
     "model_operations": (R, "custom operation libraries are not loaded"),
     "model_transaction_policy": (H, ""),
     "model_repository_agents": (R, "repository agents (checksum, decryption, ...) are not run: the model files "
