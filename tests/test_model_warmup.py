@@ -8,6 +8,7 @@ the others READY); good samples (zero, random and file data) leave it READY and 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -276,3 +277,35 @@ def test_a_python_models_warm_up_may_call_other_models(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert "model caller version 1: warmed up with 1 sample(s), 1 run(s) per copy" in (tmp_path / "log").read_text()
+
+
+def test_no_request_reaches_a_reloaded_version_before_its_warm_up_ends(tmp_path: Path) -> None:
+    """Poll mode under load: the model's file changes (its answers gain 1,000,000), the new copy warms up (three
+    runs) while the old one serves; every answer from the new copy counts those three executions before it."""
+    repo = tmp_path / "repo"
+    write_tally(repo, "tally", "", [7, 7])
+    server = local_server.start(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2",
+                                work_dir=tmp_path, log_path=tmp_path / "log")
+    answers: list[int] = []
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        tensor = grpcclient.InferInput("IN", [1, 1], "INT64")
+        tensor.set_data_from_numpy(np.array([[0]], dtype=np.int64))
+
+        def ask() -> int:
+            return int(client.infer("tally", [tensor]).as_numpy("SEEN")[0, 0])
+
+        answers.append(ask())
+        source = repo / "tally" / "1" / "model.py"
+        source.write_text(source.read_text().replace("1000 * self.executions", "1_000_000 + 1000 * self.executions"))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(answers) < 20_000:
+            answers.append(ask())
+            if sum(answer >= 1_000_000 for answer in answers) >= 20:  # the new copy has served a while
+                break
+        client.close()
+    finally:
+        server.stop()
+    new = [answer - 1_000_000 for answer in answers if answer >= 1_000_000]
+    assert len(new) >= 20, f"the new copy served {len(new)} of {len(answers)} requests within 60 s"
+    assert min(new) // 1000 >= 3, f"a request reached the new copy after {min(new) // 1000} warm-up runs"
