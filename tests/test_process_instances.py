@@ -6,6 +6,7 @@ The models pin KIND_CPU (a GPU host would put KIND_AUTO on the GPU); the GPU var
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -368,7 +369,10 @@ def test_a_dead_idle_worker_is_replaced_before_any_request(tmp_path: Path, serve
                    and client.is_model_ready("watched"), what="a new worker, ready")
         assert client.infer("watched", {"x": np.ones((1, 8), np.float32)})["y"].shape == (1, 8)
         assert int(client.statistics("watched")[0]["inference_stats"]["fail"].get("count", 0)) == 0
-    assert "died (exit code -9); restarting" in server.log()
+    # The check finds the worker dead, or, on a busy machine where the killed process takes longer than the
+    # interval to exit, silent: either way it is replaced before any request.
+    assert re.search(rf"worker process {dead} (died \(exit code -9\)|did not answer a liveness check within 300 ms); "
+                     "restarting", server.log()), server.log()
 
 
 def test_without_liveness_checks_a_dead_idle_worker_fails_one_request_and_is_replaced(

@@ -315,14 +315,18 @@ class _Connection(asyncio.Protocol):
     def _reset(self, call: _Call, code: int) -> None:
         """A refused stream was never processed (RFC 9113 §8.7), so it is sent again, as grpc's client does,
         once another stream has ended: grpc's server counts a stream against its limit a little after it
-        answered it. Any other reset ends the request."""
+        answered it. A refusal counts against ``MAX_RETRIES`` only when no other stream of this connection
+        was open: with others open, the server's limit explains it (a busy machine stretches that "little
+        after" over many answers, and 300 requests on a limit of 100 were refused more than 10 times each),
+        and the request's deadline still bounds it. Any other reset ends the request."""
         if code != REFUSED_STREAM or call.retries >= MAX_RETRIES:
             self._finish(call, RESET_NAMES.get(code, "INTERNAL"))
             return
         if self.closed:
             self.redirect([call])
             return
-        call.retries += 1
+        if not self.active:
+            call.retries += 1
         self.refused.append(call)
         if not self.active:
             self._retry_refused()
