@@ -42,6 +42,7 @@ from shoal.grpc.servicer import InferenceServicer
 from shoal.http.app import HttpApp
 from shoal.http.server import HttpServer
 from shoal.lifecycle.manager import ModelManager
+from shoal.scheduling.rate_limiter import Declared, RateLimiter
 from shoal.settings import EXIT_FORCED, ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -56,12 +57,18 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
     if settings.allow_metrics:
         refuse_used_port("metrics", settings.metrics_address, settings.metrics_port, reuse_port=False)
     front: FrontEnd | None = None
+    limiter = RateLimiter([Declared(*d) for d in settings.rate_limit_resources]) if settings.rate_limit else None
+    if limiter is not None:
+        logger.info("Rate limiter: execution_count, resources %s", ", ".join(
+            f"{d.name}={d.count}" + ("" if d.device < 0 else f" on device {d.device}") for d in limiter.declared)
+            or "as large as the largest claim on each")
     manager = ModelManager(
         settings.model_repository,
         settings.strict_model_config,
         settings.control_mode,
         on_change=lambda: front.health_changed() if front is not None else None,
         memory_budgets=dict(settings.memory_budgets),
+        rate_limiter=limiter,
     )
     core = LocalCore(manager, strict_readiness=settings.strict_readiness,
                      max_shared_memory_bytes=settings.shared_memory_max_bytes,

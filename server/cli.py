@@ -14,6 +14,7 @@ from shoal import __version__
 from shoal.descriptors import raise_open_file_limit
 from shoal.frontend.worker_count import AUTO, RULE, resolve
 from shoal.repository.instance_defaults import DEFAULT_INSTANCE_COUNT_RULE
+from shoal.scheduling.rate_limiter import Declared
 from shoal.settings import (
     EXIT_STARTUP_FAILED,
     GrpcLimits,
@@ -158,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require header KEY=VALUE for these RPC categories, e.g. model-repository:admin-key=s3cret")
     serve.add_argument("--grpc-max-message-mb", type=float, default=2048.0,
                        help="largest request or reply in MiB (default 2048, as Triton)")
+    serve.add_argument("--rate-limit", type=str.lower, choices=["off", "execution_count"], default="off",
+                       help="execution_count: an instance executes only when the resources its instance group's "
+                            "rate_limiter names are free, across all models (default off, as Triton)")
+    serve.add_argument("--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
+                       help="how many of a resource a device has (no device: each device); without any, each "
+                            "resource has as many as the largest claim on it (repeatable)")
     serve.add_argument("--memory-budget-mb", action="append", default=[], metavar="DEVICE=MB",
                        help="memory all models may hold on a device (cpu, gpu:0, ...); loads beyond it are refused")
     serve.add_argument("--grpc-max-concurrent-streams", type=int, default=100,
@@ -324,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--memory-budget-mb {text!r}: expected DEVICE=MB, e.g. cpu=4096")
         if device != "cpu" and not device.startswith("gpu:"):
             parser.error(f"--memory-budget-mb {text!r}: the device is cpu or gpu:N")
+    try:
+        declared = tuple(Declared.parse(text) for text in args.rate_limit_resource)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if declared and args.rate_limit == "off":
+        parser.error("--rate-limit-resource needs --rate-limit execution_count")
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model needs --model-control-mode explicit")
     if not (args.repository_poll_secs > 0 and args.grpc_max_message_mb > 0 and args.grpc_worker_pool_mb >= 1
@@ -360,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics_address=args.metrics_address or args.grpc_address,
         metrics_port=args.metrics_port,
         memory_budgets=tuple(budgets),
+        rate_limit=args.rate_limit == "execution_count",
+        rate_limit_resources=tuple((d.name, d.count, d.device) for d in declared),
         grpc_workers=workers.count,
         grpc_workers_choice=workers.describe(),
         grpc_worker_pool_bytes=int(min(args.grpc_worker_pool_mb, 2**40 / 2**20) * 2**20),

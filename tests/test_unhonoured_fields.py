@@ -59,7 +59,6 @@ def test_findings_name_each_block_once_and_leave_honoured_fields_alone() -> None
         optimization { input_pinned_memory { enable: true } }
     """)
     assert [(f.path, f.treatment) for f in unhonoured.findings(config)] == [
-        ("instance_group.rate_limiter", unhonoured.Treatment.WARNED),
         ("response_cache", unhonoured.Treatment.WARNED),
     ]
 

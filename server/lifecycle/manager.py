@@ -44,7 +44,8 @@ from shoal.lifecycle.model import ModelVersion, placements
 from shoal.lifecycle.state import UNLOADED, IndexEntry, ModelEntry, ModelState, VersionEntry
 from shoal.lifecycle.streaming import StreamingRequest
 from shoal.repository import scanner
-from shoal.repository.config import ModelSpec, VersionPolicy
+from shoal.repository.config import ModelSpec, RateLimiterSpec, VersionPolicy
+from shoal.scheduling.rate_limiter import RateLimiter
 from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class ModelManager:
         control_mode: str = "none",
         on_change: Callable[[], None] | None = None,
         memory_budgets: dict[str, int] | None = None,
+        rate_limiter: RateLimiter | None = None,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise ValueError(f"control mode must be one of {CONTROL_MODES}")
@@ -95,6 +97,7 @@ class ModelManager:
         # Device ("cpu", "gpu:0") -> bytes all loaded models together may hold there.
         self.memory_budgets = memory_budgets or {}
         self._ledger = MemoryLedger(self.memory_budgets, self.memory_in_use)
+        self.rate_limiter = rate_limiter  # --rate-limit execution_count: one for every model's instances
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._dependents = ensemble.Dependents(self)  # ensembles follow the models they use
@@ -226,6 +229,9 @@ class ModelManager:
         except ShoalError as exc:
             return exc.message, {}, []
         entry.spec = spec
+        if self.rate_limiter is None and any(g.rate_limiter != RateLimiterSpec() for g in spec.instance_groups):
+            logger.info("model %s: its instance groups' rate_limiter takes effect with --rate-limit execution_count "
+                        "(off here, as Triton's default)", entry.name)
         chosen = spec.version_policy.select(available)
         if not chosen:
             return f"model '{entry.name}': no version folder matches the version policy (found {available})", {}, []
@@ -243,7 +249,7 @@ class ModelManager:
                 if version in unchanged:
                     versions[version] = unchanged[version]
                     continue
-                loaded = self._load_within_budget(spec, folder, version, budget, self.host_infer)
+                loaded = self._load_within_budget(spec, folder, version, budget, self.host_infer, self.rate_limiter)
                 loaded.reason = scanner.without_repository_path(self.repository, loaded.reason)
                 versions[version] = loaded
         except BaseException:
@@ -255,7 +261,7 @@ class ModelManager:
 
     @staticmethod
     def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget,
-                            host: Callable[..., Any]) -> VersionEntry:
+                            host: Callable[..., Any], limiter: RateLimiter | None) -> VersionEntry:
         entry = VersionEntry(version)
         entry.transition(ModelState.LOADING)
         try:  # every path checked before anything is opened or stat'ed
@@ -269,7 +275,7 @@ class ModelManager:
             entry.transition(ModelState.UNAVAILABLE, refusal)
             return entry
         try:
-            served = _load_and_warm(spec, version, version_dir, folder, host)
+            served = _load_and_warm(spec, version, version_dir, folder, host, limiter)
         except ShoalError as exc:
             budget.forget_estimate()
             entry.transition(ModelState.UNAVAILABLE, exc.message)
@@ -462,7 +468,7 @@ def _devices(spec: ModelSpec) -> set[Any]:
 
 
 def _load_and_warm(spec: ModelSpec, version: int, folder: Path, model_folder: Path,
-                   host: Callable[..., Any]) -> ModelVersion:
+                   host: Callable[..., Any], limiter: RateLimiter | None) -> ModelVersion:
     """Load one version and warm every copy: the config's ``model_warmup`` samples (one that fails fails
     the load, as Triton), else one zero-filled request (whose failure is only logged: zeros may be no
     valid input; real requests decide). ShoalError if it fails. ``host`` is bound first: a Python
@@ -473,7 +479,7 @@ def _load_and_warm(spec: ModelSpec, version: int, folder: Path, model_folder: Pa
     """
     samples = warmup.samples(spec, model_folder)  # before loading: a bad sample costs no load
     try:
-        served = ModelVersion.load(spec, version, folder)
+        served = ModelVersion.load(spec, version, folder, limiter)
     except ShoalError as exc:
         logger.error("model %s version %d: %s", spec.name, version, exc.message)
         raise

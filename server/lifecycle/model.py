@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,13 +22,14 @@ from shoal.backends.base import Backend, backend_for, backend_gpu_available
 from shoal.backends.devices import CPU, Device, cuda_device_count
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import strategy
-from shoal.instances.pool import InstancePool, Placement
+from shoal.instances.pool import Instance, InstancePool, Placement, instance_name
 from shoal.lifecycle import tensors, warmup
 from shoal.lifecycle.streaming import is_decoupled
 from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
 from shoal.repository.sequence_spec import backend_spec
 from shoal.scheduling.dynamic import Scheduler
+from shoal.scheduling.rate_limiter import Admission, Claim, RateLimiter, claim_for
 from shoal.scheduling.sequence import SequenceScheduler
 from shoal.statistics import FailureReason, ModelStatistics
 from shoal.types import InferRequest, InferResponse
@@ -71,12 +73,30 @@ def placements(spec: ModelSpec) -> list[Placement]:
     return result
 
 
+def admit(spec: ModelSpec, where: list[Placement], limiter: RateLimiter | None) -> Admission | None:
+    """Register the instances' claims (their groups' ``rate_limiter``) with the limiter, if it is on;
+    ShoalError, in Triton's words, if one could never execute. CPU instances claim on device 0, as Triton's."""
+    if limiter is None:
+        return None
+    groups = {group.name: group.rate_limiter for group in spec.instance_groups}
+    claims: dict[str, Claim] = {}
+    for placement in where:
+        asked = groups[placement.group]
+        device = placement.device.index if placement.device.kind == "gpu" else 0
+        for index in range(placement.count):
+            name = instance_name(placement, index)
+            claims[name] = claim_for(f"{spec.name}:{name}", device, asked.resources, asked.priority)
+    admission = Admission(limiter, lambda executor: claims[executor.name])
+    limiter.register(admission, list(claims.values()))
+    return admission
+
+
 class ModelVersion:
     """A READY version: ``infer`` checks the request, queues it with the scheduler, shapes the reply."""
 
     def __init__(
         self, spec: ModelSpec, version: int, pool: InstancePool, memory_bytes: dict[Device, int] | None = None,
-        backend: Backend | None = None,
+        backend: Backend | None = None, admission: Admission | None = None,
     ) -> None:
         self.spec = spec
         self.version = version
@@ -86,30 +106,38 @@ class ModelVersion:
         self.memory_bytes = dict(memory_bytes or {})
         self._backend = backend  # for its per-request checks; None: none
         self.statistics = ModelStatistics()
+        self.admission = admission  # its instances' claims on the rate limiter, when it is on
         self.scheduler: Scheduler | SequenceScheduler
         if spec.sequence_batching is not None:
             self.scheduler = SequenceScheduler(pool, self.statistics, spec.max_batch_size, spec.sequence_batching,
-                                               spec.name)
+                                               spec.name, admission)
         else:
-            self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching)
+            self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching, admission)
 
     @classmethod
-    def load(cls, spec: ModelSpec, version: int, version_dir: Path) -> ModelVersion:
+    def load(cls, spec: ModelSpec, version: int, version_dir: Path, limiter: RateLimiter | None = None) -> ModelVersion:
         """Choose how the executors run (refused before any weight loads), place them, load, start them."""
         model_path = version_dir / spec.default_model_filename if spec.default_model_filename else version_dir
         if spec.sequence_batching is not None:  # initial_state data files, from <model>/initial_state/
             spec = replace(spec, sequence_batching=read_initial_states(version_dir.parent, spec.sequence_batching))
         backend = backend_for(spec)
         plan = strategy.choose(spec, backend)
-        # The backend sees the sequence batcher's control and state tensors too; requests are checked
-        # against the config's own.
-        built = strategy.build_instances(backend_spec(spec), model_path, placements(spec), backend, plan)
+        where = placements(spec)
+        admission = admit(spec, where, limiter)  # an instance that could never execute fails the load first
+        try:
+            # The backend sees the sequence batcher's control and state tensors too; requests are checked
+            # against the config's own.
+            built = strategy.build_instances(backend_spec(spec), model_path, where, backend, plan)
+        except BaseException:
+            if admission is not None:
+                admission.limiter.unregister(admission)
+            raise
         logger.info(
             "model %s version %d: %d instance(s), %s, over %d loaded cop%s",
             spec.name, version, len(built.pool.instances), built.strategy.value, built.copies,
             "y" if built.copies == 1 else "ies",
         )
-        return cls(spec, version, built.pool, built.memory_bytes, backend)
+        return cls(spec, version, built.pool, built.memory_bytes, backend, admission)
 
     def bind_host(self, host: Callable[..., Any]) -> None:
         """Give the instances that call other models (Python models' BLS) the host's entry point, and
@@ -142,17 +170,24 @@ class ModelVersion:
         if not samples:
             samples = [warmup.Sample("", zeros, spec.output_names, 1)]
         decoupled = is_decoupled(self.spec.config_json)
-        for model in self.pool.models():
-            if hasattr(model, "run_requests"):  # a Python model: it runs lists of requests, not feeds
-                for sample in samples if configured else ():  # its execute is the user's: no zeros of ours
-                    warmup.run_on_requests(model, sample, decoupled)
-                continue
-            for sample in samples:
-                rows = next(iter(sample.feed.values())).shape[0] if spec.max_batch_size > 0 and sample.feed else 1
-                extra = {name: np.repeat(array, rows, axis=0) if spec.max_batch_size > 0 else array
-                         for name, array in zeros.items() if name not in sample.feed}
-                for _ in range(sample.runs):
-                    model.run({**sample.feed, **extra}, list(sample.outputs))
+        for instance in {id(i.model): i for i in self.pool.instances}.values():  # one instance per loaded copy
+            model = instance.model
+            with self._admitted(instance):  # warm-up executions pass the rate limiter too, as Triton's
+                if hasattr(model, "run_requests"):  # a Python model: it runs lists of requests, not feeds
+                    for sample in samples if configured else ():  # its execute is the user's: no zeros of ours
+                        warmup.run_on_requests(model, sample, decoupled)
+                    continue
+                for sample in samples:
+                    rows = next(iter(sample.feed.values())).shape[0] if spec.max_batch_size > 0 and sample.feed else 1
+                    extra = {name: np.repeat(array, rows, axis=0) if spec.max_batch_size > 0 else array
+                             for name, array in zeros.items() if name not in sample.feed}
+                    for _ in range(sample.runs):
+                        model.run({**sample.feed, **extra}, list(sample.outputs))
+
+    def _admitted(self, instance: Instance) -> AbstractContextManager[None]:
+        if self.admission is None:
+            return nullcontext()
+        return self.admission.limiter.holding(self.admission.claim_of(instance))
 
     async def infer(self, request: InferRequest) -> InferResponse:
         arrival_ns = time.monotonic_ns()
@@ -196,3 +231,5 @@ class ModelVersion:
         """Finish queued and running requests, then release the instances and the weights."""
         await self.scheduler.stop()
         await asyncio.to_thread(self.pool.close)
+        if self.admission is not None:
+            self.admission.limiter.unregister(self.admission)

@@ -62,11 +62,20 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class RateLimiterSpec:
+    """An instance group's ``rate_limiter``: (name, global, count) per resource, and its priority (0 counts as 1)."""
+
+    resources: tuple[tuple[str, bool, int], ...] = ()
+    priority: int = 0
+
+
+@dataclass(frozen=True)
 class InstanceGroupSpec:
     name: str
     kind: InstanceKind
     count: int
     gpus: tuple[int, ...] = ()
+    rate_limiter: RateLimiterSpec = RateLimiterSpec()
 
 
 @dataclass(frozen=True)
@@ -422,7 +431,8 @@ def to_spec(config: config_pb2.ModelConfig, labels: dict[str, tuple[bytes, ...]]
             for t in config.output
         ),
         instance_groups=tuple(
-            InstanceGroupSpec(g.name, InstanceKind(kind_names.Name(g.kind)), g.count, tuple(g.gpus))
+            InstanceGroupSpec(g.name, InstanceKind(kind_names.Name(g.kind)), g.count, tuple(g.gpus),
+                              _rate_limiter(g.rate_limiter))
             for g in config.instance_group
         ),
         version_policy=version_policy,
@@ -433,6 +443,11 @@ def to_spec(config: config_pb2.ModelConfig, labels: dict[str, tuple[bytes, ...]]
         config_json=json_format.MessageToDict(config, preserving_proto_field_name=True),
         ensemble=ensemble_config.scheduling(config) if ensemble_config.is_ensemble(config) else None,
     )
+
+
+def _rate_limiter(limiter: config_pb2.ModelRateLimiter) -> RateLimiterSpec:
+    # ``global`` is a Python keyword: the field is read with getattr.
+    return RateLimiterSpec(tuple((r.name, getattr(r, "global"), r.count) for r in limiter.resources), limiter.priority)
 
 
 def detect_backend(config: config_pb2.ModelConfig, version_dirs: list[Path]) -> None:

@@ -56,8 +56,7 @@ FIELDS: dict[str, tuple[Treatment, str]] = {
     "sequence_batching": (H, ""),
     "ensemble_scheduling": (H, ""),
     "instance_group": (H, ""),
-    "instance_group.rate_limiter": (W, "the rate limiter is not implemented: instances execute without "
-                                       "waiting for resources"),
+    "instance_group.rate_limiter": (H, "with --rate-limit execution_count (scheduling/rate_limiter.py)"),
     "instance_group.host_policy": (W, "host policies are not applied"),
     "instance_group.profile": (W, "TensorRT optimization profiles do not apply"),
     "instance_group.passive": (W, "passive instances are scheduled like any other"),

@@ -56,6 +56,7 @@ from shoal.repository.config import DynamicBatching, QueuePolicy
 from shoal.scheduling.base import Executor, Runner
 from shoal.scheduling.batching import gather, scatter
 from shoal.scheduling.clock import deadline_clock
+from shoal.scheduling.rate_limiter import Admission
 from shoal.scheduling.requests import OutputCheck, checked, execute_each, takes_requests
 from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases, PhaseTotals
 
@@ -91,9 +92,12 @@ class Scheduler:
         statistics: ModelStatistics,
         max_batch_size: int,
         batching: DynamicBatching | None,
+        admission: Admission | None = None,
     ) -> None:
         self.runner = runner
         self.statistics = statistics
+        self.admission = admission  # the rate limiter each execution passes, if it is on
+        self._admitting = 0  # requests in batches waiting for the rate limiter
         self.batching = batching
         # Rows a batch may hold; 0 or no dynamic_batching means one request per execution.
         self.max_batch_size = max_batch_size if batching is not None else 0
@@ -200,7 +204,8 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return sum(self._waiting(level) for level in self._in_use)
+        """Requests not executing yet: in the queues, and in batches waiting for the rate limiter."""
+        return sum(self._waiting(level) for level in self._in_use) + self._admitting
 
     # -- the queues ---------------------------------------------------------------------------------
 
@@ -230,6 +235,13 @@ class Scheduler:
     # -- the loop -----------------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            await self._serve()
+        finally:
+            if self.admission is not None:
+                self.admission.limiter.settle(self.admission)
+
+    async def _serve(self) -> None:
         while True:
             executor = await self.runner.acquire()
             try:
@@ -245,6 +257,10 @@ class Scheduler:
             # is reused only when no view of it is left), so an idle model must not hold them.
             del batch, task
 
+    def _batch_ready(self) -> bool:
+        """Requests wait that the loop can take at once (for the rate limiter: this model stages again)."""
+        return any(self._waiting(level) for level in self._in_use) and not self._stopping
+
     async def _next_batch(self) -> list[Pending]:
         while True:
             now = time.monotonic_ns()
@@ -254,6 +270,8 @@ class Scheduler:
                 for pending in batch:
                     self._remove(pending)
                 return batch
+            if self.admission is not None:  # it stages nothing now: the limiter need not wait for it
+                self.admission.limiter.settle(self.admission)
             # Wait for the next arrival or the deadline, whichever comes first. The deadline clock
             # keeps sub-millisecond delays (asyncio's own timers round up to a whole millisecond).
             self._arrived.clear()
@@ -335,7 +353,26 @@ class Scheduler:
     async def _execute(self, executor: Executor, batch: list[Pending]) -> None:
         self.statistics.executing += len(batch)
         try:
-            await self._execute_batch(executor, batch)
+            if self.admission is None:
+                await self._execute_batch(executor, batch)
+                return
+            # The batch is formed, then its instance waits for its resources (Triton's order): the wait
+            # counts as queue time, as Triton's does.
+            claim = self.admission.claim_of(executor)
+            self._admitting += len(batch)
+            try:
+                await self.admission.limiter.acquire(claim)
+            except BaseException:  # the loop is going away: the batch never ran
+                self.runner.release(executor)
+                for pending in batch:
+                    self._settle(pending, ShoalError(ErrorCode.UNAVAILABLE, "the server is stopping"))
+                raise
+            finally:
+                self._admitting -= len(batch)
+            try:
+                await self._execute_batch(executor, batch)
+            finally:
+                self.admission.limiter.release(claim, more=self._batch_ready())
         finally:
             self.statistics.executing -= len(batch)
 

@@ -42,6 +42,7 @@ import numpy as np
 from shoal.errors import ErrorCode, ShoalError, invalid
 from shoal.repository.sequence_config import SequenceBatching
 from shoal.scheduling.base import Executor
+from shoal.scheduling.rate_limiter import Admission
 from shoal.scheduling.requests import OutputCheck
 from shoal.scheduling.sequence_lanes import make_lane
 from shoal.scheduling.sequence_slots import RELEASE, Backlog, CorrelationId, Outputs, SequenceRequest, Slot
@@ -70,8 +71,9 @@ class Flags:
 
 class SequenceScheduler:
     def __init__(self, runner: InstanceRunner, statistics: ModelStatistics, max_batch_size: int,
-                 batching: SequenceBatching, model_name: str) -> None:
+                 batching: SequenceBatching, model_name: str, admission: Admission | None = None) -> None:
         self.runner = runner
+        self.admission = admission  # the rate limiter each execution passes, if it is on
         self.statistics = statistics
         self.max_batch_size = max_batch_size
         self.batching = batching

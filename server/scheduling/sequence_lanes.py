@@ -31,6 +31,7 @@ from shoal.repository.config import DynamicBatching
 from shoal.repository.sequence_config import Control, ControlKind, SequenceBatching
 from shoal.scheduling.base import Executor
 from shoal.scheduling.dynamic import Scheduler
+from shoal.scheduling.rate_limiter import Admission
 from shoal.scheduling.requests import checked
 from shoal.scheduling.sequence_slots import RELEASE, Outputs, SequenceRequest, Slot
 from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases
@@ -44,6 +45,7 @@ class Owner(Protocol):
     statistics: ModelStatistics
     batching: SequenceBatching
     max_batch_size: int
+    admission: Admission | None
 
     def release(self, slot: Slot) -> None: ...
 
@@ -222,6 +224,18 @@ class DirectLane:
         return request.signature, states
 
     async def _execute(self, rows: list[Row]) -> None:
+        admission = self.owner.admission
+        if admission is None:
+            await self._execute_admitted(rows)
+            return
+        claim = admission.claim_of(self.executor)
+        await admission.limiter.acquire(claim)  # before the clock starts: queue time, as Triton counts it
+        try:
+            await self._execute_admitted(rows)
+        finally:
+            admission.limiter.release(claim)
+
+    async def _execute_admitted(self, rows: list[Row]) -> None:
         owner = self.owner
         real = [(slot, request) for slot, request in rows if request is not None]
         start = time.monotonic_ns()
@@ -303,7 +317,8 @@ class OldestLane:
         dynamic = DynamicBatching(preferred_batch_sizes=batching.preferred_batch_sizes,
                                   max_queue_delay_us=batching.max_queue_delay_us,
                                   preserve_ordering=batching.preserve_ordering)
-        self._batcher = Scheduler(_OneExecutor(executor), owner.statistics, owner.max_batch_size, dynamic)
+        self._batcher = Scheduler(_OneExecutor(executor), owner.statistics, owner.max_batch_size, dynamic,
+                                  owner.admission)
         self._in_flight: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
