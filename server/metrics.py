@@ -16,7 +16,8 @@ capture of a real Triton in ``tests/data/triton_metrics.txt``):
 A counter's sample carries the family's own name, with no ``_total`` suffix (Triton's prometheus-cpp
 writes them so; prometheus_client would add ``_total``), hence the small text writer here.
 Shoal's own families follow: ``shoal_model_memory_bytes{device}`` (measured at load),
-``shoal_model_instances`` and ``shoal_model_executing_requests``, then prometheus_client's process
+``shoal_model_instances``, ``shoal_model_executing_requests``, ``shoal_model_warmup_runs`` and
+``shoal_model_warmup_duration_us`` (the config's model_warmup at load), then prometheus_client's process
 collector (``process_resident_memory_bytes`` and the rest).
 """
 
@@ -127,6 +128,8 @@ def model_families(rows: Iterable[StatisticsRow]) -> tuple[list[Family], list[Fa
     memory = Family("shoal_model_memory_bytes", "gauge", "Bytes of weights a model version holds on a device")
     instances = Family("shoal_model_instances", "gauge", "Executors of a model version")
     executing = Family("shoal_model_executing_requests", "gauge", "Requests whose batch is executing now")
+    warmup_runs = Family("shoal_model_warmup_runs", "gauge", "model_warmup runs per copy at load")
+    warmup_time = Family("shoal_model_warmup_duration_us", "gauge", "Wall time of the version's model_warmup at load")
     for row in rows:
         stats = row.statistics
         labels = {"model": row.name, "version": row.version}
@@ -141,9 +144,11 @@ def model_families(rows: Iterable[StatisticsRow]) -> tuple[list[Family], list[Fa
         families["nv_inference_pending_request_count"].add(labels, row.pending)
         instances.add(labels, row.instances)
         executing.add(labels, stats.executing)
+        warmup_runs.add(labels, stats.warmup.count)
+        warmup_time.add(labels, stats.warmup.ns // 1000)
         for (kind, index), byte_size in row.memory_bytes.items():
             memory.add({"device": "cpu" if kind == "CPU" else f"gpu:{index}", **labels}, byte_size)
-    return list(families.values()), [memory, instances, executing]
+    return list(families.values()), [memory, instances, executing, warmup_runs, warmup_time]
 
 
 class CpuMetrics:

@@ -97,6 +97,9 @@ class ModelStatistics:
     batch_stats: dict[int, BatchStats] = field(default_factory=dict)
     executing: int = 0
     failures: dict[FailureReason, int] = field(default_factory=lambda: dict.fromkeys(FailureReason, 0))
+    # The config's model_warmup at load: runs per copy and the wall time (not in Triton's ModelStatistics,
+    # which has no such field: shoal_model_warmup_* metrics).
+    warmup: Duration = field(default_factory=Duration)
 
     def record_execution(self, batch_size: int, phases: Phases, inferences: int | None = None) -> None:
         """One successful execution of ``batch_size`` elements, ``inferences`` of them real (default: all);

@@ -20,6 +20,7 @@ from onnx import TensorProto, helper
 from shoal.lifecycle import warmup
 from shoal.protocol.types import DataType
 from shoal.tools import local_server
+from tests.polling import metric
 
 TABLE = [10.0, 20.0, 30.0, 40.0]
 CONFIG = """
@@ -105,6 +106,9 @@ def test_good_samples_leave_the_model_ready_and_answering(server) -> None:
         np.testing.assert_array_equal(client.infer(model, [index]).as_numpy("VALUE"), [[30.0, 10.0]])
     client.close()
     assert "model good version 1: warmed up with 2 sample(s), 4 run(s) per copy" in server.log()
+    assert metric(server, "shoal_model_warmup_runs", "good") == 4
+    assert metric(server, "shoal_model_warmup_duration_us", "good") > 0
+    assert metric(server, "shoal_model_warmup_runs", "plain") == 0  # no samples: the zero-filled run is not one
 
 
 @pytest.mark.parametrize("model", sorted(FAILING))

@@ -502,7 +502,8 @@ def _load_and_warm(spec: ModelSpec, version: int, folder: Path, model_folder: Pa
         logger.error("model %s version %d: warm-up failed: %s", spec.name, version, message)
         raise load_failed(f"model '{spec.name}' version {version}: warm-up failed: {message}") from None
     if samples:
+        elapsed_s = time.monotonic() - started
+        served.statistics.warmup.add(int(elapsed_s * 1e9), count=sum(s.runs for s in samples))
         logger.info("model %s version %d: warmed up with %d sample(s), %d run(s) per copy, in %.0f ms",
-                    spec.name, version, len(samples), sum(s.runs for s in samples),
-                    (time.monotonic() - started) * 1000)
+                    spec.name, version, len(samples), served.statistics.warmup.count, elapsed_s * 1000)
     return served
