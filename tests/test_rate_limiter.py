@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import numpy as np
 import pytest
 
 from shoal.errors import ErrorCode, ShoalError
@@ -241,3 +242,65 @@ def test_an_instance_that_staged_again_while_it_ran_is_not_waited_for() -> None:
         await asyncio.wait_for(next_batch, 5)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("b_device", [0, 1], ids=["same-device", "other-device"])
+def test_a_model_waiting_on_its_batching_delay_holds_up_no_other_model(b_device: int) -> None:
+    """Model A (two instances, preferred batch 4, a 60 s delay) returns a batch of 4 while one late request
+    waits for company: it has no batch to stage at once, so the freed unit is not held for it, and B's request
+    runs while A's late one still waits (on A's device; on another, whose pool A never held). Before, B waited
+    A's delay out."""
+    from shoal.repository.config import DynamicBatching
+    from shoal.scheduling.dynamic import Scheduler
+    from shoal.scheduling.rate_limiter import Admission
+    from shoal.statistics import ModelStatistics
+
+    class Executor:
+        def __init__(self, gate: asyncio.Event | None = None) -> None:
+            self.gate = gate
+
+        async def run(self, inputs: dict, outputs: list) -> dict:
+            if self.gate is not None:
+                await self.gate.wait()
+            return {"OUT": inputs["IN"]}
+
+    class Pool:
+        def __init__(self, executors: list[Executor]) -> None:
+            self.free: asyncio.Queue[Executor] = asyncio.Queue()
+            for executor in executors:
+                self.free.put_nowait(executor)
+
+        async def acquire(self) -> Executor:
+            return await self.free.get()
+
+        def release(self, executor: Executor) -> None:
+            self.free.put_nowait(executor)
+
+    async def scenario() -> float:
+        limiter, gate = RateLimiter(), asyncio.Event()
+        a_executors, b_executor = [Executor(gate), Executor(gate)], Executor()
+        a = Admission(limiter, [claim_for(f"a{i}", 0, [("R", False, 1)], 1) for i in range(2)])
+        b = Admission(limiter, [claim_for("b", b_device, [("R", False, 1)], 1)])
+        a.bind(a_executors)
+        b.bind([b_executor])
+        limiter.register(a, a.claims)
+        limiter.register(b, b.claims)
+        batching = DynamicBatching(preferred_batch_sizes=(4,), max_queue_delay_us=60_000_000)
+        model_a = Scheduler(Pool(a_executors), ModelStatistics(), 8, batching, a)
+        model_b = Scheduler(Pool([b_executor]), ModelStatistics(), 0, None, b)
+        x = {"IN": np.zeros((1, 1), np.float32)}
+        first = [asyncio.ensure_future(model_a.submit(x, ["OUT"], 1, {})) for _ in range(4)]
+        assert await asyncio.to_thread(wait_until, lambda: model_a.statistics.executing == 4, 30, "a batch of 4")
+        late = asyncio.ensure_future(model_a.submit(x, ["OUT"], 1, {}))
+        assert await asyncio.to_thread(wait_until, lambda: model_a.queued == 1, 30, "the late request to wait")
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*first), 30)
+        await asyncio.wait_for(model_b.submit({"IN": np.zeros((1,), np.float32)}, ["OUT"], 0, {}), 30)
+        waiting = not late.done()  # B ran while A's late request still waits for company
+        company = [asyncio.ensure_future(model_a.submit(x, ["OUT"], 1, {})) for _ in range(3)]  # a batch of 4 now
+        await asyncio.wait_for(asyncio.gather(late, *company), 30)
+        await model_a.stop()
+        await model_b.stop()
+        return waiting
+
+    assert asyncio.run(scenario())

@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 
 from tests.polling import metric, wait_until
 from tests.python_models import write_model
+from tests.sequence_models import add_accumulator
 
 TIMED = """
 import os
@@ -207,3 +208,37 @@ def test_the_flags_refuse_what_they_cannot_mean(tmp_path: Path, args: list[str],
     result = subprocess.run([sys.executable, "-m", "shoal", "serve", "--model-repository", str(tmp_path), *args],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("strategy", ["direct { }", "oldest { max_candidate_sequences: 2 }"])
+def test_a_sequence_models_executions_wait_for_the_resource_too(tmp_path: Path, server_factory, strategy: str) -> None:
+    """While 'gate' holds GPU_MEM, a sequence's request waits (pending), then runs once the gate returns."""
+    repo = tmp_path / "repo"
+    add_accumulator(repo, "acc", strategy)
+    config = repo / "acc" / "config.pbtxt"
+    config.write_text(config.read_text().replace("kind: KIND_CPU }", f"kind: KIND_CPU {limited()} }}"))
+    add_timed(repo, "gate", limited(), datatype="TYPE_STRING")
+    server = server_factory(repo, "--rate-limit", "execution_count")
+    opened = tmp_path / "open"
+    gate = threading.Thread(target=span, args=(server.url, "gate", str(opened)))
+    gate.start()
+    wait_until(lambda: (tmp_path / "open.held").exists(), what="the gate to hold the resource")
+    answers: list[float] = []
+
+    def sequence() -> None:
+        with grpcclient.InferenceServerClient(server.url) as client:
+            data = grpcclient.InferInput("INPUT", [1, 1], "FP32")
+            data.set_data_from_numpy(np.full((1, 1), 5.0, dtype=np.float32))
+            result = client.infer("acc", [data], sequence_id=7, sequence_start=True, sequence_end=True,
+                                  client_timeout=120)
+            answers.append(float(result.as_numpy("OUTPUT").item()))
+
+    waiting = threading.Thread(target=sequence)
+    waiting.start()
+    wait_until(lambda: metric(server, "nv_inference_pending_request_count", "acc") == 1,
+               what="the sequence's request to wait for the resource")
+    assert answers == []  # still waiting: the gate holds GPU_MEM
+    opened.touch()
+    for thread in (gate, waiting):
+        thread.join(timeout=120)
+    assert answers == [5.0]

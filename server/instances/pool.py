@@ -24,6 +24,7 @@ import numpy as np
 
 from shoal.backends.base import LoadedModel
 from shoal.backends.devices import Device, usable_cores
+from shoal.repository.config import RateLimiterSpec
 
 Call = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]]
 
@@ -165,11 +166,12 @@ class InstancePool:
 
 @dataclass(frozen=True)
 class Placement:
-    """``count`` executors of instance group ``group`` on ``device``."""
+    """``count`` executors of instance group ``group`` on ``device``, with the group's ``rate_limiter``."""
 
     group: str
     device: Device
     count: int
+    rate_limiter: RateLimiterSpec = RateLimiterSpec()
 
 
 def instance_name(placement: Placement, index: int) -> str:

@@ -55,7 +55,7 @@ def placements(spec: ModelSpec) -> list[Placement]:
     for group in spec.instance_groups:
         kind = resolve_kind(spec.backend, group, gpus)
         if kind is not InstanceKind.GPU:
-            result.append(Placement(group.name, CPU, group.count))
+            result.append(Placement(group.name, CPU, group.count, group.rate_limiter))
             continue
         if gpus == 0:
             raise load_failed(
@@ -69,7 +69,7 @@ def placements(spec: ModelSpec) -> list[Placement]:
                     f"model '{spec.name}': instance group '{group.name}' lists GPU {index}, "
                     f"but {gpus} GPU(s) exist"
                 )
-            result.append(Placement(group.name, Device("gpu", index), group.count))
+            result.append(Placement(group.name, Device("gpu", index), group.count, group.rate_limiter))
     return result
 
 
@@ -78,16 +78,15 @@ def admit(spec: ModelSpec, where: list[Placement], limiter: RateLimiter | None) 
     ShoalError, in Triton's words, if one could never execute. CPU instances claim on device 0, as Triton's."""
     if limiter is None:
         return None
-    groups = {group.name: group.rate_limiter for group in spec.instance_groups}
-    claims: dict[str, Claim] = {}
+    claims: list[Claim] = []
     for placement in where:
-        asked = groups[placement.group]
         device = placement.device.index if placement.device.kind == "gpu" else 0
+        asked = placement.rate_limiter
         for index in range(placement.count):
             name = instance_name(placement, index)
-            claims[name] = claim_for(f"{spec.name}:{name}", device, asked.resources, asked.priority)
-    admission = Admission(limiter, lambda executor: claims[executor.name])
-    limiter.register(admission, list(claims.values()))
+            claims.append(claim_for(f"{spec.name}:{name}", device, asked.resources, asked.priority))
+    admission = Admission(limiter, claims)  # bound to the executors, in this order, once they are built
+    limiter.register(admission, claims)
     return admission
 
 
@@ -128,6 +127,8 @@ class ModelVersion:
             # The backend sees the sequence batcher's control and state tensors too; requests are checked
             # against the config's own.
             built = strategy.build_instances(backend_spec(spec), model_path, where, backend, plan)
+            if admission is not None:
+                admission.bind(built.pool.instances)
         except BaseException:
             if admission is not None:
                 admission.limiter.unregister(admission)
@@ -172,22 +173,26 @@ class ModelVersion:
         decoupled = is_decoupled(self.spec.config_json)
         for instance in {id(i.model): i for i in self.pool.instances}.values():  # one instance per loaded copy
             model = instance.model
-            with self._admitted(instance):  # warm-up executions pass the rate limiter too, as Triton's
-                if hasattr(model, "run_requests"):  # a Python model: it runs lists of requests, not feeds
-                    for sample in samples if configured else ():  # its execute is the user's: no zeros of ours
-                        warmup.run_on_requests(model, sample, decoupled)
-                    continue
-                for sample in samples:
-                    rows = next(iter(sample.feed.values())).shape[0] if spec.max_batch_size > 0 and sample.feed else 1
-                    extra = {name: np.repeat(array, rows, axis=0) if spec.max_batch_size > 0 else array
-                             for name, array in zeros.items() if name not in sample.feed}
-                    for _ in range(sample.runs):
+            admitted = self._admitted(instance)  # each warm-up run passes the rate limiter too, as Triton's
+            if hasattr(model, "run_requests"):  # a Python model: it runs lists of requests, not feeds
+                for sample in samples if configured else ():  # its execute is the user's: no zeros of ours
+                    warmup.run_on_requests(model, sample, decoupled, admitted)
+                continue
+            for sample in samples:
+                rows = next(iter(sample.feed.values())).shape[0] if spec.max_batch_size > 0 and sample.feed else 1
+                extra = {name: np.repeat(array, rows, axis=0) if spec.max_batch_size > 0 else array
+                         for name, array in zeros.items() if name not in sample.feed}
+                for _ in range(sample.runs):
+                    with admitted():
                         model.run({**sample.feed, **extra}, list(sample.outputs))
 
-    def _admitted(self, instance: Instance) -> AbstractContextManager[None]:
-        if self.admission is None:
-            return nullcontext()
-        return self.admission.limiter.holding(self.admission.claim_of(instance))
+    def _admitted(self, instance: Instance) -> Callable[[], AbstractContextManager[None]]:
+        """A fresh hold of ``instance``'s claim per warm-up run (none without the limiter)."""
+        admission = self.admission
+        if admission is None:
+            return nullcontext
+        claim = admission.claim_of(instance)
+        return lambda: admission.limiter.holding(claim)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         arrival_ns = time.monotonic_ns()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
@@ -165,13 +167,16 @@ class _StreamSink:
             self.final.set()
 
 
-def run_on_requests(model: Any, sample: Sample, decoupled: bool) -> None:
+def run_on_requests(model: Any, sample: Sample, decoupled: bool,
+                    admitted: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
     """Run ``sample`` ``runs`` times on a model that takes queued requests (a Python model's
-    ``run_requests``); ShoalError with the model's own words if an execution failed."""
+    ``run_requests``), each run inside ``admitted()`` (the rate limiter's hold); ShoalError with the
+    model's own words if an execution failed."""
     for _ in range(sample.runs):
         sink = _StreamSink() if decoupled else None
         queued = _Queued(sample.feed, sample.outputs, _WarmupRequest(f"warmup:{sample.name}", sink=sink))
-        [outcome] = model.run_requests([queued])
+        with admitted():
+            [outcome] = model.run_requests([queued])
         if isinstance(outcome, ShoalError):
             raise outcome
         if sink is None:

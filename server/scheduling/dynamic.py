@@ -258,8 +258,14 @@ class Scheduler:
             del batch, task
 
     def _batch_ready(self) -> bool:
-        """Requests wait that the loop can take at once (for the rate limiter: this model stages again)."""
-        return any(self._waiting(level) for level in self._in_use) and not self._stopping
+        """A batch can go at once (for the rate limiter: this model stages again in a few loop turns); the
+        loop is woken, should it be waiting on a batching delay that no longer holds."""
+        if self._stopping or not self._in_use:
+            return False
+        batch, _ = self._plan(time.monotonic_ns())
+        if batch:
+            self._arrived.set()
+        return bool(batch)
 
     async def _next_batch(self) -> list[Pending]:
         while True:
@@ -351,28 +357,31 @@ class Scheduler:
     # -- execution ----------------------------------------------------------------------------------
 
     async def _execute(self, executor: Executor, batch: list[Pending]) -> None:
+        if self.admission is None:
+            await self._execute_counted(executor, batch)
+            return
+        # The batch is formed, then its instance waits for its resources (Triton's order): the wait counts
+        # as queue time, as Triton's does, and its requests as pending, not executing.
+        claim = self.admission.claim_of(executor)
+        self._admitting += len(batch)
+        try:
+            await self.admission.limiter.acquire(claim)
+        except BaseException:  # the loop is going away: the batch never ran
+            self.runner.release(executor)
+            for pending in batch:
+                self._settle(pending, ShoalError(ErrorCode.UNAVAILABLE, "the server is stopping"))
+            raise
+        finally:
+            self._admitting -= len(batch)
+        try:
+            await self._execute_counted(executor, batch)
+        finally:
+            self.admission.limiter.release(claim, more=self._batch_ready())
+
+    async def _execute_counted(self, executor: Executor, batch: list[Pending]) -> None:
         self.statistics.executing += len(batch)
         try:
-            if self.admission is None:
-                await self._execute_batch(executor, batch)
-                return
-            # The batch is formed, then its instance waits for its resources (Triton's order): the wait
-            # counts as queue time, as Triton's does.
-            claim = self.admission.claim_of(executor)
-            self._admitting += len(batch)
-            try:
-                await self.admission.limiter.acquire(claim)
-            except BaseException:  # the loop is going away: the batch never ran
-                self.runner.release(executor)
-                for pending in batch:
-                    self._settle(pending, ShoalError(ErrorCode.UNAVAILABLE, "the server is stopping"))
-                raise
-            finally:
-                self._admitting -= len(batch)
-            try:
-                await self._execute_batch(executor, batch)
-            finally:
-                self.admission.limiter.release(claim, more=self._batch_ready())
+            await self._execute_batch(executor, batch)
         finally:
             self.statistics.executing -= len(batch)
 

@@ -90,12 +90,23 @@ def claim_for(instance: str, device_index: int, resources: Iterable[tuple[str, b
     return Claim(instance, needs, priority)
 
 
-@dataclass(frozen=True, eq=False)
 class Admission:
-    """How one scheduler's executions pass the limiter: the claim of each of its executors."""
+    """How one model version's executions pass the limiter: the claim of each of its executors, in the order
+    the executors are built (``bind``); it is also the owner its claims are registered under."""
 
-    limiter: RateLimiter
-    claim_of: Callable[[Any], Claim]
+    def __init__(self, limiter: RateLimiter, claims: Sequence[Claim]) -> None:
+        self.limiter = limiter
+        self.claims = tuple(claims)
+        self._by_executor: dict[int, Claim] = {}
+
+    def bind(self, executors: Sequence[Any]) -> None:
+        """The executors, built in the claims' order (one per claim)."""
+        if len(executors) != len(self.claims):
+            raise ValueError(f"{len(executors)} executors for {len(self.claims)} rate-limiter claims")
+        self._by_executor = {id(executor): claim for executor, claim in zip(executors, self.claims, strict=True)}
+
+    def claim_of(self, executor: Any) -> Claim:
+        return self._by_executor[id(executor)]
 
 
 @dataclass(eq=False)
@@ -117,7 +128,8 @@ class RateLimiter:
     _taken: dict[tuple[int, str], int] = field(default_factory=dict, repr=False)
     _staged: list[tuple[int, int, _Ticket]] = field(default_factory=list, repr=False)
     _order: itertools.count[int] = field(default_factory=itertools.count, repr=False)
-    _returning: set[object] = field(default_factory=set, repr=False)  # owners about to stage again (``release``)
+    # Owners about to stage again (``release(more=True)``) and the pools their last claim used.
+    _returning: dict[object, set[tuple[int, str]]] = field(default_factory=dict, repr=False)
 
     # -- instances come and go with their models ----------------------------------------------------
 
@@ -139,7 +151,7 @@ class RateLimiter:
 
     def unregister(self, owner: object) -> None:
         with self._lock:
-            self._returning.discard(owner)
+            self._returning.pop(owner, None)
             if self._registered.pop(owner, None) is not None:
                 self._limits = self._limits_for(self._registered)
             self._allocate()
@@ -202,27 +214,28 @@ class RateLimiter:
 
         ``more``: its scheduler has a batch ready to form at once. Triton's instance is staged again, with
         its new key, before the freed resources go to anyone (its next batch is formed already); here the
-        next batch is formed a few loop turns later, so nothing is granted until a claim of the same owner
-        stages or the owner ``settle``s (it found it must wait). Without that, an instance that is always
-        loaded would never be staged when another's execution returns, and priorities would not matter.
+        next batch is formed a few loop turns later, so no claim on the same pools is granted until a claim
+        of the same owner stages or the owner ``settle``s (it found it must wait). Without that, an instance
+        that is always loaded would never be staged when another's execution returns, and priorities would
+        not matter. The scheduler says ``more`` only when its next batch can go at once.
         """
         with self._lock:
             claim.executions += 1
             self._free(claim)
             if more and not any(t.claim.owner is claim.owner and not t.abandoned for _, _, t in self._staged):
-                self._returning.add(claim.owner)  # unless it staged again already, while this one still ran
+                # unless it staged again already, while this one still ran; only claims on these pools wait
+                self._returning.setdefault(claim.owner, set()).update(claim.needs)
             self._allocate()
 
     def settle(self, owner: object) -> None:
         """``owner``'s scheduler will not stage at once after all (it waits for requests or its batching delay)."""
         with self._lock:
-            if owner in self._returning:
-                self._returning.discard(owner)
+            if self._returning.pop(owner, None) is not None:
                 self._allocate()
 
     def _stage(self, ticket: _Ticket) -> None:
         with self._lock:
-            self._returning.discard(ticket.claim.owner)
+            self._returning.pop(ticket.claim.owner, None)
             heapq.heappush(self._staged, (ticket.claim.key, next(self._order), ticket))
             self._allocate()
 
@@ -239,13 +252,16 @@ class RateLimiter:
 
     def _allocate(self) -> None:
         """Grant the first staged claims while each fits (all its resources or none); never skip one."""
-        while self._staged and not self._returning:
+        held = set().union(*self._returning.values())  # pools kept for an owner about to stage again
+        while self._staged:
             ticket = self._staged[0][2]
             if ticket.abandoned:
                 heapq.heappop(self._staged)
                 continue
             needs = ticket.claim.needs
             if any(self._taken.get(p, 0) + n > self._limits.get(p, 0) for p, n in needs.items()):
+                return
+            if held.intersection(needs):
                 return
             heapq.heappop(self._staged)
             for pool_name, need in needs.items():

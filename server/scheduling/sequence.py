@@ -317,7 +317,8 @@ class SequenceScheduler:
         waits for them, and ``stop`` must not wait for a slot to free to drop them)."""
         in_slots = sum(1 for slots in self._slots for slot in slots for r in slot.queue
                        if r is not None and not r.future.done())
-        return in_slots + sum(1 for b in self._backlog for r in b.requests if not r.future.done())
+        backlog = sum(1 for b in self._backlog for r in b.requests if not r.future.done())
+        return in_slots + backlog + sum(lane.queued for lane in self._lanes)
 
     async def stop(self) -> None:
         """Refuse new requests, let what is queued run, then stop the lanes."""

@@ -53,6 +53,11 @@ class Owner(Protocol):
 
 
 class Lane(Protocol):
+    @property
+    def queued(self) -> int:
+        """Requests the lane took from its slots that have not started executing (the rate limiter's wait)."""
+        ...
+
     def wake(self, slot: Slot) -> None: ...
 
     async def stop(self) -> None: ...
@@ -159,6 +164,7 @@ class DirectLane:
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.queued = 0  # rows taken that wait for the rate limiter
 
     def wake(self, slot: Slot) -> None:
         if self._task is None:
@@ -172,6 +178,8 @@ class DirectLane:
             if rows:
                 await self._execute(rows)
                 continue
+            if self.owner.admission is not None:  # it stages nothing now: the limiter need not wait for it
+                self.owner.admission.limiter.settle(self.owner.admission)
             if self._stopping:
                 return
             try:
@@ -229,11 +237,15 @@ class DirectLane:
             await self._execute_admitted(rows)
             return
         claim = admission.claim_of(self.executor)
-        await admission.limiter.acquire(claim)  # before the clock starts: queue time, as Triton counts it
+        self.queued = sum(1 for _, request in rows if request is not None)
+        try:
+            await admission.limiter.acquire(claim)  # before the clock starts: queue time, as Triton counts it
+        finally:
+            self.queued = 0
         try:
             await self._execute_admitted(rows)
-        finally:
-            admission.limiter.release(claim)
+        finally:  # a lane with more to run stages again at once: _run takes the next rows now
+            admission.limiter.release(claim, more=any(slot.queue for slot in self.slots) and not self._stopping)
 
     async def _execute_admitted(self, rows: list[Row]) -> None:
         owner = self.owner
@@ -321,6 +333,11 @@ class OldestLane:
                                   owner.admission)
         self._in_flight: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def queued(self) -> int:
+        """Requests handed to this lane's batcher that have not started executing."""
+        return self._batcher.queued
 
     def wake(self, slot: Slot) -> None:
         """Send the slot's next request unless one of its requests is in flight."""
