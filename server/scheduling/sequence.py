@@ -44,7 +44,7 @@ from shoal.repository.sequence_config import SequenceBatching
 from shoal.scheduling.base import Executor
 from shoal.scheduling.rate_limiter import Admission
 from shoal.scheduling.requests import OutputCheck
-from shoal.scheduling.sequence_lanes import make_lane
+from shoal.scheduling.sequence_lanes import Lane, make_lane
 from shoal.scheduling.sequence_slots import RELEASE, Backlog, CorrelationId, Outputs, SequenceRequest, Slot
 from shoal.statistics import FailureReason, ModelStatistics
 
@@ -86,7 +86,7 @@ class SequenceScheduler:
         self._slots: list[list[Slot]] = []
         self._last_seen: dict[CorrelationId, int] = {}
         self._suspects: set[CorrelationId] = set()  # found idle once; released if still idle a grace period later
-        self._lanes: list[Any] = []
+        self._lanes: list[Lane] = []
         self._reaper: asyncio.TimerHandle | None = None
         self._reaper_at_ns: int | None = None
         self._stopping = False
