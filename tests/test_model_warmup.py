@@ -59,13 +59,13 @@ GOOD = "model_warmup [ {}, {}, {} ]".format(
     sample("zeros", "zero_data: true", count=3), sample("file", 'input_data_file: "in.bin"', batch=1),
     sample("skipped", "zero_data: true", batch=0))  # batch 0: skipped, as Triton
 FAILING = {  # model → the reason its load fails with
-    "out_of_range": "warm-up failed",
+    "out_of_range": "version 1: failed to run warmup sample 'bad': ",  # Triton 2.51's words
     "missing_file": "cannot read missing_file/warmup/absent.bin",
     "outside": "outside",
     "short_file": "input 'INDEX' needs 32 bytes, but its input_data_file holds 8",
     "wrong_dims": "unexpected shape for input 'INDEX' for model 'wrong_dims'",
     "unknown_input": "unexpected inference input 'OTHER' for model 'unknown_input'",
-    "random_indices": "warm-up failed",  # random int64 indices fall outside the 4-element table
+    "random_indices": "failed to run warmup sample 'r': ",  # random int64 indices fall outside the 4-element table
     "too_big": "batch_size 8 is more than max_batch_size 4",
 }
 
@@ -233,7 +233,7 @@ def test_a_python_sample_that_fails_fails_the_load_with_the_models_words(
     entry = {m.name: m for m in client.get_model_repository_index().models}[model]
     client.close()
     assert entry.state == "UNAVAILABLE"
-    assert entry.reason.startswith(f"model '{model}' version 1: warm-up failed: ")
+    assert entry.reason.startswith(f"model '{model}' version 1: failed to run warmup sample 'w': ")
     assert PYTHON_FAILING[failure][1] in entry.reason, entry.reason
 
 

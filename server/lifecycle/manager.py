@@ -498,9 +498,10 @@ def _load_and_warm(spec: ModelSpec, version: int, folder: Path, model_folder: Pa
             logger.warning("model %s version %d: warm-up with zero inputs failed: %s", spec.name, version, exc)
             return served
         asyncio.run(served.close())
-        message = exc.message if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"
-        logger.error("model %s version %d: warm-up failed: %s", spec.name, version, message)
-        raise load_failed(f"model '{spec.name}' version {version}: warm-up failed: {message}") from None
+        message = exc.message if isinstance(exc, ShoalError) else str(exc) if isinstance(
+            exc, warmup.SampleFailed) else f"{type(exc).__name__}: {exc}"
+        logger.error("model %s version %d: %s", spec.name, version, message)
+        raise load_failed(f"model '{spec.name}' version {version}: {message}") from None
     if samples:
         elapsed_s = time.monotonic() - started
         served.statistics.warmup.add(int(elapsed_s * 1e9), count=sum(s.runs for s in samples))

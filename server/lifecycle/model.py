@@ -176,7 +176,10 @@ class ModelVersion:
             admitted = self._admitted(instance)  # each warm-up run passes the rate limiter too, as Triton's
             if hasattr(model, "run_requests"):  # a Python model: it runs lists of requests, not feeds
                 for sample in samples if configured else ():  # its execute is the user's: no zeros of ours
-                    warmup.run_on_requests(model, sample, decoupled, admitted)
+                    try:
+                        warmup.run_on_requests(model, sample, decoupled, admitted)
+                    except BaseException as exc:  # noqa: BLE001 - the model's own code: named with its sample
+                        raise warmup.SampleFailed(sample.name, exc) from exc
                 continue
             for sample in samples:
                 rows = next(iter(sample.feed.values())).shape[0] if spec.max_batch_size > 0 and sample.feed else 1
@@ -184,7 +187,12 @@ class ModelVersion:
                          for name, array in zeros.items() if name not in sample.feed}
                 for _ in range(sample.runs):
                     with admitted():
-                        model.run({**sample.feed, **extra}, list(sample.outputs))
+                        try:
+                            model.run({**sample.feed, **extra}, list(sample.outputs))
+                        except BaseException as exc:  # noqa: BLE001 - the backend's or model's: named with its sample
+                            if not configured:
+                                raise
+                            raise warmup.SampleFailed(sample.name, exc) from exc
 
     def _admitted(self, instance: Instance) -> Callable[[], AbstractContextManager[None]]:
         """A fresh hold of ``instance``'s claim per warm-up run (none without the limiter)."""

@@ -133,6 +133,15 @@ def _random(datatype: DataType, count: int) -> np.ndarray:
     return generator.random(count).astype(dtype)
 
 
+class SampleFailed(Exception):
+    """A sample's run failed, in Triton 2.51's words (checked with run_triton.sh): ``failed to run warmup
+    sample 'w': <the model's error>``."""
+
+    def __init__(self, sample: str, cause: BaseException) -> None:
+        why = cause.message if isinstance(cause, ShoalError) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"failed to run warmup sample '{sample}': {why}")
+
+
 @dataclass(frozen=True)
 class _WarmupRequest:
     """What a Python model reads of a queued request's core request (``runner.request_data``, ``sink_of``)."""
