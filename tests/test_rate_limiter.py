@@ -304,3 +304,19 @@ def test_a_model_waiting_on_its_batching_delay_holds_up_no_other_model(b_device:
         return waiting
 
     assert asyncio.run(scenario())
+
+
+def test_a_claim_whose_event_loop_closed_is_skipped_not_raised_into_the_releaser() -> None:
+    """A load thread's warm-up releases while the serving loop, with a claim waiting on it, has closed (the
+    server went away): the release does not raise, and the unit goes to the next claim."""
+    limiter = RateLimiter()
+    held, orphan, later = (claim_for(n, 0, [("R", False, 1)], 1) for n in ("held", "orphan", "later"))
+    limiter.register("m", [held, orphan, later])
+    with limiter.holding(held):
+        loop = asyncio.new_event_loop()
+        waiting = loop.create_task(limiter.acquire(orphan))
+        loop.run_until_complete(asyncio.sleep(0))  # staged: it waits for 'held'
+        loop.close()  # closed with the task still pending, as at a forced exit
+        assert limiter.staged == 1 and not waiting.done()
+    with limiter.holding(later):  # would wait forever had the unit gone to the closed loop's claim
+        assert orphan.executions == 0

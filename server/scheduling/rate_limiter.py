@@ -264,10 +264,14 @@ class RateLimiter:
             if held.intersection(needs):
                 return
             heapq.heappop(self._staged)
+            try:
+                ticket.grant()
+            except RuntimeError:  # its event loop is closed (the server went away): nobody waits for it
+                ticket.abandoned = True
+                continue
             for pool_name, need in needs.items():
                 self._taken[pool_name] = self._taken.get(pool_name, 0) + need
             ticket.granted = True
-            ticket.grant()
 
     @property
     def staged(self) -> int:
