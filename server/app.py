@@ -42,6 +42,7 @@ from shoal.grpc.servicer import InferenceServicer
 from shoal.http.app import HttpApp
 from shoal.http.server import HttpServer
 from shoal.lifecycle.manager import ModelManager
+from shoal.lifecycle.response_cache import ResponseCache
 from shoal.scheduling.rate_limiter import Declared, RateLimiter
 from shoal.settings import EXIT_FORCED, ServerSettings
 
@@ -62,6 +63,9 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
         logger.info("Rate limiter: execution_count, resources %s", ", ".join(
             f"{d.name}={d.count}" + ("" if d.device < 0 else f" on device {d.device}") for d in limiter.declared)
             or "as large as the largest claim on each")
+    cache = None if settings.response_cache_bytes is None else ResponseCache(settings.response_cache_bytes)
+    if cache is not None:
+        logger.info("Response cache: local, %d bytes", cache.capacity)
     manager = ModelManager(
         settings.model_repository,
         settings.strict_model_config,
@@ -69,6 +73,7 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
         on_change=lambda: front.health_changed() if front is not None else None,
         memory_budgets=dict(settings.memory_budgets),
         rate_limiter=limiter,
+        response_cache=cache,
     )
     core = LocalCore(manager, strict_readiness=settings.strict_readiness,
                      max_shared_memory_bytes=settings.shared_memory_max_bytes,

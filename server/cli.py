@@ -13,6 +13,7 @@ from typing import Any
 from shoal import __version__
 from shoal.descriptors import raise_open_file_limit
 from shoal.frontend.worker_count import AUTO, RULE, resolve
+from shoal.lifecycle.response_cache import parse_cache_config
 from shoal.repository.instance_defaults import DEFAULT_INSTANCE_COUNT_RULE
 from shoal.scheduling.rate_limiter import Declared
 from shoal.settings import (
@@ -165,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
                        help="how many of a resource a device has (no device: each device); without any, each "
                             "resource has as many as the largest claim on it (repeatable)")
+    serve.add_argument("--cache-config", action="append", default=[], metavar="local,size=BYTES",
+                       help="a response cache of BYTES for the models whose config sets response_cache "
+                            "{ enable: true } (Triton's format, <cache name>,<setting>=<value>; default none)")
     serve.add_argument("--memory-budget-mb", action="append", default=[], metavar="DEVICE=MB",
                        help="memory all models may hold on a device (cpu, gpu:0, ...); loads beyond it are refused")
     serve.add_argument("--grpc-max-concurrent-streams", type=int, default=100,
@@ -335,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         declared = tuple(Declared.parse(text) for text in args.rate_limit_resource)
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        cache_bytes = parse_cache_config(args.cache_config) if args.cache_config else None
+    except ValueError as exc:
+        parser.error(str(exc))
     if declared and args.rate_limit == "off":
         parser.error("--rate-limit-resource needs --rate-limit execution_count")
     if args.load_model and args.model_control_mode != "explicit":
@@ -375,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         memory_budgets=tuple(budgets),
         rate_limit=args.rate_limit == "execution_count",
         rate_limit_resources=tuple((d.name, d.count, d.device) for d in declared),
+        response_cache_bytes=cache_bytes,
         grpc_workers=workers.count,
         grpc_workers_choice=workers.describe(),
         grpc_worker_pool_bytes=int(min(args.grpc_worker_pool_mb, 2**40 / 2**20) * 2**20),

@@ -10,6 +10,9 @@ capture of a real Triton in ``tests/data/triton_metrics.txt``):
 - counter ``nv_inference_request_failure``, labels ``model``, ``reason``, ``version``: one sample per
   ``FailureReason`` (REJECTED, CANCELED, BACKEND, OTHER), all four from the first scrape, as Triton;
 - gauge ``nv_inference_pending_request_count``;
+- counters ``nv_cache_num_hits_per_model``, ``nv_cache_hit_duration_per_model``,
+  ``nv_cache_num_misses_per_model``, ``nv_cache_miss_duration_per_model`` (µs), for the versions that
+  use the response cache only, as Triton writes them;
 - system-wide gauges, on Linux (from ``/proc``): ``nv_cpu_utilization`` (since the previous scrape),
   ``nv_cpu_memory_total_bytes``, ``nv_cpu_memory_used_bytes`` (MemTotal - MemAvailable).
 
@@ -101,6 +104,16 @@ TRITON_MODEL_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_inference_pending_request_count": (
         "gauge", "Instantaneous number of pending requests awaiting execution per-model."),
 }
+# Written only when a version uses the response cache (Triton creates them for those models only), between
+# the durations and the pending count, as Triton 2.51 writes them (checked with run_triton.sh and
+# --cache-config local,size=1048576).
+TRITON_CACHE_FAMILIES: dict[str, tuple[str, str]] = {
+    "nv_cache_num_hits_per_model": ("counter", "Number of cache hits per model"),
+    "nv_cache_hit_duration_per_model": ("counter", "Total cache hit duration per model, in microseconds"),
+    "nv_cache_num_misses_per_model": ("counter", "Number of cache misses per model"),
+    "nv_cache_miss_duration_per_model": (
+        "counter", "Total cache miss (insert+lookup) duration per model, in microseconds"),
+}
 TRITON_CPU_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_cpu_utilization": ("gauge", "CPU utilization rate [0.0 - 1.0]"),
     "nv_cpu_memory_total_bytes": ("gauge", "CPU total memory (RAM), in bytes"),
@@ -118,13 +131,14 @@ _DURATION_FIELDS = {
 
 def triton_family(name: str) -> Family:
     """An empty family with Triton's TYPE and HELP."""
-    kind, text = {**TRITON_MODEL_FAMILIES, **TRITON_CPU_FAMILIES}[name]
+    kind, text = {**TRITON_MODEL_FAMILIES, **TRITON_CACHE_FAMILIES, **TRITON_CPU_FAMILIES}[name]
     return Family(name, kind, text)
 
 
 def model_families(rows: Iterable[StatisticsRow]) -> tuple[list[Family], list[Family]]:
     """Triton's per-model families and Shoal's own, from one ModelStatistics snapshot."""
     families = {name: triton_family(name) for name in TRITON_MODEL_FAMILIES}
+    cache = {name: triton_family(name) for name in TRITON_CACHE_FAMILIES}
     memory = Family("shoal_model_memory_bytes", "gauge", "Bytes of weights a model version holds on a device")
     instances = Family("shoal_model_instances", "gauge", "Executors of a model version")
     executing = Family("shoal_model_executing_requests", "gauge", "Requests whose batch is executing now")
@@ -142,13 +156,20 @@ def model_families(rows: Iterable[StatisticsRow]) -> tuple[list[Family], list[Fa
         for name, stat in _DURATION_FIELDS.items():
             families[name].add(labels, getattr(stats, stat).ns // 1000)
         families["nv_inference_pending_request_count"].add(labels, row.pending)
+        if row.cached:
+            cache["nv_cache_num_hits_per_model"].add(labels, stats.cache_hit.count)
+            cache["nv_cache_hit_duration_per_model"].add(labels, stats.cache_hit.ns // 1000)
+            cache["nv_cache_num_misses_per_model"].add(labels, stats.cache_miss.count)
+            cache["nv_cache_miss_duration_per_model"].add(labels, stats.cache_miss.ns // 1000)
         instances.add(labels, row.instances)
         executing.add(labels, stats.executing)
         warmup_runs.add(labels, stats.warmup.count)
         warmup_time.add(labels, stats.warmup.ns // 1000)
         for (kind, index), byte_size in row.memory_bytes.items():
             memory.add({"device": "cpu" if kind == "CPU" else f"gpu:{index}", **labels}, byte_size)
-    return list(families.values()), [memory, instances, executing, warmup_runs, warmup_time]
+    pending = families.pop("nv_inference_pending_request_count")  # Triton writes the cache's before it
+    tritons = [*families.values(), *(family for family in cache.values() if family.samples), pending]
+    return tritons, [memory, instances, executing, warmup_runs, warmup_time]
 
 
 class CpuMetrics:

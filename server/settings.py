@@ -92,6 +92,7 @@ class ServerSettings:
     memory_budgets: tuple[tuple[str, int], ...] = ()  # (device, bytes): "cpu", "gpu:0"
     rate_limit: bool = False  # --rate-limit execution_count (shoal.scheduling.rate_limiter)
     rate_limit_resources: tuple[tuple[str, int, int], ...] = ()  # (name, count, device; -1: every device)
+    response_cache_bytes: int | None = None  # --cache-config local,size=BYTES (lifecycle/response_cache.py)
     # Front-end worker processes serving gRPC; 0 serves it in this process (see shoal.frontend).
     grpc_workers: int = 0
     grpc_workers_choice: str = ""  # the count and why (--grpc-workers auto: the cores seen, the rule), for the log

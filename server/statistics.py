@@ -7,6 +7,9 @@
   durations of its batch's phases (gather inputs, execute, scatter outputs);
 - ``inference_count``: batch elements inferred; ``execution_count``: executions;
 - ``batch_stats``: per executed batch size, the count of executions and their phase times;
+- ``cache_hit``/``cache_miss``: requests the response cache answered (their lookup time), and
+  successful ones it did not (their lookup and insertion time); a hit is also a success, with its
+  queue time, but no execution, inference or compute time;
 - ``executing`` (Shoal's own, a gauge): requests whose batch is executing now;
 - ``failures``: failed requests by ``FailureReason`` (Triton's ``reason`` label of
   ``nv_inference_request_failure``); they sum to ``fail.count``.
@@ -100,6 +103,10 @@ class ModelStatistics:
     # The config's model_warmup at load: runs per copy and the wall time (not in Triton's ModelStatistics,
     # which has no such field: shoal_model_warmup_* metrics).
     warmup: Duration = field(default_factory=Duration)
+    # The response cache (lifecycle/response_cache.py): lookups that found an answer, and those that did not
+    # (their ns: the lookup and the insertion of the answer the execution gave).
+    cache_hit: Duration = field(default_factory=Duration)
+    cache_miss: Duration = field(default_factory=Duration)
 
     def record_execution(self, batch_size: int, phases: Phases, inferences: int | None = None) -> None:
         """One successful execution of ``batch_size`` elements, ``inferences`` of them real (default: all);
@@ -118,6 +125,18 @@ class ModelStatistics:
         self.compute_input.add(phases.input_ns)
         self.compute_infer.add(phases.infer_ns)
         self.compute_output.add(phases.output_ns)
+
+    def record_cache_hit(self, total_ns: int, queue_ns: int, lookup_ns: int) -> None:
+        """A request answered from the response cache: a success, with no execution or compute."""
+        self.success.add(total_ns)
+        self.queue.add(queue_ns)
+        self.cache_hit.add(lookup_ns)
+
+    def record_cache_miss(self, ns: int) -> None:
+        """A successful request the cache did not have (already counted a success): its lookup and
+        insertion, added to its duration too, as Triton's UpdateSuccessCacheMiss does."""
+        self.success.ns += ns
+        self.cache_miss.add(ns)
 
     def record_failure(self, total_ns: int, reason: FailureReason) -> None:
         self.fail.add(total_ns)

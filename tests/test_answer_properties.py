@@ -7,8 +7,11 @@ requests, states kept between steps. So, for each layout (one process; one front
 every client shares one arena; two workers), client threads send a seeded random mix of requests
 — ONNX, PyTorch and identity models in thread and process instances, Python models in thread and
 process instances, BLS, an ensemble, two sequence models with implicit state (one whose state is
-its input passed through), inputs and outputs inline, over HTTP and in system shared memory — and
-every answer is compared with the value this test computes for it. The seed is printed on failure
+its input passed through), models answered from a small response cache (an identity model, whose
+answer may be a view of the request's own memory, an ensemble and a Python model, asked from a small
+set of values so that answers are served from the cache and evicted from it), inputs and outputs
+inline, over HTTP and in system shared memory — and every answer is compared with the value this test
+computes for it. The seed is printed on failure
 (``SHOAL_PROPERTY_SEED`` replays one). Counts are bounded, and so is the time.
 """
 
@@ -39,6 +42,8 @@ CLIENTS = 5
 OPERATIONS_PER_CLIENT = 30
 TIMEOUT_S = 240.0  # for the whole mix of one layout; a few seconds when the machine is quiet
 BATCHING = "dynamic_batching { max_queue_delay_microseconds: 2000 }\n"
+CACHE = "response_cache { enable: true }\n"
+CACHE_BYTES = 2048  # some twenty answers: the cached models' values (below) do not all fit
 THREADS = 'parameters { key: "process_instances" value: { string_value: "false" } }\n'
 
 # model -> (input name, output name, what the model computes); rows of 4 FP32 for batched models.
@@ -48,6 +53,8 @@ ROW_MODELS: dict[str, tuple[str, str, Callable[[np.ndarray], np.ndarray]]] = {
     "torch_double_processes": ("INPUT__0", "OUTPUT__0", lambda x: x * 2),
     "echo": ("IN", "OUT", lambda x: x),
     "add1_then_double": ("IN", "OUT", lambda x: (x + 1) * 2),
+    "echo_cached": ("IN", "OUT", lambda x: x),
+    "add1_then_double_cached": ("IN", "OUT", lambda x: (x + 1) * 2),
 }
 # Python models: X of any length, no batching.
 VECTOR_MODELS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
@@ -55,6 +62,7 @@ VECTOR_MODELS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "py_double_processes": lambda x: x * 2,
     "py_bls_threads": lambda x: x * 8,  # x to py_double twice over: 2x, then 4x + 4x
     "py_bls_processes": lambda x: x * 8,
+    "py_double_cached": lambda x: x * 2,
 }
 REGION_BYTES = 64  # the largest tensor sent: 4 rows of 4 FP32, or 8 FP32
 
@@ -72,10 +80,13 @@ def build_repository(repo: Path) -> None:
     ensemble_models.add_torch_double(repo, "torch_double_processes")
     _append(repo / "torch_double_processes", BATCHING + PROCESSES)
     ensemble_models.add_identity(repo, "echo", extra=BATCHING)
-    ensemble_models.add_ensemble(repo, "add1_then_double", [
-        ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "plus_one"}),
-        ensemble_models.step("torch_double", {"INPUT__0": "plus_one"}, {"OUTPUT__0": "OUT"}),
-    ])
+    for suffix, extra in (("", ""), ("_cached", CACHE)):
+        ensemble_models.add_ensemble(repo, f"add1_then_double{suffix}", [
+            ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "plus_one"}),
+            ensemble_models.step("torch_double", {"INPUT__0": "plus_one"}, {"OUTPUT__0": "OUT"}),
+        ], extra=extra)
+    ensemble_models.add_identity(repo, "echo_cached", extra=BATCHING + CACHE)
+    python_models.write_model(repo, "py_double_cached", python_models.DOUBLE_CONFIG + CACHE, python_models.DOUBLE)
     python_models.write_model(repo, "py_double_threads", python_models.DOUBLE_CONFIG + THREADS,
                               python_models.DOUBLE)
     python_models.write_model(repo, "py_double_processes", python_models.DOUBLE_CONFIG, python_models.DOUBLE)
@@ -92,7 +103,8 @@ def build_repository(repo: Path) -> None:
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     build_repository(repo)
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *LAYOUTS[request.param])
+    running = start_server(repo, tmp_path_factory.mktemp("server"), *LAYOUTS[request.param],
+                           "--cache-config", f"local,size={CACHE_BYTES}")
     yield running
     assert running.stop() == 0, running.log()
 
@@ -153,9 +165,9 @@ class Client:
         return answer
 
 
-def _values(rng: random.Random, shape: tuple[int, ...]) -> np.ndarray:
+def _values(rng: random.Random, shape: tuple[int, ...], low: int = -500, high: int = 500) -> np.ndarray:
     """Small integers as FP32: every model's answer is exact, so equality is the check."""
-    return np.array([rng.randint(-500, 500) for _ in range(int(np.prod(shape)))], np.float32).reshape(shape)
+    return np.array([rng.randint(low, high) for _ in range(int(np.prod(shape)))], np.float32).reshape(shape)
 
 
 def _one_request(client: Client, rng: random.Random) -> str | None:
@@ -164,11 +176,13 @@ def _one_request(client: Client, rng: random.Random) -> str | None:
     if rng.random() < 0.6:
         model = rng.choice(list(ROW_MODELS))
         name, output, compute = ROW_MODELS[model]
-        value = _values(rng, (rng.randint(1, 4), 4))
+        # a cached model is asked one of 16 rows: its answers come from the cache, or are evicted from it
+        value = _values(rng, (1, 4), 0, 1) if model.endswith("_cached") else _values(rng, (rng.randint(1, 4), 4))
     else:
         model = rng.choice(list(VECTOR_MODELS))
         name, output, compute = "X", "Y", VECTOR_MODELS[model]
-        value = _values(rng, (rng.randint(1, 8),))
+        value = _values(rng, (rng.randint(1, 2),), 0, 2) if model.endswith("_cached") else _values(
+            rng, (rng.randint(1, 8),))
     answer = client.infer(how, model, name, output, value)
     expected = compute(value)
     if answer.shape != expected.shape or not np.array_equal(answer, expected):

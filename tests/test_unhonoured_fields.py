@@ -56,10 +56,10 @@ def test_findings_name_each_block_once_and_leave_honoured_fields_alone() -> None
                          { count: 1 rate_limiter { priority: 2 } } ]
         dynamic_batching { max_queue_delay_microseconds: 100 }
         response_cache { enable: true }
-        optimization { input_pinned_memory { enable: true } }
+        optimization { input_pinned_memory { enable: true } priority: PRIORITY_MAX }
     """)
     assert [(f.path, f.treatment) for f in unhonoured.findings(config)] == [
-        ("response_cache", unhonoured.Treatment.WARNED),
+        ("optimization.priority", unhonoured.Treatment.WARNED),
     ]
 
 
@@ -71,7 +71,7 @@ def repository() -> Iterator[Path]:
         shutil.copytree(SIMPLE, repo / "simple")
         shutil.copytree(SIMPLE, repo / "cached")
         (repo / "cached" / "config.pbtxt").write_text(
-            config.replace('name: "simple"', 'name: "cached"') + "\nresponse_cache { enable: true }\n"
+            config.replace('name: "simple"', 'name: "cached"') + "\noptimization { priority: PRIORITY_MAX }\n"
             'metric_tags { key: "team" value: "search" }\n')
         shutil.copytree(SIMPLE, repo / "custom_ops")
         (repo / "custom_ops" / "config.pbtxt").write_text(
@@ -97,7 +97,7 @@ def test_a_server_warns_refuses_and_serves_the_rest(repository: Path, tmp_path: 
             result = client.infer(model, inputs)
             np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
         text = server.log()
-        assert "model 'cached': response_cache is not honoured: the response cache is not implemented" in text
+        assert "model 'cached': optimization.priority is not honoured: model priority is not applied" in text
         assert "model 'cached': metric_tags is not honoured: metric tags are not added" in text
         assert not [line for line in text.splitlines() if "'simple'" in line and "not honoured" in line]
         client.close()
@@ -111,4 +111,4 @@ def test_config_check_says_the_same(repository: Path) -> None:
     assert result.returncode == 1
     assert ("FAIL  custom_ops: model 'custom_ops': model_operations is not supported: "
             "custom operation libraries are not loaded") in result.stdout
-    assert "      warning: model 'cached': response_cache is not honoured" in result.stdout
+    assert "      warning: model 'cached': optimization.priority is not honoured" in result.stdout

@@ -38,6 +38,7 @@ class StatisticsRow:
     memory_bytes: dict[tuple[str, int], int]  # (CPU|GPU, device id) -> bytes
     pending: int  # requests queued, waiting for an executor
     instances: int
+    cached: bool = False  # answered from the response cache when it can (Triton's nv_cache_* families)
 
 
 # Triton's words (grpc infer_handler.cc) for a one-response inference of a decoupled model.

@@ -206,7 +206,7 @@ class LocalCore:
         return [
             StatisticsRow(served.spec.name, str(served.version), served.statistics,
                           {(d.kind.upper(), d.index): b for d, b in served.memory_bytes.items()},
-                          served.queued, served.instance_count)
+                          served.queued, served.instance_count, served.cache is not None)
             for served in self.manager.statistics(name, version)
         ]
 

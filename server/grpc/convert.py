@@ -448,7 +448,8 @@ def model_statistics(rows: list[StatisticsRow]) -> service_pb2.ModelStatisticsRe
             execution_count=stats.execution_count,
         )
         inference = entry.inference_stats
-        for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+        for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
+                      "cache_miss"):
             _duration(getattr(inference, field), getattr(stats, field))
         for size in sorted(stats.batch_stats):
             batch = stats.batch_stats[size]

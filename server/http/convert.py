@@ -111,10 +111,6 @@ def _duration(source: Duration) -> dict[str, int]:
     return {"count": source.count, "ns": source.ns}
 
 
-# Triton prints its response cache's counts in every model's statistics; Shoal has no response cache.
-_NO_CACHE = {"cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0}}
-
-
 def model_statistics(rows: list[StatisticsRow]) -> dict[str, Any]:
     """Triton's statistics answer, with every key its HTTP answer has (server src/http_server.cc)."""
     entries = []
@@ -123,9 +119,9 @@ def model_statistics(rows: list[StatisticsRow]) -> dict[str, Any]:
         entries.append({
             "name": row.name, "version": row.version, "last_inference": stats.last_inference_ms,
             "inference_count": stats.inference_count, "execution_count": stats.execution_count,
-            "inference_stats": {**{field: _duration(getattr(stats, field)) for field in (
-                "success", "fail", "queue", "compute_input", "compute_infer", "compute_output")},
-                **_NO_CACHE},
+            "inference_stats": {field: _duration(getattr(stats, field)) for field in (
+                "success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
+                "cache_miss")},  # Triton prints the cache's counts in every model's statistics
             "batch_stats": [
                 {"batch_size": size, "compute_input": _duration(batch.compute_input),
                  "compute_infer": _duration(batch.compute_infer), "compute_output": _duration(batch.compute_output)}

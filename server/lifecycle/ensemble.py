@@ -33,7 +33,8 @@ from typing import Any, Protocol
 from shoal.backends.devices import Device
 from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle import tensors
-from shoal.lifecycle.model import ModelVersion
+from shoal.lifecycle.model import ModelVersion, next_load_number
+from shoal.lifecycle.response_cache import VersionCache
 from shoal.lifecycle.state import ModelEntry, ModelState, VersionEntry
 from shoal.protocol import config_pb2
 from shoal.protocol.types import DataType
@@ -79,6 +80,8 @@ class EnsembleVersion(ModelVersion):
         self.version = version
         self.memory_bytes: dict[Device, int] = {}
         self.statistics = ModelStatistics()
+        self.load_number = next_load_number()
+        self.cache: VersionCache | None = None  # use_cache: at the top level only, as Triton's
         self._registry = registry
         self._steps = spec.ensemble.steps
         self._plans: dict[tuple[str, ...], tuple[EnsembleStep, ...]] = {}
@@ -96,6 +99,14 @@ class EnsembleVersion(ModelVersion):
 
     def can_serve(self) -> bool:
         return not self._closing
+
+    def composition(self) -> tuple[int, ...]:
+        """Its load number and those of the versions its steps resolve to now (ShoalError: one is gone)."""
+        numbers = [self.load_number]
+        for step in self._steps:
+            version = str(step.model_version) if step.model_version >= 0 else ""
+            numbers += self._registry.resolve(step.model_name, version).composition()
+        return tuple(numbers)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         if self._closing:
@@ -115,6 +126,19 @@ class EnsembleVersion(ModelVersion):
         except ShoalError:
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
             raise
+        lookup = None
+        if self.cache is not None:
+            queued_ns = time.monotonic_ns()
+            try:
+                composition = self.composition()
+            except ShoalError:  # a step's model is gone: the steps fail the request in their words
+                composition = None
+            if composition is not None:
+                lookup = self.cache.look_up(prepared, request.parameters, composition)
+                if lookup.outputs is not None:
+                    self.cache.record_hit(lookup, arrival_ns, queued_ns)
+                    return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
+                                         outputs=lookup.outputs)
         pool = {name: Tensor(name, self._datatype(name), array.shape, array) for name, array in prepared.feed.items()}
         outer = ALSO_COUNT_PHASES.get()  # an ensemble that has this one as a step
         steps_phases = PhaseTotals()
@@ -141,6 +165,8 @@ class EnsembleVersion(ModelVersion):
         self.statistics.record_success(time.monotonic_ns() - arrival_ns, started_ns - arrival_ns, phases)
         if outer is not None:
             outer.add(phases)
+        if self.cache is not None and lookup is not None:
+            self.cache.insert(lookup, outputs)
         return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                              outputs=outputs)
 
@@ -228,6 +254,8 @@ class EnsembleVersion(ModelVersion):
         if self._in_flight:
             self._idle = asyncio.Event()
             await self._idle.wait()
+        if self.cache is not None:
+            self.cache.close()
 
 
 def _arrived(produced: dict[str, Tensor], pool: dict[str, Tensor], waiting: dict[int, set[str]]) -> list[int]:

@@ -41,6 +41,7 @@ from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
 from shoal.lifecycle.configure import ConfigOverride, configure, model_file
 from shoal.lifecycle.fingerprint import fingerprint_or_none
 from shoal.lifecycle.model import ModelVersion, placements
+from shoal.lifecycle.response_cache import ResponseCache
 from shoal.lifecycle.state import UNLOADED, IndexEntry, ModelEntry, ModelState, VersionEntry
 from shoal.lifecycle.streaming import StreamingRequest
 from shoal.repository import scanner
@@ -87,6 +88,7 @@ class ModelManager:
         on_change: Callable[[], None] | None = None,
         memory_budgets: dict[str, int] | None = None,
         rate_limiter: RateLimiter | None = None,
+        response_cache: ResponseCache | None = None,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise ValueError(f"control mode must be one of {CONTROL_MODES}")
@@ -98,6 +100,7 @@ class ModelManager:
         self.memory_budgets = memory_budgets or {}
         self._ledger = MemoryLedger(self.memory_budgets, self.memory_in_use)
         self.rate_limiter = rate_limiter  # --rate-limit execution_count: one for every model's instances
+        self.response_cache = response_cache  # --cache-config local,size=BYTES: one for the models that enable it
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._dependents = ensemble.Dependents(self)  # ensembles follow the models they use
@@ -232,11 +235,16 @@ class ModelManager:
         if self.rate_limiter is None and any(g.rate_limiter != RateLimiterSpec() for g in spec.instance_groups):
             logger.info("model %s: its instance groups' rate_limiter takes effect with --rate-limit execution_count "
                         "(off here, as Triton's default)", entry.name)
+        if self.response_cache is None and spec.response_cache:
+            logger.info("model %s: its response_cache takes effect with --cache-config local,size=BYTES (no cache "
+                        "here, as Triton's default)", entry.name)
         chosen = spec.version_policy.select(available)
         if not chosen:
             return f"model '{entry.name}': no version folder matches the version policy (found {available})", {}, []
         if spec.ensemble is not None:  # no weights: its steps are checked against the composing models as loaded
-            entry.versions, reason = ensemble.load_versions(spec, chosen, self)
+            ensemble_versions, reason = ensemble.load_versions(spec, chosen, self)
+            self._use_cache(spec, ensemble_versions.values())
+            entry.versions = ensemble_versions
             return reason, {}, []
         unchanged = _unchanged_versions(old, entry, chosen)
         if unchanged:
@@ -255,9 +263,20 @@ class ModelManager:
         except BaseException:
             self._ledger.release(budget.reserved)
             raise
+        self._use_cache(spec, versions.values())
         entry.versions = versions  # one assignment: index() never sees the dict change
         reason = "; ".join(v.reason for v in versions.values() if v.state is not ModelState.READY)
         return reason, budget.reserved, list(unchanged.values())
+
+    def _use_cache(self, spec: ModelSpec, versions: Iterable[VersionEntry]) -> None:
+        """Before they take traffic: the versions of a model whose config enables the response cache
+        answer from the server's (a version kept from the previous load has it already)."""
+        if self.response_cache is None or not spec.response_cache:
+            return
+        for version in versions:
+            served = version.served
+            if served is not None and served.cache is None:
+                served.use_cache(self.response_cache)
 
     @staticmethod
     def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget,

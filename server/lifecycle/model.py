@@ -8,6 +8,7 @@ in front of them. It names no framework.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import strategy
 from shoal.instances.pool import Instance, InstancePool, Placement, instance_name
 from shoal.lifecycle import tensors, warmup
+from shoal.lifecycle.response_cache import ResponseCache, VersionCache
 from shoal.lifecycle.streaming import is_decoupled
 from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
@@ -35,6 +37,14 @@ from shoal.statistics import FailureReason, ModelStatistics
 from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
+
+# One number per loaded version, never given twice in a server's life (the response cache's keys start
+# with it, so that a reload never answers from the old copy's entries).
+_load_numbers = itertools.count(1)
+
+
+def next_load_number() -> int:
+    return next(_load_numbers)
 
 
 def resolve_kind(backend: str, group: InstanceGroupSpec, gpus: int) -> InstanceKind:
@@ -106,6 +116,8 @@ class ModelVersion:
         self._backend = backend  # for its per-request checks; None: none
         self.statistics = ModelStatistics()
         self.admission = admission  # its instances' claims on the rate limiter, when it is on
+        self.load_number = next_load_number()
+        self.cache: VersionCache | None = None  # use_cache: the server's response cache, when both enable it
         self.scheduler: Scheduler | SequenceScheduler
         if spec.sequence_batching is not None:
             self.scheduler = SequenceScheduler(pool, self.statistics, spec.max_batch_size, spec.sequence_batching,
@@ -139,6 +151,14 @@ class ModelVersion:
             "y" if built.copies == 1 else "ies",
         )
         return cls(spec, version, built.pool, built.memory_bytes, backend, admission)
+
+    def use_cache(self, cache: ResponseCache) -> None:
+        """Answer requests equal to an earlier one from ``cache`` (before taking traffic)."""
+        self.cache = VersionCache(cache, self.statistics, self.load_number)
+
+    def composition(self) -> tuple[int, ...]:
+        """The load numbers of what answers this version's requests: its own (an ensemble adds its steps')."""
+        return (self.load_number,)
 
     def bind_host(self, host: Callable[..., Any]) -> None:
         """Give the instances that call other models (Python models' BLS) the host's entry point, and
@@ -211,6 +231,14 @@ class ModelVersion:
         except ShoalError:  # rejected for bad input: still a failed request of this version
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
             raise
+        cache = self.cache
+        if cache is not None:  # never a decoupled or sequence model: their loads refuse the cache
+            queued_ns = time.monotonic_ns()
+            lookup = cache.look_up(prepared, request.parameters, self.composition())
+            if lookup.outputs is not None:
+                cache.record_hit(lookup, arrival_ns, queued_ns)
+                return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
+                                     outputs=lookup.outputs)
         try:
             # A decoupled model's responses are checked as they go into the sink; its answer has no outputs.
             streamed = getattr(request, "sink", None) is not None and is_decoupled(self.spec.config_json)
@@ -237,12 +265,16 @@ class ModelVersion:
             outputs = await asyncio.to_thread(tensors.respond, self.spec, prepared, results)
         else:
             outputs = tensors.respond(self.spec, prepared, results)
+        if cache is not None:
+            cache.insert(lookup, outputs)
         return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                              outputs=outputs)
 
     async def close(self) -> None:
         """Finish queued and running requests, then release the instances and the weights."""
         await self.scheduler.stop()
+        if self.cache is not None:
+            self.cache.close()
         await asyncio.to_thread(self.pool.close)
         if self.admission is not None:
             self.admission.limiter.unregister(self.admission)

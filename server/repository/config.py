@@ -139,6 +139,8 @@ class ModelSpec:
     config_json: dict[str, Any] = field(default_factory=dict)
     # platform "ensemble": its steps (repository/ensemble_config.py); it has no backend or instances.
     ensemble: EnsembleScheduling | None = None
+    # response_cache { enable: true }: answered from the server's cache when it has one (--cache-config).
+    response_cache: bool = False
 
     def input(self, name: str) -> TensorSpec | None:
         return self._inputs_by_name.get(name)
@@ -294,6 +296,20 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
         _validate_dynamic_batching(config, where)
     if config.HasField("sequence_batching"):
         sequence_config.validate(config, where)
+    _validate_response_cache(config)
+
+
+def _validate_response_cache(config: config_pb2.ModelConfig) -> None:
+    """Triton's refusals (core model_config_utils.cc), whether or not the server has a cache: a
+    sequence's answers depend on its state, a decoupled model's on more than one response."""
+    if not config.response_cache.enable:
+        return
+    if config.HasField("sequence_batching"):
+        raise load_failed(f"Response Cache does not currently support model {config.name} with sequence batching "
+                          "scheduler. Please disable the response cache.")
+    if config.model_transaction_policy.decoupled:
+        raise load_failed(f"Response Cache does not currently support model {config.name} with 'decoupled' "
+                          "transaction policy. Please disable the response cache.")
 
 
 def validate_filename(config: config_pb2.ModelConfig, model_name: str) -> None:
@@ -442,6 +458,7 @@ def to_spec(config: config_pb2.ModelConfig, labels: dict[str, tuple[bytes, ...]]
         parameters={k: v.string_value for k, v in config.parameters.items()},
         config_json=json_format.MessageToDict(config, preserving_proto_field_name=True),
         ensemble=ensemble_config.scheduling(config) if ensemble_config.is_ensemble(config) else None,
+        response_cache=config.response_cache.enable,
     )
 
 

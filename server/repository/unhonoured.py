@@ -71,7 +71,7 @@ FIELDS: dict[str, tuple[Treatment, str]] = {
     "model_transaction_policy": (H, ""),
     "model_repository_agents": (R, "repository agents (checksum, decryption, ...) are not run: the model files "
                                    "would be used as they are"),
-    "response_cache": (W, "the response cache is not implemented: every request executes"),
+    "response_cache": (H, "with --cache-config local,size=BYTES (lifecycle/response_cache.py)"),
     "model_metrics": (W, "custom metric histogram buckets are not applied"),
 }
 

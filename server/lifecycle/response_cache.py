@@ -1,0 +1,202 @@
+"""Triton's response cache (``--cache-config local,size=BYTES``, ``response_cache { enable: true }``).
+
+Why: a model asked the same thing again (a popular query, a retried request) is answered without
+executing, as Triton's local cache does. One cache for the server, bounded by the bytes of the outputs
+it holds, least recently used first out.
+
+What makes two requests the same, so that an answer is never another request's: the loaded version
+(a number no other load of any version gets, so a reload never serves the old copy's answers, and its
+entries go when it is unloaded; for an ensemble, also the numbers of the versions its steps run),
+every input as the model receives it (name, numpy dtype, shape and bytes; BYTES elements length-prefixed),
+the requested outputs and classification counts, and every request parameter. The key is a 256-bit
+BLAKE2b digest of all that: two different requests meet on one key with probability 2^-128.
+What is kept is the response's outputs, copied out of whatever memory they were in (an arena the
+request owned, a worker's shared memory) and made read-only: nothing cached refers to a request's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shoal.lifecycle.tensors import Prepared
+from shoal.statistics import ModelStatistics
+from shoal.types import Tensor
+
+
+def request_key(versions: Sequence[int], feed: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
+                class_counts: Mapping[str, int], parameters: Mapping[str, Any]) -> bytes:
+    """The digest of everything that can change a version's answer to a request."""
+    digest = hashlib.blake2b(digest_size=32)
+
+    def put(part: bytes) -> None:
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+
+    for version in versions:
+        put(version.to_bytes(8, "little"))
+    for name in sorted(feed):
+        array = feed[name]
+        put(name.encode())
+        put(array.dtype.str.encode())
+        put(repr(array.shape).encode())
+        if array.dtype == object:
+            for element in array.reshape(-1):
+                put(element if isinstance(element, bytes) else b"\x00" + str(element).encode())
+        else:
+            put(np.ascontiguousarray(array).tobytes())
+    put(repr(None if outputs is None else tuple(outputs)).encode())
+    put(repr(sorted(class_counts.items())).encode())
+    put(repr(sorted((str(k), repr(v)) for k, v in parameters.items())).encode())
+    return digest.digest()
+
+
+@dataclass(frozen=True)
+class Entry:
+    version: int
+    outputs: tuple[Tensor, ...]
+    size: int
+
+
+def _owned(tensor: Tensor) -> Tensor:
+    data = np.array(tensor.data, copy=True)
+    data.flags.writeable = False
+    return Tensor(tensor.name, tensor.datatype, tensor.shape, data)
+
+
+def _size(outputs: Sequence[Tensor]) -> int:
+    total = 0
+    for tensor in outputs:
+        if tensor.data.dtype == object:
+            total += sum(len(e) if isinstance(e, bytes | str) else 8 for e in tensor.data.reshape(-1))
+        else:
+            total += tensor.data.nbytes
+    return total + 64 * len(outputs)
+
+
+class ResponseCache:
+    """The server's cache: entries by key, least recently used first out once ``capacity`` bytes are passed.
+
+    Lookups and insertions come from versions' ``infer`` on the serving loop, and from BLS calls that
+    may reach it from a model's thread: a lock keeps the order and the byte count whole.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> tuple[Tensor, ...] | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry.outputs
+
+    def put(self, key: bytes, version: int, outputs: Sequence[Tensor]) -> bool:
+        """Keep a copy of ``outputs``; False if ``key`` was there already (another request with the
+        same key finished first). One larger than the whole cache is not kept (True: still a miss)."""
+        size = _size(outputs)
+        if size > self.capacity:
+            return True
+        owned = tuple(_owned(t) for t in outputs)  # copied outside the lock
+        with self._lock:
+            if key in self._entries:
+                return False
+            while self.used + size > self.capacity:
+                _, evicted = self._entries.popitem(last=False)
+                self.used -= evicted.size
+            self._entries[key] = Entry(version, owned, size)
+            self.used += size
+            return True
+
+    def forget(self, version: int) -> None:
+        """Drop an unloaded version's entries (no request can make their keys again)."""
+        with self._lock:
+            for key in [k for k, entry in self._entries.items() if entry.version == version]:
+                self.used -= self._entries.pop(key).size
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One request's look into the cache: its key, what it found, when the look began and ended."""
+
+    key: bytes
+    outputs: tuple[Tensor, ...] | None
+    started_ns: int
+    ended_ns: int
+
+
+class VersionCache:
+    """A loaded version's part of the server's cache, and its statistics as Triton keeps them
+    (core infer_stats.cc): a hit is a success whose queue time ends when the lookup begins, with no
+    execution, inference or compute time; a miss adds its lookup and insertion time to the request's."""
+
+    def __init__(self, cache: ResponseCache, statistics: ModelStatistics, load_number: int) -> None:
+        self.cache = cache
+        self.statistics = statistics
+        self.load_number = load_number  # the version's: its entries are forgotten by it
+
+    def look_up(self, prepared: Prepared, parameters: Mapping[str, Any], composition: Sequence[int]) -> Lookup:
+        """``composition``: the load numbers of the version and, for an ensemble, of the versions its
+        steps run now, so that a composing model reloaded under a kept ensemble never answers from
+        its old copy's entries."""
+        started_ns = time.monotonic_ns()
+        key = request_key(composition, prepared.feed, prepared.outputs, prepared.class_counts, parameters)
+        outputs = self.cache.get(key)
+        return Lookup(key, outputs, started_ns, time.monotonic_ns())
+
+    def record_hit(self, lookup: Lookup, arrival_ns: int, queued_ns: int) -> None:
+        """``queued_ns``: when the request, checked, was ready to queue."""
+        self.statistics.record_cache_hit(time.monotonic_ns() - arrival_ns, lookup.started_ns - queued_ns,
+                                         lookup.ended_ns - lookup.started_ns)
+
+    def insert(self, lookup: Lookup, outputs: Sequence[Tensor]) -> None:
+        """Keep a successful answer; a miss unless an equal request's answer got there first (Triton,
+        too, counts that one neither as a hit nor as a miss)."""
+        started_ns = time.monotonic_ns()
+        if self.cache.put(lookup.key, self.load_number, outputs):
+            ended_ns = time.monotonic_ns()
+            self.statistics.record_cache_miss(lookup.ended_ns - lookup.started_ns + ended_ns - started_ns)
+
+    def close(self) -> None:
+        self.cache.forget(self.load_number)
+
+
+def parse_cache_config(values: Sequence[str]) -> int:
+    """``--cache-config`` values (``<cache name>,<setting>=<value>``, Triton's format and words) to the
+    local cache's size in bytes; 0 when none is given (no cache). ValueError says what is wrong."""
+    settings: dict[str, dict[str, str]] = {}
+    for text in values:
+        name, comma, rest = text.partition(",")
+        if not comma or not name:
+            raise ValueError("No cache specified. --cache-config option format is <cache name>,<setting>=<value>. "
+                             f"Got {text}")
+        setting, equals, value = rest.partition("=")
+        if not equals or not setting or not value:
+            raise ValueError(f"--cache-config option format is '<cache name>,<setting>=<value>'. Got {text}")
+        settings.setdefault(name, {})[setting] = value
+    if not settings:
+        return 0
+    unknown = sorted(set(settings) - {"local"})
+    if unknown:
+        raise ValueError(f"--cache-config: cache '{unknown[0]}' is not available in Shoal (only 'local')")
+    extra = sorted(set(settings["local"]) - {"size"})
+    if extra:
+        raise ValueError(f"--cache-config: the local cache has no setting '{extra[0]}' (only 'size')")
+    size = settings["local"].get("size", "")
+    if not size.isdigit():
+        raise ValueError("Failed to initialize LocalCache: config didn't contain a valid 'size' field.")
+    return int(size)

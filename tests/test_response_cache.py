@@ -1,0 +1,117 @@
+"""The response cache's keys, bound and flags (lifecycle/response_cache.py), without a server.
+
+Two requests share an answer only if nothing that can change it differs: each difference below
+makes its own key. The bound is in bytes of outputs, least recently used out first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shoal.lifecycle.response_cache import ResponseCache, parse_cache_config, request_key
+from shoal.protocol.types import DataType
+from shoal.types import Tensor
+
+FEED = {"IN": np.arange(4, dtype=np.float32).reshape(1, 4)}
+
+
+def key(versions=(1,), feed=None, outputs=("OUT",), class_counts=None, parameters=None) -> bytes:
+    return request_key(versions, FEED if feed is None else feed, outputs, class_counts or {}, parameters or {})
+
+
+@pytest.mark.parametrize("changed", [
+    {"versions": (2,)},
+    {"versions": (1, 7)},  # an ensemble's steps resolved to another load
+    {"feed": {"IN": np.arange(4, dtype=np.float64).reshape(1, 4)}},  # same values, other dtype
+    {"feed": {"IN": np.arange(4, dtype=np.float32).reshape(2, 2)}},  # same bytes, other shape
+    {"feed": {"IN": np.array([[0, 1, 2, 4]], dtype=np.float32)}},
+    {"feed": {"OTHER": FEED["IN"]}},
+    {"outputs": ("OUT", "OUT2")},
+    {"outputs": None},  # every output, not the one named
+    {"class_counts": {"OUT": 2}},
+    {"parameters": {"offset": 1}},
+])
+def test_anything_that_can_change_the_answer_changes_the_key(changed: dict) -> None:
+    assert key(**changed) != key()
+
+
+def test_equal_requests_meet_on_one_key_whatever_the_memory_layout() -> None:
+    strided = np.asfortranarray(np.arange(8, dtype=np.int32).reshape(2, 4))
+    assert key(feed={"IN": strided}) == key(feed={"IN": np.arange(8, dtype=np.int32).reshape(2, 4)})
+    assert key(parameters={"a": 1, "b": "x"}) == key(parameters={"b": "x", "a": 1})
+
+
+def test_bytes_elements_are_delimited() -> None:
+    """["ab", "c"] and ["a", "bc"] hold the same bytes in a row: their keys must differ."""
+    first = {"IN": np.array([b"ab", b"c"], dtype=object)}
+    second = {"IN": np.array([b"a", b"bc"], dtype=object)}
+    assert key(feed=first) != key(feed=second)
+
+
+def outputs(value: float, elements: int = 4) -> tuple[Tensor, ...]:
+    data = np.full((1, elements), value, dtype=np.float32)
+    return (Tensor("OUT", DataType.FP32, data.shape, data),)
+
+
+def test_the_least_recently_used_entry_goes_first_once_the_bound_is_passed() -> None:
+    one_entry = 16 + 64  # 4 float32 and the per-tensor allowance
+    cache = ResponseCache(3 * one_entry)
+    for index in range(3):
+        assert cache.put(bytes([index]), 1, outputs(index))
+    assert cache.get(bytes([0])) is not None  # 0 is now the most recently used: 1 goes next
+    cache.put(bytes([3]), 1, outputs(3))
+    assert cache.get(bytes([1])) is None
+    assert [cache.get(bytes([i])) is not None for i in (0, 2, 3)] == [True, True, True]
+    assert cache.used == 3 * one_entry <= cache.capacity
+
+
+def test_an_answer_larger_than_the_cache_is_not_kept_and_a_repeated_key_is_not_kept_twice() -> None:
+    cache = ResponseCache(100)
+    assert cache.put(b"big", 1, outputs(1.0, elements=100)) and len(cache) == 0
+    assert cache.put(b"k", 1, outputs(1.0)) and not cache.put(b"k", 1, outputs(2.0))
+    cached = cache.get(b"k")
+    assert cached is not None and cached[0].data[0, 0] == 1.0
+
+
+def test_what_is_kept_is_a_read_only_copy() -> None:
+    """The answer may live in memory its request owned (an arena, a worker's shared memory)."""
+    cache = ResponseCache(1000)
+    answer = outputs(5.0)
+    cache.put(b"k", 1, answer)
+    answer[0].data[0, 0] = -1.0  # the request's memory, reused
+    cached = cache.get(b"k")
+    assert cached is not None and cached[0].data[0, 0] == 5.0
+    with pytest.raises(ValueError):
+        cached[0].data[0, 0] = 0.0
+
+
+def test_an_unloaded_versions_entries_are_forgotten() -> None:
+    cache = ResponseCache(1000)
+    cache.put(b"a", 1, outputs(1.0))
+    cache.put(b"b", 2, outputs(2.0))
+    cache.forget(1)
+    assert cache.get(b"a") is None and cache.get(b"b") is not None
+    assert cache.used == 16 + 64
+
+
+@pytest.mark.parametrize(("values", "size"), [
+    ([], 0), (["local,size=1048576"], 1048576), (["local,size=0"], 0), (["local,size=1", "local,size=2"], 2),
+])
+def test_cache_config_sizes(values: list[str], size: int) -> None:
+    assert parse_cache_config(values) == size
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("size=10", "No cache specified. --cache-config option format is <cache name>,<setting>=<value>. Got size=10"),
+    ("local,size", "--cache-config option format is '<cache name>,<setting>=<value>'. Got local,size"),
+    ("local,=5", "--cache-config option format is '<cache name>,<setting>=<value>'. Got local,=5"),
+    ("local,size=ten", "Failed to initialize LocalCache: config didn't contain a valid 'size' field."),
+    ("local,size=-1", "Failed to initialize LocalCache: config didn't contain a valid 'size' field."),
+    ("redis,host=localhost", "cache 'redis' is not available in Shoal (only 'local')"),
+    ("local,ttl=5", "the local cache has no setting 'ttl' (only 'size')"),
+])
+def test_cache_config_refusals_in_tritons_words(value: str, message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_cache_config([value])
+    assert message in str(caught.value)
