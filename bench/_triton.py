@@ -8,10 +8,12 @@ free_triton_port() probes for three free ports (a small race with other programs
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,17 +83,38 @@ def _wait_until_ready(process: subprocess.Popen[bytes], url: str, deadline: floa
         time.sleep(0.5)
 
 
+def _run_view(extra_args: tuple[str, ...], folder: Path) -> dict[str, str]:
+    """An environment under which run_triton.sh starts the installed tritonserver with ``extra_args`` added:
+    a TRITON_RUN folder whose backends and caches are the install's, and whose ``bin/tritonserver`` execs the
+    real one with them (run_triton.sh passes no flags of its own choosing). Needs one plain start first."""
+    installed = Path(os.environ.get("TRITON_RUN", "/tmp/triton-run")) / "tritonserver"
+    binary = installed / "bin" / "tritonserver"
+    if not binary.exists():
+        raise RuntimeError(f"no tritonserver at {binary}: start run_triton.sh once (it installs it)")
+    view = folder / "tritonserver"
+    (view / "bin").mkdir(parents=True)
+    for part in ("backends", "caches", "python_backend_stubs"):
+        (view / part).symlink_to(installed / part)
+    wrapper = view / "bin" / "tritonserver"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(str(binary))} "$@" {" ".join(map(shlex.quote, extra_args))}\n')
+    wrapper.chmod(0o755)
+    return {**os.environ, "TRITON_RUN": str(folder)}
+
+
 @contextmanager
 def triton_server(repo: Path, port: int | None = None, log_path: Path | None = None,
-                  timeout_s: float = 900.0) -> Iterator[TritonServer]:
+                  timeout_s: float = 900.0, extra_args: tuple[str, ...] = ()) -> Iterator[TritonServer]:
     """A ready tritonserver serving ``repo`` for the ``with`` block; SIGTERM to its process group afterwards.
 
-    Its output goes to ``log_path`` (None: this process's stdout). The default timeout covers the first install."""
+    Its output goes to ``log_path`` (None: this process's stdout). The default timeout covers the first install.
+    ``extra_args``: flags added to run_triton.sh's (e.g. ``--cache-config``); they need Triton installed."""
     port = port or free_triton_port()
+    view = tempfile.TemporaryDirectory() if extra_args else None
+    env = _run_view(extra_args, Path(view.name)) if view else None
     log = open(log_path, "wb") if log_path else None  # noqa: SIM115 - closed below, the child keeps its own copy
     try:
         process = subprocess.Popen(["bash", str(RUN_TRITON), str(repo), str(port)], start_new_session=True,
-                                   stdout=log, stderr=subprocess.STDOUT if log else None)
+                                   stdout=log, stderr=subprocess.STDOUT if log else None, env=env)
     finally:
         if log:
             log.close()
@@ -105,3 +128,5 @@ def triton_server(repo: Path, port: int | None = None, log_path: Path | None = N
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        if view is not None:
+            view.cleanup()
