@@ -115,3 +115,20 @@ def test_cache_config_refusals_in_tritons_words(value: str, message: str) -> Non
     with pytest.raises(ValueError) as caught:
         parse_cache_config([value])
     assert message in str(caught.value)
+
+
+def test_each_hit_gets_its_own_copy_so_an_in_place_write_never_changes_the_entry() -> None:
+    """An ensemble's next step (torch.from_numpy ignores the read-only flag) may write into what a hit answers."""
+    from shoal.lifecycle.response_cache import VersionCache
+    from shoal.lifecycle.tensors import Prepared
+    from shoal.statistics import ModelStatistics
+
+    version = VersionCache(ResponseCache(1000), ModelStatistics(), load_number=1)
+    prepared = Prepared(feed=dict(FEED), outputs=("OUT",), batch_size=1)
+    miss = version.look_up(prepared, {}, (1,))
+    assert miss.outputs is None
+    version.insert(miss, outputs(3.0))
+    for _ in range(3):
+        hit = version.look_up(prepared, {}, (1,)).outputs
+        assert hit is not None and hit[0].data[0, 0] == 3.0
+        np.multiply(hit[0].data, 2, out=hit[0].data)  # a consumer's in-place write

@@ -155,7 +155,10 @@ class VersionCache:
         its old copy's entries."""
         started_ns = time.monotonic_ns()
         key = request_key(composition, prepared.feed, prepared.outputs, prepared.class_counts, parameters)
-        outputs = self.cache.get(key)
+        kept = self.cache.get(key)
+        # Each hit gets its own copy: what it answers may be written into in place (torch.from_numpy ignores
+        # the read-only flag; an ensemble's next step or a BLS caller may do so), and the entry must not change.
+        outputs = None if kept is None else tuple(Tensor(t.name, t.datatype, t.shape, t.data.copy()) for t in kept)
         return Lookup(key, outputs, started_ns, time.monotonic_ns())
 
     def record_hit(self, lookup: Lookup, arrival_ns: int, queued_ns: int) -> None:
