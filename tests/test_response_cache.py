@@ -125,10 +125,10 @@ def test_each_hit_gets_its_own_copy_so_an_in_place_write_never_changes_the_entry
 
     version = VersionCache(ResponseCache(1000), ModelStatistics(), load_number=1)
     prepared = Prepared(feed=dict(FEED), outputs=("OUT",), batch_size=1)
-    miss = version.look_up(prepared, {}, (1,))
+    miss = version.look_up(prepared, {}, (1,), arrival_ns=0)
     assert miss.outputs is None
     version.insert(miss, outputs(3.0))
     for _ in range(3):
-        hit = version.look_up(prepared, {}, (1,)).outputs
+        hit = version.look_up(prepared, {}, (1,), arrival_ns=0).outputs
         assert hit is not None and hit[0].data[0, 0] == 3.0
         np.multiply(hit[0].data, 2, out=hit[0].data)  # a consumer's in-place write

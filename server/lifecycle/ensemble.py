@@ -128,15 +128,13 @@ class EnsembleVersion(ModelVersion):
             raise
         lookup = None
         if self.cache is not None:
-            queued_ns = time.monotonic_ns()
             try:
                 composition = self.composition()
             except ShoalError:  # a step's model is gone: the steps fail the request in their words
                 composition = None
             if composition is not None:
-                lookup = self.cache.look_up(prepared, request.parameters, composition)
+                lookup = self.cache.look_up(prepared, request.parameters, composition, arrival_ns)
                 if lookup.outputs is not None:
-                    self.cache.record_hit(lookup, arrival_ns, queued_ns)
                     return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                                          outputs=lookup.outputs)
         pool = {name: Tensor(name, self._datatype(name), array.shape, array) for name, array in prepared.feed.items()}

@@ -233,10 +233,8 @@ class ModelVersion:
             raise
         cache = self.cache
         if cache is not None:  # never a decoupled or sequence model: their loads refuse the cache
-            queued_ns = time.monotonic_ns()
-            lookup = cache.look_up(prepared, request.parameters, self.composition())
+            lookup = cache.look_up(prepared, request.parameters, self.composition(), arrival_ns)
             if lookup.outputs is not None:
-                cache.record_hit(lookup, arrival_ns, queued_ns)
                 return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                                      outputs=lookup.outputs)
         try:

@@ -149,22 +149,23 @@ class VersionCache:
         self.statistics = statistics
         self.load_number = load_number  # the version's: its entries are forgotten by it
 
-    def look_up(self, prepared: Prepared, parameters: Mapping[str, Any], composition: Sequence[int]) -> Lookup:
-        """``composition``: the load numbers of the version and, for an ensemble, of the versions its
-        steps run now, so that a composing model reloaded under a kept ensemble never answers from
-        its old copy's entries."""
+    def look_up(self, prepared: Prepared, parameters: Mapping[str, Any], composition: Sequence[int],
+                arrival_ns: int) -> Lookup:
+        """Look for the request's answer; a hit is counted here (its queue time is that of a request that
+        goes straight from its checks to the lookup, as Triton's: none to speak of). ``composition``: the
+        load numbers of the version and, for an ensemble, of the versions its steps run now, so that a
+        composing model reloaded under a kept ensemble never answers from its old copy's entries."""
         started_ns = time.monotonic_ns()
         key = request_key(composition, prepared.feed, prepared.outputs, prepared.class_counts, parameters)
         kept = self.cache.get(key)
+        ended_ns = time.monotonic_ns()
+        if kept is None:
+            return Lookup(key, None, started_ns, ended_ns)
         # Each hit gets its own copy: what it answers may be written into in place (torch.from_numpy ignores
         # the read-only flag; an ensemble's next step or a BLS caller may do so), and the entry must not change.
-        outputs = None if kept is None else tuple(Tensor(t.name, t.datatype, t.shape, t.data.copy()) for t in kept)
-        return Lookup(key, outputs, started_ns, time.monotonic_ns())
-
-    def record_hit(self, lookup: Lookup, arrival_ns: int, queued_ns: int) -> None:
-        """``queued_ns``: when the request, checked, was ready to queue."""
-        self.statistics.record_cache_hit(time.monotonic_ns() - arrival_ns, lookup.started_ns - queued_ns,
-                                         lookup.ended_ns - lookup.started_ns)
+        outputs = tuple(Tensor(t.name, t.datatype, t.shape, t.data.copy()) for t in kept)
+        self.statistics.record_cache_hit(time.monotonic_ns() - arrival_ns, 0, ended_ns - started_ns)
+        return Lookup(key, outputs, started_ns, ended_ns)
 
     def insert(self, lookup: Lookup, outputs: Sequence[Tensor]) -> None:
         """Keep a successful answer; a miss unless an equal request's answer got there first (Triton,
