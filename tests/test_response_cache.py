@@ -6,6 +6,9 @@ makes its own key. The bound is in bytes of outputs, least recently used out fir
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import numpy as np
 import pytest
 
@@ -49,6 +52,23 @@ def test_bytes_elements_are_delimited() -> None:
     assert key(feed=first) != key(feed=second)
 
 
+@pytest.mark.parametrize("first, second", [
+    (b"5", "5"),  # a Python model or BLS caller may pass str where the wire passes bytes
+    (b"5", 5),
+    ("5", 5),
+    (b"\x005", "5"),  # the old key's str encoding was a NUL before the text
+    (5, 5.0),
+])
+def test_bytes_elements_of_different_types_are_different_requests(first: object, second: object) -> None:
+    """A model can tell b"5" from "5" from 5: a cached answer to one must never answer the other."""
+    assert key(feed={"IN": np.array([first], dtype=object)}) != key(feed={"IN": np.array([second], dtype=object)})
+
+
+def test_equal_bytes_elements_meet_on_one_key() -> None:
+    assert key(feed={"IN": np.array([b"ab", "c", 7], dtype=object)}) == \
+        key(feed={"IN": np.array([b"ab", "c", 7], dtype=object)})
+
+
 def outputs(value: float, elements: int = 4) -> tuple[Tensor, ...]:
     data = np.full((1, elements), value, dtype=np.float32)
     return (Tensor("OUT", DataType.FP32, data.shape, data),)
@@ -58,9 +78,9 @@ def test_the_least_recently_used_entry_goes_first_once_the_bound_is_passed() -> 
     one_entry = 16 + 64  # 4 float32 and the per-tensor allowance
     cache = ResponseCache(3 * one_entry)
     for index in range(3):
-        assert cache.put(bytes([index]), 1, outputs(index))
+        assert cache.put(bytes([index]), (1,), outputs(index))
     assert cache.get(bytes([0])) is not None  # 0 is now the most recently used: 1 goes next
-    cache.put(bytes([3]), 1, outputs(3))
+    cache.put(bytes([3]), (1,), outputs(3))
     assert cache.get(bytes([1])) is None
     assert [cache.get(bytes([i])) is not None for i in (0, 2, 3)] == [True, True, True]
     assert cache.used == 3 * one_entry <= cache.capacity
@@ -68,8 +88,8 @@ def test_the_least_recently_used_entry_goes_first_once_the_bound_is_passed() -> 
 
 def test_an_answer_larger_than_the_cache_is_not_kept_and_a_repeated_key_is_not_kept_twice() -> None:
     cache = ResponseCache(100)
-    assert cache.put(b"big", 1, outputs(1.0, elements=100)) and len(cache) == 0
-    assert cache.put(b"k", 1, outputs(1.0)) and not cache.put(b"k", 1, outputs(2.0))
+    assert cache.put(b"big", (1,), outputs(1.0, elements=100)) and len(cache) == 0
+    assert cache.put(b"k", (1,), outputs(1.0)) and not cache.put(b"k", (1,), outputs(2.0))
     cached = cache.get(b"k")
     assert cached is not None and cached[0].data[0, 0] == 1.0
 
@@ -78,7 +98,7 @@ def test_what_is_kept_is_a_read_only_copy() -> None:
     """The answer may live in memory its request owned (an arena, a worker's shared memory)."""
     cache = ResponseCache(1000)
     answer = outputs(5.0)
-    cache.put(b"k", 1, answer)
+    cache.put(b"k", (1,), answer)
     answer[0].data[0, 0] = -1.0  # the request's memory, reused
     cached = cache.get(b"k")
     assert cached is not None and cached[0].data[0, 0] == 5.0
@@ -88,11 +108,20 @@ def test_what_is_kept_is_a_read_only_copy() -> None:
 
 def test_an_unloaded_versions_entries_are_forgotten() -> None:
     cache = ResponseCache(1000)
-    cache.put(b"a", 1, outputs(1.0))
-    cache.put(b"b", 2, outputs(2.0))
+    cache.put(b"a", (1,), outputs(1.0))
+    cache.put(b"b", (2,), outputs(2.0))
     cache.forget(1)
     assert cache.get(b"a") is None and cache.get(b"b") is not None
     assert cache.used == 16 + 64
+
+
+def test_an_ensembles_entries_go_when_a_step_version_in_their_key_is_unloaded() -> None:
+    """A kept ensemble (load 5) whose step (load 2) was reloaded can never make those keys again."""
+    cache = ResponseCache(1000)
+    cache.put(b"ensemble", (5, 2, 3), outputs(1.0))
+    cache.put(b"step", (3,), outputs(2.0))
+    cache.forget(2)
+    assert cache.get(b"ensemble") is None and cache.get(b"step") is not None and cache.used == 16 + 64
 
 
 @pytest.mark.parametrize(("values", "size"), [
@@ -123,12 +152,54 @@ def test_each_hit_gets_its_own_copy_so_an_in_place_write_never_changes_the_entry
     from shoal.lifecycle.tensors import Prepared
     from shoal.statistics import ModelStatistics
 
-    version = VersionCache(ResponseCache(1000), ModelStatistics(), load_number=1)
+    version = VersionCache(ResponseCache(1000), ModelStatistics())
     prepared = Prepared(feed=dict(FEED), outputs=("OUT",), batch_size=1)
-    miss = version.look_up(prepared, {}, (1,), arrival_ns=0)
+    miss = asyncio.run(version.look_up(prepared, {}, (1,), arrival_ns=0))
     assert miss.outputs is None
-    version.insert(miss, outputs(3.0))
+    asyncio.run(version.insert(miss, outputs(3.0)))
     for _ in range(3):
-        hit = version.look_up(prepared, {}, (1,), arrival_ns=0).outputs
+        hit = asyncio.run(version.look_up(prepared, {}, (1,), arrival_ns=0)).outputs
         assert hit is not None and hit[0].data[0, 0] == 3.0
         np.multiply(hit[0].data, 2, out=hit[0].data)  # a consumer's in-place write
+
+
+def test_a_large_request_is_hashed_and_its_answer_copied_off_the_event_loop() -> None:
+    """Hashing and copying cost ~2 ms per MiB: above OFF_LOOP_BYTES neither may run on the serving loop,
+    or one large request holds every other one. Small ones stay on the loop (a thread costs more)."""
+    from shoal.lifecycle import response_cache
+    from shoal.lifecycle.response_cache import OFF_LOOP_BYTES, VersionCache
+    from shoal.lifecycle.tensors import Prepared
+    from shoal.statistics import ModelStatistics
+
+    threads: list[str] = []
+    real_key, real_put = response_cache.request_key, ResponseCache.put
+
+    def spy_key(*args):
+        threads.append("key:" + threading.current_thread().name)
+        return real_key(*args)
+
+    def spy_put(self, *args):
+        threads.append("put:" + threading.current_thread().name)
+        return real_put(self, *args)
+
+    large = np.ones((1, OFF_LOOP_BYTES // 4 + 1), dtype=np.float32)
+    small = np.ones((1, 4), dtype=np.float32)
+
+    async def round_trip(array: np.ndarray) -> None:
+        version = VersionCache(ResponseCache(1 << 24), ModelStatistics())
+        prepared = Prepared(feed={"IN": array}, outputs=("OUT",), batch_size=1)
+        miss = await version.look_up(prepared, {}, (1,), arrival_ns=0)
+        await version.insert(miss, (Tensor("OUT", DataType.FP32, array.shape, array),))
+        hit = await version.look_up(prepared, {}, (1,), arrival_ns=0)
+        assert hit.outputs is not None and np.array_equal(hit.outputs[0].data, array)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(response_cache, "request_key", spy_key)
+        patch.setattr(ResponseCache, "put", spy_put)
+        asyncio.run(round_trip(small))
+        on_loop = list(threads)
+        threads.clear()
+        asyncio.run(round_trip(large))
+    main = threading.main_thread().name
+    assert on_loop == [f"key:{main}", f"put:{main}", f"key:{main}"]
+    assert len(threads) == 3 and all(not t.endswith(":" + main) for t in threads), threads

@@ -233,6 +233,29 @@ def test_the_bound_evicts_the_least_recently_used(tmp_path: Path, server_factory
     assert (stats(server, "cached")["execution_count"], count(stats(server, "cached"), "cache_hit")) == (4, 2)
 
 
+def test_a_kept_ensembles_entries_leave_the_cache_when_its_step_is_reloaded(tmp_path: Path, server_factory) -> None:
+    """Entries the kept ensemble can never hit again (their key holds the old step's load number) must not
+    take room from live ones. Room for two: a, then the ensemble's; the step reloads; b must then fit
+    beside a, not push it out while the dead entry stays. The step caches nothing of its own."""
+    ensemble_models.add_identity(tmp_path, "cached", extra=CACHE)
+    python_models.write_model(tmp_path, "offset", OFFSET_CONFIG.replace(CACHE, ""), OFFSET.format(offset=1.0))
+    ensemble_models.add_ensemble(tmp_path, "composed",
+                                 [ensemble_models.step("offset", {"IN": "IN"}, {"OUT": "OUT"})], extra=CACHE)
+    server = server_factory(tmp_path, "--cache-config", f"local,size={2 * (4 * 4 + 64)}",
+                            "--model-control-mode", "explicit", "--load-model", "*")
+    a, b, x = row([1, 0, 0, 0]), row([2, 0, 0, 0]), row([5, 5, 5, 5])
+    grpc_infer(server, "cached", a)
+    np.testing.assert_array_equal(grpc_infer(server, "composed", x), x + 1)
+    python_models.write_model(tmp_path, "offset", OFFSET_CONFIG.replace(CACHE, ""), OFFSET.format(offset=2.0))
+    with grpcclient.InferenceServerClient(server.url) as client:
+        client.load_model("offset")
+        assert client.is_model_ready("composed")
+    grpc_infer(server, "cached", b)
+    grpc_infer(server, "cached", a)
+    assert (stats(server, "cached")["execution_count"], count(stats(server, "cached"), "cache_hit")) == (2, 1)
+    np.testing.assert_array_equal(grpc_infer(server, "composed", x), x + 2)
+
+
 def test_a_model_that_enables_the_cache_on_a_server_without_one_executes_every_request(
         tmp_path: Path, server_factory) -> None:
     ensemble_models.add_identity(tmp_path, "cached", extra=CACHE)

@@ -34,7 +34,7 @@ from shoal.backends.devices import Device
 from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle import tensors
 from shoal.lifecycle.model import ModelVersion, next_load_number
-from shoal.lifecycle.response_cache import VersionCache
+from shoal.lifecycle.response_cache import ResponseCache, VersionCache
 from shoal.lifecycle.state import ModelEntry, ModelState, VersionEntry
 from shoal.protocol import config_pb2
 from shoal.protocol.types import DataType
@@ -82,6 +82,7 @@ class EnsembleVersion(ModelVersion):
         self.statistics = ModelStatistics()
         self.load_number = next_load_number()
         self.cache: VersionCache | None = None  # use_cache: at the top level only, as Triton's
+        self._cache_holding_number: ResponseCache | None = None
         self._registry = registry
         self._steps = spec.ensemble.steps
         self._plans: dict[tuple[str, ...], tuple[EnsembleStep, ...]] = {}
@@ -133,7 +134,7 @@ class EnsembleVersion(ModelVersion):
             except ShoalError:  # a step's model is gone: the steps fail the request in their words
                 composition = None
             if composition is not None:
-                lookup = self.cache.look_up(prepared, request.parameters, composition, arrival_ns)
+                lookup = await self.cache.look_up(prepared, request.parameters, composition, arrival_ns)
                 if lookup.outputs is not None:
                     return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                                          outputs=lookup.outputs)
@@ -164,7 +165,7 @@ class EnsembleVersion(ModelVersion):
         if outer is not None:
             outer.add(phases)
         if self.cache is not None and lookup is not None:
-            self.cache.insert(lookup, outputs)
+            await self.cache.insert(lookup, outputs)
         return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                              outputs=outputs)
 
@@ -252,8 +253,7 @@ class EnsembleVersion(ModelVersion):
         if self._in_flight:
             self._idle = asyncio.Event()
             await self._idle.wait()
-        if self.cache is not None:
-            self.cache.close()
+        self._forget_cached_answers()
 
 
 def _arrived(produced: dict[str, Tensor], pool: dict[str, Tensor], waiting: dict[int, set[str]]) -> list[int]:

@@ -269,14 +269,14 @@ class ModelManager:
         return reason, budget.reserved, list(unchanged.values())
 
     def _use_cache(self, spec: ModelSpec, versions: Iterable[VersionEntry]) -> None:
-        """Before they take traffic: the versions of a model whose config enables the response cache
-        answer from the server's (a version kept from the previous load has it already)."""
-        if self.response_cache is None or not spec.response_cache:
+        """Before they take traffic, with a server cache: the versions of a model whose config enables the
+        response cache answer from it, and every version's load number leaves it when the version goes
+        (an ensemble's entries hold its steps' numbers; a version kept from the previous load has it already)."""
+        if self.response_cache is None:
             return
         for version in versions:
-            served = version.served
-            if served is not None and served.cache is None:
-                served.use_cache(self.response_cache)
+            if version.served is not None:
+                version.served.use_cache(self.response_cache, answer_from_it=spec.response_cache)
 
     @staticmethod
     def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget,

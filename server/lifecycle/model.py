@@ -118,6 +118,7 @@ class ModelVersion:
         self.admission = admission  # its instances' claims on the rate limiter, when it is on
         self.load_number = next_load_number()
         self.cache: VersionCache | None = None  # use_cache: the server's response cache, when both enable it
+        self._cache_holding_number: ResponseCache | None = None  # use_cache: forget this version's number at close
         self.scheduler: Scheduler | SequenceScheduler
         if spec.sequence_batching is not None:
             self.scheduler = SequenceScheduler(pool, self.statistics, spec.max_batch_size, spec.sequence_batching,
@@ -152,9 +153,17 @@ class ModelVersion:
         )
         return cls(spec, version, built.pool, built.memory_bytes, backend, admission)
 
-    def use_cache(self, cache: ResponseCache) -> None:
-        """Answer requests equal to an earlier one from ``cache`` (before taking traffic)."""
-        self.cache = VersionCache(cache, self.statistics, self.load_number)
+    def use_cache(self, cache: ResponseCache, answer_from_it: bool) -> None:
+        """Before taking traffic. ``answer_from_it``: answer requests equal to an earlier one from ``cache``.
+        Either way the version's load number leaves ``cache`` with it (``close``): a caching ensemble's
+        entries hold its steps' numbers, whether or not the steps cache their own answers."""
+        self._cache_holding_number = cache
+        if answer_from_it and self.cache is None:
+            self.cache = VersionCache(cache, self.statistics)
+
+    def _forget_cached_answers(self) -> None:
+        if self._cache_holding_number is not None:
+            self._cache_holding_number.forget(self.load_number)
 
     def composition(self) -> tuple[int, ...]:
         """The load numbers of what answers this version's requests: its own (an ensemble adds its steps')."""
@@ -233,7 +242,7 @@ class ModelVersion:
             raise
         cache = self.cache
         if cache is not None:  # never a decoupled or sequence model: their loads refuse the cache
-            lookup = cache.look_up(prepared, request.parameters, self.composition(), arrival_ns)
+            lookup = await cache.look_up(prepared, request.parameters, self.composition(), arrival_ns)
             if lookup.outputs is not None:
                 return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                                      outputs=lookup.outputs)
@@ -264,15 +273,14 @@ class ModelVersion:
         else:
             outputs = tensors.respond(self.spec, prepared, results)
         if cache is not None:
-            cache.insert(lookup, outputs)
+            await cache.insert(lookup, outputs)
         return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
                              outputs=outputs)
 
     async def close(self) -> None:
         """Finish queued and running requests, then release the instances and the weights."""
         await self.scheduler.stop()
-        if self.cache is not None:
-            self.cache.close()
+        self._forget_cached_answers()
         await asyncio.to_thread(self.pool.close)
         if self.admission is not None:
             self.admission.limiter.unregister(self.admission)

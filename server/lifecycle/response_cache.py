@@ -5,17 +5,24 @@ executing, as Triton's local cache does. One cache for the server, bounded by th
 it holds, least recently used first out.
 
 What makes two requests the same, so that an answer is never another request's: the loaded version
-(a number no other load of any version gets, so a reload never serves the old copy's answers, and its
-entries go when it is unloaded; for an ensemble, also the numbers of the versions its steps run),
-every input as the model receives it (name, numpy dtype, shape and bytes; BYTES elements length-prefixed),
+(a number no other load of any version gets, so a reload never serves the old copy's answers; for an
+ensemble, also the numbers of the versions its steps run). An entry goes when any version whose number
+is in its key is unloaded: an ensemble kept across a step's reload keeps no answers it can no longer give.
+every input as the model receives it (name, numpy dtype, shape and bytes; BYTES elements length-prefixed
+and tagged with their type, so that ``b"5"``, ``"5"`` and ``5`` are three requests),
 the requested outputs and classification counts, and every request parameter. The key is a 256-bit
 BLAKE2b digest of all that: two different requests meet on one key with probability 2^-128.
 What is kept is the response's outputs, copied out of whatever memory they were in (an arena the
 request owned, a worker's shared memory) and made read-only: nothing cached refers to a request's memory.
+
+Hashing a request and copying an answer cost about 2 ms per MiB here: above ``OFF_LOOP_BYTES`` they run
+on a worker thread (hashlib and numpy's copy let go of the GIL), as the transports' codecs do, so one
+large request does not hold every other request on the serving loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 import time
@@ -29,6 +36,8 @@ import numpy as np
 from shoal.lifecycle.tensors import Prepared
 from shoal.statistics import ModelStatistics
 from shoal.types import Tensor
+
+OFF_LOOP_BYTES = 2**20  # hash or copy more than this off the serving loop (the transports' threshold)
 
 
 def request_key(versions: Sequence[int], feed: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
@@ -49,18 +58,39 @@ def request_key(versions: Sequence[int], feed: Mapping[str, np.ndarray], outputs
         put(repr(array.shape).encode())
         if array.dtype == object:
             for element in array.reshape(-1):
-                put(element if isinstance(element, bytes) else b"\x00" + str(element).encode())
+                put(_element_bytes(element))
         else:
-            put(np.ascontiguousarray(array).tobytes())
+            contiguous = np.ascontiguousarray(array)
+            digest.update(contiguous.nbytes.to_bytes(8, "little"))
+            if contiguous.nbytes:
+                digest.update(contiguous.data.cast("B"))  # the buffer itself: no copy
     put(repr(None if outputs is None else tuple(outputs)).encode())
     put(repr(sorted(class_counts.items())).encode())
     put(repr(sorted((str(k), repr(v)) for k, v in parameters.items())).encode())
     return digest.digest()
 
 
+def _element_bytes(element: object) -> bytes:
+    """A BYTES element as the key sees it: its type, then its value (a model can tell ``b"5"`` from
+    ``"5"`` and from ``5``, which Python models and BLS callers may pass; so must the key)."""
+    if isinstance(element, bytes):
+        return b"b" + element
+    if isinstance(element, str):
+        return b"s" + element.encode("utf-8", "surrogatepass")
+    return b"o" + f"{type(element).__module__}.{type(element).__qualname__}:{element!r}".encode()
+
+
+def _feed_bytes(feed: Mapping[str, np.ndarray]) -> int:
+    return sum(8 * a.size if a.dtype == object else a.nbytes for a in feed.values())
+
+
+def _outputs_bytes(outputs: Sequence[Tensor]) -> int:
+    return sum(8 * t.data.size if t.data.dtype == object else t.data.nbytes for t in outputs)
+
+
 @dataclass(frozen=True)
 class Entry:
-    version: int
+    loads: tuple[int, ...]  # the load numbers in its key: unloading any of them makes it unreachable
     outputs: tuple[Tensor, ...]
     size: int
 
@@ -102,7 +132,7 @@ class ResponseCache:
             self._entries.move_to_end(key)
             return entry.outputs
 
-    def put(self, key: bytes, version: int, outputs: Sequence[Tensor]) -> bool:
+    def put(self, key: bytes, loads: Sequence[int], outputs: Sequence[Tensor]) -> bool:
         """Keep a copy of ``outputs``; False if ``key`` was there already (another request with the
         same key finished first). One larger than the whole cache is not kept (True: still a miss)."""
         size = _size(outputs)
@@ -115,14 +145,14 @@ class ResponseCache:
             while self.used + size > self.capacity:
                 _, evicted = self._entries.popitem(last=False)
                 self.used -= evicted.size
-            self._entries[key] = Entry(version, owned, size)
+            self._entries[key] = Entry(tuple(loads), owned, size)
             self.used += size
             return True
 
-    def forget(self, version: int) -> None:
-        """Drop an unloaded version's entries (no request can make their keys again)."""
+    def forget(self, load_number: int) -> None:
+        """Drop the entries an unloaded version's number is in (no request can make their keys again)."""
         with self._lock:
-            for key in [k for k, entry in self._entries.items() if entry.version == version]:
+            for key in [k for k, entry in self._entries.items() if load_number in entry.loads]:
                 self.used -= self._entries.pop(key).size
 
     def __len__(self) -> int:
@@ -134,6 +164,7 @@ class Lookup:
     """One request's look into the cache: its key, what it found, when the look began and ended."""
 
     key: bytes
+    composition: tuple[int, ...]  # the load numbers the key was made of
     outputs: tuple[Tensor, ...] | None
     started_ns: int
     ended_ns: int
@@ -144,39 +175,47 @@ class VersionCache:
     (core infer_stats.cc): a hit is a success whose queue time ends when the lookup begins, with no
     execution, inference or compute time; a miss adds its lookup and insertion time to the request's."""
 
-    def __init__(self, cache: ResponseCache, statistics: ModelStatistics, load_number: int) -> None:
+    def __init__(self, cache: ResponseCache, statistics: ModelStatistics) -> None:
         self.cache = cache
         self.statistics = statistics
-        self.load_number = load_number  # the version's: its entries are forgotten by it
 
-    def look_up(self, prepared: Prepared, parameters: Mapping[str, Any], composition: Sequence[int],
-                arrival_ns: int) -> Lookup:
+    async def look_up(self, prepared: Prepared, parameters: Mapping[str, Any], composition: Sequence[int],
+                      arrival_ns: int) -> Lookup:
         """Look for the request's answer; a hit is counted here (its queue time is that of a request that
         goes straight from its checks to the lookup, as Triton's: none to speak of). ``composition``: the
         load numbers of the version and, for an ensemble, of the versions its steps run now, so that a
         composing model reloaded under a kept ensemble never answers from its old copy's entries."""
         started_ns = time.monotonic_ns()
+        if _feed_bytes(prepared.feed) > OFF_LOOP_BYTES:
+            key, outputs = await asyncio.to_thread(self._find, prepared, parameters, composition)
+        else:
+            key, outputs = self._find(prepared, parameters, composition)
+        ended_ns = time.monotonic_ns()
+        if outputs is not None:
+            self.statistics.record_cache_hit(ended_ns - arrival_ns, 0, ended_ns - started_ns)
+        return Lookup(key, tuple(composition), outputs, started_ns, ended_ns)
+
+    def _find(self, prepared: Prepared, parameters: Mapping[str, Any],
+              composition: Sequence[int]) -> tuple[bytes, tuple[Tensor, ...] | None]:
         key = request_key(composition, prepared.feed, prepared.outputs, prepared.class_counts, parameters)
         kept = self.cache.get(key)
-        ended_ns = time.monotonic_ns()
         if kept is None:
-            return Lookup(key, None, started_ns, ended_ns)
+            return key, None
         # Each hit gets its own copy: what it answers may be written into in place (torch.from_numpy ignores
         # the read-only flag; an ensemble's next step or a BLS caller may do so), and the entry must not change.
-        outputs = tuple(Tensor(t.name, t.datatype, t.shape, t.data.copy()) for t in kept)
-        self.statistics.record_cache_hit(time.monotonic_ns() - arrival_ns, 0, ended_ns - started_ns)
-        return Lookup(key, outputs, started_ns, ended_ns)
+        return key, tuple(Tensor(t.name, t.datatype, t.shape, t.data.copy()) for t in kept)
 
-    def insert(self, lookup: Lookup, outputs: Sequence[Tensor]) -> None:
+    async def insert(self, lookup: Lookup, outputs: Sequence[Tensor]) -> None:
         """Keep a successful answer; a miss unless an equal request's answer got there first (Triton,
         too, counts that one neither as a hit nor as a miss)."""
         started_ns = time.monotonic_ns()
-        if self.cache.put(lookup.key, self.load_number, outputs):
+        if _outputs_bytes(outputs) > OFF_LOOP_BYTES:
+            kept = await asyncio.to_thread(self.cache.put, lookup.key, lookup.composition, outputs)
+        else:
+            kept = self.cache.put(lookup.key, lookup.composition, outputs)
+        if kept:
             ended_ns = time.monotonic_ns()
             self.statistics.record_cache_miss(lookup.ended_ns - lookup.started_ns + ended_ns - started_ns)
-
-    def close(self) -> None:
-        self.cache.forget(self.load_number)
 
 
 def parse_cache_config(values: Sequence[str]) -> int:
