@@ -167,7 +167,7 @@ def test_a_large_request_is_hashed_and_its_answer_copied_off_the_event_loop() ->
     """Hashing and copying cost ~2 ms per MiB: above OFF_LOOP_BYTES neither may run on the serving loop,
     or one large request holds every other one. Small ones stay on the loop (a thread costs more)."""
     from shoal.lifecycle import response_cache
-    from shoal.lifecycle.response_cache import OFF_LOOP_BYTES, VersionCache
+    from shoal.lifecycle.response_cache import OFF_LOOP_BYTES, OFF_LOOP_ELEMENTS, VersionCache
     from shoal.lifecycle.tensors import Prepared
     from shoal.statistics import ModelStatistics
 
@@ -182,14 +182,14 @@ def test_a_large_request_is_hashed_and_its_answer_copied_off_the_event_loop() ->
         threads.append("put:" + threading.current_thread().name)
         return real_put(self, *args)
 
-    large = np.ones((1, OFF_LOOP_BYTES // 4 + 1), dtype=np.float32)
     small = np.ones((1, 4), dtype=np.float32)
 
     async def round_trip(array: np.ndarray) -> None:
+        datatype = DataType.BYTES if array.dtype == object else DataType.FP32
         version = VersionCache(ResponseCache(1 << 24), ModelStatistics())
         prepared = Prepared(feed={"IN": array}, outputs=("OUT",), batch_size=1)
         miss = await version.look_up(prepared, {}, (1,), arrival_ns=0)
-        await version.insert(miss, (Tensor("OUT", DataType.FP32, array.shape, array),))
+        await version.insert(miss, (Tensor("OUT", datatype, array.shape, array),))
         hit = await version.look_up(prepared, {}, (1,), arrival_ns=0)
         assert hit.outputs is not None and np.array_equal(hit.outputs[0].data, array)
 
@@ -198,8 +198,14 @@ def test_a_large_request_is_hashed_and_its_answer_copied_off_the_event_loop() ->
         patch.setattr(ResponseCache, "put", spy_put)
         asyncio.run(round_trip(small))
         on_loop = list(threads)
-        threads.clear()
-        asyncio.run(round_trip(large))
+        off_loop = []
+        for large in (np.ones((1, OFF_LOOP_BYTES // 4 + 1), dtype=np.float32),
+                      np.array([b"x" * (OFF_LOOP_BYTES + 1)], dtype=object),  # one long element
+                      np.array([b"x"] * (OFF_LOOP_ELEMENTS + 1), dtype=object)):  # many short ones
+            threads.clear()
+            asyncio.run(round_trip(large))
+            off_loop.append(list(threads))
     main = threading.main_thread().name
     assert on_loop == [f"key:{main}", f"put:{main}", f"key:{main}"]
-    assert len(threads) == 3 and all(not t.endswith(":" + main) for t in threads), threads
+    for seen in off_loop:
+        assert len(seen) == 3 and all(not t.endswith(":" + main) for t in seen), seen

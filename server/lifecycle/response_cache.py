@@ -27,7 +27,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,8 @@ from shoal.lifecycle.tensors import Prepared
 from shoal.statistics import ModelStatistics
 from shoal.types import Tensor
 
-OFF_LOOP_BYTES = 2**20  # hash or copy more than this off the serving loop (the transports' threshold)
+OFF_LOOP_BYTES = 2**20  # hash or copy more than this off the serving loop (the transports' thresholds)
+OFF_LOOP_ELEMENTS = 16_384
 
 
 def request_key(versions: Sequence[int], feed: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
@@ -80,12 +81,18 @@ def _element_bytes(element: object) -> bytes:
     return b"o" + f"{type(element).__module__}.{type(element).__qualname__}:{element!r}".encode()
 
 
-def _feed_bytes(feed: Mapping[str, np.ndarray]) -> int:
-    return sum(8 * a.size if a.dtype == object else a.nbytes for a in feed.values())
-
-
-def _outputs_bytes(outputs: Sequence[Tensor]) -> int:
-    return sum(8 * t.data.size if t.data.dtype == object else t.data.nbytes for t in outputs)
+def _costly(arrays: Iterable[np.ndarray]) -> bool:
+    """Whether hashing or copying ``arrays`` would hold the loop: over ``OFF_LOOP_BYTES``, or BYTES
+    tensors of over ``OFF_LOOP_ELEMENTS`` elements (each is hashed on its own)."""
+    total = 0
+    for array in arrays:
+        if array.dtype != object:
+            total += array.nbytes
+        elif array.size > OFF_LOOP_ELEMENTS:
+            return True
+        else:
+            total += sum(len(e) if isinstance(e, bytes | str) else 8 for e in array.reshape(-1))
+    return total > OFF_LOOP_BYTES
 
 
 @dataclass(frozen=True)
@@ -186,7 +193,7 @@ class VersionCache:
         load numbers of the version and, for an ensemble, of the versions its steps run now, so that a
         composing model reloaded under a kept ensemble never answers from its old copy's entries."""
         started_ns = time.monotonic_ns()
-        if _feed_bytes(prepared.feed) > OFF_LOOP_BYTES:
+        if _costly(prepared.feed.values()):
             key, outputs = await asyncio.to_thread(self._find, prepared, parameters, composition)
         else:
             key, outputs = self._find(prepared, parameters, composition)
@@ -209,7 +216,7 @@ class VersionCache:
         """Keep a successful answer; a miss unless an equal request's answer got there first (Triton,
         too, counts that one neither as a hit nor as a miss)."""
         started_ns = time.monotonic_ns()
-        if _outputs_bytes(outputs) > OFF_LOOP_BYTES:
+        if _costly(t.data for t in outputs):
             kept = await asyncio.to_thread(self.cache.put, lookup.key, lookup.composition, outputs)
         else:
             kept = self.cache.put(lookup.key, lookup.composition, outputs)
