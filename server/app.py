@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 STREAM_GRACE_S = 1.0  # after the drain, for RPCs that are open but carry no request
 
 
-async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(name)s: %(message)s") -> int:
+async def serve(settings: ServerSettings) -> int:
     """Serve until SIGTERM/SIGINT; the exit code (0, or EXIT_FORCED from the watchdog)."""
     AcceptFailureLog().install()
     refuse_used_ports(settings)
@@ -84,7 +84,7 @@ async def serve(settings: ServerSettings, log_format: str = "%(levelname).1s %(n
         raise StartupError(f"failed to load all models: {', '.join(sorted(failures))} (logged above; "
                            "--exit-on-error=false serves the others)")
     logger.info("Front-end layout: %s", settings.grpc_workers_choice or f"{settings.grpc_workers} front-end workers")
-    front = WorkerFrontEnd(core, settings, log_format) if settings.grpc_workers else InProcessFrontEnd(core, settings)
+    front = WorkerFrontEnd(core, settings) if settings.grpc_workers else InProcessFrontEnd(core, settings)
     try:
         port, http_port = await front.start()
         metrics_port = 0
@@ -197,8 +197,8 @@ class InProcessFrontEnd:
 class WorkerFrontEnd:
     """gRPC and HTTP in ``settings.grpc_workers`` front-end processes sharing the ports (``shoal.frontend``)."""
 
-    def __init__(self, core: LocalCore, settings: ServerSettings, log_format: str) -> None:
-        self.supervisor = WorkerSupervisor(core, settings, log_format)
+    def __init__(self, core: LocalCore, settings: ServerSettings) -> None:
+        self.supervisor = WorkerSupervisor(core, settings)
 
     async def start(self) -> tuple[int, int]:
         settings = self.supervisor.settings

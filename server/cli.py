@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shoal import __version__
+from shoal import __version__, logs
 from shoal.descriptors import raise_open_file_limit
 from shoal.frontend.worker_count import AUTO, RULE, resolve
 from shoal.lifecycle.response_cache import parse_cache_config
+from shoal.logs import FORMATS, LogSettings
 from shoal.repository.instance_defaults import DEFAULT_INSTANCE_COUNT_RULE
 from shoal.scheduling.rate_limiter import Declared
 from shoal.settings import (
@@ -25,7 +26,6 @@ from shoal.settings import (
     parse_restriction,
 )
 
-LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 MAX_GRPC_WORKERS = 64
 
 
@@ -129,7 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=_port, default=8001, help="port (default 8001; 0 = any free)")
     serve.add_argument("--allow-grpc", type=_bool, default=True,
                        help="serve gRPC (default true; Triton's flag, which KServe passes: only true is taken)")
-    serve.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1 or more = debug")
+    serve.add_argument("--log-verbose", type=_count, default=0, metavar="N",
+                       help="verbose (debug) lines when 1 or more (default 0); all log settings can change "
+                            "while serving: /v2/logging, gRPC LogSettings")
+    serve.add_argument("--log-info", type=_bool, default=True, help="log INFO lines (default true)")
+    serve.add_argument("--log-warning", type=_bool, default=True, help="log WARNING lines (default true)")
+    serve.add_argument("--log-error", type=_bool, default=True, help="log ERROR lines (default true)")
+    serve.add_argument("--log-format", choices=FORMATS, default="default",
+                       help="default: local time, level, logger; ISO8601: UTC time first (as Triton's flag)")
+    serve.add_argument("--log-file", default="",
+                       help="append every process's log (all of standard error) to this file instead")
     serve.add_argument(
         "--strict-readiness", type=_bool, default=True,
         help="ServerReady is true only while every model is ready (default true, as Triton)",
@@ -353,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repository-poll-secs and --grpc-max-message-mb must be positive, "
                      "--grpc-worker-pool-mb at least 1, --shared-memory-max-mb, --shared-memory-max-regions and "
                      "--grpc-worker-liveness-secs at least 0")
-    logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO, format=LOG_FORMAT)
+    try:
+        logs.start(LogSettings(args.log_verbose, args.log_info, args.log_warning, args.log_error, args.log_format,
+                               args.log_file))
+    except OSError as exc:
+        parser.error(f"--log-file {args.log_file}: {exc.strerror}")
     raise_open_file_limit()
     if not args.model_repository.is_dir():
         print(f"shoal: error: model repository {args.model_repository} is not a folder", file=sys.stderr)
@@ -441,7 +454,7 @@ async def _serve(settings: ServerSettings) -> int:
     from shoal.errors import StartupError
 
     try:
-        return await serve(settings, LOG_FORMAT)
+        return await serve(settings)
     except StartupError as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP_FAILED

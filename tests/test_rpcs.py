@@ -52,7 +52,7 @@ def test_health_and_server_metadata(stub: InferenceStub) -> None:
     assert list(metadata.extensions) == [
         "model_configuration", "statistics", "schedule_policy", "model_repository",
         "model_repository(unload_dependents)", "classification", "system_shared_memory", "sequence",
-        "binary_tensor_data", "cuda_shared_memory",
+        "binary_tensor_data", "cuda_shared_memory", "logging",
     ]
 
 
@@ -114,7 +114,7 @@ def test_repository_index(stub: InferenceStub) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["TraceSetting", "LogSettings"],
+    ["TraceSetting"],
 )
 def test_unimplemented_rpcs_say_so(stub: InferenceStub, name: str) -> None:
     with pytest.raises(grpc.RpcError) as caught:

@@ -107,3 +107,9 @@ class Core(Protocol):
     async def unregister_cuda_shared_memory(self, name: str) -> None: ...  # "": every CUDA region
 
     async def cuda_shared_memory_status(self, name: str) -> list[CudaRegionStatus]: ...  # "": every CUDA region
+
+    # Triton's logging extension: every setting by its name (shoal.logs), for every process of the server.
+    async def log_settings(self) -> dict[str, Any]: ...
+
+    # Only the settings named change; a bad one is INVALID_ARGUMENT and changes nothing.
+    async def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]: ...

@@ -7,12 +7,13 @@ the statistics rows the metrics page reads from its own thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 
-from shoal import __version__
+from shoal import __version__, logs
 from shoal.core import (
     DECOUPLED_REFUSED,
     CudaRegionStatus,
@@ -36,6 +37,8 @@ from shoal.lifecycle.streaming import ENDED, ResponseSink, StreamingRequest, is_
 from shoal.settings import ServerSettings
 from shoal.types import InferRequest, InferResponse
 
+logger = logging.getLogger(__name__)
+
 SERVER_NAME = "shoal"
 # Only what is implemented end to end; clients gate features on these strings.
 EXTENSIONS = (
@@ -49,6 +52,7 @@ EXTENSIONS = (
     "sequence",
     "binary_tensor_data",  # HTTP's binary tensors (gRPC's raw contents need no extension)
     "cuda_shared_memory",  # always listed, as Triton does; without GPUs registration says so
+    "logging",
 )
 
 
@@ -191,6 +195,14 @@ class LocalCore:
 
     async def unregister_cuda_shared_memory(self, name: str) -> None:
         self.regions.unregister_cuda(name)
+
+    async def log_settings(self) -> dict[str, Any]:
+        return logs.current().read().as_dict()
+
+    async def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
+        settings = logs.current().update(changes)
+        logger.info("log settings now %s", settings.as_dict())
+        return settings.as_dict()
 
     async def cuda_shared_memory_status(self, name: str) -> list[CudaRegionStatus]:
         return self.regions.cuda_status(name)

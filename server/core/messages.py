@@ -146,5 +146,5 @@ CALLS = frozenset({
     "live", "ready", "health", "server_metadata", "model_ready", "model_metadata", "model_config",
     "model_statistics", "repository_index", "load_model", "unload_model", "register_system_shared_memory",
     "unregister_system_shared_memory", "system_shared_memory_status", "register_cuda_shared_memory",
-    "unregister_cuda_shared_memory", "cuda_shared_memory_status",
+    "unregister_cuda_shared_memory", "cuda_shared_memory_status", "log_settings", "update_log_settings",
 })

@@ -211,6 +211,14 @@ class RemoteCore:
         regions: list[CudaRegionStatus] = await self._call("cuda_shared_memory_status", name)
         return regions
 
+    async def log_settings(self) -> dict[str, Any]:
+        settings: dict[str, Any] = await self._call("log_settings")
+        return settings
+
+    async def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
+        settings: dict[str, Any] = await self._call("update_log_settings", changes)
+        return settings
+
     # -- the channel -------------------------------------------------------------------------------
 
     async def _call(self, method: str, *args: Any) -> Any:

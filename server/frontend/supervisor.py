@@ -29,6 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
+from shoal import logs
 from shoal.core import messages
 from shoal.core.host import CoreHost
 from shoal.core.local import LocalCore
@@ -56,10 +57,9 @@ class Worker:
 class WorkerSupervisor:
     """N front-end worker processes serving ``settings``'s gRPC address over the host's ``core``."""
 
-    def __init__(self, core: LocalCore, settings: ServerSettings, log_format: str) -> None:
+    def __init__(self, core: LocalCore, settings: ServerSettings) -> None:
         self.core = core
         self.settings = settings
-        self.log_format = log_format
         self.port = settings.grpc_port
         self.http_port = settings.http.port
         self.workers: dict[int, Worker] = {}
@@ -116,12 +116,14 @@ class WorkerSupervisor:
     async def _start_worker_with(self, index: int, requests: Arena, responses: Arena) -> tuple[int, int]:
         pool_bytes = self.settings.grpc_worker_pool_bytes
         scratch = tempfile.mkdtemp(prefix=f"shoal-worker{index}-")
+        log_share = logs.current()
         host_end, worker_end = socket.socketpair()
         try:
             process = await asyncio.create_subprocess_exec(
                 # -P: no working directory on sys.path (a stray ssl.py there must not shadow a module)
                 sys.executable, "-P", "-m", "shoal.frontend", str(worker_end.fileno()),
-                pass_fds=(worker_end.fileno(), requests.fd, responses.fd), env={**os.environ, "TMPDIR": scratch},
+                pass_fds=(worker_end.fileno(), requests.fd, responses.fd, log_share.fd),
+                env={**os.environ, "TMPDIR": scratch},
             )
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -131,8 +133,7 @@ class WorkerSupervisor:
         config = WorkerConfig(
             index=index, address=self.settings.grpc_address, port=self.port, tls=self.settings.tls,
             limits=replace(self.settings.grpc, reuse_port=True), requests_fd=requests.fd,
-            responses_fd=responses.fd, pool_bytes=pool_bytes, log_level=logging.getLogger().level,
-            log_format=self.log_format,
+            responses_fd=responses.fd, pool_bytes=pool_bytes, log_fd=log_share.fd, log_file=log_share.log_file,
             http=replace(self.settings.http, port=self.http_port) if self.settings.allow_http else None,
         )
         host = CoreHost(self.core, requests, responses)

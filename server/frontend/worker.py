@@ -20,6 +20,7 @@ import struct
 import sys
 from dataclasses import dataclass
 
+from shoal import logs
 from shoal.core.remote import RemoteCore
 from shoal.dataplane.arena import Arena
 from shoal.descriptors import AcceptFailureLog, raise_open_file_limit
@@ -48,8 +49,8 @@ class WorkerConfig:
     requests_fd: int  # this worker's arena (it allocates inputs there)
     responses_fd: int  # the host's arena for this worker (outputs)
     pool_bytes: int  # the size of each arena
-    log_level: int
-    log_format: str
+    log_fd: int  # the log settings' page (shoal.logs)
+    log_file: str
     http: HttpSettings | None = None  # None: no HTTP endpoint; its port is shared with the other workers
 
 
@@ -148,7 +149,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=int(sys.argv[1]))
     config = _receive_config(sock)
-    logging.basicConfig(level=config.log_level,
-                        format=config.log_format.replace("%(name)s", f"worker{config.index} %(name)s"))
+    logs.install(logs.LogShare.attach(config.log_fd, config.log_file),
+                 logs.LOG_LINE.replace("%(name)s", f"worker{config.index} %(name)s"))
     raise_open_file_limit(logging.DEBUG)  # the host raised it already; a worker started otherwise raises its own
     return asyncio.run(serve(sock, config))

@@ -431,6 +431,29 @@ def repository_index(entries: list[IndexEntry]) -> service_pb2.RepositoryIndexRe
     return message
 
 
+def log_settings_changes(message: service_pb2.LogSettingsRequest) -> dict[str, Any]:
+    """Each setting's value as its oneof carries it (bool, int or str; None when no kind is set)."""
+    changes: dict[str, Any] = {}
+    for name, value in message.settings.items():
+        kind = value.WhichOneof("parameter_choice")
+        changes[name] = None if kind is None else getattr(value, kind)
+    return changes
+
+
+def log_settings(settings: dict[str, Any]) -> service_pb2.LogSettingsResponse:
+    """Triton's kinds: booleans as bool_param, the verbose level as uint32_param, text as string_param."""
+    response = service_pb2.LogSettingsResponse()
+    for name, value in settings.items():
+        target = response.settings[name]
+        if isinstance(value, bool):
+            target.bool_param = value
+        elif isinstance(value, int):
+            target.uint32_param = value
+        else:
+            target.string_param = value
+    return response
+
+
 def _duration(target: service_pb2.StatisticDuration, source: Duration) -> None:
     target.count = source.count
     target.ns = source.ns

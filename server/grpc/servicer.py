@@ -243,13 +243,16 @@ class InferenceServicer:
         await self.core.unregister_cuda_shared_memory(request.name)
         return pb.CudaSharedMemoryUnregisterResponse()
 
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
+        """No settings: read them; some: change those (Triton answers every setting either way)."""
+        changes = convert.log_settings_changes(request)
+        settings = await (self.core.update_log_settings(changes) if changes else self.core.log_settings())
+        return convert.log_settings(settings)
+
     # RPCs of extensions Shoal does not implement (yet) answer UNIMPLEMENTED.
 
     async def TraceSetting(self, request: Any, context: Context) -> Any:
         raise unsupported("TraceSetting")
-
-    async def LogSettings(self, request: Any, context: Context) -> Any:
-        raise unsupported("LogSettings")
 
 
 def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, Any] | None:

@@ -174,6 +174,15 @@ async def cuda_shared_memory_unregister(core: Core, request: Request) -> Reply:
     return Reply()
 
 
+async def log_settings(core: Core, request: Request) -> Reply:
+    return _json(await core.log_settings())
+
+
+async def update_log_settings(core: Core, request: Request) -> Reply:
+    """Every setting after the change, as Triton answers (JSON types are the settings' own)."""
+    return _json(await core.update_log_settings(convert.parse_object(request.body, "log settings")))
+
+
 def _unsupported(what: str) -> Callable[[Core, Request], Awaitable[Reply]]:
     async def handler(core: Core, request: Request) -> Reply:
         raise unsupported(what)
@@ -211,6 +220,7 @@ ROUTES: list[tuple[re.Pattern[str], str, Handler, str]] = [
         ("/v2/cudasharedmemory" + _REGION + "/unregister", "POST", cuda_shared_memory_unregister, "shared-memory"),
         ("/v2/trace/setting", "GET|POST", _unsupported("trace settings"), "trace"),
         (_MODEL + "/trace/setting", "GET|POST", _unsupported("trace settings"), "trace"),
-        ("/v2/logging", "GET|POST", _unsupported("log settings"), "logging"),
+        ("/v2/logging", "GET", log_settings, "logging"),
+        ("/v2/logging", "POST", update_log_settings, "logging"),
     )
 ]

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from shoal import logs
 from shoal.backends.base import backend_for
 from shoal.backends.devices import Device
 from shoal.dataplane import tensors
@@ -171,12 +172,14 @@ def _worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, thre
             return
 
 
-def _worker_entry(main: Any, *args: Any) -> None:
+def _worker_entry(main: Any, log_share: logs.LogShare, *args: Any) -> None:
     """A worker process starts here: it dies with the host whatever ``main`` (its loop) is doing, and
     ends as soon as ``main`` does, however (a model's ``sys.exit()`` included): a thread the model left
     running, daemon or not, never holds a worker whose loop is gone, so the server sees it die and
-    replaces it instead of waiting for its answer forever."""
+    replaces it instead of waiting for its answer forever. It logs as the server's settings say, now
+    and after any change (``shoal.logs``)."""
     lifeline.guard_worker(args[-1])
+    logs.install(log_share)
     code = 0
     try:
         main(*args)
@@ -266,7 +269,8 @@ class ProcessModel:
         self._conn, child = self._context.Pipe()
         self._process = self._context.Process(
             target=_worker_entry,
-            args=(type(self).worker_main, self._spec, self._path, self._device, self._handle, self._threads, child),
+            args=(type(self).worker_main, logs.current(), self._spec, self._path, self._device, self._handle,
+                  self._threads, child),
             daemon=True, name=f"shoal-{self._spec.name}-worker",
         )
         lifeline.launch(self._process)

@@ -146,8 +146,6 @@ def _run_decoupled(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas:
 def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
     """The worker process: initialize the model, then run batches from the pipe until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the host's to handle; it stops us
-    if not logging.getLogger().handlers:  # a forkserver child: the model's Logger lines go to the server's stderr
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     arenas: dict[str, Arena] = {}
     conn = LockedConn(conn)
     decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
