@@ -74,6 +74,7 @@ async def serve(settings: ServerSettings) -> int:
         memory_budgets=dict(settings.memory_budgets),
         rate_limiter=limiter,
         response_cache=cache,
+        summary_latencies=settings.metrics.summary_latencies,
     )
     core = LocalCore(manager, strict_readiness=settings.strict_readiness,
                      max_shared_memory_bytes=settings.shared_memory_max_bytes,
@@ -91,7 +92,8 @@ async def serve(settings: ServerSettings) -> int:
         if settings.allow_metrics:
             from shoal.metrics import start_metrics_server
 
-            metrics_port = start_metrics_server(core.statistics_rows, settings.metrics_address, settings.metrics_port)
+            metrics_port = start_metrics_server(core.statistics_rows, settings.metrics_address, settings.metrics_port,
+                                                settings.metrics)
     except BaseException:
         await front.stop(grace_s=0, deadline=time.monotonic())
         await manager.close()

@@ -23,6 +23,7 @@ from shoal.settings import (
     HttpSettings,
     ServerSettings,
     TlsSettings,
+    parse_metrics_config,
     parse_restriction,
 )
 
@@ -165,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics (default true)")
     serve.add_argument("--metrics-address", help="address of the metrics endpoint (default: --grpc-address)")
     serve.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002; 0 = any free)")
+    serve.add_argument("--metrics-config", action="append", default=[], metavar="SETTING=VALUE",
+                       help="summary_latencies=true: Triton's nv_inference_*_summary_us over the last minute; "
+                            "summary_quantiles=Q:E[,Q:E...] (default 0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001,"
+                            "0.999:0.001); counter_latencies=false drops the *_duration_us counters (repeatable)")
     serve.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
                        help="require header KEY=VALUE for these RPC categories, e.g. model-repository:admin-key=s3cret")
     serve.add_argument("--grpc-max-message-mb", type=float, default=2048.0,
@@ -350,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     try:
         cache_bytes = parse_cache_config(args.cache_config) if args.cache_config else None
+        metrics = parse_metrics_config(args.metrics_config)
     except ValueError as exc:
         parser.error(str(exc))
     if declared and args.rate_limit == "off":
@@ -393,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         allow_metrics=args.allow_metrics,
         metrics_address=args.metrics_address or args.grpc_address,
         metrics_port=args.metrics_port,
+        metrics=metrics,
         memory_budgets=tuple(budgets),
         rate_limit=args.rate_limit == "execution_count",
         rate_limit_resources=tuple((d.name, d.count, d.device) for d in declared),

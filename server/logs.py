@@ -45,6 +45,20 @@ _UINT32_MAX = 2**32 - 1
 LOG_LINE = "%(asctime)s %(levelname).1s %(name)s: %(message)s"  # Shoal's line in the default format
 
 
+class NoValue:
+    """A gRPC setting sent with no kind of value set: refused as the wrong type, as Triton does
+    (HTTP's ``null`` is different: it leaves the setting as it is)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NoValue)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+NO_VALUE = NoValue()
+
+
 @dataclass(frozen=True)
 class LogSettings:
     """Triton's log settings, by its names (the JSON keys and gRPC map keys)."""

@@ -1,8 +1,9 @@
 """Prometheus metrics over HTTP, written as Triton 2.51 writes them, so its dashboards and alerts work unchanged.
 
 Read from the same statistics ModelStatistics reports, at scrape time (nothing is added to the
-request path). Triton's families, with its names, TYPE and HELP lines and labels (checked against a
-capture of a real Triton in ``tests/data/triton_metrics.txt``):
+request path but the summaries' latencies, when they are on). Triton's families, with its names,
+TYPE and HELP lines and labels (checked against a capture of a real Triton in
+``tests/data/triton_metrics.txt``):
 
 - counters, labels ``model`` and ``version``: ``nv_inference_request_success``,
   ``nv_inference_count``, ``nv_inference_exec_count`` and the cumulative durations in µs
@@ -14,7 +15,11 @@ capture of a real Triton in ``tests/data/triton_metrics.txt``):
   ``nv_cache_num_misses_per_model``, ``nv_cache_miss_duration_per_model`` (µs), for the versions that
   use the response cache only, as Triton writes them;
 - system-wide gauges, on Linux (from ``/proc``): ``nv_cpu_utilization`` (since the previous scrape),
-  ``nv_cpu_memory_total_bytes``, ``nv_cpu_memory_used_bytes`` (MemTotal - MemAvailable).
+  ``nv_cpu_memory_total_bytes``, ``nv_cpu_memory_used_bytes`` (MemTotal - MemAvailable);
+- with ``--metrics-config summary_latencies=true``, summaries ``nv_inference_{request,queue,
+  compute_input,compute_infer,compute_output}_summary_us``: the quantiles of the last minute's
+  latencies (``shoal.statistics.LatencyWindows``, the one thing this adds to the request path: one
+  sketch add per family per successful request), ``_count`` and ``_sum`` those of the counters.
 
 A counter's sample carries the family's own name, with no ``_total`` suffix (Triton's prometheus-cpp
 writes them so; prometheus_client would add ``_total``), hence the small text writer here.
@@ -27,6 +32,7 @@ collector (``process_resident_memory_bytes`` and the rest).
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -38,6 +44,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 
 from shoal.core import StatisticsRow
 from shoal.errors import StartupError
+from shoal.settings import MetricsSettings
 from shoal.statistics import FailureReason
 
 logger = logging.getLogger(__name__)
@@ -45,6 +52,7 @@ logger = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; charset=utf-8"  # what Triton's metrics endpoint answers
 
 Labels = dict[str, str]
+DEFAULT_SETTINGS = MetricsSettings()
 
 
 @dataclass
@@ -119,6 +127,24 @@ TRITON_CPU_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_cpu_memory_total_bytes": ("gauge", "CPU total memory (RAM), in bytes"),
     "nv_cpu_memory_used_bytes": ("gauge", "CPU used memory (RAM), in bytes"),
 }
+# --metrics-config summary_latencies=true: Triton 2.51's summaries, after the CPU families, in Triton's order
+# and words (captured with run_triton.sh); the ModelStatistics field that counts and sums each (its _count
+# and _sum are those of the duration counter, as Triton's) and the LatencyWindows field of its quantiles.
+TRITON_SUMMARY_FAMILIES: dict[str, tuple[str, str]] = {
+    "nv_inference_request_summary_us": (
+        "success", "Summary of inference request duration in microseconds (includes cached requests)"),
+    "nv_inference_queue_summary_us": (
+        "queue", "Summary of inference queuing duration in microseconds (includes cached requests)"),
+    "nv_inference_compute_input_summary_us": (
+        "compute_input", "Cumulative compute input duration in microseconds (does not include cached requests)"),
+    "nv_inference_compute_infer_summary_us": (
+        "compute_infer", "Cumulative compute inference duration in microseconds (does not include cached requests)"),
+    "nv_inference_compute_output_summary_us": (
+        "compute_output",
+        "Cumulative inference compute output duration in microseconds (does not include cached requests)"),
+}
+_WINDOW_FIELDS = {"success": "request", "queue": "queue", "compute_input": "compute_input",
+                  "compute_infer": "compute_infer", "compute_output": "compute_output"}
 # Duration families -> the ModelStatistics field they sum (ns there, whole µs here).
 _DURATION_FIELDS = {
     "nv_inference_request_duration_us": "success",
@@ -135,9 +161,50 @@ def triton_family(name: str) -> Family:
     return Family(name, kind, text)
 
 
-def model_families(rows: Iterable[StatisticsRow]) -> tuple[list[Family], list[Family]]:
-    """Triton's per-model families and Shoal's own, from one ModelStatistics snapshot."""
-    families = {name: triton_family(name) for name in TRITON_MODEL_FAMILIES}
+@dataclass
+class SummaryFamily:
+    """A summary, as prometheus-cpp writes one: per label set its ``_count``, ``_sum``, then each
+    quantile, the ``quantile`` label last (not sorted in), whole µs, ``Nan`` for an empty window."""
+
+    name: str
+    help: str
+    samples: list[tuple[Labels, int, int, list[tuple[float, float]]]] = field(default_factory=list)
+
+    def text(self) -> str:
+        lines = [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} summary"]
+        for labels, count, total, quantiles in self.samples:
+            inner = _labels(labels)[1:-1]
+            lines += [f"{self.name}_count{{{inner}}} {count}", f"{self.name}_sum{{{inner}}} {total}"]
+            lines += [f'{self.name}{{{inner},quantile="{_number(q)}"}} {_quantile_value(v)}' for q, v in quantiles]
+        return "\n".join(lines) + "\n"
+
+
+def _quantile_value(value: float) -> str:
+    return "Nan" if math.isnan(value) else str(round(value))
+
+
+def summary_families(rows: Iterable[StatisticsRow], quantiles: tuple[float, ...]) -> list[SummaryFamily]:
+    """Triton's five latency summaries, for the versions that keep their latencies."""
+    families = []
+    for name, (stat, text) in TRITON_SUMMARY_FAMILIES.items():
+        family = SummaryFamily(name, text)
+        for row in rows:
+            windows = row.statistics.latencies
+            if windows is None:
+                continue
+            duration = getattr(row.statistics, stat)
+            values = getattr(windows, _WINDOW_FIELDS[stat]).quantiles(quantiles)
+            family.samples.append(({"model": row.name, "version": row.version}, duration.count,
+                                   duration.ns // 1000, list(zip(quantiles, values, strict=True))))
+        families.append(family)
+    return families
+
+
+def model_families(rows: Iterable[StatisticsRow], counter_latencies: bool = True) -> tuple[list[Family], list[Family]]:
+    """Triton's per-model families and Shoal's own, from one ModelStatistics snapshot; without
+    ``counter_latencies`` (``--metrics-config counter_latencies=false``), no duration counters."""
+    families = {name: triton_family(name) for name in TRITON_MODEL_FAMILIES
+                if counter_latencies or name not in _DURATION_FIELDS}
     cache = {name: triton_family(name) for name in TRITON_CACHE_FAMILIES}
     memory = Family("shoal_model_memory_bytes", "gauge", "Bytes of weights a model version holds on a device")
     instances = Family("shoal_model_instances", "gauge", "Executors of a model version")
@@ -154,7 +221,8 @@ def model_families(rows: Iterable[StatisticsRow]) -> tuple[list[Family], list[Fa
         families["nv_inference_count"].add(labels, stats.inference_count)
         families["nv_inference_exec_count"].add(labels, stats.execution_count)
         for name, stat in _DURATION_FIELDS.items():
-            families[name].add(labels, getattr(stats, stat).ns // 1000)
+            if counter_latencies:
+                families[name].add(labels, getattr(stats, stat).ns // 1000)
         families["nv_inference_pending_request_count"].add(labels, row.pending)
         if row.cached:
             cache["nv_cache_num_hits_per_model"].add(labels, stats.cache_hit.count)
@@ -206,26 +274,33 @@ class CpuMetrics:
 class MetricsPage:
     """The whole /metrics text: Triton's families, Shoal's, then the process collector's."""
 
-    def __init__(self, statistics_rows: Callable[[], list[StatisticsRow]]) -> None:
+    def __init__(self, statistics_rows: Callable[[], list[StatisticsRow]],
+                 settings: MetricsSettings = DEFAULT_SETTINGS) -> None:
         self.statistics_rows = statistics_rows
+        self.settings = settings
+        self.quantiles = tuple(q for q, _ in settings.summary_quantiles)
         self.cpu = CpuMetrics()
         self.process = CollectorRegistry()
         ProcessCollector(registry=self.process)
 
-    def families(self) -> Iterator[Family]:
-        tritons, shoals = model_families(self.statistics_rows())
+    def families(self) -> Iterator[Family | SummaryFamily]:
+        rows = self.statistics_rows()
+        tritons, shoals = model_families(rows, self.settings.counter_latencies)
         yield from tritons
-        yield from self.cpu.families()  # Triton's order: per-model families, then CPU
+        yield from self.cpu.families()  # Triton's order: per-model families, CPU, then the summaries
+        if self.settings.summary_latencies:
+            yield from summary_families(rows, self.quantiles)
         yield from shoals
 
     def text(self) -> str:
         return "".join(family.text() for family in self.families()) + generate_latest(self.process).decode()
 
 
-def start_metrics_server(statistics_rows: Callable[[], list[StatisticsRow]], address: str, port: int) -> int:
+def start_metrics_server(statistics_rows: Callable[[], list[StatisticsRow]], address: str, port: int,
+                         settings: MetricsSettings = DEFAULT_SETTINGS) -> int:
     """Serve /metrics on a background thread; returns the bound port. ``statistics_rows`` is called
     from that thread (the host's ``LocalCore.statistics_rows``)."""
-    page = MetricsPage(statistics_rows)
+    page = MetricsPage(statistics_rows, settings)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the name http.server calls

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Exit codes of ``shoal serve`` (2 is argparse's for a bad command line).
 EXIT_STARTUP_FAILED = 1  # the server cannot start as asked: a port in use, a model that fails to load
@@ -70,6 +72,56 @@ class HttpSettings:
     max_pending_body_bytes: int = 2 << 30  # request bodies being received at once, per process; past it 503
 
 
+# Triton's default summary quantiles and their error bounds (metrics.cc), as summary_quantiles writes them.
+DEFAULT_QUANTILES = ((0.5, 0.05), (0.9, 0.01), (0.95, 0.001), (0.99, 0.001), (0.999, 0.001))
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """Triton's ``--metrics-config`` settings that Shoal honours (shoal.metrics)."""
+
+    summary_latencies: bool = False  # the five nv_inference_*_summary_us families, over the last minute
+    # (quantile, Triton's rank error): Shoal takes the quantiles; its own bound is 1% of the value (shoal.statistics)
+    summary_quantiles: tuple[tuple[float, float], ...] = DEFAULT_QUANTILES
+    counter_latencies: bool = True  # the five nv_inference_*_duration_us counters
+
+
+def parse_metrics_config(texts: list[str]) -> MetricsSettings:
+    """``--metrics-config SETTING=VALUE`` (repeatable); a ValueError says what is wrong. Triton takes
+    any setting name and value without a word; Shoal refuses what it would not honour."""
+    fields: dict[str, Any] = {}
+    for text in texts:
+        name, equals, value = text.partition("=")
+        if not equals or not name or not value:
+            raise ValueError(f"--metrics-config option format is <setting>=<value>. Got {text}")
+        if name in ("summary_latencies", "counter_latencies"):
+            if value not in ("true", "false"):
+                raise ValueError(f"--metrics-config {text}: {name} is true or false")
+            fields[name] = value == "true"
+        elif name == "summary_quantiles":
+            fields[name] = _quantiles(text, value)
+        else:
+            raise ValueError(f"--metrics-config {text}: Shoal takes summary_latencies, summary_quantiles and "
+                             f"counter_latencies (histogram_latencies is Triton 2.52's, not 2.51's)")
+    return MetricsSettings(**fields)
+
+
+def _quantiles(text: str, value: str) -> tuple[tuple[float, float], ...]:
+    """``QUANTILE:ERROR[,QUANTILE:ERROR...]``, each in [0, 1]."""
+    pairs = []
+    for part in value.split(","):
+        quantile, colon, error = part.partition(":")
+        try:
+            pair = (float(quantile), float(error))
+        except ValueError:
+            pair = (math.nan, math.nan)
+        if not colon or not all(0.0 <= x <= 1.0 for x in pair):
+            raise ValueError(f"--metrics-config {text}: expected <quantile>:<error>[,<quantile>:<error>...], each "
+                             f"from 0 to 1, got {part!r}")
+        pairs.append(pair)
+    return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     model_repository: Path
@@ -93,6 +145,7 @@ class ServerSettings:
     rate_limit: bool = False  # --rate-limit execution_count (shoal.scheduling.rate_limiter)
     rate_limit_resources: tuple[tuple[str, int, int], ...] = ()  # (name, count, device; -1: every device)
     response_cache_bytes: int | None = None  # --cache-config local,size=BYTES (lifecycle/response_cache.py)
+    metrics: MetricsSettings = MetricsSettings()  # --metrics-config
     # Front-end worker processes serving gRPC; 0 serves it in this process (see shoal.frontend).
     grpc_workers: int = 0
     grpc_workers_choice: str = ""  # the count and why (--grpc-workers auto: the cores seen, the rule), for the log

@@ -15,15 +15,22 @@
   ``nv_inference_request_failure``); they sum to ``fail.count``.
 
 Durations are nanoseconds from ``time.monotonic_ns``; ``last_inference`` is milliseconds
-since the epoch. Updated from the event loop only, so no lock is needed.
+since the epoch. Updated from the event loop only, so no lock is needed, except by ``latencies``
+(``--metrics-config summary_latencies=true``): the latencies of the last minute, whose quantiles
+the metrics thread reads while the loop adds to them.
 """
 
 from __future__ import annotations
 
 import contextvars
 import enum
+import math
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from ddsketch import DDSketch
 
 
 class FailureReason(enum.Enum):
@@ -86,6 +93,70 @@ ALSO_COUNT_PHASES: contextvars.ContextVar[PhaseTotals | None] = contextvars.Cont
                                                                                      default=None)
 
 
+# Triton's summaries (prometheus-cpp's Summary): quantiles over the last minute, kept in five buckets
+# of 12 s, so an observation leaves them 48 to 60 s after it was made.
+WINDOW_S = 60.0
+WINDOW_BUCKETS = 5
+# Each quantile is within 1% of a latency observed in the window (DDSketch's guarantee, on the value;
+# Triton's CKMS bounds the rank instead). A sketch takes ~1 µs per latency here.
+RELATIVE_ACCURACY = 0.01
+
+
+class WindowedQuantiles:
+    """Quantiles of the values added in the last ``WINDOW_S`` seconds.
+
+    Each value goes into the sketch of its 12 s bucket only (one add); a reader merges the buckets
+    still in the window. ``clock`` is ``time.monotonic``, a test's own clock in tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._bucket_s = WINDOW_S / WINDOW_BUCKETS
+        self._buckets: dict[int, DDSketch] = {}  # bucket number (time // bucket_s) -> its sketch
+        self._lock = threading.Lock()
+
+    def add(self, value: float) -> None:
+        number = int(self._clock() // self._bucket_s)
+        with self._lock:
+            sketch = self._buckets.get(number)
+            if sketch is None:
+                sketch = self._buckets[number] = DDSketch(RELATIVE_ACCURACY)
+                for old in [n for n in self._buckets if n <= number - WINDOW_BUCKETS]:
+                    del self._buckets[old]
+            sketch.add(value)
+
+    def quantiles(self, qs: tuple[float, ...]) -> list[float]:
+        """The value at each quantile in ``qs``; NaN for each when the window holds nothing."""
+        newest = int(self._clock() // self._bucket_s)
+        merged = DDSketch(RELATIVE_ACCURACY)
+        with self._lock:
+            for number, sketch in self._buckets.items():
+                if number > newest - WINDOW_BUCKETS:
+                    merged.merge(sketch)
+        if merged.count == 0:
+            return [math.nan] * len(qs)
+        return [float(merged.get_quantile_value(q) or 0.0) for q in qs]
+
+
+@dataclass
+class LatencyWindows:
+    """The latencies (µs) of the last minute behind Triton's five ``nv_inference_*_summary_us``: each
+    successful request's duration and queue time (cache hits too), and its batch's compute phases."""
+
+    request: WindowedQuantiles = field(default_factory=WindowedQuantiles)
+    queue: WindowedQuantiles = field(default_factory=WindowedQuantiles)
+    compute_input: WindowedQuantiles = field(default_factory=WindowedQuantiles)
+    compute_infer: WindowedQuantiles = field(default_factory=WindowedQuantiles)
+    compute_output: WindowedQuantiles = field(default_factory=WindowedQuantiles)
+
+    def success(self, total_ns: int, queue_ns: int, phases: Phases | None) -> None:
+        self.request.add(total_ns / 1000)
+        self.queue.add(queue_ns / 1000)
+        if phases is not None:
+            self.compute_input.add(phases.input_ns / 1000)
+            self.compute_infer.add(phases.infer_ns / 1000)
+            self.compute_output.add(phases.output_ns / 1000)
+
+
 @dataclass
 class ModelStatistics:
     success: Duration = field(default_factory=Duration)
@@ -107,6 +178,8 @@ class ModelStatistics:
     # (their ns: the lookup and the insertion of the answer the execution gave).
     cache_hit: Duration = field(default_factory=Duration)
     cache_miss: Duration = field(default_factory=Duration)
+    # --metrics-config summary_latencies=true: set by the manager before the version takes traffic.
+    latencies: LatencyWindows | None = None
 
     def record_execution(self, batch_size: int, phases: Phases, inferences: int | None = None) -> None:
         """One successful execution of ``batch_size`` elements, ``inferences`` of them real (default: all);
@@ -125,12 +198,16 @@ class ModelStatistics:
         self.compute_input.add(phases.input_ns)
         self.compute_infer.add(phases.infer_ns)
         self.compute_output.add(phases.output_ns)
+        if self.latencies is not None:
+            self.latencies.success(total_ns, queue_ns, phases)
 
     def record_cache_hit(self, total_ns: int, queue_ns: int, lookup_ns: int) -> None:
         """A request answered from the response cache: a success, with no execution or compute."""
         self.success.add(total_ns)
         self.queue.add(queue_ns)
         self.cache_hit.add(lookup_ns)
+        if self.latencies is not None:
+            self.latencies.success(total_ns, queue_ns, None)
 
     def record_cache_miss(self, ns: int) -> None:
         """A successful request the cache did not have (already counted a success): its lookup and

@@ -176,6 +176,11 @@ def test_bad_settings_are_refused_on_both_transports_and_change_nothing(loud_ser
     with pytest.raises(grpc.RpcError) as caught:
         grpc_settings(loud_server, log_file="")
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    no_kind = pb.LogSettingsRequest()
+    no_kind.settings["log_verbose_level"].SetInParent()  # the key with no value: Triton refuses it
+    with grpc.insecure_channel(loud_server.url) as channel, pytest.raises(grpc.RpcError) as caught:
+        InferenceStub(channel).LogSettings(no_kind, timeout=30)
+    assert caught.value.details() == "expect int32 for 'log_verbose_level'"
     with httpclient.InferenceServerClient(loud_server.http_url) as client:
         assert client.get_log_settings() == DEFAULTS
 

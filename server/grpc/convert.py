@@ -25,6 +25,7 @@ from shoal.core import (
 )
 from shoal.core.wire import UnfitContents, refuse_model_files, region_slice
 from shoal.errors import ShoalError, invalid, shown
+from shoal.logs import NO_VALUE
 from shoal.protocol import config_pb2, service_pb2, tensors
 from shoal.protocol.types import DataType
 from shoal.statistics import Duration
@@ -432,11 +433,11 @@ def repository_index(entries: list[IndexEntry]) -> service_pb2.RepositoryIndexRe
 
 
 def log_settings_changes(message: service_pb2.LogSettingsRequest) -> dict[str, Any]:
-    """Each setting's value as its oneof carries it (bool, int or str; None when no kind is set)."""
+    """Each setting's value as its oneof carries it: bool, int or str (``NO_VALUE`` when no kind is set)."""
     changes: dict[str, Any] = {}
     for name, value in message.settings.items():
         kind = value.WhichOneof("parameter_choice")
-        changes[name] = None if kind is None else getattr(value, kind)
+        changes[name] = NO_VALUE if kind is None else getattr(value, kind)
     return changes
 
 

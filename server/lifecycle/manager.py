@@ -47,6 +47,7 @@ from shoal.lifecycle.streaming import StreamingRequest
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec, RateLimiterSpec, VersionPolicy
 from shoal.scheduling.rate_limiter import RateLimiter
+from shoal.statistics import LatencyWindows
 from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class ModelManager:
         memory_budgets: dict[str, int] | None = None,
         rate_limiter: RateLimiter | None = None,
         response_cache: ResponseCache | None = None,
+        summary_latencies: bool = False,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise ValueError(f"control mode must be one of {CONTROL_MODES}")
@@ -101,6 +103,7 @@ class ModelManager:
         self._ledger = MemoryLedger(self.memory_budgets, self.memory_in_use)
         self.rate_limiter = rate_limiter  # --rate-limit execution_count: one for every model's instances
         self.response_cache = response_cache  # --cache-config local,size=BYTES: one for the models that enable it
+        self.summary_latencies = summary_latencies  # --metrics-config summary_latencies=true
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._dependents = ensemble.Dependents(self)  # ensembles follow the models they use
@@ -243,7 +246,7 @@ class ModelManager:
             return f"model '{entry.name}': no version folder matches the version policy (found {available})", {}, []
         if spec.ensemble is not None:  # no weights: its steps are checked against the composing models as loaded
             ensemble_versions, reason = ensemble.load_versions(spec, chosen, self)
-            self._use_cache(spec, ensemble_versions.values())
+            self._prepare(spec, ensemble_versions.values())
             entry.versions = ensemble_versions
             return reason, {}, []
         unchanged = _unchanged_versions(old, entry, chosen)
@@ -263,20 +266,23 @@ class ModelManager:
         except BaseException:
             self._ledger.release(budget.reserved)
             raise
-        self._use_cache(spec, versions.values())
+        self._prepare(spec, versions.values())
         entry.versions = versions  # one assignment: index() never sees the dict change
         reason = "; ".join(v.reason for v in versions.values() if v.state is not ModelState.READY)
         return reason, budget.reserved, list(unchanged.values())
 
-    def _use_cache(self, spec: ModelSpec, versions: Iterable[VersionEntry]) -> None:
-        """Before they take traffic, with a server cache: the versions of a model whose config enables the
+    def _prepare(self, spec: ModelSpec, versions: Iterable[VersionEntry]) -> None:
+        """Before they take traffic. With a server cache: the versions of a model whose config enables the
         response cache answer from it, and every version's load number leaves it when the version goes
-        (an ensemble's entries hold its steps' numbers; a version kept from the previous load has it already)."""
-        if self.response_cache is None:
-            return
+        (an ensemble's entries hold its steps' numbers; a version kept from the previous load has it already).
+        With latency summaries: each version keeps its last minute of latencies (a kept one has them)."""
         for version in versions:
-            if version.served is not None:
+            if version.served is None:
+                continue
+            if self.response_cache is not None:
                 version.served.use_cache(self.response_cache, answer_from_it=spec.response_cache)
+            if self.summary_latencies and version.served.statistics.latencies is None:
+                version.served.statistics.latencies = LatencyWindows()
 
     @staticmethod
     def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget,
