@@ -64,11 +64,15 @@ def nothing_left_in_dev_shm() -> Iterator[None]:
     Named semaphores (``sem.*``) are not counted: every Python process on the machine that uses
     multiprocessing makes ``sem.mp-*`` files and its resource tracker removes them, so another test
     session or benchmark running meanwhile (CI shares the machine) would fail this one. Shoal's own
-    memory is memfds and names nothing; what a session leaves is a segment."""
+    memory is memfds and names nothing; what a session leaves is a segment. Nor is a segment that a
+    process outside this session holds open (another program on the machine made it: a Triton's
+    Python backend makes ``triton_python_backend_shm_region_*``); one nobody holds, or a process of
+    this session holds, is counted."""
     shm = Path("/dev/shm")
 
     def segments() -> set[str]:
-        return {name for name in os.listdir(shm) if not name.startswith("sem.")}
+        found = {name for name in os.listdir(shm) if not name.startswith("sem.")}
+        return found - _held_outside_this_session(found) if found else found
 
     before = segments() if shm.is_dir() else set()
     yield
@@ -78,6 +82,35 @@ def nothing_left_in_dev_shm() -> Iterator[None]:
     while (left := segments() - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"left in /dev/shm by the test session: {sorted(left)}"
+
+
+def _held_outside_this_session(names: set[str]) -> set[str]:
+    """Which of these /dev/shm segments a process that does not descend from this one has open or mapped."""
+    wanted = {f"/dev/shm/{name}": name for name in names}
+    held: set[str] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or _descends_from_this_process(int(entry.name)):
+            continue
+        try:
+            paths = {line.split(maxsplit=5)[-1] for line in (entry / "maps").read_text().splitlines()
+                     if "/dev/shm/" in line}
+            paths |= {os.readlink(fd) for fd in (entry / "fd").iterdir()}
+        except OSError:  # gone, or not ours to read
+            continue
+        held |= {wanted[path] for path in paths if path in wanted}
+    return held
+
+
+def _descends_from_this_process(pid: int) -> bool:
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's pid
+    return False
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
