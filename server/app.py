@@ -45,6 +45,7 @@ from shoal.lifecycle.manager import ModelManager
 from shoal.lifecycle.response_cache import ResponseCache
 from shoal.scheduling.rate_limiter import Declared, RateLimiter
 from shoal.settings import EXIT_FORCED, ServerSettings
+from shoal.tracing.tracer import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ async def serve(settings: ServerSettings) -> int:
     )
     core = LocalCore(manager, strict_readiness=settings.strict_readiness,
                      max_shared_memory_bytes=settings.shared_memory_max_bytes,
-                     max_shared_memory_regions=settings.shared_memory_max_regions)
+                     max_shared_memory_regions=settings.shared_memory_max_regions, tracer=Tracer(settings.trace))
     failures = await manager.start(settings.startup_models)
     if failures and settings.exit_on_error:
         await manager.close()  # the models that did load, and their worker processes
@@ -129,6 +130,7 @@ async def serve(settings: ServerSettings) -> int:
     await front.stop(grace_s=min(STREAM_GRACE_S, max(0.0, deadline - time.monotonic())), deadline=deadline)
     await manager.close()
     core.regions.close()  # clients' shared memory: unmapped, never unlinked (theirs)
+    core.tracer.close()  # the trace file written, the spans still held exported
     watchdog.cancel()
     logger.info("stopped")
     return 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from shoal import __version__, logs
 from shoal.descriptors import raise_open_file_limit
+from shoal.errors import ShoalError
 from shoal.frontend.worker_count import AUTO, RULE, resolve
 from shoal.lifecycle.response_cache import parse_cache_config
 from shoal.logs import FORMATS, LogSettings
@@ -25,7 +26,9 @@ from shoal.settings import (
     TlsSettings,
     parse_metrics_config,
     parse_restriction,
+    parse_trace_config,
 )
+from shoal.tracing.settings import check_start
 
 MAX_GRPC_WORKERS = 64
 
@@ -174,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require header KEY=VALUE for these RPC categories, e.g. model-repository:admin-key=s3cret")
     serve.add_argument("--grpc-max-message-mb", type=float, default=2048.0,
                        help="largest request or reply in MiB (default 2048, as Triton)")
+    serve.add_argument("--trace-config", action="append", default=[], metavar="[MODE,]SETTING=VALUE",
+                       help="Triton's tracing: level=TIMESTAMPS, rate=N, count=N, mode=triton|opentelemetry, "
+                            "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=HOST:PORT/v1/traces, "
+                            "opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_*=N (repeatable; default off)")
     serve.add_argument("--rate-limit", type=str.lower, choices=["off", "execution_count"], default="off",
                        help="execution_count: an instance executes only when the resources its instance group's "
                             "rate_limiter names are free, across all models (default off, as Triton)")
@@ -356,8 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cache_bytes = parse_cache_config(args.cache_config) if args.cache_config else None
         metrics = parse_metrics_config(args.metrics_config)
+        trace = parse_trace_config(args.trace_config)
+        check_start(trace)
     except ValueError as exc:
         parser.error(str(exc))
+    except ShoalError as exc:
+        parser.error(f"--trace-config: {exc.message}")
     if declared and args.rate_limit == "off":
         parser.error("--rate-limit-resource needs --rate-limit execution_count")
     if args.load_model and args.model_control_mode != "explicit":
@@ -400,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_address=args.metrics_address or args.grpc_address,
         metrics_port=args.metrics_port,
         metrics=metrics,
+        trace=trace,
         memory_budgets=tuple(budgets),
         rate_limit=args.rate_limit == "execution_count",
         rate_limit_resources=tuple((d.name, d.count, d.device) for d in declared),

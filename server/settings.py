@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +122,99 @@ def _quantiles(text: str, value: str) -> tuple[tuple[float, float], ...]:
     return tuple(pairs)
 
 
+# --trace-config (shoal.tracing), as Triton 2.51 takes it: ``SETTING=VALUE`` for the global settings (``level``,
+# ``rate``, ``count``, ``mode``) and ``MODE,SETTING=VALUE`` for a mode's own (``triton,file=PATH``,
+# ``triton,log-frequency=N``; ``opentelemetry,url=URL``, ``opentelemetry,resource=KEY=VALUE``,
+# ``opentelemetry,bsp_schedule_delay=MS``, ``bsp_max_export_batch_size``, ``bsp_max_queue_size``).
+#
+# Triton takes an unknown setting without a word (and echoes it in the settings); Shoal refuses it at
+# start, so a misspelt one cannot leave tracing other than the operator meant.
+MODES = ("triton", "opentelemetry")
+LEVELS = ("TIMESTAMPS", "TENSORS")  # and OFF: none of them
+BSP_DEFAULTS = {"bsp_schedule_delay": 5000, "bsp_max_export_batch_size": 512, "bsp_max_queue_size": 2048}
+DEFAULT_URL = "http://localhost:4318/v1/traces"  # the OTLP/HTTP exporter's own default, as Triton's
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    mode: str = "triton"
+    level: frozenset[str] = frozenset()  # empty: OFF
+    rate: int = 1000  # one request traced in every ``rate``
+    count: int = -1  # traces left to take; -1: no bound
+    file: str = ""  # triton mode: where the JSON goes
+    log_frequency: int = 0  # triton mode: write every this many traces to file.N; 0: at shutdown
+    url: str = ""  # opentelemetry mode: the OTLP/HTTP endpoint ("": DEFAULT_URL)
+    resource: tuple[tuple[str, str], ...] = ()  # opentelemetry mode: resource attributes
+    bsp: dict[str, int] = field(default_factory=lambda: dict(BSP_DEFAULTS))  # the batch span processor's
+
+
+def parse_trace_config(texts: list[str]) -> TraceConfig:
+    """The flags in order (a later one wins); a ValueError says what is wrong, in Triton's words where
+    it has them."""
+    config = TraceConfig()
+    changes: dict[str, Any] = {}
+    bsp = dict(BSP_DEFAULTS)
+    resource: list[tuple[str, str]] = []
+    for text in texts:
+        head, equals, value = text.partition("=")
+        mode, comma, name = head.rpartition(",") if "," in head else ("", "", head)
+        if not equals or not name:
+            raise ValueError(f"--trace-config option format is <mode>,<setting>=<value> or <setting>=<value>. "
+                             f"Got {text}")
+        if comma and mode not in MODES:
+            raise ValueError(f"--trace-config {text}: the mode is triton or opentelemetry")
+        if not comma:
+            changes.update(_global(text, name, value, changes))
+        elif mode == "triton" and name == "file":
+            changes["file"] = value
+        elif mode == "triton" and name == "log-frequency":
+            changes["log_frequency"] = _integer(text, value, 0, UINT32_MAX)
+        elif mode == "opentelemetry" and name == "url":
+            changes["url"] = value
+        elif mode == "opentelemetry" and name == "resource":
+            key, has_value, attribute = value.partition("=")
+            if not has_value or not key:
+                raise ValueError(f"--trace-config {text}: a resource is KEY=VALUE")
+            resource.append((key, attribute))
+        elif mode == "opentelemetry" and name in BSP_DEFAULTS:
+            bsp[name] = _integer(text, value, 1 if name != "bsp_schedule_delay" else 0, UINT32_MAX)
+        else:
+            raise ValueError(f"--trace-config {text}: unknown setting; Shoal takes level, rate, count, mode, "
+                             "triton,file, triton,log-frequency, opentelemetry,url, opentelemetry,resource and "
+                             f"opentelemetry,{', opentelemetry,'.join(BSP_DEFAULTS)}")
+    return replace(config, **changes, bsp=bsp, resource=tuple(resource))
+
+
+def _global(text: str, name: str, value: str, changes: dict[str, Any]) -> dict[str, Any]:
+    if name == "level":
+        if value == "OFF":
+            return {"level": frozenset()}
+        if value not in LEVELS:
+            raise ValueError(f"--trace-config {text}: the level is OFF, TIMESTAMPS or TENSORS")
+        return {"level": changes.get("level", frozenset()) | {value}}  # repeatable, as Triton's
+    if name == "rate":
+        return {"rate": _integer(text, value, 0, UINT32_MAX)}
+    if name == "count":
+        return {"count": _integer(text, value, -1, INT32_MAX)}
+    if name == "mode":
+        if value not in MODES:
+            raise ValueError(f"--trace-config {text}: the mode is triton or opentelemetry")
+        return {"mode": value}
+    raise ValueError(f"--trace-config {text}: the global settings are level, rate, count and mode")
+
+
+def _integer(text: str, value: str, low: int, high: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"--trace-config {text}: expected an integer") from None
+    if not low <= number <= high:
+        raise ValueError(f"--trace-config {text}: expected {low} to {high}")
+    return number
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     model_repository: Path
@@ -146,6 +239,7 @@ class ServerSettings:
     rate_limit_resources: tuple[tuple[str, int, int], ...] = ()  # (name, count, device; -1: every device)
     response_cache_bytes: int | None = None  # --cache-config local,size=BYTES (lifecycle/response_cache.py)
     metrics: MetricsSettings = MetricsSettings()  # --metrics-config
+    trace: TraceConfig = TraceConfig()  # --trace-config (shoal.tracing)
     # Front-end worker processes serving gRPC; 0 serves it in this process (see shoal.frontend).
     grpc_workers: int = 0
     grpc_workers_choice: str = ""  # the count and why (--grpc-workers auto: the cores seen, the rule), for the log

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ddsketch import DDSketch
 
@@ -84,6 +85,17 @@ class PhaseTotals:
 
     def phases(self) -> Phases:
         return Phases(self.input_ns, self.infer_ns, self.output_ns)
+
+
+class Traced(Protocol):
+    """A sampled request's trace (``shoal.tracing.trace.RequestTrace``), as a scheduler sees it."""
+
+    def executed(self, queued_ns: int, started_ns: int, phases: Phases) -> None: ...
+
+
+# The trace of the request being submitted (set by the core, and by an ensemble for each step), which the
+# scheduler keeps with the queued request and tells its batch's times; None for a request not traced.
+TRACED: contextvars.ContextVar[Traced | None] = contextvars.ContextVar("traced", default=None)
 
 
 # Set by a caller (an ensemble) around the requests it makes; a scheduler adds each of those requests'

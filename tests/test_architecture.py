@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     "lifecycle": 5,
     "instances": 4, "scheduling": 4,
     "backends": 3,
-    "repository": 2, "dataplane": 2, "logs": 2,  # logs: every process logs by the settings it shares
+    "repository": 2, "dataplane": 2, "logs": 2, "tracing": 2,  # logs: what every process reads to log by
     "settings": 1, "statistics": 1, "types": 1, "errors": 1, "descriptors": 1,
     "clients": 1,  # the client library: the protocol is all it shares with the server
     "protocol": 0, "__init__": 0,

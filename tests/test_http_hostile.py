@@ -204,7 +204,7 @@ class _EchoCore:
     def __init__(self, size: int) -> None:
         self.size = size
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    async def infer(self, request: InferRequest, origin: object = None) -> InferResponse:
         data = np.zeros(self.size, np.float32)
         return InferResponse(request.model_name, "1", "", (Tensor("OUT", DataType.FP32, data.shape, data),),
                              frozenset())

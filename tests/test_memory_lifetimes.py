@@ -112,7 +112,7 @@ def test_the_host_releases_a_worker_block_only_when_no_view_of_it_is_left() -> N
     kept: list[np.ndarray] = []
 
     class KeepingCore:
-        async def infer(self, request: InferRequest) -> InferResponse:
+        async def infer(self, request: InferRequest, origin: object = None) -> InferResponse:
             kept.append(request.inputs[0].data)  # outlives the request, as a state would
             return InferResponse(request.model_name, "1", request.id, ())
 

@@ -19,10 +19,20 @@ from shoal.protocol import service_pb2
 from shoal.types import InferRequest, InferResponse, Tensor
 
 
+class _NoMetadata:
+    """A servicer context with no metadata: all ModelInfer asks of it (the client's trace context)."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+NO_METADATA = _NoMetadata()
+
+
 class EchoCore:
     """The one core call ModelInfer makes: the first input comes back as output ``OUT``."""
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    async def infer(self, request: InferRequest, origin: object = None) -> InferResponse:
         tensor = request.inputs[0]
         return InferResponse(request.model_name, "1", request.id, (Tensor("OUT", tensor.datatype, tensor.shape,
                                                                           tensor.data),))
@@ -39,7 +49,7 @@ def _strings_request(count: int) -> service_pb2.ModelInferRequest:
 
 def _infer(request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
     servicer = InferenceServicer(EchoCore())  # type: ignore[arg-type]
-    return asyncio.run(servicer.ModelInfer(request, None))  # type: ignore[arg-type]
+    return asyncio.run(servicer.ModelInfer(request, NO_METADATA))  # type: ignore[arg-type]
 
 
 def _recording(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bool]:
@@ -83,7 +93,7 @@ def test_the_loop_keeps_answering_while_a_large_bytes_request_converts() -> None
 
     async def scenario() -> int:
         servicer = InferenceServicer(EchoCore())  # type: ignore[arg-type]
-        infer = asyncio.create_task(servicer.ModelInfer(request, None))  # type: ignore[arg-type]
+        infer = asyncio.create_task(servicer.ModelInfer(request, NO_METADATA))  # type: ignore[arg-type]
         ticks = 0
         while not infer.done():
             await asyncio.sleep(0)

@@ -37,7 +37,7 @@ class _Core:
     async def model_config(self, name: str, version: str) -> dict:
         raise LookupError(name)
 
-    async def infer(self, request: object) -> object:
+    async def infer(self, request: object, origin: object = None) -> object:
         raise LookupError("no model here")
 
 

@@ -103,15 +103,19 @@ def test_an_answer_grpc_could_not_send_is_one_debug_line(caplog: pytest.LogCaptu
 class _AnsweringCore:
     """A core that answers every request at once (only ``infer`` is called by a stream)."""
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    async def infer(self, request: InferRequest, origin: object = None) -> InferResponse:
         return InferResponse(request.model_name, "1", request.id, ())
 
 
 class _Context:
-    """What the guard asks of grpc's servicer context: ``abort``, which raises as grpc's does."""
+    """What the guard and the servicer ask of grpc's servicer context: ``abort``, which raises as grpc's
+    does, and the call's metadata (none)."""
 
     def __init__(self) -> None:
         self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
     async def abort(self, code: grpc.StatusCode, message: str) -> None:
         self.aborted = (code, message)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
@@ -52,7 +51,7 @@ def test_health_and_server_metadata(stub: InferenceStub) -> None:
     assert list(metadata.extensions) == [
         "model_configuration", "statistics", "schedule_policy", "model_repository",
         "model_repository(unload_dependents)", "classification", "system_shared_memory", "sequence",
-        "binary_tensor_data", "cuda_shared_memory", "logging",
+        "binary_tensor_data", "cuda_shared_memory", "trace", "logging",
     ]
 
 
@@ -110,16 +109,6 @@ def test_repository_index(stub: InferenceStub) -> None:
     index = stub.RepositoryIndex(pb.RepositoryIndexRequest())
     rows = {(m.name, m.version, m.state) for m in index.models}
     assert ("simple", "1", "READY") in rows and ("mlp", "1", "READY") in rows
-
-
-@pytest.mark.parametrize(
-    "name",
-    ["TraceSetting"],
-)
-def test_unimplemented_rpcs_say_so(stub: InferenceStub, name: str) -> None:
-    with pytest.raises(grpc.RpcError) as caught:
-        getattr(stub, name)(METHODS[name].request_type())
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_every_rpc_runs_under_the_error_guard() -> None:

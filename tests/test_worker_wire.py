@@ -254,7 +254,7 @@ def test_an_answer_carries_its_release_and_a_request_the_freed_blocks() -> None:
     from shoal.types import InferRequest, InferResponse
 
     class EchoCore:
-        async def infer(self, request: InferRequest) -> InferResponse:
+        async def infer(self, request: InferRequest, origin: object = None) -> InferResponse:
             return InferResponse(request.model_name, "1", request.id, request.inputs)
 
     async def scenario() -> tuple[list[Any], int]:

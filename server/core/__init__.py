@@ -21,6 +21,7 @@ from shoal.dataplane.regions import RegionStatus
 from shoal.lifecycle.state import IndexEntry, ModelState
 from shoal.protocol.types import ModelMetadata, ServerMetadata, TensorMetadata
 from shoal.statistics import ModelStatistics
+from shoal.tracing.trace import Origin
 from shoal.types import InferRequest, InferResponse
 
 __all__ = [
@@ -80,7 +81,8 @@ class Core(Protocol):
 
     async def model_config(self, name: str, version: str) -> dict[str, Any]: ...
 
-    async def infer(self, request: InferRequest) -> InferResponse: ...
+    # ``origin``: where the transport got it (for tracing: its receive time, the client's trace context).
+    async def infer(self, request: InferRequest, origin: Origin | None = None) -> InferResponse: ...
 
     # A decoupled model's zero or more responses as it sends them, the last one final; any other
     # model's one response, final. A failure before the model ran raises, as ``infer`` does.
@@ -107,6 +109,12 @@ class Core(Protocol):
     async def unregister_cuda_shared_memory(self, name: str) -> None: ...  # "": every CUDA region
 
     async def cuda_shared_memory_status(self, name: str) -> list[CudaRegionStatus]: ...  # "": every CUDA region
+
+    # Triton's trace extension: one model's settings ("": the global ones), as Triton answers them.
+    async def trace_settings(self, model: str) -> dict[str, list[str] | str]: ...
+
+    # ``changes``: each named setting's values, None to clear it (shoal.tracing.settings).
+    async def update_trace_settings(self, model: str, changes: dict[str, list[str] | None]) -> dict[str, Any]: ...
 
     # Triton's logging extension: every setting by its name (shoal.logs), for every process of the server.
     async def log_settings(self) -> dict[str, Any]: ...

@@ -193,7 +193,7 @@ class CoreHost:
     async def _infer(self, message: messages.Infer) -> None:
         request_id = message.id
         try:
-            response = await self.core.infer(await self._request(message))
+            response = await self.core.infer(await self._request(message), message.origin)
             in_regions = [(index, t.name, t.datatype.value, t.shape) for index, t in enumerate(response.outputs)
                           if t.name in response.in_regions]  # written into the client's memory: no bytes to move
             block, out = await self._pack([t for t in response.outputs if t.name not in response.in_regions])

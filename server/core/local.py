@@ -29,12 +29,15 @@ from shoal.core import (
 )
 from shoal.dataplane import cuda
 from shoal.dataplane.regions import RegionRegistry
-from shoal.errors import ErrorCode, ShoalError
+from shoal.errors import ErrorCode, ShoalError, shown
 from shoal.lifecycle import tensors
 from shoal.lifecycle.manager import ModelManager
 from shoal.lifecycle.model import ModelVersion
 from shoal.lifecycle.streaming import ENDED, ResponseSink, StreamingRequest, is_decoupled
-from shoal.settings import ServerSettings
+from shoal.settings import ServerSettings, TraceConfig
+from shoal.statistics import TRACED
+from shoal.tracing.trace import Origin
+from shoal.tracing.tracer import Tracer
 from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ EXTENSIONS = (
     "sequence",
     "binary_tensor_data",  # HTTP's binary tensors (gRPC's raw contents need no extension)
     "cuda_shared_memory",  # always listed, as Triton does; without GPUs registration says so
+    "trace",
     "logging",
 )
 
@@ -61,8 +65,10 @@ class LocalCore:
 
     def __init__(self, manager: ModelManager, strict_readiness: bool = True,
                  max_shared_memory_bytes: int = ServerSettings.shared_memory_max_bytes,
-                 max_shared_memory_regions: int = ServerSettings.shared_memory_max_regions) -> None:
+                 max_shared_memory_regions: int = ServerSettings.shared_memory_max_regions,
+                 tracer: Tracer | None = None) -> None:
         self.manager = manager
+        self.tracer = tracer or Tracer(TraceConfig())  # tracing off: the default settings trace nothing
         self.strict_readiness = strict_readiness
         self.regions = RegionRegistry(max_shared_memory_bytes, max_shared_memory_regions)
         self._accepting = True
@@ -107,7 +113,26 @@ class LocalCore:
         """The normalized config as proto3 JSON (field names as in model_config.proto)."""
         return self.manager.resolve(name, version).spec.config_json
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    async def infer(self, request: InferRequest, origin: Origin | None = None) -> InferResponse:
+        trace = self.tracer.start(request.model_name, request.model_version, request.id, origin)
+        if trace is None:
+            return await self._infer(request)
+        token = TRACED.set(trace)
+        try:
+            response = await self._infer(request)
+        except ShoalError as exc:
+            self.tracer.finish(trace, exc.message)
+            raise
+        except BaseException as exc:
+            self.tracer.finish(trace, type(exc).__name__)
+            raise
+        finally:
+            TRACED.reset(token)
+        trace.model_version = response.model_version
+        self.tracer.finish(trace)
+        return response
+
+    async def _infer(self, request: InferRequest) -> InferResponse:
         if not self._accepting:
             raise ShoalError(ErrorCode.UNAVAILABLE, "the server is shutting down")
         self._in_flight += 1
@@ -195,6 +220,20 @@ class LocalCore:
 
     async def unregister_cuda_shared_memory(self, name: str) -> None:
         self.regions.unregister_cuda(name)
+
+    async def trace_settings(self, model: str) -> dict[str, list[str] | str]:
+        self._known_for_tracing(model)
+        return self.tracer.settings.answer(model)
+
+    async def update_trace_settings(self, model: str, changes: dict[str, list[str] | None]) -> dict[str, Any]:
+        self._known_for_tracing(model)
+        self.tracer.settings.update(model, changes)
+        return self.tracer.settings.answer(model)
+
+    def _known_for_tracing(self, model: str) -> None:
+        """Triton's answer for a model it does not have (400 over HTTP, not the 404 of inference)."""
+        if model and model not in self.manager.names():
+            raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"Request for unknown model : {shown(model)}")
 
     async def log_settings(self) -> dict[str, Any]:
         return logs.current().read().as_dict()

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 from shoal.dataplane.channel import Records
 from shoal.dataplane.tensors import Slot
+from shoal.tracing.trace import Origin
 from shoal.types import RegionInput, RegionSlice
 
 # (index among the outputs, name, datatype name, shape) of an output written into the client's
@@ -72,6 +73,7 @@ class Infer(NamedTuple):
     slots: list[Slot]
     streaming: bool
     freed: list[int]
+    origin: Origin | None = None  # where the worker's transport got it (tracing)
 
 
 class Cancel(NamedTuple):
@@ -147,4 +149,5 @@ CALLS = frozenset({
     "model_statistics", "repository_index", "load_model", "unload_model", "register_system_shared_memory",
     "unregister_system_shared_memory", "system_shared_memory_status", "register_cuda_shared_memory",
     "unregister_cuda_shared_memory", "cuda_shared_memory_status", "log_settings", "update_log_settings",
+    "trace_settings", "update_trace_settings",
 })

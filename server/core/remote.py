@@ -37,6 +37,7 @@ from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
 from shoal.dataplane.channel import Channel
 from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol.types import DataType
+from shoal.tracing.trace import Origin
 from shoal.types import InferRequest, InferResponse, Tensor
 
 HOST_GONE = "the server's model host process is gone"
@@ -126,10 +127,10 @@ class RemoteCore:
             message = f"the front-end worker's shared-memory pool is full: the request {exc}; {advice}"
             raise ShoalError(ErrorCode.UNAVAILABLE, message) from None
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    async def infer(self, request: InferRequest, origin: Origin | None = None) -> InferResponse:
         block, slots = await self._pack_inputs(request)
         response: InferResponse = await self._send(
-            lambda request_id: _infer_message(request_id, request, slots, False, self._take_freed()), block)
+            lambda request_id: _infer_message(request_id, request, slots, False, self._take_freed(), origin), block)
         return response
 
     async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamedResponse]:
@@ -210,6 +211,14 @@ class RemoteCore:
     async def cuda_shared_memory_status(self, name: str) -> list[CudaRegionStatus]:
         regions: list[CudaRegionStatus] = await self._call("cuda_shared_memory_status", name)
         return regions
+
+    async def trace_settings(self, model: str) -> dict[str, list[str] | str]:
+        settings: dict[str, list[str] | str] = await self._call("trace_settings", model)
+        return settings
+
+    async def update_trace_settings(self, model: str, changes: dict[str, list[str] | None]) -> dict[str, Any]:
+        settings: dict[str, Any] = await self._call("update_trace_settings", model, changes)
+        return settings
 
     async def log_settings(self) -> dict[str, Any]:
         settings: dict[str, Any] = await self._call("log_settings")
@@ -342,7 +351,7 @@ class RemoteCore:
 
 
 def _infer_message(request_id: int, request: InferRequest, slots: list[tensors.Slot], streaming: bool,
-                   freed: list[int]) -> messages.Infer:
+                   freed: list[int], origin: Origin | None = None) -> messages.Infer:
     return messages.Infer(request_id, request.model_name, request.model_version, request.id,
                           request.requested_outputs, request.parameters, request.class_counts,
-                          request.region_inputs, request.output_regions, slots, streaming, freed)
+                          request.region_inputs, request.output_regions, slots, streaming, freed, origin)

@@ -432,6 +432,14 @@ def repository_index(entries: list[IndexEntry]) -> service_pb2.RepositoryIndexRe
     return message
 
 
+def trace_settings(settings: dict[str, Any]) -> service_pb2.TraceSettingResponse:
+    """Every value as a list of strings, as Triton's gRPC answers them."""
+    response = service_pb2.TraceSettingResponse()
+    for name, value in settings.items():
+        response.settings[name].value.extend(value if isinstance(value, list) else [value])
+    return response
+
+
 def log_settings_changes(message: service_pb2.LogSettingsRequest) -> dict[str, Any]:
     """Each setting's value as its oneof carries it: bool, int or str (``NO_VALUE`` when no kind is set)."""
     changes: dict[str, Any] = {}

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeAlias
 
 import grpc
 
 from shoal.core import Core
-from shoal.errors import unsupported
 from shoal.grpc import convert, offload
 from shoal.grpc.status import to_status
 from shoal.protocol import service_pb2 as pb
+from shoal.tracing.trace import Origin
 
 Context: TypeAlias = grpc.aio.ServicerContext
 
@@ -64,8 +65,9 @@ class InferenceServicer:
         return convert.model_config(await self.core.model_config(request.name, request.version))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        origin = Origin("GRPC", time.monotonic_ns(), *_trace_context(context))
         inference = await offload.infer_request(request, self.encoded_bytes)
-        return await offload.infer_response(await self.core.infer(inference))
+        return await offload.infer_response(await self.core.infer(inference, origin))
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
@@ -249,10 +251,25 @@ class InferenceServicer:
         settings = await (self.core.update_log_settings(changes) if changes else self.core.log_settings())
         return convert.log_settings(settings)
 
-    # RPCs of extensions Shoal does not implement (yet) answer UNIMPLEMENTED.
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> pb.TraceSettingResponse:
+        """No settings: read them; some: change those (an empty value clears one); the model's when named."""
+        changes = {name: list(value.value) or None for name, value in request.settings.items()}
+        if changes:
+            settings = await self.core.update_trace_settings(request.model_name, changes)
+        else:
+            settings = await self.core.trace_settings(request.model_name)
+        return convert.trace_settings(settings)
 
-    async def TraceSetting(self, request: Any, context: Context) -> Any:
-        raise unsupported("TraceSetting")
+
+def _trace_context(context: Context) -> tuple[str, str]:
+    """The client's W3C ``traceparent`` and ``tracestate`` metadata ("" each when absent)."""
+    traceparent = tracestate = ""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            traceparent = value if isinstance(value, str) else ""
+        elif key == "tracestate":
+            tracestate = value if isinstance(value, str) else ""
+    return traceparent, tracestate
 
 
 def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, Any] | None:

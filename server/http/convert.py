@@ -42,6 +42,25 @@ def parse_object(body: bytes, what: str) -> dict[str, Any]:
     return document
 
 
+def trace_settings_changes(body: dict[str, Any]) -> dict[str, list[str] | None]:
+    """Triton's JSON: ``trace_level`` a list of strings (an empty one changes nothing, as Triton),
+    every other setting a string; ``null`` clears a setting."""
+    changes: dict[str, list[str] | None] = {}
+    for name, value in body.items():
+        if value is None:
+            changes[name] = None
+        elif name == "trace_level":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise invalid("expect a list of strings for 'trace_level'")
+            if value:
+                changes[name] = value
+        elif isinstance(value, str):
+            changes[name] = [value]
+        else:
+            raise invalid(f"expect a string for '{shown(name)}', as Triton writes every trace setting but the level")
+    return changes
+
+
 def server_metadata(metadata: ServerMetadata) -> dict[str, Any]:
     return {"name": metadata.name, "version": metadata.version, "extensions": list(metadata.extensions)}
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.core import DECOUPLED_REFUSED, Core
-from shoal.errors import ShoalError, unsupported
+from shoal.errors import ShoalError
 from shoal.http import convert, tensors
 from shoal.http.status import HttpError
 from shoal.protocol.types import DataType
+from shoal.tracing.trace import Origin
 from shoal.types import EncodedTensor, InferResponse
 
 # Past this many body bytes (or answer elements that cost Python work each: BYTES, JSON values), decoding
@@ -92,12 +94,14 @@ async def model_statistics(core: Core, request: Request) -> Reply:
 
 async def infer(core: Core, request: Request) -> Reply:
     """Decoding and encoding run off the loop for large bodies, as the gRPC path does."""
+    origin = Origin("HTTP", time.monotonic_ns(), request.headers.get("traceparent", ""),
+                    request.headers.get("tracestate", ""))
     header, binary = tensors.split_body(request.body, request.headers.get(tensors.HEADER_LENGTH))
     costly = len(request.body) > OFF_LOOP_BYTES
     convert_request = tensors.infer_request_encoded if request.encoded_bytes else tensors.infer_request
     inference, binary_outputs = await _run(costly, convert_request, *_model(request), header, binary)
     try:
-        response = await core.infer(inference)
+        response = await core.infer(inference, origin)
     except ShoalError as exc:  # Triton's HTTP words for a decoupled model (http_server.cc)
         if exc.message != DECOUPLED_REFUSED:
             raise
@@ -174,6 +178,19 @@ async def cuda_shared_memory_unregister(core: Core, request: Request) -> Reply:
     return Reply()
 
 
+async def trace_settings(core: Core, request: Request) -> Reply:
+    return _json(await core.trace_settings(request.path.get("model") or ""))
+
+
+async def update_trace_settings(core: Core, request: Request) -> Reply:
+    """The model's (or global) settings after the change, as Triton answers."""
+    model = request.path.get("model") or ""
+    if model:
+        await core.trace_settings(model)  # an unknown model is refused before its body is read, as Triton
+    changes = convert.trace_settings_changes(convert.parse_object(request.body, "trace settings"))
+    return _json(await core.update_trace_settings(model, changes))
+
+
 async def log_settings(core: Core, request: Request) -> Reply:
     return _json(await core.log_settings())
 
@@ -181,13 +198,6 @@ async def log_settings(core: Core, request: Request) -> Reply:
 async def update_log_settings(core: Core, request: Request) -> Reply:
     """Every setting after the change, as Triton answers (JSON types are the settings' own)."""
     return _json(await core.update_log_settings(convert.parse_object(request.body, "log settings")))
-
-
-def _unsupported(what: str) -> Callable[[Core, Request], Awaitable[Reply]]:
-    async def handler(core: Core, request: Request) -> Reply:
-        raise unsupported(what)
-
-    return handler
 
 
 Handler = Callable[[Core, Request], Awaitable[Reply]]
@@ -218,8 +228,10 @@ ROUTES: list[tuple[re.Pattern[str], str, Handler, str]] = [
         ("/v2/cudasharedmemory/region/(?P<region>[^/]+)/register", "POST", cuda_shared_memory_register,
          "shared-memory"),
         ("/v2/cudasharedmemory" + _REGION + "/unregister", "POST", cuda_shared_memory_unregister, "shared-memory"),
-        ("/v2/trace/setting", "GET|POST", _unsupported("trace settings"), "trace"),
-        (_MODEL + "/trace/setting", "GET|POST", _unsupported("trace settings"), "trace"),
+        ("/v2/trace/setting", "GET", trace_settings, "trace"),
+        ("/v2/trace/setting", "POST", update_trace_settings, "trace"),
+        ("/v2/models/(?P<model>[^/]+)/trace/setting", "GET", trace_settings, "trace"),
+        ("/v2/models/(?P<model>[^/]+)/trace/setting", "POST", update_trace_settings, "trace"),
         ("/v2/logging", "GET", log_settings, "logging"),
         ("/v2/logging", "POST", update_log_settings, "logging"),
     )

@@ -41,7 +41,8 @@ from shoal.protocol.types import DataType
 from shoal.repository import ensemble_config, scanner
 from shoal.repository.config import ModelSpec, read_config
 from shoal.repository.ensemble_config import EnsembleStep
-from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, PhaseTotals
+from shoal.statistics import ALSO_COUNT_PHASES, TRACED, FailureReason, ModelStatistics, PhaseTotals
+from shoal.tracing.trace import RequestTrace
 from shoal.types import InferRequest, InferResponse, Tensor
 
 logger = logging.getLogger(__name__)
@@ -240,10 +241,22 @@ class EnsembleVersion(ModelVersion):
                        for model_input, name in step.input_map if name in pool)  # not: an optional input left out
         version = str(step.model_version) if step.model_version >= 0 else ""
         served = self._registry.resolve(step.model_name, version)
-        response = await served.infer(InferRequest(
-            model_name=step.model_name, model_version=version, id=request.id, inputs=inputs,
-            requested_outputs=tuple(output for output, _ in step.output_map), parameters=request.parameters,
-        ))
+        parent = TRACED.get()  # this request's trace, when it is sampled: the step's is its child
+        traced = parent.child(step.model_name, str(served.version)) if isinstance(parent, RequestTrace) else None
+        token = TRACED.set(traced) if traced is not None else None  # this step's own task: its siblings keep theirs
+        try:
+            response = await served.infer(InferRequest(
+                model_name=step.model_name, model_version=version, id=request.id, inputs=inputs,
+                requested_outputs=tuple(output for output, _ in step.output_map), parameters=request.parameters,
+            ))
+        except ShoalError as exc:
+            if traced is not None:
+                traced.error = exc.message
+            raise
+        finally:
+            if traced is not None and token is not None:
+                traced.stamp("REQUEST_END")
+                TRACED.reset(token)
         renamed = dict(step.output_map)
         return {renamed[t.name]: Tensor(renamed[t.name], t.datatype, t.shape, t.data) for t in response.outputs}
 

@@ -58,7 +58,7 @@ from shoal.scheduling.batching import gather, scatter
 from shoal.scheduling.clock import deadline_clock
 from shoal.scheduling.rate_limiter import Admission
 from shoal.scheduling.requests import OutputCheck, checked, execute_each, takes_requests
-from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases, PhaseTotals
+from shoal.statistics import ALSO_COUNT_PHASES, TRACED, FailureReason, ModelStatistics, Phases, PhaseTotals, Traced
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class Pending:
     context: Any = None  # the core request it came from, for executors that take requests (requests.py)
     check: OutputCheck | None = None  # its outputs checked before it counts as a success
     also_count: PhaseTotals | None = None  # the caller's aggregator (an ensemble's), if it set one
+    traced: Traced | None = None  # its trace, when it is sampled (statistics.TRACED)
 
 
 class Scheduler:
@@ -159,6 +160,7 @@ class Scheduler:
             context=context,
             check=check,
             also_count=ALSO_COUNT_PHASES.get(),
+            traced=TRACED.get(),
         )
         self._queue(level)[pending.sequence] = pending
         self._in_use.add(level)
@@ -420,6 +422,8 @@ class Scheduler:
                 self.statistics.record_success(done - pending.arrival_ns, start - pending.arrival_ns, phases)
                 if pending.also_count is not None:
                     pending.also_count.add(phases)
+                if pending.traced is not None:
+                    pending.traced.executed(pending.arrival_ns, start, phases)
             self._settle(pending, outcome)
 
     def _settle(self, pending: Pending, outcome: Outputs | BaseException | None) -> None:

@@ -85,4 +85,7 @@ async def execute_each(executor: Any, batch: Sequence[QueuedRequest], statistics
             also_count = getattr(pending, "also_count", None)  # an ensemble's totals, when it runs in one
             if also_count is not None:
                 also_count.add(phases)
+            traced = getattr(pending, "traced", None)
+            if traced is not None:
+                traced.executed(pending.arrival_ns, start, phases)
         settle(pending, result)

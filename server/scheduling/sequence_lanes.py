@@ -34,7 +34,7 @@ from shoal.scheduling.dynamic import Scheduler
 from shoal.scheduling.rate_limiter import Admission
 from shoal.scheduling.requests import checked
 from shoal.scheduling.sequence_slots import RELEASE, Outputs, SequenceRequest, Slot
-from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, Phases
+from shoal.statistics import ALSO_COUNT_PHASES, TRACED, FailureReason, ModelStatistics, Phases
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +278,8 @@ class DirectLane:
                 owner.statistics.record_success(done - request.arrival_ns, start - request.arrival_ns, phases)
                 if request.also_count is not None:
                     request.also_count.add(phases)
+                if request.traced is not None:
+                    request.traced.executed(request.arrival_ns, start, phases)
                 if not request.future.done():
                     request.future.set_result(outcome)
             if request.end:
@@ -358,6 +360,7 @@ class OldestLane:
         # This task runs in the context of whichever request woke the slot: the dynamic batcher must add
         # the phases to this request's caller (an ensemble's totals), not to that one's.
         ALSO_COUNT_PHASES.set(request.also_count)
+        TRACED.set(request.traced)
         try:
             states = row_states(owner.batching, slot, request)
             feed = build_feed(owner, [(slot, request)], [states])

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shoal.scheduling.requests import OutputCheck
-from shoal.statistics import ALSO_COUNT_PHASES, PhaseTotals
+from shoal.statistics import ALSO_COUNT_PHASES, TRACED, PhaseTotals, Traced
 
 Outputs = dict[str, np.ndarray]
 CorrelationId = int | str
@@ -31,6 +31,7 @@ class SequenceRequest:
     taken: bool = False  # a lane took it into a batch: no longer queued
     # The caller's aggregator (an ensemble's: statistics.ALSO_COUNT_PHASES), taken as the request is made.
     also_count: PhaseTotals | None = field(default_factory=ALSO_COUNT_PHASES.get)
+    traced: Traced | None = field(default_factory=TRACED.get)  # its trace, when it is sampled
     check: OutputCheck | None = None  # its outputs checked before it counts as a success
 
 

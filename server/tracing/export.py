@@ -1,0 +1,168 @@
+"""Where finished traces go: Triton's JSON trace file (``triton`` mode) or OTLP/HTTP spans
+(``opentelemetry`` mode, through the OpenTelemetry SDK's batch processor and exporter).
+
+Spans as Triton 2.51's OpenTelemetry mode makes them (captured from tritonserver 2.51), all of
+kind SERVER: ``InferRequest`` (the root; a child of the client's span when the request carried a
+``traceparent``, whose trace id it keeps and whose ``tracestate`` every span carries), with the
+transport's events and ``INFER_RESPONSE_COMPLETE``; under it a span named after the model, with
+``triton.model_name``, ``triton.model_version`` (int), ``triton.trace_id``,
+``triton.trace_parent_id`` (0 at the top) and ``triton.request_id`` (when the request has an id),
+and events ``REQUEST_START``, ``QUEUE_START``, ``REQUEST_END``; under it ``compute``, with the four
+``COMPUTE_*`` events. An ensemble's span has no ``compute``; its steps' spans hang under it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from shoal.settings import DEFAULT_URL, TraceConfig
+from shoal.tracing.trace import RequestTrace, received_stamp
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_STAMPS = ("COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END")
+
+
+class TraceFile:
+    """Triton's trace file: a JSON array of one object per trace (its model) and one per timestamp.
+    ``log_frequency`` 0 writes everything to ``file`` at shutdown; N writes every N traces to
+    ``file.0``, ``file.1``, ... (and what is left, at shutdown, to the next one)."""
+
+    def __init__(self, file: str, log_frequency: int) -> None:
+        self.file = file
+        self.log_frequency = log_frequency
+        self._pending: list[dict[str, Any]] = []
+        self._traces = 0
+        self._index = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, trace: RequestTrace) -> None:
+        with self._lock:
+            self._pending += _records(trace)
+            self._traces += 1
+            if self.log_frequency and self._traces >= self.log_frequency:
+                self._write_indexed()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._pending:
+                return
+            if self.log_frequency:
+                self._write_indexed()
+            else:
+                Path(self.file).write_text(json.dumps(self._pending, separators=(",", ":")))
+                self._pending = []
+
+    def _write_indexed(self) -> None:
+        Path(f"{self.file}.{self._index}").write_text(json.dumps(self._pending, separators=(",", ":")))
+        self._index += 1
+        self._pending, self._traces = [], 0
+
+
+def _records(trace: RequestTrace) -> list[dict[str, Any]]:
+    """Children first, as Triton writes them; then the trace's model line and its timestamps."""
+    records = [record for child in trace.children for record in _records(child)]
+    model: dict[str, Any] = {"id": trace.id, "model_name": trace.model_name, "model_version": _version(trace)}
+    if trace.parent is not None:
+        model["parent_id"] = trace.parent.id
+    records.append(model)
+    records += [{"id": trace.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in _all_stamps(trace)]
+    return records
+
+
+def _all_stamps(trace: RequestTrace) -> list[tuple[str, int]]:
+    if trace.origin is None:
+        return trace.stamps
+    return [(received_stamp(trace.origin), trace.origin.received_ns), *trace.stamps]
+
+
+def _version(trace: RequestTrace) -> int:
+    return int(trace.model_version) if trace.model_version.isdigit() else 0
+
+
+class OpenTelemetrySpans:
+    """Each trace as spans, handed to the SDK's batch processor (which exports on a thread of its own)."""
+
+    def __init__(self, config: TraceConfig) -> None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace import SpanKind, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        url = config.url or DEFAULT_URL
+        if "://" not in url:
+            url = f"http://{url}"  # Triton takes host:port/path too
+        attributes = {"service.name": "shoal", **dict(config.resource)}
+        self.provider = TracerProvider(resource=Resource.create(attributes))
+        self.provider.add_span_processor(BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=url), max_queue_size=config.bsp["bsp_max_queue_size"],
+            schedule_delay_millis=config.bsp["bsp_schedule_delay"],
+            max_export_batch_size=config.bsp["bsp_max_export_batch_size"]))
+        self.tracer = self.provider.get_tracer("shoal")
+        self._kind = SpanKind.SERVER
+        self._in_context = set_span_in_context
+        self._propagator = TraceContextTextMapPropagator()
+        self._epoch_offset = time.time_ns() - time.monotonic_ns()  # monotonic stamps -> the epoch's
+
+    def __call__(self, trace: RequestTrace) -> None:
+        origin = trace.origin
+        carrier = {}
+        if origin is not None and origin.traceparent:
+            carrier["traceparent"] = origin.traceparent
+            if origin.tracestate:
+                carrier["tracestate"] = origin.tracestate
+        context = self._propagator.extract(carrier) if carrier else None
+        start = origin.received_ns if origin is not None else trace.stamps[0][1]
+        end = trace.when("INFER_RESPONSE_COMPLETE") or trace.stamps[-1][1]
+        root = self.tracer.start_span("InferRequest", context=context, kind=self._kind, start_time=self._epoch(start))
+        if origin is not None:
+            root.add_event(received_stamp(origin), timestamp=self._epoch(origin.received_ns))
+        response = trace.when("INFER_RESPONSE_COMPLETE")
+        if response is not None:
+            root.add_event("INFER_RESPONSE_COMPLETE", timestamp=self._epoch(response))
+        self._model_span(trace, self._in_context(root))
+        root.end(end_time=self._epoch(end))
+
+    def _model_span(self, trace: RequestTrace, context: Any) -> None:
+        attributes: dict[str, Any] = {
+            "triton.model_name": trace.model_name, "triton.model_version": _version(trace),
+            "triton.trace_id": trace.id, "triton.trace_parent_id": trace.parent.id if trace.parent else 0}
+        if trace.request_id:
+            attributes["triton.request_id"] = trace.request_id
+        start = trace.when("REQUEST_START") or trace.stamps[0][1]
+        end = trace.when("REQUEST_END") or trace.stamps[-1][1]
+        span = self.tracer.start_span(trace.model_name, context=context, kind=self._kind,
+                                      start_time=self._epoch(start), attributes=attributes)
+        for name in ("REQUEST_START", "QUEUE_START", "REQUEST_END"):
+            ns = trace.when(name)
+            if ns is not None:
+                span.add_event(name, timestamp=self._epoch(ns))
+        if trace.error:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, trace.error))
+        inner = self._in_context(span)
+        if trace.computed:
+            compute = self.tracer.start_span("compute", context=inner, kind=self._kind,
+                                             start_time=self._epoch(trace.when("COMPUTE_START") or start))
+            for name in COMPUTE_STAMPS:
+                ns = trace.when(name)
+                if ns is not None:
+                    compute.add_event(name, timestamp=self._epoch(ns))
+            compute.end(end_time=self._epoch(trace.when("COMPUTE_END") or end))
+        for child in trace.children:
+            self._model_span(child, inner)
+        span.end(end_time=self._epoch(end))
+
+    def _epoch(self, monotonic_ns: int) -> int:
+        return monotonic_ns + self._epoch_offset
+
+    def close(self) -> None:
+        self.provider.shutdown()  # exports what the batch processor still holds

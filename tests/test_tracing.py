@@ -1,0 +1,352 @@
+"""Triton's trace extension (issue 28 item 1): the settings of ``/v2/trace/setting`` and gRPC
+``TraceSetting`` in Triton 2.51's shapes and words (captured from tritonserver 2.51), the sampling
+they decide, Triton's JSON trace file, and OpenTelemetry spans received at a real OTLP/HTTP endpoint
+on loopback: names, parents, attributes and events as Triton's, the client's W3C trace kept, an
+ensemble's steps under it; in both process layouts (a front-end worker's receive time starts the span).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from shoal.errors import ErrorCode, ShoalError
+from shoal.protocol import InferenceStub
+from shoal.protocol import service_pb2 as pb
+from shoal.settings import parse_trace_config
+from shoal.tracing.settings import TraceSettings, check_start
+from tests import ensemble_models
+from tests.conftest import RunningServer, start_server
+from tests.polling import wait_until
+
+TRITON_DEFAULT = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1", "log_frequency": "0",
+                  "trace_file": "", "trace_mode": "triton"}
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+
+
+# -- settings, without a server --------------------------------------------------------------------
+
+
+def test_the_command_line_takes_tritons_trace_config() -> None:
+    config = parse_trace_config(["triton,file=/tmp/t.json", "level=TIMESTAMPS", "rate=1", "count=5",
+                                 "triton,log-frequency=2"])
+    assert (config.mode, config.level, config.rate, config.count, config.file, config.log_frequency) == (
+        "triton", frozenset({"TIMESTAMPS"}), 1, 5, "/tmp/t.json", 2)
+    otel = parse_trace_config(["mode=opentelemetry", "opentelemetry,url=127.0.0.1:4318/v1/traces",
+                               "opentelemetry,resource=service.name=mine", "opentelemetry,bsp_schedule_delay=50"])
+    assert (otel.url, otel.resource, otel.bsp["bsp_schedule_delay"]) == (
+        "127.0.0.1:4318/v1/traces", (("service.name", "mine"),), 50)
+    for bad in ("level=bogus", "rate=abc", "mode=jaeger", "foo=1", "triton,foo=1", "rate", "count=-2"):
+        with pytest.raises(ValueError):
+            parse_trace_config([bad])
+    with pytest.raises(ShoalError, match="trace file name is not given"):
+        check_start(parse_trace_config(["level=TIMESTAMPS"]))  # triton mode writes a file: which?
+
+
+def settings(*flags: str) -> TraceSettings:
+    return TraceSettings(parse_trace_config(list(flags)))
+
+
+def test_a_model_overrides_fields_and_clearing_one_follows_the_global_again() -> None:
+    traces = settings("triton,file=/tmp/t.json")
+    assert traces.answer() == {**TRITON_DEFAULT, "trace_file": "/tmp/t.json"}
+    traces.update("add", {"trace_rate": ["7"]})
+    traces.update("", {"trace_count": ["5"], "trace_rate": ["3"]})
+    assert (traces.answer("add")["trace_rate"], traces.answer("add")["trace_count"]) == ("7", "5")
+    assert traces.answer("other")["trace_rate"] == "3"
+    traces.update("add", {"trace_rate": None})  # cleared: the global one again, and it follows it
+    traces.update("", {"trace_rate": ["9"]})
+    assert traces.answer("add")["trace_rate"] == "9"
+    traces.update("", {"trace_rate": None})  # globally: the start value
+    assert traces.answer()["trace_rate"] == "1000"
+
+
+@pytest.mark.parametrize(("changes", "code", "words"), [
+    ({"trace_rate": ["abc"]}, ErrorCode.INVALID_ARGUMENT, "Unable to parse 'trace_rate', got: abc"),
+    ({"trace_count": ["-2"]}, ErrorCode.INVALID_ARGUMENT, "Unable to parse 'trace_count'. Expecting value >= -1, "
+                                                          "got: -2"),
+    ({"trace_rate": ["3000000000000"]}, ErrorCode.INVALID_ARGUMENT, "value is out of range [ 0, 4294967295 ]"),
+    ({"trace_rate": ["1", "2"]}, ErrorCode.INVALID_ARGUMENT, "expect only 1 value for 'trace_rate'"),
+    ({"trace_level": ["OFF", "TIMESTAMPS"]}, ErrorCode.INVALID_ARGUMENT, "Expect only one trace level 'OFF'"),
+    ({"trace_level": ["timestamps"]}, ErrorCode.INVALID_ARGUMENT, "unknown trace level 'timestamps'"),
+    ({"trace_level": ["TENSORS"]}, ErrorCode.UNSUPPORTED, "TENSORS is not supported"),
+    ({"trace_file": ["/tmp/x"]}, ErrorCode.UNSUPPORTED, "trace file location can not be updated through network"),
+    ({"trace_mode": ["opentelemetry"]}, ErrorCode.UNSUPPORTED, "trace mode can not be updated"),
+    ({"trace_ratee": ["1"]}, ErrorCode.INVALID_ARGUMENT, "unknown trace setting 'trace_ratee'"),
+    ({"trace_level": ["TIMESTAMPS"], "trace_rate": ["0"]}, ErrorCode.INVALID_ARGUMENT,
+     "Attempting to set invalid trace setting :sample rate must be non-zero"),
+])
+def test_a_bad_change_is_refused_and_changes_nothing(changes: dict[str, Any], code: ErrorCode, words: str) -> None:
+    traces = settings("triton,file=/tmp/t.json")
+    with pytest.raises(ShoalError) as caught:
+        traces.update("", {"trace_count": ["4"], **changes})
+    assert caught.value.code is code and words in caught.value.message
+    assert traces.answer()["trace_count"] == "-1"
+
+
+def test_enabling_without_a_file_in_triton_mode_is_refused_in_tritons_words() -> None:
+    with pytest.raises(ShoalError, match="Attempting to set invalid trace setting :trace file name is not given"):
+        settings().update("", {"trace_level": ["TIMESTAMPS"]})
+
+
+def test_the_rate_samples_one_in_n_and_the_count_counts_down() -> None:
+    traces = settings("triton,file=/tmp/t.json", "level=TIMESTAMPS", "rate=3", "count=2")
+    taken = [traces.sample("add", has_parent=False) for _ in range(9)]
+    assert taken == [True, False, False, True, False, False, False, False, False]
+    assert traces.answer()["trace_count"] == "0"
+    with pytest.raises(ShoalError, match="trace count is 0"):  # an update that leaves it at 0, as Triton refuses
+        traces.update("", {"trace_rate": ["1"]})
+
+
+def test_at_rate_zero_only_a_request_with_a_clients_trace_is_traced() -> None:
+    traces = settings("mode=opentelemetry", "level=TIMESTAMPS", "rate=0")
+    assert [traces.sample("add", has_parent=p) for p in (False, True, False)] == [False, True, False]
+
+
+def test_off_is_one_check() -> None:
+    traces = settings()
+    assert traces.on is False  # LocalCore asks nothing more of an untraced request
+
+
+# -- a real OTLP/HTTP endpoint ---------------------------------------------------------------------
+
+
+class Collector:
+    """An OTLP/HTTP receiver on loopback: every span posted to /v1/traces, with its resource."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        collector = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                message = ExportTraceServiceRequest.FromString(body)
+                with collector.lock:
+                    for resource_spans in message.resource_spans:
+                        resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                        for scope in resource_spans.scope_spans:
+                            for span in scope.spans:
+                                collector.spans.append(_span(span, resource))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def trace(self, trace_id: str, count: int) -> list[dict[str, Any]]:
+        """The spans of one trace, once ``count`` of them arrived."""
+        def arrived() -> bool:
+            with self.lock:
+                return len([s for s in self.spans if s["trace_id"] == trace_id]) >= count
+
+        wait_until(arrived, timeout_s=60, what=f"{count} spans of trace {trace_id}")
+        with self.lock:
+            return [s for s in self.spans if s["trace_id"] == trace_id]
+
+
+def _span(span: Any, resource: dict[str, str]) -> dict[str, Any]:
+    def value(v: Any) -> Any:
+        return getattr(v, v.WhichOneof("value"))
+
+    return {"name": span.name, "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
+            "parent": span.parent_span_id.hex(), "kind": span.kind, "start": span.start_time_unix_nano,
+            "end": span.end_time_unix_nano, "trace_state": span.trace_state,
+            "attributes": {a.key: value(a.value) for a in span.attributes},
+            "events": [e.name for e in span.events], "resource": resource}
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[Collector]:
+    receiver = Collector()
+    yield receiver
+    receiver.server.shutdown()
+    receiver.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def traced_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...],
+                  collector: Collector) -> Iterator[RunningServer]:
+    repo = tmp_path_factory.mktemp("repo")
+    ensemble_models.add_onnx_add1(repo)
+    ensemble_models.add_ensemble(repo, "twice", [
+        ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "mid"}),
+        ensemble_models.step("add1", {"IN": "mid"}, {"OUT": "OUT"})])
+    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout,
+                          "--trace-config", "mode=opentelemetry",
+                          "--trace-config", f"opentelemetry,url=127.0.0.1:{collector.port}/v1/traces",
+                          "--trace-config", "opentelemetry,bsp_schedule_delay=20",
+                          "--trace-config", "level=TIMESTAMPS", "--trace-config", "rate=0")
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def grpc_add1(server: RunningServer, model: str, traceparent: str, request_id: str = "") -> list[float]:
+    with grpcclient.InferenceServerClient(server.url) as client:
+        given = grpcclient.InferInput("IN", [1, 4], "FP32")
+        given.set_data_from_numpy(np.arange(4, dtype=np.float32).reshape(1, 4))
+        answer = client.infer(model, [given], request_id=request_id, headers={"traceparent": traceparent})
+        return answer.as_numpy("OUT").ravel().tolist()
+
+
+def by_name(spans: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for span in spans:
+        found.setdefault(span["name"], []).append(span)
+    return found
+
+
+def test_a_grpc_request_is_spans_under_the_clients_trace(traced_server: RunningServer,
+                                                        collector: Collector) -> None:
+    trace_id = secrets.token_hex(16)  # the collector serves both layouts: a trace of its own
+    started = time.time_ns()
+    assert grpc_add1(traced_server, "add1", f"00-{trace_id}-{CLIENT_SPAN}-01", request_id="r-1") == [1, 2, 3, 4]
+    spans = by_name(collector.trace(trace_id, 3))
+    root, model, compute = spans["InferRequest"][0], spans["add1"][0], spans["compute"][0]
+    assert root["parent"] == CLIENT_SPAN  # the client's span is the root's parent; its trace id is kept
+    assert model["parent"] == root["span_id"] and compute["parent"] == model["span_id"]
+    assert {s["kind"] for s in (root, model, compute)} == {2}  # SERVER
+    assert root["events"] == ["GRPC_WAITREAD_END", "INFER_RESPONSE_COMPLETE"]
+    assert model["events"] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+    assert compute["events"] == ["COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
+    attributes = model["attributes"]
+    assert (attributes["triton.model_name"], attributes["triton.model_version"], attributes["triton.request_id"],
+            attributes["triton.trace_parent_id"]) == ("add1", 1, "r-1", 0)
+    assert root["start"] <= model["start"] <= compute["start"] <= compute["end"] <= model["end"] <= root["end"]
+    assert started <= root["start"] and root["end"] <= time.time_ns()
+    assert root["resource"]["service.name"] == "shoal"
+
+
+def test_an_http_request_keeps_the_clients_trace_and_state(traced_server: RunningServer,
+                                                          collector: Collector) -> None:
+    trace_id = secrets.token_hex(16)  # the collector serves both layouts: a trace of its own
+    with httpclient.InferenceServerClient(traced_server.http_url) as client:
+        given = httpclient.InferInput("IN", [1, 4], "FP32")
+        given.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+        client.infer("add1", [given], headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01",
+                                               "tracestate": "vendor=shoal-test"})
+    spans = by_name(collector.trace(trace_id, 3))
+    assert spans["InferRequest"][0]["events"][0] == "HTTP_RECV_END"
+    assert {s["trace_state"] for s in collector.trace(trace_id, 3)} == {"vendor=shoal-test"}
+
+
+def test_an_ensembles_steps_hang_under_its_span(traced_server: RunningServer, collector: Collector) -> None:
+    trace_id = secrets.token_hex(16)  # the collector serves both layouts: a trace of its own
+    assert grpc_add1(traced_server, "twice", f"00-{trace_id}-{CLIENT_SPAN}-01") == [2, 3, 4, 5]
+    spans = by_name(collector.trace(trace_id, 6))  # InferRequest, twice, 2 x (add1, compute)
+    ensemble = spans["twice"][0]
+    assert "compute" not in {s["name"] for s in spans["compute"] if s["parent"] == ensemble["span_id"]}
+    steps = spans["add1"]
+    assert len(steps) == 2 and {s["parent"] for s in steps} == {ensemble["span_id"]}
+    assert {s["attributes"]["triton.trace_parent_id"] for s in steps} == {ensemble["attributes"]["triton.trace_id"]}
+    assert {c["parent"] for c in spans["compute"]} == {s["span_id"] for s in steps}
+
+
+def test_without_a_clients_trace_at_rate_zero_nothing_is_sent(traced_server: RunningServer,
+                                                             collector: Collector) -> None:
+    before = len(collector.spans)
+    with grpcclient.InferenceServerClient(traced_server.url) as client:
+        given = grpcclient.InferInput("IN", [1, 4], "FP32")
+        given.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+        client.infer("add1", [given])
+    trace_id = secrets.token_hex(16)  # the collector serves both layouts: a trace of its own
+    grpc_add1(traced_server, "add1", f"00-{trace_id}-{CLIENT_SPAN}-01")  # one that is traced, to wait for
+    collector.trace(trace_id, 3)
+    assert len(collector.spans) == before + 3
+
+
+# -- Triton's trace file and the settings over both transports -------------------------------------
+
+
+def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    ensemble_models.add_onnx_add1(repo)
+    trace_file = tmp_path / "trace.json"
+    (tmp_path / "server").mkdir()
+    server = start_server(repo, tmp_path / "server", "--grpc-workers", "2", "--trace-config",
+                          f"triton,file={trace_file}", "--trace-config", "level=TIMESTAMPS", "--trace-config", "rate=1",
+                          "--trace-config", "count=2")
+    try:
+        for _ in range(3):
+            grpc_add1(server, "add1", "")
+        with httpclient.InferenceServerClient(server.http_url) as client:
+            assert client.get_trace_settings() == {**TRITON_DEFAULT, "trace_level": ["TIMESTAMPS"], "trace_rate": "1",
+                                                   "trace_count": "0", "trace_file": str(trace_file)}
+    finally:
+        assert server.stop() == 0, server.log()
+    records = json.loads(trace_file.read_text())
+    models = [r for r in records if "model_name" in r]
+    assert [(m["model_name"], m["model_version"]) for m in models] == [("add1", 1), ("add1", 1)]
+    first = [r["timestamps"][0]["name"] for r in records if r["id"] == models[0]["id"] and "timestamps" in r]
+    assert first == ["GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END",
+                     "COMPUTE_OUTPUT_START", "COMPUTE_END", "REQUEST_END", "INFER_RESPONSE_COMPLETE"]
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
+    repo = tmp_path_factory.mktemp("repo")
+    ensemble_models.add_onnx_add1(repo)
+    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--trace-config",
+                          f"triton,file={tmp_path_factory.mktemp('traces') / 't.json'}")
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def http(server: RunningServer, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    request = urllib.request.Request(f"http://{server.http_url}{path}", data=body,
+                                     method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_settings_round_trip_over_both_transports(plain_server: RunningServer) -> None:
+    status, answer = http(plain_server, "/v2/models/add1/trace/setting", b'{"trace_rate": "7"}')
+    assert status == 200 and answer["trace_rate"] == "7"
+    with grpc.insecure_channel(plain_server.url) as channel:
+        stub = InferenceStub(channel)
+        got = stub.TraceSetting(pb.TraceSettingRequest(model_name="add1"), timeout=30)
+        assert list(got.settings["trace_rate"].value) == ["7"] and list(got.settings["trace_level"].value) == ["OFF"]
+        clear = pb.TraceSettingRequest(model_name="add1")
+        clear.settings["trace_rate"].SetInParent()  # an empty value clears it: the global one again
+        assert list(stub.TraceSetting(clear, timeout=30).settings["trace_rate"].value) == ["1000"]
+        with pytest.raises(grpc.RpcError) as caught:
+            bad = pb.TraceSettingRequest()
+            bad.settings["trace_rate"].value.append("abc")
+            stub.TraceSetting(bad, timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details() == "Unable to parse 'trace_rate', got: abc"
+    assert http(plain_server, "/v2/models/nosuch/trace/setting") == (
+        400, {"error": "Request for unknown model : nosuch"})
+    assert http(plain_server, "/v2/trace/setting", b'{"trace_file": "/tmp/x"}')[0] == 501
+    assert http(plain_server, "/v2/trace/setting", b'{"trace_rate": 5}') == (
+        400, {"error": "expect a string for 'trace_rate', as Triton writes every trace setting but the level"})
+    with httpclient.InferenceServerClient(plain_server.http_url) as client:
+        assert "trace" in client.get_server_metadata()["extensions"]
+        assert client.get_trace_settings()["trace_rate"] == "1000"
