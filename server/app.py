@@ -130,10 +130,28 @@ async def serve(settings: ServerSettings) -> int:
     await front.stop(grace_s=min(STREAM_GRACE_S, max(0.0, deadline - time.monotonic())), deadline=deadline)
     await manager.close()
     core.regions.close()  # clients' shared memory: unmapped, never unlinked (theirs)
-    core.tracer.close()  # the trace file written, the spans still held exported
+    await close_tracer(core, deadline)
     watchdog.cancel()
     logger.info("stopped")
     return 0
+
+
+async def close_tracer(core: LocalCore, deadline: float) -> None:
+    """Write the trace file and export the spans still held, on a thread: a collector that does not
+    answer costs at most what is left of the exit deadline (then they are lost, and the log says so)."""
+    closed = threading.Event()
+
+    def close() -> None:
+        try:
+            core.tracer.close()
+        finally:
+            closed.set()
+
+    # A daemon thread, not the loop's executor: asyncio.run would wait for that one on the way out.
+    threading.Thread(target=close, name="shoal-trace-close", daemon=True).start()
+    loop = asyncio.get_running_loop()
+    if not await loop.run_in_executor(None, closed.wait, max(0.5, deadline - time.monotonic() - 1.0)):
+        logger.warning("traces still being written or exported at the exit deadline are lost")
 
 
 class FrontEnd(Protocol):

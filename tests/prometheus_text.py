@@ -57,4 +57,5 @@ def parse(text: str) -> dict[str, Family]:
 
 
 def scrape(metrics_port: int) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    body: bytes = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    return body.decode()

@@ -8,6 +8,7 @@ ensemble's steps under it; in both process layouts (a front-end worker's receive
 from __future__ import annotations
 
 import json
+import queue
 import secrets
 import threading
 import time
@@ -29,8 +30,11 @@ from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from shoal.settings import parse_trace_config
+from shoal.tracing.export import TraceFile
 from shoal.tracing.settings import TraceSettings, check_start
-from tests import ensemble_models
+from shoal.tracing.trace import Origin, RequestTrace
+from shoal.tracing.tracer import valid_traceparent
+from tests import decoupled_models, ensemble_models, python_models
 from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
 
@@ -120,6 +124,58 @@ def test_at_rate_zero_only_a_request_with_a_clients_trace_is_traced() -> None:
     assert [traces.sample("add", has_parent=p) for p in (False, True, False)] == [False, True, False]
 
 
+def test_a_clients_trace_is_traced_at_any_rate_and_count_and_takes_none_of_it() -> None:
+    traces = settings("mode=opentelemetry", "level=TIMESTAMPS", "rate=1000", "count=1")
+    assert traces.sample("add", has_parent=False)  # the first of a thousand, and the count's last
+    assert [traces.sample("add", has_parent=True) for _ in range(3)] == [True, True, True]
+    assert traces.answer()["trace_count"] == "0" and not traces.sample("add", has_parent=False)
+    assert not settings("mode=opentelemetry").sample("add", has_parent=True)  # unless tracing is off
+
+
+@pytest.mark.parametrize(("text", "valid"), [
+    (TRACEPARENT, True), (f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00", True), ("garbage", False), ("", False),
+    (f"00-{'0' * 32}-{CLIENT_SPAN}-01", False), (f"00-{CLIENT_TRACE.upper()}-{CLIENT_SPAN}-01", False),
+    (f"ff-{CLIENT_TRACE}-{CLIENT_SPAN}-01", False),
+])
+def test_only_a_valid_traceparent_counts_as_a_clients_trace(text: str, valid: bool) -> None:
+    assert valid_traceparent(text) is valid
+
+
+def test_a_trace_file_that_cannot_be_written_drops_its_traces_and_says_so_once(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    frequency = [1]
+    writer = TraceFile(str(tmp_path / "missing" / "t.json"), lambda: frequency[0])
+    for _ in range(3):
+        writer(trace_of("add1"))
+    writer.close()
+    failures = [r for r in caplog.records if "could not write the trace file" in r.getMessage()]
+    assert len(failures) == 3  # one line per file (t.json.0, .1, .2), none repeated, no traceback
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_the_log_frequency_followed_is_the_current_one(tmp_path: Path) -> None:
+    frequency = [0]
+    writer = TraceFile(str(tmp_path / "t.json"), lambda: frequency[0])
+    writer(trace_of("add1"))
+    frequency[0] = 2  # changed over the API while serving
+    writer(trace_of("add1"))
+    writer.close()
+    written = json.loads((tmp_path / "t.json.0").read_text())
+    assert len([r for r in written if "model_name" in r]) == 2 and not (tmp_path / "t.json").exists()
+
+
+def test_a_trace_file_in_a_folder_it_cannot_write_is_refused_at_start(tmp_path: Path) -> None:
+    with pytest.raises(ShoalError, match="is not a folder this server may write"):
+        check_start(parse_trace_config([f"triton,file={tmp_path / 'missing' / 't.json'}", "level=TIMESTAMPS"]))
+
+
+def trace_of(model: str) -> RequestTrace:
+    trace = RequestTrace(model, "1", "", Origin("GRPC", time.monotonic_ns()))
+    trace.stamp("REQUEST_START")
+    trace.stamp("REQUEST_END")
+    return trace
+
+
 def test_off_is_one_check() -> None:
     traces = settings()
     assert traces.on is False  # LocalCore asks nothing more of an untraced request
@@ -193,6 +249,7 @@ def traced_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, .
                   collector: Collector) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     ensemble_models.add_onnx_add1(repo)
+    python_models.write_model(repo, "square", decoupled_models.SQUARE_CONFIG, decoupled_models.SQUARE)
     ensemble_models.add_ensemble(repo, "twice", [
         ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "mid"}),
         ensemble_models.step("add1", {"IN": "mid"}, {"OUT": "OUT"})])
@@ -264,6 +321,32 @@ def test_an_ensembles_steps_hang_under_its_span(traced_server: RunningServer, co
     assert len(steps) == 2 and {s["parent"] for s in steps} == {ensemble["span_id"]}
     assert {s["attributes"]["triton.trace_parent_id"] for s in steps} == {ensemble["attributes"]["triton.trace_id"]}
     assert {c["parent"] for c in spans["compute"]} == {s["span_id"] for s in steps}
+
+
+def test_a_clients_unsampled_trace_is_still_continued(traced_server: RunningServer, collector: Collector) -> None:
+    trace_id = secrets.token_hex(16)
+    grpc_add1(traced_server, "add1", f"00-{trace_id}-{CLIENT_SPAN}-00")  # flags 00: Triton exports it too
+    assert by_name(collector.trace(trace_id, 3))["InferRequest"][0]["parent"] == CLIENT_SPAN
+
+
+def test_a_decoupled_models_stream_is_not_traced(traced_server: RunningServer, collector: Collector) -> None:
+    streamed_trace = secrets.token_hex(16)
+    answers: queue.Queue[Any] = queue.Queue()
+    with grpcclient.InferenceServerClient(traced_server.url) as client:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                            headers={"traceparent": f"00-{streamed_trace}-{CLIENT_SPAN}-01"})
+        given = grpcclient.InferInput("IN", [1], "INT32")
+        given.set_data_from_numpy(np.array([2], dtype=np.int32))
+        client.async_stream_infer("square", [given], request_id="s")
+        for _ in range(2):
+            result, error = answers.get(timeout=60)
+            assert error is None and result.as_numpy("OUT").tolist() == [2]
+        client.stop_stream()
+    later = secrets.token_hex(16)
+    grpc_add1(traced_server, "add1", f"00-{later}-{CLIENT_SPAN}-01")
+    collector.trace(later, 3)  # exported after the stream's would have been
+    with collector.lock:
+        assert not [s for s in collector.spans if s["trace_id"] == streamed_trace]
 
 
 def test_without_a_clients_trace_at_rate_zero_nothing_is_sent(traced_server: RunningServer,

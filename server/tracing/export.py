@@ -13,10 +13,12 @@ and events ``REQUEST_START``, ``QUEUE_START``, ``REQUEST_END``; under it ``compu
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,43 +27,57 @@ from shoal.tracing.trace import RequestTrace, received_stamp
 
 logger = logging.getLogger(__name__)
 
+# One export's bound: a collector that does not answer costs the exporter's thread this long, never a request.
+EXPORT_TIMEOUT_S = 5.0
 COMPUTE_STAMPS = ("COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END")
 
 
 class TraceFile:
     """Triton's trace file: a JSON array of one object per trace (its model) and one per timestamp.
-    ``log_frequency`` 0 writes everything to ``file`` at shutdown; N writes every N traces to
-    ``file.0``, ``file.1``, ... (and what is left, at shutdown, to the next one)."""
+    ``log_frequency()`` (the global setting, read at each trace) 0 writes everything to ``file`` at
+    shutdown; N writes every N traces to ``file.0``, ``file.1``, ... (and what is left, at shutdown,
+    to the next one). Files are written by a thread of their own, never on the serving loop; one that
+    cannot be written is logged and its traces dropped (a full disk never slows or fails a request)."""
 
-    def __init__(self, file: str, log_frequency: int) -> None:
+    def __init__(self, file: str, log_frequency: Callable[[], int]) -> None:
         self.file = file
         self.log_frequency = log_frequency
         self._pending: list[dict[str, Any]] = []
         self._traces = 0
         self._index = 0
         self._lock = threading.Lock()
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-trace-file")
+        self._failed: set[str] = set()  # files already logged as not writable
 
     def __call__(self, trace: RequestTrace) -> None:
+        frequency = self.log_frequency()
         with self._lock:
             self._pending += _records(trace)
             self._traces += 1
-            if self.log_frequency and self._traces >= self.log_frequency:
-                self._write_indexed()
+            if frequency and self._traces >= frequency:
+                self._hand_over(f"{self.file}.{self._index}")
+                self._index += 1
 
     def close(self) -> None:
+        """Write what is held and wait for the writes (at shutdown)."""
         with self._lock:
-            if not self._pending:
-                return
-            if self.log_frequency:
-                self._write_indexed()
-            else:
-                Path(self.file).write_text(json.dumps(self._pending, separators=(",", ":")))
-                self._pending = []
+            if self._pending:
+                self._hand_over(f"{self.file}.{self._index}" if self.log_frequency() else self.file)
+        self._writer.shutdown(wait=True)
 
-    def _write_indexed(self) -> None:
-        Path(f"{self.file}.{self._index}").write_text(json.dumps(self._pending, separators=(",", ":")))
-        self._index += 1
-        self._pending, self._traces = [], 0
+    def _hand_over(self, path: str) -> None:
+        """Lock held: the held records go to ``path`` on the writer thread."""
+        records, self._pending, self._traces = self._pending, [], 0
+        self._writer.submit(self._write, path, records)
+
+    def _write(self, path: str, records: list[dict[str, Any]]) -> None:
+        try:
+            Path(path).write_text(json.dumps(records, separators=(",", ":")))
+        except OSError as exc:
+            if path not in self._failed:
+                self._failed.add(path)
+                logger.error("could not write the trace file %s: %s; its %d records are dropped", path,
+                             exc.strerror, len(records))
 
 
 def _records(trace: RequestTrace) -> list[dict[str, Any]]:
@@ -93,6 +109,7 @@ class OpenTelemetrySpans:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON
         from opentelemetry.trace import SpanKind, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -100,9 +117,11 @@ class OpenTelemetrySpans:
         if "://" not in url:
             url = f"http://{url}"  # Triton takes host:port/path too
         attributes = {"service.name": "shoal", **dict(config.resource)}
-        self.provider = TracerProvider(resource=Resource.create(attributes))
+        # The settings decided to trace: the SDK samples every span, a client's unsampled parent (flags 00) too.
+        self.provider = TracerProvider(resource=Resource.create(attributes), sampler=ALWAYS_ON)
         self.provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=url), max_queue_size=config.bsp["bsp_max_queue_size"],
+            OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S), max_queue_size=config.bsp["bsp_max_queue_size"],
+            export_timeout_millis=int(EXPORT_TIMEOUT_S * 1000),
             schedule_delay_millis=config.bsp["bsp_schedule_delay"],
             max_export_batch_size=config.bsp["bsp_max_export_batch_size"]))
         self.tracer = self.provider.get_tracer("shoal")

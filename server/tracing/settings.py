@@ -6,8 +6,9 @@ when it changes later); clearing a field (JSON ``null``, an empty gRPC value) gi
 global one, or, globally, to the start value. Values travel as Triton writes them: ``trace_level``
 a list, every other value a string. ``trace_rate`` N traces one request in N (counted where the rate
 lives: the model's own, or the global one for every model that follows it); ``trace_count`` is the
-traces left to take (-1: no bound), counting down as they are taken; at rate 0 (from the command line
-only) only a request that carries a client's ``traceparent`` is traced.
+traces left to take (-1: no bound), counting down as they are taken; a request that carries a
+client's valid ``traceparent`` is traced whenever the level is on, at any rate and count (so at rate
+0, from the command line only, only those are).
 
 Where Shoal differs on purpose: a request with any bad field changes nothing (Triton may apply a
 global change and still answer 400); a setting name or level Shoal does not know is refused
@@ -18,6 +19,7 @@ mode logs an error per request and traces nothing); ``trace_mode`` cannot change
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,10 +63,12 @@ class TraceSettings:
         if self.config.mode == "triton":
             values.update(log_frequency=str(setting.log_frequency), trace_file=self.config.file, trace_mode="triton")
         else:
-            values.update(trace_mode="opentelemetry", url=self.config.url,
-                          **{name: str(value) for name, value in self.config.bsp.items()})
-            if self.config.resource:
-                values["resource"] = [f"{key}={value}" for key, value in self.config.resource]
+            values["trace_mode"] = "opentelemetry"
+            if self.config.url:  # Triton shows the URL only when one was given
+                values["url"] = self.config.url
+            if self.config.resource:  # Triton repeats the key per resource; JSON keys are unique here
+                values["resource"] = ",".join(f"{key}={value}" for key, value in self.config.resource)
+            values.update({name: str(value) for name, value in self.config.bsp.items()})
         return values
 
     def update(self, model: str, changes: dict[str, list[str] | None]) -> None:
@@ -102,15 +106,21 @@ class TraceSettings:
 
     def sample(self, model: str, has_parent: bool) -> bool:
         """Whether to trace this request of ``model``; counts it against the rate and takes one from
-        the count. Only called when ``on``."""
+        the count. A request that carries a client's trace context (``has_parent``: a valid
+        ``traceparent``) is traced whenever the model's level is on, whatever the rate and the count,
+        and takes nothing from the count, as Triton's ``force_sample``. Only called when ``on``."""
         own = self._models.get(model, {})
         setting = replace(self._global, **own) if own else self._global
-        if not setting.level or setting.count == 0:
+        if not setting.level:
+            return False
+        if has_parent:
+            return True
+        if setting.count == 0 or setting.rate == 0:
             return False
         rate_owner = model if "rate" in own else ""
         seen = self._seen.get(rate_owner, 0)
         self._seen[rate_owner] = seen + 1
-        if not (has_parent if setting.rate == 0 else seen % setting.rate == 0):
+        if seen % setting.rate != 0:
             return False
         if setting.count > 0:
             if "count" in own:
@@ -127,6 +137,10 @@ def check_start(config: TraceConfig) -> None:
         raise ShoalError(ErrorCode.UNSUPPORTED, "trace level TENSORS is not supported by this server: it traces "
                                                 "TIMESTAMPS")
     _check(Setting(config.level, max(1, config.rate), config.count, config.log_frequency), config)
+    if config.mode == "triton" and config.file:
+        folder = os.path.dirname(os.path.abspath(config.file))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise invalid(f"the trace file {config.file}: its folder {folder} is not a folder this server may write")
 
 
 def _parse(name: str, values: list[str]) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from shoal.settings import TraceConfig
 from shoal.tracing.export import OpenTelemetrySpans, TraceFile
@@ -10,6 +11,14 @@ from shoal.tracing.settings import TraceSettings
 from shoal.tracing.trace import Origin, RequestTrace
 
 logger = logging.getLogger(__name__)
+
+# W3C trace context: version-traceid-parentid-flags, lower-case hex; all-zero ids are invalid.
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def valid_traceparent(text: str) -> bool:
+    """A client's trace context the spans can continue (a malformed one is ignored, as Triton's)."""
+    return bool(text) and _TRACEPARENT.fullmatch(text) is not None and not text.startswith("ff")
 
 
 class Tracer:
@@ -19,13 +28,13 @@ class Tracer:
         if config.mode == "opentelemetry":
             self._export = OpenTelemetrySpans(config)
         else:
-            self._export = TraceFile(config.file, config.log_frequency)
+            self._export = TraceFile(config.file, lambda: self.settings.effective().log_frequency)
 
     def start(self, model_name: str, model_version: str, request_id: str, origin: Origin | None) -> RequestTrace | None:
         """A trace for this request if the settings sample it, else None (one check while tracing is off)."""
         if not self.settings.on:
             return None
-        if not self.settings.sample(model_name, origin is not None and bool(origin.traceparent)):
+        if not self.settings.sample(model_name, origin is not None and valid_traceparent(origin.traceparent)):
             return None
         trace = RequestTrace(model_name, model_version, request_id, origin)
         trace.stamp("REQUEST_START")
