@@ -136,6 +136,7 @@ def main() -> None:
         axis.set_xlabel("seconds")
         axis.legend(fontsize=8)
         axis.grid(alpha=0.3)
+        axis.set_ylim(bottom=0)
     figure.suptitle("Shoal dashboard panels, plotted with matplotlib by bench/dashboard_plot.py from a real server's "
                     "/metrics (not a Grafana rendering)", fontsize=11)
     figure.tight_layout()
