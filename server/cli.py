@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics (default true)")
     serve.add_argument("--metrics-address", help="address of the metrics endpoint (default: --grpc-address)")
     serve.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002; 0 = any free)")
+    serve.add_argument("--allow-gpu-metrics", type=_bool, default=True,
+                       help="Triton's nv_gpu_* families (utilization, memory, power, energy per GPU) through NVML, "
+                            "where a driver is (default true)")
     serve.add_argument("--metrics-config", action="append", default=[], metavar="SETTING=VALUE",
                        help="summary_latencies=true: Triton's nv_inference_*_summary_us over the last minute; "
                             "summary_quantiles=Q:E[,Q:E...] (default 0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001,"
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         allow_metrics=args.allow_metrics,
         metrics_address=args.metrics_address or args.grpc_address,
         metrics_port=args.metrics_port,
-        metrics=metrics,
+        metrics=replace(metrics, gpu_metrics=args.allow_gpu_metrics),
         trace=trace,
         memory_budgets=tuple(budgets),
         rate_limit=args.rate_limit == "execution_count",

@@ -14,6 +14,9 @@ TYPE and HELP lines and labels (checked against a capture of a real Triton in
 - counters ``nv_cache_num_hits_per_model``, ``nv_cache_hit_duration_per_model``,
   ``nv_cache_num_misses_per_model``, ``nv_cache_miss_duration_per_model`` (µs), for the versions that
   use the response cache only, as Triton writes them;
+- per GPU (label ``gpu_uuid``, through NVML where a driver is; ``--allow-gpu-metrics``):
+  ``nv_gpu_utilization``, ``nv_gpu_memory_{total,used}_bytes``, ``nv_gpu_power_{usage,limit}``,
+  ``nv_energy_consumption``;
 - system-wide gauges, on Linux (from ``/proc``): ``nv_cpu_utilization`` (since the previous scrape),
   ``nv_cpu_memory_total_bytes``, ``nv_cpu_memory_used_bytes`` (MemTotal - MemAvailable);
 - with ``--metrics-config summary_latencies=true``, summaries ``nv_inference_{request,queue,
@@ -39,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
@@ -122,6 +126,15 @@ TRITON_CACHE_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_cache_miss_duration_per_model": (
         "counter", "Total cache miss (insert+lookup) duration per model, in microseconds"),
 }
+# Per GPU, label gpu_uuid (Triton reads them from DCGM; Shoal from NVML, nvidia-ml-py), before the CPU's.
+TRITON_GPU_FAMILIES: dict[str, tuple[str, str]] = {
+    "nv_gpu_utilization": ("gauge", "GPU utilization rate [0.0 - 1.0)"),
+    "nv_gpu_memory_total_bytes": ("gauge", "GPU total memory, in bytes"),
+    "nv_gpu_memory_used_bytes": ("gauge", "GPU used memory, in bytes"),
+    "nv_gpu_power_usage": ("gauge", "GPU power usage in watts"),
+    "nv_gpu_power_limit": ("gauge", "GPU power management limit in watts"),
+    "nv_energy_consumption": ("counter", "GPU energy consumption in joules since the Triton Server started"),
+}
 TRITON_CPU_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_cpu_utilization": ("gauge", "CPU utilization rate [0.0 - 1.0]"),
     "nv_cpu_memory_total_bytes": ("gauge", "CPU total memory (RAM), in bytes"),
@@ -157,7 +170,7 @@ _DURATION_FIELDS = {
 
 def triton_family(name: str) -> Family:
     """An empty family with Triton's TYPE and HELP."""
-    kind, text = {**TRITON_MODEL_FAMILIES, **TRITON_CACHE_FAMILIES, **TRITON_CPU_FAMILIES}[name]
+    kind, text = {**TRITON_MODEL_FAMILIES, **TRITON_CACHE_FAMILIES, **TRITON_GPU_FAMILIES, **TRITON_CPU_FAMILIES}[name]
     return Family(name, kind, text)
 
 
@@ -240,6 +253,68 @@ def model_families(rows: Iterable[StatisticsRow], counter_latencies: bool = True
     return tritons, [memory, instances, executing, warmup_runs, warmup_time]
 
 
+class GpuMetrics:
+    """Triton's per-GPU families through NVML (``pynvml``, from nvidia-ml-py); none where NVML does not
+    load (no driver: a CPU host) or with ``--allow-gpu-metrics false``. A reading a device does not
+    support (power on some boards) is left out of its family for that device."""
+
+    def __init__(self, nvml: Any = None) -> None:
+        self._nvml = nvml
+        self._devices: list[tuple[str, Any]] = []  # (uuid, handle)
+        self._energy_start: dict[str, float] = {}  # mJ at start, per uuid: Triton counts from its own start
+        self._lock = threading.Lock()
+        try:
+            if self._nvml is None:
+                import pynvml
+
+                self._nvml = pynvml
+            self._nvml.nvmlInit()
+            for index in range(self._nvml.nvmlDeviceGetCount()):
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = self._nvml.nvmlDeviceGetUUID(handle)
+                self._devices.append((uuid.decode() if isinstance(uuid, bytes) else str(uuid), handle))
+        except Exception as exc:  # noqa: BLE001 - any NVML failure means no GPU families, as Triton without DCGM
+            logger.debug("no GPU metrics: %s", exc)
+            self._devices = []
+        for uuid, handle in self._devices:
+            energy = self._read(self._nvml.nvmlDeviceGetTotalEnergyConsumption, handle)
+            if energy is not None:
+                self._energy_start[uuid] = energy
+
+    def families(self) -> list[Family]:
+        if not self._devices:
+            return []
+        families = {name: triton_family(name) for name in TRITON_GPU_FAMILIES}
+        nvml = self._nvml
+        with self._lock:  # scrapes run on the metrics server's threads
+            for uuid, handle in self._devices:
+                labels = {"gpu_uuid": uuid}
+                utilization = self._read(nvml.nvmlDeviceGetUtilizationRates, handle)
+                if utilization is not None:
+                    families["nv_gpu_utilization"].add(labels, utilization.gpu / 100)
+                memory = self._read(nvml.nvmlDeviceGetMemoryInfo, handle)
+                if memory is not None:
+                    families["nv_gpu_memory_total_bytes"].add(labels, memory.total)
+                    families["nv_gpu_memory_used_bytes"].add(labels, memory.used)
+                power = self._read(nvml.nvmlDeviceGetPowerUsage, handle)  # mW
+                if power is not None:
+                    families["nv_gpu_power_usage"].add(labels, power / 1000)
+                limit = self._read(nvml.nvmlDeviceGetPowerManagementLimit, handle)  # mW
+                if limit is not None:
+                    families["nv_gpu_power_limit"].add(labels, limit / 1000)
+                energy = self._read(nvml.nvmlDeviceGetTotalEnergyConsumption, handle)  # mJ since the driver loaded
+                if energy is not None and uuid in self._energy_start:
+                    families["nv_energy_consumption"].add(labels, (energy - self._energy_start[uuid]) / 1000)
+        return [family for family in families.values() if family.samples]
+
+    @staticmethod
+    def _read(function: Callable[[Any], Any], handle: Any) -> Any:
+        try:
+            return function(handle)
+        except Exception:  # noqa: BLE001 - NVMLError_NotSupported and the like: that reading is left out
+            return None
+
+
 class CpuMetrics:
     """Triton's system-wide CPU families from /proc; utilization over the time since the previous scrape."""
 
@@ -271,13 +346,27 @@ class CpuMetrics:
         return [utilization, memory_total, memory_used]
 
 
+class _NoNvml:
+    """--allow-gpu-metrics false: NVML is never loaded."""
+
+    @staticmethod
+    def nvmlInit() -> None:  # noqa: N802 - NVML's name
+        raise RuntimeError("GPU metrics are off (--allow-gpu-metrics false)")
+
+
+_NO_NVML = _NoNvml()
+
+
 class MetricsPage:
     """The whole /metrics text: Triton's families, Shoal's, then the process collector's."""
 
     def __init__(self, statistics_rows: Callable[[], list[StatisticsRow]],
-                 settings: MetricsSettings = DEFAULT_SETTINGS) -> None:
+                 settings: MetricsSettings = DEFAULT_SETTINGS, gpu: GpuMetrics | None = None) -> None:
         self.statistics_rows = statistics_rows
         self.settings = settings
+        if gpu is None:
+            gpu = GpuMetrics() if settings.gpu_metrics else GpuMetrics(nvml=_NO_NVML)
+        self.gpu = gpu
         self.quantiles = tuple(q for q, _ in settings.summary_quantiles)
         self.cpu = CpuMetrics()
         self.process = CollectorRegistry()
@@ -287,6 +376,7 @@ class MetricsPage:
         rows = self.statistics_rows()
         tritons, shoals = model_families(rows, self.settings.counter_latencies)
         yield from tritons
+        yield from self.gpu.families()
         yield from self.cpu.families()  # Triton's order: per-model families, CPU, then the summaries
         if self.settings.summary_latencies:
             yield from summary_families(rows, self.quantiles)

@@ -84,6 +84,7 @@ class MetricsSettings:
     # (quantile, Triton's rank error): Shoal takes the quantiles; its own bound is 1% of the value (shoal.statistics)
     summary_quantiles: tuple[tuple[float, float], ...] = DEFAULT_QUANTILES
     counter_latencies: bool = True  # the five nv_inference_*_duration_us counters
+    gpu_metrics: bool = True  # --allow-gpu-metrics: Triton's nv_gpu_* families through NVML, where a driver is
 
 
 def parse_metrics_config(texts: list[str]) -> MetricsSettings:
