@@ -8,6 +8,7 @@ ensemble's steps under it; in both process layouts (a front-end worker's receive
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import secrets
 import threading
@@ -30,7 +31,7 @@ from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from shoal.settings import parse_trace_config
-from shoal.tracing.export import TraceFile
+from shoal.tracing.export import OpenTelemetrySpans, TraceFile
 from shoal.tracing.settings import TraceSettings, check_start
 from shoal.tracing.trace import Origin, RequestTrace
 from shoal.tracing.tracer import valid_traceparent
@@ -242,6 +243,21 @@ def collector() -> Iterator[Collector]:
     yield receiver
     receiver.server.shutdown()
     receiver.server.server_close()
+
+
+def test_a_malformed_tracestate_is_dropped_without_a_word(collector: Collector,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    spans = OpenTelemetrySpans(parse_trace_config([f"opentelemetry,url=127.0.0.1:{collector.port}/v1/traces"]))
+    trace_id = secrets.token_hex(16)
+    trace = RequestTrace("add1", "1", "", Origin("GRPC", time.monotonic_ns(), f"00-{trace_id}-{CLIENT_SPAN}-01",
+                                                 "bad key=!!," + "x" * 100))
+    trace.stamp("REQUEST_START")
+    trace.stamp("REQUEST_END")
+    with caplog.at_level(logging.DEBUG):
+        spans(trace)
+    spans.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text  # the SDK warned per member
+    assert {s["trace_state"] for s in collector.trace(trace_id, 2)} == {""}
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,11 @@ from shoal.tracing.trace import RequestTrace, received_stamp
 
 logger = logging.getLogger(__name__)
 
+# W3C's bound on a tracestate header; a longer one is dropped (the trace still continues the client's).
+MAX_TRACESTATE_CHARS = 512
+# The SDK logs a WARNING with the whole header for each malformed tracestate member: a client could fill the
+# log with them, so that logger says only errors (a malformed tracestate is dropped without a word).
+logging.getLogger("opentelemetry.trace.span").setLevel(logging.ERROR)
 # One export's bound: a collector that does not answer costs the exporter's thread this long, never a request.
 EXPORT_TIMEOUT_S = 5.0
 COMPUTE_STAMPS = ("COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END")
@@ -135,7 +140,7 @@ class OpenTelemetrySpans:
         carrier = {}
         if origin is not None and origin.traceparent:
             carrier["traceparent"] = origin.traceparent
-            if origin.tracestate:
+            if origin.tracestate and len(origin.tracestate) <= MAX_TRACESTATE_CHARS:
                 carrier["tracestate"] = origin.tracestate
         context = self._propagator.extract(carrier) if carrier else None
         start = origin.received_ns if origin is not None else trace.stamps[0][1]
