@@ -260,12 +260,44 @@ def test_a_malformed_tracestate_is_dropped_without_a_word(collector: Collector,
     assert {s["trace_state"] for s in collector.trace(trace_id, 2)} == {""}
 
 
+CALLER_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1, 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1, 4 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+# Calls add1 twice: once passing its request's trace (Triton nests that call's trace under the request's),
+# once without (Triton does not trace that one).
+CALLER = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN")
+            traced = pb_utils.InferenceRequest(model_name="add1", inputs=[pb_utils.Tensor("IN", x.as_numpy())],
+                                               requested_output_names=["OUT"], trace=request.trace()).exec()
+            plain = pb_utils.InferenceRequest(model_name="add1", inputs=[pb_utils.Tensor("IN", x.as_numpy())],
+                                              requested_output_names=["OUT"]).exec()
+            out = pb_utils.get_output_tensor_by_name(traced, "OUT").as_numpy()
+            out = out + pb_utils.get_output_tensor_by_name(plain, "OUT").as_numpy()
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", out)]))
+        return responses
+"""
+
+
 @pytest.fixture(scope="module")
 def traced_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...],
                   collector: Collector) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     ensemble_models.add_onnx_add1(repo)
     python_models.write_model(repo, "square", decoupled_models.SQUARE_CONFIG, decoupled_models.SQUARE)
+    python_models.write_model(repo, "caller", CALLER_CONFIG, CALLER)
+    python_models.write_model(repo, "caller_thread", CALLER_CONFIG + decoupled_models.THREADS, CALLER)
     ensemble_models.add_ensemble(repo, "twice", [
         ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "mid"}),
         ensemble_models.step("add1", {"IN": "mid"}, {"OUT": "OUT"})])
@@ -337,6 +369,20 @@ def test_an_ensembles_steps_hang_under_its_span(traced_server: RunningServer, co
     assert len(steps) == 2 and {s["parent"] for s in steps} == {ensemble["span_id"]}
     assert {s["attributes"]["triton.trace_parent_id"] for s in steps} == {ensemble["attributes"]["triton.trace_id"]}
     assert {c["parent"] for c in spans["compute"]} == {s["span_id"] for s in steps}
+
+
+@pytest.mark.parametrize("model", ["caller", "caller_thread"])
+def test_a_bls_call_given_its_requests_trace_hangs_under_the_callers_span(
+        traced_server: RunningServer, collector: Collector, model: str) -> None:
+    trace_id = secrets.token_hex(16)
+    assert grpc_add1(traced_server, model, f"00-{trace_id}-{CLIENT_SPAN}-01") == [2, 4, 6, 8]  # (x + 1) twice
+    spans = by_name(collector.trace(trace_id, 5))  # InferRequest, caller, its compute, add1, add1's compute
+    caller = spans[model][0]
+    assert [s["parent"] for s in spans["add1"]] == [caller["span_id"]]  # the call without trace= is not traced
+    assert spans["add1"][0]["attributes"]["triton.trace_parent_id"] == caller["attributes"]["triton.trace_id"]
+    computes = {s["parent"] for s in spans["compute"]}
+    assert computes == {caller["span_id"], spans["add1"][0]["span_id"]}
+    assert len(collector.trace(trace_id, 5)) == 5  # one export per request tree: the untraced call has none
 
 
 def test_a_clients_unsampled_trace_is_still_continued(traced_server: RunningServer, collector: Collector) -> None:

@@ -68,9 +68,9 @@ RESPONSE = "response"
 def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena],
                requests: list[tuple[Any, ...]], batch: int) -> tuple[Any, ...] | None:
     items = []
-    for slots, outputs, request_id, correlation_id, parameters in requests:
+    for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
         feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
-        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters))
+        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters, trace_id))
     link.begin(batch)
     try:
         outcomes = model.execute(items)
@@ -118,9 +118,9 @@ def _run_decoupled(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas:
                    requests: list[tuple[Any, ...]], batch: int) -> tuple[Any, ...]:
     """A decoupled model's batch: responses go to the server as they are sent, DONE once all are FINAL."""
     items = []
-    for slots, outputs, request_id, correlation_id, parameters in requests:
+    for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
         feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
-        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters))
+        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters, trace_id))
     lock = threading.Lock()
     batch_open = [True]  # a response sent after DONE (by a cancelled request's thread) is dropped
 
@@ -246,9 +246,9 @@ class PythonProcessModel(process.ProcessModel):
                 for pending, feed in zip(batch, feeds, strict=True):
                     slots = tensors.pack_at(self._arenas[REQUESTS], offset, feed)
                     offset = aligned(max(offset, tensors.extent(slots)))
-                    data = runner.request_data({}, pending.outputs, pending.context)
+                    data = runner.request_data({}, pending.outputs, pending.context, getattr(pending, "traced", None))
                     requests.append((slots, list(data.outputs), data.request_id, data.correlation_id,
-                                     dict(data.parameters)))
+                                     dict(data.parameters), data.trace_id))
                 return requests, offset
             except PoolFull as full:
                 self._grow(REQUESTS, offset + full.wanted)

@@ -47,7 +47,8 @@ from shoal.lifecycle.streaming import StreamingRequest
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec, RateLimiterSpec, VersionPolicy
 from shoal.scheduling.rate_limiter import RateLimiter
-from shoal.statistics import LatencyWindows
+from shoal.statistics import TRACED, LatencyWindows
+from shoal.tracing.trace import live_trace
 from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
@@ -362,12 +363,13 @@ class ModelManager:
 
     # -- queries -------------------------------------------------------------------------------------
 
-    def host_infer(self, request: InferRequest, sink: Any = None,
-                   caller: ModelVersion | None = None) -> concurrent.futures.Future[InferResponse]:
+    def host_infer(self, request: InferRequest, sink: Any = None, caller: ModelVersion | None = None,
+                   trace_id: int = 0) -> concurrent.futures.Future[InferResponse]:
         """A model's request to another model of this server (BLS), from any thread: it runs on the
         serving loop through the target version's scheduler and statistics, as a client's would.
         With ``sink`` (``exec(decoupled=True)``) a decoupled model's responses go there as they come.
-        ``caller``: the version whose instance makes the call (``ModelVersion.bind_host``)."""
+        ``caller``: the version whose instance makes the call (``ModelVersion.bind_host``); ``trace_id``:
+        the calling request's trace (``InferenceRequest(trace=...)``), under which the call's is nested."""
         if self._loop is None or self._loop.is_closed():
             raise ShoalError(ErrorCode.UNAVAILABLE, "the server is not serving")
         if sink is not None:
@@ -377,7 +379,18 @@ class ModelManager:
             target = self.resolve(request.model_name, request.model_version)
             if target is caller:
                 _refuse_a_call_that_waits_for_itself(target)
-            return await target.infer(request)
+            parent = live_trace(trace_id) if trace_id else None
+            if parent is None:
+                return await target.infer(request)
+            traced = parent.child(target.spec.name, str(target.version))
+            TRACED.set(traced)  # this call's own task
+            try:
+                return await target.infer(request)
+            except ShoalError as exc:
+                traced.error = exc.message
+                raise
+            finally:
+                traced.stamp("REQUEST_END")
 
         return asyncio.run_coroutine_threadsafe(infer(), self._loop)
 

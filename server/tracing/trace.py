@@ -20,6 +20,13 @@ from typing import NamedTuple
 from shoal.statistics import Phases
 
 _ids = itertools.count(1)  # Triton's trace ids: one counter for the process, an ensemble's steps included
+# The traces of requests still running, by id: a Python model's BLS call names its request's trace by id
+# (InferenceRequest(trace=...)), from its own process. Used from the serving loop only.
+_live: dict[int, RequestTrace] = {}
+
+
+def live_trace(trace_id: int) -> RequestTrace | None:
+    return _live.get(trace_id)
 
 
 class Origin(NamedTuple):
@@ -58,11 +65,22 @@ class RequestTrace:
         self.computed = True
 
     def child(self, model_name: str, model_version: str) -> RequestTrace:
-        """The trace of a request this one makes (an ensemble's step)."""
+        """The trace of a request this one makes (an ensemble's step, a BLS call), live until the top one ends."""
         step = RequestTrace(model_name, model_version, "", None, parent=self)
         step.stamp("REQUEST_START")
         self.children.append(step)
+        _live[step.id] = step
         return step
+
+    def begin(self) -> None:
+        """Live: a BLS call may name it until ``end``."""
+        _live[self.id] = self
+
+    def end(self) -> None:
+        """Neither it nor the traces under it can be named any more."""
+        _live.pop(self.id, None)
+        for step in self.children:
+            step.end()
 
     def when(self, name: str) -> int | None:
         return next((ns for stamp, ns in self.stamps if stamp == name), None)

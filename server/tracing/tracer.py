@@ -38,11 +38,13 @@ class Tracer:
             return None
         trace = RequestTrace(model_name, model_version, request_id, origin)
         trace.stamp("REQUEST_START")
+        trace.begin()
         return trace
 
     def finish(self, trace: RequestTrace, error: str = "") -> None:
         """The request's response is ready (or it failed): stamp its end and hand it to the exporter."""
         trace.stamp("REQUEST_END")
+        trace.end()
         if error:
             trace.error = error
         else:

@@ -84,7 +84,8 @@ class ThreadInstance:
             return self._run(batch)
 
     def _run(self, batch: Sequence[Any]) -> list[dict[str, np.ndarray] | ShoalError]:
-        items = [runner.request_data(pending.feed, pending.outputs, pending.context) for pending in batch]
+        items = [runner.request_data(pending.feed, pending.outputs, pending.context, getattr(pending, "traced", None))
+                 for pending in batch]
         if self._decoupled:
             sinks = [sink_of(pending) for pending in batch]
 

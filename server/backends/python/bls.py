@@ -53,6 +53,7 @@ class BlsCall:
     requested: tuple[str, ...]
     parameters: Mapping[str, Any] = field(default_factory=dict)
     decoupled: bool = False  # exec(decoupled=True): any number of responses, the last one final
+    trace_id: int = 0  # InferenceRequest(trace=request.trace()): the calling request's trace, to nest under
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def call_of(request: pb_utils.InferenceRequest, decoupled: bool = False) -> BlsC
         parameters.setdefault("sequence_end", True)
     return BlsCall(request.model_name(), "" if version < 0 else str(version), request.request_id(),
                    {tensor.name(): tensor.as_numpy() for tensor in request.inputs()},
-                   tuple(request.requested_output_names()), parameters, decoupled)
+                   tuple(request.requested_output_names()), parameters, decoupled, request.trace().trace_id)
 
 
 def core_request(call: BlsCall) -> InferRequest:
@@ -154,7 +155,7 @@ def start(host: HostInfer | None, call: BlsCall, sink: Any = None,
     """Hand ``call`` to the host; a failed future when the model is not served by a server."""
     if host is not None:
         try:
-            return host(core_request(call), sink, caller=caller)
+            return host(core_request(call), sink, caller=caller, trace_id=call.trace_id)
         except Exception as exc:  # noqa: BLE001 - e.g. a datatype numpy has and Triton has not
             failed: concurrent.futures.Future[InferResponse] = concurrent.futures.Future()
             failed.set_exception(exc)

@@ -296,6 +296,19 @@ class InferenceResponseSender:
         self.closed.set()
 
 
+class InferenceTrace:
+    """A request's trace, as ``request.trace()`` gives it; pass it as ``InferenceRequest(trace=...)`` to
+    nest a BLS call's trace under the request's (Triton traces the call only then). ``trace_id`` 0: the
+    request is not traced."""
+
+    def __init__(self, trace_id: int = 0) -> None:
+        self.trace_id = trace_id
+
+    def get_context(self) -> str:
+        """Triton's OpenTelemetry context of the trace; Shoal carries the trace by its id only."""
+        return ""
+
+
 class InferenceRequest:
     """A request: one the model received, or one it builds to call another model (BLS)."""
 
@@ -312,6 +325,7 @@ class InferenceRequest:
         self._flags, self._timeout = flags, timeout
         self._parameters = _parameters_text(parameters)
         self._sender: InferenceResponseSender | None = None
+        self._trace = trace if isinstance(trace, InferenceTrace) else InferenceTrace()
 
     def model_name(self) -> str:
         return self._model_name
@@ -327,6 +341,9 @@ class InferenceRequest:
 
     def request_id(self) -> str:
         return self._request_id
+
+    def trace(self) -> InferenceTrace:
+        return self._trace
 
     def correlation_id(self) -> int | str:
         return self._correlation_id

@@ -68,6 +68,7 @@ class RequestData:
     request_id: str = ""
     correlation_id: int | str = 0
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    trace_id: int = 0  # the request's trace, when it is sampled: a BLS call made with trace= nests under it
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,15 @@ class Outcome:
         return self.outputs if self.outputs is not None else ShoalError(ErrorCode(self.code), self.error)
 
 
-def request_data(feed: Mapping[str, np.ndarray], outputs: Sequence[str], request: Any) -> RequestData:
-    """A queued request as the model sees it; ``request`` is the core's InferRequest (None in tests)."""
+def request_data(feed: Mapping[str, np.ndarray], outputs: Sequence[str], request: Any,
+                 traced: Any = None) -> RequestData:
+    """A queued request as the model sees it; ``request`` is the core's InferRequest (None in tests),
+    ``traced`` its trace when it is sampled (the pending request's)."""
+    trace_id = int(getattr(traced, "id", 0))
     if request is None:
-        return RequestData(feed, tuple(outputs))
+        return RequestData(feed, tuple(outputs), trace_id=trace_id)
     parameters = dict(request.parameters)
-    return RequestData(feed, tuple(outputs), request.id, parameters.get("sequence_id", 0), parameters)
+    return RequestData(feed, tuple(outputs), request.id, parameters.get("sequence_id", 0), parameters, trace_id)
 
 
 def install_utils() -> None:
@@ -207,7 +211,7 @@ class ModelRunner:
         return [pb_utils.InferenceRequest(
             inputs=[pb_utils.Tensor(name, array) for name, array in item.inputs.items()],
             requested_output_names=item.outputs, request_id=item.request_id, correlation_id=item.correlation_id,
-            parameters=dict(item.parameters)) for item in items]
+            parameters=dict(item.parameters), trace=pb_utils.InferenceTrace(item.trace_id)) for item in items]
 
     def execute_decoupled(self, items: Sequence[RequestData], emit: Emit,
                           is_cancelled: Callable[[int], bool] = lambda index: False) -> None:
