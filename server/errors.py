@@ -19,6 +19,9 @@ Exception tree::
 Each transport maps every code to its status in one table (server/grpc/status.py,
 server/http/status.py).
 
+An unexpected exception (a bug, not one of the codes) reaches a client only as ``internal_error``'s
+generic message with an incident id; its type, text and traceback are in the log under that id.
+
 Messages go back to clients in a header (grpc's ``grpc-message`` trailer, under a metadata
 limit of a few KiB), so names a client sent are echoed shortened (``shown``) and a whole
 message is cut to ``MAX_MESSAGE_BYTES`` (``bounded``) on its way out.
@@ -27,6 +30,10 @@ message is cut to ``MAX_MESSAGE_BYTES`` (``bounded``) on its way out.
 from __future__ import annotations
 
 import enum
+import logging
+import secrets
+
+logger = logging.getLogger(__name__)
 
 MAX_ECHO_CHARS = 200  # of a name or other text a client sent, quoted back in a message
 # UTF-8 bytes of a message sent back; percent-encoding in the trailer can triple it.
@@ -72,6 +79,14 @@ def bounded(message: str) -> str:
         return message
     suffix = f"...(message truncated, {len(encoded)} bytes)"
     return encoded[: MAX_MESSAGE_BYTES - len(suffix)].decode("utf-8", errors="ignore") + suffix
+
+
+def internal_error(exc: BaseException, while_doing: str) -> str:
+    """An unexpected error's answer for the client: generic, with an incident id it can quote; the
+    detail (type, message, traceback) goes to the log under the same id, never to the client."""
+    incident = secrets.token_hex(6)
+    logger.error("unexpected error while %s (incident %s)", while_doing, incident, exc_info=exc)
+    return f"internal error (incident {incident}): the server's log has the detail"
 
 
 def invalid(message: str) -> ShoalError:

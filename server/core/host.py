@@ -31,7 +31,7 @@ from shoal.core.wire import UnfitContents
 from shoal.dataplane import tensors
 from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
 from shoal.dataplane.channel import Channel
-from shoal.errors import ErrorCode, ShoalError, bounded
+from shoal.errors import ErrorCode, ShoalError, bounded, internal_error
 from shoal.types import InferRequest, Tensor
 
 logger = logging.getLogger(__name__)
@@ -247,8 +247,7 @@ class CoreHost:
         elif isinstance(exc, asyncio.CancelledError):
             code, message = ErrorCode.UNAVAILABLE, "the request was cancelled"
         else:
-            logger.error("unexpected error while serving a front-end worker's request", exc_info=exc)
-            code, message = ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+            code, message = ErrorCode.INTERNAL, internal_error(exc, "serving a front-end worker's request")
         self._send_released()
         self.send(messages.Error(request_id, code.value, bounded(message)))
 

@@ -29,7 +29,7 @@ from shoal.core import (
 )
 from shoal.dataplane import cuda
 from shoal.dataplane.regions import RegionRegistry
-from shoal.errors import ErrorCode, ShoalError, shown
+from shoal.errors import ErrorCode, ShoalError, internal_error, shown
 from shoal.lifecycle import tensors
 from shoal.lifecycle.manager import ModelManager
 from shoal.lifecycle.model import ModelVersion
@@ -179,7 +179,7 @@ class LocalCore:
                     error = task.exception() if not task.cancelled() else None
                     message = error.message if isinstance(error, ShoalError) else ENDED.message
                     if error is not None and not isinstance(error, ShoalError):
-                        message = f"internal error: {type(error).__name__}: {error}"
+                        message = internal_error(error, f"running a streaming request to model {request.model_name}")
                     yield StreamedResponse(None, True, message)
                     return
                 if item is not None or final:

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from shoal.errors import ErrorCode, ShoalError, bounded, invalid
+from shoal.errors import ErrorCode, ShoalError, bounded, internal_error, invalid
 from shoal.protocol import wire_names
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,7 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, grpc.aio.BaseError) and not isinstance(exc, grpc.aio.AbortError):
         logger.debug("an RPC ended as grpc stopped serving it: %s: %s", type(exc).__name__, exc)
         return grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN
-    logger.error("unexpected error while serving an RPC", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, bounded(wire_names(f"internal error: {type(exc).__name__}: {exc}"))
+    return grpc.StatusCode.INTERNAL, internal_error(exc, "serving an RPC")
 
 
 # grpc's aio server logs here, among others, an answer it failed to send.

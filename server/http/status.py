@@ -10,11 +10,8 @@ now 503, an internal failure 500, an unsupported feature 501. Errors of the tran
 from __future__ import annotations
 
 import json
-import logging
 
-from shoal.errors import ErrorCode, ShoalError, bounded
-
-logger = logging.getLogger(__name__)
+from shoal.errors import ErrorCode, ShoalError, bounded, internal_error
 
 STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.INVALID_ARGUMENT: 400,
@@ -44,8 +41,7 @@ def to_http(exc: BaseException) -> tuple[int, str]:
         return exc.status, bounded(exc.message)
     if isinstance(exc, ShoalError):
         return STATUS_BY_CODE[exc.code], bounded(exc.message)
-    logger.error("unexpected error while serving an HTTP request", exc_info=exc)
-    return 500, bounded(f"internal error: {type(exc).__name__}: {exc}")
+    return 500, internal_error(exc, "serving an HTTP request")
 
 
 def error_body(message: str) -> bytes:
