@@ -74,8 +74,10 @@ def test_errors_carry_the_grpc_status(client: InferenceClient) -> None:
     with pytest.raises(ClientError) as caught:
         client.unload_model("simple")  # control mode none: no repository control
     assert caught.value.status == grpc.StatusCode.UNAVAILABLE and "not allowed" in caught.value.message
+    tensors = service_pb2.TraceSettingRequest()
+    tensors.settings["trace_level"].value.append("TENSORS")  # a level Shoal does not trace
     with pytest.raises(ClientError) as caught:
-        client._call("TraceSetting", service_pb2.TraceSettingRequest())
+        client._call("TraceSetting", tensors)
     assert caught.value.status == grpc.StatusCode.UNIMPLEMENTED
 
 
