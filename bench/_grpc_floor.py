@@ -40,9 +40,12 @@ class Floor:
         self.served = 0
         tensor = service_pb2.ModelMetadataResponse.TensorMetadata
         self.metadata = service_pb2.ModelMetadataResponse(
-            name=MODEL, versions=["1"], platform="python",
+            name=MODEL,
+            versions=["1"],
+            platform="python",
             inputs=[tensor(name="INPUT0", datatype="FP32", shape=[-1, WIDTH])],
-            outputs=[tensor(name="OUTPUT0", datatype="FP32", shape=[-1, WIDTH])])
+            outputs=[tensor(name="OUTPUT0", datatype="FP32", shape=[-1, WIDTH])],
+        )
         self.config = service_pb2.ModelConfigResponse(config=_config())
         self.reply = service_pb2.ModelInferResponse(model_name=MODEL, model_version="1")
         self.reply.outputs.add(name="OUTPUT0", datatype="FP32", shape=[1, WIDTH])
@@ -54,8 +57,7 @@ class Floor:
 
     def statistics(self, request: Any) -> service_pb2.ModelStatisticsResponse:
         answer = service_pb2.ModelStatisticsResponse()
-        row = answer.model_stats.add(name=MODEL, version="1", inference_count=self.served,
-                                     execution_count=self.served)
+        row = answer.model_stats.add(name=MODEL, version="1", inference_count=self.served, execution_count=self.served)
         row.inference_stats.success.count = self.served
         return answer
 
@@ -64,8 +66,10 @@ class Floor:
             "ServerLive": (service_pb2.ServerLiveRequest, lambda r: service_pb2.ServerLiveResponse(live=True)),
             "ServerReady": (service_pb2.ServerReadyRequest, lambda r: service_pb2.ServerReadyResponse(ready=True)),
             "ModelReady": (service_pb2.ModelReadyRequest, lambda r: service_pb2.ModelReadyResponse(ready=True)),
-            "ServerMetadata": (service_pb2.ServerMetadataRequest,
-                               lambda r: service_pb2.ServerMetadataResponse(name="floor", version="0")),
+            "ServerMetadata": (
+                service_pb2.ServerMetadataRequest,
+                lambda r: service_pb2.ServerMetadataResponse(name="floor", version="0"),
+            ),
             "ModelMetadata": (service_pb2.ModelMetadataRequest, lambda r: self.metadata),
             "ModelConfig": (service_pb2.ModelConfigRequest, lambda r: self.config),
             "ModelStatistics": (service_pb2.ModelStatisticsRequest, self.statistics),
@@ -82,10 +86,14 @@ def _handler(answer: Callable[[Any], Any]) -> Callable[[Any, Any], Awaitable[Any
 
 async def serve(port_file: Path) -> None:
     server = grpc.aio.server()
-    handlers = {name: grpc.unary_unary_rpc_method_handler(
-                    _handler(answer), request_deserializer=request_type.FromString,
-                    response_serializer=lambda message: message.SerializeToString())
-                for name, (request_type, answer) in Floor().table().items()}
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            _handler(answer),
+            request_deserializer=request_type.FromString,
+            response_serializer=lambda message: message.SerializeToString(),
+        )
+        for name, (request_type, answer) in Floor().table().items()
+    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

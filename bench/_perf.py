@@ -28,11 +28,40 @@ def install_perf_analyzer() -> Path:
     return PERF_ANALYZER
 
 
-def _perf_command(url: str, model: str, concurrency: int, window_ms: int, batch: int, out: Path,
-                  max_trials: int, stability_percent: float, protocol: str = "grpc") -> list[str]:
-    return [str(PERF_ANALYZER), "-m", model, "-u", url, "-i", protocol, "--input-data", "zero",
-            "-b", str(batch), "--concurrency-range", f"{concurrency}:{concurrency}", "-p", str(window_ms),
-            "--max-trials", str(max_trials), "--stability-percentage", str(stability_percent), "-f", str(out)]
+def _perf_command(
+    url: str,
+    model: str,
+    concurrency: int,
+    window_ms: int,
+    batch: int,
+    out: Path,
+    max_trials: int,
+    stability_percent: float,
+    protocol: str = "grpc",
+) -> list[str]:
+    return [
+        str(PERF_ANALYZER),
+        "-m",
+        model,
+        "-u",
+        url,
+        "-i",
+        protocol,
+        "--input-data",
+        "zero",
+        "-b",
+        str(batch),
+        "--concurrency-range",
+        f"{concurrency}:{concurrency}",
+        "-p",
+        str(window_ms),
+        "--max-trials",
+        str(max_trials),
+        "--stability-percentage",
+        str(stability_percent),
+        "-f",
+        str(out),
+    ]
 
 
 def _perf_figures(out: Path) -> dict[str, float]:
@@ -51,8 +80,16 @@ def perf_timeout_s(window_ms: int, max_trials: int) -> float:
     return (max_trials + 2) * window_ms / 1000 + 30
 
 
-def perf_analyzer(url: str, model: str, concurrency: int, window_ms: int = 2000, batch: int = 1,
-                  max_trials: int = 10, stability_percent: float = 20.0, protocol: str = "grpc") -> dict[str, float]:
+def perf_analyzer(
+    url: str,
+    model: str,
+    concurrency: int,
+    window_ms: int = 2000,
+    batch: int = 1,
+    max_trials: int = 10,
+    stability_percent: float = 20.0,
+    protocol: str = "grpc",
+) -> dict[str, float]:
     """One perf_analyzer measurement (zero inputs, over ``protocol``: grpc or http); throughput in inferences/s,
     latencies in µs.
 
@@ -60,9 +97,12 @@ def perf_analyzer(url: str, model: str, concurrency: int, window_ms: int = 2000,
     subprocess.TimeoutExpired past perf_timeout_s."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "pa.csv"
-        subprocess.run(_perf_command(url, model, concurrency, window_ms, batch, out, max_trials, stability_percent,
-                                     protocol),
-                       check=True, capture_output=True, timeout=perf_timeout_s(window_ms, max_trials))
+        subprocess.run(
+            _perf_command(url, model, concurrency, window_ms, batch, out, max_trials, stability_percent, protocol),
+            check=True,
+            capture_output=True,
+            timeout=perf_timeout_s(window_ms, max_trials),
+        )
         return _perf_figures(out)
 
 
@@ -75,9 +115,18 @@ def split_concurrency(concurrency: int, clients: int) -> list[int]:
 ANY_SPREAD = 1e6  # a stability band no run can miss: perf_analyzer stops after exactly 3 windows
 
 
-def perf_analyzers(url: str, model: str, concurrency: int, clients: int, window_ms: int = 2000, batch: int = 1,
-                   max_trials: int = 10, stability_percent: float = 20.0, windows: int = 3,
-                   protocol: str = "grpc") -> dict[str, float]:
+def perf_analyzers(
+    url: str,
+    model: str,
+    concurrency: int,
+    clients: int,
+    window_ms: int = 2000,
+    batch: int = 1,
+    max_trials: int = 10,
+    stability_percent: float = 20.0,
+    windows: int = 3,
+    protocol: str = "grpc",
+) -> dict[str, float]:
     """``clients`` perf_analyzer processes at once, concurrency split between them; throughputs summed, the worst
     latency of any of them. Each measures exactly ``windows`` windows (no stability stop), so that they overlap.
     One client (or concurrency 1): perf_analyzer() with ``stability_percent`` and ``max_trials``."""
@@ -86,10 +135,14 @@ def perf_analyzers(url: str, model: str, concurrency: int, clients: int, window_
         return perf_analyzer(url, model, concurrency, window_ms, batch, max_trials, stability_percent, protocol)
     with tempfile.TemporaryDirectory() as folder:
         outs = [Path(folder) / f"pa{index}.csv" for index in range(len(shares))]
-        processes = [subprocess.Popen(_perf_command(url, model, share, window_ms, batch, out, windows, ANY_SPREAD,
-                                                    protocol),
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                     for share, out in zip(shares, outs, strict=True)]
+        processes = [
+            subprocess.Popen(
+                _perf_command(url, model, share, window_ms, batch, out, windows, ANY_SPREAD, protocol),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for share, out in zip(shares, outs, strict=True)
+        ]
         deadline = time.monotonic() + perf_timeout_s(window_ms, windows)
         try:
             for process in processes:
@@ -102,12 +155,15 @@ def perf_analyzers(url: str, model: str, concurrency: int, clients: int, window_
                     process.kill()
                     process.wait()
         figures = [_perf_figures(out) for out in outs]
-    return {"throughput": sum(f["throughput"] for f in figures),
-            **{key: max(f[key] for f in figures) for key in figures[0] if key != "throughput"}}
+    return {
+        "throughput": sum(f["throughput"] for f in figures),
+        **{key: max(f[key] for f in figures) for key in figures[0] if key != "throughput"},
+    }
 
 
-def closed_loop(callers: list[tuple[Callable[[], Any], Callable[[], None]]], seconds: float,
-                pid: int | None = None) -> dict[str, float]:
+def closed_loop(
+    callers: list[tuple[Callable[[], Any], Callable[[], None]]], seconds: float, pid: int | None = None
+) -> dict[str, float]:
     """Back-to-back calls, one thread per ``(call, close)`` pair, for ``seconds`` (each warmed by one call
     first, closed after): requests, throughput, p50 and p99; with ``pid``, that process tree's CPU per request."""
     for call, _ in callers:
@@ -137,9 +193,12 @@ def closed_loop(callers: list[tuple[Callable[[], Any], Callable[[], None]]], sec
     for _, close in callers:
         close()
     ordered = sorted(latencies)
-    figures = {"infer_per_s": len(ordered) / elapsed, "p50_us": ordered[len(ordered) // 2] * 1e6 if ordered else 0.0,
-               "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6 if ordered else 0.0,
-               "requests": len(ordered)}
+    figures = {
+        "infer_per_s": len(ordered) / elapsed,
+        "p50_us": ordered[len(ordered) // 2] * 1e6 if ordered else 0.0,
+        "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6 if ordered else 0.0,
+        "requests": len(ordered),
+    }
     if pid:
         figures["server_cpu_us_per_request"] = cpu / max(1, len(ordered)) * 1e6
     return figures
@@ -181,8 +240,12 @@ def in_process(
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu_s = usage.ru_utime + usage.ru_stime - usage_before.ru_utime - usage_before.ru_stime
     us = np.array(latencies) * 1e6
-    return {"throughput": rows * len(latencies) / elapsed, "p50_us": float(np.percentile(us, 50)),
-            "p99_us": float(np.percentile(us, 99)), "cpu_us_per_request": 1e6 * cpu_s / max(1, len(latencies))}
+    return {
+        "throughput": rows * len(latencies) / elapsed,
+        "p50_us": float(np.percentile(us, 50)),
+        "p99_us": float(np.percentile(us, 99)),
+        "cpu_us_per_request": 1e6 * cpu_s / max(1, len(latencies)),
+    }
 
 
 def cpu_seconds(pid: int) -> float:
@@ -269,8 +332,9 @@ def connection_watch(port: int, interval_s: float = 0.5) -> Iterator[dict[str, i
         thread.join()
 
 
-def shoal_load(url: str, model: str, concurrency: int, window_s: float = 2.0, processes: int = 1,
-               stability_percent: float = 20.0) -> float:
+def shoal_load(
+    url: str, model: str, concurrency: int, window_s: float = 2.0, processes: int = 1, stability_percent: float = 20.0
+) -> float:
     """Throughput (inferences/s) that shoal-load measures for one closed-loop step."""
     import json
     import sys
@@ -278,10 +342,33 @@ def shoal_load(url: str, model: str, concurrency: int, window_s: float = 2.0, pr
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "r.json"
         subprocess.run(
-            [sys.executable, "-m", "shoal.clients.loadtest", "-m", model, "-u", url, "--concurrency", str(concurrency),
-             "--processes", str(processes), "--input-data", "zeros", "--window-s", str(window_s),
-             "--stability", str(stability_percent), "--max-windows", "10", "--json", str(out), "--no-progress"],
-            check=True, capture_output=True, timeout=600,
+            [
+                sys.executable,
+                "-m",
+                "shoal.clients.loadtest",
+                "-m",
+                model,
+                "-u",
+                url,
+                "--concurrency",
+                str(concurrency),
+                "--processes",
+                str(processes),
+                "--input-data",
+                "zeros",
+                "--window-s",
+                str(window_s),
+                "--stability",
+                str(stability_percent),
+                "--max-windows",
+                "10",
+                "--json",
+                str(out),
+                "--no-progress",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=600,
         )
         return float(json.loads(out.read_text())["steps"][0]["throughput"])
 

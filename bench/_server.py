@@ -15,8 +15,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextmanager
-def shoal_server(repository: Path, *extra_args: str, timeout_s: float = 120.0,
-                 python_path: Path | None = None) -> Iterator[tuple[str, int]]:
+def shoal_server(
+    repository: Path, *extra_args: str, timeout_s: float = 120.0, python_path: Path | None = None
+) -> Iterator[tuple[str, int]]:
     """Yields (url, pid) of a ready server on a free loopback port; stops it afterwards. ``python_path``: a
     folder holding another ``shoal`` package to serve instead (``checked_out_server``)."""
     with local_server.running(repository, *extra_args, timeout_s=timeout_s, python_path=python_path) as server:
@@ -29,8 +30,9 @@ def checked_out_server(revision: str) -> Iterator[Path]:
     generated protobuf modules (not in git), to pass as ``python_path``: the same benchmark run against an
     earlier revision of the server in one run, alternating."""
     with tempfile.TemporaryDirectory() as folder:
-        archive = subprocess.run(["git", "archive", revision, "server"], cwd=REPO_ROOT, check=True,
-                                 capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", revision, "server"], cwd=REPO_ROOT, check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
         package = Path(folder) / "shoal"
         (Path(folder) / "server").rename(package)

@@ -54,8 +54,9 @@ def free_triton_port(first: int = 18100, last: int = 18999) -> int:
     raise RuntimeError(f"no three free ports between {first} and {last}")
 
 
-def write_onnx_model(repo: Path, name: str, onnx_path: Path, io_config: str, config_extra: str,
-                     ort_threads: int = 2) -> None:
+def write_onnx_model(
+    repo: Path, name: str, onnx_path: Path, io_config: str, config_extra: str, ort_threads: int = 2
+) -> None:
     """A Python-backend model that runs ``onnx_path`` with onnxruntime (triton_peer/onnx_model.py).
 
     ``io_config`` holds max_batch_size and the input/output blocks; ``config_extra`` the rest (batching...)."""
@@ -102,8 +103,13 @@ def _run_view(extra_args: tuple[str, ...], folder: Path) -> dict[str, str]:
 
 
 @contextmanager
-def triton_server(repo: Path, port: int | None = None, log_path: Path | None = None,
-                  timeout_s: float = 900.0, extra_args: tuple[str, ...] = ()) -> Iterator[TritonServer]:
+def triton_server(
+    repo: Path,
+    port: int | None = None,
+    log_path: Path | None = None,
+    timeout_s: float = 900.0,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[TritonServer]:
     """A ready tritonserver serving ``repo`` for the ``with`` block; SIGTERM to its process group afterwards.
 
     Its output goes to ``log_path`` (None: this process's stdout). The default timeout covers the first install.
@@ -113,8 +119,13 @@ def triton_server(repo: Path, port: int | None = None, log_path: Path | None = N
     env = _run_view(extra_args, Path(view.name)) if view else None
     log = open(log_path, "wb") if log_path else None  # noqa: SIM115 - closed below, the child keeps its own copy
     try:
-        process = subprocess.Popen(["bash", str(RUN_TRITON), str(repo), str(port)], start_new_session=True,
-                                   stdout=log, stderr=subprocess.STDOUT if log else None, env=env)
+        process = subprocess.Popen(
+            ["bash", str(RUN_TRITON), str(repo), str(port)],
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+            env=env,
+        )
     finally:
         if log:
             log.close()

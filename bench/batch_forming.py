@@ -36,8 +36,10 @@ CONFIGS = {
     "plain": DynamicBatching(),
     "60 s timeout": DynamicBatching(default_queue_policy=QueuePolicy(default_timeout_us=60_000_000)),
     "60 s DELAY, 4 levels": DynamicBatching(
-        priority_levels=4, default_priority_level=2,
-        default_queue_policy=QueuePolicy(default_timeout_us=60_000_000, delay_on_timeout=True)),
+        priority_levels=4,
+        default_priority_level=2,
+        default_queue_policy=QueuePolicy(default_timeout_us=60_000_000, delay_on_timeout=True),
+    ),
 }
 
 
@@ -64,8 +66,10 @@ async def per_request_us(batching: DynamicBatching, queued: int) -> float:
     scheduler = Scheduler(runner, ModelStatistics(), MAX_BATCH_SIZE, batching)
     feed = {"IN": np.zeros((1, 4), dtype=np.float32)}
     levels = max(1, batching.priority_levels)
-    tasks = [asyncio.ensure_future(scheduler.submit(feed, ["OUT"], 1, {"priority": 1 + index % levels}))
-             for index in range(queued)]
+    tasks = [
+        asyncio.ensure_future(scheduler.submit(feed, ["OUT"], 1, {"priority": 1 + index % levels}))
+        for index in range(queued)
+    ]
     while scheduler.queued < queued:
         await asyncio.sleep(0)
     start = time.perf_counter()

@@ -82,25 +82,37 @@ def main() -> None:
                 for delay in order:
                     result = measure(url, f"simple_delay_{delay}", args.window_ms)
                     samples[delay].append(result)
-                    print(f"round {round_index + 1} delay {delay:>5} µs: p50 {result['p50_us']:.0f} µs "
-                          f"p99 {result['p99_us']:.0f} µs server queue {result['server_queue_us']:.0f} µs", flush=True)
+                    print(
+                        f"round {round_index + 1} delay {delay:>5} µs: p50 {result['p50_us']:.0f} µs "
+                        f"p99 {result['p99_us']:.0f} µs server queue {result['server_queue_us']:.0f} µs",
+                        flush=True,
+                    )
     rows: list[dict[str, Any]] = []
     for delay in delays:
         runs, base = samples[delay], samples[0]
-        rows.append({"delay_us": delay, "p50_us": paired_median(runs, base, "p50_us"),
-                     "p99_us": paired_median(runs, base, "p99_us"),
-                     "overshoot_us": paired_median(runs, base, "p50_us", minus=delay),
-                     "server_queue_us": paired_median(runs, base, "server_queue_us"),
-                     "queue_overshoot_us": paired_median(runs, base, "server_queue_us", minus=delay),
-                     "p50_per_round_us": " ".join(f"{s['p50_us']:.0f}" for s in runs)})
-    header = (f"{'delay µs':>8} | {'p50 µs':>7} {'p99 µs':>7} {'overshoot':>9} | "
-              f"{'queue µs':>8} {'queue overshoot':>15} | p50 per round")
+        rows.append(
+            {
+                "delay_us": delay,
+                "p50_us": paired_median(runs, base, "p50_us"),
+                "p99_us": paired_median(runs, base, "p99_us"),
+                "overshoot_us": paired_median(runs, base, "p50_us", minus=delay),
+                "server_queue_us": paired_median(runs, base, "server_queue_us"),
+                "queue_overshoot_us": paired_median(runs, base, "server_queue_us", minus=delay),
+                "p50_per_round_us": " ".join(f"{s['p50_us']:.0f}" for s in runs),
+            }
+        )
+    header = (
+        f"{'delay µs':>8} | {'p50 µs':>7} {'p99 µs':>7} {'overshoot':>9} | "
+        f"{'queue µs':>8} {'queue overshoot':>15} | p50 per round"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['delay_us']:>8} | {r['p50_us']:>7} {r['p99_us']:>7} {r['overshoot_us']:>9} | "
-              f"{r['server_queue_us']:>8} {r['queue_overshoot_us']:>15} | "
-              f"{r['p50_per_round_us']}")
+        print(
+            f"{r['delay_us']:>8} | {r['p50_us']:>7} {r['p99_us']:>7} {r['overshoot_us']:>9} | "
+            f"{r['server_queue_us']:>8} {r['queue_overshoot_us']:>15} | "
+            f"{r['p50_per_round_us']}"
+        )
     save_results(rows, "batcher_clock.csv")
 
 

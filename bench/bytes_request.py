@@ -85,10 +85,14 @@ def one_request(url: str, pid: int, elements: int, lengths: list[int]) -> dict[s
     worst_live_s = latencies.get(timeout=120)
     poller.join()
     return {
-        "elements": elements, "lengths": "/".join(map(str, lengths)),
+        "elements": elements,
+        "lengths": "/".join(map(str, lengths)),
         "wire_mb": round(len(request.raw_input_contents[0]) / 2**20, 1),
-        "answer": answer, "latency_s": round(latency_s, 2), "max_live_ms": round(worst_live_s * 1000, 1),
-        "peak_rss_mb_before": round(rss_before), "peak_rss_mb_after": round(peak_rss_mb(pid)),
+        "answer": answer,
+        "latency_s": round(latency_s, 2),
+        "max_live_ms": round(worst_live_s * 1000, 1),
+        "peak_rss_mb_before": round(rss_before),
+        "peak_rss_mb_after": round(peak_rss_mb(pid)),
     }
 
 

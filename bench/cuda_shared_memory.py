@@ -82,8 +82,9 @@ def run(url: str, torch: Any, elements: int, requests: int) -> tuple[list[str], 
     # At least 2 MiB each, so torch's caching allocator gives each tensor an allocation of its own
     # (a region starts at its allocation); the regions use their first ``elements``.
     allocated = max(elements, 1 << 19)
-    x_region, y_region, spare = (torch.empty(allocated, dtype=torch.float32, device=device)[:elements]
-                                 for _ in range(3))
+    x_region, y_region, spare = (
+        torch.empty(allocated, dtype=torch.float32, device=device)[:elements] for _ in range(3)
+    )
     source = torch.linspace(-1, 1, elements, dtype=torch.float32, device=device)
     byte_size = elements * 4
     client = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
@@ -118,8 +119,10 @@ def run(url: str, torch: Any, elements: int, requests: int) -> tuple[list[str], 
         result = torch.tensor(client.infer("affine", [inline]).as_numpy("y"), device=device)
         assert result.shape == (elements,)
 
-    figures = {"cuda_shared_memory": p50_and_rate(through_cuda_regions, requests),
-               "host": p50_and_rate(through_host, requests)}
+    figures = {
+        "cuda_shared_memory": p50_and_rate(through_cuda_regions, requests),
+        "host": p50_and_rate(through_host, requests),
+    }
     client.unregister_cuda_shared_memory()
     client.close()
     return problems, figures
@@ -144,8 +147,10 @@ def main() -> int:
                 found, figures = run(server.url, torch, args.elements, args.requests)
             problems += [f"workers {workers}: {problem}" for problem in found]
             for path, figure in figures.items():
-                print(f"workers {workers} {args.elements * 4 / 2**20:.1f} MiB {path:18s} "
-                      f"p50 {figure['p50_us']:9.0f} µs {figure['infer_per_s']:8.1f}/s")
+                print(
+                    f"workers {workers} {args.elements * 4 / 2**20:.1f} MiB {path:18s} "
+                    f"p50 {figure['p50_us']:9.0f} µs {figure['infer_per_s']:8.1f}/s"
+                )
             ratio = figures["cuda_shared_memory"]["infer_per_s"] / figures["host"]["infer_per_s"]
             print(f"workers {workers} CUDA shared memory / host path throughput: {ratio:.2f}x")
     for problem in problems:

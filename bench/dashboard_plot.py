@@ -39,8 +39,11 @@ def sender(url: str, model: str, stop: threading.Event, bad: bool = False) -> No
         shape, dtype, name = ([1, 16], np.int32, "INPUT") if model == "tiny" else ([1, 1024], np.float32, "INPUT0")
         inputs = []
         for index in range(2 if model == "tiny" else 1):
-            given = grpcclient.InferInput(f"{name}{index}" if model == "tiny" else name,
-                                          [1, 15] if bad else shape, "INT32" if model == "tiny" else "FP32")
+            given = grpcclient.InferInput(
+                f"{name}{index}" if model == "tiny" else name,
+                [1, 15] if bad else shape,
+                "INT32" if model == "tiny" else "FP32",
+            )
             given.set_data_from_numpy(np.zeros([1, 15] if bad else shape, dtype=dtype))
             inputs.append(given)
         while not stop.is_set():
@@ -98,17 +101,21 @@ def main() -> None:
                 row: dict[str, float] = {"t": now - started}
                 for model in ("tiny", "mlp"):
                     ok = value(families, "nv_inference_request_success", model=model) - value(
-                        previous[1], "nv_inference_request_success", model=model)
+                        previous[1], "nv_inference_request_success", model=model
+                    )
                     queued = value(families, "nv_inference_queue_duration_us", model=model) - value(
-                        previous[1], "nv_inference_queue_duration_us", model=model)
+                        previous[1], "nv_inference_queue_duration_us", model=model
+                    )
                     row[f"{model}_per_s"] = ok / elapsed
                     row[f"{model}_queue_us"] = queued / ok if ok else 0.0
                     for q in ("0.5", "0.99"):
-                        row[f"{model}_p{q}"] = value(families, "nv_inference_request_summary_us", model=model,
-                                                     quantile=q)
-                    row[f"{model}_failed_per_s"] = (value(families, "nv_inference_request_failure", model=model)
-                                                    - value(previous[1], "nv_inference_request_failure",
-                                                            model=model)) / elapsed
+                        row[f"{model}_p{q}"] = value(
+                            families, "nv_inference_request_summary_us", model=model, quantile=q
+                        )
+                    row[f"{model}_failed_per_s"] = (
+                        value(families, "nv_inference_request_failure", model=model)
+                        - value(previous[1], "nv_inference_request_failure", model=model)
+                    ) / elapsed
                     row[f"{model}_memory_mb"] = value(families, "shoal_model_memory_bytes", model=model) / 2**20
                     row[f"{model}_waiting"] = value(families, "nv_inference_pending_request_count", model=model)
                 rows.append(row)
@@ -122,8 +129,10 @@ def main() -> None:
     figure, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     panels = [
         ("Throughput (successful requests/s)", [("tiny_per_s", "tiny"), ("mlp_per_s", "mlp")]),
-        ("Request latency p50 / p99 (µs, last minute)", [("tiny_p0.5", "tiny p50"), ("tiny_p0.99", "tiny p99"),
-                                                         ("mlp_p0.5", "mlp p50"), ("mlp_p0.99", "mlp p99")]),
+        (
+            "Request latency p50 / p99 (µs, last minute)",
+            [("tiny_p0.5", "tiny p50"), ("tiny_p0.99", "tiny p99"), ("mlp_p0.5", "mlp p50"), ("mlp_p0.99", "mlp p99")],
+        ),
         ("Queue time per request (µs)", [("tiny_queue_us", "tiny"), ("mlp_queue_us", "mlp")]),
         ("Failures by reason (requests/s)", [("tiny_failed_per_s", "tiny OTHER")]),
         ("Memory held per device (MiB)", [("tiny_memory_mb", "tiny on cpu"), ("mlp_memory_mb", "mlp on cpu")]),
@@ -137,8 +146,11 @@ def main() -> None:
         axis.legend(fontsize=8)
         axis.grid(alpha=0.3)
         axis.set_ylim(bottom=0)
-    figure.suptitle("Shoal dashboard panels, plotted with matplotlib by bench/dashboard_plot.py from a real server's "
-                    "/metrics (not a Grafana rendering)", fontsize=11)
+    figure.suptitle(
+        "Shoal dashboard panels, plotted with matplotlib by bench/dashboard_plot.py from a real server's "
+        "/metrics (not a Grafana rendering)",
+        fontsize=11,
+    )
     figure.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(args.out, dpi=80)

@@ -61,8 +61,13 @@ def client_chain_caller(url: str) -> tuple[Callable[[], np.ndarray], Callable[[]
     return call, client.close
 
 
-def measure(make: Callable[[str], tuple[Callable[[], np.ndarray], Callable[[], None]]], url: str, pid: int,
-            concurrency: int, seconds: float) -> dict[str, float]:
+def measure(
+    make: Callable[[str], tuple[Callable[[], np.ndarray], Callable[[], None]]],
+    url: str,
+    pid: int,
+    concurrency: int,
+    seconds: float,
+) -> dict[str, float]:
     """Back-to-back calls from ``concurrency`` threads for ``seconds``: throughput, p50, p99, server CPU."""
     return closed_loop([make(url) for _ in range(concurrency)], seconds, pid)
 
@@ -90,9 +95,12 @@ def main() -> None:
                 ratio = figures["ensemble"]["infer_per_s"] / figures["client"]["infer_per_s"]
                 rows[-2]["throughput_vs_client"] = ratio
                 for path, row in figures.items():
-                    print(f"workers {workers} c={concurrency:<3} {path:<9} {row['infer_per_s']:8.0f}/s "
-                          f"p50 {row['p50_us']:8.0f} us  p99 {row['p99_us']:8.0f} us  "
-                          f"server CPU {row['server_cpu_us_per_request']:6.0f} us/request", flush=True)
+                    print(
+                        f"workers {workers} c={concurrency:<3} {path:<9} {row['infer_per_s']:8.0f}/s "
+                        f"p50 {row['p50_us']:8.0f} us  p99 {row['p99_us']:8.0f} us  "
+                        f"server CPU {row['server_cpu_us_per_request']:6.0f} us/request",
+                        flush=True,
+                    )
                 print(f"workers {workers} c={concurrency:<3} ensemble / client throughput: {ratio:.2f}", flush=True)
     save_results(rows, f"ensemble{'_' + args.label if args.label else ''}.csv")
 

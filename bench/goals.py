@@ -55,8 +55,7 @@ GRPC_LOADS = {w.key: w for w in WORKLOADS if w.key in ("tiny_c1", "tiny_c16", "m
 HTTP_LOADS = (("tiny", 16), ("mlp", 16))
 QUICK_WINDOW_MS = 500
 # bench/python_backend.py's column titles, in the order servers() yields them
-PY_TRITON, PY_PROCESS, PY_THREAD = ("Triton 2.51 (stub process)", "Shoal (instance process)",
-                                    "Shoal (instance thread)")
+PY_TRITON, PY_PROCESS, PY_THREAD = ("Triton 2.51 (stub process)", "Shoal (instance process)", "Shoal (instance thread)")
 
 
 @dataclass(frozen=True)
@@ -82,29 +81,58 @@ class Goal:
 GOALS = (
     Goal("tiny c=16 throughput, gRPC", ("shoal", "tiny_c16"), ("triton", "tiny_c16"), "throughput", 1.0, True),
     Goal("mlp c=16 throughput, gRPC", ("shoal", "mlp_c16"), ("triton", "mlp_c16"), "throughput", 0.9, True),
-    Goal("mlp `-b 8` c=16 samples/s, gRPC, against in-process ORT", ("shoal", "mlp_b8_c16"), ("ort", "mlp_b8_c16"),
-         "throughput", 0.75, True),
+    Goal(
+        "mlp `-b 8` c=16 samples/s, gRPC, against in-process ORT",
+        ("shoal", "mlp_b8_c16"),
+        ("ort", "mlp_b8_c16"),
+        "throughput",
+        0.75,
+        True,
+    ),
     Goal("tiny c=1 p50 latency, gRPC", ("shoal", "tiny_c1"), ("triton", "tiny_c1"), "p50_us", 1.0, False),
-    Goal("server CPU per tiny request at c=16, whole process tree", ("shoal", "tiny_c16"), ("triton", "tiny_c16"),
-         "cpu_us_per_request", 1.0, False),
-    Goal("tiny c=16 throughput, HTTP", ("shoal", "http_tiny_c16"), ("triton", "http_tiny_c16"), "throughput", 1.0,
-         True),
+    Goal(
+        "server CPU per tiny request at c=16, whole process tree",
+        ("shoal", "tiny_c16"),
+        ("triton", "tiny_c16"),
+        "cpu_us_per_request",
+        1.0,
+        False,
+    ),
+    Goal(
+        "tiny c=16 throughput, HTTP", ("shoal", "http_tiny_c16"), ("triton", "http_tiny_c16"), "throughput", 1.0, True
+    ),
     Goal("mlp c=16 throughput, HTTP", ("shoal", "http_mlp_c16"), ("triton", "http_mlp_c16"), "throughput", 1.0, True),
-    *(Goal(f"Python model c={c} throughput, instance {kind}", (server, f"python_c{c}"), (PY_TRITON, f"python_c{c}"),
-           "throughput", 1.0, True)
-      for server, kind in ((PY_PROCESS, "process"), (PY_THREAD, "thread")) for c in python_backend.CONCURRENCIES),
+    *(
+        Goal(
+            f"Python model c={c} throughput, instance {kind}",
+            (server, f"python_c{c}"),
+            (PY_TRITON, f"python_c{c}"),
+            "throughput",
+            1.0,
+            True,
+        )
+        for server, kind in ((PY_PROCESS, "process"), (PY_THREAD, "thread"))
+        for c in python_backend.CONCURRENCIES
+    ),
 )
 
 
-def measure_onnx_server(server: str, url: str, http_url: str, pid: int, round_number: int,
-                        args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure_onnx_server(
+    server: str, url: str, http_url: str, pid: int, round_number: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     """The gRPC loads (figures, CPU per request) and the HTTP loads against one running server."""
     rows = []
     for key, workload in GRPC_LOADS.items():
         rows.append(guarded(round_number, server, key, partial(measure_request_load, url, pid, workload, args)))
     for model, concurrency in HTTP_LOADS:
-        rows.append(guarded(round_number, server, f"http_{model}_c{concurrency}",
-                            partial(run_perf, http_url, model, concurrency, args.window_ms, "http")))
+        rows.append(
+            guarded(
+                round_number,
+                server,
+                f"http_{model}_c{concurrency}",
+                partial(run_perf, http_url, model, concurrency, args.window_ms, "http"),
+            )
+        )
     return rows
 
 
@@ -131,8 +159,10 @@ def progress_line(row: dict[str, Any]) -> str:
 
 def failed(round_number: int, server: str, measurements: list[str], error: Exception) -> list[dict[str, Any]]:
     print(f"round {round_number} {server}: FAILED to start: {error}", flush=True)
-    return [{"round": round_number, "server": server, "measurement": m, "error": f"server start: {error}"}
-            for m in measurements]
+    return [
+        {"round": round_number, "server": server, "measurement": m, "error": f"server start: {error}"}
+        for m in measurements
+    ]
 
 
 @contextmanager
@@ -149,10 +179,20 @@ def shoal_onnx(repos: Repositories) -> Iterator[tuple[str, str, int]]:
 
 def run_round(round_number: int, repos: Repositories, args: argparse.Namespace) -> list[dict[str, Any]]:
     mlp_b8 = GRPC_LOADS["mlp_b8_c16"]
-    rows = [guarded(round_number, "ort", mlp_b8.key, lambda: in_process(
-        repos.onnx_files["mlp"], ort_feed(mlp_b8), mlp_b8.concurrency, args.window_ms / 1000, ORT_THREADS))]
+    rows = [
+        guarded(
+            round_number,
+            "ort",
+            mlp_b8.key,
+            lambda: in_process(
+                repos.onnx_files["mlp"], ort_feed(mlp_b8), mlp_b8.concurrency, args.window_ms / 1000, ORT_THREADS
+            ),
+        )
+    ]
     onnx_servers: list[tuple[str, Callable[[], AbstractContextManager[tuple[str, str, int]]]]] = [
-        ("triton", lambda: triton_onnx(repos, round_number)), ("shoal", lambda: shoal_onnx(repos))]
+        ("triton", lambda: triton_onnx(repos, round_number)),
+        ("shoal", lambda: shoal_onnx(repos)),
+    ]
     onnx_measurements = [*GRPC_LOADS, *(f"http_{m}_c{c}" for m, c in HTTP_LOADS)]
     for server, start in onnx_servers if round_number % 2 else reversed(onnx_servers):
         try:
@@ -168,8 +208,14 @@ def run_round(round_number: int, repos: Repositories, args: argparse.Namespace) 
         try:
             with start_python() as (url, pid):
                 for concurrency in python_backend.CONCURRENCIES:
-                    rows.append(guarded(round_number, server, f"python_c{concurrency}",
-                                        partial(python_backend.measure, url, pid, concurrency, args.window_ms)))
+                    rows.append(
+                        guarded(
+                            round_number,
+                            server,
+                            f"python_c{concurrency}",
+                            partial(python_backend.measure, url, pid, concurrency, args.window_ms),
+                        )
+                    )
         except RuntimeError as error:
             rows += failed(round_number, server, python_measurements, error)
     return rows
@@ -181,9 +227,14 @@ def medians(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float
     for row in rows:
         if "error" not in row:
             grouped.setdefault((row["server"], row["measurement"]), []).append(row)
-    return {key: {name: statistics.median(r[name] for r in group) for name, value in group[0].items()
-                  if isinstance(value, int | float) and name != "round"}
-            for key, group in grouped.items()}
+    return {
+        key: {
+            name: statistics.median(r[name] for r in group)
+            for name, value in group[0].items()
+            if isinstance(value, int | float) and name != "round"
+        }
+        for key, group in grouped.items()
+    }
 
 
 def figure_text(goal: Goal, value: float) -> str:
@@ -200,28 +251,45 @@ def goals_table(rows: list[dict[str, Any]]) -> tuple[str, int]:
     for goal in GOALS:
         shoal, peer = figures.get(goal.shoal), figures.get(goal.peer)
         if shoal is None or peer is None or not peer[goal.figure]:
-            cells = [figure_text(goal, shoal[goal.figure]) if shoal else "—",
-                     figure_text(goal, peer[goal.figure]) if peer else "—", "—", goal.target_text, "not measured"]
+            cells = [
+                figure_text(goal, shoal[goal.figure]) if shoal else "—",
+                figure_text(goal, peer[goal.figure]) if peer else "—",
+                "—",
+                goal.target_text,
+                "not measured",
+            ]
         else:
             ratio = shoal[goal.figure] / peer[goal.figure]
             met = goal.met(ratio)
             met_count += met
-            cells = [figure_text(goal, shoal[goal.figure]), figure_text(goal, peer[goal.figure]), f"{ratio:.2f}×",
-                     goal.target_text, "**met**" if met else "not met"]
+            cells = [
+                figure_text(goal, shoal[goal.figure]),
+                figure_text(goal, peer[goal.figure]),
+                f"{ratio:.2f}×",
+                goal.target_text,
+                "**met**" if met else "not met",
+            ]
         lines.append(f"| {goal.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines), met_count
 
 
-def notes(rows: list[dict[str, Any]], args: argparse.Namespace, load: list[tuple[float, float, float]],
-          elapsed_s: float, met_count: int) -> str:
+def notes(
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    load: list[tuple[float, float, float]],
+    elapsed_s: float,
+    met_count: int,
+) -> str:
     unstable = sum(1 for row in rows if row.get("stable") == 0)
     failures = sorted({f"{row['server']} {row['measurement']}" for row in rows if "error" in row})
-    text = (f"{met_count} of {len(GOALS)} goals met. {args.rounds} round(s){' (--quick)' if args.quick else ''}, "
-            f"median shown, ratio = Shoal's median / the peer's median; perf_analyzer windows {args.window_ms} ms; "
-            f"{args.clients} perf_analyzer process(es) per gRPC load; {unstable} ONNX-model run(s) never within 20% "
-            f"(their last 3 windows kept; Python-model runs always take 3 windows); {os.cpu_count()} cores, "
-            f"load average (1 min) {load[0][0]:.1f} at the start and "
-            f"{load[1][0]:.1f} at the end; took {elapsed_s / 60:.1f} min.")
+    text = (
+        f"{met_count} of {len(GOALS)} goals met. {args.rounds} round(s){' (--quick)' if args.quick else ''}, "
+        f"median shown, ratio = Shoal's median / the peer's median; perf_analyzer windows {args.window_ms} ms; "
+        f"{args.clients} perf_analyzer process(es) per gRPC load; {unstable} ONNX-model run(s) never within 20% "
+        f"(their last 3 windows kept; Python-model runs always take 3 windows); {os.cpu_count()} cores, "
+        f"load average (1 min) {load[0][0]:.1f} at the start and "
+        f"{load[1][0]:.1f} at the end; took {elapsed_s / 60:.1f} min."
+    )
     if failures:
         text += f" Failed in some round (see the CSV's error column): {', '.join(failures)}."
     return text
@@ -232,8 +300,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="every server measured this many times, in turn")
     parser.add_argument("--window-ms", type=int, default=1500, help="perf_analyzer measurement window")
     parser.add_argument("--clients", type=int, default=1, help="perf_analyzer processes sharing each gRPC load")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"one round of {QUICK_WINDOW_MS} ms windows (overrides --rounds and --window-ms)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"one round of {QUICK_WINDOW_MS} ms windows (overrides --rounds and --window-ms)",
+    )
     parser.add_argument("--label", default="", help="suffix of the result files, e.g. before / after")
     args = parser.parse_args()
     if args.quick:

@@ -36,8 +36,10 @@ from shoal.tools import nvidia_smi  # noqa: E402
 def cuda_problem(torch_devices: int, driver_devices: int, torch_version: str) -> str | None:
     """Why the check cannot run on a host whose driver sees GPUs, or None (no GPU at all is no problem)."""
     if driver_devices > 0 and torch_devices == 0:
-        return (f"the driver reports {driver_devices} CUDA device(s) but torch {torch_version} sees none: "
-                "install a CUDA build of torch (or check CUDA_VISIBLE_DEVICES)")
+        return (
+            f"the driver reports {driver_devices} CUDA device(s) but torch {torch_version} sees none: "
+            "install a CUDA build of torch (or check CUDA_VISIBLE_DEVICES)"
+        )
     return None
 
 
@@ -46,7 +48,7 @@ def write_config(repo: Path, name: str, width: int, count: int, kind: str, proce
         f'backend: "pytorch"\nmax_batch_size: 8\n'
         f'input [ {{ name: "INPUT__0" data_type: TYPE_FP32 dims: [ {width} ] }} ]\n'
         f'output [ {{ name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ {width} ] }} ]\n'
-        f'instance_group [ {{ count: {count} kind: {kind} }} ]\n'
+        f"instance_group [ {{ count: {count} kind: {kind} }} ]\n"
         f'parameters {{ key: "process_instances" value: {{ string_value: "{str(processes).lower()}" }} }}\n'
     )
 
@@ -61,8 +63,12 @@ def serve_variant(folder: Path, model: Path, width: int, count: int, kind: str, 
         with InferenceClient(url, timeout_s=600) as client:
             outputs = [client.infer("m", {"INPUT__0": x})["OUTPUT__0"] for _ in range(2 * count)]
             usage = client.statistics("m")[0].get("memory_usage", [])
-        return {"outputs": outputs[0], "weights_mb": sum(int(u["byte_size"]) for u in usage) / 2**20,
-                "nvidia_smi_mb": nvidia_smi.used_mb(tree_pids(pid)), "url": url}
+        return {
+            "outputs": outputs[0],
+            "weights_mb": sum(int(u["byte_size"]) for u in usage) / 2**20,
+            "nvidia_smi_mb": nvidia_smi.used_mb(tree_pids(pid)),
+            "url": url,
+        }
 
 
 def main() -> int:
@@ -74,8 +80,9 @@ def main() -> int:
     import torch
 
     if args.device == "cuda":
-        problem = cuda_problem(torch.cuda.device_count() if torch.cuda.is_available() else 0, cuda_device_count(),
-                               torch.__version__)
+        problem = cuda_problem(
+            torch.cuda.device_count() if torch.cuda.is_available() else 0, cuda_device_count(), torch.__version__
+        )
         if problem is not None:
             print(f"FAIL: {problem}")
             return 1
@@ -95,8 +102,9 @@ def main() -> int:
                 label = f"{'process' if processes else 'thread'} instances, count {count}"
                 results[label] = serve_variant(folder, big, args.width, count, kind, processes)
                 r = results[label]
-                print(f"   {label:<28} weights reported {r['weights_mb']:>8.1f} MB   "
-                      f"nvidia-smi {r['nvidia_smi_mb']} MB")
+                print(
+                    f"   {label:<28} weights reported {r['weights_mb']:>8.1f} MB   nvidia-smi {r['nvidia_smi_mb']} MB"
+                )
         reference = results["thread instances, count 1"]["outputs"]
         for label, r in results.items():
             if not np.allclose(r["outputs"], reference, rtol=1e-4, atol=1e-5):

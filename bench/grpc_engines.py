@@ -41,8 +41,10 @@ from bench._perf import (  # noqa: E402
 from bench._server import shoal_server  # noqa: E402
 
 ENGINES = {"native": ("--grpc-engine", "native"), "grpcio": ("--grpc-engine", "grpcio")}
-IO_THREADS = {"io1": ("--grpc-engine", "native", "--grpc-io-threads", "1"),
-              "io2": ("--grpc-engine", "native", "--grpc-io-threads", "2")}
+IO_THREADS = {
+    "io1": ("--grpc-engine", "native", "--grpc-io-threads", "1"),
+    "io2": ("--grpc-engine", "native", "--grpc-io-threads", "2"),
+}
 MAX_TRIALS = 6
 WORKLOADS = (  # key, concurrency, perf_analyzer's extra arguments
     ("infer_c1", 1, ()),
@@ -51,8 +53,15 @@ WORKLOADS = (  # key, concurrency, perf_analyzer's extra arguments
 )
 
 
-def run_perf(url: str, concurrency: int, extra: tuple[str, ...], window_ms: int, out: Path, max_trials: int,
-             stability_percent: float) -> None:
+def run_perf(
+    url: str,
+    concurrency: int,
+    extra: tuple[str, ...],
+    window_ms: int,
+    out: Path,
+    max_trials: int,
+    stability_percent: float,
+) -> None:
     command = [*_perf_command(url, "tiny", concurrency, window_ms, 1, out, max_trials, stability_percent), *extra]
     subprocess.run(command, check=True, capture_output=True, timeout=perf_timeout_s(window_ms, max_trials))
 
@@ -70,8 +79,12 @@ def measure(url: str, pid: int, concurrency: int, extra: tuple[str, ...], window
         figures = _perf_figures(out)
     host_s, children_s = cpu_split(cpu_before, tree_cpu_seconds(pid), pid)
     requests = max(1, requests_served(url, "tiny") - requests_before)
-    return {"throughput": round(figures["throughput"], 1), "p50_us": round(figures["p50_us"]),
-            "cpu_us_per_request": round(1e6 * (host_s + children_s) / requests), "stable": stable}
+    return {
+        "throughput": round(figures["throughput"], 1),
+        "p50_us": round(figures["p50_us"]),
+        "cpu_us_per_request": round(1e6 * (host_s + children_s) / requests),
+        "stable": stable,
+    }
 
 
 def table(rows: list[dict[str, Any]], first: str, second: str) -> str:
@@ -81,8 +94,11 @@ def table(rows: list[dict[str, Any]], first: str, second: str) -> str:
 
     lines = [f"| workload | figure | {first} | {second} | {first} / {second} |", "|---|---|---|---|---|"]
     for key, _, _ in WORKLOADS:
-        for field, title in (("throughput", "requests/s"), ("p50_us", "p50 µs"),
-                             ("cpu_us_per_request", "server CPU µs per request")):
+        for field, title in (
+            ("throughput", "requests/s"),
+            ("p50_us", "p50 µs"),
+            ("cpu_us_per_request", "server CPU µs per request"),
+        ):
             a, b = median(first, key, field), median(second, key, field)
             lines.append(f"| {key} | {title} | {a:,.0f} | {b:,.0f} | {a / b:.2f}× |")
     return "\n".join(lines)
@@ -93,8 +109,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--window-ms", type=int, default=1500)
     parser.add_argument("--workers", type=int, default=0, help="--grpc-workers of every server (default 0)")
-    parser.add_argument("--compare-io-threads", action="store_true",
-                        help="native with --grpc-io-threads 1 against 2, instead of the two engines")
+    parser.add_argument(
+        "--compare-io-threads",
+        action="store_true",
+        help="native with --grpc-io-threads 1 against 2, instead of the two engines",
+    )
     parser.add_argument("--label", default="")
     args = parser.parse_args()
     variants = IO_THREADS if args.compare_io_threads else ENGINES
@@ -109,15 +128,20 @@ def main() -> None:
                 flags = (*variant_flags, "--grpc-workers", str(args.workers))
                 with shoal_server(repo, *flags) as (url, pid):
                     for key, concurrency, extra in WORKLOADS:
-                        row = {"round": round_number, "engine": engine, "workers": args.workers, "workload": key,
-                               **measure(url, pid, concurrency, extra, args.window_ms)}
+                        row = {
+                            "round": round_number,
+                            "engine": engine,
+                            "workers": args.workers,
+                            "workload": key,
+                            **measure(url, pid, concurrency, extra, args.window_ms),
+                        }
                         print(row, flush=True)
                         rows.append(row)
     suffix = f"_{args.label}" if args.label else ""
     compared = " --compare-io-threads" if args.compare_io_threads else ""
     print(f"\nbench/grpc_engines.py --rounds {args.rounds} --workers {args.workers}{compared}: median of the rounds\n")
     print(table(rows, *variants))
-    save_results(rows, f'grpc_engines{suffix}.csv')
+    save_results(rows, f"grpc_engines{suffix}.csv")
 
 
 if __name__ == "__main__":

@@ -97,8 +97,12 @@ def run_perf(url: str, window_ms: int) -> tuple[dict[str, float], int]:
         out = Path(folder) / "pa.csv"
         for stable, trials, spread in ((1, MAX_TRIALS, 20.0), (0, 3, ANY_SPREAD)):
             try:
-                subprocess.run(_perf_command(url, "tiny", CONCURRENCY, window_ms, 1, out, trials, spread),
-                               check=True, capture_output=True, timeout=perf_timeout_s(window_ms, trials))
+                subprocess.run(
+                    _perf_command(url, "tiny", CONCURRENCY, window_ms, 1, out, trials, spread),
+                    check=True,
+                    capture_output=True,
+                    timeout=perf_timeout_s(window_ms, trials),
+                )
                 return _perf_figures(out), stable
             except subprocess.CalledProcessError:
                 if not stable:
@@ -114,20 +118,27 @@ def measure(url: str, pid: int, window_ms: int) -> dict[str, Any]:
     host_s, workers_s = cpu_split(cpu_before, tree_cpu_seconds(pid), pid)
     inferences, executions = counts(url)
     requests = max(1, inferences - inferences_before)
-    return {"throughput": round(figures["throughput"], 1), "p50_us": round(figures["p50_us"]),
-            "requests": requests, "batch": round(requests / max(1, executions - executions_before), 2),
-            "host_cpu_us": round(1e6 * host_s / requests),
-            "host_loop_cpu_us": round(1e6 * threads["loop"] / requests),
-            "host_engine_io_cpu_us": round(1e6 * threads["engine_io"] / requests),
-            "workers_cpu_us": round(1e6 * workers_s / requests), "stable": stable}
+    return {
+        "throughput": round(figures["throughput"], 1),
+        "p50_us": round(figures["p50_us"]),
+        "requests": requests,
+        "batch": round(requests / max(1, executions - executions_before), 2),
+        "host_cpu_us": round(1e6 * host_s / requests),
+        "host_loop_cpu_us": round(1e6 * threads["loop"] / requests),
+        "host_engine_io_cpu_us": round(1e6 * threads["engine_io"] / requests),
+        "workers_cpu_us": round(1e6 * workers_s / requests),
+        "stable": stable,
+    }
 
 
 def medians(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
     grouped: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
         grouped.setdefault(row["workers"], []).append(row)
-    return {workers: {key: statistics.median(r[key] for r in group) for key in group[0] if key != "round"}
-            for workers, group in sorted(grouped.items())}
+    return {
+        workers: {key: statistics.median(r[key] for r in group) for key in group[0] if key != "round"}
+        for workers, group in sorted(grouped.items())
+    }
 
 
 def project(measured: dict[int, dict[str, float]], cores: int) -> list[dict[str, Any]]:
@@ -147,28 +158,48 @@ def project(measured: dict[int, dict[str, float]], cores: int) -> list[dict[str,
         if workers:
             bounds["workers"] = workers * 1e6 / workers_us
         limit = min(bounds, key=lambda name: bounds[name])
-        projected.append({"workers": workers, "requests_per_s": round(bounds[limit]), "bound": limit,
-                          "host_serial_cpu_us": serial_us, "host_cpu_us": host_us, "workers_cpu_us": workers_us,
-                          "cores_busy": round(bounds[limit] * (host_us + workers_us) / 1e6, 2)})
+        projected.append(
+            {
+                "workers": workers,
+                "requests_per_s": round(bounds[limit]),
+                "bound": limit,
+                "host_serial_cpu_us": serial_us,
+                "host_cpu_us": host_us,
+                "workers_cpu_us": workers_us,
+                "cores_busy": round(bounds[limit] * (host_us + workers_us) / 1e6, 2),
+            }
+        )
     return projected
 
 
 def tables(measured: dict[int, dict[str, float]], projected: list[dict[str, Any]], cores: int) -> str:
-    lines = ["| --grpc-workers | requests/s | p50 µs | batch | host CPU µs/request | of which loop thread / "
-             "engine I/O threads | workers CPU µs/request | total |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| --grpc-workers | requests/s | p50 µs | batch | host CPU µs/request | of which loop thread / "
+        "engine I/O threads | workers CPU µs/request | total |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for workers, m in measured.items():
-        lines.append(f"| {workers} | {m['throughput']:,.0f} | {m['p50_us']:,.0f} | {m['batch']:.2f} | "
-                     f"{m['host_cpu_us']:,.0f} | {m['host_loop_cpu_us']:,.0f} / {m['host_engine_io_cpu_us']:,.0f} | "
-                     f"{m['workers_cpu_us']:,.0f} | {m['host_cpu_us'] + m['workers_cpu_us']:,.0f} |")
+        lines.append(
+            f"| {workers} | {m['throughput']:,.0f} | {m['p50_us']:,.0f} | {m['batch']:.2f} | "
+            f"{m['host_cpu_us']:,.0f} | {m['host_loop_cpu_us']:,.0f} / {m['host_engine_io_cpu_us']:,.0f} | "
+            f"{m['workers_cpu_us']:,.0f} | {m['host_cpu_us'] + m['workers_cpu_us']:,.0f} |"
+        )
     zero = next((p["requests_per_s"] for p in projected if p["workers"] == 0), None)
-    lines += ["", f"Projection to {cores} cores, clients elsewhere (not measured): --grpc-workers auto picks "
-              f"{workers_for_cores(cores)} there ({RULE})", "",
-              "| --grpc-workers | host serial µs/request | projected requests/s | against 0 workers | bound by | "
-              "cores busy |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Projection to {cores} cores, clients elsewhere (not measured): --grpc-workers auto picks "
+        f"{workers_for_cores(cores)} there ({RULE})",
+        "",
+        "| --grpc-workers | host serial µs/request | projected requests/s | against 0 workers | bound by | "
+        "cores busy |",
+        "|---|---|---|---|---|---|",
+    ]
     for p in projected:
         ratio = f"{p['requests_per_s'] / zero:.2f}×" if zero else "—"
-        lines.append(f"| {p['workers']} | {p['host_serial_cpu_us']:,.0f} | {p['requests_per_s']:,} | {ratio} | "
-                     f"{p['bound']} | {p['cores_busy']:.1f} |")
+        lines.append(
+            f"| {p['workers']} | {p['host_serial_cpu_us']:,.0f} | {p['requests_per_s']:,} | {ratio} | "
+            f"{p['bound']} | {p['cores_busy']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -196,14 +227,24 @@ def main() -> None:
                 rows.append(row)
     measured = medians(rows)
     projected = project(measured, args.project_cores)
-    print(f"\nbench/grpc_workers.py --rounds {args.rounds}, tiny c={CONCURRENCY}, {len(os.sched_getaffinity(0))} "
-          f"usable cores, load average {os.getloadavg()[0]:.1f}: median of the rounds\n")
+    print(
+        f"\nbench/grpc_workers.py --rounds {args.rounds}, tiny c={CONCURRENCY}, {len(os.sched_getaffinity(0))} "
+        f"usable cores, load average {os.getloadavg()[0]:.1f}: median of the rounds\n"
+    )
     print(tables(measured, projected, args.project_cores))
     suffix = f"_{args.label}" if args.label else ""
     save_results(rows, f"grpc_workers{suffix}.csv")
-    summary = {"cores_here": len(os.sched_getaffinity(0)), "rounds": args.rounds, "measured": measured,
-               "projection": {"cores": args.project_cores, "auto_picks": workers_for_cores(args.project_cores),
-                              "rule": RULE, "rows": projected}}
+    summary = {
+        "cores_here": len(os.sched_getaffinity(0)),
+        "rounds": args.rounds,
+        "measured": measured,
+        "projection": {
+            "cores": args.project_cores,
+            "auto_picks": workers_for_cores(args.project_cores),
+            "rule": RULE,
+            "rows": projected,
+        },
+    }
     path = RESULTS / f"grpc_workers{suffix}.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {path}")

@@ -48,8 +48,13 @@ def measure(urls: Urls, server: str, round_number: int, window_ms: int) -> list[
     rows = []
     for model, concurrency in WORKLOADS:
         for protocol in PROTOCOLS:
-            row: dict[str, Any] = {"round": round_number, "server": server, "protocol": protocol, "model": model,
-                                   "concurrency": concurrency}
+            row: dict[str, Any] = {
+                "round": round_number,
+                "server": server,
+                "protocol": protocol,
+                "model": model,
+                "concurrency": concurrency,
+            }
             row.update(run_perf(urls.of(protocol), model, concurrency, window_ms, protocol))
             rows.append(row)
             print(progress_line(row), flush=True)
@@ -85,8 +90,10 @@ def medians(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str, int], dict[
     for row in rows:
         if "error" not in row:
             grouped.setdefault((row["server"], row["protocol"], row["model"], row["concurrency"]), []).append(row)
-    return {key: {name: statistics.median(r[name] for r in group) for name in ("throughput", "p50_us")}
-            for key, group in grouped.items()}
+    return {
+        key: {name: statistics.median(r[name] for r in group) for name in ("throughput", "p50_us")}
+        for key, group in grouped.items()
+    }
 
 
 def markdown_table(rows: list[dict[str, Any]], servers: list[str]) -> str:
@@ -125,9 +132,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--window-ms", type=int, default=1500)
-    parser.add_argument("--workers", type=int, nargs="+", default=[0],
-                        help="Shoal --frontend-workers values, one column each (0: gRPC and HTTP in the process that "
-                             "holds the models; N: N front-end processes, each serving both)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="Shoal --frontend-workers values, one column each (0: gRPC and HTTP in the process that "
+        "holds the models; N: N front-end processes, each serving both)",
+    )
     parser.add_argument("--skip-triton", action="store_true")
     args = parser.parse_args()
     install_perf_analyzer()

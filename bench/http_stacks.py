@@ -75,12 +75,25 @@ async def _serve_uvicorn(sock: socket.socket) -> None:
             if not message.get("more_body"):
                 break
         answer = _answer(body)
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": answer})
 
-    config = uvicorn.Config(app, http="httptools", ws="none", lifespan="off", interface="asgi3", access_log=False,
-                            log_level="warning", proxy_headers=False)  # as server/http/server.py
+    config = uvicorn.Config(
+        app,
+        http="httptools",
+        ws="none",
+        lifespan="off",
+        interface="asgi3",
+        access_log=False,
+        log_level="warning",
+        proxy_headers=False,
+    )  # as server/http/server.py
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)  # what Server.serve sets up before startup
@@ -103,8 +116,9 @@ async def _client(port: int, stop_at: list[float], counts: list[int], request: b
         while time.monotonic() < stop_at[0]:
             writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length"))
+            length = next(
+                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+            )
             await reader.readexactly(length)
             counts[0] += 1
     finally:
@@ -147,8 +161,13 @@ def measure(stack: str, concurrency: int, seconds: float, work: Path) -> dict[st
     finally:
         process.kill()
         process.wait()
-    return {"stack": stack, "concurrency": concurrency, "requests_per_s": round(done / seconds),
-            "server_cpu_us_per_request": round(cpu / max(1, done) * 1e6, 1), "seconds": round(elapsed, 1)}
+    return {
+        "stack": stack,
+        "concurrency": concurrency,
+        "requests_per_s": round(done / seconds),
+        "server_cpu_us_per_request": round(cpu / max(1, done) * 1e6, 1),
+        "seconds": round(elapsed, 1),
+    }
 
 
 def measure_shoal(seconds: float, repeats: int) -> list[dict[str, Any]]:
@@ -162,26 +181,44 @@ def measure_shoal(seconds: float, repeats: int) -> list[dict[str, Any]]:
     from tests import models
 
     raw = np.arange(16, dtype=np.int32).tobytes()
-    header = json.dumps({"inputs": [{"name": name, "shape": [1, 16], "datatype": "INT32",
-                                     "parameters": {"binary_data_size": 64}} for name in ("INPUT0", "INPUT1")]})
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": name, "shape": [1, 16], "datatype": "INT32", "parameters": {"binary_data_size": 64}}
+                for name in ("INPUT0", "INPUT1")
+            ]
+        }
+    )
     body = header.encode() + raw + raw
     requests = {
         "shoal ready": b"GET /v2/health/ready HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
-        "shoal infer": (f"POST /v2/models/simple/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                        f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(body)}\r\n\r\n"
-                        ).encode() + body,
+        "shoal infer": (
+            f"POST /v2/models/simple/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body,
     }
     runs: dict[str, list[tuple[int, float]]] = {name: [] for name in requests}
-    with tempfile.TemporaryDirectory() as folder, \
-            local_server.running(models.repository(Path(folder), "simple")) as server:
+    with (
+        tempfile.TemporaryDirectory() as folder,
+        local_server.running(models.repository(Path(folder), "simple")) as server,
+    ):
         for _ in range(repeats):
             for name, request in requests.items():
                 before = _cpu_seconds(server.pid)
                 done = asyncio.run(load(server.http_port, 16, seconds, request))
                 runs[name].append((done, _cpu_seconds(server.pid) - before))
-    return [{"stack": name, "concurrency": 16, "requests_per_s": round(statistics.median(d for d, _ in done) / seconds),
-             "server_cpu_us_per_request": round(statistics.median(c / max(1, d) for d, c in done) * 1e6, 1),
-             "seconds": seconds, "repeats": repeats} for name, done in runs.items()]
+    return [
+        {
+            "stack": name,
+            "concurrency": 16,
+            "requests_per_s": round(statistics.median(d for d, _ in done) / seconds),
+            "server_cpu_us_per_request": round(statistics.median(c / max(1, d) for d, c in done) * 1e6, 1),
+            "seconds": seconds,
+            "repeats": repeats,
+        }
+        for name, done in runs.items()
+    ]
 
 
 def main() -> None:
@@ -191,8 +228,12 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--stacks", default="aiohttp,uvicorn")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shoal", action="store_true", help="also measure Shoal's own HTTP endpoint: the floor "
-                        "(GET /v2/health/ready) beside a binary infer of the example simple model, c=16")
+    parser.add_argument(
+        "--shoal",
+        action="store_true",
+        help="also measure Shoal's own HTTP endpoint: the floor "
+        "(GET /v2/health/ready) beside a binary infer of the example simple model, c=16",
+    )
     args = parser.parse_args()
     if args.serve:
         serve(args.serve[0], Path(args.serve[1]))
@@ -210,13 +251,17 @@ def main() -> None:
                 row = {**done[0], "repeats": len(done)}
                 for key in ("requests_per_s", "server_cpu_us_per_request"):
                     row[key] = statistics.median(run[key] for run in done)
-                print(f"{stack:8} c={concurrency:<3} {row['requests_per_s']:>7} req/s "
-                      f"{row['server_cpu_us_per_request']:>7} µs server CPU per request (median of {len(done)})")
+                print(
+                    f"{stack:8} c={concurrency:<3} {row['requests_per_s']:>7} req/s "
+                    f"{row['server_cpu_us_per_request']:>7} µs server CPU per request (median of {len(done)})"
+                )
                 rows.append(row)
     if args.shoal:
         for row in measure_shoal(args.seconds, args.repeats):
-            print(f"{row['stack']:12} c=16  {row['requests_per_s']:>7} req/s "
-                  f"{row['server_cpu_us_per_request']:>7} µs server CPU per request (median of {args.repeats})")
+            print(
+                f"{row['stack']:12} c=16  {row['requests_per_s']:>7} req/s "
+                f"{row['server_cpu_us_per_request']:>7} µs server CPU per request (median of {args.repeats})"
+            )
             rows.append(row)
     save_results(rows, "http_stacks.csv")
 

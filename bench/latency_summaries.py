@@ -57,15 +57,19 @@ def main() -> None:
     for key, _ in WORKLOADS:
         for setting in SETTINGS:
             mine = [r for r in rows if (r["workload"], r["setting"]) == (key, setting)]
-            medians[key, setting] = {f: statistics.median(r[f] for r in mine)
-                                     for f in ("throughput", "p50_us", "cpu_us_per_request")}
+            medians[key, setting] = {
+                f: statistics.median(r[f] for r in mine) for f in ("throughput", "p50_us", "cpu_us_per_request")
+            }
             m = medians[key, setting]
-            print(f"| {key} | {setting} | {m['throughput']:,.0f} | {m['p50_us']:,.0f} "
-                  f"| {m['cpu_us_per_request']:,.0f} |")
+            print(
+                f"| {key} | {setting} | {m['throughput']:,.0f} | {m['p50_us']:,.0f} | {m['cpu_us_per_request']:,.0f} |"
+            )
     for key, _ in WORKLOADS:
         on, off = medians[key, "on"], medians[key, "off"]
-        print(f"{key}: on / off throughput {on['throughput'] / off['throughput']:.2f}x, CPU per request "
-              f"{on['cpu_us_per_request'] - off['cpu_us_per_request']:+.0f} µs")
+        print(
+            f"{key}: on / off throughput {on['throughput'] / off['throughput']:.2f}x, CPU per request "
+            f"{on['cpu_us_per_request'] - off['cpu_us_per_request']:+.0f} µs"
+        )
     save_results(rows, "latency_summaries.csv")
 
 

@@ -71,10 +71,32 @@ def reload_under_load() -> None:
         with shoal_server(repo, "--model-control-mode", "explicit", "--load-model", "*") as (url, _):
             out = repo.parent / f"{repo.name}-load.json"
             load = subprocess.Popen(
-                [sys.executable, "-m", "shoal.clients.loadtest", "-m", "simple", "-u", url, "--concurrency", "16",
-                 "--warmup-s", "0", "--window-s", "1", "--max-windows", "120", "--stability", "0.001",
-                 "--max-seconds", "150", "--json", str(out), "--no-progress"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    sys.executable,
+                    "-m",
+                    "shoal.clients.loadtest",
+                    "-m",
+                    "simple",
+                    "-u",
+                    url,
+                    "--concurrency",
+                    "16",
+                    "--warmup-s",
+                    "0",
+                    "--window-s",
+                    "1",
+                    "--max-windows",
+                    "120",
+                    "--stability",
+                    "0.001",
+                    "--max-seconds",
+                    "150",
+                    "--json",
+                    str(out),
+                    "--no-progress",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             try:
                 with InferenceClient(url, timeout_s=60) as client:
@@ -99,12 +121,23 @@ def reload_under_load() -> None:
                 load.wait()
             step = json.loads(out.read_text())["steps"][0]
             out.unlink()
-    print(f"under load at concurrency 16, one step of {step['seconds']:.1f} s spanning the three reloads: "
-          f"{step['requests']} requests completed (the server counted at least {sum(counted)}), "
-          f"errors {step['errors'] or 0}; shoal-load exit status {returncode} (130: stopped by SIGINT)")
-    save_results([{"run_s": round(step["seconds"], 2), "requests": step["requests"],
-                   "server_counted_at_least": sum(counted), "errors": sum(step["errors"].values()),
-                   "reload_s": " ".join(f"{r:.3f}" for r in reload_s)}], "lifecycle_reload.csv")
+    print(
+        f"under load at concurrency 16, one step of {step['seconds']:.1f} s spanning the three reloads: "
+        f"{step['requests']} requests completed (the server counted at least {sum(counted)}), "
+        f"errors {step['errors'] or 0}; shoal-load exit status {returncode} (130: stopped by SIGINT)"
+    )
+    save_results(
+        [
+            {
+                "run_s": round(step["seconds"], 2),
+                "requests": step["requests"],
+                "server_counted_at_least": sum(counted),
+                "errors": sum(step["errors"].values()),
+                "reload_s": " ".join(f"{r:.3f}" for r in reload_s),
+            }
+        ],
+        "lifecycle_reload.csv",
+    )
 
 
 def main() -> None:

@@ -143,10 +143,20 @@ def main() -> None:
                     answered = asyncio.run(drive(make, concurrency, args.seconds))
                     after, elapsed = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - started
                     cpu_us = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / answered * 1e6
-                    print(f"{name:<34} {concurrency:>4} {round_index + 1:>5} | {answered / elapsed:>10.0f} | "
-                          f"{cpu_us:>15.0f} µs", flush=True)
-                    rows.append({"sender": name, "concurrency": concurrency, "round": round_index + 1,
-                                 "requests_per_s": round(answered / elapsed, 1), "client_cpu_us": round(cpu_us, 1)})
+                    print(
+                        f"{name:<34} {concurrency:>4} {round_index + 1:>5} | {answered / elapsed:>10.0f} | "
+                        f"{cpu_us:>15.0f} µs",
+                        flush=True,
+                    )
+                    rows.append(
+                        {
+                            "sender": name,
+                            "concurrency": concurrency,
+                            "round": round_index + 1,
+                            "requests_per_s": round(answered / elapsed, 1),
+                            "client_cpu_us": round(cpu_us, 1),
+                        }
+                    )
     save_results(rows, "load_client_cost.csv")
 
 

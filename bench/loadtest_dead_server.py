@@ -45,10 +45,31 @@ def main() -> None:
         out = Path(folder) / "load.json"
         with local_server.running(repo) as server:
             load = subprocess.Popen(
-                [sys.executable, "-m", "shoal.clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency",
-                 str(args.concurrency), "--warmup-s", "0", "--window-s", "1", "--max-windows", str(args.windows),
-                 "--stability", "0.001", "--json", str(out), "--no-progress"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "shoal.clients.loadtest",
+                    "-m",
+                    "simple",
+                    "-u",
+                    server.url,
+                    "--concurrency",
+                    str(args.concurrency),
+                    "--warmup-s",
+                    "0",
+                    "--window-s",
+                    "1",
+                    "--max-windows",
+                    str(args.windows),
+                    "--stability",
+                    "0.001",
+                    "--json",
+                    str(out),
+                    "--no-progress",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
             )
             try:
                 with InferenceClient(server.url, timeout_s=10) as client:
@@ -65,14 +86,24 @@ def main() -> None:
                 load.wait()
         step = json.loads(out.read_text())["steps"][0]
     failures = sum(step["errors"].values())
-    row = {"concurrency": args.concurrency, "step_s": round(step.get("seconds", 0.0), 2), "requests": step["requests"],
-           "server_counted_before_kill": before_kill, "failures": failures,
-           "failures_per_s_after_kill": round(failures / failing_s, 1), "exit_status": load.returncode}
-    print(f"concurrency {args.concurrency}, one step of {row['step_s']} s; server killed after it counted "
-          f"{before_kill} requests")
+    row = {
+        "concurrency": args.concurrency,
+        "step_s": round(step.get("seconds", 0.0), 2),
+        "requests": step["requests"],
+        "server_counted_before_kill": before_kill,
+        "failures": failures,
+        "failures_per_s_after_kill": round(failures / failing_s, 1),
+        "exit_status": load.returncode,
+    }
+    print(
+        f"concurrency {args.concurrency}, one step of {row['step_s']} s; server killed after it counted "
+        f"{before_kill} requests"
+    )
     print(f"  shoal-load totals: {step['requests']} completed, {failures} failed ({step['errors']})")
-    print(f"  failure rate from the kill to the end of the run: {row['failures_per_s_after_kill']}/s "
-          f"over {failing_s:.1f} s (back-off; ~70,000/s without it)")
+    print(
+        f"  failure rate from the kill to the end of the run: {row['failures_per_s_after_kill']}/s "
+        f"over {failing_s:.1f} s (back-off; ~70,000/s without it)"
+    )
     print(f"  exit status {load.returncode}; last line: {stderr.strip().splitlines()[-1] if stderr.strip() else ''}")
     save_results([row], "loadtest_dead_server.csv")
 

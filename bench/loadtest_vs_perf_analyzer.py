@@ -44,18 +44,43 @@ STABILITY_PERCENT = 20.0
 MAX_WINDOWS = 10  # perf_analyzer's default --max-trials
 
 
-def shoal_load(url: str, model: str, concurrency: int, window_s: float, processes: int,
-               protocol: str) -> tuple[float, float]:
+def shoal_load(
+    url: str, model: str, concurrency: int, window_s: float, processes: int, protocol: str
+) -> tuple[float, float]:
     """Throughput (inferences/s) of one closed-loop shoal-load step, measured as perf_analyzer is here, and
     its load processes' CPU per request (µs, their own count: their start-up is left out)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "r.json"
         subprocess.run(
-            [sys.executable, "-m", "shoal.clients.loadtest", "-i", protocol, "-m", model, "-u", url,
-             "--concurrency", str(concurrency), "--processes", str(processes), "--input-data", "zeros",
-             "--window-s", str(window_s), "--stability", str(STABILITY_PERCENT), "--max-windows", str(MAX_WINDOWS),
-             "--json", str(out), "--no-progress"],
-            check=True, capture_output=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "shoal.clients.loadtest",
+                "-i",
+                protocol,
+                "-m",
+                model,
+                "-u",
+                url,
+                "--concurrency",
+                str(concurrency),
+                "--processes",
+                str(processes),
+                "--input-data",
+                "zeros",
+                "--window-s",
+                str(window_s),
+                "--stability",
+                str(STABILITY_PERCENT),
+                "--max-windows",
+                str(MAX_WINDOWS),
+                "--json",
+                str(out),
+                "--no-progress",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
         )
         step = json.loads(out.read_text())["steps"][0]
         return float(step["throughput"]), float(step["client_cpu_us"])
@@ -63,8 +88,9 @@ def shoal_load(url: str, model: str, concurrency: int, window_s: float, processe
 
 def served(control: HttpControl, model: str) -> int:
     """Successful requests the server counted for ``model`` so far."""
-    return sum(int(row.get("inference_stats", {}).get("success", {}).get("count", 0))
-               for row in control.statistics(model))
+    return sum(
+        int(row.get("inference_stats", {}).get("success", {}).get("count", 0)) for row in control.statistics(model)
+    )
 
 
 def client_cpu_s() -> float:
@@ -82,32 +108,56 @@ def with_client_cost(control: HttpControl, model: str, run: Callable[[], float])
     return throughput, (client_cpu_s() - cpu) / max(1, requests) * 1e6
 
 
-def measure_in_turn(urls: dict[str, str], model: str, protocol: str, concurrency: int, window_s: float,
-                    repeats: int) -> list[dict[str, object]]:
+def measure_in_turn(
+    urls: dict[str, str], model: str, protocol: str, concurrency: int, window_s: float, repeats: int
+) -> list[dict[str, object]]:
     """``repeats`` rounds of perf_analyzer, shoal-load 1 process, shoal-load 2 processes, one after the other."""
     rows: list[dict[str, object]] = []
     url = urls[protocol]
     control = HttpControl(urls["http"])
     for round_index in range(repeats):
         try:
-            pa, pa_cpu = with_client_cost(control, model, lambda: perf_analyzer(
-                url, model, concurrency, int(window_s * 1000), max_trials=MAX_WINDOWS,
-                stability_percent=STABILITY_PERCENT, protocol=protocol)["throughput"])
+            pa, pa_cpu = with_client_cost(
+                control,
+                model,
+                lambda: perf_analyzer(
+                    url,
+                    model,
+                    concurrency,
+                    int(window_s * 1000),
+                    max_trials=MAX_WINDOWS,
+                    stability_percent=STABILITY_PERCENT,
+                    protocol=protocol,
+                )["throughput"],
+            )
         except subprocess.CalledProcessError:  # no three windows within STABILITY_PERCENT: it writes no figure
-            print(f"{model:<7} {protocol:<5} {concurrency:>4} {round_index + 1:>5} | perf_analyzer found no stable "
-                  "figure: round left out", flush=True)
+            print(
+                f"{model:<7} {protocol:<5} {concurrency:>4} {round_index + 1:>5} | perf_analyzer found no stable "
+                "figure: round left out",
+                flush=True,
+            )
             continue
         one, one_cpu = shoal_load(url, model, concurrency, window_s, 1, protocol)
         two, two_cpu = shoal_load(url, model, concurrency, window_s, 2, protocol)
-        row: dict[str, object] = {"model": model, "protocol": protocol, "concurrency": concurrency,
-                                  "round": round_index + 1, "perf_analyzer": round(pa, 1),
-                                  "shoal_load_1proc": round(one, 1), "shoal_load_2proc": round(two, 1),
-                                  "ratio_1proc": round(one / pa, 2), "ratio_2proc": round(two / pa, 2),
-                                  "client_cpu_us_perf_analyzer": round(pa_cpu), "client_cpu_us_1proc": round(one_cpu),
-                                  "client_cpu_us_2proc": round(two_cpu)}
-        print(f"{model:<7} {protocol:<5} {concurrency:>4} {round_index + 1:>5} | {pa:>8.0f} {pa_cpu:>6.0f} | "
-              f"{one:>8.0f} {one_cpu:>6.0f} {one / pa:>6.2f} | {two:>8.0f} {two_cpu:>6.0f} {two / pa:>6.2f}",
-              flush=True)
+        row: dict[str, object] = {
+            "model": model,
+            "protocol": protocol,
+            "concurrency": concurrency,
+            "round": round_index + 1,
+            "perf_analyzer": round(pa, 1),
+            "shoal_load_1proc": round(one, 1),
+            "shoal_load_2proc": round(two, 1),
+            "ratio_1proc": round(one / pa, 2),
+            "ratio_2proc": round(two / pa, 2),
+            "client_cpu_us_perf_analyzer": round(pa_cpu),
+            "client_cpu_us_1proc": round(one_cpu),
+            "client_cpu_us_2proc": round(two_cpu),
+        }
+        print(
+            f"{model:<7} {protocol:<5} {concurrency:>4} {round_index + 1:>5} | {pa:>8.0f} {pa_cpu:>6.0f} | "
+            f"{one:>8.0f} {one_cpu:>6.0f} {one / pa:>6.2f} | {two:>8.0f} {two_cpu:>6.0f} {two / pa:>6.2f}",
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -145,10 +195,14 @@ def main() -> None:
         with local_server.running(repo) as server:
             urls = {"grpc": server.url, "http": server.http_url}
             print("throughput in inferences/s; cpu: the load generator's CPU per request, µs")
-            print(f"{'model':<7} {'proto':<5} {'conc':>4} {'round':>5} | {'perf_analyzer':>15} | "
-                  f"{'shoal-load 1 process':>22} | {'shoal-load 2 processes':>22}")
-            print(f"{'':<7} {'':<5} {'':>4} {'':>5} | {'infer/s':>8} {'cpu':>6} | {'infer/s':>8} {'cpu':>6} "
-                  f"{'ratio':>6} | {'infer/s':>8} {'cpu':>6} {'ratio':>6}")
+            print(
+                f"{'model':<7} {'proto':<5} {'conc':>4} {'round':>5} | {'perf_analyzer':>15} | "
+                f"{'shoal-load 1 process':>22} | {'shoal-load 2 processes':>22}"
+            )
+            print(
+                f"{'':<7} {'':<5} {'':>4} {'':>5} | {'infer/s':>8} {'cpu':>6} | {'infer/s':>8} {'cpu':>6} "
+                f"{'ratio':>6} | {'infer/s':>8} {'cpu':>6} {'ratio':>6}"
+            )
             for model in args.models:
                 for protocol in args.protocol:
                     for concurrency in args.concurrency:
@@ -157,8 +211,10 @@ def main() -> None:
             if args.ceiling:
                 ceiling = {p: shoal_load(server.url, "noop", 32, args.window_s, p, "grpc")[0] for p in (1, 2)}
                 pa_noop = perf_analyzer(server.url, "noop", 32, int(args.window_s * 1000))["throughput"]
-                print(f"\nno-op model at concurrency 32: shoal-load 1 process {ceiling[1]:.0f}/s, 2 processes "
-                      f"{ceiling[2]:.0f}/s, perf_analyzer {pa_noop:.0f}/s")
+                print(
+                    f"\nno-op model at concurrency 32: shoal-load 1 process {ceiling[1]:.0f}/s, 2 processes "
+                    f"{ceiling[2]:.0f}/s, perf_analyzer {pa_noop:.0f}/s"
+                )
     save_results(rows, "loadtest_vs_perf_analyzer.csv")
 
 

@@ -28,9 +28,9 @@ from bench._perf import save_results  # noqa: E402
 from bench._server import shoal_server  # noqa: E402
 
 CONFIGS = {
-    "count 1": 'instance_group [ { count: 1 kind: KIND_CPU } ]',
-    "count 4 (shared)": 'instance_group [ { count: 4 kind: KIND_CPU } ]',
-    "count 4 (copy per instance)": 'instance_group [ { count: 4 kind: KIND_CPU } ]\n'
+    "count 1": "instance_group [ { count: 1 kind: KIND_CPU } ]",
+    "count 4 (shared)": "instance_group [ { count: 4 kind: KIND_CPU } ]",
+    "count 4 (copy per instance)": "instance_group [ { count: 4 kind: KIND_CPU } ]\n"
     'parameters { key: "share_weights" value: { string_value: "false" } }',
 }
 
@@ -84,8 +84,10 @@ def main() -> None:
     for row in rows:
         row["rss_ratio"] = row["rss"] / base["rss"]
         row["pss_ratio"] = row["pss"] / base["pss"]
-        print(f"{row['config']:<30} {row['rss']:>8.0f} {row['pss']:>8.0f} {row['rss_ratio']:>14.2f} "
-              f"{row['pss_ratio']:>14.2f}")
+        print(
+            f"{row['config']:<30} {row['rss']:>8.0f} {row['pss']:>8.0f} {row['rss_ratio']:>14.2f} "
+            f"{row['pss_ratio']:>14.2f}"
+        )
     save_results(rows, "memory.csv")
 
 

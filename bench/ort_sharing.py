@@ -125,17 +125,33 @@ def main() -> None:
         save(mlp_graph(width=args.width, layers=args.layers), model)
         for design in DESIGNS:
             result = subprocess.run(
-                [sys.executable, __file__, "--design", design, "--model", str(model), "--executors",
-                 str(args.executors), "--width", str(args.width), "--seconds", str(args.seconds)],
-                check=True, capture_output=True, text=True,
+                [
+                    sys.executable,
+                    __file__,
+                    "--design",
+                    design,
+                    "--model",
+                    str(model),
+                    "--executors",
+                    str(args.executors),
+                    "--width",
+                    str(args.width),
+                    "--seconds",
+                    str(args.seconds),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
             )
             rows.append({"design": design, **json.loads(result.stdout.strip().splitlines()[-1])})
     base = rows[0]
     print(f"{args.executors} executors, MLP {args.layers} x {args.width}x{args.width} FP32, batch 1")
     print(f"{'design':<22} {'RSS MB':>8} {'PSS MB':>8} {'infer/s':>9} {'PSS ratio':>10} {'speed ratio':>12}")
     for row in rows:
-        print(f"{row['design']:<22} {row['rss']:>8.0f} {row['pss']:>8.0f} {row['throughput']:>9.1f} "
-              f"{row['pss'] / base['pss']:>10.2f} {row['throughput'] / base['throughput']:>12.2f}")
+        print(
+            f"{row['design']:<22} {row['rss']:>8.0f} {row['pss']:>8.0f} {row['throughput']:>9.1f} "
+            f"{row['pss'] / base['pss']:>10.2f} {row['throughput'] / base['throughput']:>12.2f}"
+        )
     save_results(rows, "ort_sharing.csv")
 
 

@@ -60,14 +60,18 @@ def main() -> None:
     for row in rows:  # after the server has stopped, so the two never share the cores
         ort = in_process(SIMPLE, ZEROS, int(row["concurrency"]), args.window_ms / 1000)
         row.update({f"ort_{k}": v for k, v in ort.items()})
-    header = f"{'conc':>4} | {'Shoal infer/s':>13} {'p50 µs':>8} {'p99 µs':>8} | {'ORT infer/s':>11} " \
-             f"{'p50 µs':>7} {'p99 µs':>7} | Shoal/ORT"
+    header = (
+        f"{'conc':>4} | {'Shoal infer/s':>13} {'p50 µs':>8} {'p99 µs':>8} | {'ORT infer/s':>11} "
+        f"{'p50 µs':>7} {'p99 µs':>7} | Shoal/ORT"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['concurrency']:>4} | {r['shoal_throughput']:>13.0f} {r['shoal_p50_us']:>8.0f} "
-              f"{r['shoal_p99_us']:>8.0f} | {r['ort_throughput']:>11.0f} {r['ort_p50_us']:>7.0f} "
-              f"{r['ort_p99_us']:>7.0f} | {r['shoal_throughput'] / r['ort_throughput']:.3f}")
+        print(
+            f"{r['concurrency']:>4} | {r['shoal_throughput']:>13.0f} {r['shoal_p50_us']:>8.0f} "
+            f"{r['shoal_p99_us']:>8.0f} | {r['ort_throughput']:>11.0f} {r['ort_p50_us']:>7.0f} "
+            f"{r['ort_p99_us']:>7.0f} | {r['shoal_throughput'] / r['ort_throughput']:.3f}"
+        )
     save_results(rows, "perf_simple.csv")
     if plot(rows, RESULTS / "perf_simple.png"):
         print(f"wrote {RESULTS / 'perf_simple.png'}")

@@ -72,9 +72,14 @@ def measure(instance: ProcessModel, nbytes: int, requests: int) -> dict[str, flo
         times.append(time.perf_counter() - start)
     own, worker = time.process_time() - own_before, cpu_seconds(instance.pid) - worker_before
     np.testing.assert_array_equal(y, x * 2)
-    return {"bytes": nbytes, "requests": requests, "p50_us": 1e6 * statistics.median(times),
-            "mean_us": 1e6 * statistics.fmean(times), "server_cpu_us": 1e6 * own / requests,
-            "worker_cpu_us": 1e6 * worker / requests}
+    return {
+        "bytes": nbytes,
+        "requests": requests,
+        "p50_us": 1e6 * statistics.median(times),
+        "mean_us": 1e6 * statistics.fmean(times),
+        "server_cpu_us": 1e6 * own / requests,
+        "worker_cpu_us": 1e6 * worker / requests,
+    }
 
 
 def main() -> None:
@@ -87,16 +92,20 @@ def main() -> None:
         instance, parent = _instance(Path(folder))
         try:
             # big tensors take longer: a tenth of the requests above 64 KiB
-            rows = [measure(instance, nbytes, args.requests if nbytes <= 65536 else max(20, args.requests // 10))
-                    for nbytes in args.sizes]
+            rows = [
+                measure(instance, nbytes, args.requests if nbytes <= 65536 else max(20, args.requests // 10))
+                for nbytes in args.sizes
+            ]
         finally:
             instance.close()
             parent.close()
     print("process instance, sequential run() calls (x * 2, FP32, input = output bytes)")
     print(f"  {'bytes':>9} {'requests':>8} {'p50 µs':>9} {'mean µs':>9} {'server CPU µs':>14} {'worker CPU µs':>14}")
     for row in rows:
-        print(f"  {row['bytes']:>9} {row['requests']:>8} {row['p50_us']:>9.1f} {row['mean_us']:>9.1f} "
-              f"{row['server_cpu_us']:>14.1f} {row['worker_cpu_us']:>14.1f}")
+        print(
+            f"  {row['bytes']:>9} {row['requests']:>8} {row['p50_us']:>9.1f} {row['mean_us']:>9.1f} "
+            f"{row['server_cpu_us']:>14.1f} {row['worker_cpu_us']:>14.1f}"
+        )
     save_results(rows, f"process_request{'_' + args.label if args.label else ''}.csv")
 
 

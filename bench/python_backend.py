@@ -88,8 +88,11 @@ def triton_at(repo: Path, log_path: Path) -> Iterator[tuple[str, int]]:
 def servers(root: Path) -> Iterator[tuple[str, Callable[[], AbstractContextManager[tuple[str, int]]]]]:
     """(column, a context manager yielding (url, pid) of a ready server) for each server compared."""
     triton_repo, process_repo, thread_repo = root / "triton", root / "shoal-process", root / "shoal-thread"
-    for repo, extra in ((triton_repo, ""), (process_repo, ""),
-                        (thread_repo, 'parameters { key: "process_instances" value: { string_value: "false" } }\n')):
+    for repo, extra in (
+        (triton_repo, ""),
+        (process_repo, ""),
+        (thread_repo, 'parameters { key: "process_instances" value: { string_value: "false" } }\n'),
+    ):
         repo.mkdir()
         write_repository(repo, extra)
 
@@ -111,12 +114,17 @@ def main() -> None:
                 for concurrency in CONCURRENCIES:
                     figures = measure(url, pid, concurrency, args.window_ms)
                     rows.append({"server": column, "concurrency": concurrency, **figures})
-                    print(f"{column} c={concurrency}: {figures['throughput']:.0f}/s p50 {figures['p50_us']:.0f} µs, "
-                          f"{figures['cpu_us_per_request']:.0f} µs CPU/request", flush=True)
+                    print(
+                        f"{column} c={concurrency}: {figures['throughput']:.0f}/s p50 {figures['p50_us']:.0f} µs, "
+                        f"{figures['cpu_us_per_request']:.0f} µs CPU/request",
+                        flush=True,
+                    )
     print("\n| server | c | throughput (infer/s) | p50 (µs) | CPU per request (µs) |\n|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['server']} | {row['concurrency']} | {row['throughput']:.0f} | {row['p50_us']:.0f} | "
-              f"{row['cpu_us_per_request']:.0f} |")
+        print(
+            f"| {row['server']} | {row['concurrency']} | {row['throughput']:.0f} | {row['p50_us']:.0f} | "
+            f"{row['cpu_us_per_request']:.0f} |"
+        )
     save_results(rows, f"python_backend{'_' + args.label if args.label else ''}.csv")
 
 

@@ -74,8 +74,13 @@ def floor_server(work: Path, grpcio_path: Path | None = None) -> Iterator[tuple[
     stopped afterwards."""
     port_file = work / f"floor-port-{'other' if grpcio_path else 'installed'}"
     env = {**os.environ, "PYTHONPATH": str(grpcio_path)} if grpcio_path else None
-    process = subprocess.Popen([sys.executable, "-m", "bench._grpc_floor", "--port-file", str(port_file)],
-                               cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench._grpc_floor", "--port-file", str(port_file)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (port_file.exists() and port_file.read_text().strip()):
@@ -108,20 +113,27 @@ def voluntary_switches(pid: int) -> int:
                 status = (task / "status").read_text()
             except OSError:
                 continue
-            total += next((int(line.split()[1]) for line in status.splitlines()
-                           if line.startswith("voluntary_ctxt_switches")), 0)
+            total += next(
+                (int(line.split()[1]) for line in status.splitlines() if line.startswith("voluntary_ctxt_switches")), 0
+            )
     return total
 
 
 def measure(url: str, pid: int, concurrency: int, window_ms: int) -> dict[str, float]:
-    requests_before, cpu_before, switches_before = requests_served(url, MODEL), tree_cpu_seconds(pid), \
-        voluntary_switches(pid)
+    requests_before, cpu_before, switches_before = (
+        requests_served(url, MODEL),
+        tree_cpu_seconds(pid),
+        voluntary_switches(pid),
+    )
     figures = perf_analyzer(url, MODEL, concurrency, window_ms, max_trials=3, stability_percent=ANY_SPREAD)
     cpu_s = sum(tree_cpu_seconds(pid).values()) - sum(cpu_before.values())
     requests = max(1, requests_served(url, MODEL) - requests_before)
-    return {"throughput": figures["throughput"], "p50_us": figures["p50_us"],
-            "cpu_us_per_request": 1e6 * cpu_s / requests,
-            "switches_per_request": (voluntary_switches(pid) - switches_before) / requests}
+    return {
+        "throughput": figures["throughput"],
+        "p50_us": figures["p50_us"],
+        "cpu_us_per_request": 1e6 * cpu_s / requests,
+        "switches_per_request": (voluntary_switches(pid) - switches_before) / requests,
+    }
 
 
 class InProcess:
@@ -149,9 +161,12 @@ class InProcess:
 def figures_of(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The medians the recorded file holds, per server and c: CPU per request ÷ the in-process call measured
     just before it, Shoal's CPU per request ÷ the floor's of the same round, voluntary context switches per request."""
+
     def cell(server: str, concurrency: int) -> list[dict[str, Any]]:
-        return sorted((row for row in rows if row["server"] == server and row["concurrency"] == concurrency),
-                      key=lambda row: row["round"])
+        return sorted(
+            (row for row in rows if row["server"] == server and row["concurrency"] == concurrency),
+            key=lambda row: row["round"],
+        )
 
     figures = {}
     for concurrency in CONCURRENCIES:
@@ -159,18 +174,21 @@ def figures_of(rows: list[dict[str, Any]]) -> dict[str, float]:
         other = cell("floor_other", concurrency)
         if other:  # not recorded: it says what another grpcio costs beside the installed one, in this run
             figures[f"floor_other_c{concurrency}_cpu_per_floor"] = statistics.median(
-                row["cpu_us_per_request"] / under["cpu_us_per_request"]
-                for row, under in zip(other, floor, strict=True))
+                row["cpu_us_per_request"] / under["cpu_us_per_request"] for row, under in zip(other, floor, strict=True)
+            )
         for server in ("floor", "thread", "process"):
             mine = cell(server, concurrency)
             figures[f"{server}_c{concurrency}_cpu_per_model_call"] = statistics.median(
-                row["cpu_us_per_request"] / row["model_us"] for row in mine)
+                row["cpu_us_per_request"] / row["model_us"] for row in mine
+            )
             if server != "floor":
                 figures[f"{server}_c{concurrency}_cpu_per_floor"] = statistics.median(
                     row["cpu_us_per_request"] / under["cpu_us_per_request"]
-                    for row, under in zip(mine, floor, strict=True))
+                    for row, under in zip(mine, floor, strict=True)
+                )
             figures[f"{server}_c{concurrency}_switches"] = statistics.median(
-                row["switches_per_request"] for row in mine)
+                row["switches_per_request"] for row in mine
+            )
     return figures
 
 
@@ -179,8 +197,10 @@ def compare(figures: dict[str, float]) -> list[str]:
     if not RECORDED.exists():
         return [f"nothing recorded yet ({RECORDED.name}): run with --record"]
     recorded = json.loads(RECORDED.read_text())
-    lines = [f"recorded at {recorded.get('commit', '?')} with grpcio {recorded.get('grpcio', '?')}; "
-             f"installed grpcio {grpc.__version__}"]
+    lines = [
+        f"recorded at {recorded.get('commit', '?')} with grpcio {recorded.get('grpcio', '?')}; "
+        f"installed grpcio {grpc.__version__}"
+    ]
     for key, value in figures.items():
         before = recorded["figures"].get(key)
         if before is None:
@@ -203,9 +223,13 @@ def main() -> None:
     parser.add_argument("--window-ms", type=int, default=1000)
     parser.add_argument("--label", default="")
     parser.add_argument("--record", action="store_true", help=f"write this run's figures to {RECORDED.name}")
-    parser.add_argument("--other-grpcio", type=Path, default=None,
-                        help="a folder holding another grpcio (pip install --target DIR grpcio==X): a second floor "
-                             "imports it, measured alternately with the installed one")
+    parser.add_argument(
+        "--other-grpcio",
+        type=Path,
+        default=None,
+        help="a folder holding another grpcio (pip install --target DIR grpcio==X): a second floor "
+        "imports it, measured alternately with the installed one",
+    )
     args = parser.parse_args()
     install_perf_analyzer()
     rows: list[dict[str, Any]] = []
@@ -216,11 +240,14 @@ def main() -> None:
             repo.mkdir()
             write_repository(repo, extra)
         in_process = InProcess(thread_repo)
-        servers = {"floor": stack.enter_context(floor_server(root)),
-                   **({"floor_other": stack.enter_context(floor_server(root, args.other_grpcio))}
-                      if args.other_grpcio else {}),
-                   "thread": stack.enter_context(shoal_server(thread_repo)),
-                   "process": stack.enter_context(shoal_server(process_repo))}
+        servers = {
+            "floor": stack.enter_context(floor_server(root)),
+            **(
+                {"floor_other": stack.enter_context(floor_server(root, args.other_grpcio))} if args.other_grpcio else {}
+            ),
+            "thread": stack.enter_context(shoal_server(thread_repo)),
+            "process": stack.enter_context(shoal_server(process_repo)),
+        }
         for round_number in range(args.rounds):
             order = list(servers) if round_number % 2 == 0 else list(reversed(servers))
             for concurrency in CONCURRENCIES:
@@ -228,23 +255,38 @@ def main() -> None:
                     url, pid = servers[name]
                     model_us = in_process.cpu_us()  # right before: the two figures see the same machine
                     figures = measure(url, pid, concurrency, args.window_ms)
-                    rows.append({"round": round_number, "server": name, "concurrency": concurrency, **figures,
-                                 "model_us": model_us, "grpcio": grpc.__version__})
-                    print(f"round {round_number} {name} c={concurrency}: {figures['throughput']:.0f}/s, p50 "
-                          f"{figures['p50_us']:.0f} µs, {figures['cpu_us_per_request']:.0f} µs CPU and "
-                          f"{figures['switches_per_request']:.1f} context switches per request (in-process call "
-                          f"{model_us:.1f} µs)", flush=True)
+                    rows.append(
+                        {
+                            "round": round_number,
+                            "server": name,
+                            "concurrency": concurrency,
+                            **figures,
+                            "model_us": model_us,
+                            "grpcio": grpc.__version__,
+                        }
+                    )
+                    print(
+                        f"round {round_number} {name} c={concurrency}: {figures['throughput']:.0f}/s, p50 "
+                        f"{figures['p50_us']:.0f} µs, {figures['cpu_us_per_request']:.0f} µs CPU and "
+                        f"{figures['switches_per_request']:.1f} context switches per request (in-process call "
+                        f"{model_us:.1f} µs)",
+                        flush=True,
+                    )
     model_us = statistics.median(row["model_us"] for row in rows)
     print(f"\ngrpcio {grpc.__version__}, {args.rounds} round(s), medians; in-process call {model_us:.1f} µs CPU\n")
-    print("| server | c | throughput (infer/s) | p50 (µs) | CPU per request (µs) | ÷ in-process call | "
-          "context switches per request |\n|---|---|---|---|---|---|---|")
+    print(
+        "| server | c | throughput (infer/s) | p50 (µs) | CPU per request (µs) | ÷ in-process call | "
+        "context switches per request |\n|---|---|---|---|---|---|---|"
+    )
     for name in servers:
         for concurrency in CONCURRENCIES:
             mine = [row for row in rows if row["server"] == name and row["concurrency"] == concurrency]
             cpu = statistics.median(row["cpu_us_per_request"] for row in mine)
-            print(f"| {name} | {concurrency} | {statistics.median(row['throughput'] for row in mine):,.0f} | "
-                  f"{statistics.median(row['p50_us'] for row in mine):,.0f} | {cpu:,.0f} | {cpu / model_us:.1f} | "
-                  f"{statistics.median(row['switches_per_request'] for row in mine):.1f} |")
+            print(
+                f"| {name} | {concurrency} | {statistics.median(row['throughput'] for row in mine):,.0f} | "
+                f"{statistics.median(row['p50_us'] for row in mine):,.0f} | {cpu:,.0f} | {cpu / model_us:.1f} | "
+                f"{statistics.median(row['switches_per_request'] for row in mine):.1f} |"
+            )
     figures = figures_of(rows)
     print()
     for line in compare(figures):
@@ -255,9 +297,20 @@ def main() -> None:
     save_results(rows, f"python_path{'_' + args.label if args.label else ''}.csv")
     if args.record:
         kept = {key: value for key, value in figures.items() if not key.startswith("floor_other")}
-        RECORDED.write_text(json.dumps({"commit": commit(), "grpcio": grpc.__version__, "rounds": args.rounds,
-                                        "window_ms": args.window_ms, "model_us": model_us, "figures": kept},
-                                       indent=2) + "\n")
+        RECORDED.write_text(
+            json.dumps(
+                {
+                    "commit": commit(),
+                    "grpcio": grpc.__version__,
+                    "rounds": args.rounds,
+                    "window_ms": args.window_ms,
+                    "model_us": model_us,
+                    "figures": kept,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         print(f"wrote {RECORDED}")
     if os.environ.get("PYTHON_PATH_STRICT") == "1" and any("REGRESSED" in line for line in compare(figures)):
         sys.exit(1)

@@ -42,14 +42,18 @@ def main() -> None:
                     'backend: "pytorch"\nmax_batch_size: 0\n'
                     'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1, 4 ] } ]\n'
                     'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 1, 8 ] } ]\n'
-                    f'instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n'
+                    f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n"
                     'parameters { key: "pickled_module" value: { string_value: "true" } }\n'
                     f'parameters {{ key: "process_instances" value: {{ string_value: "{processes}" }} }}\n'
                 )
                 with shoal_server(repo, timeout_s=300) as (url, _):
                     label = f"{'process' if processes == 'true' else 'thread'} instances, count {count}"
-                    rows.append({"config": label, "throughput": shoal_load(url, "heavy", args.concurrency,
-                                                                           stability_percent=15)})
+                    rows.append(
+                        {
+                            "config": label,
+                            "throughput": shoal_load(url, "heavy", args.concurrency, stability_percent=15),
+                        }
+                    )
     base = rows[0]["throughput"]
     print(f"Python-heavy model ({args.rounds} rounds), shoal-load concurrency {args.concurrency}")
     for row in rows:

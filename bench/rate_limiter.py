@@ -39,18 +39,38 @@ STABILITY = 50.0  # percent: three windows within it end a measurement (a shared
 
 
 def group(priority: int) -> str:
-    return (f'instance_group [ {{ count: 1 kind: KIND_CPU rate_limiter {{ resources [ {{ name: "DEVICE" count: 1 }} ] '
-            f"priority: {priority} }} }} ]\n{ORT_THREADS_PARAMETER}")
+    return (
+        f'instance_group [ {{ count: 1 kind: KIND_CPU rate_limiter {{ resources [ {{ name: "DEVICE" count: 1 }} ] '
+        f"priority: {priority} }} }} ]\n{ORT_THREADS_PARAMETER}"
+    )
 
 
 def bulk_load(url: str, model: str, concurrency: int, seconds: float) -> subprocess.Popen[bytes]:
     """perf_analyzer loading ``model`` for about ``seconds`` (three windows, whatever their spread)."""
     window_ms = int(seconds * 1000 / 3)
     return subprocess.Popen(
-        [str(PERF_ANALYZER), "-m", model, "-u", url, "-i", "grpc", "--input-data", "zero",
-         "--concurrency-range", f"{concurrency}:{concurrency}", "-p", str(window_ms), "--max-trials", "3",
-         "--stability-percentage", "999"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            str(PERF_ANALYZER),
+            "-m",
+            model,
+            "-u",
+            url,
+            "-i",
+            "grpc",
+            "--input-data",
+            "zero",
+            "--concurrency-range",
+            f"{concurrency}:{concurrency}",
+            "-p",
+            str(window_ms),
+            "--max-trials",
+            "3",
+            "--stability-percentage",
+            "999",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def measure(url: str, window_ms: int, bulk_concurrency: int) -> dict[str, Any]:
@@ -88,17 +108,29 @@ def main() -> None:
         with shoal_server(repo) as (url, _):
             alone = perf_analyzer(url, "urgent", 1, args.window_ms, stability_percent=STABILITY)
             rows.append({"case": "urgent alone", **{f"urgent_{k}": v for k, v in alone.items()}, "bulk_throughput": 0})
-            rows.append({"case": "beside the bulk load, --rate-limit off",
-                         **measure(url, args.window_ms, args.bulk_concurrency)})
+            rows.append(
+                {
+                    "case": "beside the bulk load, --rate-limit off",
+                    **measure(url, args.window_ms, args.bulk_concurrency),
+                }
+            )
         with shoal_server(repo, "--rate-limit", "execution_count", "--rate-limit-resource", "DEVICE:1:0") as (url, _):
-            rows.append({"case": "beside the bulk load, --rate-limit execution_count",
-                         **measure(url, args.window_ms, args.bulk_concurrency)})
-    print(f"MLP {LAYERS} x {WIDTH}x{WIDTH} FP32 x 3 models, 2 ORT threads each; urgent at concurrency 1, "
-          f"bulk_a and bulk_b at {args.bulk_concurrency} each")
+            rows.append(
+                {
+                    "case": "beside the bulk load, --rate-limit execution_count",
+                    **measure(url, args.window_ms, args.bulk_concurrency),
+                }
+            )
+    print(
+        f"MLP {LAYERS} x {WIDTH}x{WIDTH} FP32 x 3 models, 2 ORT threads each; urgent at concurrency 1, "
+        f"bulk_a and bulk_b at {args.bulk_concurrency} each"
+    )
     print(f"{'case':<52} {'urgent/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'bulk/s':>7}")
     for row in rows:
-        print(f"{row['case']:<52} {row['urgent_throughput']:>9.1f} {row['urgent_p50_us'] / 1000:>7.2f} "
-              f"{row['urgent_p99_us'] / 1000:>7.2f} {row['bulk_throughput']:>7.1f}")
+        print(
+            f"{row['case']:<52} {row['urgent_throughput']:>9.1f} {row['urgent_p50_us'] / 1000:>7.2f} "
+            f"{row['urgent_p99_us'] / 1000:>7.2f} {row['bulk_throughput']:>7.1f}"
+        )
     save_results(rows, "rate_limiter.csv")
 
 

@@ -60,24 +60,41 @@ def measure(url: str, pid: int, model: str, concurrency: int, window_ms: int) ->
     except subprocess.CalledProcessError:  # its windows never agreed within 20% (a shared machine): 3 windows
         figures = perf_analyzer(url, model, concurrency, window_ms, max_trials=3, stability_percent=ANY_SPREAD)
     cpu, requests = cpu_seconds(pid) - cpu_before, requests_served(url, model) - requests_before
-    return {"throughput": figures["throughput"], "p50_us": figures["p50_us"],
-            "cpu_us_per_request": 1e6 * cpu / max(1, requests), "requests": requests}
+    return {
+        "throughput": figures["throughput"],
+        "p50_us": figures["p50_us"],
+        "cpu_us_per_request": 1e6 * cpu / max(1, requests),
+        "requests": requests,
+    }
 
 
 def compare(rows: list[dict[str, Any]]) -> str:
     """Medians over rounds, before against after, per model and concurrency."""
-    def median(variant: str, model: str, concurrency: int, field: str) -> float:
-        return float(statistics.median(row[field] for row in rows if (row["server"], row["model"], row["concurrency"])
-                                       == (variant, model, concurrency)))
 
-    lines = ["| model, concurrency | infer/s before | after | after / before | p50 µs before | after "
-             "| CPU µs/request before | after | after / before |", "|---|---|---|---|---|---|---|---|---|"]
+    def median(variant: str, model: str, concurrency: int, field: str) -> float:
+        return float(
+            statistics.median(
+                row[field]
+                for row in rows
+                if (row["server"], row["model"], row["concurrency"]) == (variant, model, concurrency)
+            )
+        )
+
+    lines = [
+        "| model, concurrency | infer/s before | after | after / before | p50 µs before | after "
+        "| CPU µs/request before | after | after / before |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for model, concurrency in dict.fromkeys((row["model"], row["concurrency"]) for row in rows):
-        cells = {field: (median("before", model, concurrency, field), median("after", model, concurrency, field))
-                 for field in ("throughput", "p50_us", "cpu_us_per_request")}
+        cells = {
+            field: (median("before", model, concurrency, field), median("after", model, concurrency, field))
+            for field in ("throughput", "p50_us", "cpu_us_per_request")
+        }
         (tb, ta), (pb, pa), (cb, ca) = cells.values()
-        lines.append(f"| {model}, {concurrency} | {tb:,.0f} | {ta:,.0f} | {ta / tb:.2f}× | {pb:,.0f} | {pa:,.0f} "
-                     f"| {cb:,.0f} | {ca:,.0f} | {ca / cb:.2f}× |")
+        lines.append(
+            f"| {model}, {concurrency} | {tb:,.0f} | {ta:,.0f} | {ta / tb:.2f}× | {pb:,.0f} | {pa:,.0f} "
+            f"| {cb:,.0f} | {ca:,.0f} | {ca / cb:.2f}× |"
+        )
     return "\n".join(lines)
 
 
@@ -103,12 +120,20 @@ def main() -> None:
                 with shoal_server(Path(folder), python_path=servers[variant]) as (url, pid):
                     for model in args.models:
                         for concurrency in args.concurrency:
-                            row = {"round": round_number, "server": variant, "model": model,
-                                   "concurrency": concurrency, **measure(url, pid, model, concurrency, args.window_ms)}
+                            row = {
+                                "round": round_number,
+                                "server": variant,
+                                "model": model,
+                                "concurrency": concurrency,
+                                **measure(url, pid, model, concurrency, args.window_ms),
+                            }
                             rows.append(row)
-                            print(f"round {row['round']} {variant:>6} {model:>11} c={concurrency:<3} "
-                                  f"{row['throughput']:>7.0f} infer/s  p50 {row['p50_us']:>6.0f} µs  "
-                                  f"CPU {row['cpu_us_per_request']:>5.0f} µs/request", flush=True)
+                            print(
+                                f"round {row['round']} {variant:>6} {model:>11} c={concurrency:<3} "
+                                f"{row['throughput']:>7.0f} infer/s  p50 {row['p50_us']:>6.0f} µs  "
+                                f"CPU {row['cpu_us_per_request']:>5.0f} µs/request",
+                                flush=True,
+                            )
     if args.against:
         print(f"\nbench/request_path.py --against {args.against} --rounds {args.rounds}: medians\n")
         print(compare(rows))

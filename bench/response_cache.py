@@ -34,8 +34,10 @@ CACHE_BYTES = 16 << 20
 ONE_INSTANCE = "instance_group [ { count: 1 kind: KIND_CPU } ]"
 GROUP = f"{ONE_INSTANCE}\n{ORT_THREADS_PARAMETER}"
 CACHE = "response_cache { enable: true }"
-MLP_IO = (f'max_batch_size: 32\ninput [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]\n'
-          f'output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]')
+MLP_IO = (
+    f'max_batch_size: 32\ninput [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]\n'
+    f'output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]'
+)
 
 
 def mean_us(url: str, model: str, field: str) -> float:
@@ -72,31 +74,46 @@ def main() -> None:
         with shoal_server(repo, "--cache-config", cache_flag) as (url, _):
             rows += measure("shoal", url, args.window_ms)
         for name, extra in (("cached", CACHE), ("plain", "")):
-            write_onnx_model(triton_repo, name, repo / name / "1" / "model.onnx", MLP_IO, f"{ONE_INSTANCE}\n{extra}",
-                             ORT_THREADS)
-        with triton_server(triton_repo, log_path=Path(folder) / "triton.log",
-                           extra_args=("--cache-config", cache_flag)) as triton:
+            write_onnx_model(
+                triton_repo, name, repo / name / "1" / "model.onnx", MLP_IO, f"{ONE_INSTANCE}\n{extra}", ORT_THREADS
+            )
+        with triton_server(
+            triton_repo, log_path=Path(folder) / "triton.log", extra_args=("--cache-config", cache_flag)
+        ) as triton:
             rows += measure("triton", triton.url, args.window_ms)
-    print(f"MLP {LAYERS} x {WIDTH}x{WIDTH} FP32, 2 ORT threads; gRPC, zero input (every 'cached' request after "
-          "the first is a hit)")
+    print(
+        f"MLP {LAYERS} x {WIDTH}x{WIDTH} FP32, 2 ORT threads; gRPC, zero input (every 'cached' request after "
+        "the first is a hit)"
+    )
     print(f"{'server':<7} {'model':<7} {'c':>3} {'infer/s':>9} {'p50 ms':>7} {'p99 ms':>7}")
     for row in rows:
-        print(f"{row['server']:<7} {row['model']:<7} {row['concurrency']:>3} {row['throughput']:>9.1f} "
-              f"{row['p50_us'] / 1000:>7.2f} {row['p99_us'] / 1000:>7.2f}")
+        print(
+            f"{row['server']:<7} {row['model']:<7} {row['concurrency']:>3} {row['throughput']:>9.1f} "
+            f"{row['p50_us'] / 1000:>7.2f} {row['p99_us'] / 1000:>7.2f}"
+        )
     for server in ("shoal", "triton"):
         for concurrency in (1, 8):
-            plain, cached = (next(r for r in rows if (r["server"], r["model"], r["concurrency"]) ==
-                                  (server, m, concurrency)) for m in ("plain", "cached"))
-            print(f"{server} c={concurrency}: hits give {cached['throughput'] / plain['throughput']:.1f}x the "
-                  f"throughput of executions, at {cached['p50_us'] / plain['p50_us']:.2f}x the p50")
+            plain, cached = (
+                next(r for r in rows if (r["server"], r["model"], r["concurrency"]) == (server, m, concurrency))
+                for m in ("plain", "cached")
+            )
+            print(
+                f"{server} c={concurrency}: hits give {cached['throughput'] / plain['throughput']:.1f}x the "
+                f"throughput of executions, at {cached['p50_us'] / plain['p50_us']:.2f}x the p50"
+            )
         first = next(r for r in rows if r["server"] == server)
-        print(f"{server} server side: a hit's lookup {first['hit_lookup_us']:.1f} us, a miss's lookup + insertion "
-              f"{first['miss_lookup_insert_us']:.1f} us")
+        print(
+            f"{server} server side: a hit's lookup {first['hit_lookup_us']:.1f} us, a miss's lookup + insertion "
+            f"{first['miss_lookup_insert_us']:.1f} us"
+        )
     for concurrency in (1, 8):
-        ours, theirs = (next(r for r in rows if (r["server"], r["model"], r["concurrency"]) ==
-                             (server, "cached", concurrency)) for server in ("shoal", "triton"))
+        ours, theirs = (
+            next(r for r in rows if (r["server"], r["model"], r["concurrency"]) == (server, "cached", concurrency))
+            for server in ("shoal", "triton")
+        )
         print(f"hits at c={concurrency}: Shoal / Triton {ours['throughput'] / theirs['throughput']:.2f}x")
     save_results(rows, "response_cache.csv")
+
 
 if __name__ == "__main__":
     main()

@@ -47,8 +47,9 @@ async def one_sequence(client: aioclient.InferenceServerClient, model: str, cid:
         data = aioclient.InferInput("INPUT", [1, 1], "FP32")
         data.set_data_from_numpy(np.array([[value]], dtype=np.float32))
         began = time.perf_counter()
-        result = await client.infer(model, [data], sequence_id=cid, sequence_start=step == 0,
-                                    sequence_end=step == steps - 1)
+        result = await client.infer(
+            model, [data], sequence_id=cid, sequence_start=step == 0, sequence_end=step == steps - 1
+        )
         latencies.append(time.perf_counter() - began)
         total += value
         got = float(result.as_numpy("OUTPUT").item())
@@ -61,8 +62,9 @@ async def measure(url: str, model: str, sequences: int, steps: int) -> dict[str,
     clients = [aioclient.InferenceServerClient(url) for _ in range(CHANNELS)]
     try:
         began = time.perf_counter()
-        runs = await asyncio.gather(*(one_sequence(clients[cid % CHANNELS], model, cid, steps)
-                                      for cid in range(1, sequences + 1)))
+        runs = await asyncio.gather(
+            *(one_sequence(clients[cid % CHANNELS], model, cid, steps) for cid in range(1, sequences + 1))
+        )
         elapsed = time.perf_counter() - began
         stats = (await clients[0].get_inference_statistics(model, as_json=True))["model_stats"][0]
     finally:
@@ -71,7 +73,10 @@ async def measure(url: str, model: str, sequences: int, steps: int) -> dict[str,
     latencies = sorted(latency for run in runs for latency in run)
     executions = int(stats["execution_count"])
     return {
-        "strategy": model, "sequences": sequences, "steps": steps, "requests": len(latencies),
+        "strategy": model,
+        "sequences": sequences,
+        "steps": steps,
+        "requests": len(latencies),
         "throughput_per_s": round(len(latencies) / elapsed, 1),
         "p50_ms": round(statistics.median(latencies) * 1000, 2),
         "p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))] * 1000, 2),
@@ -96,9 +101,11 @@ def main() -> None:
             for name in MODELS:
                 row = asyncio.run(measure(server.url, name, args.sequences, args.steps))
                 rows.append(row)
-                print(f"{name:7s} {row['requests']} requests: {row['throughput_per_s']:8.1f}/s  "
-                      f"p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:6.2f} ms  "
-                      f"{row['rows_per_execution']:5.2f} requests per execution")
+                print(
+                    f"{name:7s} {row['requests']} requests: {row['throughput_per_s']:8.1f}/s  "
+                    f"p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:6.2f} ms  "
+                    f"{row['rows_per_execution']:5.2f} requests per execution"
+                )
     save_results(rows, f"sequence_batching{'_' + args.label if args.label else ''}.csv")
 
 

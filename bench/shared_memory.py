@@ -34,8 +34,11 @@ from shoal.tools import local_server  # noqa: E402
 ELEMENTS = 1 << 20
 BYTE_SIZE = ELEMENTS * 4
 # channel_args replace tritonclient's own, which lift grpc's 4 MiB message limit: lift it again.
-CHANNEL_ARGS = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 2**31 - 1),
-                ("grpc.max_receive_message_length", 2**31 - 1)]
+CHANNEL_ARGS = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+]
 CONFIG = """
 backend: "identity"
 max_batch_size: 0
@@ -93,8 +96,9 @@ def shm_caller(url: str) -> tuple[Callable[[], None], Callable[[], None]]:
     return call, close
 
 
-def measure(make: Callable[[str], tuple[Callable[[], None], Callable[[], None]]], url: str, concurrency: int,
-            seconds: float) -> dict[str, float]:
+def measure(
+    make: Callable[[str], tuple[Callable[[], None], Callable[[], None]]], url: str, concurrency: int, seconds: float
+) -> dict[str, float]:
     """Back-to-back calls from ``concurrency`` threads for ``seconds``: throughput and p50."""
     return closed_loop([make(url) for _ in range(concurrency)], seconds)
 
@@ -112,13 +116,17 @@ def main() -> None:
         for workers in args.workers:
             with local_server.running(repo, "--grpc-workers", str(workers)) as server:
                 for concurrency in args.concurrency:
-                    figures = {path: measure(make, server.url, concurrency, args.seconds)
-                               for path, make in (("grpc", grpc_caller), ("shared_memory", shm_caller))}
+                    figures = {
+                        path: measure(make, server.url, concurrency, args.seconds)
+                        for path, make in (("grpc", grpc_caller), ("shared_memory", shm_caller))
+                    }
                     ratio = figures["shared_memory"]["infer_per_s"] / figures["grpc"]["infer_per_s"]
                     for path, figure in figures.items():
                         rows.append({"workers": workers, "concurrency": concurrency, "path": path, **figure})
-                        print(f"workers {workers} c={concurrency} {path:13s} {figure['infer_per_s']:8.1f}/s "
-                              f"p50 {figure['p50_us']:9.0f} µs")
+                        print(
+                            f"workers {workers} c={concurrency} {path:13s} {figure['infer_per_s']:8.1f}/s "
+                            f"p50 {figure['p50_us']:9.0f} µs"
+                        )
                     print(f"workers {workers} c={concurrency} shared memory / gRPC throughput: {ratio:.2f}x")
     save_results(rows, f"shared_memory{'_' + args.label if args.label else ''}.csv")
 

@@ -63,7 +63,9 @@ MAX_TRIALS = 6  # windows per perf_analyzer run at most (it stops earlier once 3
 ONE_INSTANCE = "instance_group [ { count: 1, kind: KIND_CPU } ]"  # model_repository/simple has this line already
 TINY_IO = "max_batch_size: 32\n" + "\n".join(
     f'{kind} [ {{ name: "{kind.upper()}0" data_type: TYPE_INT32 dims: [ 16 ] }}, '
-    f'{{ name: "{kind.upper()}1" data_type: TYPE_INT32 dims: [ 16 ] }} ]' for kind in ("input", "output"))
+    f'{{ name: "{kind.upper()}1" data_type: TYPE_INT32 dims: [ 16 ] }} ]'
+    for kind in ("input", "output")
+)
 MLP_IO = f"""max_batch_size: 32
 input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]
 output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]"""
@@ -109,8 +111,9 @@ def write_models(folder: Path) -> Repositories:
     shoal_repo.mkdir()
     triton_repo.mkdir()
     write_tiny(shoal_repo)
-    write_mlp(shoal_repo, "mlp", WIDTH, LAYERS, f"{ONE_INSTANCE}\n{BATCHING}\n{ORT_THREADS_PARAMETER}",
-              max_batch_size=32)
+    write_mlp(
+        shoal_repo, "mlp", WIDTH, LAYERS, f"{ONE_INSTANCE}\n{BATCHING}\n{ORT_THREADS_PARAMETER}", max_batch_size=32
+    )
     files = {"tiny": shoal_repo / "tiny" / "1" / "model.onnx", "mlp": shoal_repo / "mlp" / "1" / "model.onnx"}
     for name, io_config in (("tiny", TINY_IO), ("mlp", MLP_IO)):
         write_onnx_model(triton_repo, name, files[name], io_config, f"{ONE_INSTANCE}\n{BATCHING}", ORT_THREADS)
@@ -145,14 +148,19 @@ def measure_request_load(url: str, pid: int, workload: Workload, args: argparse.
         figures = load_figures(url, workload, args)
     host_s, children_s = cpu_split(cpu_before, tree_cpu_seconds(pid), pid)
     requests = max(1, requests_served(url, workload.model) - requests_before)
-    return {**figures, "requests": requests, "connections": connections["max"],
-            "cpu_us_per_request": 1e6 * (host_s + children_s) / requests,
-            "host_cpu_us_per_request": 1e6 * host_s / requests,
-            "children_cpu_us_per_request": 1e6 * children_s / requests}
+    return {
+        **figures,
+        "requests": requests,
+        "connections": connections["max"],
+        "cpu_us_per_request": 1e6 * (host_s + children_s) / requests,
+        "host_cpu_us_per_request": 1e6 * host_s / requests,
+        "children_cpu_us_per_request": 1e6 * children_s / requests,
+    }
 
 
-def measure_server(column: Column, url: str, pid: int, round_number: int,
-                   args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure_server(
+    column: Column, url: str, pid: int, round_number: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     rows = []
     for workload in WORKLOADS:
         row: dict[str, Any] = {"round": round_number, "column": column.key, "workload": workload.key}
@@ -175,8 +183,9 @@ def ort_feed(workload: Workload) -> dict[str, np.ndarray]:
 def measure_in_process(files: dict[str, Path], round_number: int, window_ms: int) -> list[dict[str, Any]]:
     rows = []
     for workload in WORKLOADS:
-        figures = in_process(files[workload.model], ort_feed(workload), workload.concurrency, window_ms / 1000,
-                             ORT_THREADS)
+        figures = in_process(
+            files[workload.model], ort_feed(workload), workload.concurrency, window_ms / 1000, ORT_THREADS
+        )
         row = {"round": round_number, "column": "ort", "workload": workload.key, **figures}
         rows.append(row)
         print(progress_line(row), flush=True)
@@ -190,8 +199,10 @@ def progress_line(row: dict[str, Any]) -> str:
     text = f"{head} {row['throughput']:>8,.0f}/s  p50 {row['p50_us']:>7,.0f} µs  CPU {row['cpu_us_per_request']:>6,.0f}"
     if "host_cpu_us_per_request" not in row:
         return f"{text} µs/call"
-    return (f"{text} (host {row['host_cpu_us_per_request']:,.0f} + children "
-            f"{row['children_cpu_us_per_request']:,.0f}) µs/request  conns {row['connections']}")
+    return (
+        f"{text} (host {row['host_cpu_us_per_request']:,.0f} + children "
+        f"{row['children_cpu_us_per_request']:,.0f}) µs/request  conns {row['connections']}"
+    )
 
 
 def failed_rows(column: Column, round_number: int, error: str) -> list[dict[str, Any]]:
@@ -199,8 +210,9 @@ def failed_rows(column: Column, round_number: int, error: str) -> list[dict[str,
     return [{"round": round_number, "column": column.key, "workload": w.key, "error": error} for w in WORKLOADS]
 
 
-def run_triton(column: Column, repo: Path, log_path: Path, round_number: int,
-               args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_triton(
+    column: Column, repo: Path, log_path: Path, round_number: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     try:
         with triton_server(repo, log_path=log_path) as server:
             return measure_server(column, server.url, server.pid, round_number, args)
@@ -226,9 +238,14 @@ def median_figures(rows: list[dict[str, Any]]) -> Figures:
     for row in rows:
         if "error" not in row:
             grouped.setdefault((row["column"], row["workload"]), []).append(row)
-    return {key: {name: statistics.median(r[name] for r in group) for name, value in group[0].items()
-                  if isinstance(value, int | float) and name != "round"}
-            for key, group in grouped.items()}
+    return {
+        key: {
+            name: statistics.median(r[name] for r in group)
+            for name, value in group[0].items()
+            if isinstance(value, int | float) and name != "round"
+        }
+        for key, group in grouped.items()
+    }
 
 
 def load_cell(figures: Figures, column: Column, workload: Workload) -> str:
@@ -268,8 +285,9 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[Column]) -> str:
     lines = ["| workload | " + " | ".join(c.title for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for workload in WORKLOADS:
         lines.append(f"| {workload.label} | " + " | ".join(load_cell(figures, c, workload) for c in columns) + " |")
-    lines.append("| CPU/request, c=16: tiny / mlp / mlp -b 8 | " + " | ".join(cpu_cell(figures, c) for c in columns)
-                 + " |")
+    lines.append(
+        "| CPU/request, c=16: tiny / mlp / mlp -b 8 | " + " | ".join(cpu_cell(figures, c) for c in columns) + " |"
+    )
     return "\n".join(lines)
 
 
@@ -281,9 +299,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="every server measured this many times, in turn")
     parser.add_argument("--label", default="", help="suffix of the result files, e.g. before / after")
     parser.add_argument("--skip-triton", action="store_true", help="leave Triton out (it installs on first use)")
-    parser.add_argument("--channel-share", type=int, metavar="N",
-                        help="perf_analyzer contexts per TCP connection (TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT; "
-                             "the client's default, 6, gives 3 connections at c=16; 1: one connection per context)")
+    parser.add_argument(
+        "--channel-share",
+        type=int,
+        metavar="N",
+        help="perf_analyzer contexts per TCP connection (TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT; "
+        "the client's default, 6, gives 3 connections at c=16; 1: one connection per context)",
+    )
     args = parser.parse_args()
     if args.clients < 1 or args.rounds < 1 or args.window_ms < 100 or min(args.workers) < 0:
         parser.error("--clients and --rounds must be >= 1, --window-ms >= 100, --workers >= 0")
@@ -319,9 +341,11 @@ def main() -> None:
             rows += run_round(round_number, columns, repos, args)
     unstable = sum(1 for row in rows if row.get("stable") == 0)
     failed = sorted({f"{row['column']} {row['workload']}" for row in rows if "error" in row})
-    notes = [f"{args.rounds} round(s), median shown; window {args.window_ms} ms; {args.clients} perf_analyzer "
-             f"process(es) per load; contexts per connection: {args.channel_share or 'client default (6)'}; "
-             f"{unstable} run(s) never within 20% (their last 3 windows kept)."]
+    notes = [
+        f"{args.rounds} round(s), median shown; window {args.window_ms} ms; {args.clients} perf_analyzer "
+        f"process(es) per load; contexts per connection: {args.channel_share or 'client default (6)'}; "
+        f"{unstable} run(s) never within 20% (their last 3 windows kept)."
+    ]
     if failed:
         notes.append(f"Failed in some round (see the CSV's error column): {', '.join(failed)}.")
     table = markdown_table(rows, columns) + "\n\n" + "\n".join(notes)

@@ -44,8 +44,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     c = [r["concurrency"] for r in rows]
-    for key, label, style in (("plain", "count 1", "o-"), ("batched", "count 1 + dynamic batching", "s-"),
-                              ("ort", "ONNX Runtime in-process", "^--")):
+    for key, label, style in (
+        ("plain", "count 1", "o-"),
+        ("batched", "count 1 + dynamic batching", "s-"),
+        ("ort", "ONNX Runtime in-process", "^--"),
+    ):
         left.plot(c, [r[f"{key}_throughput"] for r in rows], style, label=label)
         right.plot(c, [r[f"{key}_p99_us"] / 1000 for r in rows], style, label=f"{label} p99")
     left.set(xscale="log", xlabel="concurrency", ylabel="inferences / s", title="MLP 4×1024², batch 1")
@@ -89,28 +92,41 @@ def main() -> None:
         for row in rows:
             result = in_process(model_file, one, row["concurrency"], args.window_ms / 1000, threads=cores)
             row.update({f"ort_{k}": v for k, v in result.items()})
-        ort8 = in_process(model_file, {"INPUT0": np.zeros((8, WIDTH), np.float32)}, 2, args.window_ms / 1000,
-                          threads=max(1, cores // 2))
+        ort8 = in_process(
+            model_file,
+            {"INPUT0": np.zeros((8, WIDTH), np.float32)},
+            2,
+            args.window_ms / 1000,
+            threads=max(1, cores // 2),
+        )
 
     print(f"MLP {LAYERS} x {WIDTH}x{WIDTH} FP32, batch 1; ratio = Shoal / in-process ONNX Runtime")
-    print(f"{'conc':>4} | {'plain/s':>8} {'p50ms':>6} {'p99ms':>6} {'ratio':>5} | {'batched/s':>9} {'p50ms':>6} "
-          f"{'p99ms':>6} {'ratio':>5} | {'ORT/s':>7}")
+    print(
+        f"{'conc':>4} | {'plain/s':>8} {'p50ms':>6} {'p99ms':>6} {'ratio':>5} | {'batched/s':>9} {'p50ms':>6} "
+        f"{'p99ms':>6} {'ratio':>5} | {'ORT/s':>7}"
+    )
     for r in rows:
-        print(f"{r['concurrency']:>4} | {r['plain_throughput']:>8.0f} {r['plain_p50_us'] / 1000:>6.2f} "
-              f"{r['plain_p99_us'] / 1000:>6.2f} {r['plain_throughput'] / r['ort_throughput']:>5.2f} | "
-              f"{r['batched_throughput']:>9.0f} {r['batched_p50_us'] / 1000:>6.2f} "
-              f"{r['batched_p99_us'] / 1000:>6.2f} {r['batched_throughput'] / r['ort_throughput']:>5.2f} | "
-              f"{r['ort_throughput']:>7.0f}")
+        print(
+            f"{r['concurrency']:>4} | {r['plain_throughput']:>8.0f} {r['plain_p50_us'] / 1000:>6.2f} "
+            f"{r['plain_p99_us'] / 1000:>6.2f} {r['plain_throughput'] / r['ort_throughput']:>5.2f} | "
+            f"{r['batched_throughput']:>9.0f} {r['batched_p50_us'] / 1000:>6.2f} "
+            f"{r['batched_p99_us'] / 1000:>6.2f} {r['batched_throughput'] / r['ort_throughput']:>5.2f} | "
+            f"{r['ort_throughput']:>7.0f}"
+        )
     print(f"\n-b 8 at concurrency 16 (samples/s): in-process batch 8 = {ort8['throughput']:.0f}")
     for name, result in batch8.items():
-        print(f"  {name:<8} {result['throughput']:>7.0f}  ratio {result['throughput'] / ort8['throughput']:.2f}  "
-              f"p99 {result['p99_us'] / 1000:.1f} ms")
+        print(
+            f"  {name:<8} {result['throughput']:>7.0f}  ratio {result['throughput'] / ort8['throughput']:.2f}  "
+            f"p99 {result['p99_us'] / 1000:.1f} ms"
+        )
     print("\n10 concurrent clients, batch 1:")
     print(f"  {'configuration':<28} {'infer/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'queue µs':>9} {'infer µs':>9}")
     labels = {"plain": "1 instance", "two": "2 instances", "batched": "1 instance + dynamic batching"}
     for name, result in ten.items():
-        print(f"  {labels[name]:<28} {result['throughput']:>8.0f} {result['p50_us'] / 1000:>7.2f} "
-              f"{result['p99_us'] / 1000:>7.2f} {result['server_queue_us']:>9.0f} {result['server_infer_us']:>9.0f}")
+        print(
+            f"  {labels[name]:<28} {result['throughput']:>8.0f} {result['p50_us'] / 1000:>7.2f} "
+            f"{result['p99_us'] / 1000:>7.2f} {result['server_queue_us']:>9.0f} {result['server_infer_us']:>9.0f}"
+        )
     save_results(rows, "throughput.csv")
     if plot(rows, RESULTS / "throughput.png"):
         print(f"wrote {RESULTS / 'throughput.png'}")

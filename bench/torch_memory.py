@@ -70,6 +70,7 @@ def total_mb(pids: list[int]) -> dict[str, float]:
 
 def measure_server(repo: Path, width: int) -> dict[str, float]:
     with shoal_server(repo, timeout_s=600) as (url, pid):
+
         def one(_: int) -> None:
             with InferenceClient(url, timeout_s=600) as client:
                 client.infer("big", {"INPUT__0": np.ones((1, width), np.float32)})
@@ -81,8 +82,12 @@ def measure_server(repo: Path, width: int) -> dict[str, float]:
 
 
 def measure_naive(model: Path, width: int, copies: int) -> dict[str, float]:
-    workers = [subprocess.Popen([sys.executable, "-c", NAIVE_WORKER, str(model), str(width)],
-                                stdout=subprocess.PIPE, text=True) for _ in range(copies)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", NAIVE_WORKER, str(model), str(width)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(copies)
+    ]
     try:
         for worker in workers:
             assert worker.stdout is not None and worker.stdout.readline().strip() == "ready"
@@ -111,7 +116,7 @@ def main() -> None:
                     f'backend: "pytorch"\nmax_batch_size: 8\n'
                     f'input [ {{ name: "INPUT__0" data_type: TYPE_FP32 dims: [ {args.width} ] }} ]\n'
                     f'output [ {{ name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ {args.width} ] }} ]\n'
-                    f'instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n'
+                    f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n"
                     f'parameters {{ key: "process_instances" value: {{ string_value: "{processes}" }} }}\n'
                 )
                 label = f"{'process' if processes == 'true' else 'thread'} instances, count {count}"
@@ -124,8 +129,10 @@ def main() -> None:
     for row in rows:
         kind = row["config"].split()[0].rstrip(":")
         row["pss_ratio"] = row["pss"] / base[kind]
-        print(f"{row['config']:<36} {row['processes']:>5.0f} {row['rss']:>8.0f} {row['pss']:>8.0f}  "
-              f"{row['pss_ratio']:.2f}")
+        print(
+            f"{row['config']:<36} {row['processes']:>5.0f} {row['rss']:>8.0f} {row['pss']:>8.0f}  "
+            f"{row['pss_ratio']:.2f}"
+        )
     save_results(rows, "torch_memory.csv")
 
 

@@ -38,6 +38,7 @@ BEFORE = "5b90e97"  # the last revision without tracing
 @contextmanager
 def collector() -> Iterator[int]:
     """An OTLP/HTTP endpoint that takes every export and keeps nothing; its port."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             self.rfile.read(int(self.headers["Content-Length"]))
@@ -63,9 +64,16 @@ def settings(folder: Path, otlp_port: int) -> dict[str, tuple[str, ...]]:
         "off": (),
         "1/1000 file": (*file, "--trace-config", "rate=1000"),
         "every file": (*file, "--trace-config", "rate=1"),
-        "every otel": ("--trace-config", "mode=opentelemetry", "--trace-config",
-                       f"opentelemetry,url=127.0.0.1:{otlp_port}/v1/traces", "--trace-config", "level=TIMESTAMPS",
-                       "--trace-config", "rate=1"),
+        "every otel": (
+            "--trace-config",
+            "mode=opentelemetry",
+            "--trace-config",
+            f"opentelemetry,url=127.0.0.1:{otlp_port}/v1/traces",
+            "--trace-config",
+            "level=TIMESTAMPS",
+            "--trace-config",
+            "rate=1",
+        ),
     }
 
 
@@ -77,12 +85,17 @@ def main() -> None:
     args = parser.parse_args()
     install_perf_analyzer()
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as folder, collector() as otlp_port, \
-            checked_out_server(args.before) as before_path:
+    with (
+        tempfile.TemporaryDirectory() as folder,
+        collector() as otlp_port,
+        checked_out_server(args.before) as before_path,
+    ):
         repo = Path(folder) / "repo"
         write_tiny(repo)
-        variants = {"before tracing": ((), before_path), **{name: (flags, None) for name, flags in
-                                                             settings(Path(folder), otlp_port).items()}}
+        variants = {
+            "before tracing": ((), before_path),
+            **{name: (flags, None) for name, flags in settings(Path(folder), otlp_port).items()},
+        }
         for round_number in range(args.rounds):
             for name, (flags, python_path) in variants.items():
                 with shoal_server(repo, *flags, python_path=python_path) as (url, pid):

@@ -76,8 +76,11 @@ MODELS = {  # name -> (model.py, max_batch_size, dynamic_batching body)
     "failing": (_FAIL, 8, ""),
     "raising": (_RAISE, 8, ""),
     "slow": (_RESPOND.format(delay_s=0.5), 1, "default_queue_policy { max_queue_size: 1 }"),
-    "timeout": (_RESPOND.format(delay_s=0.5), 1,
-                "default_queue_policy { default_timeout_microseconds: 100000 timeout_action: REJECT }"),
+    "timeout": (
+        _RESPOND.format(delay_s=0.5),
+        1,
+        "default_queue_policy { default_timeout_microseconds: 100000 timeout_action: REJECT }",
+    ),
 }
 
 
@@ -85,14 +88,16 @@ def write_repository(repo: Path) -> None:
     for name, (source, max_batch_size, batching) in MODELS.items():
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text(source)
-        (repo / name / "config.pbtxt").write_text(dedent(f"""\
+        (repo / name / "config.pbtxt").write_text(
+            dedent(f"""\
             name: "{name}"
             backend: "python"
             max_batch_size: {max_batch_size}
             input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 4 ] }} ]
             output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] }} ]
             dynamic_batching {{ {batching} }}
-            """))
+            """)
+        )
 
 
 def infer(url: str, model: str, rows: np.ndarray, name: str = "IN", timeout_s: float | None = None) -> str:
@@ -156,8 +161,9 @@ def main() -> None:
     target.write_text(text)
     print(f"capture written to {target}")
     environment = {**os.environ, "TRITON_METRICS_CAPTURE": str(target)}
-    sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/test_metrics.py"], cwd=REPO_ROOT,
-                             env=environment))
+    sys.exit(
+        subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/test_metrics.py"], cwd=REPO_ROOT, env=environment)
+    )
 
 
 if __name__ == "__main__":

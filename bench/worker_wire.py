@@ -27,12 +27,15 @@ from bench._perf import cpu_split, requests_served, tree_cpu_seconds  # noqa: E4
 from bench._server import shoal_server  # noqa: E402
 
 BATCHING = "\ndynamic_batching { max_queue_delay_microseconds: 200 }\n"
-BYTES_CONFIG = """name: "bytes"
+BYTES_CONFIG = (
+    """name: "bytes"
 backend: "identity"
 max_batch_size: 32
 input [ { name: "INPUT0" data_type: TYPE_STRING dims: [ 64 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 64 ] } ]
-""" + BATCHING
+"""
+    + BATCHING
+)
 
 
 def _inputs(model: str) -> list[object]:

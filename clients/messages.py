@@ -84,8 +84,12 @@ def infer_outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
 
 def _from_contents(datatype: DataType, shape: tuple[int, ...], contents: pb.InferTensorContents) -> np.ndarray:
     field = {
-        DataType.BOOL: "bool_contents", DataType.INT64: "int64_contents", DataType.UINT64: "uint64_contents",
-        DataType.FP32: "fp32_contents", DataType.FP64: "fp64_contents", DataType.BYTES: "bytes_contents",
+        DataType.BOOL: "bool_contents",
+        DataType.INT64: "int64_contents",
+        DataType.UINT64: "uint64_contents",
+        DataType.FP32: "fp32_contents",
+        DataType.FP64: "fp64_contents",
+        DataType.BYTES: "bytes_contents",
     }.get(datatype, "uint_contents" if datatype.value.startswith("UINT") else "int_contents")
     values = list(getattr(contents, field))
     if datatype is DataType.BYTES:
@@ -104,7 +108,10 @@ def model_metadata(response: pb.ModelMetadataResponse) -> ModelMetadata:
         return tuple(TensorMetadata(t.name, t.datatype, tuple(t.shape)) for t in items)
 
     return ModelMetadata(
-        response.name, tuple(response.versions), response.platform, tensors_of(response.inputs),
+        response.name,
+        tuple(response.versions),
+        response.platform,
+        tensors_of(response.inputs),
         tensors_of(response.outputs),
     )
 

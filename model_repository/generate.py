@@ -65,8 +65,10 @@ def mlp_graph(width: int, layers: int, seed: int = 0) -> onnx.GraphProto:
 def mlp_scale_graph(width: int) -> onnx.GraphProto:
     """The pre-processing step of the ``mlp_pipeline`` ensemble: raw UINT8 values (pixels, say) to the
     FP32 the MLP takes, ``RAW / 255 - 0.5``, dynamic batch."""
-    constants = [numpy_helper.from_array(np.array(1 / 255, dtype=np.float32), "scale"),
-                 numpy_helper.from_array(np.array(0.5, dtype=np.float32), "offset")]
+    constants = [
+        numpy_helper.from_array(np.array(1 / 255, dtype=np.float32), "scale"),
+        numpy_helper.from_array(np.array(0.5, dtype=np.float32), "offset"),
+    ]
     nodes = [
         helper.make_node("Cast", ["RAW"], ["raw_fp32"], to=TensorProto.FLOAT),
         helper.make_node("Mul", ["raw_fp32", "scale"], ["scaled"]),

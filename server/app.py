@@ -61,9 +61,13 @@ async def serve(settings: ServerSettings) -> int:
     front: FrontEnd | None = None
     limiter = RateLimiter([Declared(*d) for d in settings.rate_limit_resources]) if settings.rate_limit else None
     if limiter is not None:
-        logger.info("Rate limiter: execution_count, resources %s", ", ".join(
-            f"{d.name}={d.count}" + ("" if d.device < 0 else f" on device {d.device}") for d in limiter.declared)
-            or "as large as the largest claim on each")
+        logger.info(
+            "Rate limiter: execution_count, resources %s",
+            ", ".join(
+                f"{d.name}={d.count}" + ("" if d.device < 0 else f" on device {d.device}") for d in limiter.declared
+            )
+            or "as large as the largest claim on each",
+        )
     cache = None if settings.response_cache_bytes is None else ResponseCache(settings.response_cache_bytes)
     if cache is not None:
         logger.info("Response cache: local, %d bytes", cache.capacity)
@@ -77,14 +81,20 @@ async def serve(settings: ServerSettings) -> int:
         response_cache=cache,
         summary_latencies=settings.metrics.summary_latencies,
     )
-    core = LocalCore(manager, strict_readiness=settings.strict_readiness,
-                     max_shared_memory_bytes=settings.shared_memory_max_bytes,
-                     max_shared_memory_regions=settings.shared_memory_max_regions, tracer=Tracer(settings.trace))
+    core = LocalCore(
+        manager,
+        strict_readiness=settings.strict_readiness,
+        max_shared_memory_bytes=settings.shared_memory_max_bytes,
+        max_shared_memory_regions=settings.shared_memory_max_regions,
+        tracer=Tracer(settings.trace),
+    )
     failures = await manager.start(settings.startup_models)
     if failures and settings.exit_on_error:
         await manager.close()  # the models that did load, and their worker processes
-        raise StartupError(f"failed to load all models: {', '.join(sorted(failures))} (logged above; "
-                           "--exit-on-error=false serves the others)")
+        raise StartupError(
+            f"failed to load all models: {', '.join(sorted(failures))} (logged above; "
+            "--exit-on-error=false serves the others)"
+        )
     logger.info("Front-end layout: %s", settings.grpc_workers_choice or f"{settings.grpc_workers} front-end workers")
     front = WorkerFrontEnd(core, settings) if settings.grpc_workers else InProcessFrontEnd(core, settings)
     try:
@@ -93,8 +103,9 @@ async def serve(settings: ServerSettings) -> int:
         if settings.allow_metrics:
             from shoal.metrics import start_metrics_server
 
-            metrics_port = start_metrics_server(core.statistics_rows, settings.metrics_address, settings.metrics_port,
-                                                settings.metrics)
+            metrics_port = start_metrics_server(
+                core.statistics_rows, settings.metrics_address, settings.metrics_port, settings.metrics
+            )
     except BaseException:
         await front.stop(grace_s=0, deadline=time.monotonic())
         await manager.close()
@@ -117,8 +128,7 @@ async def serve(settings: ServerSettings) -> int:
     watchdog = threading.Timer(settings.exit_timeout_s, force_exit, args=(core, front, settings.exit_timeout_s))
     watchdog.daemon = True
     watchdog.start()
-    logger.info("shutting down: %d requests in flight, up to %.0f s to finish", core.in_flight,
-                settings.exit_timeout_s)
+    logger.info("shutting down: %d requests in flight, up to %.0f s to finish", core.in_flight, settings.exit_timeout_s)
     core.stop_accepting()
     await front.health_synced()
     for task in background:
@@ -181,9 +191,14 @@ class InProcessFrontEnd:
 
     async def start(self) -> tuple[int, int]:
         await self.health.sync(self.core)
-        self.server, port, choice = build_server(InferenceServicer(self.core), self.health,
-                                                 self.settings.grpc_address, self.settings.grpc_port,
-                                                 self.settings.tls, self.settings.grpc)
+        self.server, port, choice = build_server(
+            InferenceServicer(self.core),
+            self.health,
+            self.settings.grpc_address,
+            self.settings.grpc_port,
+            self.settings.tls,
+            self.settings.grpc,
+        )
         http_port = 0
         if self.settings.allow_http:
             http = self.settings.http
@@ -192,8 +207,7 @@ class InProcessFrontEnd:
             http_port = await self.http.start()
             logger.info("Started HTTPService at %s:%d", http.address, http_port)
         await self.server.start()
-        logger.info("Started GRPCInferenceService at %s:%d (%s)", self.settings.grpc_address, port,
-                    choice.describe())
+        logger.info("Started GRPCInferenceService at %s:%d (%s)", self.settings.grpc_address, port, choice.describe())
         return port, http_port
 
     def health_changed(self) -> None:
@@ -229,8 +243,13 @@ class WorkerFrontEnd:
         refuse_used_ports(settings)
         choice = engine.choose(settings.grpc.engine, settings.tls is not None)  # what each worker chooses too
         port, http_port = await self.supervisor.start()
-        logger.info("Started GRPCInferenceService at %s:%d in %d front-end worker processes (%s)",
-                    settings.grpc_address, port, len(self.supervisor.workers), choice.describe())
+        logger.info(
+            "Started GRPCInferenceService at %s:%d in %d front-end worker processes (%s)",
+            settings.grpc_address,
+            port,
+            len(self.supervisor.workers),
+            choice.describe(),
+        )
         if settings.allow_http:
             logger.info("Started HTTPService at %s:%d in the same processes", settings.http.address, http_port)
         return port, http_port
@@ -269,8 +288,13 @@ def force_exit(core: LocalCore, front: FrontEnd, timeout_s: float) -> None:
 
 def _kill_children_and_exit(core: LocalCore, timeout_s: float) -> None:
     children = multiprocessing.active_children()
-    logger.error("exit timeout of %.0f s passed with %d requests in flight: killing %d worker processes, "
-                 "exiting with code %d", timeout_s, core.in_flight, len(children), EXIT_FORCED)
+    logger.error(
+        "exit timeout of %.0f s passed with %d requests in flight: killing %d worker processes, exiting with code %d",
+        timeout_s,
+        core.in_flight,
+        len(children),
+        EXIT_FORCED,
+    )
     for child in children:
         child.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
     for child in children:

@@ -47,11 +47,18 @@ class _OneRepository(argparse.Action):
     """--model-repository or its alias --model-store, once: Triton serves every repository it is
     given, Shoal serves one, so a second is refused rather than silently replacing the first."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         if getattr(namespace, self.dest, None) is not None:
-            parser.error(f"{option_string}: Shoal serves one model repository; --model-repository or "
-                         "--model-store was given more than once")
+            parser.error(
+                f"{option_string}: Shoal serves one model repository; --model-repository or "
+                "--model-store was given more than once"
+            )
         setattr(namespace, self.dest, values)
 
 
@@ -77,7 +84,8 @@ def _worker_count(text: str) -> int | str:
         return _count(text)
     except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(
-            f"expected auto or an integer in 0..{MAX_GRPC_WORKERS}, got {text!r}") from None
+            f"expected auto or an integer in 0..{MAX_GRPC_WORKERS}, got {text!r}"
+        ) from None
 
 
 def _at_least_one(text: str) -> int:
@@ -127,104 +135,228 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model repository over gRPC and HTTP (KServe v2 / Triton)")
-    serve.add_argument("--model-repository", "--model-store", dest="model_repository", type=Path, required=True,
-                       action=_OneRepository,
-                       help="folder of model folders (--model-store: Triton's alias, as kserve-tritonserver passes)")
+    serve.add_argument(
+        "--model-repository",
+        "--model-store",
+        dest="model_repository",
+        type=Path,
+        required=True,
+        action=_OneRepository,
+        help="folder of model folders (--model-store: Triton's alias, as kserve-tritonserver passes)",
+    )
     serve.add_argument("--grpc-address", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     serve.add_argument("--grpc-port", type=_port, default=8001, help="port (default 8001; 0 = any free)")
-    serve.add_argument("--allow-grpc", type=_bool, default=True,
-                       help="serve gRPC (default true; Triton's flag, which KServe passes: only true is taken)")
-    serve.add_argument("--log-verbose", type=_count, default=0, metavar="N",
-                       help="verbose (debug) lines when 1 or more (default 0); all log settings can change "
-                            "while serving: /v2/logging, gRPC LogSettings")
+    serve.add_argument(
+        "--allow-grpc",
+        type=_bool,
+        default=True,
+        help="serve gRPC (default true; Triton's flag, which KServe passes: only true is taken)",
+    )
+    serve.add_argument(
+        "--log-verbose",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="verbose (debug) lines when 1 or more (default 0); all log settings can change "
+        "while serving: /v2/logging, gRPC LogSettings",
+    )
     serve.add_argument("--log-info", type=_bool, default=True, help="log INFO lines (default true)")
     serve.add_argument("--log-warning", type=_bool, default=True, help="log WARNING lines (default true)")
     serve.add_argument("--log-error", type=_bool, default=True, help="log ERROR lines (default true)")
-    serve.add_argument("--log-format", choices=FORMATS, default="default",
-                       help="default: local time, level, logger; ISO8601: UTC time first (as Triton's flag)")
-    serve.add_argument("--log-file", default="",
-                       help="append every process's log (all of standard error) to this file instead")
     serve.add_argument(
-        "--strict-readiness", type=_bool, default=True,
+        "--log-format",
+        choices=FORMATS,
+        default="default",
+        help="default: local time, level, logger; ISO8601: UTC time first (as Triton's flag)",
+    )
+    serve.add_argument(
+        "--log-file", default="", help="append every process's log (all of standard error) to this file instead"
+    )
+    serve.add_argument(
+        "--strict-readiness",
+        type=_bool,
+        default=True,
         help="ServerReady is true only while every model is ready (default true, as Triton)",
     )
     serve.add_argument(
-        "--strict-model-config", type=_bool, default=False,
+        "--strict-model-config",
+        type=_bool,
+        default=False,
         help="require complete config.pbtxt files; false (default) completes them from the model file",
     )
     serve.add_argument(
-        "--exit-timeout-secs", type=float, default=30.0,
+        "--exit-timeout-secs",
+        type=float,
+        default=30.0,
         help="on SIGTERM/SIGINT, how long in-flight requests may take to finish",
     )
-    serve.add_argument("--port-file", type=Path,
-                       help="once serving, write the bound gRPC port (line 1), metrics port (line 2) and HTTP port "
-                            "(line 3) here; 0 for an endpoint that is off")
-    serve.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",
-                       help="none: load all at start; poll: also follow repository changes; explicit: load on request")
+    serve.add_argument(
+        "--port-file",
+        type=Path,
+        help="once serving, write the bound gRPC port (line 1), metrics port (line 2) and HTTP port "
+        "(line 3) here; 0 for an endpoint that is off",
+    )
+    serve.add_argument(
+        "--model-control-mode",
+        choices=["none", "poll", "explicit"],
+        default="none",
+        help="none: load all at start; poll: also follow repository changes; explicit: load on request",
+    )
     serve.add_argument("--repository-poll-secs", type=float, default=15.0, help="poll interval (default 15)")
-    serve.add_argument("--load-model", action="append", default=[], metavar="NAME",
-                       help="explicit mode: load NAME at start (repeatable; '*' for all)")
-    serve.add_argument("--exit-on-error", type=_bool, default=True,
-                       help="a model that fails to load at start ends the server (exit 1) after logging why; "
-                            "false serves the others (default true, as Triton)")
+    serve.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="explicit mode: load NAME at start (repeatable; '*' for all)",
+    )
+    serve.add_argument(
+        "--exit-on-error",
+        type=_bool,
+        default=True,
+        help="a model that fails to load at start ends the server (exit 1) after logging why; "
+        "false serves the others (default true, as Triton)",
+    )
     serve.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics (default true)")
     serve.add_argument("--metrics-address", help="address of the metrics endpoint (default: --grpc-address)")
     serve.add_argument("--metrics-port", type=_port, default=8002, help="metrics port (default 8002; 0 = any free)")
-    serve.add_argument("--allow-gpu-metrics", type=_bool, default=True,
-                       help="Triton's nv_gpu_* families (utilization, memory, power, energy per GPU) through NVML, "
-                            "where a driver is (default true)")
-    serve.add_argument("--metrics-config", action="append", default=[], metavar="SETTING=VALUE",
-                       help="summary_latencies=true: Triton's nv_inference_*_summary_us over the last minute; "
-                            "summary_quantiles=Q:E[,Q:E...] (default 0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001,"
-                            "0.999:0.001); counter_latencies=false drops the *_duration_us counters (repeatable)")
-    serve.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
-                       help="require header KEY=VALUE for these RPC categories, e.g. model-repository:admin-key=s3cret")
-    serve.add_argument("--grpc-max-message-mb", type=float, default=2048.0,
-                       help="largest request or reply in MiB (default 2048, as Triton)")
-    serve.add_argument("--trace-config", action="append", default=[], metavar="[MODE,]SETTING=VALUE",
-                       help="Triton's tracing: level=TIMESTAMPS, rate=N, count=N, mode=triton|opentelemetry, "
-                            "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=HOST:PORT/v1/traces, "
-                            "opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_*=N (repeatable; default off)")
-    serve.add_argument("--rate-limit", type=str.lower, choices=["off", "execution_count"], default="off",
-                       help="execution_count: an instance executes only when the resources its instance group's "
-                            "rate_limiter names are free, across all models (default off, as Triton)")
-    serve.add_argument("--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
-                       help="how many of a resource a device has (no device: each device); without any, each "
-                            "resource has as many as the largest claim on it (repeatable)")
-    serve.add_argument("--cache-config", action="append", default=[], metavar="local,size=BYTES",
-                       help="a response cache of BYTES for the models whose config sets response_cache "
-                            "{ enable: true } (Triton's format, <cache name>,<setting>=<value>; default none)")
-    serve.add_argument("--memory-budget-mb", action="append", default=[], metavar="DEVICE=MB",
-                       help="memory all models may hold on a device (cpu, gpu:0, ...); loads beyond it are refused")
-    serve.add_argument("--grpc-max-concurrent-streams", type=int, default=100,
-                       help="concurrent RPCs per client connection (default 100; 0 = the engine's own: unbounded "
-                            "on grpcio, which leaves the server open to HTTP/2 rapid reset, 1024 on native)")
-    serve.add_argument("--reuse-grpc-port", type=_bool, default=False,
-                       help="let other servers bind the gRPC port too (SO_REUSEPORT); default false: a port in use "
-                            "is an error")
-    serve.add_argument("--grpc-engine", choices=("auto", "native", "grpcio"), default="auto",
-                       help="what serves gRPC: native = pygrpc-native (HTTP/2 in Rust, the faster), grpcio = "
-                            "grpc.aio (TLS); auto (default) = native unless TLS is on or it does not import here")
-    serve.add_argument("--grpc-io-threads", type=_count, default=0, metavar="N",
-                       help="threads pygrpc-native (the native engine) runs HTTP/2 on, in each process that serves "
-                            "gRPC; 0 (default) = 1 below 4 usable cores, else 2")
-    serve.add_argument("--grpc-workers", "--frontend-workers", dest="grpc_workers", type=_worker_count, default=0,
-                       metavar="N|auto",
-                       help="front-end processes serving gRPC and HTTP on their ports, beside the process that holds "
-                            "the models; 0 serves both in that process (default 0: the fastest measured, on 2 "
-                            f"cores); auto = from the cores this process may use (affinity and cgroup CPU quota): "
-                            f"{RULE} (a projection past 2 cores, see the README)")
-    serve.add_argument("--grpc-worker-pool-mb", type=float, default=1024.0,
-                       help="shared memory per front-end worker and direction, which bounds the tensor bytes it "
-                            "has in flight (default 1024)")
-    serve.add_argument("--grpc-worker-liveness-secs", type=float, default=5.0,
-                       help="ping each front-end worker this often; one that does not answer in time (stopped, "
-                            "hung) is killed and started again (default 5; 0 = off)")
-    serve.add_argument("--shared-memory-max-mb", type=float, default=65536.0,
-                       help="the most shared memory clients may register in all, in MiB (default 65536); "
-                            "the memory stays the client's")
-    serve.add_argument("--shared-memory-max-regions", type=int, default=4096, metavar="N",
-                       help="the most shared-memory regions (system and CUDA) registered at once (default 4096)")
+    serve.add_argument(
+        "--allow-gpu-metrics",
+        type=_bool,
+        default=True,
+        help="Triton's nv_gpu_* families (utilization, memory, power, energy per GPU) through NVML, "
+        "where a driver is (default true)",
+    )
+    serve.add_argument(
+        "--metrics-config",
+        action="append",
+        default=[],
+        metavar="SETTING=VALUE",
+        help="summary_latencies=true: Triton's nv_inference_*_summary_us over the last minute; "
+        "summary_quantiles=Q:E[,Q:E...] (default 0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001,"
+        "0.999:0.001); counter_latencies=false drops the *_duration_us counters (repeatable)",
+    )
+    serve.add_argument(
+        "--grpc-restricted-protocol",
+        action="append",
+        default=[],
+        metavar="CATEGORIES:KEY=VALUE",
+        help="require header KEY=VALUE for these RPC categories, e.g. model-repository:admin-key=s3cret",
+    )
+    serve.add_argument(
+        "--grpc-max-message-mb",
+        type=float,
+        default=2048.0,
+        help="largest request or reply in MiB (default 2048, as Triton)",
+    )
+    serve.add_argument(
+        "--trace-config",
+        action="append",
+        default=[],
+        metavar="[MODE,]SETTING=VALUE",
+        help="Triton's tracing: level=TIMESTAMPS, rate=N, count=N, mode=triton|opentelemetry, "
+        "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=HOST:PORT/v1/traces, "
+        "opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_*=N (repeatable; default off)",
+    )
+    serve.add_argument(
+        "--rate-limit",
+        type=str.lower,
+        choices=["off", "execution_count"],
+        default="off",
+        help="execution_count: an instance executes only when the resources its instance group's "
+        "rate_limiter names are free, across all models (default off, as Triton)",
+    )
+    serve.add_argument(
+        "--rate-limit-resource",
+        action="append",
+        default=[],
+        metavar="NAME:COUNT[:DEVICE]",
+        help="how many of a resource a device has (no device: each device); without any, each "
+        "resource has as many as the largest claim on it (repeatable)",
+    )
+    serve.add_argument(
+        "--cache-config",
+        action="append",
+        default=[],
+        metavar="local,size=BYTES",
+        help="a response cache of BYTES for the models whose config sets response_cache "
+        "{ enable: true } (Triton's format, <cache name>,<setting>=<value>; default none)",
+    )
+    serve.add_argument(
+        "--memory-budget-mb",
+        action="append",
+        default=[],
+        metavar="DEVICE=MB",
+        help="memory all models may hold on a device (cpu, gpu:0, ...); loads beyond it are refused",
+    )
+    serve.add_argument(
+        "--grpc-max-concurrent-streams",
+        type=int,
+        default=100,
+        help="concurrent RPCs per client connection (default 100; 0 = the engine's own: unbounded "
+        "on grpcio, which leaves the server open to HTTP/2 rapid reset, 1024 on native)",
+    )
+    serve.add_argument(
+        "--reuse-grpc-port",
+        type=_bool,
+        default=False,
+        help="let other servers bind the gRPC port too (SO_REUSEPORT); default false: a port in use is an error",
+    )
+    serve.add_argument(
+        "--grpc-engine",
+        choices=("auto", "native", "grpcio"),
+        default="auto",
+        help="what serves gRPC: native = pygrpc-native (HTTP/2 in Rust, the faster), grpcio = "
+        "grpc.aio (TLS); auto (default) = native unless TLS is on or it does not import here",
+    )
+    serve.add_argument(
+        "--grpc-io-threads",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="threads pygrpc-native (the native engine) runs HTTP/2 on, in each process that serves "
+        "gRPC; 0 (default) = 1 below 4 usable cores, else 2",
+    )
+    serve.add_argument(
+        "--grpc-workers",
+        "--frontend-workers",
+        dest="grpc_workers",
+        type=_worker_count,
+        default=0,
+        metavar="N|auto",
+        help="front-end processes serving gRPC and HTTP on their ports, beside the process that holds "
+        "the models; 0 serves both in that process (default 0: the fastest measured, on 2 "
+        f"cores); auto = from the cores this process may use (affinity and cgroup CPU quota): "
+        f"{RULE} (a projection past 2 cores, see the README)",
+    )
+    serve.add_argument(
+        "--grpc-worker-pool-mb",
+        type=float,
+        default=1024.0,
+        help="shared memory per front-end worker and direction, which bounds the tensor bytes it "
+        "has in flight (default 1024)",
+    )
+    serve.add_argument(
+        "--grpc-worker-liveness-secs",
+        type=float,
+        default=5.0,
+        help="ping each front-end worker this often; one that does not answer in time (stopped, "
+        "hung) is killed and started again (default 5; 0 = off)",
+    )
+    serve.add_argument(
+        "--shared-memory-max-mb",
+        type=float,
+        default=65536.0,
+        help="the most shared memory clients may register in all, in MiB (default 65536); "
+        "the memory stays the client's",
+    )
+    serve.add_argument(
+        "--shared-memory-max-regions",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="the most shared-memory regions (system and CUDA) registered at once (default 4096)",
+    )
     _add_http_arguments(serve)
     tls = serve.add_argument_group("TLS (Triton's flag names)")
     tls.add_argument("--grpc-use-ssl", type=_bool, default=False, help="serve gRPC over TLS")
@@ -241,26 +373,69 @@ def _add_http_arguments(serve: argparse.ArgumentParser) -> None:
     http.add_argument("--allow-http", type=_bool, default=True, help="serve KServe v2 REST (default true)")
     http.add_argument("--http-address", help="address of the HTTP endpoint (default: --grpc-address)")
     http.add_argument("--http-port", type=_port, default=8000, help="HTTP port (default 8000; 0 = any free)")
-    http.add_argument("--reuse-http-port", type=_bool, default=False,
-                      help="let other servers bind the HTTP port too (SO_REUSEPORT); default false")
-    http.add_argument("--http-restricted-api", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
-                      help="require header KEY=VALUE for these API categories (as --grpc-restricted-protocol)")
-    http.add_argument("--http-max-input-size", type=int, default=64 << 20, metavar="BYTES",
-                      help="largest request body, also once decompressed (default 67108864, as Triton)")
-    http.add_argument("--http-header-timeout-secs", type=_positive, default=30.0, metavar="SECONDS",
-                      help="close a connection whose request line and headers are not in within this long (default 30)")
-    http.add_argument("--http-body-idle-timeout-secs", type=_positive, default=60.0, metavar="SECONDS",
-                      help="close a connection that sends no byte of a request body for this long (default 60)")
-    http.add_argument("--http-body-timeout-secs", type=_positive, default=300.0, metavar="SECONDS",
-                      help="close a connection whose request body is not in whole within this long (default 300)")
-    http.add_argument("--http-keep-alive-timeout-secs", type=_positive, default=75.0, metavar="SECONDS",
-                      help="close a connection idle between requests this long (default 75)")
-    http.add_argument("--http-max-connections", type=int, default=4096, metavar="N",
-                      help="open HTTP connections per process; past it a new one is answered 503 and closed "
-                           "(default 4096, at most half the process's descriptors)")
-    http.add_argument("--http-max-pending-body-mb", type=_positive, default=2048.0, metavar="MB",
-                      help="request bodies being received at once, per process; past it a request is answered 503 "
-                           "(default 2048)")
+    http.add_argument(
+        "--reuse-http-port",
+        type=_bool,
+        default=False,
+        help="let other servers bind the HTTP port too (SO_REUSEPORT); default false",
+    )
+    http.add_argument(
+        "--http-restricted-api",
+        action="append",
+        default=[],
+        metavar="CATEGORIES:KEY=VALUE",
+        help="require header KEY=VALUE for these API categories (as --grpc-restricted-protocol)",
+    )
+    http.add_argument(
+        "--http-max-input-size",
+        type=int,
+        default=64 << 20,
+        metavar="BYTES",
+        help="largest request body, also once decompressed (default 67108864, as Triton)",
+    )
+    http.add_argument(
+        "--http-header-timeout-secs",
+        type=_positive,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection whose request line and headers are not in within this long (default 30)",
+    )
+    http.add_argument(
+        "--http-body-idle-timeout-secs",
+        type=_positive,
+        default=60.0,
+        metavar="SECONDS",
+        help="close a connection that sends no byte of a request body for this long (default 60)",
+    )
+    http.add_argument(
+        "--http-body-timeout-secs",
+        type=_positive,
+        default=300.0,
+        metavar="SECONDS",
+        help="close a connection whose request body is not in whole within this long (default 300)",
+    )
+    http.add_argument(
+        "--http-keep-alive-timeout-secs",
+        type=_positive,
+        default=75.0,
+        metavar="SECONDS",
+        help="close a connection idle between requests this long (default 75)",
+    )
+    http.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="open HTTP connections per process; past it a new one is answered 503 and closed "
+        "(default 4096, at most half the process's descriptors)",
+    )
+    http.add_argument(
+        "--http-max-pending-body-mb",
+        type=_positive,
+        default=2048.0,
+        metavar="MB",
+        help="request bodies being received at once, per process; past it a request is answered 503 (default 2048)",
+    )
     http.add_argument("--http-use-ssl", type=_bool, default=False, help="serve HTTP over TLS (HTTPS)")
     http.add_argument("--http-server-cert", type=Path, help="PEM certificate chain of the HTTP server")
     http.add_argument("--http-server-key", type=Path, help="PEM private key of the HTTP server")
@@ -272,15 +447,25 @@ def _add_config_commands(commands: argparse._SubParsersAction) -> None:  # type:
     config = commands.add_parser("config", help="generate, check and tune model configs")
     actions = config.add_subparsers(dest="action", required=True)
     generate = actions.add_parser("generate", help="write a config.pbtxt completed from the model file")
-    generate.add_argument("path", type=Path, help="a model folder, a bare model.onnx (the folder is created), or a "
-                                                  "version folder or model file in one (repo/m/1/model.onnx: repo/m)")
+    generate.add_argument(
+        "path",
+        type=Path,
+        help="a model folder, a bare model.onnx (the folder is created), or a "
+        "version folder or model file in one (repo/m/1/model.onnx: repo/m)",
+    )
     generate.add_argument("--name", help="model name (default: the folder or file name)")
     generate.add_argument("--max-batch-size", type=int, help="instead of Triton's default of 4 when batching")
-    generate.add_argument("--instance-count", type=_at_least_one,
-                          help=f"executors per device (default: {DEFAULT_INSTANCE_COUNT_RULE})")
+    generate.add_argument(
+        "--instance-count", type=_at_least_one, help=f"executors per device (default: {DEFAULT_INSTANCE_COUNT_RULE})"
+    )
     generate.add_argument("--kind", choices=["KIND_AUTO", "KIND_CPU", "KIND_GPU"])
-    generate.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:DIMS",
-                          help="an input of a TorchScript model (one sample's dims), e.g. INPUT__0:FP32:3,224,224")
+    generate.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME:DTYPE:DIMS",
+        help="an input of a TorchScript model (one sample's dims), e.g. INPUT__0:FP32:3,224,224",
+    )
     generate.add_argument("--output", help="where to write (default <folder>/config.pbtxt; - for stdout)")
     generate.add_argument("--force", action="store_true", help="overwrite an existing config.pbtxt")
     check = actions.add_parser("check", help="validate every config of a repository without serving")
@@ -290,12 +475,22 @@ def _add_config_commands(commands: argparse._SubParsersAction) -> None:  # type:
     tune.add_argument("model_dir", type=Path)
     tune.add_argument("--latency-budget-ms", type=_positive, required=True, help="p99 latency budget")
     tune.add_argument("--max-minutes", type=_positive, default=10.0, help="time bound of the search (default 10)")
-    tune.add_argument("--concurrency", type=_concurrencies, default="1,4,16",
-                      help="client concurrencies measured per candidate (default 1,4,16)")
+    tune.add_argument(
+        "--concurrency",
+        type=_concurrencies,
+        default="1,4,16",
+        help="client concurrencies measured per candidate (default 1,4,16)",
+    )
     tune.add_argument("--window-s", type=_positive, default=1.0, help="measurement window (default 1 s)")
-    tune.add_argument("--shape", type=_shape, action="append", default=[], metavar="NAME:D1,D2,...",
-                      help="one sample's dims of an input with variable dims (no batch dim), as shoal-load's and "
-                           "perf_analyzer's --shape, e.g. INPUT:1,16 (repeatable)")
+    tune.add_argument(
+        "--shape",
+        type=_shape,
+        action="append",
+        default=[],
+        metavar="NAME:D1,D2,...",
+        help="one sample's dims of an input with variable dims (no batch dim), as shoal-load's and "
+        "perf_analyzer's --shape, e.g. INPUT:1,16 (repeatable)",
+    )
     tune.add_argument("--output-dir", type=Path, help="CSV and PNG (default <model_dir>/tuning)")
 
 
@@ -324,15 +519,20 @@ def _http_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(f"--http-restricted-api {exc}")
     if args.http_max_input_size < 1 or args.http_max_connections < 1:
         parser.error("--http-max-input-size and --http-max-connections must be at least 1")
-    return HttpSettings(address=args.http_address or args.grpc_address, port=args.http_port,
-                        max_input_bytes=args.http_max_input_size, restrictions=restrictions,
-                        reuse_port=args.reuse_http_port, tls=_tls_settings(parser, args, "http"),
-                        header_timeout_s=args.http_header_timeout_secs,
-                        body_idle_timeout_s=args.http_body_idle_timeout_secs,
-                        body_timeout_s=args.http_body_timeout_secs,
-                        keep_alive_timeout_s=args.http_keep_alive_timeout_secs,
-                        max_connections=args.http_max_connections,
-                        max_pending_body_bytes=int(min(args.http_max_pending_body_mb, 2**40 / 2**20) * 2**20))
+    return HttpSettings(
+        address=args.http_address or args.grpc_address,
+        port=args.http_port,
+        max_input_bytes=args.http_max_input_size,
+        restrictions=restrictions,
+        reuse_port=args.reuse_http_port,
+        tls=_tls_settings(parser, args, "http"),
+        header_timeout_s=args.http_header_timeout_secs,
+        body_idle_timeout_s=args.http_body_idle_timeout_secs,
+        body_timeout_s=args.http_body_timeout_secs,
+        keep_alive_timeout_s=args.http_keep_alive_timeout_secs,
+        max_connections=args.http_max_connections,
+        max_pending_body_bytes=int(min(args.http_max_pending_body_mb, 2**40 / 2**20) * 2**20),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,15 +577,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rate-limit-resource needs --rate-limit execution_count")
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model needs --model-control-mode explicit")
-    if not (args.repository_poll_secs > 0 and args.grpc_max_message_mb > 0 and args.grpc_worker_pool_mb >= 1
-            and args.shared_memory_max_mb >= 0 and args.grpc_worker_liveness_secs >= 0
-            and args.shared_memory_max_regions >= 0):
-        parser.error("--repository-poll-secs and --grpc-max-message-mb must be positive, "
-                     "--grpc-worker-pool-mb at least 1, --shared-memory-max-mb, --shared-memory-max-regions and "
-                     "--grpc-worker-liveness-secs at least 0")
+    if not (
+        args.repository_poll_secs > 0
+        and args.grpc_max_message_mb > 0
+        and args.grpc_worker_pool_mb >= 1
+        and args.shared_memory_max_mb >= 0
+        and args.grpc_worker_liveness_secs >= 0
+        and args.shared_memory_max_regions >= 0
+    ):
+        parser.error(
+            "--repository-poll-secs and --grpc-max-message-mb must be positive, "
+            "--grpc-worker-pool-mb at least 1, --shared-memory-max-mb, --shared-memory-max-regions and "
+            "--grpc-worker-liveness-secs at least 0"
+        )
     try:
-        logs.start(LogSettings(args.log_verbose, args.log_info, args.log_warning, args.log_error, args.log_format,
-                               args.log_file))
+        logs.start(
+            LogSettings(
+                args.log_verbose, args.log_info, args.log_warning, args.log_error, args.log_format, args.log_file
+            )
+        )
     except OSError as exc:
         parser.error(f"--log-file {args.log_file}: {exc.strerror}")
     raise_open_file_limit()

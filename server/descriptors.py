@@ -61,9 +61,13 @@ class AcceptFailureLog:
         now = time.monotonic()
         if now - self._last_logged < self.interval_s:
             return
-        logger.error("cannot accept new connections: %s (%d failed accepts since the last report; retried every "
-                     "second, reported at most every %.0f s)", context.get("exception"), self._unlogged,
-                     self.interval_s)
+        logger.error(
+            "cannot accept new connections: %s (%d failed accepts since the last report; retried every "
+            "second, reported at most every %.0f s)",
+            context.get("exception"),
+            self._unlogged,
+            self.interval_s,
+        )
         self._last_logged, self._unlogged = now, 0
 
     def install(self) -> None:

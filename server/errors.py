@@ -101,8 +101,9 @@ def poll_failed(model: str, why: str) -> ShoalError:
     """Triton's answer to a load it could not even read from the repository (core
     model_repository_manager.cc ``LoadModel``: a missing folder, a file override it cannot write):
     INTERNAL, in its words, which clients match; Shoal adds why after them."""
-    return ShoalError(ErrorCode.INTERNAL,
-                      f"failed to load '{shown(model)}', failed to poll from model repository: {why}")
+    return ShoalError(
+        ErrorCode.INTERNAL, f"failed to load '{shown(model)}', failed to poll from model repository: {why}"
+    )
 
 
 def unsupported(what: str) -> ShoalError:

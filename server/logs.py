@@ -72,9 +72,14 @@ class LogSettings:
 
     def as_dict(self) -> dict[str, Any]:
         """Triton's answer: every setting, in the order its HTTP endpoint prints them."""
-        return {"log_file": self.log_file, "log_info": self.log_info, "log_warning": self.log_warning,
-                "log_error": self.log_error, "log_verbose_level": self.log_verbose_level,
-                "log_format": self.log_format}
+        return {
+            "log_file": self.log_file,
+            "log_info": self.log_info,
+            "log_warning": self.log_warning,
+            "log_error": self.log_error,
+            "log_verbose_level": self.log_verbose_level,
+            "log_format": self.log_format,
+        }
 
     def updated(self, changes: Mapping[str, Any]) -> LogSettings:
         """These settings with ``changes`` (name -> JSON-typed value) applied, all or none: a
@@ -127,8 +132,15 @@ class LogShare:
         return LogSettings(verbose, bool(info), bool(warning), bool(error), FORMATS[form], self.log_file)
 
     def write(self, settings: LogSettings) -> None:
-        _LAYOUT.pack_into(self._map, 0, settings.log_verbose_level, settings.log_info, settings.log_warning,
-                          settings.log_error, FORMATS.index(settings.log_format))
+        _LAYOUT.pack_into(
+            self._map,
+            0,
+            settings.log_verbose_level,
+            settings.log_info,
+            settings.log_warning,
+            settings.log_error,
+            FORMATS.index(settings.log_format),
+        )
 
     def update(self, changes: Mapping[str, Any]) -> LogSettings:
         """Apply ``changes`` (checked as ``LogSettings.updated``) for every process; the settings now."""
@@ -153,7 +165,6 @@ class LogShare:
 
     def __reduce__(self) -> tuple[Callable[..., LogShare], tuple[Any, ...]]:
         return _rebuild, (reduction.DupFd(self.fd), self.log_file)  # only while a child is being started
-
 
     @classmethod
     def attach(cls, fd: int, log_file: str) -> LogShare:

@@ -104,17 +104,29 @@ TRITON_MODEL_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_inference_count": ("counter", "Number of inferences performed (does not include cached requests)"),
     "nv_inference_exec_count": ("counter", "Number of model executions performed (does not include cached requests)"),
     "nv_inference_request_duration_us": (
-        "counter", "Cumulative inference request duration in microseconds (includes cached requests)"),
+        "counter",
+        "Cumulative inference request duration in microseconds (includes cached requests)",
+    ),
     "nv_inference_queue_duration_us": (
-        "counter", "Cumulative inference queuing duration in microseconds (includes cached requests)"),
+        "counter",
+        "Cumulative inference queuing duration in microseconds (includes cached requests)",
+    ),
     "nv_inference_compute_input_duration_us": (
-        "counter", "Cumulative compute input duration in microseconds (does not include cached requests)"),
+        "counter",
+        "Cumulative compute input duration in microseconds (does not include cached requests)",
+    ),
     "nv_inference_compute_infer_duration_us": (
-        "counter", "Cumulative compute inference duration in microseconds (does not include cached requests)"),
+        "counter",
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+    ),
     "nv_inference_compute_output_duration_us": (
-        "counter", "Cumulative inference compute output duration in microseconds (does not include cached requests)"),
+        "counter",
+        "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+    ),
     "nv_inference_pending_request_count": (
-        "gauge", "Instantaneous number of pending requests awaiting execution per-model."),
+        "gauge",
+        "Instantaneous number of pending requests awaiting execution per-model.",
+    ),
 }
 # Written only when a version uses the response cache (Triton creates them for those models only), between
 # the durations and the pending count, as Triton 2.51 writes them (checked with run_triton.sh and
@@ -124,7 +136,9 @@ TRITON_CACHE_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_cache_hit_duration_per_model": ("counter", "Total cache hit duration per model, in microseconds"),
     "nv_cache_num_misses_per_model": ("counter", "Number of cache misses per model"),
     "nv_cache_miss_duration_per_model": (
-        "counter", "Total cache miss (insert+lookup) duration per model, in microseconds"),
+        "counter",
+        "Total cache miss (insert+lookup) duration per model, in microseconds",
+    ),
 }
 # Per GPU, label gpu_uuid (Triton reads them from DCGM; Shoal from NVML, nvidia-ml-py), before the CPU's.
 TRITON_GPU_FAMILIES: dict[str, tuple[str, str]] = {
@@ -145,19 +159,33 @@ TRITON_CPU_FAMILIES: dict[str, tuple[str, str]] = {
 # and _sum are those of the duration counter, as Triton's) and the LatencyWindows field of its quantiles.
 TRITON_SUMMARY_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_inference_request_summary_us": (
-        "success", "Summary of inference request duration in microseconds (includes cached requests)"),
+        "success",
+        "Summary of inference request duration in microseconds (includes cached requests)",
+    ),
     "nv_inference_queue_summary_us": (
-        "queue", "Summary of inference queuing duration in microseconds (includes cached requests)"),
+        "queue",
+        "Summary of inference queuing duration in microseconds (includes cached requests)",
+    ),
     "nv_inference_compute_input_summary_us": (
-        "compute_input", "Cumulative compute input duration in microseconds (does not include cached requests)"),
+        "compute_input",
+        "Cumulative compute input duration in microseconds (does not include cached requests)",
+    ),
     "nv_inference_compute_infer_summary_us": (
-        "compute_infer", "Cumulative compute inference duration in microseconds (does not include cached requests)"),
+        "compute_infer",
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+    ),
     "nv_inference_compute_output_summary_us": (
         "compute_output",
-        "Cumulative inference compute output duration in microseconds (does not include cached requests)"),
+        "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+    ),
 }
-_WINDOW_FIELDS = {"success": "request", "queue": "queue", "compute_input": "compute_input",
-                  "compute_infer": "compute_infer", "compute_output": "compute_output"}
+_WINDOW_FIELDS = {
+    "success": "request",
+    "queue": "queue",
+    "compute_input": "compute_input",
+    "compute_infer": "compute_infer",
+    "compute_output": "compute_output",
+}
 # Duration families -> the ModelStatistics field they sum (ns there, whole µs here).
 _DURATION_FIELDS = {
     "nv_inference_request_duration_us": "success",
@@ -207,8 +235,14 @@ def summary_families(rows: Iterable[StatisticsRow], quantiles: tuple[float, ...]
                 continue
             duration = getattr(row.statistics, stat)
             values = getattr(windows, _WINDOW_FIELDS[stat]).quantiles(quantiles)
-            family.samples.append(({"model": row.name, "version": row.version}, duration.count,
-                                   duration.ns // 1000, list(zip(quantiles, values, strict=True))))
+            family.samples.append(
+                (
+                    {"model": row.name, "version": row.version},
+                    duration.count,
+                    duration.ns // 1000,
+                    list(zip(quantiles, values, strict=True)),
+                )
+            )
         families.append(family)
     return families
 
@@ -216,8 +250,9 @@ def summary_families(rows: Iterable[StatisticsRow], quantiles: tuple[float, ...]
 def model_families(rows: Iterable[StatisticsRow], counter_latencies: bool = True) -> tuple[list[Family], list[Family]]:
     """Triton's per-model families and Shoal's own, from one ModelStatistics snapshot; without
     ``counter_latencies`` (``--metrics-config counter_latencies=false``), no duration counters."""
-    families = {name: triton_family(name) for name in TRITON_MODEL_FAMILIES
-                if counter_latencies or name not in _DURATION_FIELDS}
+    families = {
+        name: triton_family(name) for name in TRITON_MODEL_FAMILIES if counter_latencies or name not in _DURATION_FIELDS
+    }
     cache = {name: triton_family(name) for name in TRITON_CACHE_FAMILIES}
     memory = Family("shoal_model_memory_bytes", "gauge", "Bytes of weights a model version holds on a device")
     instances = Family("shoal_model_instances", "gauge", "Executors of a model version")
@@ -230,7 +265,8 @@ def model_families(rows: Iterable[StatisticsRow], counter_latencies: bool = True
         families["nv_inference_request_success"].add(labels, stats.success.count)
         for reason in FailureReason:
             families["nv_inference_request_failure"].add(
-                {"model": row.name, "reason": reason.value, "version": row.version}, stats.failures[reason])
+                {"model": row.name, "reason": reason.value, "version": row.version}, stats.failures[reason]
+            )
         families["nv_inference_count"].add(labels, stats.inference_count)
         families["nv_inference_exec_count"].add(labels, stats.execution_count)
         for name, stat in _DURATION_FIELDS.items():
@@ -360,8 +396,12 @@ _NO_NVML = _NoNvml()
 class MetricsPage:
     """The whole /metrics text: Triton's families, Shoal's, then the process collector's."""
 
-    def __init__(self, statistics_rows: Callable[[], list[StatisticsRow]],
-                 settings: MetricsSettings = DEFAULT_SETTINGS, gpu: GpuMetrics | None = None) -> None:
+    def __init__(
+        self,
+        statistics_rows: Callable[[], list[StatisticsRow]],
+        settings: MetricsSettings = DEFAULT_SETTINGS,
+        gpu: GpuMetrics | None = None,
+    ) -> None:
         self.statistics_rows = statistics_rows
         self.settings = settings
         if gpu is None:
@@ -386,8 +426,12 @@ class MetricsPage:
         return "".join(family.text() for family in self.families()) + generate_latest(self.process).decode()
 
 
-def start_metrics_server(statistics_rows: Callable[[], list[StatisticsRow]], address: str, port: int,
-                         settings: MetricsSettings = DEFAULT_SETTINGS) -> int:
+def start_metrics_server(
+    statistics_rows: Callable[[], list[StatisticsRow]],
+    address: str,
+    port: int,
+    settings: MetricsSettings = DEFAULT_SETTINGS,
+) -> int:
     """Serve /metrics on a background thread; returns the bound port. ``statistics_rows`` is called
     from that thread (the host's ``LocalCore.statistics_rows``)."""
     page = MetricsPage(statistics_rows, settings)

@@ -14,7 +14,14 @@ EXIT_FORCED = 3  # --exit-timeout-secs passed before the drain ended: workers ki
 
 # Triton's categories for --grpc-restricted-protocol (which RPC is in which: shoal.grpc.restrict).
 RESTRICTION_CATEGORIES = (
-    "health", "metadata", "inference", "model-config", "statistics", "model-repository", "shared-memory", "trace",
+    "health",
+    "metadata",
+    "inference",
+    "model-config",
+    "statistics",
+    "model-repository",
+    "shared-memory",
+    "trace",
     "logging",
 )
 
@@ -102,8 +109,10 @@ def parse_metrics_config(texts: list[str]) -> MetricsSettings:
         elif name == "summary_quantiles":
             fields[name] = _quantiles(text, value)
         else:
-            raise ValueError(f"--metrics-config {text}: Shoal takes summary_latencies, summary_quantiles and "
-                             f"counter_latencies (histogram_latencies is Triton 2.52's, not 2.51's)")
+            raise ValueError(
+                f"--metrics-config {text}: Shoal takes summary_latencies, summary_quantiles and "
+                f"counter_latencies (histogram_latencies is Triton 2.52's, not 2.51's)"
+            )
     return MetricsSettings(**fields)
 
 
@@ -117,8 +126,10 @@ def _quantiles(text: str, value: str) -> tuple[tuple[float, float], ...]:
         except ValueError:
             pair = (math.nan, math.nan)
         if not colon or not all(0.0 <= x <= 1.0 for x in pair):
-            raise ValueError(f"--metrics-config {text}: expected <quantile>:<error>[,<quantile>:<error>...], each "
-                             f"from 0 to 1, got {part!r}")
+            raise ValueError(
+                f"--metrics-config {text}: expected <quantile>:<error>[,<quantile>:<error>...], each "
+                f"from 0 to 1, got {part!r}"
+            )
         pairs.append(pair)
     return tuple(pairs)
 
@@ -162,8 +173,9 @@ def parse_trace_config(texts: list[str]) -> TraceConfig:
         head, equals, value = text.partition("=")
         mode, comma, name = head.rpartition(",") if "," in head else ("", "", head)
         if not equals or not name:
-            raise ValueError(f"--trace-config option format is <mode>,<setting>=<value> or <setting>=<value>. "
-                             f"Got {text}")
+            raise ValueError(
+                f"--trace-config option format is <mode>,<setting>=<value> or <setting>=<value>. Got {text}"
+            )
         if comma and mode not in MODES:
             raise ValueError(f"--trace-config {text}: the mode is triton or opentelemetry")
         if not comma:
@@ -182,9 +194,11 @@ def parse_trace_config(texts: list[str]) -> TraceConfig:
         elif mode == "opentelemetry" and name in BSP_DEFAULTS:
             bsp[name] = _integer(text, value, 1 if name != "bsp_schedule_delay" else 0, UINT32_MAX)
         else:
-            raise ValueError(f"--trace-config {text}: unknown setting; Shoal takes level, rate, count, mode, "
-                             "triton,file, triton,log-frequency, opentelemetry,url, opentelemetry,resource and "
-                             f"opentelemetry,{', opentelemetry,'.join(BSP_DEFAULTS)}")
+            raise ValueError(
+                f"--trace-config {text}: unknown setting; Shoal takes level, rate, count, mode, "
+                "triton,file, triton,log-frequency, opentelemetry,url, opentelemetry,resource and "
+                f"opentelemetry,{', opentelemetry,'.join(BSP_DEFAULTS)}"
+            )
     return replace(config, **changes, bsp=bsp, resource=tuple(resource))
 
 

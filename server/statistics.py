@@ -101,8 +101,9 @@ TRACED: contextvars.ContextVar[Traced | None] = contextvars.ContextVar("traced",
 # Set by a caller (an ensemble) around the requests it makes; a scheduler adds each of those requests'
 # phases to it as well as to its own model's statistics. A context variable, so that it follows the
 # request into the composing model's scheduler without a parameter on every call in between.
-ALSO_COUNT_PHASES: contextvars.ContextVar[PhaseTotals | None] = contextvars.ContextVar("also_count_phases",
-                                                                                     default=None)
+ALSO_COUNT_PHASES: contextvars.ContextVar[PhaseTotals | None] = contextvars.ContextVar(
+    "also_count_phases", default=None
+)
 
 
 # Triton's summaries (prometheus-cpp's Summary): quantiles over the last minute, kept in five buckets

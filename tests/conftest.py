@@ -34,8 +34,16 @@ def start_server(
     repository: Path, tmp_path: Path, *extra_args: str, credentials: grpc.ChannelCredentials | None = None
 ) -> RunningServer:
     """A real server on a free loopback port, its log kept in ``tmp_path`` for failure messages."""
-    return local_server.start(repository, "--exit-timeout-secs", "5", *extra_args, work_dir=tmp_path,
-                              log_path=tmp_path / "server.log", credentials=credentials, timeout_s=STARTUP_TIMEOUT_S)
+    return local_server.start(
+        repository,
+        "--exit-timeout-secs",
+        "5",
+        *extra_args,
+        work_dir=tmp_path,
+        log_path=tmp_path / "server.log",
+        credentials=credentials,
+        timeout_s=STARTUP_TIMEOUT_S,
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -92,8 +100,9 @@ def _held_outside_this_session(names: set[str]) -> set[str]:
         if not entry.name.isdigit() or _descends_from_this_process(int(entry.name)):
             continue
         try:
-            paths = {line.split(maxsplit=5)[-1] for line in (entry / "maps").read_text().splitlines()
-                     if "/dev/shm/" in line}
+            paths = {
+                line.split(maxsplit=5)[-1] for line in (entry / "maps").read_text().splitlines() if "/dev/shm/" in line
+            }
             paths |= {os.readlink(fd) for fd in (entry / "fd").iterdir()}
         except OSError:  # gone, or not ours to read
             continue
@@ -137,8 +146,9 @@ def server_factory(
     def factory(
         repository: Path, *extra_args: str, credentials: grpc.ChannelCredentials | None = None
     ) -> RunningServer:
-        server = start_server(repository, tmp_path_factory.mktemp("server"), *layout, *extra_args,
-                              credentials=credentials)
+        server = start_server(
+            repository, tmp_path_factory.mktemp("server"), *layout, *extra_args, credentials=credentials
+        )
         started.append(server)
         return server
 

@@ -23,7 +23,9 @@ DEPLOY = REPO_ROOT / "deploy"
 # KServe's own CRD schemas and shipped runtimes: the shared folder beside the checkout (``../shared``), or this
 # machine's /work/shared when the checkout lies elsewhere (a clean clone under /tmp); $SHOAL_KSERVE_DATA overrides.
 KSERVE_PLACES = [Path(p) for p in [os.environ.get("SHOAL_KSERVE_DATA", "")] if p] + [
-    REPO_ROOT.parent / "shared" / "kserve", Path("/work/shared/kserve")]
+    REPO_ROOT.parent / "shared" / "kserve",
+    Path("/work/shared/kserve"),
+]
 KSERVE_DATA = next((place for place in KSERVE_PLACES if (place / "crds").is_dir()), KSERVE_PLACES[0])
 CRDS = KSERVE_DATA / "crds"
 SHIPPED_RUNTIMES = KSERVE_DATA / "runtimes"
@@ -55,8 +57,11 @@ def strict_schema(schema: Any) -> Any:
             return
         if not isinstance(node, dict):
             return
-        if "properties" in node and "additionalProperties" not in node \
-                and not node.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in node
+            and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")
+        ):
             node["additionalProperties"] = False
         if node.get("x-kubernetes-int-or-string"):
             node["anyOf"] = [{"type": "integer"}, {"type": "number"}, {"type": "string"}]
@@ -85,8 +90,7 @@ def schema_errors(manifest: Manifest) -> list[str]:
     validator = validators().get((manifest.get("apiVersion", ""), manifest.get("kind", "")))
     if validator is None:
         return [f"no KServe CRD for {manifest.get('apiVersion')} {manifest.get('kind')}"]
-    return [f"{'/'.join(map(str, error.absolute_path))}: {error.message}"
-            for error in validator.iter_errors(manifest)]
+    return [f"{'/'.join(map(str, error.absolute_path))}: {error.message}" for error in validator.iter_errors(manifest)]
 
 
 def containers(manifest: Manifest) -> Iterator[Manifest]:
@@ -121,11 +125,16 @@ def rule_problems(manifest: Manifest, others: list[Manifest]) -> list[str]:
                     continue
                 other_protocols = set(other["spec"].get("protocolVersions") or ["v1"])
                 for theirs in other["spec"].get("supportedModelFormats", []):
-                    if (theirs.get("autoSelect") and (theirs["name"], theirs.get("version"))
-                            == (fmt["name"], fmt.get("version")) and theirs.get("priority") == fmt.get("priority")
-                            and protocols & other_protocols):
-                        problems.append(f"{fmt['name']} {fmt.get('version')} at priority {fmt.get('priority')} "
-                                        f"clashes with {other['metadata']['name']}")
+                    if (
+                        theirs.get("autoSelect")
+                        and (theirs["name"], theirs.get("version")) == (fmt["name"], fmt.get("version"))
+                        and theirs.get("priority") == fmt.get("priority")
+                        and protocols & other_protocols
+                    ):
+                        problems.append(
+                            f"{fmt['name']} {fmt.get('version')} at priority {fmt.get('priority')} "
+                            f"clashes with {other['metadata']['name']}"
+                        )
     for container in containers(manifest):
         if any(env.get("name") == "PYTHONPATH" for env in container.get("env", [])):
             problems.append(f"container {container.get('name')}: PYTHONPATH is refused")
@@ -161,8 +170,13 @@ def shoal_containers() -> list[tuple[str, list[str], dict[str, str]]]:
         for container in containers(doc):
             if container.get("args", [None])[0] == "shoal":
                 env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
-                found.append((f"{path.relative_to(REPO_ROOT)}:{doc['kind']}/{doc['metadata']['name']}",
-                              list(container["args"]), env))
+                found.append(
+                    (
+                        f"{path.relative_to(REPO_ROOT)}:{doc['kind']}/{doc['metadata']['name']}",
+                        list(container["args"]),
+                        env,
+                    )
+                )
     return found
 
 

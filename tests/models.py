@@ -13,8 +13,20 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO_ROOT / "model_repository"
 
 ALL_DATATYPES = (
-    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-    "FP16", "FP32", "FP64", "BYTES", "BF16",
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BYTES",
+    "BF16",
 )
 
 
@@ -120,7 +132,9 @@ def add_broken_models(repo: Path) -> dict[str, str]:
 
     shutil.copytree(EXAMPLES / "simple", repo / "wrong_dims")
     (repo / "wrong_dims" / "config.pbtxt").write_text(
-        (EXAMPLES / "simple" / "config.pbtxt").read_text().replace('"simple"', '"wrong_dims"')
+        (EXAMPLES / "simple" / "config.pbtxt")
+        .read_text()
+        .replace('"simple"', '"wrong_dims"')
         .replace("dims: [ 16 ]", "dims: [ 15 ]", 1)
     )
     return {
@@ -135,17 +149,21 @@ def add_weighty_onnx(repo: Path, name: str, megabytes: float, instances: int = 1
     count = int(megabytes * 2**20) // 4
     weight = helper.make_tensor("w", TensorProto.FLOAT, [count], bytes(4 * count), raw=True)
     graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "w"], ["y"])], name,
+        [helper.make_node("Add", ["x", "w"], ["y"])],
+        name,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [count])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [count])],
         initializer=[weight],
     )
     save_onnx(graph, repo / name / "1" / "model.onnx")
-    write_config(repo / name, f"""
+    write_config(
+        repo / name,
+        f"""
         platform: "onnxruntime_onnx"
         max_batch_size: 0
         input [ {{ name: "x" data_type: TYPE_FP32 dims: [ {count} ] }} ]
         output [ {{ name: "y" data_type: TYPE_FP32 dims: [ {count} ] }} ]
         instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
         {extra}
-        """)
+        """,
+    )

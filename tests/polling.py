@@ -28,8 +28,11 @@ def metric(server: LocalServer, name: str, model: str) -> float:
     """One model's (version 1) value of a Prometheus family, summed over its other labels (a failure's
     ``reason``), from /metrics; a counter's sample carries the family's name, with no ``_total``, as Triton's."""
     family = parse(scrape(server.metrics_port)).get(name)
-    samples = [s.value for s in family.samples if s.labels.get("model") == model
-               and s.labels.get("version") == "1"] if family else []
+    samples = (
+        [s.value for s in family.samples if s.labels.get("model") == model and s.labels.get("version") == "1"]
+        if family
+        else []
+    )
     if not samples:
         raise AssertionError(f"no {name} for model {model} in /metrics")
     return sum(samples)

@@ -146,22 +146,28 @@ class TritonPythonModel:
 """
 
 # BLS, asynchronous: the same two calls in flight together, from an async execute.
-BLS_ASYNC = BLS_SYNC.replace("import numpy as np", "import asyncio\n\nimport numpy as np").replace(
-    "    def execute(self, requests):", "    async def execute(self, requests):").replace(
-    """                inputs=[pb_utils.Tensor("INPUT0", a), pb_utils.Tensor("INPUT1", np.ones_like(a))]).exec()
+BLS_ASYNC = (
+    BLS_SYNC.replace("import numpy as np", "import asyncio\n\nimport numpy as np")
+    .replace("    def execute(self, requests):", "    async def execute(self, requests):")
+    .replace(
+        """                inputs=[pb_utils.Tensor("INPUT0", a), pb_utils.Tensor("INPUT1", np.ones_like(a))]).exec()
             if simple.has_error():
                 raise pb_utils.TritonModelException(simple.error().message())
             add_sub = pb_utils.InferenceRequest(""",
-    """                inputs=[pb_utils.Tensor("INPUT0", a), pb_utils.Tensor("INPUT1", np.ones_like(a))]).async_exec()
-            add_sub = pb_utils.InferenceRequest(""").replace(
-    """                inputs=[pb_utils.Tensor("INPUT0", b), pb_utils.Tensor("INPUT1", b * 0.5)]).exec()
+        """                inputs=[pb_utils.Tensor("INPUT0", a), pb_utils.Tensor("INPUT1", np.ones_like(a))]).async_exec()
+            add_sub = pb_utils.InferenceRequest(""",  # noqa: E501 - the model source, as written
+    )
+    .replace(
+        """                inputs=[pb_utils.Tensor("INPUT0", b), pb_utils.Tensor("INPUT1", b * 0.5)]).exec()
             missing = pb_utils.InferenceRequest(
                 model_name="no_such_model", requested_output_names=["X"], inputs=[pb_utils.Tensor("X", b)]).exec()""",
-    """                inputs=[pb_utils.Tensor("INPUT0", b), pb_utils.Tensor("INPUT1", b * 0.5)]).async_exec()
+        """                inputs=[pb_utils.Tensor("INPUT0", b), pb_utils.Tensor("INPUT1", b * 0.5)]).async_exec()
             missing = pb_utils.InferenceRequest(
                 model_name="no_such_model", requested_output_names=["X"], inputs=[pb_utils.Tensor("X", b)]
             ).async_exec()
-            simple, add_sub, missing = await asyncio.gather(simple, add_sub, missing)""")
+            simple, add_sub, missing = await asyncio.gather(simple, add_sub, missing)""",
+    )
+)
 
 # Faults: each a change of add_sub's execute.
 FAULTS = {
@@ -171,13 +177,15 @@ FAULTS = {
     "wrong_dtype": ("(a + b).astype(self.output0_dtype)", "(a + b).astype(np.int64)"),
     # INPUT0[0] == 13 ends the process (a crash), == 7 hangs (writing its pid to the request's
     # parameter pid_file, if any); others are answered
-    "crashes": ("            a, b = in_0.as_numpy(), in_1.as_numpy()\n",
-                "            a, b = in_0.as_numpy(), in_1.as_numpy()\n"
-                "            if a.flat[0] == 13:\n                import os\n                os._exit(3)\n"
-                "            if a.flat[0] == 7:\n                import os, time\n"
-                "                pid_file = json.loads(request.parameters()).get('pid_file')\n"
-                "                if pid_file:\n                    open(pid_file, 'w').write(str(os.getpid()))\n"
-                "                time.sleep(600)\n"),
+    "crashes": (
+        "            a, b = in_0.as_numpy(), in_1.as_numpy()\n",
+        "            a, b = in_0.as_numpy(), in_1.as_numpy()\n"
+        "            if a.flat[0] == 13:\n                import os\n                os._exit(3)\n"
+        "            if a.flat[0] == 7:\n                import os, time\n"
+        "                pid_file = json.loads(request.parameters()).get('pid_file')\n"
+        "                if pid_file:\n                    open(pid_file, 'w').write(str(os.getpid()))\n"
+        "                time.sleep(600)\n",
+    ),
     "syntax_error": ("    def execute(self, requests):", "    def execute(self, requests)"),
     "import_error": ("import json\n", "import json\nimport no_such_module_xyz\n"),
 }
@@ -191,8 +199,9 @@ def write_model(repo: Path, name: str, config: str, source: str) -> Path:
     return folder
 
 
-def add_add_sub(repo: Path, name: str = "add_sub", count: int = 1, delay_us: int = 0, extra: str = "",
-                source: str = ADD_SUB) -> Path:
+def add_add_sub(
+    repo: Path, name: str = "add_sub", count: int = 1, delay_us: int = 0, extra: str = "", source: str = ADD_SUB
+) -> Path:
     return write_model(repo, name, ADD_SUB_CONFIG.format(delay_us=delay_us, count=count, extra=extra), source)
 
 
@@ -200,6 +209,7 @@ def add_fault(repo: Path, fault: str, extra: str = "") -> Path:
     old, new = FAULTS[fault]
     assert old in ADD_SUB, fault
     return add_add_sub(repo, fault, extra=extra, source=ADD_SUB.replace(old, new))
+
 
 DOUBLE_CONFIG = """
 backend: "python"

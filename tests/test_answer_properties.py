@@ -81,20 +81,25 @@ def build_repository(repo: Path) -> None:
     _append(repo / "torch_double_processes", BATCHING + PROCESSES)
     ensemble_models.add_identity(repo, "echo", extra=BATCHING)
     for suffix, extra in (("", ""), ("_cached", CACHE)):
-        ensemble_models.add_ensemble(repo, f"add1_then_double{suffix}", [
-            ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "plus_one"}),
-            ensemble_models.step("torch_double", {"INPUT__0": "plus_one"}, {"OUTPUT__0": "OUT"}),
-        ], extra=extra)
+        ensemble_models.add_ensemble(
+            repo,
+            f"add1_then_double{suffix}",
+            [
+                ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "plus_one"}),
+                ensemble_models.step("torch_double", {"INPUT__0": "plus_one"}, {"OUTPUT__0": "OUT"}),
+            ],
+            extra=extra,
+        )
     ensemble_models.add_identity(repo, "echo_cached", extra=BATCHING + CACHE)
     python_models.write_model(repo, "py_double_cached", python_models.DOUBLE_CONFIG + CACHE, python_models.DOUBLE)
-    python_models.write_model(repo, "py_double_threads", python_models.DOUBLE_CONFIG + THREADS,
-                              python_models.DOUBLE)
+    python_models.write_model(repo, "py_double_threads", python_models.DOUBLE_CONFIG + THREADS, python_models.DOUBLE)
     python_models.write_model(repo, "py_double_processes", python_models.DOUBLE_CONFIG, python_models.DOUBLE)
     bls = python_models.BLS_DOUBLE.replace('model_name="double"', 'model_name="py_double_threads"')
     assert bls != python_models.BLS_DOUBLE
     python_models.write_model(repo, "py_bls_threads", python_models.DOUBLE_CONFIG + THREADS, bls)
-    python_models.write_model(repo, "py_bls_processes", python_models.DOUBLE_CONFIG,
-                              bls.replace("py_double_threads", "py_double_processes"))
+    python_models.write_model(
+        repo, "py_bls_processes", python_models.DOUBLE_CONFIG, bls.replace("py_double_threads", "py_double_processes")
+    )
     add_accumulator(repo, "acc", "direct { max_queue_delay_microseconds: 2000 }", instances=2)
     add_torch_passthrough_state(repo, "pass")
 
@@ -103,8 +108,9 @@ def build_repository(repo: Path) -> None:
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     build_repository(repo)
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *LAYOUTS[request.param],
-                           "--cache-config", f"local,size={CACHE_BYTES}")
+    running = start_server(
+        repo, tmp_path_factory.mktemp("server"), *LAYOUTS[request.param], "--cache-config", f"local,size={CACHE_BYTES}"
+    )
     yield running
     assert running.stop() == 0, running.log()
 
@@ -120,8 +126,11 @@ class Regions:
     @classmethod
     def create(cls, client: grpcclient.InferenceServerClient) -> Regions:
         tag = uuid.uuid4().hex[:12]
-        regions = cls(tag, shm.create_shared_memory_region(f"in_{tag}", f"/shoal_prop_in_{tag}", REGION_BYTES),
-                      shm.create_shared_memory_region(f"out_{tag}", f"/shoal_prop_out_{tag}", REGION_BYTES))
+        regions = cls(
+            tag,
+            shm.create_shared_memory_region(f"in_{tag}", f"/shoal_prop_in_{tag}", REGION_BYTES),
+            shm.create_shared_memory_region(f"out_{tag}", f"/shoal_prop_out_{tag}", REGION_BYTES),
+        )
         client.register_system_shared_memory(f"in_{tag}", f"/shoal_prop_in_{tag}", REGION_BYTES)
         client.register_system_shared_memory(f"out_{tag}", f"/shoal_prop_out_{tag}", REGION_BYTES)
         return regions
@@ -181,8 +190,11 @@ def _one_request(client: Client, rng: random.Random) -> str | None:
     else:
         model = rng.choice(list(VECTOR_MODELS))
         name, output, compute = "X", "Y", VECTOR_MODELS[model]
-        value = _values(rng, (rng.randint(1, 2),), 0, 2) if model.endswith("_cached") else _values(
-            rng, (rng.randint(1, 8),))
+        value = (
+            _values(rng, (rng.randint(1, 2),), 0, 2)
+            if model.endswith("_cached")
+            else _values(rng, (rng.randint(1, 8),))
+        )
     answer = client.infer(how, model, name, output, value)
     expected = compute(value)
     if answer.shape != expected.shape or not np.array_equal(answer, expected):
@@ -193,21 +205,37 @@ def _one_request(client: Client, rng: random.Random) -> str | None:
 def _sequence_step(client: Client, rng: random.Random, state: dict[str, Any]) -> str | None:
     """The next step of this client's open sequence (a new one after the last step)."""
     if not state.get("steps"):
-        state.update(model=rng.choice(("acc", "pass")), cid=state["next_cid"], steps=rng.randint(2, 6), previous=0.0,
-                     total=0.0, first=True)
+        state.update(
+            model=rng.choice(("acc", "pass")),
+            cid=state["next_cid"],
+            steps=rng.randint(2, 6),
+            previous=0.0,
+            total=0.0,
+            first=True,
+        )
         state["next_cid"] += 1
     value = float(rng.randint(-500, 500))
     state["steps"] -= 1
     how = rng.choice(("grpc", "http", "shm"))
-    answer = client.infer(how, state["model"], "INPUT", "OUTPUT", np.full((1, 1), value, np.float32),
-                          sequence_id=state["cid"], sequence_start=state["first"], sequence_end=state["steps"] == 0)
+    answer = client.infer(
+        how,
+        state["model"],
+        "INPUT",
+        "OUTPUT",
+        np.full((1, 1), value, np.float32),
+        sequence_id=state["cid"],
+        sequence_start=state["first"],
+        sequence_end=state["steps"] == 0,
+    )
     state["first"] = False
     state["total"] += value
     expected = state["total"] if state["model"] == "acc" else value - state["previous"]
     state["previous"] = value
     if answer.reshape(-1).tolist() != [expected]:
-        return (f"{state['model']} sequence {state['cid']} over {how}: sent {value}, got {answer.tolist()}, "
-                f"expected {expected}")
+        return (
+            f"{state['model']} sequence {state['cid']} over {how}: sent {value}, got {answer.tolist()}, "
+            f"expected {expected}"
+        )
     return None
 
 

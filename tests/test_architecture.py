@@ -18,19 +18,32 @@ from tests.models import REPO_ROOT
 
 # Rank of each part of `shoal`: a module may import only parts of a lower rank (or its own part).
 LAYERS: dict[str, int] = {
-    "__main__": 11, "cli": 10,
+    "__main__": 11,
+    "cli": 10,
     "app": 9,  # wiring
-    "config_commands": 8, "tools": 8,  # tools that drive a server
+    "config_commands": 8,
+    "tools": 8,  # tools that drive a server
     "frontend": 8,  # front-end worker processes: a transport over a remote core
-    "grpc": 7, "http": 7, "metrics": 7,  # transports
+    "grpc": 7,
+    "http": 7,
+    "metrics": 7,  # transports
     "core": 6,  # the facade every transport calls
     "lifecycle": 5,
-    "instances": 4, "scheduling": 4,
+    "instances": 4,
+    "scheduling": 4,
     "backends": 3,
-    "repository": 2, "dataplane": 2, "logs": 2, "tracing": 2,  # logs: what every process reads to log by
-    "settings": 1, "statistics": 1, "types": 1, "errors": 1, "descriptors": 1,
+    "repository": 2,
+    "dataplane": 2,
+    "logs": 2,
+    "tracing": 2,  # logs: what every process reads to log by
+    "settings": 1,
+    "statistics": 1,
+    "types": 1,
+    "errors": 1,
+    "descriptors": 1,
     "clients": 1,  # the client library: the protocol is all it shares with the server
-    "protocol": 0, "__init__": 0,
+    "protocol": 0,
+    "__init__": 0,
 }
 PACKAGE_FOLDERS = {"shoal": REPO_ROOT / "server", "shoal.clients": REPO_ROOT / "clients"}
 
@@ -76,18 +89,27 @@ def test_imports_point_down_the_layers() -> None:
                 continue
             destination = _part(target)
             if destination != source and LAYERS[destination] >= LAYERS[source]:
-                upward.append(f"{module} imports {target} ({source} {LAYERS[source]} -> {destination} "
-                              f"{LAYERS[destination]})")
+                upward.append(
+                    f"{module} imports {target} ({source} {LAYERS[source]} -> {destination} {LAYERS[destination]})"
+                )
     assert not upward, "imports that point up or sideways:\n" + "\n".join(upward)
 
 
 def test_no_import_of_the_folder_names() -> None:
     """Code imports `shoal.*`, never the folders `server` or `clients` (they are not installed)."""
-    wrong = [f"{module} imports {target}" for module, path in _modules().items() for target in _imports(path)
-             if target.split(".")[0] in {"server", "clients"}]
+    wrong = [
+        f"{module} imports {target}"
+        for module, path in _modules().items()
+        for target in _imports(path)
+        if target.split(".")[0] in {"server", "clients"}
+    ]
     for folder in ("tests", "bench"):
-        wrong += [f"{path} imports {target}" for path in (REPO_ROOT / folder).rglob("*.py")
-                  for target in _imports(path) if target.split(".")[0] in {"server", "clients"}]
+        wrong += [
+            f"{path} imports {target}"
+            for path in (REPO_ROOT / folder).rglob("*.py")
+            for target in _imports(path)
+            if target.split(".")[0] in {"server", "clients"}
+        ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -102,6 +124,7 @@ def test_no_generic_top_level_module_is_installed(tmp_path: Path, name: str) -> 
 
 
 def test_python_dash_m_shoal_is_the_shoal_command(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "shoal", "--version"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal", "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and result.stdout.startswith("shoal "), result.stdout + result.stderr

@@ -58,31 +58,39 @@ def _raw_count(r: pb.ModelInferRequest) -> None:
 CASES = {
     "unknown model": (
         lambda r: setattr(r, "model_name", "nope"),
-        grpc.StatusCode.UNAVAILABLE, "Request for unknown model: 'nope' is not found",
+        grpc.StatusCode.UNAVAILABLE,
+        "Request for unknown model: 'nope' is not found",
     ),
     "unknown version": (
         lambda r: setattr(r, "model_version", "9"),
-        grpc.StatusCode.UNAVAILABLE, "'simple' version 9 is not found",
+        grpc.StatusCode.UNAVAILABLE,
+        "'simple' version 9 is not found",
     ),
     "wrong datatype": (
         lambda r: setattr(r.inputs[0], "datatype", "FP32"),
-        grpc.StatusCode.INVALID_ARGUMENT, "input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'",
     ),
     "unknown datatype": (
         lambda r: setattr(r.inputs[0], "datatype", "COMPLEX"),
-        grpc.StatusCode.INVALID_ARGUMENT, "input 'INPUT0': unknown datatype 'COMPLEX'",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "input 'INPUT0': unknown datatype 'COMPLEX'",
     ),
     "wrong shape": (
-        _wrong_shape, grpc.StatusCode.INVALID_ARGUMENT,
+        _wrong_shape,
+        grpc.StatusCode.INVALID_ARGUMENT,
         "unexpected shape for input 'INPUT0' for model 'simple'. Expected [-1,16], got [1,8]. NOTE:",
     ),
     "missing input": (_missing_input, grpc.StatusCode.INVALID_ARGUMENT, "missing required input(s) ['INPUT1']"),
     "extra input": (
-        _extra_input, grpc.StatusCode.INVALID_ARGUMENT, "expected 2 inputs but got 3 inputs for model 'simple'",
+        _extra_input,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "expected 2 inputs but got 3 inputs for model 'simple'",
     ),
     "unknown output": (
         lambda r: r.outputs.add(name="OUTPUT7"),
-        grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference output 'OUTPUT7' for model 'simple'",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unexpected inference output 'OUTPUT7' for model 'simple'",
     ),
     "raw byte size": (
         lambda r: r.raw_input_contents.__setitem__(1, b"\x00" * 63),
@@ -90,22 +98,29 @@ CASES = {
         "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 63",
     ),
     "raw entry count": (
-        _raw_count, grpc.StatusCode.INVALID_ARGUMENT,
+        _raw_count,
+        grpc.StatusCode.INVALID_ARGUMENT,
         "unable to find data for input tensor 'INPUT1' for model 'simple' in request.",
     ),
     "batch too big": (
-        _too_big_batch, grpc.StatusCode.INVALID_ARGUMENT, "batch-size must be <= 8 for 'simple'",
+        _too_big_batch,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "batch-size must be <= 8 for 'simple'",
     ),
     "mixed batch sizes": (
-        _mixed_batch, grpc.StatusCode.INVALID_ARGUMENT,
+        _mixed_batch,
+        grpc.StatusCode.INVALID_ARGUMENT,
         "input 'INPUT1' batch size does not match other inputs for 'simple'",
     ),
     "zero batch beside a batch of one": (
-        _zero_batch_beside_one, grpc.StatusCode.INVALID_ARGUMENT, "input 'INPUT0' for model 'simple' has batch size 0",
+        _zero_batch_beside_one,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "input 'INPUT0' for model 'simple' has batch size 0",
     ),
     "negative dim": (
         lambda r: r.inputs[0].shape.__setitem__(0, -1),
-        grpc.StatusCode.INVALID_ARGUMENT, "negative dimension",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "negative dimension",
     ),
 }
 

@@ -81,13 +81,17 @@ def statistics(url: str, model: str) -> dict:
 
 
 def wait_executing(server: RunningServer, model: str, count: int = 1) -> None:
-    wait_until(lambda: metric(server, "shoal_model_executing_requests", model) == count,
-               what=f"{count} executing request(s) of '{model}'")
+    wait_until(
+        lambda: metric(server, "shoal_model_executing_requests", model) == count,
+        what=f"{count} executing request(s) of '{model}'",
+    )
 
 
 def wait_queued(server: RunningServer, model: str, count: int) -> None:
-    wait_until(lambda: metric(server, "nv_inference_pending_request_count", model) == count,
-               what=f"{count} queued request(s) of '{model}'")
+    wait_until(
+        lambda: metric(server, "nv_inference_pending_request_count", model) == count,
+        what=f"{count} queued request(s) of '{model}'",
+    )
 
 
 def test_responses_never_mix_rows_under_concurrency(batching_server: RunningServer) -> None:

@@ -57,8 +57,11 @@ def test_a_bls_call_names_its_model_with_bytes(tmp_path: Path, server_factory: A
     pm.write_model(repo, "bls", BLS_CONFIG + (THREADS if instances == "threads" else ""), BLS_BY_NAME)
     server = server_factory(repo)
     a, b = np.arange(4, dtype=np.float32).reshape(1, 4), np.full((1, 4), 0.5, np.float32)
-    inputs = [grpcclient.InferInput("MODEL_NAME", [1], "BYTES"), grpcclient.InferInput("INPUT0", [1, 4], "FP32"),
-              grpcclient.InferInput("INPUT1", [1, 4], "FP32")]
+    inputs = [
+        grpcclient.InferInput("MODEL_NAME", [1], "BYTES"),
+        grpcclient.InferInput("INPUT0", [1, 4], "FP32"),
+        grpcclient.InferInput("INPUT1", [1, 4], "FP32"),
+    ]
     inputs[0].set_data_from_numpy(np.array([b"add_sub"], dtype=np.object_))
     inputs[1].set_data_from_numpy(a)
     inputs[2].set_data_from_numpy(b)

@@ -164,8 +164,9 @@ def expected(data: np.ndarray, count: int, batched: bool, labels: list[bytes] | 
     return result if batched else result[0]
 
 
-def infer(client: triton.InferenceServerClient, model: str, data: np.ndarray, datatype: str, count: int
-          ) -> triton.InferResult:
+def infer(
+    client: triton.InferenceServerClient, model: str, data: np.ndarray, datatype: str, count: int
+) -> triton.InferResult:
     tensor = triton.InferInput("IN", list(data.shape), datatype)
     tensor.set_data_from_numpy(data)
     return client.infer(model, [tensor], outputs=[triton.InferRequestedOutput("OUT", class_count=count)])
@@ -250,8 +251,12 @@ def test_classification_beside_a_plain_output_and_through_the_batcher(
         tensor = triton.InferInput("IN", list(data.shape), "FP32")
         tensor.set_data_from_numpy(data)
         answer: queue.Queue[tuple[triton.InferResult | None, InferenceServerException | None]] = queue.Queue()
-        client.async_infer("doubled", [tensor], callback=lambda result, error, into=answer: into.put((result, error)),
-                           outputs=[triton.InferRequestedOutput("OUT", class_count=2)])
+        client.async_infer(
+            "doubled",
+            [tensor],
+            callback=lambda result, error, into=answer: into.put((result, error)),
+            outputs=[triton.InferRequestedOutput("OUT", class_count=2)],
+        )
         answers.append(answer)
     for data, answer in zip(inputs, answers, strict=True):
         result, error = answer.get(timeout=30)  # the callbacks run on tritonclient's threads
@@ -296,8 +301,10 @@ def test_non_numeric_output_is_refused(client: triton.InferenceServerClient, dat
     with pytest.raises(InferenceServerException) as caught:
         infer(client, f"other_{datatype.lower()}", data, datatype, 1)
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
-    assert f"class result not available for output 'OUT' of model 'other_{datatype.lower()}' due to " \
-           f"unsupported type '{datatype}'" in caught.value.message()
+    assert (
+        f"class result not available for output 'OUT' of model 'other_{datatype.lower()}' due to "
+        f"unsupported type '{datatype}'" in caught.value.message()
+    )
 
 
 def test_negative_count_is_refused(client: triton.InferenceServerClient) -> None:
@@ -321,11 +328,18 @@ def _raw_request(parameter: pb.InferParameter) -> pb.ModelInferRequest:
     return request
 
 
-@pytest.mark.parametrize(("parameter", "phrase"), [
-    (pb.InferParameter(int64_param=0), "invalid value for 'classification' parameter, expected > 0, got 0"),
-    (pb.InferParameter(string_param="3"), "invalid value type for 'classification' parameter, expected int64_param"),
-    (pb.InferParameter(bool_param=True), "invalid value type for 'classification' parameter, expected int64_param"),
-], ids=["zero", "string", "bool"])
+@pytest.mark.parametrize(
+    ("parameter", "phrase"),
+    [
+        (pb.InferParameter(int64_param=0), "invalid value for 'classification' parameter, expected > 0, got 0"),
+        (
+            pb.InferParameter(string_param="3"),
+            "invalid value type for 'classification' parameter, expected int64_param",
+        ),
+        (pb.InferParameter(bool_param=True), "invalid value type for 'classification' parameter, expected int64_param"),
+    ],
+    ids=["zero", "string", "bool"],
+)
 def test_malformed_count_is_refused(stub: InferenceStub, parameter: pb.InferParameter, phrase: str) -> None:
     """tritonclient never sends class_count=0 (it means "no classification"); a raw request can."""
     with pytest.raises(grpc.RpcError) as caught:
@@ -383,8 +397,9 @@ def test_health_is_answered_while_a_wide_output_is_classified(server: RunningSer
     """All 2M classes of a [2, 1M] output: ranked and formatted on the event loop, they held it for
     seconds. ServerLive, polled while another process's request runs, now waits far less than the
     request takes."""
-    with subprocess.Popen([sys.executable, "-c", WIDE_CLIENT, server.url], cwd=models.REPO_ROOT,
-                          stdout=subprocess.PIPE, text=True) as client:
+    with subprocess.Popen(
+        [sys.executable, "-c", WIDE_CLIENT, server.url], cwd=models.REPO_ROOT, stdout=subprocess.PIPE, text=True
+    ) as client:
         try:
             assert client.stdout is not None and client.stdout.readline() == "sending\n"
             start = time.perf_counter()

@@ -22,8 +22,15 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_triton_flag_names() -> None:
     result = run("serve", "--help")
     assert result.returncode == 0
-    for flag in ("--model-repository", "--grpc-port", "--grpc-address", "--log-verbose", "--reuse-grpc-port",
-                 "--exit-timeout-secs", "--metrics-address"):
+    for flag in (
+        "--model-repository",
+        "--grpc-port",
+        "--grpc-address",
+        "--log-verbose",
+        "--reuse-grpc-port",
+        "--exit-timeout-secs",
+        "--metrics-address",
+    ):
         assert flag in result.stdout
 
 
@@ -57,6 +64,7 @@ def test_shoal_entry_point_serves_and_exits_zero_on_sigterm(tmp_path: Path, serv
 def test_console_scripts_are_installed(script: str, expected: str) -> None:
     path = shutil.which(script, path=str(Path(sys.executable).parent))
     assert path is not None, f"the `{script}` console script is missing: pip install -e ."
-    result = subprocess.run([path, "--version" if script == "shoal" else "--help"], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [path, "--version" if script == "shoal" else "--help"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and result.stdout.startswith(expected)

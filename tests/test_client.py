@@ -85,9 +85,7 @@ def test_async_client(example_server: RunningServer) -> None:
     async def scenario() -> None:
         async with AsyncInferenceClient(example_server.url, timeout_s=30) as client:
             assert await client.is_live() and await client.is_model_ready("simple")
-            results = await asyncio.gather(
-                *[client.infer("simple", {"INPUT0": A * i, "INPUT1": A}) for i in range(8)]
-            )
+            results = await asyncio.gather(*[client.infer("simple", {"INPUT0": A * i, "INPUT1": A}) for i in range(8)])
             for i, outputs in enumerate(results):
                 np.testing.assert_array_equal(outputs["OUTPUT0"], A * i + A)
             assert (await client.model_metadata("mlp")).inputs[0].shape == (-1, 256)

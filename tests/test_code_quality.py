@@ -1,4 +1,4 @@
-"""The code stays ruff- and mypy-clean (STYLE.md): checked with every test run, not by hand."""
+"""The code stays ruff-formatted, ruff- and mypy-clean (STYLE.md): checked with every test run, not by hand."""
 
 from __future__ import annotations
 
@@ -14,8 +14,37 @@ PACKAGE_FOLDERS = {"shoal": REPO_ROOT / "server", "shoal/clients": REPO_ROOT / "
 
 
 def test_ruff_is_clean() -> None:
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "server", "clients", "tests", "bench",
-                             "model_repository", "proto"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "server", "clients", "tests", "bench", "model_repository", "proto"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_is_applied() -> None:
+    """One formatter, applied once and kept: ``ruff format`` (pyproject's line length) leaves every file as it is."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "format",
+            "--check",
+            "server",
+            "clients",
+            "tests",
+            "bench",
+            "model_repository",
+            "proto",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -36,6 +65,12 @@ def _package_view(root: Path) -> Path:
 
 def test_mypy_is_clean(tmp_path: Path) -> None:
     view = _package_view(tmp_path / "view")
-    result = subprocess.run([sys.executable, "-m", "mypy", str(view / "shoal"), "bench"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=600, env={**os.environ, "MYPYPATH": str(view)})
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", str(view / "shoal"), "bench"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "MYPYPATH": str(view)},
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -32,8 +32,11 @@ def test_bytes_round_trip_exactly() -> None:
 @pytest.mark.parametrize(
     ("raw", "phrase"),
     [
-        (b"\x01\x00", "incomplete string length indicator for inference input 'x' for model 'm', expecting 4 bytes "
-                        "but only 2 bytes available"),
+        (
+            b"\x01\x00",
+            "incomplete string length indicator for inference input 'x' for model 'm', expecting 4 bytes "
+            "but only 2 bytes available",
+        ),
         (struct.pack("<I", 9) + b"abc", "runs past the content"),
         (struct.pack("<I", 1) + b"a", "expected 2 string elements for inference input 'x' for model 'm', got 1"),
     ],
@@ -91,8 +94,10 @@ def test_half_precision_needs_raw(datatype: str) -> None:
     tensor.contents.fp32_contents.append(1.0)
     with pytest.raises(ShoalError) as caught:
         convert.infer_request(request)
-    assert caught.value.message == (f"unexpected explicit tensor data for input tensor 'a' for model 'm' of type "
-                                    f"'FP32', expected datatype '{datatype}'")
+    assert caught.value.message == (
+        f"unexpected explicit tensor data for input tensor 'a' for model 'm' of type "
+        f"'FP32', expected datatype '{datatype}'"
+    )
 
 
 def test_request_parameters_of_every_kind() -> None:
@@ -171,7 +176,8 @@ def test_many_tiny_strings_are_refused_before_decoding(monkeypatch: pytest.Monke
         convert.infer_request(_empty_strings_request(5_000_000))
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT
     assert caught.value.message.startswith(
-        "the BYTES inputs of this request for model 'm' hold up to 5000000 elements in 20000000 bytes")
+        "the BYTES inputs of this request for model 'm' hold up to 5000000 elements in 20000000 bytes"
+    )
 
 
 def test_strings_within_the_floor_or_long_enough_are_decoded() -> None:

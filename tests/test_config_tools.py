@@ -35,10 +35,14 @@ def multi_io_model(path: Path, batch: str | int = "batch") -> None:
             helper.make_node("Cast", ["ids"], ["flags"], to=TensorProto.BOOL),
         ],
         "multi",
-        [helper.make_tensor_value_info("pixels", TensorProto.FLOAT16, [batch, 3]),
-         helper.make_tensor_value_info("ids", TensorProto.INT64, [batch])],
-        [helper.make_tensor_value_info("scaled", TensorProto.FLOAT16, [batch, 3]),
-         helper.make_tensor_value_info("flags", TensorProto.BOOL, [batch])],
+        [
+            helper.make_tensor_value_info("pixels", TensorProto.FLOAT16, [batch, 3]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [batch]),
+        ],
+        [
+            helper.make_tensor_value_info("scaled", TensorProto.FLOAT16, [batch, 3]),
+            helper.make_tensor_value_info("flags", TensorProto.BOOL, [batch]),
+        ],
     )
     models.save_onnx(graph, path)
 
@@ -54,18 +58,20 @@ def test_generate_for_a_dynamic_batch_model(tmp_path: Path) -> None:
     config = parse_config(text)
     assert config.name == "multi" and config.backend == "onnxruntime" and config.max_batch_size == 4
     assert [(i.name, config_pb2.DataType.Name(i.data_type), list(i.dims)) for i in config.input] == [
-        ("pixels", "TYPE_FP16", [3]), ("ids", "TYPE_INT64", [1])
+        ("pixels", "TYPE_FP16", [3]),
+        ("ids", "TYPE_INT64", [1]),
     ]
     assert config.input[1].HasField("reshape") and list(config.input[1].reshape.shape) == []
     assert [(o.name, config_pb2.DataType.Name(o.data_type)) for o in config.output] == [
-        ("scaled", "TYPE_FP16"), ("flags", "TYPE_BOOL")
+        ("scaled", "TYPE_FP16"),
+        ("flags", "TYPE_BOOL"),
     ]
     assert config.HasField("dynamic_batching") and config.version_policy.latest.num_versions == 1
     assert shoal("config", "generate", str(folder)).returncode == 2  # exists: refuses without --force
     again = shoal("config", "generate", str(folder), "--output", "-")
     assert again.stdout == text, "generation is stable"
     # Written as Triton's docs and our examples write it: lists of blocks, dims as lists, the kind.
-    assert "input [\n  {\n    name: \"pixels\"" in text and "\ninput {" not in text
+    assert 'input [\n  {\n    name: "pixels"' in text and "\ninput {" not in text
     assert "dims: [ 3 ]" in text and "dims: 3" not in text
     assert "preferred_batch_size: [ 4 ]" in text
     assert "kind: KIND_AUTO" in text and config.instance_group[0].kind == config_pb2.ModelInstanceGroup.KIND_AUTO
@@ -102,10 +108,16 @@ def test_generate_for_a_model_file_in_a_version_folder_writes_its_model_folders_
     assert parse_config((repo / "m" / "config.pbtxt").read_text()).name == "m"
     assert sorted(p.name for p in (repo / "m" / "1").iterdir()) == ["model.onnx"], "nothing nested, nothing copied"
     # The version folder itself, also from inside it: the same model folder.
-    again = subprocess.run([sys.executable, "-m", "shoal", "config", "generate", ".", "--kind", "KIND_CPU",
-                            "--output", "-"], capture_output=True, text=True, timeout=120, cwd=repo / "m" / "1")
-    assert again.returncode == 0 and parse_config(again.stdout) == parse_config((repo / "m" / "config.pbtxt")
-                                                                                 .read_text()), again.stderr
+    again = subprocess.run(
+        [sys.executable, "-m", "shoal", "config", "generate", ".", "--kind", "KIND_CPU", "--output", "-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo / "m" / "1",
+    )
+    assert again.returncode == 0 and parse_config(again.stdout) == parse_config(
+        (repo / "m" / "config.pbtxt").read_text()
+    ), again.stderr
     checked = shoal("config", "check", str(repo))
     assert checked.returncode == 0 and checked.stdout.startswith("ok    m"), checked.stdout + checked.stderr
     # A file the server would not look for in a version folder is refused, not copied into a new model.
@@ -130,8 +142,10 @@ def test_generated_config_loads_and_serves(tmp_path: Path, server_factory) -> No
     repo.mkdir()
     multi_io_model(repo / "multi.onnx")
     # KIND_CPU: with KIND_AUTO a GPU host whose onnxruntime has the CUDA provider would place it on the GPU.
-    assert shoal("config", "generate", str(repo / "multi.onnx"), "--max-batch-size", "8",
-                 "--kind", "KIND_CPU").returncode == 0
+    assert (
+        shoal("config", "generate", str(repo / "multi.onnx"), "--max-batch-size", "8", "--kind", "KIND_CPU").returncode
+        == 0
+    )
     (repo / "multi.onnx").unlink()
     server = server_factory(repo, "--strict-model-config", "true")
     import numpy as np
@@ -146,8 +160,7 @@ def test_generated_config_loads_and_serves(tmp_path: Path, server_factory) -> No
     assert outputs["flags"].tolist() == [[False], [True]] and outputs["scaled"].dtype == np.float16
 
 
-def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory, monkeypatch: pytest.MonkeyPatch) -> None:
     # "bare" has no config, so no instance kind: KIND_AUTO, the GPU on a host with onnxruntime-gpu.
     # Auto-complete is what this tests, on the CPU wherever it runs: hide the GPUs from the servers.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -157,7 +170,8 @@ def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory,
     (repo / "partial").mkdir()
     shutil.copytree(EXAMPLES / "simple" / "1", repo / "partial" / "1")
     (repo / "partial" / "config.pbtxt").write_text(
-        'max_batch_size: 2\ninstance_group [ { count: 3 kind: KIND_CPU } ]\n')
+        "max_batch_size: 2\ninstance_group [ { count: 3 kind: KIND_CPU } ]\n"
+    )
     server = server_factory(repo)
     with InferenceClient(server.url, timeout_s=30) as client:
         bare = client.model_config("bare")
@@ -166,8 +180,9 @@ def test_auto_complete_at_load_and_strict_mode(tmp_path: Path, server_factory,
         partial = client.model_config("partial")
         assert partial["max_batch_size"] == 2 and partial["instance_group"][0]["count"] == 3
         assert [o["name"] for o in partial["output"]] == ["OUTPUT0", "OUTPUT1"]
-    strict = server_factory(repo, "--strict-model-config", "true", "--strict-readiness", "false",
-                            "--exit-on-error", "false")
+    strict = server_factory(
+        repo, "--strict-model-config", "true", "--strict-readiness", "false", "--exit-on-error", "false"
+    )
     with InferenceClient(strict.url, timeout_s=30) as client:
         index = {e.name: e for e in client.repository_index()}
     assert index["bare"].state == "UNAVAILABLE" and "no config.pbtxt" in index["bare"].reason
@@ -179,10 +194,12 @@ def test_check_reports_each_class_of_error(tmp_path: Path) -> None:
     models.add_broken_models(repo)  # bad_syntax, corrupt_file, wrong_dims
     for name, text in {
         "unknown_field": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nmax_batch: 3\n',
-        "preferred_too_big": (EXAMPLES / "simple" / "config.pbtxt").read_text()
+        "preferred_too_big": (EXAMPLES / "simple" / "config.pbtxt")
+        .read_text()
         .replace('"simple"', '"preferred_too_big"')
         + "dynamic_batching { preferred_batch_size: [ 16 ] }\n",
-        "priority_out_of_range": (EXAMPLES / "simple" / "config.pbtxt").read_text()
+        "priority_out_of_range": (EXAMPLES / "simple" / "config.pbtxt")
+        .read_text()
         .replace('"simple"', '"priority_out_of_range"')
         + "dynamic_batching { priority_levels: 2 default_priority_level: 3 }\n",
     }.items():
@@ -249,8 +266,20 @@ def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> No
     original_text = (folder / "config.pbtxt").read_text()
     # 0.4 min left one candidate and a half on a busy machine (a server start and two steps can take 20 s
     # there), and the assertions below want two candidates and four points.
-    result = shoal("config", "tune", str(folder), "--latency-budget-ms", "200", "--max-minutes", "1",
-                   "--concurrency", "1,4", "--window-s", "0.3", timeout=240)
+    result = shoal(
+        "config",
+        "tune",
+        str(folder),
+        "--latency-budget-ms",
+        "200",
+        "--max-minutes",
+        "1",
+        "--concurrency",
+        "1,4",
+        "--window-s",
+        "0.3",
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = list(csv.DictReader((folder / "tuning" / "tune.csv").read_text().splitlines()))
     candidates = {(r["instances"], r["max_batch_size"], r["delay_us"], r["preferred_half"]) for r in rows}
@@ -259,8 +288,11 @@ def test_tune_finds_a_config_at_least_as_good_as_the_start(tmp_path: Path) -> No
     assert (folder / "config.pbtxt").read_text() == original_text
     tuned_text = (folder / "config.tuned.pbtxt").read_text()
     tuned = parse_config(tuned_text)
-    start = [float(r["throughput"]) for r in rows
-             if (r["instances"], r["max_batch_size"], r["delay_us"], r["preferred_half"]) == ("1", "8", "0", "False")]
+    start = [
+        float(r["throughput"])
+        for r in rows
+        if (r["instances"], r["max_batch_size"], r["delay_us"], r["preferred_half"]) == ("1", "8", "0", "False")
+    ]
     best = max(float(r["throughput"]) for r in rows if r["within_budget"] == "True")
     assert best >= max(start)
     assert tuned.name == "simple" and tuned.instance_group[0].count >= 1
@@ -317,14 +349,18 @@ def test_a_tuned_config_changes_only_the_tuned_fields(candidate: tuple[int, int,
     if chosen.max_batch_size > 1:
         assert batching.max_queue_delay_microseconds == chosen.delay_us
         assert list(batching.preferred_batch_size) == (
-            [chosen.max_batch_size // 2, chosen.max_batch_size] if chosen.preferred_half else [chosen.max_batch_size])
+            [chosen.max_batch_size // 2, chosen.max_batch_size] if chosen.preferred_half else [chosen.max_batch_size]
+        )
     else:
         assert not batching.preferred_batch_size and batching.max_queue_delay_microseconds == 100
     assert batching.priority_levels == 3 and batching.preserve_ordering
     assert _comments(text) == _comments(original)
     # Untouched lines are byte for byte the same.
-    kept = [line for line in original.splitlines() if not any(
-        key in line for key in ("max_batch_size", "count", "preferred_batch_size", "max_queue_delay"))]
+    kept = [
+        line
+        for line in original.splitlines()
+        if not any(key in line for key in ("max_batch_size", "count", "preferred_batch_size", "max_queue_delay"))
+    ]
     assert all(line in text.splitlines() for line in kept)
 
 
@@ -379,17 +415,33 @@ def test_tune_names_the_input_whose_variable_dims_need_a_shape(tmp_path: Path) -
         "--shape IN:D1,D2,... (e.g. --shape IN:3,16)"
     )
     assert not (tmp_path / "var" / "tuning").exists(), "nothing was measured, nothing written"
-    for shape, phrase in {"OTHER:3,4": "model 'var' has no such input; its inputs: IN",
-                          "IN:4,4": "does not fit input 'IN', whose dims are [3, -1]",
-                          "IN:3": "does not fit input 'IN'"}.items():
+    for shape, phrase in {
+        "OTHER:3,4": "model 'var' has no such input; its inputs: IN",
+        "IN:4,4": "does not fit input 'IN', whose dims are [3, -1]",
+        "IN:3": "does not fit input 'IN'",
+    }.items():
         wrong = shoal("config", "tune", str(tmp_path / "var"), "--latency-budget-ms", "100", "--shape", shape)
         assert wrong.returncode == 1 and phrase in wrong.stderr and len(wrong.stderr.splitlines()) == 1, wrong.stderr
 
 
 def test_tune_measures_a_model_with_variable_dims_at_the_given_shape(tmp_path: Path) -> None:
     models.add_identity(tmp_path, "var", "FP32", dims="[ 3, -1 ]")
-    result = shoal("config", "tune", str(tmp_path / "var"), "--latency-budget-ms", "200", "--max-minutes", "0.1",
-                   "--concurrency", "1", "--window-s", "0.2", "--shape", "IN:3,5", timeout=240)
+    result = shoal(
+        "config",
+        "tune",
+        str(tmp_path / "var"),
+        "--latency-budget-ms",
+        "200",
+        "--max-minutes",
+        "0.1",
+        "--concurrency",
+        "1",
+        "--window-s",
+        "0.2",
+        "--shape",
+        "IN:3,5",
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "inputs IN:3,5" in result.stdout
     rows = list(csv.DictReader((tmp_path / "var" / "tuning" / "tune.csv").read_text().splitlines()))
@@ -423,9 +475,26 @@ def test_ctrl_c_stops_the_tuner_with_what_it_measured(tmp_path: Path) -> None:
     folder = tmp_path / "simple"
     shutil.copytree(EXAMPLES / "simple", folder)
     tune = subprocess.Popen(
-        [sys.executable, "-m", "shoal", "config", "tune", str(folder), "--latency-budget-ms", "200",
-         "--max-minutes", "5", "--concurrency", "1,2", "--window-s", "0.3"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "shoal",
+            "config",
+            "tune",
+            str(folder),
+            "--latency-budget-ms",
+            "200",
+            "--max-minutes",
+            "5",
+            "--concurrency",
+            "1,2",
+            "--window-s",
+            "0.3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         assert tune.stdout is not None
@@ -442,5 +511,3 @@ def test_ctrl_c_stops_the_tuner_with_what_it_measured(tmp_path: Path) -> None:
     assert "Traceback" not in stderr and "interrupted" in stderr
     assert (folder / "tuning" / "tune.csv").is_file() and not (folder / "config.tuned.pbtxt").exists()
     assert wait_until(lambda: not live_members(session=tune.pid), timeout_s=30), "a server outlived the tuner"
-
-

@@ -64,8 +64,11 @@ def test_the_extension_is_listed_and_status_and_unregister_answer_as_triton(
 ) -> None:
     assert "cuda_shared_memory" in client.get_server_metadata().extensions
     assert client.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
-    expect_error("NOT_FOUND", "Unable to find cuda shared memory region: 'nope'",
-                 lambda: client.get_cuda_shared_memory_status("nope"))
+    expect_error(
+        "NOT_FOUND",
+        "Unable to find cuda shared memory region: 'nope'",
+        lambda: client.get_cuda_shared_memory_status("nope"),
+    )
     client.unregister_cuda_shared_memory("never registered")  # not an error, as in Triton
     client.unregister_cuda_shared_memory()
 
@@ -75,8 +78,11 @@ def test_a_system_region_is_not_a_cuda_one(client: grpcclient.InferenceServerCli
     handle = shm.create_shared_memory_region(f"sys_{tag}", f"/shoal_test_{tag}", 64)
     try:
         client.register_system_shared_memory(f"sys_{tag}", f"/shoal_test_{tag}", 64)
-        expect_error("NOT_FOUND", f"The region named 'sys_{tag}' is registered as system shared memory, not CUDA "
-                     "shared memory", lambda: client.get_cuda_shared_memory_status(f"sys_{tag}"))
+        expect_error(
+            "NOT_FOUND",
+            f"The region named 'sys_{tag}' is registered as system shared memory, not CUDA shared memory",
+            lambda: client.get_cuda_shared_memory_status(f"sys_{tag}"),
+        )
         client.unregister_cuda_shared_memory(f"sys_{tag}")  # another kind's name: left alone, as in Triton
         client.unregister_cuda_shared_memory()
         assert set(client.get_system_shared_memory_status(as_json=True)["regions"]) == {f"sys_{tag}"}
@@ -87,26 +93,36 @@ def test_a_system_region_is_not_a_cuda_one(client: grpcclient.InferenceServerCli
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="this machine has a CUDA device")
 def test_registration_without_gpus_is_refused_as_tritons_cpu_build(client: grpcclient.InferenceServerClient) -> None:
-    expect_error("INVALID_ARGUMENT", "failed to register CUDA shared memory region: 'r', GPUs not supported",
-                 lambda: client.register_cuda_shared_memory("r", HANDLE, 0, 64))
+    expect_error(
+        "INVALID_ARGUMENT",
+        "failed to register CUDA shared memory region: 'r', GPUs not supported",
+        lambda: client.register_cuda_shared_memory("r", HANDLE, 0, 64),
+    )
     assert client.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
 
 
 def test_the_cuda_calls_are_restricted(server_factory, tmp_path: Path) -> None:
-    server = server_factory(models.repository(tmp_path, "simple"), "--grpc-restricted-protocol",
-                            "shared-memory:admin=yes")
+    server = server_factory(
+        models.repository(tmp_path, "simple"), "--grpc-restricted-protocol", "shared-memory:admin=yes"
+    )
     allowed = {"triton-grpc-protocol-admin": "yes"}
     with grpcclient.InferenceServerClient(server.url) as triton:
-        for call in (lambda **h: triton.register_cuda_shared_memory("r", HANDLE, 0, 64, **h),
-                     lambda **h: triton.get_cuda_shared_memory_status(**h),
-                     lambda **h: triton.unregister_cuda_shared_memory(**h)):
-            expect_error("UNAVAILABLE", "This protocol is restricted, expecting header 'triton-grpc-protocol-admin'",
-                         call)
+        for call in (
+            lambda **h: triton.register_cuda_shared_memory("r", HANDLE, 0, 64, **h),
+            lambda **h: triton.get_cuda_shared_memory_status(**h),
+            lambda **h: triton.unregister_cuda_shared_memory(**h),
+        ):
+            expect_error(
+                "UNAVAILABLE", "This protocol is restricted, expecting header 'triton-grpc-protocol-admin'", call
+            )
         triton.unregister_cuda_shared_memory(headers=allowed)
         assert triton.get_cuda_shared_memory_status(headers=allowed, as_json=True).get("regions", {}) == {}
         if cuda_device_count() == 0:
-            expect_error("INVALID_ARGUMENT", "GPUs not supported",
-                         lambda: triton.register_cuda_shared_memory("r", HANDLE, 0, 64, headers=allowed))
+            expect_error(
+                "INVALID_ARGUMENT",
+                "GPUs not supported",
+                lambda: triton.register_cuda_shared_memory("r", HANDLE, 0, 64, headers=allowed),
+            )
 
 
 # -- the registry's CUDA path over a fake runtime --------------------------------------------------
@@ -182,23 +198,47 @@ def test_cuda_windows_copy_through_the_runtime_and_keep_the_mapping_open(fake: F
 def test_cuda_registration_errors_in_tritons_words(fake: FakeRuntime) -> None:
     registry = RegionRegistry(1 << 20)
     registry.register_cuda("r", b"a" * 64, 0, 64)
-    refused(ErrorCode.ALREADY_EXISTS, "shared memory region 'r' already in manager",
-            lambda: registry.register_cuda("r", b"b" * 64, 0, 16))
-    refused(ErrorCode.INVALID_ARGUMENT, "failed to register shared memory region 'big': invalid args",
-            lambda: registry.register_cuda("big", b"b" * 64, 0, 17))  # past the client's allocation
-    refused(ErrorCode.INVALID_ARGUMENT, "failed to register shared memory region: invalid args",
-            lambda: registry.register_cuda("bad", b"c" * 64, 0, 16))  # cudaIpcOpenMemHandle fails
+    refused(
+        ErrorCode.ALREADY_EXISTS,
+        "shared memory region 'r' already in manager",
+        lambda: registry.register_cuda("r", b"b" * 64, 0, 16),
+    )
+    refused(
+        ErrorCode.INVALID_ARGUMENT,
+        "failed to register shared memory region 'big': invalid args",
+        lambda: registry.register_cuda("big", b"b" * 64, 0, 17),
+    )  # past the client's allocation
+    refused(
+        ErrorCode.INVALID_ARGUMENT,
+        "failed to register shared memory region: invalid args",
+        lambda: registry.register_cuda("bad", b"c" * 64, 0, 16),
+    )  # cudaIpcOpenMemHandle fails
     refused(ErrorCode.INVALID_ARGUMENT, "invalid args", lambda: registry.register_cuda("dev", b"b" * 64, 3, 16))
-    refused(ErrorCode.INVALID_ARGUMENT, "failed to register shared memory region 'zero': invalid args",
-            lambda: registry.register_cuda("zero", b"b" * 64, 0, 0))
-    refused(ErrorCode.INVALID_ARGUMENT, "raw_handle must be the 64 bytes",
-            lambda: registry.register_cuda("short", b"b" * 8, 0, 16))
-    refused(ErrorCode.INVALID_ARGUMENT, "--shared-memory-max-mb",
-            lambda: RegionRegistry(8).register_cuda("r", b"b" * 64, 0, 16))
-    refused(ErrorCode.NOT_FOUND, "The region named 'r' is registered as CUDA shared memory, not system shared memory",
-            lambda: registry.status("r"))
-    refused(ErrorCode.INVALID_ARGUMENT, "Invalid offset + byte size for shared memory region: 'r'",
-            lambda: registry.window("r", 60, 8))
+    refused(
+        ErrorCode.INVALID_ARGUMENT,
+        "failed to register shared memory region 'zero': invalid args",
+        lambda: registry.register_cuda("zero", b"b" * 64, 0, 0),
+    )
+    refused(
+        ErrorCode.INVALID_ARGUMENT,
+        "raw_handle must be the 64 bytes",
+        lambda: registry.register_cuda("short", b"b" * 8, 0, 16),
+    )
+    refused(
+        ErrorCode.INVALID_ARGUMENT,
+        "--shared-memory-max-mb",
+        lambda: RegionRegistry(8).register_cuda("r", b"b" * 64, 0, 16),
+    )
+    refused(
+        ErrorCode.NOT_FOUND,
+        "The region named 'r' is registered as CUDA shared memory, not system shared memory",
+        lambda: registry.status("r"),
+    )
+    refused(
+        ErrorCode.INVALID_ARGUMENT,
+        "Invalid offset + byte size for shared memory region: 'r'",
+        lambda: registry.window("r", 60, 8),
+    )
     assert len(fake.open_addresses) == 1  # every refused registration closed what it opened
 
 
@@ -215,21 +255,30 @@ def test_a_request_reads_and_writes_cuda_regions_through_the_core_flow(fake: Fak
     windows = shared_memory.output_windows(registry, request)
     assert shared_memory.costly_outputs(windows)
     out = np.array([[5, 6]], np.int64)
-    response = InferResponse("m", "1", "", (Tensor("OUT", DataType.INT64, (1, 2), out),
-                                           Tensor("EXTRA", DataType.INT32, (1,), np.array([1], np.int32))))
+    response = InferResponse(
+        "m",
+        "1",
+        "",
+        (Tensor("OUT", DataType.INT64, (1, 2), out), Tensor("EXTRA", DataType.INT32, (1,), np.array([1], np.int32))),
+    )
     written = shared_memory.write_region_outputs(windows, response)
     assert bytes(fake.allocations[b"b" * 64]) == out.tobytes()
     assert written.in_regions == {"OUT"} and written.outputs[0].data.size == 0 and written.outputs[1].data.size == 1
     small = {"OUT": registry.window("out", 0, 8)}
-    refused(ErrorCode.INTERNAL, "should be at least 16 bytes to hold the results",
-            lambda: shared_memory.write_region_outputs(small, response))
+    refused(
+        ErrorCode.INTERNAL,
+        "should be at least 16 bytes to hold the results",
+        lambda: shared_memory.write_region_outputs(small, response),
+    )
 
 
 def test_nothing_cuda_is_loaded_before_a_cuda_registration() -> None:
-    code = ("import sys, shoal.app, shoal.core.local, shoal.dataplane.regions; "
-            "assert not any(m == 'torch' or m.startswith(('cuda', 'torch.')) for m in sys.modules), "
-            "sorted(m for m in sys.modules if 'cuda' in m or 'torch' in m); "
-            "maps = open('/proc/self/maps').read(); assert 'libcudart' not in maps and 'libcuda.' not in maps")
+    code = (
+        "import sys, shoal.app, shoal.core.local, shoal.dataplane.regions; "
+        "assert not any(m == 'torch' or m.startswith(('cuda', 'torch.')) for m in sys.modules), "
+        "sorted(m for m in sys.modules if 'cuda' in m or 'torch' in m); "
+        "maps = open('/proc/self/maps').read(); assert 'libcudart' not in maps and 'libcuda.' not in maps"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -274,8 +323,9 @@ def _build_fake_cudart(folder: Path) -> Path:
     library.parent.mkdir()
     source.write_text(FAKE_CUDART_C)
     try:
-        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True, timeout=120,
-                       capture_output=True)
+        subprocess.run(
+            ["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True, timeout=120, capture_output=True
+        )
     except (OSError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"no working C compiler to build the stand-in CUDA runtime: {exc}")
     return library
@@ -296,10 +346,16 @@ def test_the_ctypes_binding_passes_cudas_types(fake_cudart: ctypes.CDLL) -> None
     window.write(b"\x01\x02\x03\x04")
     assert registry.window("a", 14, 8).read().tolist() == [0, 0, 1, 2, 3, 4, 0, 0]
     assert ctypes.c_int.in_dll(fake_cudart, "synchronized").value == 2  # each copy waited for
-    refused(ErrorCode.INVALID_ARGUMENT, "failed to register shared memory region 'big': invalid args",
-            lambda: registry.register_cuda("big", b"B" + bytes(62) + b"z", 0, 257))  # past the allocation
-    refused(ErrorCode.INVALID_ARGUMENT, "failed to register shared memory region: invalid args",
-            lambda: registry.register_cuda("c", b"C" + bytes(62) + b"z", 0, 16))  # the open fails
+    refused(
+        ErrorCode.INVALID_ARGUMENT,
+        "failed to register shared memory region 'big': invalid args",
+        lambda: registry.register_cuda("big", b"B" + bytes(62) + b"z", 0, 257),
+    )  # past the allocation
+    refused(
+        ErrorCode.INVALID_ARGUMENT,
+        "failed to register shared memory region: invalid args",
+        lambda: registry.register_cuda("c", b"C" + bytes(62) + b"z", 0, 16),
+    )  # the open fails
     with pytest.raises(cuda.CudaError, match="cudaSetDevice: invalid device ordinal"):
         cuda._loaded.open(b"A" * 64, 1)  # type: ignore[union-attr]
     registry.unregister_cuda("")
@@ -340,17 +396,22 @@ def test_cuda_regions_through_a_real_server_over_the_stand_in_runtime(
         assert result.get_response().raw_output_contents == [b""]  # written into the CUDA region
         tensor.set_shared_memory("a", 16, offset=32)
         np.testing.assert_array_equal(triton.infer("identity_fp32", [tensor]).as_numpy("OUT"), values)
-        expect_error("INVALID_ARGUMENT", "failed to register shared memory region 'big': invalid args",
-                     lambda: triton.register_cuda_shared_memory("big", base64.b64encode(b"B" + bytes(62) + b"z"),
-                                                                0, 257))
+        expect_error(
+            "INVALID_ARGUMENT",
+            "failed to register shared memory region 'big': invalid args",
+            lambda: triton.register_cuda_shared_memory("big", base64.b64encode(b"B" + bytes(62) + b"z"), 0, 257),
+        )
         triton.unregister_cuda_shared_memory()
         assert triton.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
 
 
 def test_without_a_runtime_every_registration_is_refused_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cuda, "_loaded", "no CUDA runtime library could be loaded")
-    refused(ErrorCode.INVALID_ARGUMENT, "failed to register CUDA shared memory region: '', GPUs not supported",
-            lambda: RegionRegistry(0).register_cuda("", b"", 0, 0))
+    refused(
+        ErrorCode.INVALID_ARGUMENT,
+        "failed to register CUDA shared memory region: '', GPUs not supported",
+        lambda: RegionRegistry(0).register_cuda("", b"", 0, 0),
+    )
 
 
 # -- on a CUDA device ------------------------------------------------------------------------------
@@ -381,13 +442,16 @@ def _torch_repository(tmp_path: Path) -> Path:
             return x + x
 
     for datatype in ("INT32", "FP32", "FP16"):
-        models.write_config(repo / f"double_{datatype.lower()}", f"""
+        models.write_config(
+            repo / f"double_{datatype.lower()}",
+            f"""
             backend: "pytorch"
             max_batch_size: 8
             input [ {{ name: "x" data_type: TYPE_{datatype} dims: [ -1 ] }} ]
             output [ {{ name: "y" data_type: TYPE_{datatype} dims: [ -1 ] }} ]
             instance_group [ {{ count: 1 kind: KIND_GPU }} ]
-            """)
+            """,
+        )
         (repo / f"double_{datatype.lower()}" / "1").mkdir()
         torch.jit.script(Double()).save(str(repo / f"double_{datatype.lower()}" / "1" / "model.pt"))
     models.add_identity(repo, "identity_bytes", "BYTES")
@@ -396,8 +460,9 @@ def _torch_repository(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def gpu_client(server_factory, tmp_path: Path) -> Iterator[tuple[grpcclient.InferenceServerClient, Any, list[Any],
-                                                                   RunningServer]]:
+def gpu_client(
+    server_factory, tmp_path: Path
+) -> Iterator[tuple[grpcclient.InferenceServerClient, Any, list[Any], RunningServer]]:
     """A client of a server on ``_torch_repository``, tritonclient's CUDA helpers, the regions made."""
     cudashm = _cudashm()
     server = server_factory(_torch_repository(tmp_path))
@@ -409,8 +474,13 @@ def gpu_client(server_factory, tmp_path: Path) -> Iterator[tuple[grpcclient.Infe
         cudashm.destroy_shared_memory_region(handle)
 
 
-def _region(triton: grpcclient.InferenceServerClient, cudashm: Any, made: list[Any], byte_size: int,
-            values: np.ndarray | None = None) -> tuple[str, Any]:
+def _region(
+    triton: grpcclient.InferenceServerClient,
+    cudashm: Any,
+    made: list[Any],
+    byte_size: int,
+    values: np.ndarray | None = None,
+) -> tuple[str, Any]:
     name = f"cuda_{uuid.uuid4().hex[:12]}"
     handle = cudashm.create_shared_memory_region(name, byte_size, 0)
     made.append(handle)
@@ -430,8 +500,9 @@ def test_a_model_reads_and_writes_cuda_regions(gpu_client, datatype: str) -> Non
         size, model, output, expected = len(serialized.item()), "identity_bytes", "OUT", values
         source, _ = _region(triton, cudashm, made, size, serialized)
     else:
-        values = (np.arange(6).reshape(1, 6) * 1.5).astype({"INT32": np.int32, "FP32": np.float32,
-                                                           "FP16": np.float16}[datatype])
+        values = (np.arange(6).reshape(1, 6) * 1.5).astype(
+            {"INT32": np.int32, "FP32": np.float32, "FP16": np.float16}[datatype]
+        )
         size, model, output, expected = values.nbytes, f"double_{datatype.lower()}", "y", values + values
         source, _ = _region(triton, cudashm, made, size, values)
     target, target_handle = _region(triton, cudashm, made, size)
@@ -452,27 +523,43 @@ def test_cuda_errors_in_tritons_words(gpu_client) -> None:
     triton, cudashm, made, server = gpu_client
     values = np.arange(6, dtype=np.float32).reshape(1, 6)
     source, source_handle = _region(triton, cudashm, made, 24, values)
-    expect_error("ALREADY_EXISTS", f"shared memory region '{source}' already in manager",
-                 lambda: triton.register_cuda_shared_memory(source, cudashm.get_raw_handle(source_handle), 0, 24))
+    expect_error(
+        "ALREADY_EXISTS",
+        f"shared memory region '{source}' already in manager",
+        lambda: triton.register_cuda_shared_memory(source, cudashm.get_raw_handle(source_handle), 0, 24),
+    )
     other = cudashm.create_shared_memory_region("other", 64, 0)
     made.append(other)
-    expect_error("INVALID_ARGUMENT", "failed to register shared memory region 'huge': invalid args",
-                 lambda: triton.register_cuda_shared_memory("huge", cudashm.get_raw_handle(other), 0, 1 << 30))
-    expect_error("INVALID_ARGUMENT", "failed to register shared memory region: invalid args",
-                 lambda: triton.register_cuda_shared_memory("zeros", HANDLE, 0, 64))
+    expect_error(
+        "INVALID_ARGUMENT",
+        "failed to register shared memory region 'huge': invalid args",
+        lambda: triton.register_cuda_shared_memory("huge", cudashm.get_raw_handle(other), 0, 1 << 30),
+    )
+    expect_error(
+        "INVALID_ARGUMENT",
+        "failed to register shared memory region: invalid args",
+        lambda: triton.register_cuda_shared_memory("zeros", HANDLE, 0, 64),
+    )
     small, _ = _region(triton, cudashm, made, 8)
     tensor = grpcclient.InferInput("x", [1, 6], "FP32")
     tensor.set_shared_memory(source, 24)
     requested = grpcclient.InferRequestedOutput("y")
     requested.set_shared_memory(small, 8)
-    expect_error("INTERNAL", "shared memory size specified with the request for output 'y' (8 bytes) should be at "
-                 "least 24 bytes to hold the results", lambda: triton.infer("double_fp32", [tensor],
-                                                                            outputs=[requested]))
+    expect_error(
+        "INTERNAL",
+        "shared memory size specified with the request for output 'y' (8 bytes) should be at "
+        "least 24 bytes to hold the results",
+        lambda: triton.infer("double_fp32", [tensor], outputs=[requested]),
+    )
     tensor.set_shared_memory("gone", 24)
-    expect_error("NOT_FOUND", "Unable to find shared memory region: 'gone'", lambda: triton.infer("double_fp32",
-                                                                                                  [tensor]))
-    expect_error("NOT_FOUND", f"The region named '{source}' is registered as CUDA shared memory, not system shared "
-                 "memory", lambda: triton.get_system_shared_memory_status(source))
+    expect_error(
+        "NOT_FOUND", "Unable to find shared memory region: 'gone'", lambda: triton.infer("double_fp32", [tensor])
+    )
+    expect_error(
+        "NOT_FOUND",
+        f"The region named '{source}' is registered as CUDA shared memory, not system shared memory",
+        lambda: triton.get_system_shared_memory_status(source),
+    )
 
 
 @needs_cuda
@@ -494,8 +581,10 @@ def test_a_cuda_region_unregistered_while_a_request_waits_still_serves_it(gpu_cl
     for thread in threads:
         thread.start()
     # One instance: one request runs for 0.8 s while the other waits; either way the region's is in flight.
-    wait_until(lambda: metric(server, "nv_inference_pending_request_count", "slow") == 1,
-               what="one request running and one waiting")
+    wait_until(
+        lambda: metric(server, "nv_inference_pending_request_count", "slow") == 1,
+        what="one request running and one waiting",
+    )
     triton.unregister_cuda_shared_memory(name)
     for thread in threads:
         thread.join(timeout=20)

@@ -40,8 +40,9 @@ def queries() -> list[tuple[str, str]]:
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Family]]:
     repo = tmp_path_factory.mktemp("repo")
     ensemble_models.add_onnx_add1(repo)
-    server: RunningServer = start_server(repo, tmp_path_factory.mktemp("server"),
-                                         "--metrics-config", "summary_latencies=true")
+    server: RunningServer = start_server(
+        repo, tmp_path_factory.mktemp("server"), "--metrics-config", "summary_latencies=true"
+    )
     try:
         with grpcclient.InferenceServerClient(server.url) as client:
             good = grpcclient.InferInput("IN", [1, 4], "FP32")
@@ -52,8 +53,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Fam
             bad.set_data_from_numpy(np.ones((1, 3), dtype=np.float32))
             with pytest.raises(InferenceServerException):
                 client.infer("add1", [bad])
-        wait_until(lambda: parse(scrape(server.metrics_port))["nv_inference_request_success"].value(model="add1") == 5,
-                   what="the requests counted")
+        wait_until(
+            lambda: parse(scrape(server.metrics_port))["nv_inference_request_success"].value(model="add1") == 5,
+            what="the requests counted",
+        )
         yield parse(scrape(server.metrics_port))
     finally:
         assert server.stop() == 0, server.log()
@@ -69,8 +72,7 @@ def test_the_dashboard_is_grafana_json_with_panels_that_query() -> None:
 
 
 @pytest.mark.parametrize(("title", "query"), queries())
-def test_every_query_names_series_and_labels_shoal_exports(exported: dict[str, Family], title: str,
-                                                           query: str) -> None:
+def test_every_query_names_series_and_labels_shoal_exports(exported: dict[str, Family], title: str, query: str) -> None:
     names = SERIES.findall(query)
     assert names, f"{title}: no Shoal series in {query!r}"
     grouped = {label.strip() for group in GROUPING.findall(query) for label in group.split(",") if label.strip()}
@@ -82,4 +84,3 @@ def test_every_query_names_series_and_labels_shoal_exports(exported: dict[str, F
         assert wanted <= labels, f"{title}: {name} has no label {sorted(wanted - labels)}"
         for label, value in re.findall(r'([a-z_]+)="([^"$]*)"', matchers):  # a fixed value (quantile="0.99")
             assert value in {s.labels.get(label) for s in family.samples}, f"{title}: no {name}{{{label}={value}}}"
-

@@ -106,12 +106,24 @@ def _add_models(repo: Path) -> None:
         ("shaper_any", 0, "dims: [ -1, -1 ]", THREADS),
     ):
         python_models.write_model(repo, name, _shaper_config(batch, out, extra), SHAPER)
-    io = ('input [ { name: "IN" data_type: TYPE_INT64 dims: [ -1 ] } ]\n'
-          'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]')
-    ensemble_models.add_ensemble(repo, "step_declares_4", [ensemble_models.step(
-        "shaper_threads", {"IN": "IN"}, {"OUT": "OUT"})], io=io, max_batch_size=0)
-    ensemble_models.add_ensemble(repo, "ensemble_declares_4", [ensemble_models.step(
-        "shaper_any", {"IN": "IN"}, {"OUT": "OUT"})], io=io.replace("[ 4 ]", "[ 1, 4 ]"), max_batch_size=0)
+    io = (
+        'input [ { name: "IN" data_type: TYPE_INT64 dims: [ -1 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]'
+    )
+    ensemble_models.add_ensemble(
+        repo,
+        "step_declares_4",
+        [ensemble_models.step("shaper_threads", {"IN": "IN"}, {"OUT": "OUT"})],
+        io=io,
+        max_batch_size=0,
+    )
+    ensemble_models.add_ensemble(
+        repo,
+        "ensemble_declares_4",
+        [ensemble_models.step("shaper_any", {"IN": "IN"}, {"OUT": "OUT"})],
+        io=io.replace("[ 4 ]", "[ 1, 4 ]"),
+        max_batch_size=0,
+    )
     _add_torch_float64(repo)
     python_models.write_model(repo, "streamer", STREAMER_CONFIG, STREAMER)
     sequence_models.add_accumulator(repo, "accumulator")
@@ -130,18 +142,24 @@ def _add_torch_float64(repo: Path) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x.double() if bool(x.flatten()[0] > 5) else x
 
-    for name, batch, batcher in (("widen", 0, ""), ("widen_sequence", 0, "sequence_batching { }"),
-                                 ("widen_sequence_batched", 2, "sequence_batching { }")):
+    for name, batch, batcher in (
+        ("widen", 0, ""),
+        ("widen_sequence", 0, "sequence_batching { }"),
+        ("widen_sequence_batched", 2, "sequence_batching { }"),
+    ):
         (repo / name / "1").mkdir(parents=True)
         torch.jit.script(Widen()).save(str(repo / name / "1" / "model.pt"))
-        models.write_config(repo / name, f"""
+        models.write_config(
+            repo / name,
+            f"""
             backend: "pytorch"
             max_batch_size: {batch}
             input [ {{ name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] }} ]
             output [ {{ name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] }} ]
             instance_group [ {{ count: 1 kind: KIND_CPU }} ]
             {batcher}
-            """)
+            """,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +170,12 @@ def repository(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]
 
 
 @pytest.fixture(scope="module")
-def server(repository: Path, tmp_path_factory: pytest.TempPathFactory,
-           layout: tuple[str, ...]) -> Iterator[RunningServer]:
-    running = start_server(repository, tmp_path_factory.mktemp("server"), *layout,
-                           "--model-control-mode", "explicit", "--load-model", "*")
+def server(
+    repository: Path, tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]
+) -> Iterator[RunningServer]:
+    running = start_server(
+        repository, tmp_path_factory.mktemp("server"), *layout, "--model-control-mode", "explicit", "--load-model", "*"
+    )
     yield running
     assert running.stop() == 0, running.log()
 
@@ -178,7 +198,8 @@ def _request(datatype: str, data: list[Any], **extra: Any) -> dict[str, Any]:
 
 
 def test_bytes_that_are_not_utf8_are_refused_as_json_and_exact_as_binary(
-        http: httpclient.InferenceServerClient) -> None:
+    http: httpclient.InferenceServerClient,
+) -> None:
     value = np.array([b"\xff\xfe\x00ok", b"fine"], dtype=object)
     tensor = httpclient.InferInput("IN", [2], "BYTES")
     tensor.set_data_from_numpy(value, binary_data=True)
@@ -206,8 +227,9 @@ def test_json_strings_go_in_as_their_utf8_bytes(server: RunningServer) -> None:
 # -- item 8c: NaN and Infinity ---------------------------------------------------------------------------------
 
 
-def test_nan_and_infinity_round_trip_as_triton_writes_them(server: RunningServer,
-                                                           http: httpclient.InferenceServerClient) -> None:
+def test_nan_and_infinity_round_trip_as_triton_writes_them(
+    server: RunningServer, http: httpclient.InferenceServerClient
+) -> None:
     body = b'{"inputs":[{"name":"IN","datatype":"FP32","shape":[4],"data":[NaN,Infinity,-Infinity,1.5]}]}'
     status, _, answer = call(server, "POST", _infer_path("fp32"), body)
     assert status == 200 and b'"data":[NaN,Infinity,-Infinity,1.5]' in answer, answer
@@ -250,24 +272,31 @@ def test_bytes_after_a_compressed_body_are_refused(server: RunningServer) -> Non
         for extra in (b"garbage", compressed):  # a second stream, too: its JSON would follow the first's
             status, message = error(server, "POST", _infer_path("fp32"), compressed + extra, headers)
             assert status == 400, message
-            assert message == (f"the request body is not valid {encoding} data: {len(extra)} bytes follow the end "
-                               "of the compressed data"), message
+            assert message == (
+                f"the request body is not valid {encoding} data: {len(extra)} bytes follow the end "
+                "of the compressed data"
+            ), message
 
 
 # -- item 8e: integer parameters over HTTP --------------------------------------------------------------------
 
 
 def _sequence_request(parameters: dict[str, Any]) -> dict[str, Any]:
-    return {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}],
-            "parameters": {"sequence_start": True, "sequence_end": True, **parameters}}
+    return {
+        "inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}],
+        "parameters": {"sequence_start": True, "sequence_end": True, **parameters},
+    }
 
 
 def test_sequence_id_out_of_range_is_refused_not_wrapped(server: RunningServer) -> None:
     for sequence_id in (2**64 + 5, -1, 5.0, 5.5, True, 1e30):
-        status, message = error(server, "POST", _infer_path("accumulator"),
-                                _sequence_request({"sequence_id": sequence_id}))
-        assert (status, message) == (400, "Unable to parse 'sequence_id': attempt to access JSON non-string as "
-                                          "string"), (sequence_id, message)
+        status, message = error(
+            server, "POST", _infer_path("accumulator"), _sequence_request({"sequence_id": sequence_id})
+        )
+        assert (status, message) == (
+            400,
+            "Unable to parse 'sequence_id': attempt to access JSON non-string as string",
+        ), (sequence_id, message)
     for sequence_id in (5, 2**63, 2**64 - 1):  # the whole uint64 range, as Triton's
         request = _sequence_request({"sequence_id": sequence_id})
         status, _, body = call(server, "POST", _infer_path("accumulator"), request)
@@ -283,13 +312,20 @@ def test_flags_priority_and_timeout_are_checked_in_tritons_words(server: Running
     cases: list[tuple[str, Any, str]] = [
         ("sequence_start", 1, "attempt to access JSON non-boolean as boolean"),
         ("sequence_end", "true", "attempt to access JSON non-boolean as boolean"),
-        ("priority", 2**64 + 5, unsigned), ("priority", -1, unsigned), ("priority", 1.5, unsigned),
-        ("priority", True, unsigned), ("timeout", 2**64, unsigned), ("timeout", -1, unsigned),
-        ("timeout", "5", unsigned), ("timeout", 2.0, unsigned),
+        ("priority", 2**64 + 5, unsigned),
+        ("priority", -1, unsigned),
+        ("priority", 1.5, unsigned),
+        ("priority", True, unsigned),
+        ("timeout", 2**64, unsigned),
+        ("timeout", -1, unsigned),
+        ("timeout", "5", unsigned),
+        ("timeout", 2.0, unsigned),
     ]
     for key, value, words in cases:
-        for model, request in (("accumulator", _sequence_request({"sequence_id": 9, key: value})),
-                               ("fp32", {**_request("FP32", [1.0]), "parameters": {key: value}})):
+        for model, request in (
+            ("accumulator", _sequence_request({"sequence_id": 9, key: value})),
+            ("fp32", {**_request("FP32", [1.0]), "parameters": {key: value}}),
+        ):
             status, message = error(server, "POST", _infer_path(model), request)
             assert (status, message) == (400, f"Unable to parse '{key}': {words}"), (model, key, value, message)
     for key, value in (("priority", 2**64 - 1), ("timeout", 2**64 - 1), ("custom", 2**64 + 5), ("custom", 0.5)):
@@ -313,8 +349,7 @@ def test_grpc_string_and_integer_sequence_ids_are_different_sequences(server: Ru
 # -- item 8a: outputs checked against the config ---------------------------------------------------------------
 
 
-def _shape_error(client: grpcclient.InferenceServerClient, model: str, listed: list[int],
-                 batch: bool = False) -> str:
+def _shape_error(client: grpcclient.InferenceServerClient, model: str, listed: list[int], batch: bool = False) -> str:
     array = np.array([listed] if batch else listed, dtype=np.int64)
     tensor = grpcclient.InferInput("IN", list(array.shape), "INT64")
     tensor.set_data_from_numpy(array)
@@ -337,8 +372,10 @@ def test_output_shapes_are_checked_against_the_config(server: RunningServer) -> 
             assert _shape(client, model, [4]) == [4]
             for wrong in ([3, 7], [], [5]):
                 message = _shape_error(client, model, wrong)
-                assert message == (f"unexpected shape for output 'OUT' for model '{model}', model configuration "
-                                   f"shape is [4], inference shape is {json.dumps(wrong).replace(' ', '')}"), message
+                assert message == (
+                    f"unexpected shape for output 'OUT' for model '{model}', model configuration "
+                    f"shape is [4], inference shape is {json.dumps(wrong).replace(' ', '')}"
+                ), message
         assert _shape(client, "shaper_batched", [1, 4], batch=True) == [1, 4]
         for wrong in ([1, 5], [4], [2, 4]):
             message = _shape_error(client, "shaper_batched", wrong, batch=True)
@@ -346,7 +383,8 @@ def test_output_shapes_are_checked_against_the_config(server: RunningServer) -> 
         # the model's shape is the reshape's, or already the dims' (as Triton takes both); the answer's the dims'
         assert _shape(client, "shaper_reshape", [2, 2]) == [4] and _shape(client, "shaper_reshape", [4]) == [4]
         assert "model configuration shape is [2,2], inference shape is [1,4]" in _shape_error(
-            client, "shaper_reshape", [1, 4])
+            client, "shaper_reshape", [1, 4]
+        )
         assert _shape(client, "shaper_any", [3, 7]) == [3, 7]
         assert "shape is [-1,-1], inference shape is [5]" in _shape_error(client, "shaper_any", [5])
 
@@ -356,12 +394,16 @@ def test_ensemble_steps_and_outputs_are_checked(server: RunningServer) -> None:
         assert _shape(client, "step_declares_4", [4]) == [4]
         for wrong in ([3, 7], []):
             message = _shape_error(client, "step_declares_4", wrong)
-            assert message.startswith("in ensemble 'step_declares_4', unexpected shape for output 'OUT' for model "
-                                      "'shaper_threads', model configuration shape is [4]"), message
+            assert message.startswith(
+                "in ensemble 'step_declares_4', unexpected shape for output 'OUT' for model "
+                "'shaper_threads', model configuration shape is [4]"
+            ), message
         assert _shape(client, "ensemble_declares_4", [1, 4]) == [1, 4]
         message = _shape_error(client, "ensemble_declares_4", [2, 4])  # the step's [-1,-1] allows it
-        assert message == ("in ensemble 'ensemble_declares_4', unexpected shape for output 'OUT' for model "
-                           "'ensemble_declares_4', model configuration shape is [1,4], inference shape is [2,4]")
+        assert message == (
+            "in ensemble 'ensemble_declares_4', unexpected shape for output 'OUT' for model "
+            "'ensemble_declares_4', model configuration shape is [1,4], inference shape is [2,4]"
+        )
 
 
 def test_output_datatypes_are_checked_against_the_config(server: RunningServer) -> None:
@@ -371,8 +413,9 @@ def test_output_datatypes_are_checked_against_the_config(server: RunningServer) 
         with pytest.raises(InferenceServerException) as caught:
             client.infer("widen", [tensor])
     assert caught.value.status() == "StatusCode.INTERNAL"
-    assert caught.value.message() == ("unexpected datatype TYPE_FP64 for inference output 'OUTPUT__0' for model "
-                                      "'widen', expecting TYPE_FP32")
+    assert caught.value.message() == (
+        "unexpected datatype TYPE_FP64 for inference output 'OUTPUT__0' for model 'widen', expecting TYPE_FP32"
+    )
 
 
 def _counts(client: grpcclient.InferenceServerClient, model: str) -> tuple[int, int]:
@@ -396,11 +439,14 @@ def test_a_request_whose_outputs_break_the_config_counts_as_failed(server: Runni
                 shape = [1, 2] if model.endswith("batched") else [2]
                 tensor = grpcclient.InferInput("INPUT__0", shape, "FP32")
                 tensor.set_data_from_numpy(np.full(shape, value, dtype=np.float32))
-                flags: dict[str, Any] = {"sequence_id": 77, "sequence_start": True, "sequence_end": True} \
-                    if sequence else {}
+                flags: dict[str, Any] = (
+                    {"sequence_id": 77, "sequence_start": True, "sequence_end": True} if sequence else {}
+                )
                 if not fails:
-                    assert client.infer(model, [tensor], **flags).as_numpy("OUTPUT__0").tolist() == np.full(
-                        shape, value).tolist()
+                    assert (
+                        client.infer(model, [tensor], **flags).as_numpy("OUTPUT__0").tolist()
+                        == np.full(shape, value).tolist()
+                    )
                     continue
                 with pytest.raises(InferenceServerException, match="unexpected datatype TYPE_FP64") as caught:
                     client.infer(model, [tensor], **flags)
@@ -423,7 +469,8 @@ def test_a_decoupled_models_responses_are_checked(server: RunningServer) -> None
             else:
                 assert first[0] is None and first[1].message() == (
                     "unexpected shape for output 'OUT' for model 'streamer', model configuration shape is [1], "
-                    "inference shape is [2]"), first[1]
+                    "inference shape is [2]"
+                ), first[1]
         client.stop_stream()
 
 
@@ -433,24 +480,45 @@ def test_a_decoupled_models_responses_are_checked(server: RunningServer) -> None
 def _override(**fields: Any) -> dict[str, Any]:
     output: dict[str, Any] = {"name": "OUT", "data_type": "TYPE_FP32", "dims": [-1]}
     output.update(fields.pop("output", {}))
-    return {"backend": "identity", "max_batch_size": 0, **fields,
-            "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [-1]}], "output": [output]}
+    return {
+        "backend": "identity",
+        "max_batch_size": 0,
+        **fields,
+        "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [-1]}],
+        "output": [output],
+    }
 
 
 NUL_OVERRIDES = (
     ("label_filename of output 'OUT'", _override(output={"label_filename": "a\u0000b"})),
     ("default_model_filename", _override(default_model_filename="model\u0000.onnx")),
-    ("data_file of initial_state 's'", _override(sequence_batching={"state": [{
-        "input_name": "S_IN", "output_name": "S_OUT", "data_type": "TYPE_FP32", "dims": [1],
-        "initial_state": [{"name": "s", "data_type": "TYPE_FP32", "dims": [1], "data_file": "a\u0000b"}]}]})),
+    (
+        "data_file of initial_state 's'",
+        _override(
+            sequence_batching={
+                "state": [
+                    {
+                        "input_name": "S_IN",
+                        "output_name": "S_OUT",
+                        "data_type": "TYPE_FP32",
+                        "dims": [1],
+                        "initial_state": [
+                            {"name": "s", "data_type": "TYPE_FP32", "dims": [1], "data_file": "a\u0000b"}
+                        ],
+                    }
+                ]
+            }
+        ),
+    ),
 )
 
 
 def test_a_nul_byte_in_a_path_field_is_invalid_argument(server: RunningServer) -> None:
     for field, config in NUL_OVERRIDES:
         words = f"failed to load 'labelled': {field} holds a NUL byte, which no file name can hold"
-        status, message = error(server, "POST", "/v2/repository/models/labelled/load",
-                                {"parameters": {"config": json.dumps(config)}})
+        status, message = error(
+            server, "POST", "/v2/repository/models/labelled/load", {"parameters": {"config": json.dumps(config)}}
+        )
         assert (status, message) == (400, words), message
         with grpc.insecure_channel(server.url) as channel:
             request = pb.RepositoryModelLoadRequest(model_name="labelled")
@@ -463,16 +531,21 @@ def test_a_nul_byte_in_a_path_field_is_invalid_argument(server: RunningServer) -
 
 
 def test_a_nul_byte_in_a_config_file_fails_the_load_naming_the_field(server: RunningServer, repository: Path) -> None:
-    models.write_config(repository / "nul_label", """
+    models.write_config(
+        repository / "nul_label",
+        """
         backend: "identity"
         input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
         output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] label_filename: "a\\000b" } ]
-        """)
+        """,
+    )
     (repository / "nul_label" / "1").mkdir()
     try:
         status, message = error(server, "POST", "/v2/repository/models/nul_label/load")
     finally:
         shutil.rmtree(repository / "nul_label")
     assert status == 400  # a model that fails to load: INVALID_ARGUMENT, as Triton's
-    assert message == ("load failed for model 'nul_label': model 'nul_label': label_filename of output 'OUT' holds "
-                       "a NUL byte, which no file name can hold"), message
+    assert message == (
+        "load failed for model 'nul_label': model 'nul_label': label_filename of output 'OUT' holds "
+        "a NUL byte, which no file name can hold"
+    ), message

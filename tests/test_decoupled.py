@@ -123,7 +123,8 @@ def test_square_answers_n_times_and_zero_times(client: grpcclient.InferenceServe
 
 
 def test_many_requests_in_flight_on_one_stream_are_answered_as_they_come(
-        client: grpcclient.InferenceServerClient) -> None:
+    client: grpcclient.InferenceServerClient,
+) -> None:
     stream = Stream(client)
     stream.send("repeat_thread", "slow", **_repeat_inputs([1, 2, 3], 300))
     for index in range(8):
@@ -136,8 +137,9 @@ def test_many_requests_in_flight_on_one_stream_are_answered_as_they_come(
     assert [int(r.as_numpy("OUT")[0]) for r, _ in items if r.get_response().id == "slow"] == [1, 2, 3]
 
 
-def test_an_error_mid_stream_and_a_send_after_final(client: grpcclient.InferenceServerClient,
-                                                    server: RunningServer) -> None:
+def test_an_error_mid_stream_and_a_send_after_final(
+    client: grpcclient.InferenceServerClient, server: RunningServer
+) -> None:
     stream = Stream(client)
     stream.send("fails_midway", "f", IN=np.array([0], dtype=np.int32))
     items = stream.take(4)
@@ -155,8 +157,7 @@ def test_execute_returning_responses_fails_the_request(client: grpcclient.Infere
     assert result is None and "is using the decoupled mode and the execute function must return None" in error.message()
 
 
-def test_a_request_never_finished_is_bounded_by_the_execution_timeout(
-        client: grpcclient.InferenceServerClient) -> None:
+def test_a_request_never_finished_is_bounded_by_the_execution_timeout(client: grpcclient.InferenceServerClient) -> None:
     """In process mode ``execution_timeout_ms`` bounds the wait for FINAL: the instance is restarted."""
     stream = Stream(client)
     stream.send("never_final", "stuck", IN=np.array([0], dtype=np.int32))
@@ -182,8 +183,9 @@ def test_bls_exec_decoupled_iterates_the_responses(client: grpcclient.InferenceS
     assert call(-1) == ([1, 2, 4], 0)
 
 
-def test_model_infer_on_a_decoupled_model_is_refused(client: grpcclient.InferenceServerClient,
-                                                     server: RunningServer) -> None:
+def test_model_infer_on_a_decoupled_model_is_refused(
+    client: grpcclient.InferenceServerClient, server: RunningServer
+) -> None:
     tensor = grpcclient.InferInput("IN", [1], "INT32")
     tensor.set_data_from_numpy(np.array([1], dtype=np.int32))
     with pytest.raises(InferenceServerException) as caught:

@@ -16,8 +16,10 @@ import yaml
 from shoal.cli import build_parser
 from tests import deploy_manifests as dm
 
-pytestmark = pytest.mark.skipif(not dm.CRDS.is_dir(), reason=f"KServe's CRD schemas are not on this machine (looked in "
-                                f"{', '.join(map(str, dm.KSERVE_PLACES))})")
+pytestmark = pytest.mark.skipif(
+    not dm.CRDS.is_dir(),
+    reason=f"KServe's CRD schemas are not on this machine (looked in {', '.join(map(str, dm.KSERVE_PLACES))})",
+)
 SHIPPED = dm.shipped_runtimes() if dm.CRDS.is_dir() else []
 
 
@@ -27,10 +29,12 @@ def _ids(items: list[tuple[Path, dm.Manifest]]) -> list[str]:
 
 def test_the_kserve_data_is_there() -> None:
     assert len(SHIPPED) == 15 and {d["metadata"]["name"] for d in SHIPPED} >= {"kserve-tritonserver"}
-    assert set(dm.validators()) == {("serving.kserve.io/v1alpha1", "ClusterServingRuntime"),
-                                    ("serving.kserve.io/v1alpha1", "ServingRuntime"),
-                                    ("serving.kserve.io/v1beta1", "InferenceService"),
-                                    ("serving.kserve.io/v1alpha1", "TrainedModel")}
+    assert set(dm.validators()) == {
+        ("serving.kserve.io/v1alpha1", "ClusterServingRuntime"),
+        ("serving.kserve.io/v1alpha1", "ServingRuntime"),
+        ("serving.kserve.io/v1beta1", "InferenceService"),
+        ("serving.kserve.io/v1alpha1", "TrainedModel"),
+    }
 
 
 @pytest.mark.parametrize("runtime", SHIPPED, ids=[d["metadata"]["name"] for d in SHIPPED])
@@ -40,13 +44,16 @@ def test_kserves_shipped_runtimes_pass_the_validator_and_the_rules(runtime: dm.M
     assert dm.rule_problems(runtime, SHIPPED) == []
 
 
-@pytest.mark.parametrize(("where", "misspelt"), [
-    (("spec",), "protocolVersion"),                      # protocolVersions
-    (("spec", "containers", 0), "arg"),                  # args
-    (("spec", "containers", 0, "securityContext"), "runAsNonroot"),
-    (("spec", "supportedModelFormats", 0), "autoselect"),
-    (("spec", "containers", 0, "resources", "requests"), None),  # int-or-string: numbers pass
-])
+@pytest.mark.parametrize(
+    ("where", "misspelt"),
+    [
+        (("spec",), "protocolVersion"),  # protocolVersions
+        (("spec", "containers", 0), "arg"),  # args
+        (("spec", "containers", 0, "securityContext"), "runAsNonroot"),
+        (("spec", "supportedModelFormats", 0), "autoselect"),
+        (("spec", "containers", 0, "resources", "requests"), None),  # int-or-string: numbers pass
+    ],
+)
 def test_a_misspelt_field_fails_the_validator(where: tuple[str | int, ...], misspelt: str | None) -> None:
     triton = next(d for d in SHIPPED if d["metadata"]["name"] == "kserve-tritonserver")
     for runtime in (triton, *(doc for _, doc in dm.kserve_manifests() if doc["kind"] in dm.RUNTIME_KINDS)):
@@ -91,7 +98,10 @@ def test_the_manifests_hold_what_the_issue_asks() -> None:
         spec = doc["spec"]
         assert spec["protocolVersions"] == ["v2", "grpc-v2"]
         assert {(f["name"], f["version"]) for f in spec["supportedModelFormats"]} == {
-            ("onnx", "1"), ("pytorch", "1"), ("triton", "2")}
+            ("onnx", "1"),
+            ("pytorch", "1"),
+            ("triton", "2"),
+        }
         assert spec["annotations"] == {"prometheus.kserve.io/port": "8002", "prometheus.kserve.io/path": "/metrics"}
         (container,) = spec["containers"]
         assert container["name"] == "kserve-container" and "ports" not in container
@@ -155,8 +165,12 @@ def test_auto_workers_count_a_cpu_limit() -> None:
     from shoal.backends.devices import CpuAllowance
     from shoal.frontend.worker_count import resolve
 
-    autos = [(doc, container) for _, doc in dm.shoal_manifests() for container in dm.containers(doc)
-             if "--grpc-workers=auto" in container.get("args", [])]
+    autos = [
+        (doc, container)
+        for _, doc in dm.shoal_manifests()
+        for container in dm.containers(doc)
+        if "--grpc-workers=auto" in container.get("args", [])
+    ]
     assert any(doc["kind"] == "Deployment" for doc, _ in autos)
     for _, container in autos:
         assert container.get("resources", {}).get("limits", {}).get("cpu"), "auto without a CPU limit counts the node"
@@ -187,8 +201,11 @@ def test_allow_grpc_false_is_refused_in_words(capsys: pytest.CaptureFixture[str]
 def test_the_image_runs_what_the_manifests_run() -> None:
     """No ENTRYPOINT: the runtimes' args replace CMD whole, and CMD is the runtimes' args."""
     assert dm.dockerfile_instruction("ENTRYPOINT") == []
-    runtime_args = {tuple(args) for where, args, _ in CONTAINERS if where.startswith("deploy/kserve/") and
-                    "--model-control-mode=explicit" not in args}
+    runtime_args = {
+        tuple(args)
+        for where, args, _ in CONTAINERS
+        if where.startswith("deploy/kserve/") and "--model-control-mode=explicit" not in args
+    }
     assert runtime_args == {tuple(dm.dockerfile_instruction("CMD"))}
     assert dm.dockerfile_instruction("USER") == ["1000:1000"]
     env = dm.dockerfile_env()
@@ -196,8 +213,12 @@ def test_the_image_runs_what_the_manifests_run() -> None:
     assert env["PATH"].startswith("/opt/shoal/bin:")
     text = (dm.REPO_ROOT / "Dockerfile").read_text()
     assert "ARG EXTRAS" in text and "slim" in text
-    images = {container["image"] for _, doc in dm.shoal_manifests() for container in dm.containers(doc)
-              if "image" in container}
+    images = {
+        container["image"]
+        for _, doc in dm.shoal_manifests()
+        for container in dm.containers(doc)
+        if "image" in container
+    }
     assert images == {"shoal:0.1.0"}
 
 
@@ -208,8 +229,7 @@ KUBECTL = shutil.which("kubectl")
 @pytest.mark.parametrize("folder", ["k8s", "kserve", "kserve/examples"])
 def test_kubectl_kustomize_renders(folder: str) -> None:
     assert KUBECTL is not None
-    done = subprocess.run([KUBECTL, "kustomize", str(dm.DEPLOY / folder)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([KUBECTL, "kustomize", str(dm.DEPLOY / folder)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     rendered = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
     listed = yaml.safe_load((dm.DEPLOY / folder / "kustomization.yaml").read_text())["resources"]

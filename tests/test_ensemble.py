@@ -96,7 +96,8 @@ def test_ensemble_statistics_as_triton_reports_them(client: grpcclient.Inference
         assert delta("chain", "inference_stats", phase, "count") == 2
     for phase in ("compute_input", "compute_infer", "compute_output"):
         assert delta("chain", "inference_stats", phase, "ns") == sum(
-            delta(m, "inference_stats", phase, "ns") for m in steps), phase
+            delta(m, "inference_stats", phase, "ns") for m in steps
+        ), phase
     assert delta("chain", "inference_stats", "success", "ns") > delta("chain", "inference_stats", "compute_infer", "ns")
     assert {row["batch_size"] for row in after["chain"]["batch_stats"]} >= {"1", "2"}
 
@@ -140,7 +141,8 @@ def test_a_failing_step_fails_the_ensemble_request(client: grpcclient.InferenceS
         client.infer("wide_chain", [_input(np.ones((1, 3), np.float32))])
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert caught.value.message().startswith(
-        "in ensemble 'wide_chain', unexpected shape for input 'IN' for model 'add1'. Expected [-1,4], got [1,3].")
+        "in ensemble 'wide_chain', unexpected shape for input 'IN' for model 'add1'. Expected [-1,4], got [1,3]."
+    )
     assert _count(_stats(client, "wide_chain"), "inference_stats", "fail", "count") == failed_before + 1
     with pytest.raises(InferenceServerException) as caught:  # fails inside ONNX Runtime
         client.infer("fails_in_onnx", [_input(np.ones(3, np.float32))])
@@ -156,8 +158,11 @@ def test_composing_model_batches_ensemble_requests(client: grpcclient.InferenceS
     requests; its statistics count them, and the ensemble counts one execution per request."""
     results: list[Any] = []
     for index in range(8):
-        client.async_infer("through_batcher", [_input(np.full((1, 4), index, np.float32))],
-                           callback=lambda result, error: results.append(error or result))
+        client.async_infer(
+            "through_batcher",
+            [_input(np.full((1, 4), index, np.float32))],
+            callback=lambda result, error: results.append(error or result),
+        )
     wait_until(lambda: len(results) == 8, what="8 answers")
     assert not [r for r in results if isinstance(r, Exception)], results
     assert sorted(float(r.as_numpy("OUT")[0, 0]) for r in results) == [float(i) for i in range(8)]
@@ -177,14 +182,18 @@ def test_config_metadata_and_index(client: grpcclient.InferenceServerClient) -> 
     metadata = client.get_model_metadata("diamond", as_json=True)
     assert metadata["platform"] == "ensemble"
     assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["outputs"]] == [
-        ("OUT", "FP32", ["-1", "4"]), ("A", "FP32", ["-1", "4"]), ("B", "FP32", ["-1", "4"])]
+        ("OUT", "FP32", ["-1", "4"]),
+        ("A", "FP32", ["-1", "4"]),
+        ("B", "FP32", ["-1", "4"]),
+    ]
     index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
     assert index["chain"]["state"] == "READY" and index["chain"]["version"] == "1"
     assert client.is_model_ready("diamond")
 
 
 def test_invalid_ensembles_are_refused_in_tritons_words(
-        client: grpcclient.InferenceServerClient, served: Served) -> None:
+    client: grpcclient.InferenceServerClient, served: Served
+) -> None:
     index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
     assert len(served.refused) == 19
     for name, reason in served.refused.items():
@@ -205,11 +214,15 @@ def test_loading_an_ensemble_loads_its_models_and_unloading_one_unloads_it(tmp_p
     ensemble_models.add_onnx_add1(repo)
     ensemble_models.add_torch_double(repo)
     ensemble_models.add_identity(repo, "pass")
-    ensemble_models.add_ensemble(repo, "chain", [
-        ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "a"}),
-        ensemble_models.step("double", {"INPUT__0": "a"}, {"OUTPUT__0": "b"}),
-        ensemble_models.step("pass", {"IN": "b"}, {"OUT": "OUT"}),
-    ])
+    ensemble_models.add_ensemble(
+        repo,
+        "chain",
+        [
+            ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "a"}),
+            ensemble_models.step("double", {"INPUT__0": "a"}, {"OUTPUT__0": "b"}),
+            ensemble_models.step("pass", {"IN": "b"}, {"OUT": "OUT"}),
+        ],
+    )
     running = server_factory(repo, "--model-control-mode", "explicit")
     with grpcclient.InferenceServerClient(running.url) as client:
         assert not client.is_model_ready("add1")
@@ -226,9 +239,13 @@ def test_loading_an_ensemble_loads_its_models_and_unloading_one_unloads_it(tmp_p
         wait_until(lambda: client.is_model_ready("chain"), what="the ensemble back with its model")
         np.testing.assert_array_equal(client.infer("chain", [_input(X)]).as_numpy("OUT"), (X + 1) * 2)
         # A model reloaded with a config the ensemble's steps no longer fit unloads the ensemble ...
-        five = {"name": "pass", "backend": "identity", "max_batch_size": 8,
-                "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [5]}],
-                "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [5]}]}
+        five = {
+            "name": "pass",
+            "backend": "identity",
+            "max_batch_size": 8,
+            "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [5]}],
+            "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [5]}],
+        }
         client.load_model("pass", config=json.dumps(five))
         wait_until(lambda: not client.is_model_ready("chain"), what="the ensemble unloaded with a misfit")
         assert client.is_model_ready("pass")
@@ -273,35 +290,65 @@ def test_a_sequence_runs_through_an_ensemble(tmp_path: Path, server_factory) -> 
 
     repo = tmp_path / "repo"
     sequence_models.add_accumulator(repo, "accumulator")
-    ensemble_models.add_ensemble(repo, "running_sum", [
-        ensemble_models.step("accumulator", {"INPUT": "IN"}, {"OUTPUT": "OUT"})],
+    ensemble_models.add_ensemble(
+        repo,
+        "running_sum",
+        [ensemble_models.step("accumulator", {"INPUT": "IN"}, {"OUTPUT": "OUT"})],
         io='input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
-           'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]')
+        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]',
+    )
     with grpcclient.InferenceServerClient(server_factory(repo).url) as client:
         sums = []
         for index, value in enumerate((1.0, 2.0, 4.0)):
-            result = client.infer("running_sum", [_input(np.array([[value]], np.float32))], sequence_id=7,
-                                  sequence_start=index == 0, sequence_end=index == 2)
+            result = client.infer(
+                "running_sum",
+                [_input(np.array([[value]], np.float32))],
+                sequence_id=7,
+                sequence_start=index == 0,
+                sequence_end=index == 2,
+            )
             sums.append(float(result.as_numpy("OUT")[0, 0]))
         assert sums == [1.0, 3.0, 7.0]
         ensemble, step_model = _stats(client, "running_sum"), _stats(client, "accumulator")
         assert _count(ensemble, "execution_count") == 3
-        assert _count(ensemble, "inference_stats", "compute_infer", "ns") == \
-            _count(step_model, "inference_stats", "compute_infer", "ns")
+        assert _count(ensemble, "inference_stats", "compute_infer", "ns") == _count(
+            step_model, "inference_stats", "compute_infer", "ns"
+        )
 
 
-@pytest.mark.skipif(not PERF_ANALYZER.exists(), reason=f"perf_analyzer not installed at {PERF_ANALYZER}: "
-                    "run bench/install_perf_analyzer.sh")
+@pytest.mark.skipif(
+    not PERF_ANALYZER.exists(),
+    reason=f"perf_analyzer not installed at {PERF_ANALYZER}: run bench/install_perf_analyzer.sh",
+)
 def test_perf_analyzer_reads_the_ensemble_and_its_composing_models(tmp_path: Path, server_factory) -> None:
     """perf_analyzer reads ensemble_scheduling from ModelConfig and each composing model's statistics."""
     repo = models.repository(tmp_path, "mlp", "mlp_scale", "mlp_pipeline")
     result = subprocess.run(
-        [str(PERF_ANALYZER), "-m", "mlp_pipeline", "-u", server_factory(repo).url, "-i", "grpc", "--input-data",
-         "zero", "--concurrency-range", "2", "-p", "500", "--max-trials", "4", "--stability-percentage", "1000"],
-        capture_output=True, text=True, timeout=180,  # a protocol check, not a speed test
+        [
+            str(PERF_ANALYZER),
+            "-m",
+            "mlp_pipeline",
+            "-u",
+            server_factory(repo).url,
+            "-i",
+            "grpc",
+            "--input-data",
+            "zero",
+            "--concurrency-range",
+            "2",
+            "-p",
+            "500",
+            "--max-trials",
+            "4",
+            "--stability-percentage",
+            "1000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,  # a protocol check, not a speed test
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    composing = result.stdout[result.stdout.index("Composing models:"):]
+    composing = result.stdout[result.stdout.index("Composing models:") :]
     assert "mlp, version: 1" in composing and "mlp_scale, version: 1" in composing
     assert "Successful request count: 0" not in result.stdout
 
@@ -309,8 +356,11 @@ def test_perf_analyzer_reads_the_ensemble_and_its_composing_models(tmp_path: Pat
 def test_an_ensemble_over_http(served: Served) -> None:
     """The REST endpoint reaches ensembles through the same core: JSON in, the chain's result out."""
     body = {"inputs": [{"name": "IN", "shape": [1, 4], "datatype": "FP32", "data": [1.0, 2.0, 3.0, 4.0]}]}
-    request = urllib.request.Request(f"http://{served.server.http_url}/v2/models/chain/infer",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{served.server.http_url}/v2/models/chain/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         answer = json.loads(response.read())
     assert answer["model_name"] == "chain"
@@ -325,10 +375,14 @@ def test_a_client_that_gives_up_cancels_the_steps(client: grpcclient.InferenceSe
         with pytest.raises(InferenceServerException) as caught:
             client.infer("diamond", [_input(X)], client_timeout=0.1)
         assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
-    wait_until(lambda: _count(_stats(client, "diamond"), "inference_stats", "fail", "count") == failed + 3,
-               what="three cancelled ensemble requests")
-    wait_until(lambda: _count(_stats(client, "slow_a"), "inference_stats", "fail", "count") >= 1,
-               what="a queued step cancelled")
+    wait_until(
+        lambda: _count(_stats(client, "diamond"), "inference_stats", "fail", "count") == failed + 3,
+        what="three cancelled ensemble requests",
+    )
+    wait_until(
+        lambda: _count(_stats(client, "slow_a"), "inference_stats", "fail", "count") >= 1,
+        what="a queued step cancelled",
+    )
     np.testing.assert_array_equal(client.infer("diamond", [_input(X)]).as_numpy("OUT"), 2 * X)
 
 

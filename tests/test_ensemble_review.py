@@ -39,7 +39,8 @@ def test_nested_ensembles_come_back_once_each(tmp_path: Path) -> None:
             await manager.load("outer")
             await manager.unload("base")
             assert {name: manager.entry(name).state for name in manager.names()} == dict.fromkeys(
-                ("base", "inner", "outer"), ModelState.UNAVAILABLE)
+                ("base", "inner", "outer"), ModelState.UNAVAILABLE
+            )
             loads.clear()
             await manager.load("base")
             assert all(manager.entry(name).state is ModelState.READY for name in manager.names())
@@ -89,17 +90,23 @@ def test_an_optional_input_left_out_is_left_out_of_its_step(tmp_path: Path) -> N
     model needs it, the model's own check refuses the step. It used to refuse the request ("ensemble
     tensor 'OPT' is needed by a step but was not provided")."""
     repo = tmp_path / "repo"
-    fp32 = 'data_type: TYPE_FP32 dims: [ 4 ]'
-    models.write_config(repo / "pair", f'''
+    fp32 = "data_type: TYPE_FP32 dims: [ 4 ]"
+    models.write_config(
+        repo / "pair",
+        f"""
         backend: "identity"
         max_batch_size: 8
         input [ {{ name: "IN" {fp32} }}, {{ name: "OPT" {fp32} optional: true }} ]
-        output [ {{ name: "OUT" {fp32} }}, {{ name: "OPT_OUT" {fp32} }} ]''')
+        output [ {{ name: "OUT" {fp32} }}, {{ name: "OPT_OUT" {fp32} }} ]""",
+    )
     (repo / "pair" / "1").mkdir()
     ensemble_models.add_ensemble(
-        repo, "optional", [ensemble_models.step("pair", {"IN": "IN", "OPT": "OPT"}, {"OUT": "OUT"})],
+        repo,
+        "optional",
+        [ensemble_models.step("pair", {"IN": "IN", "OPT": "OPT"}, {"OUT": "OUT"})],
         io=f'input [ {{ name: "IN" {fp32} }}, {{ name: "OPT" {fp32} optional: true }} ]\n'
-           f'output [ {{ name: "OUT" {fp32} }} ]')
+        f'output [ {{ name: "OUT" {fp32} }} ]',
+    )
     row = np.arange(4, dtype=np.float32).reshape(1, 4)
 
     async def main() -> None:

@@ -97,8 +97,13 @@ def rows(value: int) -> list[grpcclient.InferInput]:
 def batching_server(tmp_path: Path) -> Iterator[RunningServer]:
     repo = tmp_path / "repo"
     # A batch of 2 goes at once; anything else waits 20 s for company.
-    models.add_delayed_identity(repo, "pairs", delay_ms=0, extra="""
-        dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 20000000 }""")
+    models.add_delayed_identity(
+        repo,
+        "pairs",
+        delay_ms=0,
+        extra="""
+        dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 20000000 }""",
+    )
     models.add_delayed_identity(repo, "slow", delay_ms=1500)
     models.add_delayed_identity(repo, "echo", delay_ms=0)
     server = start_server(repo, tmp_path, *WORKERS)
@@ -141,14 +146,18 @@ def test_a_killed_worker_is_replaced_and_only_its_requests_fail(batching_server:
     for thread in threads:
         thread.start()
     # One instance: one request executes for 1.5 s while the other waits in the queue.
-    wait_until(lambda: metric(batching_server, "nv_inference_pending_request_count", "slow") >= 1,
-               what="both slow requests to reach the host")
+    wait_until(
+        lambda: metric(batching_server, "nv_inference_pending_request_count", "slow") >= 1,
+        what="both slow requests to reach the host",
+    )
     os.kill(victim, signal.SIGKILL)
     for thread in threads:
         thread.join(timeout=20)
     assert outcome == {"spared": [[7, 7]], "doomed": "StatusCode.UNAVAILABLE"}
-    wait_until(lambda: len(live := worker_pids(batching_server)) == 2 and victim not in live,  # one reading of /proc
-               what="a new worker in place of the killed one")
+    wait_until(
+        lambda: len(live := worker_pids(batching_server)) == 2 and victim not in live,  # one reading of /proc
+        what="a new worker in place of the killed one",
+    )
     assert survivor in worker_pids(batching_server)
     for value in range(8):  # new connections reach either worker, the new one included
         with own_connection(batching_server.url) as client:
@@ -175,8 +184,10 @@ def test_a_killed_workers_temporary_files_go_with_it(tmp_path: Path) -> None:
         assert all(any(folder.glob("pygrpc-native-*/fallback.sock")) for folder in scratch.values()), scratch
         victim, survivor = scratch
         os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: len(live := worker_pids(server)) == 2 and victim not in live,  # one reading of /proc
-                   what="a new worker in place of the killed one")
+        wait_until(
+            lambda: len(live := worker_pids(server)) == 2 and victim not in live,  # one reading of /proc
+            what="a new worker in place of the killed one",
+        )
         assert not scratch[victim].exists() and scratch[survivor].exists()
         [replacement] = worker_pids(server) - {survivor}
         scratch[replacement] = _scratch(replacement)
@@ -194,8 +205,10 @@ def test_the_workers_die_with_the_host(tmp_path: Path) -> None:
     assert len(workers) == 2
     server.process.kill()
     server.process.wait()
-    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in workers),
-               what="the workers to exit after the host was killed")
+    wait_until(
+        lambda: not any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in workers),
+        what="the workers to exit after the host was killed",
+    )
 
 
 def _state(pid: int) -> str:
@@ -215,8 +228,10 @@ def test_shutdown_drains_requests_held_by_workers(batching_server: RunningServer
     threads = [threading.Thread(target=slow, args=(c,)) for c in clients.values()]
     for thread in threads:
         thread.start()
-    wait_until(lambda: metric(batching_server, "nv_inference_pending_request_count", "slow") >= 1,
-               what="both slow requests to reach the host")
+    wait_until(
+        lambda: metric(batching_server, "nv_inference_pending_request_count", "slow") >= 1,
+        what="both slow requests to reach the host",
+    )
     workers = worker_pids(batching_server)
     assert batching_server.stop() == 0, batching_server.log()
     for thread in threads:
@@ -240,8 +255,9 @@ def test_a_full_pool_answers_unavailable_and_the_worker_keeps_serving(tmp_path: 
             assert "--grpc-worker-pool-mb" in refused.value.message()
             small = grpcclient.InferInput("IN", [1000], "UINT8")
             small.set_data_from_numpy(np.arange(1000, dtype=np.uint8))
-            np.testing.assert_array_equal(client.infer("blob", [small]).as_numpy("OUT"),
-                                          np.arange(1000, dtype=np.uint8))
+            np.testing.assert_array_equal(
+                client.infer("blob", [small]).as_numpy("OUT"), np.arange(1000, dtype=np.uint8)
+            )
     finally:
         assert server.stop() == 0
 
@@ -268,8 +284,9 @@ def test_a_request_cancelled_before_the_host_starts_it_is_still_answered() -> No
 
         def received(message: Any) -> None:
             answers.append(message)
-            if {a.id for a in answers if not isinstance(a, messages.Release)} == {1, 2} and \
-                    messages.Release([1]) in answers:
+            if {a.id for a in answers if not isinstance(a, messages.Release)} == {1, 2} and messages.Release(
+                [1]
+            ) in answers:
                 both_answered.set()
 
         requests, responses = Arena.create("t-requests", 1 << 16), Arena.create("t-responses", 1 << 16)
@@ -287,7 +304,9 @@ def test_a_request_cancelled_before_the_host_starts_it_is_still_answered() -> No
     answers = asyncio.run(scenario())
     assert messages.Release([1]) in answers  # never read: its block is the worker's again
     assert sorted((a.id, type(a).__name__) for a in answers if not isinstance(a, messages.Release)) == [
-        (1, "Error"), (2, "Result")]
+        (1, "Error"),
+        (2, "Result"),
+    ]
 
 
 def test_a_stopped_worker_is_replaced_by_the_liveness_check(tmp_path: Path) -> None:
@@ -298,10 +317,14 @@ def test_a_stopped_worker_is_replaced_by_the_liveness_check(tmp_path: Path) -> N
     try:
         [stopped] = worker_pids(server)
         os.kill(stopped, signal.SIGSTOP)
-        wait_until(lambda: len(live := worker_pids(server)) == 1 and stopped not in live,  # one reading of /proc
-                   what="a new worker in place of the stopped one")
-        wait_until(lambda: "serves gRPC" in server.log().split("answered no liveness check", 1)[-1],
-                   what="the new worker to serve")
+        wait_until(
+            lambda: len(live := worker_pids(server)) == 1 and stopped not in live,  # one reading of /proc
+            what="a new worker in place of the stopped one",
+        )
+        wait_until(
+            lambda: "serves gRPC" in server.log().split("answered no liveness check", 1)[-1],
+            what="the new worker to serve",
+        )
         with own_connection(server.url) as client:
             assert client.infer("echo", rows(4)).as_numpy("OUT").tolist() == [[4, 4]]
     finally:

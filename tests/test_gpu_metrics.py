@@ -73,6 +73,7 @@ def test_the_families_are_tritons_in_units_and_labels() -> None:
     assert list(families) == list(TRITON_GPU_FAMILIES)  # Triton's order
     for name, (kind, text) in TRITON_GPU_FAMILIES.items():
         assert (families[name].type, families[name].help) == (kind, text)
+
     def values(name: str) -> dict[str, float]:
         return {labels["gpu_uuid"]: value for labels, value in families[name].samples}
 
@@ -81,7 +82,7 @@ def test_the_families_are_tritons_in_units_and_labels() -> None:
     assert values("nv_gpu_power_usage") == {"GPU-00000000-fake": pytest.approx(123.456)}  # board 1 has none
     assert values("nv_gpu_power_limit") == {"GPU-00000000-fake": 700.0}
     assert values("nv_energy_consumption") == {"GPU-00000000-fake": 42.5, "GPU-00000001-fake": 0.0}
-    assert "nv_gpu_utilization{gpu_uuid=\"GPU-00000000-fake\"} 0.37" in families["nv_gpu_utilization"].text()
+    assert 'nv_gpu_utilization{gpu_uuid="GPU-00000000-fake"} 0.37' in families["nv_gpu_utilization"].text()
 
 
 def test_without_nvml_there_are_no_gpu_families() -> None:
@@ -96,8 +97,9 @@ def gpus_here() -> list[str]:
     """The UUIDs nvidia-smi lists; none without a driver."""
     if shutil.which("nvidia-smi") is None:
         return []
-    listed = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
-                            text=True, timeout=60)
+    listed = subprocess.run(
+        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True, timeout=60
+    )
     return [line.strip() for line in listed.stdout.splitlines() if line.strip()] if listed.returncode == 0 else []
 
 

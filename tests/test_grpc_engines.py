@@ -54,8 +54,9 @@ def test_native_io_threads_follow_the_usable_cores_unless_given() -> None:
 def test_the_io_thread_count_given_is_the_one_served_and_logged(tmp_path: Path) -> None:
     """``--grpc-io-threads 3``: the native listener runs 3 I/O threads (counted in /proc), and says so."""
     (tmp_path / "server").mkdir()
-    server = start_server(models.repository(tmp_path, "simple"), tmp_path / "server", "--grpc-engine", "native",
-                          "--grpc-io-threads", "3")
+    server = start_server(
+        models.repository(tmp_path, "simple"), tmp_path / "server", "--grpc-engine", "native", "--grpc-io-threads", "3"
+    )
     try:
         assert "(engine native: --grpc-engine native; 3 I/O threads)" in server.log(), server.log()
         names = [(task / "comm").read_text().strip() for task in Path(f"/proc/{server.process.pid}/task").iterdir()]
@@ -126,8 +127,12 @@ def test_tritonclient_streaming(engine_server: RunningServer) -> None:
 def test_a_client_that_sends_keepalive_pings_keeps_being_answered(engine_server: RunningServer) -> None:
     """Pings every 200 ms, also between calls: grpcio's ping policy may end the connection with GOAWAY
     (too_many_pings) and the client dials again; pygrpc-native accepts them. Either way every call is answered."""
-    keepalive = triton.KeepAliveOptions(keepalive_time_ms=200, keepalive_timeout_ms=10_000,
-                                        keepalive_permit_without_calls=True, http2_max_pings_without_data=0)
+    keepalive = triton.KeepAliveOptions(
+        keepalive_time_ms=200,
+        keepalive_timeout_ms=10_000,
+        keepalive_permit_without_calls=True,
+        http2_max_pings_without_data=0,
+    )
     with triton.InferenceServerClient(engine_server.url, keepalive_options=keepalive) as client:
         for _ in range(3):
             result = client.infer("simple", _inputs(triton), client_timeout=30)
@@ -140,8 +145,9 @@ def test_streams_on_many_connections_are_not_bounded_together(engine_server: Run
     """pygrpc-native proxies ModelStreamInfer to its grpc.aio fallback; 150 streams held open at once on
     150 connections (more than one connection's limit of 100) each get their answer."""
     count = 150
-    channels = [grpc.insecure_channel(engine_server.url, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(count)]
+    channels = [
+        grpc.insecure_channel(engine_server.url, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(count)
+    ]
     answered = threading.Barrier(count, timeout=60)
     failures: list[str] = []
 
@@ -185,8 +191,9 @@ def test_auto_falls_back_where_native_cannot_serve(monkeypatch: pytest.MonkeyPat
     from shoal.grpc import engine
 
     assert engine.choose("auto", tls=False).name == "native"
-    assert engine.choose("auto", tls=True) == engine.EngineChoice("grpcio", "TLS is on, which pygrpc-native "
-                                                                            "cannot serve")
+    assert engine.choose("auto", tls=True) == engine.EngineChoice(
+        "grpcio", "TLS is on, which pygrpc-native cannot serve"
+    )
     assert engine.choose("grpcio", tls=False).name == "grpcio"
     monkeypatch.setattr(pygrpc_native, "__version__", "0.6.0")
     choice = engine.choose("auto", tls=False)

@@ -87,18 +87,23 @@ def test_statistics_and_index(client: httpclient.InferenceServerClient) -> None:
 
 
 def _simple_inputs(a: np.ndarray, b: np.ndarray, binary: bool = True) -> list[httpclient.InferInput]:
-    inputs = [httpclient.InferInput("INPUT0", list(a.shape), "INT32"),
-              httpclient.InferInput("INPUT1", list(b.shape), "INT32")]
+    inputs = [
+        httpclient.InferInput("INPUT0", list(a.shape), "INT32"),
+        httpclient.InferInput("INPUT1", list(b.shape), "INT32"),
+    ]
     inputs[0].set_data_from_numpy(a, binary_data=binary)
     inputs[1].set_data_from_numpy(b, binary_data=binary)
     return inputs
 
 
-@pytest.mark.parametrize(("datatype", "binary_in", "binary_out"), [
-    (datatype, binary_in, binary_out)
-    for datatype, binary_in, binary_out in itertools.product(models.ALL_DATATYPES, (True, False), (True, False))
-    if binary_in or datatype not in NO_JSON
-])
+@pytest.mark.parametrize(
+    ("datatype", "binary_in", "binary_out"),
+    [
+        (datatype, binary_in, binary_out)
+        for datatype, binary_in, binary_out in itertools.product(models.ALL_DATATYPES, (True, False), (True, False))
+        if binary_in or datatype not in NO_JSON
+    ],
+)
 def test_every_datatype_round_trips(
     client: httpclient.InferenceServerClient, datatype: str, binary_in: bool, binary_out: bool
 ) -> None:
@@ -121,8 +126,10 @@ def test_every_datatype_round_trips(
 def test_requested_outputs_with_and_without_binary_data(client: httpclient.InferenceServerClient) -> None:
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     b = np.full((1, 16), 3, dtype=np.int32)
-    outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=False),
-               httpclient.InferRequestedOutput("OUTPUT1", binary_data=True)]
+    outputs = [
+        httpclient.InferRequestedOutput("OUTPUT0", binary_data=False),
+        httpclient.InferRequestedOutput("OUTPUT1", binary_data=True),
+    ]
     result = client.infer("simple", _simple_inputs(a, b, binary=False), outputs=outputs)
     assert result.get_output("OUTPUT0")["data"] == (a + b).reshape(-1).tolist()
     assert result.get_output("OUTPUT1")["parameters"]["binary_data_size"] == 64
@@ -146,8 +153,11 @@ def test_nested_json_data_and_an_inline_request(example_server: RunningServer) -
     answer = json.loads(response.read())
     connection.close()
     assert response.status == 200 and response.getheader("Content-Type") == "application/json"
-    assert answer == {"model_name": "identity_int64", "model_version": "1", "outputs": [
-        {"name": "OUT", "datatype": "INT64", "shape": [2, 2], "data": [1, 2, 3, 4]}]}
+    assert answer == {
+        "model_name": "identity_int64",
+        "model_version": "1",
+        "outputs": [{"name": "OUT", "datatype": "INT64", "shape": [2, 2], "data": [1, 2, 3, 4]}],
+    }
 
 
 def test_classification_matches_grpc(example_server: RunningServer, client: httpclient.InferenceServerClient) -> None:
@@ -155,15 +165,19 @@ def test_classification_matches_grpc(example_server: RunningServer, client: http
     tensor = httpclient.InferInput("IN", [1, 4], "FP32")
     tensor.set_data_from_numpy(values)
     for binary in (True, False):
-        result = client.infer("identity_fp32", [tensor],
-                              outputs=[httpclient.InferRequestedOutput("OUT", binary_data=binary, class_count=2)])
+        result = client.infer(
+            "identity_fp32",
+            [tensor],
+            outputs=[httpclient.InferRequestedOutput("OUT", binary_data=binary, class_count=2)],
+        )
         classes = [c.decode() if isinstance(c, bytes) else c for c in result.as_numpy("OUT").reshape(-1)]
         assert result.get_output("OUT")["datatype"] == "BYTES"
         with grpcclient.InferenceServerClient(example_server.url) as grpc:
             over_grpc = grpcclient.InferInput("IN", [1, 4], "FP32")
             over_grpc.set_data_from_numpy(values)
-            expected = grpc.infer("identity_fp32", [over_grpc],
-                                  outputs=[grpcclient.InferRequestedOutput("OUT", class_count=2)]).as_numpy("OUT")
+            expected = grpc.infer(
+                "identity_fp32", [over_grpc], outputs=[grpcclient.InferRequestedOutput("OUT", class_count=2)]
+            ).as_numpy("OUT")
         assert classes == [c.decode() for c in expected.reshape(-1)] == ["3.000000:1", "2.000000:3"]
 
 
@@ -172,15 +186,21 @@ def test_compression_both_ways(
     client: httpclient.InferenceServerClient, request_encoding: str, response_encoding: str
 ) -> None:
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    result = client.infer("simple", _simple_inputs(a, a), request_compression_algorithm=request_encoding,
-                          response_compression_algorithm=response_encoding)
+    result = client.infer(
+        "simple",
+        _simple_inputs(a, a),
+        request_compression_algorithm=request_encoding,
+        response_compression_algorithm=response_encoding,
+    )
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
 
 
 def test_shared_memory_over_http(client: httpclient.InferenceServerClient) -> None:
     tag = f"{os.getpid()}_http"
-    handles = {name: shm.create_shared_memory_region(f"{name}_{tag}", f"/shoal_http_{name}_{tag}", 64)
-               for name in ("in0", "in1", "out0")}
+    handles = {
+        name: shm.create_shared_memory_region(f"{name}_{tag}", f"/shoal_http_{name}_{tag}", 64)
+        for name in ("in0", "in1", "out0")
+    }
     try:
         a = np.arange(16, dtype=np.int32).reshape(1, 16)
         b = np.full((1, 16), 2, dtype=np.int32)
@@ -217,14 +237,20 @@ def test_repository_load_and_unload(tmp_path: Path, server_factory) -> None:
     server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "simple")
     with httpclient.InferenceServerClient(server.http_url) as client:
         assert {"name": "ident"} in client.get_model_repository_index()  # never loaded: its name alone
-        override = '{"backend": "identity", "max_batch_size": 4, "input": [{"name": "IN", "data_type": ' \
-                   '"TYPE_FP32", "dims": [2]}], "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [2]}]}'
+        override = (
+            '{"backend": "identity", "max_batch_size": 4, "input": [{"name": "IN", "data_type": '
+            '"TYPE_FP32", "dims": [2]}], "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [2]}]}'
+        )
         client.load_model("ident", config=override)
         assert client.is_model_ready("ident") and client.get_model_config("ident")["max_batch_size"] == 4
         client.unload_model("ident", unload_dependents=True)
         assert not client.is_model_ready("ident")
-        assert {"name": "ident", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"} in \
-            client.get_model_repository_index()
+        assert {
+            "name": "ident",
+            "version": "1",
+            "state": "UNAVAILABLE",
+            "reason": "unloaded",
+        } in client.get_model_repository_index()
         with pytest.raises(InferenceServerException, match="not valid JSON") as caught:
             client.load_model("ident", config="{nope")
         assert caught.value.status() == "400"
@@ -255,8 +281,10 @@ def test_every_worker_serves_http_and_a_replaced_one_too(tmp_path: Path) -> None
         wait_until(lambda: server.log().count(where) == 2, what="both workers to serve HTTP")
         victim = min(worker_pids(server))
         os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: len(live := worker_pids(server)) == 2 and victim not in live,  # one reading of /proc
-                   what="the killed worker to be replaced")
+        wait_until(
+            lambda: len(live := worker_pids(server)) == 2 and victim not in live,  # one reading of /proc
+            what="the killed worker to be replaced",
+        )
         wait_until(lambda: server.log().count(where) == 3, what="the new worker to serve HTTP")
         a = np.arange(16, dtype=np.int32).reshape(1, 16)
         for _ in range(8):  # fresh connections: the kernel spreads them over both workers
@@ -288,8 +316,13 @@ def test_sigterm_drains_http_requests_and_readiness_turns_false(tmp_path: Path, 
 
     thread = threading.Thread(target=slow)
     thread.start()
-    wait_until(lambda: metric(server, "nv_inference_pending_request_count", "slow") >= 1
-               or metric(server, "nv_inference_exec_count", "slow") >= 1, what="the request to reach the model")
+    wait_until(
+        lambda: (
+            metric(server, "nv_inference_pending_request_count", "slow") >= 1
+            or metric(server, "nv_inference_exec_count", "slow") >= 1
+        ),
+        what="the request to reach the model",
+    )
     server.process.send_signal(signal.SIGTERM)
     wait_until(lambda: call(server, "GET", "/v2/health/ready")[0] == 400, what="readiness to turn false")
     thread.join(timeout=30)
@@ -356,13 +389,16 @@ def test_sequences_over_http(tmp_path: Path, server_factory) -> None:
             for index, value in enumerate((1.0, 2.0, 4.0)):
                 data = httpclient.InferInput("INPUT", [1, 1], "FP32")
                 data.set_data_from_numpy(np.full((1, 1), value, dtype=np.float32), binary_data=index % 2 == 0)
-                result = client.infer("acc", [data], sequence_id=cid, sequence_start=index == 0,
-                                      sequence_end=index == 2)
+                result = client.infer(
+                    "acc", [data], sequence_id=cid, sequence_start=index == 0, sequence_end=index == 2
+                )
                 sums[cid].append(float(result.as_numpy("OUTPUT").item()))
         assert sums == {7: [1.0, 3.0, 7.0], "text-id": [1.0, 3.0, 7.0]}
         data = httpclient.InferInput("INPUT", [1, 1], "FP32")
         data.set_data_from_numpy(np.ones((1, 1), dtype=np.float32))
         with pytest.raises(InferenceServerException) as caught:
             client.infer("acc", [data])  # no sequence id: refused in Triton's words, as 400
-        assert caught.value.status() == "400" and "must specify a non-zero or non-empty correlation ID" in \
-            caught.value.message()
+        assert (
+            caught.value.status() == "400"
+            and "must specify a non-zero or non-empty correlation ID" in caught.value.message()
+        )

@@ -56,8 +56,9 @@ def _concrete(pattern: re.Pattern[str]) -> str:
     return path
 
 
-def _request(app: HttpApp, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
-             ) -> tuple[int, dict[str, Any]]:
+def _request(
+    app: HttpApp, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -66,8 +67,12 @@ def _request(app: HttpApp, method: str, path: str, body: bytes = b"", headers: d
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": method, "path": path,
-             "headers": [(k.encode(), v.encode()) for k, v in (headers or {}).items()]}
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": [(k.encode(), v.encode()) for k, v in (headers or {}).items()],
+    }
     asyncio.run(app(scope, receive, send))
     start, content = sent
     assert dict(start["headers"])[b"content-type"] == b"application/json"
@@ -78,15 +83,17 @@ CASES = [(pattern, method) for pattern, methods, _, _ in ROUTES for method in me
 
 
 @pytest.mark.parametrize(("pattern", "method"), CASES, ids=[f"{m} {p.pattern}" for p, m in CASES])
-def test_an_unexpected_error_is_500_with_triton_s_body(pattern: re.Pattern[str], method: str,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unexpected_error_is_500_with_triton_s_body(
+    pattern: re.Pattern[str], method: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """The client gets a generic message and an incident id; the detail is in the log under that id."""
     core = FailingCore(RuntimeError("boom"))
     path = _concrete(pattern)
     status, body = _request(HttpApp(core, 1 << 20), method, path, _body(path))
     assert core.calls  # every route asks the core
-    incident = re.fullmatch(r"internal error \(incident ([0-9a-f]{12})\): the server's log has the detail",
-                            body["error"])
+    incident = re.fullmatch(
+        r"internal error \(incident ([0-9a-f]{12})\): the server's log has the detail", body["error"]
+    )
     assert status == 500 and incident is not None and "boom" not in body["error"], body
     logged = [r for r in caplog.records if incident.group(1) in r.getMessage()]
     assert logged and logged[0].exc_info is not None and "boom" in str(logged[0].exc_info[1])
@@ -98,21 +105,33 @@ def test_each_error_code_has_its_status(code: ErrorCode) -> None:
     assert _request(HttpApp(core, 1 << 20), "GET", "/v2/models/m/config") == (STATUS_BY_CODE[code], {"error": "why"})
 
 
-@pytest.mark.parametrize(("pattern", "method", "category"),
-                         [(p, m, c) for p, methods, _, c in ROUTES for m in methods.split("|")])
+@pytest.mark.parametrize(
+    ("pattern", "method", "category"), [(p, m, c) for p, methods, _, c in ROUTES for m in methods.split("|")]
+)
 def test_every_route_is_in_a_restriction_category(pattern: re.Pattern[str], method: str, category: str) -> None:
     assert category in RESTRICTION_CATEGORIES
     core = FailingCore(RuntimeError("never called"))
     app = HttpApp(core, 1 << 20, (Restriction(frozenset({category}), "k", "v"),))
     assert _request(app, method, _concrete(pattern), _body(_concrete(pattern))) == (
-        403, {"error": "This API is restricted, expecting header 'k'"})
+        403,
+        {"error": "This API is restricted, expecting header 'k'"},
+    )
     assert core.calls == []
 
 
-@pytest.mark.parametrize(("accept", "chosen"), [
-    ("gzip", "gzip"), ("deflate;q=0, gzip", "gzip"), ("gzip;q=0, deflate", "deflate"), ("gzip;q=0.0", None),
-    ("identity", None), ("br, deflate;q=0.5", "deflate"), ("gzip;q=abc", None), ("GZIP ; q=1", "gzip"),
-])
+@pytest.mark.parametrize(
+    ("accept", "chosen"),
+    [
+        ("gzip", "gzip"),
+        ("deflate;q=0, gzip", "gzip"),
+        ("gzip;q=0, deflate", "deflate"),
+        ("gzip;q=0.0", None),
+        ("identity", None),
+        ("br, deflate;q=0.5", "deflate"),
+        ("gzip;q=abc", None),
+        ("GZIP ; q=1", "gzip"),
+    ],
+)
 def test_accept_encoding_weights(accept: str, chosen: str | None) -> None:
     from shoal.http.app import _accepted_encoding
 

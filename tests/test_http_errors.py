@@ -40,8 +40,13 @@ SIMPLE_INFER = "/v2/models/simple/infer"
 ONE_INPUT = {"inputs": [{"name": "IN", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
 
 
-def call(server: RunningServer, method: str, path: str, body: bytes | str | dict[str, Any] = b"",
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+def call(
+    server: RunningServer,
+    method: str,
+    path: str,
+    body: bytes | str | dict[str, Any] = b"",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
     """One request on a fresh connection: status, headers (lower-case names), body."""
     if isinstance(body, dict):
         body = json.dumps(body)
@@ -54,8 +59,13 @@ def call(server: RunningServer, method: str, path: str, body: bytes | str | dict
         connection.close()
 
 
-def error(server: RunningServer, method: str, path: str, body: bytes | str | dict[str, Any] = b"",
-          headers: dict[str, str] | None = None) -> tuple[int, str]:
+def error(
+    server: RunningServer,
+    method: str,
+    path: str,
+    body: bytes | str | dict[str, Any] = b"",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, str]:
     """The status and message of a request expected to fail with Triton's error body."""
     status, response_headers, content = call(server, method, path, body, headers)
     assert response_headers["content-type"] == "application/json", content
@@ -80,7 +90,9 @@ def test_paths_and_methods(example_server: RunningServer) -> None:
 def test_unknown_and_unready_models(example_server: RunningServer) -> None:
     assert error(example_server, "GET", "/v2/models/nope") == (404, "Request for unknown model: 'nope' is not found")
     assert error(example_server, "GET", "/v2/models/simple/versions/7/config") == (
-        404, "Request for unknown model: 'simple' version 7 is not found")
+        404,
+        "Request for unknown model: 'simple' version 7 is not found",
+    )
     assert error(example_server, "POST", "/v2/models/nope/infer", ONE_INPUT)[0] == 404
     assert error(example_server, "GET", "/v2/models/nope/ready") == (400, "Model version not ready")
     status, message = error(example_server, "GET", "/v2/models/nope/stats")
@@ -92,11 +104,15 @@ def test_malformed_requests_are_400(example_server: RunningServer) -> None:
     assert status == 400 and message.startswith("failed to parse the request JSON buffer")
     assert error(example_server, "POST", SIMPLE_INFER, "[1]")[0] == 400
     assert error(example_server, "POST", SIMPLE_INFER, "{}") == (
-        400, "Unable to parse 'inputs': attempt to access non-existing object member 'inputs'")
+        400,
+        "Unable to parse 'inputs': attempt to access non-existing object member 'inputs'",
+    )
     no_data = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32"}]}
     assert error(example_server, "POST", SIMPLE_INFER, no_data) == (
-        400, "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
-             "'shared_memory_region' in 'parameters'. But no field is set")
+        400,
+        "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+        "'shared_memory_region' in 'parameters'. But no field is set",
+    )
     wrong_count = {"inputs": [{"name": "IN", "shape": [1, 3], "datatype": "FP32", "data": [1, 2]}]}
     status, message = error(example_server, "POST", "/v2/models/identity_fp32/infer", wrong_count)
     assert status == 400 and "Shape does not match true shape of 'data' field" in message
@@ -106,7 +122,9 @@ def test_malformed_requests_are_400(example_server: RunningServer) -> None:
     assert error(example_server, "POST", "/v2/models/identity_int8/infer", fraction)[0] == 400
     too_big = {"inputs": [{"name": "IN", "shape": [1, 1], "datatype": "INT8", "data": [300]}]}
     assert error(example_server, "POST", "/v2/models/identity_int8/infer", too_big) == (
-        400, "input 'IN': a value does not fit INT8")
+        400,
+        "input 'IN': a value does not fit INT8",
+    )
     unknown_output = {**ONE_INPUT, "outputs": [{"name": "NOPE"}]}
     assert error(example_server, "POST", "/v2/models/identity_fp32/infer", unknown_output)[0] == 400
     assert error(example_server, "POST", "/v2/repository/index", "not json")[0] == 400
@@ -114,21 +132,27 @@ def test_malformed_requests_are_400(example_server: RunningServer) -> None:
 
 
 def test_binary_data_that_does_not_fit(example_server: RunningServer) -> None:
-    header = json.dumps({"inputs": [{"name": "IN", "shape": [1, 2], "datatype": "FP32",
-                                     "parameters": {"binary_data_size": 8}}]}).encode()
+    header = json.dumps(
+        {"inputs": [{"name": "IN", "shape": [1, 2], "datatype": "FP32", "parameters": {"binary_data_size": 8}}]}
+    ).encode()
     body = header + np.array([1, 2], dtype=np.float32).tobytes()
     path = "/v2/models/identity_fp32/infer"
-    status, headers, content = call(example_server, "POST", path, body,
-                                    {"Inference-Header-Content-Length": str(len(header))})
+    status, headers, content = call(
+        example_server, "POST", path, body, {"Inference-Header-Content-Length": str(len(header))}
+    )
     assert status == 200 and json.loads(content)["outputs"][0]["data"] == [1.0, 2.0]
     assert error(example_server, "POST", path, body, {"Inference-Header-Content-Length": "5000"}) == (
-        400, f"inference header size should be in range (0, {len(body)}), got: 5000")
+        400,
+        f"inference header size should be in range (0, {len(body)}), got: 5000",
+    )
     assert error(example_server, "POST", path, body, {"Inference-Header-Content-Length": "abc"})[0] == 400
-    status, message = error(example_server, "POST", path, body[:-1],
-                            {"Inference-Header-Content-Length": str(len(header))})
+    status, message = error(
+        example_server, "POST", path, body[:-1], {"Inference-Header-Content-Length": str(len(header))}
+    )
     assert status == 400 and "expecting 8" in message
-    status, message = error(example_server, "POST", path, body + b"x",
-                            {"Inference-Header-Content-Length": str(len(header))})
+    status, message = error(
+        example_server, "POST", path, body + b"x", {"Inference-Header-Content-Length": str(len(header))}
+    )
     assert status == 400 and "1 bytes of binary data past the inputs" in message
 
 
@@ -136,11 +160,18 @@ def test_compression_errors(example_server: RunningServer) -> None:
     body = json.dumps(ONE_INPUT).encode()
     path = "/v2/models/identity_fp32/infer"
     assert error(example_server, "POST", path, body, {"Content-Encoding": "br"}) == (
-        501, "Unsupported compression type")
+        501,
+        "Unsupported compression type",
+    )
     status, message = error(example_server, "POST", path, b"not gzip", {"Content-Encoding": "gzip"})
     assert status == 400 and "not valid gzip data" in message
-    status, headers, content = call(example_server, "POST", path, gzip.compress(body),
-                                    {"Content-Encoding": "gzip", "Accept-Encoding": "deflate;q=0, gzip"})
+    status, headers, content = call(
+        example_server,
+        "POST",
+        path,
+        gzip.compress(body),
+        {"Content-Encoding": "gzip", "Accept-Encoding": "deflate;q=0, gzip"},
+    )
     assert status == 200 and headers["content-encoding"] == "gzip"
     assert json.loads(gzip.decompress(content))["outputs"][0]["data"] == [1.0, 2.0]
 
@@ -163,7 +194,9 @@ def test_restricted_api_needs_its_header(tmp_path: Path, server_factory) -> None
     repo = models.repository(tmp_path, "simple")
     server = server_factory(repo, "--http-restricted-api", "model-repository,statistics:admin-key=s3cret")
     assert error(server, "POST", "/v2/repository/index") == (
-        403, "This API is restricted, expecting header 'admin-key'")
+        403,
+        "This API is restricted, expecting header 'admin-key'",
+    )
     assert error(server, "GET", "/v2/models/stats", headers={"admin-key": "wrong"})[0] == 403
     assert call(server, "GET", "/v2/models/stats", headers={"Admin-Key": "s3cret"})[0] == 200
     assert call(server, "GET", "/v2/models/simple")[0] == 200  # metadata is not restricted
@@ -183,12 +216,28 @@ def test_an_http_port_in_use_is_a_clear_error(tmp_path: Path, server_factory) ->
     repo = models.repository(tmp_path, "simple")
     first = server_factory(repo)
     second = subprocess.run(
-        [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repo), "--grpc-address", "127.0.0.1",
-         "--grpc-port", "0", "--metrics-port", "0", "--http-port", str(first.http_port)],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "shoal",
+            "serve",
+            "--model-repository",
+            str(repo),
+            "--grpc-address",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            str(first.http_port),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert second.returncode == EXIT_STARTUP_FAILED, second.stderr
-    assert f"shoal: error: cannot serve HTTP on 127.0.0.1:{first.http_port}: Address already in use" \
-        in second.stderr
+    assert f"shoal: error: cannot serve HTTP on 127.0.0.1:{first.http_port}: Address already in use" in second.stderr
     assert "Traceback" not in second.stderr
     assert call(first, "GET", "/v2/health/ready")[0] == 200
 
@@ -196,8 +245,17 @@ def test_an_http_port_in_use_is_a_clear_error(tmp_path: Path, server_factory) ->
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_https_and_mutual_tls(pki: Path, tmp_path: Path, server_factory) -> None:  # noqa: F811
     repo = models.repository(tmp_path, "simple")
-    server = server_factory(repo, "--http-use-ssl-mutual", "true", "--http-server-cert", str(pki / "server.pem"),
-                            "--http-server-key", str(pki / "server.key"), "--http-root-cert", str(pki / "ca.pem"))
+    server = server_factory(
+        repo,
+        "--http-use-ssl-mutual",
+        "true",
+        "--http-server-cert",
+        str(pki / "server.pem"),
+        "--http-server-key",
+        str(pki / "server.key"),
+        "--http-root-cert",
+        str(pki / "ca.pem"),
+    )
     context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
     context.load_cert_chain(pki / "client.pem", pki / "client.key")
     connection = http.client.HTTPSConnection("localhost", server.http_port, context=context, timeout=10)
@@ -215,30 +273,50 @@ def test_https_and_mutual_tls(pki: Path, tmp_path: Path, server_factory) -> None
         plain.getresponse()
 
 
-
 def test_binary_bytes_of_many_tiny_elements_are_refused_before_decoding(example_server: RunningServer) -> None:
     count = 3_000_000  # 12 MB of empty strings would take ~160 MiB of Python objects
-    header = json.dumps({"inputs": [{"name": "IN", "shape": [count], "datatype": "BYTES",
-                                     "parameters": {"binary_data_size": 4 * count}}]}).encode()
-    status, message = error(example_server, "POST", "/v2/models/strings/infer", header + bytes(4 * count),
-                            {"Inference-Header-Content-Length": str(len(header))})
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "IN", "shape": [count], "datatype": "BYTES", "parameters": {"binary_data_size": 4 * count}}
+            ]
+        }
+    ).encode()
+    status, message = error(
+        example_server,
+        "POST",
+        "/v2/models/strings/infer",
+        header + bytes(4 * count),
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
     assert status == 400 and "send fewer, longer elements" in message
 
 
 def test_shared_memory_errors(example_server: RunningServer) -> None:
     handle = {"b64": base64.b64encode(bytes(64)).decode()}
     if cuda_device_count() == 0:
-        assert error(example_server, "POST", "/v2/cudasharedmemory/region/r/register",
-                     {"raw_handle": handle, "device_id": 0, "byte_size": 64}) == (
-            400, "failed to register CUDA shared memory region: 'r', GPUs not supported")
+        assert error(
+            example_server,
+            "POST",
+            "/v2/cudasharedmemory/region/r/register",
+            {"raw_handle": handle, "device_id": 0, "byte_size": 64},
+        ) == (400, "failed to register CUDA shared memory region: 'r', GPUs not supported")
     assert error(example_server, "POST", "/v2/cudasharedmemory/region/r/register", {"raw_handle": "x"}) == (
-        400, "Shared memory register request: 'raw_handle' must be a JSON object")
+        400,
+        "Shared memory register request: 'raw_handle' must be a JSON object",
+    )
     assert error(example_server, "POST", "/v2/systemsharedmemory/region/r/register", {"byte_size": 64}) == (
-        400, "Shared memory register request has no 'key' field")
+        400,
+        "Shared memory register request has no 'key' field",
+    )
     assert error(example_server, "GET", "/v2/systemsharedmemory/region/nope/status") == (
-        404, "Unable to find system shared memory region: 'nope'")
+        404,
+        "Unable to find system shared memory region: 'nope'",
+    )
     assert error(example_server, "GET", "/v2/cudasharedmemory/region/nope/status") == (
-        404, "Unable to find cuda shared memory region: 'nope'")
+        404,
+        "Unable to find cuda shared memory region: 'nope'",
+    )
     assert call(example_server, "POST", "/v2/cudasharedmemory/unregister")[0] == 200
 
 
@@ -246,11 +324,32 @@ def test_an_unusable_certificate_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "cert.pem").write_text("not a certificate\n")
     (tmp_path / "key.pem").write_text("not a key\n")
     result = subprocess.run(
-        [sys.executable, "-m", "shoal", "serve", "--model-repository", str(models.repository(tmp_path, "simple")),
-         "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0",
-         "--http-use-ssl", "true", "--http-server-cert", str(tmp_path / "cert.pem"),
-         "--http-server-key", str(tmp_path / "key.pem")],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "shoal",
+            "serve",
+            "--model-repository",
+            str(models.repository(tmp_path, "simple")),
+            "--grpc-address",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--http-use-ssl",
+            "true",
+            "--http-server-cert",
+            str(tmp_path / "cert.pem"),
+            "--http-server-key",
+            str(tmp_path / "key.pem"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == EXIT_STARTUP_FAILED, result.stderr
     assert "shoal: error: cannot serve HTTP on 127.0.0.1:" in result.stderr and "SSLError" in result.stderr
     assert "Traceback" not in result.stderr
@@ -261,9 +360,26 @@ def test_the_http_port_is_shared_only_on_purpose(tmp_path: Path, server_factory)
     repo = models.repository(tmp_path, "simple")
     first = server_factory(repo, "--reuse-http-port", "true")
     refused = subprocess.run(
-        [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repo), "--grpc-address", "127.0.0.1",
-         "--grpc-port", "0", "--metrics-port", "0", "--http-port", str(first.http_port)],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "shoal",
+            "serve",
+            "--model-repository",
+            str(repo),
+            "--grpc-address",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            str(first.http_port),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == EXIT_STARTUP_FAILED and "--reuse-http-port" in refused.stderr
     second = server_factory(repo, "--http-port", str(first.http_port), "--reuse-http-port", "true")
     assert second.http_port == first.http_port and second.process.poll() is None

@@ -64,7 +64,9 @@ def test_a_number_among_bytes_strings_is_refused(example_server: RunningServer) 
     """numpy reads ["a", 1] as two strings; the README promises a number for BYTES is refused."""
     mixed = {"inputs": [{"name": "IN", "datatype": "BYTES", "shape": [1, 2], "data": ["a", 1]}]}
     assert error(example_server, "POST", BYTES_INFER, mixed) == (
-        400, "Unable to parse 'data' of input 'IN': BYTES data must be strings")
+        400,
+        "Unable to parse 'data' of input 'IN': BYTES data must be strings",
+    )
     nested = {"inputs": [{"name": "IN", "datatype": "BYTES", "shape": [2, 1], "data": [["a"], [True]]}]}
     assert error(example_server, "POST", BYTES_INFER, nested)[0] == 400
 
@@ -74,7 +76,9 @@ def test_a_float_too_large_for_its_type_is_refused_not_made_infinite(example_ser
     for model, datatype in (("identity_fp32", "FP32"), ("identity_fp16", "FP16"), ("identity_bf16", "BF16")):
         body = {"inputs": [{"name": "IN", "datatype": datatype, "shape": [1, 2], "data": [1.0, -1e300]}]}
         assert error(example_server, "POST", f"/v2/models/{model}/infer", body) == (
-            400, f"input 'IN': a value does not fit {datatype}")
+            400,
+            f"input 'IN': a value does not fit {datatype}",
+        )
     infinite = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1e999]}]}  # inf as sent
     status, headers, content = call(example_server, "POST", FP32_INFER, json.dumps(infinite))
     assert status == 200 and json.loads(content)["outputs"][0]["data"] == [float("inf")], content
@@ -82,14 +86,18 @@ def test_a_float_too_large_for_its_type_is_refused_not_made_infinite(example_ser
 
 
 def test_binary_data_flags_must_be_booleans(example_server: RunningServer) -> None:
-    """"false" is truthy in Python: it once asked for binary data. Triton's words for a non-boolean."""
+    """ "false" is truthy in Python: it once asked for binary data. Triton's words for a non-boolean."""
     one = [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1]}]
     per_output = {"inputs": one, "outputs": [{"name": "OUT", "parameters": {"binary_data": "false"}}]}
     assert error(example_server, "POST", FP32_INFER, per_output) == (
-        400, "Unable to parse 'binary_data': attempt to access JSON non-boolean as boolean")
+        400,
+        "Unable to parse 'binary_data': attempt to access JSON non-boolean as boolean",
+    )
     every_output = {"inputs": one, "parameters": {"binary_data_output": 0}}
     assert error(example_server, "POST", FP32_INFER, every_output) == (
-        400, "Unable to parse 'binary_data_output': attempt to access JSON non-boolean as boolean")
+        400,
+        "Unable to parse 'binary_data_output': attempt to access JSON non-boolean as boolean",
+    )
     fine = {"inputs": one, "outputs": [{"name": "OUT", "parameters": {"binary_data": False}}]}
     status, headers, content = call(example_server, "POST", FP32_INFER, json.dumps(fine))
     assert status == 200 and json.loads(content)["outputs"][0]["data"] == [1.0], content
@@ -102,8 +110,15 @@ def test_an_output_in_shared_memory_takes_no_classification_or_binary_data(examp
     descriptor = os.open(f"/dev/shm/{key}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(descriptor, 64)
-        assert call(example_server, "POST", "/v2/systemsharedmemory/region/out/register",
-                    json.dumps({"key": key, "offset": 0, "byte_size": 64}))[0] == 200
+        assert (
+            call(
+                example_server,
+                "POST",
+                "/v2/systemsharedmemory/region/out/register",
+                json.dumps({"key": key, "offset": 0, "byte_size": 64}),
+            )[0]
+            == 200
+        )
         inputs = [{"name": "IN", "datatype": "FP32", "shape": [1, 3], "data": [1, 3, 2]}]
         region = {"shared_memory_region": "out", "shared_memory_byte_size": 64}
 
@@ -111,14 +126,19 @@ def test_an_output_in_shared_memory_takes_no_classification_or_binary_data(examp
             return {"inputs": inputs, "outputs": [{"name": "OUT", "parameters": {**region, **parameters}}]}
 
         assert error(example_server, "POST", FP32_INFER, with_output(classification=2)) == (
-            400, "Output can't set both 'shared_memory_region' and 'classification'")
+            400,
+            "Output can't set both 'shared_memory_region' and 'classification'",
+        )
         assert error(example_server, "POST", FP32_INFER, with_output(binary_data=True)) == (
-            400, "Output can't set both 'shared_memory_region' and 'binary_data'")
+            400,
+            "Output can't set both 'shared_memory_region' and 'binary_data'",
+        )
         assert os.pread(descriptor, 64, 0) == bytes(64)  # nothing was written
         status, _, content = call(example_server, "POST", FP32_INFER, json.dumps(with_output(binary_data=False)))
         assert status == 200 and "data" not in json.loads(content)["outputs"][0], content
-        assert os.pread(descriptor, 12, 0) == b"".join(v.to_bytes(4, "little") for v in (0x3F800000, 0x40400000,
-                                                                                      0x40000000))
+        assert os.pread(descriptor, 12, 0) == b"".join(
+            v.to_bytes(4, "little") for v in (0x3F800000, 0x40400000, 0x40000000)
+        )
     finally:
         call(example_server, "POST", "/v2/systemsharedmemory/region/out/unregister")
         os.close(descriptor)
@@ -126,16 +146,27 @@ def test_an_output_in_shared_memory_takes_no_classification_or_binary_data(examp
 
 
 def test_an_input_with_two_sources_names_them_as_triton_does(example_server: RunningServer) -> None:
-    both = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1],
-                        "parameters": {"binary_data_size": 4, "shared_memory_region": "r",
-                                       "shared_memory_byte_size": 4}}]}
+    both = {
+        "inputs": [
+            {
+                "name": "IN",
+                "datatype": "FP32",
+                "shape": [1, 1],
+                "data": [1],
+                "parameters": {"binary_data_size": 4, "shared_memory_region": "r", "shared_memory_byte_size": 4},
+            }
+        ]
+    }
     assert error(example_server, "POST", FP32_INFER, both) == (
-        400, "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
-             "'shared_memory_region' in 'parameters'. But set 'data' 'binary_data_size' 'shared_memory_region'")
+        400,
+        "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+        "'shared_memory_region' in 'parameters'. But set 'data' 'binary_data_size' 'shared_memory_region'",
+    )
 
 
 def test_a_small_compressed_body_that_inflates_a_lot_is_decompressed_off_the_loop(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """65 KB of gzip inflates to 64 MiB in about 0.1 s: on the event loop that stalls every other
     request, so what may inflate past OFF_LOOP_BYTES (deflate reaches ~1032:1) goes to a thread."""
     threads: list[int] = []
@@ -165,7 +196,8 @@ def test_a_small_compressed_body_that_inflates_a_lot_is_decompressed_off_the_loo
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
 def test_answers_are_compressed_off_the_loop_at_zlib_s_default_level(
-        monkeypatch: pytest.MonkeyPatch, encoding: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, encoding: str
+) -> None:
     """gzip.compress's default level 9 took ~0.18 s for a 1 MiB answer, on the event loop."""
     threads: list[int] = []
     real = http_app._compress
@@ -206,17 +238,22 @@ class _EchoCore:
 
     async def infer(self, request: InferRequest, origin: object = None) -> InferResponse:
         data = np.zeros(self.size, np.float32)
-        return InferResponse(request.model_name, "1", "", (Tensor("OUT", DataType.FP32, data.shape, data),),
-                             frozenset())
+        return InferResponse(
+            request.model_name, "1", "", (Tensor("OUT", DataType.FP32, data.shape, data),), frozenset()
+        )
 
 
-@pytest.mark.parametrize(("size", "binary", "off_loop"), [
-    (100_000, False, True),  # 100,000 JSON values: ~60 ms of Python work
-    (100_000, True, False),  # 400 KB of raw bytes: one copy, on the loop
-    (100, False, False),
-])
+@pytest.mark.parametrize(
+    ("size", "binary", "off_loop"),
+    [
+        (100_000, False, True),  # 100,000 JSON values: ~60 ms of Python work
+        (100_000, True, False),  # 400 KB of raw bytes: one copy, on the loop
+        (100, False, False),
+    ],
+)
 def test_an_answer_of_many_json_values_is_encoded_off_the_loop(
-        monkeypatch: pytest.MonkeyPatch, size: int, binary: bool, off_loop: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, size: int, binary: bool, off_loop: bool
+) -> None:
     threads: list[int] = []
     real = tensors.infer_response
 
@@ -225,8 +262,12 @@ def test_an_answer_of_many_json_values_is_encoded_off_the_loop(
         return real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(tensors, "infer_response", recording)
-    body = json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1], "data": [1]}],
-                       "parameters": {"binary_data_output": binary}}).encode()
+    body = json.dumps(
+        {
+            "inputs": [{"name": "IN", "datatype": "FP32", "shape": [1], "data": [1]}],
+            "parameters": {"binary_data_output": binary},
+        }
+    ).encode()
 
     async def infer() -> int:
         await handlers.infer(_EchoCore(size), Request({"model": "m"}, {}, body))  # type: ignore[arg-type]
@@ -257,7 +298,8 @@ def test_an_endless_header_is_431_and_the_connection_closed(example_server: Runn
         answer = _read_all(sock)
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {
-        "error": f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"}
+        "error": f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"
+    }
     status, _, content = call(example_server, "GET", "/v2/health/ready")
     assert status == 200, content
 
@@ -279,21 +321,28 @@ def test_a_request_parameter_must_be_a_scalar(example_server: RunningServer, val
     the models' request.parameters() before."""
     body = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1]}], "parameters": {"p": value}}
     assert error(example_server, "POST", FP32_INFER, body) == (
-        400, "parameter 'p' has invalid type. It should be either 'int', 'bool', or 'string'.")
+        400,
+        "parameter 'p' has invalid type. It should be either 'int', 'bool', or 'string'.",
+    )
 
 
 def test_scalar_request_parameters_are_accepted(example_server: RunningServer) -> None:
-    body = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1]}],
-            "parameters": {"s": "x", "i": -3, "b": True, "d": 0.5}}
+    body = {
+        "inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1]}],
+        "parameters": {"s": "x", "i": -3, "b": True, "d": 0.5},
+    }
     assert call(example_server, "POST", FP32_INFER, json.dumps(body))[0] == 200
 
 
-@pytest.mark.parametrize(("accept", "chosen"), [
-    ("gzip;q=0.1, deflate;q=0.9", "deflate"),  # the client prefers deflate
-    ("identity;q=1, gzip;q=0.5", None),  # ... or no compression at all
-    ("deflate, gzip", "deflate"),  # equal weights: the first listed, as Triton's CompressionTypeUsed
-    ("gzip, deflate", "gzip"),
-    ("br;q=1, gzip;q=0.2", "gzip"),
-])
+@pytest.mark.parametrize(
+    ("accept", "chosen"),
+    [
+        ("gzip;q=0.1, deflate;q=0.9", "deflate"),  # the client prefers deflate
+        ("identity;q=1, gzip;q=0.5", None),  # ... or no compression at all
+        ("deflate, gzip", "deflate"),  # equal weights: the first listed, as Triton's CompressionTypeUsed
+        ("gzip, deflate", "gzip"),
+        ("br;q=1, gzip;q=0.2", "gzip"),
+    ],
+)
 def test_accept_encoding_follows_the_client_s_weights(accept: str, chosen: str | None) -> None:
     assert http_app._accepted_encoding(accept) == chosen

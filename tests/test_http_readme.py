@@ -36,8 +36,9 @@ def test_curl_examples_run(tmp_path: Path, server_factory) -> None:
     (block,) = _blocks("bash")
     assert block.count("curl ") == 5
     server = server_factory(models.repository(tmp_path, "simple"))
-    result = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", _on(server.http_port, block)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", _on(server.http_port, block)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     first, _, rest = result.stdout.partition("\n")
     assert first == "ready"
@@ -52,8 +53,9 @@ def test_curl_examples_run(tmp_path: Path, server_factory) -> None:
 def test_python_example_runs(tmp_path: Path, server_factory) -> None:
     (block,) = _blocks("python")
     server = server_factory(models.repository(tmp_path, "simple"))
-    result = subprocess.run([sys.executable, "-c", _on(server.http_port, block)], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", _on(server.http_port, block)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert [int(n) for n in re.findall(r"-?\d+", result.stdout)] == list(range(1, 17))
 

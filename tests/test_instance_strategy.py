@@ -28,8 +28,9 @@ GPU0, GPU1 = Device("gpu", 0), Device("gpu", 1)
 
 
 def spec_with(backend: str, **parameters: str) -> ModelSpec:
-    lines = "".join(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-                    for key, value in parameters.items())
+    lines = "".join(
+        f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n' for key, value in parameters.items()
+    )
     return spec_of(backend, lines)
 
 
@@ -57,6 +58,7 @@ def fake_backend(log: list[str], processes: bool, weight_bytes: int = 100) -> Ba
     module.load = load  # type: ignore[attr-defined]
     module.gpu_available = lambda: False  # type: ignore[attr-defined]
     if processes:
+
         def share_weights(copy: Copy) -> str:
             log.append(f"share {copy.device}")
             return f"handle of {copy.device}"
@@ -68,6 +70,7 @@ def fake_backend(log: list[str], processes: bool, weight_bytes: int = 100) -> Ba
 
 
 # -- the choice ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("parameters", "expected"),
@@ -90,8 +93,9 @@ def test_worker_limits_come_from_the_parameters() -> None:
     backend = fake_backend([], processes=True)
     plan = strategy.choose(spec_with("fake", process_instances="true"), backend)
     assert plan.limits == WorkerLimits(0.0, DEFAULT_LIVENESS_INTERVAL_S)
-    plan = strategy.choose(spec_with("fake", process_instances="true", execution_timeout_ms="250",
-                                     liveness_check_interval_ms="0"), backend)
+    plan = strategy.choose(
+        spec_with("fake", process_instances="true", execution_timeout_ms="250", liveness_check_interval_ms="0"), backend
+    )
     assert plan.limits == WorkerLimits(0.25, 0.0)
 
 
@@ -100,12 +104,18 @@ def test_worker_limits_come_from_the_parameters() -> None:
     [
         ({"process_instances": "true"}, False, "model 'm': process_instances needs the pytorch backend"),
         ({"execution_timeout_ms": "100"}, True, "parameter execution_timeout_ms needs process_instances: true"),
-        ({"liveness_check_interval_ms": "0", "process_instances": "false"}, True,
-         "parameter liveness_check_interval_ms needs process_instances: true"),
+        (
+            {"liveness_check_interval_ms": "0", "process_instances": "false"},
+            True,
+            "parameter liveness_check_interval_ms needs process_instances: true",
+        ),
         ({"share_weights": "no"}, True, "parameter share_weights must be true or false"),
         ({"process_instances": "1"}, True, "parameter process_instances must be true or false"),
-        ({"process_instances": "true", "execution_timeout_ms": "1.5"}, True,
-         "parameter execution_timeout_ms must be a whole number of milliseconds"),
+        (
+            {"process_instances": "true", "execution_timeout_ms": "1.5"},
+            True,
+            "parameter execution_timeout_ms must be a whole number of milliseconds",
+        ),
     ],
 )
 def test_what_cannot_be_provided_is_refused_before_any_load(
@@ -124,11 +134,15 @@ def test_a_version_of_a_backend_without_process_hooks_is_refused_process_instanc
 
 # -- what each strategy loads --------------------------------------------------------------------------
 
+
 def test_threads_load_one_copy_per_device_and_report_its_bytes() -> None:
     log: list[str] = []
     built = strategy.build_instances(
-        spec_with("fake"), Path("unused"), [Placement("a", CPU, 2), Placement("b", GPU0, 3)],
-        fake_backend(log, processes=False), InstancePlan(Strategy.THREADS),
+        spec_with("fake"),
+        Path("unused"),
+        [Placement("a", CPU, 2), Placement("b", GPU0, 3)],
+        fake_backend(log, processes=False),
+        InstancePlan(Strategy.THREADS),
     )
     assert log == ["load cpu", "load gpu:0"] and built.copies == 2
     assert built.memory_bytes == {CPU: 100, GPU0: 100} and len(built.pool.instances) == 5
@@ -138,7 +152,10 @@ def test_threads_load_one_copy_per_device_and_report_its_bytes() -> None:
 def test_copies_load_one_per_executor_and_report_their_sum() -> None:
     log: list[str] = []
     built = strategy.build_instances(
-        spec_with("fake"), Path("unused"), [Placement("a", CPU, 3)], fake_backend(log, processes=False),
+        spec_with("fake"),
+        Path("unused"),
+        [Placement("a", CPU, 3)],
+        fake_backend(log, processes=False),
         InstancePlan(Strategy.COPIES),
     )
     assert log == ["load cpu"] * 3 and built.copies == 3 and built.memory_bytes == {CPU: 300}
@@ -153,8 +170,16 @@ class FakeWorker:
     started: list[FakeWorker] = []
     fail_at = -1
 
-    def __init__(self, spec: ModelSpec, model_path: Path, device: Device, handle: object, threads: int,
-                 limits: WorkerLimits, preload: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model_path: Path,
+        device: Device,
+        handle: object,
+        threads: int,
+        limits: WorkerLimits,
+        preload: tuple[str, ...],
+    ) -> None:
         if len(FakeWorker.started) == FakeWorker.fail_at:
             raise ShoalError(ErrorCode.LOAD_FAILED, "a worker process did not start")
         self.device, self.handle, self.limits, self.preload = device, handle, limits, preload
@@ -179,12 +204,18 @@ def test_processes_share_one_copy_per_device_with_a_worker_per_executor(fake_wor
     log: list[str] = []
     limits = WorkerLimits(0.5, 1.0)
     built = strategy.build_instances(
-        spec_with("fake"), Path("unused"), [Placement("a", GPU0, 2), Placement("a", GPU1, 2)],
-        fake_backend(log, processes=True, weight_bytes=64), InstancePlan(Strategy.PROCESSES, limits),
+        spec_with("fake"),
+        Path("unused"),
+        [Placement("a", GPU0, 2), Placement("a", GPU1, 2)],
+        fake_backend(log, processes=True, weight_bytes=64),
+        InstancePlan(Strategy.PROCESSES, limits),
     )
     assert log == ["load gpu:0", "share gpu:0", "load gpu:1", "share gpu:1"]
     assert [(w.device, w.handle) for w in fake_workers.started] == [
-        (GPU0, "handle of gpu:0"), (GPU0, "handle of gpu:0"), (GPU1, "handle of gpu:1"), (GPU1, "handle of gpu:1")
+        (GPU0, "handle of gpu:0"),
+        (GPU0, "handle of gpu:0"),
+        (GPU1, "handle of gpu:1"),
+        (GPU1, "handle of gpu:1"),
     ]
     assert all(w.limits == limits and w.preload == ("fake_framework",) for w in fake_workers.started)
     assert built.memory_bytes == {GPU0: 64, GPU1: 64} and built.copies == 2  # the workers hold no weights
@@ -199,7 +230,10 @@ def test_a_worker_that_cannot_start_releases_the_shared_copy_and_the_workers(fak
     try:
         with pytest.raises(ShoalError, match="did not start"):
             strategy.build_instances(
-                spec_with("fake"), Path("unused"), [Placement("a", CPU, 3)], fake_backend(log, processes=True),
+                spec_with("fake"),
+                Path("unused"),
+                [Placement("a", CPU, 3)],
+                fake_backend(log, processes=True),
                 InstancePlan(Strategy.PROCESSES, WorkerLimits()),
             )
     finally:
@@ -209,14 +243,21 @@ def test_a_worker_that_cannot_start_releases_the_shared_copy_and_the_workers(fak
 
 
 def test_a_version_over_the_identity_backend_builds_copies_as_asked(tmp_path: Path) -> None:
-    served = ModelVersion.load(spec_of("identity", 'instance_group [ { count: 3 kind: KIND_CPU } ]\n'
-                                       'parameters { key: "share_weights" value: { string_value: "false" } }'),
-                               1, tmp_path)
+    served = ModelVersion.load(
+        spec_of(
+            "identity",
+            "instance_group [ { count: 3 kind: KIND_CPU } ]\n"
+            'parameters { key: "share_weights" value: { string_value: "false" } }',
+        ),
+        1,
+        tmp_path,
+    )
     assert len(served.pool.models()) == 3 and served.memory_bytes == {CPU: 0} and served.can_serve()
     served.pool.close()
 
 
 # -- the hooks -----------------------------------------------------------------------------------------
+
 
 def test_the_process_backends_named_for_refusals_are_those_with_the_hooks() -> None:
     with_hooks = []
@@ -233,9 +274,11 @@ def test_the_process_backends_named_for_refusals_are_those_with_the_hooks() -> N
 
 
 def strings_spec(backend: str) -> ModelSpec:
-    text = (f'backend: "{backend}"\nmax_batch_size: 4\n'
-            'input [ { name: "IN" data_type: TYPE_STRING dims: [ 2 ] } ]\n'
-            'output [ { name: "OUT" data_type: TYPE_STRING dims: [ 2 ] } ]\n')
+    text = (
+        f'backend: "{backend}"\nmax_batch_size: 4\n'
+        'input [ { name: "IN" data_type: TYPE_STRING dims: [ 2 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_STRING dims: [ 2 ] } ]\n'
+    )
     config = normalize(parse_config(text), "s")
     validate(config, "s")
     return to_spec(config)
@@ -263,11 +306,18 @@ def test_instances_and_lifecycle_name_no_framework_and_no_backend_module(package
     found = []
     for path in sorted((REPO_ROOT / "server" / package).glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-                if isinstance(node, ast.ImportFrom) else [])
-            found += [f"{path.name}: {name}" for name in names
-                      if name.split(".")[0] in FRAMEWORKS or name in BACKEND_MODULES]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else (
+                    [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                    if isinstance(node, ast.ImportFrom)
+                    else []
+                )
+            )
+            found += [
+                f"{path.name}: {name}" for name in names if name.split(".")[0] in FRAMEWORKS or name in BACKEND_MODULES
+            ]
     assert not found
 
 

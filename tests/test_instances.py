@@ -73,9 +73,11 @@ def test_a_failed_load_closes_the_copies_already_loaded() -> None:
 
 
 def spec_of(backend: str, instance_group: str) -> ModelSpec:
-    text = (f'backend: "{backend}"\nmax_batch_size: 8\n'
-            'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-            'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n' + instance_group)
+    text = (
+        f'backend: "{backend}"\nmax_batch_size: 8\n'
+        'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n' + instance_group
+    )
     config = normalize(parse_config(text), "m")
     validate(config, "m")
     return to_spec(config)
@@ -107,7 +109,8 @@ def test_kind_auto_is_each_gpu_where_the_backend_can_use_them(monkeypatch: pytes
     asked = fake_host(monkeypatch, gpus=2, backend_can_use_them=True)
     count = 2 if config else 1  # no instance group: one of KIND_AUTO, count 1
     assert model.placements(spec_of("pytorch", config)) == [
-        Placement("m_0", Device("gpu", 0), count), Placement("m_0", Device("gpu", 1), count)
+        Placement("m_0", Device("gpu", 0), count),
+        Placement("m_0", Device("gpu", 1), count),
     ]
     assert asked == ["pytorch"]
 
@@ -153,8 +156,9 @@ def test_onnxruntime_can_use_a_gpu_only_with_the_cuda_provider(monkeypatch: pyte
 
     monkeypatch.setattr(onnxruntime.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
     assert not base.backend_gpu_available("onnxruntime")
-    monkeypatch.setattr(onnxruntime.ort, "get_available_providers",
-                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(
+        onnxruntime.ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
     assert base.backend_gpu_available("onnxruntime")
     assert not base.backend_gpu_available("identity") and not base.backend_gpu_available("tensorflow")
 
@@ -241,8 +245,12 @@ def test_cores_are_the_ones_this_process_may_use_not_the_machines(tmp_path: Path
 
     cpu_max = tmp_path / "cpu.max"
     affinity = len(os.sched_getaffinity(0))
-    for text, expected in (("100000 100000\n", 1), ("150000 100000\n", min(affinity, 2)),
-                           ("max 100000\n", affinity), ("nonsense\n", affinity)):
+    for text, expected in (
+        ("100000 100000\n", 1),
+        ("150000 100000\n", min(affinity, 2)),
+        ("max 100000\n", affinity),
+        ("nonsense\n", affinity),
+    ):
         cpu_max.write_text(text)
         assert usable_cores(cpu_max) == expected, text
     assert usable_cores(tmp_path / "absent") == affinity

@@ -104,8 +104,9 @@ def _tree(root: Path) -> list[tuple[str, int, int, int]]:
     for folder, dirs, files in os.walk(root):
         for name in [*dirs, *files]:
             stat = os.lstat(os.path.join(folder, name))
-            found.append((os.path.relpath(os.path.join(folder, name), root), stat.st_size, stat.st_mode,
-                          stat.st_mtime_ns))
+            found.append(
+                (os.path.relpath(os.path.join(folder, name), root), stat.st_size, stat.st_mode, stat.st_mtime_ns)
+            )
     return sorted(found)
 
 
@@ -153,8 +154,9 @@ class Served:
         return self.process.returncode
 
 
-def _http(port: int, method: str, path: str, body: bytes | None = None,
-          headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+def _http(
+    port: int, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         connection.request(method, path, body=body, headers=headers or {})
@@ -181,9 +183,14 @@ def _start(base: Path, repository: Path, args: list[str], bin_dir: Path = Path(s
         os.chown(tmpdir, SERVER_UID, SERVER_UID)
     port_file = tmpdir / "ports"
     command = _swapped(args, repository, port_file)
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "HOME": str(base / "no-home"), "TMPDIR": str(tmpdir), "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"}
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "HOME": str(base / "no-home"),
+        "TMPDIR": str(tmpdir),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "LANG": "C.UTF-8",
+    }
     log = base / "server.log"
     assert shutil.which(command[0], path=env["PATH"]), "the venv has no `shoal` console script"
     # setpriv execs in place (the pid is the server's); Popen(user=...) is refused exec here.
@@ -192,13 +199,16 @@ def _start(base: Path, repository: Path, args: list[str], bin_dir: Path = Path(s
         process = subprocess.Popen([*as_user, *command], stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")
     served = Served(process, base, repository, tmpdir, log, 0, 0, 0)
     try:
-        wait_until(lambda: process.poll() is not None or (port_file.exists()
-                                                          and len(port_file.read_text().split()) == 3),
-                   timeout_s=120, what="the server's port file")
+        wait_until(
+            lambda: process.poll() is not None or (port_file.exists() and len(port_file.read_text().split()) == 3),
+            timeout_s=120,
+            what="the server's port file",
+        )
         assert process.poll() is None, served.log_text()
         served.grpc_port, served.metrics_port, served.http_port = map(int, port_file.read_text().split())
-        wait_until(lambda: _ready(served.http_port) or process.poll() is not None, timeout_s=120,
-                   what="/v2/health/ready")
+        wait_until(
+            lambda: _ready(served.http_port) or process.poll() is not None, timeout_s=120, what="/v2/health/ready"
+        )
         assert process.poll() is None, served.log_text()
     except BaseException:
         served.stop()
@@ -246,8 +256,7 @@ def test_the_server_runs_as_kserve_runs_it(served: Served) -> None:
     assert uid == (SERVER_UID if AS_ROOT else os.geteuid())
     assert _http(served.http_port, "GET", "/v2/health/live")[0] == 200
     status, body = _http(served.http_port, "POST", "/v2/repository/index", b"{}")
-    assert status == 200 and {m["name"]: m["state"] for m in json.loads(body)} == {"simple": "READY",
-                                                                                  "queued": "READY"}
+    assert status == 200 and {m["name"]: m["state"] for m in json.loads(body)} == {"simple": "READY", "queued": "READY"}
 
 
 def _simple_inputs(module: object) -> tuple[np.ndarray, list[object]]:
@@ -275,9 +284,11 @@ def _adapter_query() -> str:
     return " ".join(rule["metricsQuery"].split())
 
 
-_QUERY = re.compile(r"sum\(delta\((\w+)\{<<\.LabelMatchers>>\}\[\w+\]\)\) by \(<<\.GroupBy>>\) "
-                    r"/ clamp_min\(sum\(delta\((\w+)\{<<\.LabelMatchers>>\}\[\w+\]\)\) by \(<<\.GroupBy>>\), "
-                    r"([0-9.]+)\)")
+_QUERY = re.compile(
+    r"sum\(delta\((\w+)\{<<\.LabelMatchers>>\}\[\w+\]\)\) by \(<<\.GroupBy>>\) "
+    r"/ clamp_min\(sum\(delta\((\w+)\{<<\.LabelMatchers>>\}\[\w+\]\)\) by \(<<\.GroupBy>>\), "
+    r"([0-9.]+)\)"
+)
 
 
 def _evaluate(query: str, first: str, second: str) -> float:
@@ -300,8 +311,10 @@ def _statistics(port: int) -> tuple[int, int]:
     status, body = _http(port, "GET", "/v2/models/stats")
     assert status == 200
     rows = json.loads(body)["model_stats"]
-    return (sum(int(r["inference_stats"]["queue"]["ns"]) for r in rows),
-            sum(int(r["inference_stats"]["success"]["count"]) for r in rows))
+    return (
+        sum(int(r["inference_stats"]["queue"]["ns"]) for r in rows),
+        sum(int(r["inference_stats"]["success"]["count"]) for r in rows),
+    )
 
 
 def test_metrics_move_under_load_and_the_adapter_query_gives_the_statistics_queue_time(served: Served) -> None:
@@ -341,14 +354,26 @@ def test_metrics_move_under_load_and_the_adapter_query_gives_the_statistics_queu
 
 
 @pytest.mark.parametrize("served", ["kserve-storage"], indirect=True)
-@pytest.mark.skipif(not KSERVE_PYTHON.exists(), reason=".kserve-venv is absent (.ci/run creates it: "
-                    "python3 -m venv .kserve-venv && .kserve-venv/bin/pip install kserve)")
+@pytest.mark.skipif(
+    not KSERVE_PYTHON.exists(),
+    reason=".kserve-venv is absent (.ci/run creates it: "
+    "python3 -m venv .kserve-venv && .kserve-venv/bin/pip install kserve)",
+)
 def test_kserves_own_python_clients(served: Served) -> None:
     """KServe's InferenceRESTClient and InferenceGRPCClient, in a process of their own (on one
     layout: the clients' start-up is most of the cost, and the layouts differ only below them)."""
-    done = subprocess.run([str(KSERVE_PYTHON), str(Path(__file__).parent / "kserve_clients.py"),
-                           f"127.0.0.1:{served.http_port}", f"127.0.0.1:{served.grpc_port}", "simple"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            str(KSERVE_PYTHON),
+            str(Path(__file__).parent / "kserve_clients.py"),
+            f"127.0.0.1:{served.http_port}",
+            f"127.0.0.1:{served.grpc_port}",
+            "simple",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
     a = list(range(16))
@@ -377,8 +402,9 @@ def test_the_trainedmodel_flow(scratch: Path) -> None:
         assert _http(server.http_port, "POST", "/v2/repository/models/simple/load", b"", agent)[0] == 200
         assert _http(server.http_port, "GET", "/v2/models/simple/ready")[0] == 200
         a = list(range(16))
-        infer = json.dumps({"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": a}
-                                       for n in ("INPUT0", "INPUT1")]}).encode()
+        infer = json.dumps(
+            {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": a} for n in ("INPUT0", "INPUT1")]}
+        ).encode()
         stop, served, failures = threading.Event(), [0], []
 
         def serve_while_the_agent_works() -> None:
@@ -411,8 +437,7 @@ def test_the_trainedmodel_flow(scratch: Path) -> None:
         assert _http(server.http_port, "POST", "/v2/models/second/infer", x.encode(), agent)[0] != 200
         assert _http(server.http_port, "POST", "/v2/repository/models/simple/unload", b"", agent)[0] == 200
         status, body = _http(server.http_port, "POST", "/v2/repository/index", b"{}")
-        assert {m["name"]: m["state"] for m in json.loads(body)} == {"simple": "UNAVAILABLE",
-                                                                    "second": "UNAVAILABLE"}
+        assert {m["name"]: m["state"] for m in json.loads(body)} == {"simple": "UNAVAILABLE", "second": "UNAVAILABLE"}
     finally:
         code = server.stop()
     assert code == 0, server.log_text()
@@ -446,18 +471,28 @@ def test_the_images_install_serves_from_a_clean_venv(scratch: Path) -> None:
     _docker_build_context(base / "context")
     wheels, venv = base / "wheels", base / "opt-shoal"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    for command in ([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(base / "context")],
-                    [sys.executable, "-m", "venv", "--without-pip", str(venv)]):
+    for command in (
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(base / "context")],
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+    ):
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
     (wheel,) = wheels.glob("shoal-*.whl")
-    done = subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", str(wheel)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "zz_shoal_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import shoal.protocol.grpc_service_pb2, shoal; "
-                            "print(shoal.__file__)"], capture_output=True, text=True, timeout=60)
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import shoal.protocol.grpc_service_pb2, shoal; print(shoal.__file__)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert where.stdout.strip() == str(site / "shoal" / "__init__.py"), where.stderr
     repository = base / "mnt" / "models"
     repository.mkdir(parents=True)
@@ -466,8 +501,9 @@ def test_the_images_install_serves_from_a_clean_venv(scratch: Path) -> None:
     server = _start(base, repository, dm.dockerfile_instruction("CMD"), bin_dir=venv / "bin")
     try:
         a = list(range(16))
-        infer = json.dumps({"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": a}
-                                       for n in ("INPUT0", "INPUT1")]}).encode()
+        infer = json.dumps(
+            {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": a} for n in ("INPUT0", "INPUT1")]}
+        ).encode()
         status, body = _http(server.http_port, "POST", "/v2/models/simple/infer", infer)
         assert status == 200 and json.loads(body)["outputs"][0]["data"] == [2 * v for v in a]
     finally:

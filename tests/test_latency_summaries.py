@@ -27,9 +27,13 @@ from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
 from tests.prometheus_text import parse, scrape
 
-SUMMARIES = ["nv_inference_request_summary_us", "nv_inference_queue_summary_us",
-             "nv_inference_compute_input_summary_us", "nv_inference_compute_infer_summary_us",
-             "nv_inference_compute_output_summary_us"]
+SUMMARIES = [
+    "nv_inference_request_summary_us",
+    "nv_inference_queue_summary_us",
+    "nv_inference_compute_input_summary_us",
+    "nv_inference_compute_infer_summary_us",
+    "nv_inference_compute_output_summary_us",
+]
 SLEEP_S = 0.02
 REQUESTS = 30
 
@@ -60,21 +64,25 @@ class TritonPythonModel:
 
 def test_the_metrics_config_takes_tritons_settings() -> None:
     assert parse_metrics_config([]) == MetricsSettings()
-    chosen = parse_metrics_config(["summary_latencies=true", "summary_quantiles=0.5:0.05,0.99:0.001",
-                                   "counter_latencies=false"])
+    chosen = parse_metrics_config(
+        ["summary_latencies=true", "summary_quantiles=0.5:0.05,0.99:0.001", "counter_latencies=false"]
+    )
     assert chosen == MetricsSettings(True, ((0.5, 0.05), (0.99, 0.001)), False)
     assert MetricsSettings().summary_quantiles == DEFAULT_QUANTILES
 
 
-@pytest.mark.parametrize(("text", "words"), [
-    ("summary_latencies", "option format is <setting>=<value>. Got summary_latencies"),
-    ("summary_latencies=maybe", "summary_latencies is true or false"),
-    ("summary_quantiles=0.5", "expected <quantile>:<error>"),
-    ("summary_quantiles=1.5:0.01", "each from 0 to 1"),
-    ("summary_quantiles=abc:0.1", "got 'abc:0.1'"),
-    ("histogram_latencies=true", "Triton 2.52's"),
-    ("foo=bar", "Shoal takes summary_latencies"),
-])
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("summary_latencies", "option format is <setting>=<value>. Got summary_latencies"),
+        ("summary_latencies=maybe", "summary_latencies is true or false"),
+        ("summary_quantiles=0.5", "expected <quantile>:<error>"),
+        ("summary_quantiles=1.5:0.01", "each from 0 to 1"),
+        ("summary_quantiles=abc:0.1", "got 'abc:0.1'"),
+        ("histogram_latencies=true", "Triton 2.52's"),
+        ("foo=bar", "Shoal takes summary_latencies"),
+    ],
+)
 def test_a_setting_shoal_would_not_honour_is_refused(text: str, words: str) -> None:
     with pytest.raises(ValueError, match=re.escape(words)):
         parse_metrics_config([text])
@@ -143,8 +151,9 @@ def test_reading_while_the_loop_adds_is_safe() -> None:
 def nap_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     python_models.write_model(repo, "nap", NAP_CONFIG, NAP)
-    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout,
-                          "--metrics-config", "summary_latencies=true")
+    server = start_server(
+        repo, tmp_path_factory.mktemp("server"), *layout, "--metrics-config", "summary_latencies=true"
+    )
     yield server
     assert server.stop() == 0, server.log()
 
@@ -164,22 +173,26 @@ def client_latencies_us(server: RunningServer, count: int) -> list[float]:
 
 def test_summaries_are_tritons_and_hold_the_latencies_the_server_saw(nap_server: RunningServer) -> None:
     client = sorted(client_latencies_us(nap_server, REQUESTS))
-    wait_until(lambda: parse(scrape(nap_server.metrics_port))["nv_inference_request_success"].value(model="nap")
-               == REQUESTS, what="the requests counted")
+    wait_until(
+        lambda: parse(scrape(nap_server.metrics_port))["nv_inference_request_success"].value(model="nap") == REQUESTS,
+        what="the requests counted",
+    )
     text = scrape(nap_server.metrics_port)
     families = parse(text)
     names = list(families)
     assert [n for n in names if n.endswith("_summary_us")] == SUMMARIES
     assert names.index(SUMMARIES[0]) > names.index("nv_cpu_memory_used_bytes")  # after the CPU's, as Triton
-    assert families[SUMMARIES[0]].help == ("Summary of inference request duration in microseconds "
-                                           "(includes cached requests)")
+    assert families[SUMMARIES[0]].help == (
+        "Summary of inference request duration in microseconds (includes cached requests)"
+    )
     # prometheus-cpp's lines: _count, _sum, then the quantiles, the quantile label last.
     lines = [line for line in text.splitlines() if line.startswith("nv_inference_request_summary_us")]
     assert lines[0] == f'nv_inference_request_summary_us_count{{model="nap",version="1"}} {REQUESTS}'
     assert lines[1].startswith('nv_inference_request_summary_us_sum{model="nap",version="1"} ')
     assert [re.sub(r" \d+$", "", line) for line in lines[2:]] == [
         f'nv_inference_request_summary_us{{model="nap",version="1",quantile="{q}"}}'
-        for q in ("0.5", "0.9", "0.95", "0.99", "0.999")]
+        for q in ("0.5", "0.9", "0.95", "0.99", "0.999")
+    ]
     request = families[SUMMARIES[0]]
     assert request.value(model="nap", quantile="0.5") >= 0  # a number, not Nan
     assert families["nv_inference_request_duration_us"].value(model="nap") == float(lines[1].split()[-1])

@@ -63,8 +63,11 @@ def test_explicit_mode_load_unload_and_config_override(tmp_path: Path, server_fa
             ("../simple", None, "Request for unknown model"),
             ("simple", {"name": "other"}, "names model 'other'"),
             ("simple", {"max_batch_size": "many"}, "not a valid ModelConfig"),
-            ("simple", {**client.model_config("simple"), "default_model_filename": "../../mlp/1/model.onnx"},
-             "must be a file name inside the version folder"),
+            (
+                "simple",
+                {**client.model_config("simple"), "default_model_filename": "../../mlp/1/model.onnx"},
+                "must be a file name inside the version folder",
+            ),
         ]:
             with pytest.raises(ClientError) as caught:
                 client.load_model(name, config=config)
@@ -102,10 +105,33 @@ def test_reload_under_load_drops_no_request(tmp_path: Path, server_factory) -> N
     out = tmp_path / "load.json"
     # Runs until interrupted (at most 120 s): its one step then counts every request it sent.
     load = subprocess.Popen(
-        [sys.executable, "-m", "shoal.clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency", "16",
-         "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "240", "--stability", "0.001",
-         "--max-seconds", "120", "--json", str(out), "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "shoal.clients.loadtest",
+            "-m",
+            "simple",
+            "-u",
+            server.url,
+            "--concurrency",
+            "16",
+            "--warmup-s",
+            "0",
+            "--window-s",
+            "0.5",
+            "--max-windows",
+            "240",
+            "--stability",
+            "0.001",
+            "--max-seconds",
+            "120",
+            "--json",
+            str(out),
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         served = []  # requests each configuration served, at least: statistics restart with each reload
@@ -148,8 +174,11 @@ def test_graceful_shutdown_completes_every_accepted_request(tmp_path: Path, serv
 
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(call, float(i)) for i in range(6)]  # 2 run, 4 queue
-        wait_until(lambda: metric(server, "nv_inference_pending_request_count", "slow") == 4, timeout_s=30,
-                   what="4 requests queued")
+        wait_until(
+            lambda: metric(server, "nv_inference_pending_request_count", "slow") == 4,
+            timeout_s=30,
+            what="4 requests queued",
+        )
         server.process.send_signal(signal.SIGTERM)
         for future in futures:
             future.result(timeout=60)

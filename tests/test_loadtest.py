@@ -54,14 +54,30 @@ def load_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...
 
 
 def shoal_load(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shoal.clients.loadtest", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "shoal.clients.loadtest", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_sweep_writes_csv_json_and_png(load_server: RunningServer, tmp_path: Path) -> None:
     out_csv, out_json, out_png = tmp_path / "r.csv", tmp_path / "r.json", tmp_path / "r.png"
-    result = shoal_load("-m", "simple", "-u", load_server.url, "--concurrency", "1:2:x2", "--input-data", "zeros",
-                        "--csv", str(out_csv), "--json", str(out_json), "--plot", str(out_png), *FAST)
+    result = shoal_load(
+        "-m",
+        "simple",
+        "-u",
+        load_server.url,
+        "--concurrency",
+        "1:2:x2",
+        "--input-data",
+        "zeros",
+        "--csv",
+        str(out_csv),
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+        *FAST,
+    )
     assert result.returncode == 0, result.stderr
     assert "concurrency 1" in result.stdout and "concurrency 2" in result.stdout
     rows = list(csv.DictReader(out_csv.read_text().splitlines()))
@@ -86,8 +102,19 @@ def test_the_same_load_runs_over_http(load_server: RunningServer, tmp_path: Path
     out_json = tmp_path / "r.json"
     with InferenceClient(load_server.url, timeout_s=10) as client:
         before = success_count(client, "simple")
-        result = shoal_load("-i", "http", "-u", load_server.http_url, "-m", "simple", "--concurrency", "1,3",
-                            "--json", str(out_json), *FAST)
+        result = shoal_load(
+            "-i",
+            "http",
+            "-u",
+            load_server.http_url,
+            "-m",
+            "simple",
+            "--concurrency",
+            "1,3",
+            "--json",
+            str(out_json),
+            *FAST,
+        )
         served = success_count(client, "simple") - before
     assert result.returncode == 0, result.stderr
     steps = json.loads(out_json.read_text())["steps"]
@@ -99,8 +126,9 @@ def test_the_same_load_runs_over_http(load_server: RunningServer, tmp_path: Path
 
 def test_http_rejections_are_counted_by_http_status(load_server: RunningServer, tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
-    result = shoal_load("-i", "http", "-u", load_server.http_url, "-m", "bounded", "--concurrency", "6",
-                        "--json", str(out_json), *FAST)
+    result = shoal_load(
+        "-i", "http", "-u", load_server.http_url, "-m", "bounded", "--concurrency", "6", "--json", str(out_json), *FAST
+    )
     assert result.returncode == 1, result.stderr
     errors = json.loads(out_json.read_text())["steps"][0]["errors"]
     assert set(errors) == {"HTTP_503"} or set(errors) == {"HTTP_400"}, errors  # the queue is full
@@ -129,10 +157,31 @@ def test_a_server_killed_mid_run_fails_the_run_with_bounded_retries(tmp_path: Pa
     out_json = tmp_path / "r.json"
     concurrency = 4
     load = subprocess.Popen(
-        [sys.executable, "-m", "shoal.clients.loadtest", "-m", "simple", "-u", server.url, "--concurrency",
-         f"{concurrency},8,16", "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "8", "--stability", "0.001",
-         "--json", str(out_json), "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "shoal.clients.loadtest",
+            "-m",
+            "simple",
+            "-u",
+            server.url,
+            "--concurrency",
+            f"{concurrency},8,16",
+            "--warmup-s",
+            "0",
+            "--window-s",
+            "0.5",
+            "--max-windows",
+            "8",
+            "--stability",
+            "0.001",
+            "--json",
+            str(out_json),
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         with InferenceClient(server.url, timeout_s=10) as client:
@@ -164,10 +213,34 @@ def test_a_server_killed_mid_run_fails_the_run_with_bounded_retries(tmp_path: Pa
 def test_ctrl_c_prints_the_partial_table_and_exits_130(load_server: RunningServer, tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
     load = subprocess.Popen(
-        [sys.executable, "-m", "shoal.clients.loadtest", "-m", "simple", "-u", load_server.url, "--concurrency", "1,2",
-         "--processes", "2", "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "100", "--stability",
-         "0.001", "--json", str(out_json), "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "shoal.clients.loadtest",
+            "-m",
+            "simple",
+            "-u",
+            load_server.url,
+            "--concurrency",
+            "1,2",
+            "--processes",
+            "2",
+            "--warmup-s",
+            "0",
+            "--window-s",
+            "0.5",
+            "--max-windows",
+            "100",
+            "--stability",
+            "0.001",
+            "--json",
+            str(out_json),
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         lines: list[str] = []
@@ -193,23 +266,57 @@ def test_ctrl_c_prints_the_partial_table_and_exits_130(load_server: RunningServe
 
 def test_open_loop_with_two_processes(load_server: RunningServer, tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
-    result = shoal_load("-m", "simple", "-u", load_server.url, "--request-rate", "200", "--distribution", "poisson",
-                        "--processes", "2", "--json", str(out_json), *FAST)
+    result = shoal_load(
+        "-m",
+        "simple",
+        "-u",
+        load_server.url,
+        "--request-rate",
+        "200",
+        "--distribution",
+        "poisson",
+        "--processes",
+        "2",
+        "--json",
+        str(out_json),
+        *FAST,
+    )
     step = json.loads(out_json.read_text())["steps"][0]
     assert result.returncode == 0, (step["errors"], result.stderr)
     assert step["request_rate"] == 200 and not step["errors"]
     assert 120 < step["throughput"] < 280  # a Poisson schedule at 200/s over ~1.5 s
 
 
-def test_the_first_window_counts_load_though_the_processes_start_slowly(load_server: RunningServer,
-                                                                       tmp_path: Path) -> None:
+def test_the_first_window_counts_load_though_the_processes_start_slowly(
+    load_server: RunningServer, tmp_path: Path
+) -> None:
     """The step starts once every load process is ready: no warm-up, yet the first window is loaded.
     Before, the clock started 0.5 s after the processes were spawned, while they still imported: with
     ``--warmup-s 0.5`` the first windows read 0 infer/s."""
     out_json = tmp_path / "r.json"
-    result = shoal_load("-m", "simple", "-u", load_server.url, "--concurrency", "2", "--processes", "2",
-                        "--warmup-s", "0", "--window-s", "0.3", "--max-windows", "3", "--stability", "0.001",
-                        "--max-seconds", "60", "--json", str(out_json), "--no-progress")
+    result = shoal_load(
+        "-m",
+        "simple",
+        "-u",
+        load_server.url,
+        "--concurrency",
+        "2",
+        "--processes",
+        "2",
+        "--warmup-s",
+        "0",
+        "--window-s",
+        "0.3",
+        "--max-windows",
+        "3",
+        "--stability",
+        "0.001",
+        "--max-seconds",
+        "60",
+        "--json",
+        str(out_json),
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stderr
     windows = json.loads(out_json.read_text())["steps"][0]["window_throughputs"]
     assert len(windows) == 3 and min(windows) > 0.1 * max(windows), windows
@@ -221,9 +328,29 @@ def test_an_open_loop_starts_on_schedule_without_a_burst(load_server: RunningSer
     100 concurrent streams per connection (``--grpc-max-concurrent-streams``) they were refused
     (RST_STREAM REFUSED_STREAM: UNAVAILABLE), and the first window read far above the rate."""
     out_json = tmp_path / "r.json"
-    result = shoal_load("-m", "simple", "-u", load_server.url, "--request-rate", "300", "--processes", "2",
-                        "--warmup-s", "0", "--window-s", "0.5", "--max-windows", "3", "--stability", "0.001",
-                        "--max-seconds", "60", "--json", str(out_json), "--no-progress")
+    result = shoal_load(
+        "-m",
+        "simple",
+        "-u",
+        load_server.url,
+        "--request-rate",
+        "300",
+        "--processes",
+        "2",
+        "--warmup-s",
+        "0",
+        "--window-s",
+        "0.5",
+        "--max-windows",
+        "3",
+        "--stability",
+        "0.001",
+        "--max-seconds",
+        "60",
+        "--json",
+        str(out_json),
+        "--no-progress",
+    )
     step = json.loads(out_json.read_text())["steps"][0]
     assert result.returncode == 0 and not step["errors"], (step["errors"], result.stderr)
     assert max(step["window_throughputs"]) < 2 * 300, step["window_throughputs"]
@@ -254,9 +381,13 @@ def _readme_commands() -> list[str]:
     """The shoal-load commands of the README's section on it."""
     text = (REPO_ROOT / "README.md").read_text()
     start = text.index("\n## Load testing: `shoal-load`\n")
-    section = text[start:text.index("\n## ", start + 1)]
-    return [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-            for line in block.splitlines() if line.startswith(".venv/bin/shoal-load ")]
+    section = text[start : text.index("\n## ", start + 1)]
+    return [
+        line
+        for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+        for line in block.splitlines()
+        if line.startswith(".venv/bin/shoal-load ")
+    ]
 
 
 def test_the_readme_examples_run_and_finish_quickly(load_server: RunningServer, tmp_path: Path) -> None:
@@ -270,16 +401,32 @@ def test_the_readme_examples_run_and_finish_quickly(load_server: RunningServer, 
             args[args.index("-u") + 1] = load_server.http_url if "http" in args else load_server.url
         else:
             args += ["-u", load_server.url]  # the README's server listens on the default port
-        result = subprocess.run([sys.executable, "-m", "shoal.clients.loadtest", *args, "--no-progress"],
-                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        result = subprocess.run(
+            [sys.executable, "-m", "shoal.clients.loadtest", *args, "--no-progress"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         assert result.returncode == 0 and "not run" not in result.stderr, (command, result.stderr)
     assert (tmp_path / "simple.csv").is_file() and (tmp_path / "simple.png").is_file()
 
 
 def test_fixed_request_count(load_server: RunningServer, tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
-    result = shoal_load("-m", "simple", "-u", load_server.url, "--concurrency", "2", "--request-count", "300",
-                        "--json", str(out_json), *FAST)
+    result = shoal_load(
+        "-m",
+        "simple",
+        "-u",
+        load_server.url,
+        "--concurrency",
+        "2",
+        "--request-count",
+        "300",
+        "--json",
+        str(out_json),
+        *FAST,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(out_json.read_text())["steps"][0]["requests"] >= 300
 
@@ -327,8 +474,9 @@ def test_non_finite_durations_are_refused() -> None:
 
 def test_more_processes_than_concurrency(load_server: RunningServer, tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
-    result = shoal_load("-m", "simple", "-u", load_server.url, "--concurrency", "1", "--processes", "2",
-                        "--json", str(out_json), *FAST)
+    result = shoal_load(
+        "-m", "simple", "-u", load_server.url, "--concurrency", "1", "--processes", "2", "--json", str(out_json), *FAST
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(out_json.read_text())["steps"][0]["throughput"] > 0
 
@@ -339,15 +487,24 @@ def test_one_plot_convention_for_shoal_load_and_the_tuner(tmp_path: Path, monkey
     from shoal.tools import tune
 
     def step(concurrency: int, throughput: float, p99_ms: float) -> StepResult:
-        latency = {k: p99_ms * 1000 * f for k, f in (("avg", 0.5), ("p50", 0.5), ("p90", 0.8), ("p95", 0.9),
-                                                      ("p99", 1.0), ("max", 1.2))}
+        latency = {
+            k: p99_ms * 1000 * f
+            for k, f in (("avg", 0.5), ("p50", 0.5), ("p90", 0.8), ("p95", 0.9), ("p99", 1.0), ("max", 1.2))
+        }
         return StepResult(concurrency, 0.0, throughput, 100, latency, {}, True, 3)
 
     # Throughput falls at concurrency 8: joined in step order the line would turn back (zig-zag).
     steps = [step(1, 100.0, 2.0), step(4, 900.0, 4.0), step(8, 700.0, 9.0), step(16, 950.0, 30.0)]
-    measured = [tune.Measured(tune.Candidate(n, 8), [
-        {"concurrency": c, "throughput": s.throughput * n, "p99_ms": s.latency_us["p99"] / 1000}
-        for c, s in zip((1, 4, 8, 16), steps, strict=True)]) for n in (1, 2)]
+    measured = [
+        tune.Measured(
+            tune.Candidate(n, 8),
+            [
+                {"concurrency": c, "throughput": s.throughput * n, "p99_ms": s.latency_us["p99"] / 1000}
+                for c, s in zip((1, 4, 8, 16), steps, strict=True)
+            ],
+        )
+        for n in (1, 2)
+    ]
     captured = {}
     real_save = plot.save
 
@@ -371,6 +528,7 @@ def test_one_plot_convention_for_shoal_load_and_the_tuner(tmp_path: Path, monkey
         for text in texts:
             extent = text.get_window_extent()
             assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0 and extent.y1 <= box.y1, (
-                f"{name}: {text.get_text()!r} is clipped")
+                f"{name}: {text.get_text()!r} is clipped"
+            )
         plot.pyplot().close(fig)
     assert (tmp_path / "load.png").read_bytes()[:4] == (tmp_path / "tune.png").read_bytes()[:4] == b"\x89PNG"

@@ -73,9 +73,11 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield running
 
 
-@pytest.mark.parametrize("request_bytes", [
-    infer_request(), infer_request(model="no_such_model"), infer_request(elements=15),
-    b"\xff\xff not a message"], ids=["ok", "unknown-model", "wrong-shape", "garbage"])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [infer_request(), infer_request(model="no_such_model"), infer_request(elements=15), b"\xff\xff not a message"],
+    ids=["ok", "unknown-model", "wrong-shape", "garbage"],
+)
 def test_outcomes_are_the_ones_grpc_aio_reports(server, request_bytes: bytes) -> None:
     async def both() -> tuple[str | None, str | None]:
         channel = PrebuiltGrpcChannel(server.url, INFER_PATH, request_bytes)
@@ -92,6 +94,7 @@ def test_outcomes_are_the_ones_grpc_aio_reports(server, request_bytes: bytes) ->
 
 def test_more_requests_than_the_stream_limit_queue_on_one_connection(server) -> None:
     """Shoal allows 100 streams per connection; 300 at once all succeed (none refused), on one connection."""
+
     async def burst() -> list[str | None]:
         channel = PrebuiltGrpcChannel(server.url, INFER_PATH, infer_request())
         try:
@@ -174,7 +177,8 @@ class ScriptedPeer:
         await reader.readexactly(len(grpc_h2.PREFACE))
         if self.settings_after_s is not None:
             asyncio.get_running_loop().call_later(
-                self.settings_after_s, writer.write, frame(SETTINGS, 0, 0, self.settings))
+                self.settings_after_s, writer.write, frame(SETTINGS, 0, 0, self.settings)
+            )
         try:
             while True:
                 head = await reader.readexactly(9)
@@ -201,9 +205,11 @@ class ScriptedPeer:
     async def answer(self, stream: int, status: int = 0) -> None:
         assert self.writer is not None
         message = b"\x00\x00\x00\x00\x02ok"
-        self.writer.write(self.headers(stream, [(":status", "200"), ("content-type", "application/grpc")])
-                          + frame(DATA, 0, stream, message)
-                          + self.headers(stream, [("grpc-status", str(status)), ("grpc-message", "m")], END_STREAM))
+        self.writer.write(
+            self.headers(stream, [(":status", "200"), ("content-type", "application/grpc")])
+            + frame(DATA, 0, stream, message)
+            + self.headers(stream, [("grpc-status", str(status)), ("grpc-message", "m")], END_STREAM)
+        )
 
 
 async def answer_at_once(peer: ScriptedPeer, stream: int) -> None:
@@ -216,10 +222,12 @@ def test_padded_prioritised_and_continued_header_blocks_are_read() -> None:
         start = peer.encoder.encode([(":status", "200"), ("content-type", "application/grpc")])
         padded = bytes([3]) + b"\x00\x00\x00\x00\x10" + start + b"\x00" * 3  # pad length, priority, block, padding
         trailers = peer.encoder.encode([("grpc-status", "5"), ("grpc-message", "not here")])
-        peer.writer.write(frame(HEADERS, END_HEADERS | PADDED | PRIORITY, stream, padded)
-                          + frame(DATA, PADDED, stream, bytes([2]) + b"\x00\x00\x00\x00\x00" + b"\x00\x00")
-                          + frame(HEADERS, END_STREAM, stream, trailers[:3])
-                          + frame(CONTINUATION, END_HEADERS, stream, trailers[3:]))
+        peer.writer.write(
+            frame(HEADERS, END_HEADERS | PADDED | PRIORITY, stream, padded)
+            + frame(DATA, PADDED, stream, bytes([2]) + b"\x00\x00\x00\x00\x00" + b"\x00\x00")
+            + frame(HEADERS, END_STREAM, stream, trailers[:3])
+            + frame(CONTINUATION, END_HEADERS, stream, trailers[3:])
+        )
 
     async def go() -> list[str | None]:
         async with ScriptedPeer(awkward) as peer:
@@ -281,6 +289,7 @@ def test_a_stream_limit_of_one_serialises_requests() -> None:
 def test_goaway_sends_what_the_server_did_not_process_on_a_new_connection() -> None:
     """Stream 3, above the GOAWAY's last id, was not processed: it goes to a new connection, as grpc's client's
     transparent retry sends it, instead of failing UNAVAILABLE."""
+
     async def go_away_after_first(peer: ScriptedPeer, stream: int) -> None:
         assert peer.writer is not None
         if stream == 3 and len(peer.writers) == 1:
@@ -371,6 +380,7 @@ def test_a_server_that_never_finishes_the_handshake(monkeypatch: pytest.MonkeyPa
 def test_the_deadline_counts_the_time_spent_connecting() -> None:
     """The server's SETTINGS come 2 s after the connection; a request with a 2.5 s deadline that the server
     never answers ends at its deadline, not 2.5 s after the handshake (which would be past 4.5 s)."""
+
     async def never(peer: ScriptedPeer, stream: int) -> None:
         return
 
@@ -406,8 +416,9 @@ def test_a_malformed_status_fails_its_own_request_only() -> None:
     async def odd_statuses(peer: ScriptedPeer, stream: int) -> None:
         assert peer.writer is not None
         if stream == 1:
-            peer.writer.write(peer.headers(stream, [(":status", "200")])
-                              + peer.headers(stream, [("grpc-status", "abc")], END_STREAM))
+            peer.writer.write(
+                peer.headers(stream, [(":status", "200")]) + peer.headers(stream, [("grpc-status", "abc")], END_STREAM)
+            )
         elif stream == 3:
             peer.writer.write(peer.headers(stream, [(":status", "x2")], END_STREAM))
         else:
@@ -423,11 +434,15 @@ def test_a_malformed_status_fails_its_own_request_only() -> None:
     assert run(go()) == (["UNKNOWN", "UNKNOWN", None], 1)  # the same connection served the third
 
 
-@pytest.mark.parametrize("broken", [
-    frame(SETTINGS, 0, 0, b"\x00\x04\x00"),  # not a multiple of 6
-    frame(HEADERS, END_HEADERS | PADDED, 1, b""),  # padded, with no room for the pad length
-    frame(HEADERS, END_HEADERS | PADDED, 1, b"\x05ab"),  # more padding than frame
-], ids=["settings-length", "empty-padded", "over-padded"])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        frame(SETTINGS, 0, 0, b"\x00\x04\x00"),  # not a multiple of 6
+        frame(HEADERS, END_HEADERS | PADDED, 1, b""),  # padded, with no room for the pad length
+        frame(HEADERS, END_HEADERS | PADDED, 1, b"\x05ab"),  # more padding than frame
+    ],
+    ids=["settings-length", "empty-padded", "over-padded"],
+)
 def test_a_malformed_frame_ends_the_connection_as_internal(broken: bytes) -> None:
     async def send_broken(peer: ScriptedPeer, stream: int) -> None:
         assert peer.writer is not None
@@ -448,6 +463,7 @@ def test_a_malformed_frame_ends_the_connection_as_internal(broken: bytes) -> Non
 
 def test_closing_the_channel_cancels_what_it_carries() -> None:
     """One request on a stream and one waiting for a stream (limit 1) both end CANCELLED at close."""
+
     async def never(peer: ScriptedPeer, stream: int) -> None:
         return
 
@@ -469,6 +485,7 @@ def test_a_window_shrunk_after_the_handshake_hands_over_to_grpc_aio() -> None:
     """The server lowers its stream window below the request's size in mid-connection: the sender stops
     using the connection, and shoal-load's next request goes through grpc.aio (which this peer cannot
     serve: its deadline passes)."""
+
     async def shrink(peer: ScriptedPeer, stream: int) -> None:
         assert peer.writer is not None
         peer.settings = struct.pack(">HI", grpc_h2.SETTINGS_INITIAL_WINDOW_SIZE, 4)
@@ -539,6 +556,7 @@ def test_cancelling_a_request_resets_its_stream() -> None:
 def test_a_refused_stream_is_sent_again_and_one_always_refused_fails() -> None:
     """REFUSED_STREAM means the server did not process it (grpc's server refuses a stream a little past its
     limit): sent again, as grpc's client does, up to MAX_RETRIES times, then UNAVAILABLE."""
+
     async def refuse_first(peer: ScriptedPeer, stream: int) -> None:
         assert peer.writer is not None
         if stream == 1:

@@ -29,8 +29,14 @@ from tests import python_models
 from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
 
-DEFAULTS = {"log_file": "", "log_info": True, "log_warning": True, "log_error": True, "log_verbose_level": 0,
-            "log_format": "default"}
+DEFAULTS = {
+    "log_file": "",
+    "log_info": True,
+    "log_warning": True,
+    "log_error": True,
+    "log_verbose_level": 0,
+    "log_format": "default",
+}
 
 LOUD_CONFIG = """
 backend: "python"
@@ -69,17 +75,20 @@ def test_a_change_names_only_what_changes_and_answers_every_setting() -> None:
     assert LogSettings().updated({"log_info": None}) == LogSettings()  # null leaves it, as Triton
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"log_info": "true"}, "expect boolean for 'log_info'"),
-    ({"log_warning": 1}, "expect boolean for 'log_warning'"),
-    ({"log_verbose_level": True}, "expect int32 for 'log_verbose_level'"),
-    ({"log_verbose_level": -1}, "expect int32 for 'log_verbose_level'"),
-    ({"log_verbose_level": 1.5}, "expect int32 for 'log_verbose_level'"),
-    ({"log_verbose_level": 2**32}, "expect int32 for 'log_verbose_level'"),
-    ({"log_format": 3}, "expect string for 'log_format'"),
-    ({"log_format": "iso8601"}, "invalid argument for log_format, got: iso8601"),
-    ({"log_warnings": False}, "unknown log setting 'log_warnings'"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"log_info": "true"}, "expect boolean for 'log_info'"),
+        ({"log_warning": 1}, "expect boolean for 'log_warning'"),
+        ({"log_verbose_level": True}, "expect int32 for 'log_verbose_level'"),
+        ({"log_verbose_level": -1}, "expect int32 for 'log_verbose_level'"),
+        ({"log_verbose_level": 1.5}, "expect int32 for 'log_verbose_level'"),
+        ({"log_verbose_level": 2**32}, "expect int32 for 'log_verbose_level'"),
+        ({"log_format": 3}, "expect string for 'log_format'"),
+        ({"log_format": "iso8601"}, "invalid argument for log_format, got: iso8601"),
+        ({"log_warnings": False}, "unknown log setting 'log_warnings'"),
+    ],
+)
 def test_a_bad_setting_is_refused_in_tritons_words(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ShoalError) as caught:
         LogSettings().updated({"log_verbose_level": 1, **changes})  # the good one is not applied either
@@ -123,8 +132,10 @@ def grpc_settings(server: RunningServer, **changes: Any) -> dict[str, Any]:
         setattr(request.settings[name], kind, value)
     with grpc.insecure_channel(server.url) as channel:
         answer = InferenceStub(channel).LogSettings(request, timeout=30)
-    return {name: (value.WhichOneof("parameter_choice"), getattr(value, value.WhichOneof("parameter_choice")))
-            for name, value in answer.settings.items()}
+    return {
+        name: (value.WhichOneof("parameter_choice"), getattr(value, value.WhichOneof("parameter_choice")))
+        for name, value in answer.settings.items()
+    }
 
 
 def loud(server: RunningServer, n: int) -> None:
@@ -149,8 +160,13 @@ def test_both_transports_read_tritons_settings(loud_server: RunningServer) -> No
         assert "logging" in client.get_server_metadata()["extensions"]
     with grpcclient.InferenceServerClient(loud_server.url) as client:
         assert {k: v.WhichOneof("parameter_choice") for k, v in client.get_log_settings().settings.items()} == {
-            "log_file": "string_param", "log_info": "bool_param", "log_warning": "bool_param",
-            "log_error": "bool_param", "log_verbose_level": "uint32_param", "log_format": "string_param"}
+            "log_file": "string_param",
+            "log_info": "bool_param",
+            "log_warning": "bool_param",
+            "log_error": "bool_param",
+            "log_verbose_level": "uint32_param",
+            "log_format": "string_param",
+        }
     assert grpc_settings(loud_server)["log_verbose_level"] == ("uint32_param", 0)
 
 
@@ -165,9 +181,13 @@ def test_a_change_through_one_transport_is_what_the_other_reads(loud_server: Run
 
 def test_bad_settings_are_refused_on_both_transports_and_change_nothing(loud_server: RunningServer) -> None:
     assert http_post(loud_server, b'{"log_info": false, "log_verbose_level": "2"}') == (
-        400, {"error": "expect int32 for 'log_verbose_level'"})
+        400,
+        {"error": "expect int32 for 'log_verbose_level'"},
+    )
     assert http_post(loud_server, b'{"log_file": "/tmp/elsewhere.log"}') == (
-        501, {"error": "log file location can not be updated through network protocol"})
+        501,
+        {"error": "log file location can not be updated through network protocol"},
+    )
     assert http_post(loud_server, b"not json")[0] == 400
     with pytest.raises(grpc.RpcError) as caught:
         grpc_settings(loud_server, log_info="yes")
@@ -199,8 +219,10 @@ def test_the_settings_are_what_a_python_models_process_logs_by(loud_server: Runn
         assert ISO_LINE.match(line), line
         # The host's own lines follow too: its line for the change is there only while INFO is on.
         grpc_settings(loud_server, log_info=True, log_warning=True)
-        wait_until(lambda: "log settings now" in loud_server.log() and "'log_info': True" in loud_server.log(),
-                   what="the host's line for the change")
+        wait_until(
+            lambda: "log settings now" in loud_server.log() and "'log_info': True" in loud_server.log(),
+            what="the host's line for the change",
+        )
         assert "'log_info': False" not in loud_server.log()
     finally:
         grpc_settings(loud_server, log_info=True, log_warning=True, log_verbose_level=0, log_format="default")
@@ -211,12 +233,29 @@ def test_the_command_line_sets_them_and_the_log_file_takes_every_process(tmp_pat
     python_models.write_model(repo, "loud", LOUD_CONFIG, LOUD)
     log_file = tmp_path / "shoal.log"
     (tmp_path / "server").mkdir()
-    server = start_server(repo, tmp_path / "server", "--grpc-workers", "2", "--log-verbose", "1",
-                          "--log-warning", "false", "--log-format", "ISO8601", "--log-file", str(log_file))
+    server = start_server(
+        repo,
+        tmp_path / "server",
+        "--grpc-workers",
+        "2",
+        "--log-verbose",
+        "1",
+        "--log-warning",
+        "false",
+        "--log-format",
+        "ISO8601",
+        "--log-file",
+        str(log_file),
+    )
     try:
         with httpclient.InferenceServerClient(server.http_url) as client:
-            assert client.get_log_settings() == {**DEFAULTS, "log_file": str(log_file), "log_warning": False,
-                                                 "log_verbose_level": 1, "log_format": "ISO8601"}
+            assert client.get_log_settings() == {
+                **DEFAULTS,
+                "log_file": str(log_file),
+                "log_warning": False,
+                "log_verbose_level": 1,
+                "log_format": "ISO8601",
+            }
         loud(server, 7)
         wait_until(lambda: "loud-error-7" in log_file.read_text(), what="the model's line in the log file")
         text = log_file.read_text()

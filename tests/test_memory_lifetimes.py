@@ -41,8 +41,9 @@ INTERFERING_VALUE = 1001.0
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     add_torch_passthrough_state(repo, "pass_direct")
-    add_torch_passthrough_state(repo, "pass_oldest",
-                                "oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }")
+    add_torch_passthrough_state(
+        repo, "pass_oldest", "oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }"
+    )
     add_torch_passthrough_state(repo, "pass_processes", processes=True)
     add_identity(repo, "identity_fp32", "FP32", dims="[ 1 ]")
     running = start_server(repo, tmp_path_factory.mktemp("server"), *LAYOUTS[request.param])
@@ -50,8 +51,9 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     assert running.stop() == 0, running.log()
 
 
-def _step(client: grpcclient.InferenceServerClient, model: str, cid: int, value: float, start: bool,
-          end: bool) -> float:
+def _step(
+    client: grpcclient.InferenceServerClient, model: str, cid: int, value: float, start: bool, end: bool
+) -> float:
     data = grpcclient.InferInput("INPUT", [1, 1], "FP32")
     data.set_data_from_numpy(np.full((1, 1), value, dtype=np.float32))
     result = client.infer(model, [data], sequence_id=cid, sequence_start=start, sequence_end=end)
@@ -62,8 +64,10 @@ def _run_sequence(url: str, model: str, cid: int) -> list[tuple[float, float]]:
     """(answer, expected) per step: OUTPUT = INPUT - the previous step's INPUT (0 before the first)."""
     values = [float(cid * 1000 + 7 * k) for k in range(STEPS)]
     with grpcclient.InferenceServerClient(url) as client:
-        return [(_step(client, model, cid, value, k == 0, k == STEPS - 1), value - (values[k - 1] if k else 0.0))
-                for k, value in enumerate(values)]
+        return [
+            (_step(client, model, cid, value, k == 0, k == STEPS - 1), value - (values[k - 1] if k else 0.0))
+            for k, value in enumerate(values)
+        ]
 
 
 def _interfere(url: str, done: threading.Event) -> int:
@@ -89,8 +93,12 @@ def test_a_state_that_is_the_request_input_outlives_the_request(server: RunningS
         finally:
             done.set()
         interference.result(timeout=60)
-    wrong = [(cid, step, got, want) for cid, steps in enumerate(answers, 1)
-             for step, (got, want) in enumerate(steps) if got != want]
+    wrong = [
+        (cid, step, got, want)
+        for cid, steps in enumerate(answers, 1)
+        for step, (got, want) in enumerate(steps)
+        if got != want
+    ]
     assert not wrong, f"{len(wrong)} wrong answers (sequence, step, got, expected): {wrong[:8]}"
 
 
@@ -197,16 +205,22 @@ def small_pool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runn
     repo = tmp_path_factory.mktemp("repo")
     for name in ("big", "big_too"):
         add_identity(repo, name, "FP32", max_batch_size=0)
-    python_models.write_model(repo, "stream_threads", """
+    python_models.write_model(
+        repo,
+        "stream_threads",
+        """
         backend: "python"
         max_batch_size: 0
         model_transaction_policy { decoupled: true }
         input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
         output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
         parameters { key: "process_instances" value: { string_value: "false" } }
-        """, DECOUPLED_ECHO)
-    running = start_server(repo, tmp_path_factory.mktemp("server"), "--grpc-workers", "1",
-                           "--grpc-worker-pool-mb", str(POOL_MB))
+        """,
+        DECOUPLED_ECHO,
+    )
+    running = start_server(
+        repo, tmp_path_factory.mktemp("server"), "--grpc-workers", "1", "--grpc-worker-pool-mb", str(POOL_MB)
+    )
     yield running
     assert running.stop() == 0, running.log()
 
@@ -304,10 +318,15 @@ def test_a_dead_workers_arenas_are_unmapped_by_the_host(tmp_path: Path) -> None:
             [killed] = live
             os.kill(killed, signal.SIGKILL)
             # one reading of /proc: two could see the dying worker, then the zombie, and no replacement yet
-            wait_until(lambda gone=killed: len(live := worker_pids(server)) == 1 and gone not in live,
-                       what="a new worker in place of the killed one")
-        wait_until(lambda: _worker_mappings(server.pid) == with_one_worker, timeout_s=60,
-                   what=f"the host to map only its live worker's arenas ({with_one_worker} mappings): "
-                   f"{Path(f'/proc/{server.pid}/maps').read_text().count('shoal-worker')} now")
+            wait_until(
+                lambda gone=killed: len(live := worker_pids(server)) == 1 and gone not in live,
+                what="a new worker in place of the killed one",
+            )
+        wait_until(
+            lambda: _worker_mappings(server.pid) == with_one_worker,
+            timeout_s=60,
+            what=f"the host to map only its live worker's arenas ({with_one_worker} mappings): "
+            f"{Path(f'/proc/{server.pid}/maps').read_text().count('shoal-worker')} now",
+        )
     finally:
         assert server.stop() == 0, server.log()

@@ -165,7 +165,10 @@ def test_cpu_families_read_proc_as_triton(tmp_path: Path) -> None:
 
     cpu = CpuMetrics(tmp_path)
     first = scrape_with(user=300, idle=600, iowait=100)
-    assert first == {"nv_cpu_utilization": 0.3, "nv_cpu_memory_total_bytes": 1_024_000,
-                     "nv_cpu_memory_used_bytes": 768_000}
+    assert first == {
+        "nv_cpu_utilization": 0.3,
+        "nv_cpu_memory_total_bytes": 1_024_000,
+        "nv_cpu_memory_used_bytes": 768_000,
+    }
     assert scrape_with(user=390, idle=610, iowait=100)["nv_cpu_utilization"] == 0.9  # 90 of 100 new jiffies busy
     assert CpuMetrics(tmp_path / "absent").families() == []  # no /proc: no CPU families, as Triton off Linux

@@ -139,8 +139,9 @@ def _identity(repo: Path, name: str) -> None:
 
 def _onnx_two_copies(repo: Path, name: str) -> int:
     """y = x + w with a 1 MB weight, two unshared copies: counted 2 MB after the load, 1 MB before."""
-    models.add_weighty_onnx(repo, name, 1, instances=2,
-                            extra='parameters { key: "share_weights" value: { string_value: "false" } }')
+    models.add_weighty_onnx(
+        repo, name, 1, instances=2, extra='parameters { key: "share_weights" value: { string_value: "false" } }'
+    )
     return (repo / name / "1" / "model.onnx").stat().st_size
 
 
@@ -152,12 +153,15 @@ def test_states_through_load_unload_and_shutdown(tmp_path: Path, closes: list[st
     repo = tmp_path / "repo"
     for name in ("a", "b"):
         _identity(repo, name)
-    models.write_config(repo / "broken", """
+    models.write_config(
+        repo / "broken",
+        """
         backend: "identity"
         max_batch_size: 0
         input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
         output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-        """)  # the backend refuses it: a version that fails to load
+        """,
+    )  # the backend refuses it: a version that fails to load
     (repo / "broken" / "1").mkdir()
 
     async def scenario() -> None:
@@ -191,9 +195,7 @@ def test_states_through_load_unload_and_shutdown(tmp_path: Path, closes: list[st
     asyncio.run(scenario())
 
 
-def test_a_budget_refusal_after_load_releases_through_model_version_close(
-    tmp_path: Path, closes: list[str]
-) -> None:
+def test_a_budget_refusal_after_load_releases_through_model_version_close(tmp_path: Path, closes: list[str]) -> None:
     repo = tmp_path / "repo"
     size = _onnx_two_copies(repo, "twice")
     _identity(repo, "small")
@@ -211,9 +213,7 @@ def test_a_budget_refusal_after_load_releases_through_model_version_close(
     asyncio.run(scenario())
 
 
-def test_a_failed_reload_releases_nothing_and_keeps_the_old_version_serving(
-    tmp_path: Path, closes: list[str]
-) -> None:
+def test_a_failed_reload_releases_nothing_and_keeps_the_old_version_serving(tmp_path: Path, closes: list[str]) -> None:
     repo = tmp_path / "repo"
     _identity(repo, "a")
 
@@ -242,8 +242,7 @@ def _load_request(config: str) -> service_pb2.RepositoryModelLoadRequest:
 def test_the_transport_decodes_the_override_to_a_plain_dict() -> None:
     assert convert.load_parameters(_load_request('{"max_batch_size": 4}')) == {"max_batch_size": 4}
     assert convert.load_parameters(service_pb2.RepositoryModelLoadRequest(model_name="m")) is None
-    for text, phrase in [("not json", "is not valid JSON"), ("[]", "must be a JSON object"),
-                         ("7", "got a JSON int")]:
+    for text, phrase in [("not json", "is not valid JSON"), ("[]", "must be a JSON object"), ("7", "got a JSON int")]:
         with pytest.raises(ShoalError, match=phrase) as caught:
             convert.load_parameters(_load_request(text))
         assert caught.value.code is ErrorCode.INVALID_ARGUMENT and "failed to load 'm'" in caught.value.message
@@ -255,8 +254,10 @@ def test_the_manager_turns_the_dict_into_a_model_config(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         manager = ModelManager(repo, control_mode="explicit")
-        for override, phrase in [({"name": "other"}, "names model 'other'"),
-                                 ({"max_batch_size": "many"}, "not a valid ModelConfig")]:
+        for override, phrase in [
+            ({"name": "other"}, "names model 'other'"),
+            ({"max_batch_size": "many"}, "not a valid ModelConfig"),
+        ]:
             with pytest.raises(ShoalError, match=phrase) as caught:
                 await manager.load("a", override)
             assert caught.value.code is ErrorCode.INVALID_ARGUMENT
@@ -268,8 +269,13 @@ def test_the_manager_turns_the_dict_into_a_model_config(tmp_path: Path) -> None:
 def test_the_manager_touches_no_protobuf() -> None:
     """protobuf stays in the transports and the config pipeline."""
     source = models.REPO_ROOT / "server" / "lifecycle" / "manager.py"
-    imported = {alias.name for node in ast.walk(ast.parse(source.read_text())) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module or "" for node in ast.walk(ast.parse(source.read_text()))
-                 if isinstance(node, ast.ImportFrom)}
+    imported = {
+        alias.name
+        for node in ast.walk(ast.parse(source.read_text()))
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {
+        node.module or "" for node in ast.walk(ast.parse(source.read_text())) if isinstance(node, ast.ImportFrom)
+    }
     assert not {m for m in imported if m.startswith(("shoal.protocol", "google.protobuf"))}, imported

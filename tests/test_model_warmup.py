@@ -36,9 +36,12 @@ output [ {{ name: "VALUE" data_type: TYPE_FP32 dims: [ 2 ] }} ]
 def write_gather(folder: Path, name: str, warmup: str, files: dict[str, bytes] | None = None) -> None:
     table = helper.make_tensor("table", TensorProto.FLOAT, [4], TABLE)
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["table", "INDEX"], ["VALUE"], axis=0)], "gather",
+        [helper.make_node("Gather", ["table", "INDEX"], ["VALUE"], axis=0)],
+        "gather",
         [helper.make_tensor_value_info("INDEX", TensorProto.INT64, ["batch", 2])],
-        [helper.make_tensor_value_info("VALUE", TensorProto.FLOAT, ["batch", 2])], [table])
+        [helper.make_tensor_value_info("VALUE", TensorProto.FLOAT, ["batch", 2])],
+        [table],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     (folder / name / "1").mkdir(parents=True)
@@ -49,15 +52,26 @@ def write_gather(folder: Path, name: str, warmup: str, files: dict[str, bytes] |
         (folder / name / "warmup" / filename).write_bytes(data)
 
 
-def sample(name: str, data: str, batch: int = 2, dims: str = "[ 2 ]", key: str = "INDEX",
-           datatype: str = "TYPE_INT64", count: int = 0) -> str:
-    return (f'{{ name: "{name}" batch_size: {batch} count: {count} inputs {{ key: "{key}" value: {{ '
-            f"data_type: {datatype} dims: {dims} {data} }} }} }}")
+def sample(
+    name: str,
+    data: str,
+    batch: int = 2,
+    dims: str = "[ 2 ]",
+    key: str = "INDEX",
+    datatype: str = "TYPE_INT64",
+    count: int = 0,
+) -> str:
+    return (
+        f'{{ name: "{name}" batch_size: {batch} count: {count} inputs {{ key: "{key}" value: {{ '
+        f"data_type: {datatype} dims: {dims} {data} }} }} }}"
+    )
 
 
 GOOD = "model_warmup [ {}, {}, {} ]".format(
-    sample("zeros", "zero_data: true", count=3), sample("file", 'input_data_file: "in.bin"', batch=1),
-    sample("skipped", "zero_data: true", batch=0))  # batch 0: skipped, as Triton
+    sample("zeros", "zero_data: true", count=3),
+    sample("file", 'input_data_file: "in.bin"', batch=1),
+    sample("skipped", "zero_data: true", batch=0),
+)  # batch 0: skipped, as Triton
 FAILING = {  # model → the reason its load fails with
     "out_of_range": "version 1: failed to run warmup sample 'bad': ",  # Triton 2.51's words
     "missing_file": "cannot read missing_file/warmup/absent.bin",
@@ -76,14 +90,21 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     in_range = np.array([3, 1], dtype="<i8").tobytes()
     write_gather(repo, "good", GOOD, {"in.bin": in_range})
     write_gather(repo, "plain", "")
-    write_gather(repo, "out_of_range",
-                 "model_warmup [ {} ]".format(sample("bad", 'input_data_file: "in.bin"', batch=1)),
-                 {"in.bin": np.array([0, 9], dtype="<i8").tobytes()})
+    write_gather(
+        repo,
+        "out_of_range",
+        "model_warmup [ {} ]".format(sample("bad", 'input_data_file: "in.bin"', batch=1)),
+        {"in.bin": np.array([0, 9], dtype="<i8").tobytes()},
+    )
     write_gather(repo, "missing_file", "model_warmup [ {} ]".format(sample("m", 'input_data_file: "absent.bin"')))
     write_gather(repo, "outside", "model_warmup [ {} ]".format(sample("o", 'input_data_file: "../../secret.bin"')))
     (repo.parent / "secret.bin").write_bytes(in_range * 2)
-    write_gather(repo, "short_file", "model_warmup [ {} ]".format(sample("s", 'input_data_file: "in.bin"')),
-                 {"in.bin": in_range[:8]})
+    write_gather(
+        repo,
+        "short_file",
+        "model_warmup [ {} ]".format(sample("s", 'input_data_file: "in.bin"')),
+        {"in.bin": in_range[:8]},
+    )
     write_gather(repo, "wrong_dims", "model_warmup [ {} ]".format(sample("d", "zero_data: true", dims="[ 3 ]")))
     write_gather(repo, "unknown_input", "model_warmup [ {} ]".format(sample("u", "zero_data: true", key="OTHER")))
     write_gather(repo, "random_indices", "model_warmup [ {} ]".format(sample("r", "random_data: true")))
@@ -261,14 +282,19 @@ def test_a_python_models_warm_up_may_call_other_models(tmp_path: Path) -> None:
     """Its samples run as its requests do: BLS calls reach the server (here one to a model loaded before)."""
     repo = tmp_path / "repo"
     write_gather(repo, "plain", "")
-    write_gather(repo, "caller", "model_warmup [ {} ]".format(sample("w", 'input_data_file: "in.bin"', batch=1)),
-                 {"in.bin": np.array([3, 1], dtype="<i8").tobytes()})
+    write_gather(
+        repo,
+        "caller",
+        "model_warmup [ {} ]".format(sample("w", 'input_data_file: "in.bin"', batch=1)),
+        {"in.bin": np.array([3, 1], dtype="<i8").tobytes()},
+    )
     (repo / "caller" / "1" / "model.onnx").unlink()
     (repo / "caller" / "1" / "model.py").write_text(CALLER)
     config = repo / "caller" / "config.pbtxt"
     config.write_text(config.read_text().replace('backend: "onnxruntime"', 'backend: "python"'))
-    server = local_server.start(repo, "--model-control-mode", "explicit", "--load-model", "plain", work_dir=tmp_path,
-                                log_path=tmp_path / "log")
+    server = local_server.start(
+        repo, "--model-control-mode", "explicit", "--load-model", "plain", work_dir=tmp_path, log_path=tmp_path / "log"
+    )
     try:
         client = grpcclient.InferenceServerClient(server.url)
         client.load_model("caller")
@@ -288,8 +314,15 @@ def test_no_request_reaches_a_reloaded_version_before_its_warm_up_ends(tmp_path:
     runs) while the old one serves; every answer from the new copy counts those three executions before it."""
     repo = tmp_path / "repo"
     write_tally(repo, "tally", "", [7, 7])
-    server = local_server.start(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2",
-                                work_dir=tmp_path, log_path=tmp_path / "log")
+    server = local_server.start(
+        repo,
+        "--model-control-mode",
+        "poll",
+        "--repository-poll-secs",
+        "0.2",
+        work_dir=tmp_path,
+        log_path=tmp_path / "log",
+    )
     answers: list[int] = []
     try:
         client = grpcclient.InferenceServerClient(server.url)

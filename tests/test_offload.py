@@ -34,8 +34,9 @@ class EchoCore:
 
     async def infer(self, request: InferRequest, origin: object = None) -> InferResponse:
         tensor = request.inputs[0]
-        return InferResponse(request.model_name, "1", request.id, (Tensor("OUT", tensor.datatype, tensor.shape,
-                                                                          tensor.data),))
+        return InferResponse(
+            request.model_name, "1", request.id, (Tensor("OUT", tensor.datatype, tensor.shape, tensor.data),)
+        )
 
 
 def _strings_request(count: int) -> service_pb2.ModelInferRequest:

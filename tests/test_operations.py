@@ -22,9 +22,19 @@ A = np.arange(16, dtype=np.int32).reshape(1, 16)
 def running(tmp_path: Path, server_factory):
     repo = models.repository(tmp_path, "simple")
     models.add_broken_models(repo)
-    return server_factory(repo, "--model-control-mode", "explicit", "--load-model", "simple", "--load-model",
-                          "bad_syntax", "--grpc-restricted-protocol", "model-repository:admin-key=s3cret",
-                          "--exit-on-error", "false")
+    return server_factory(
+        repo,
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "simple",
+        "--load-model",
+        "bad_syntax",
+        "--grpc-restricted-protocol",
+        "model-repository:admin-key=s3cret",
+        "--exit-on-error",
+        "false",
+    )
 
 
 @pytest.mark.other_engine
@@ -68,8 +78,11 @@ def test_metrics_use_tritons_names(running) -> None:
     assert f"nv_inference_count{labels} 3\n" in text
     assert f"nv_inference_exec_count{labels} 3\n" in text
     assert 'nv_inference_request_failure{model="simple",reason="OTHER",version="1"} 1\n' in text  # the EXTRA input
-    for name in ("nv_inference_request_duration_us", "nv_inference_queue_duration_us",
-                 "nv_inference_compute_infer_duration_us"):
+    for name in (
+        "nv_inference_request_duration_us",
+        "nv_inference_queue_duration_us",
+        "nv_inference_compute_infer_duration_us",
+    ):
         assert f"{name}{labels}" in text
     assert "_total{" not in text.split("# HELP shoal_")[0]  # Triton's families: no _total suffix
     assert f"nv_inference_pending_request_count{labels} 0\n" in text
@@ -86,8 +99,11 @@ def test_metrics_can_be_turned_off(tmp_path: Path, server_factory) -> None:
 @pytest.mark.other_engine
 def test_repository_control_needs_the_configured_header(running) -> None:
     with InferenceClient(running.url, timeout_s=30) as anonymous:
-        for call in (lambda: anonymous.load_model("simple"), lambda: anonymous.unload_model("simple"),
-                     anonymous.repository_index):
+        for call in (
+            lambda: anonymous.load_model("simple"),
+            lambda: anonymous.unload_model("simple"),
+            anonymous.repository_index,
+        ):
             with pytest.raises(ClientError) as caught:
                 call()
             assert caught.value.status == grpc.StatusCode.UNAVAILABLE  # as Triton 2.51 answers

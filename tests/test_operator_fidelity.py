@@ -32,8 +32,9 @@ def _repository(tmp_path: Path, *, broken: bool) -> Path:
     repo = tmp_path / "repo"
     python_models.add_add_sub(repo, "good")
     if broken:
-        python_models.add_add_sub(repo, "broken",
-                                  source=python_models.ADD_SUB.replace(*python_models.FAULTS["syntax_error"]))
+        python_models.add_add_sub(
+            repo, "broken", source=python_models.ADD_SUB.replace(*python_models.FAULTS["syntax_error"])
+        )
     return repo
 
 
@@ -45,10 +46,30 @@ def _serve_in_own_session(repo: Path, tmp_path: Path, *args: str) -> Iterator[su
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repo), "--port-file",
-             str(tmp_path / "port"), "--exit-timeout-secs", "30",
-             "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *args],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [
+                sys.executable,
+                "-m",
+                "shoal",
+                "serve",
+                "--model-repository",
+                str(repo),
+                "--port-file",
+                str(tmp_path / "port"),
+                "--exit-timeout-secs",
+                "30",
+                "--grpc-address",
+                "127.0.0.1",
+                "--grpc-port",
+                "0",
+                "--http-port",
+                "0",
+                "--metrics-port",
+                "0",
+                *args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
         )
     try:
@@ -57,8 +78,6 @@ def _serve_in_own_session(repo: Path, tmp_path: Path, *args: str) -> Iterator[su
         if live_members(group=server.pid):
             os.killpg(server.pid, signal.SIGKILL)
         server.wait()
-
-
 
 
 def _exit_code(server: subprocess.Popen[bytes]) -> int:
@@ -70,13 +89,18 @@ def _exit_code(server: subprocess.Popen[bytes]) -> int:
 
 # -- item 5: --exit-on-error ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", [
-    (),
-    ("--grpc-workers", "1"),
-    ("--model-control-mode", "poll", "--repository-poll-secs", "0.2"),
-    ("--model-control-mode", "explicit", "--load-model", "good", "--load-model", "broken"),
-    ("--model-control-mode", "explicit", "--load-model", "absent"),
-], ids=["none", "none-with-workers", "poll", "explicit", "explicit-absent"])
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        (),
+        ("--grpc-workers", "1"),
+        ("--model-control-mode", "poll", "--repository-poll-secs", "0.2"),
+        ("--model-control-mode", "explicit", "--load-model", "good", "--load-model", "broken"),
+        ("--model-control-mode", "explicit", "--load-model", "absent"),
+    ],
+    ids=["none", "none-with-workers", "poll", "explicit", "explicit-absent"],
+)
 def test_a_model_that_fails_at_start_ends_the_server(tmp_path: Path, mode: tuple[str, ...]) -> None:
     """Triton 2.51 logs each failure, unloads the rest and exits 1 ("error: creating server:
     Internal - failed to load all models"); so does Shoal, leaving no process of its group behind."""
@@ -116,8 +140,11 @@ def test_a_model_that_breaks_while_polling_leaves_the_server_serving(tmp_path: P
         python_models.add_add_sub(repo, "late")
         with grpc.insecure_channel(server.url) as channel:
             stub = InferenceStub(channel)
-            wait_until(lambda: stub.ModelReady(pb.ModelReadyRequest(name="late")).ready, timeout_s=60,
-                       what="the poll to load the added model")
+            wait_until(
+                lambda: stub.ModelReady(pb.ModelReadyRequest(name="late")).ready,
+                timeout_s=60,
+                what="the poll to load the added model",
+            )
             assert server.process.poll() is None
     finally:
         assert server.stop() == 0, server.log()
@@ -125,14 +152,18 @@ def test_a_model_that_breaks_while_polling_leaves_the_server_serving(tmp_path: P
 
 # -- item 7: Ctrl-C ------------------------------------------------------------------------------
 
+
 def test_ctrl_c_stops_python_workers_without_a_traceback(tmp_path: Path) -> None:
     """A terminal's Ctrl-C reaches the whole process group: instance workers, the fork server and
     front-end workers ignore it and stop when the host tells them; the host exits 0."""
     repo = tmp_path / "repo"
     python_models.add_add_sub(repo, "repeat", count=2)
     with _serve_in_own_session(repo, tmp_path, "--grpc-workers", "1") as server:
-        wait_until(lambda: (tmp_path / "port").exists() or server.poll() is not None, timeout_s=EXIT_TIMEOUT_S,
-                   what="the server to serve")
+        wait_until(
+            lambda: (tmp_path / "port").exists() or server.poll() is not None,
+            timeout_s=EXIT_TIMEOUT_S,
+            what="the server to serve",
+        )
         assert server.poll() is None, (tmp_path / "server.log").read_text()
         os.killpg(server.pid, signal.SIGINT)
         assert _exit_code(server) == 0, (tmp_path / "server.log").read_text()
@@ -144,6 +175,7 @@ def test_ctrl_c_stops_python_workers_without_a_traceback(tmp_path: Path) -> None
 
 
 # -- item 8: config check refuses what serve refuses ---------------------------------------------
+
 
 def _shoal(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "shoal", *args], capture_output=True, text=True, timeout=120)
@@ -170,7 +202,11 @@ def test_config_check_imports_a_python_model_but_never_runs_it(tmp_path: Path) -
     """Import-time code runs (as at load); ``initialize`` and ``execute`` do not."""
     repo = tmp_path / "repo"
     marker = tmp_path / "ran"
-    python_models.write_model(repo, "watched", python_models.ECHO_CONFIG, f"""
+    python_models.write_model(
+        repo,
+        "watched",
+        python_models.ECHO_CONFIG,
+        f"""
         import pathlib
         pathlib.Path({str(marker)!r}).with_suffix(".imported").touch()
 
@@ -180,13 +216,15 @@ def test_config_check_imports_a_python_model_but_never_runs_it(tmp_path: Path) -
 
             def execute(self, requests):
                 pathlib.Path({str(marker)!r}).touch()
-        """)
+        """,
+    )
     checked = _shoal("config", "check", str(repo))
     assert checked.returncode == 0 and "ok    watched" in checked.stdout, checked
     assert marker.with_suffix(".imported").exists() and not marker.exists()
 
 
 # -- item 10: one default instance count in --help, the generated file and the README ------------
+
 
 def test_generate_help_states_the_instance_count_the_generated_file_has(tmp_path: Path) -> None:
     shutil.copy(EXAMPLES / "simple" / "1" / "model.onnx", tmp_path / "simple.onnx")
@@ -202,6 +240,7 @@ def test_generate_help_states_the_instance_count_the_generated_file_has(tmp_path
 
 
 # -- item 11: the README's first screen ----------------------------------------------------------
+
 
 def test_readme_first_screen_names_the_interfaces_and_quotes_extras() -> None:
     readme = (REPO_ROOT / "README.md").read_text()

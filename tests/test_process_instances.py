@@ -48,11 +48,15 @@ def _process_repo(repo: Path) -> None:
         (repo / name / "1").mkdir(parents=True)
         torch.manual_seed(0)
         torch.jit.script(Linear(32)).save(str(repo / name / "1" / "model.pt"))
-        (repo / name / "config.pbtxt").write_text(_config(
-            name, [("x", "TYPE_FP32", "[ 32 ]")], [("y", "TYPE_FP32", "[ 32 ]")],
-            f'instance_group [ {{ count: 2 kind: KIND_CPU }} ]\nparameters {{ key: "process_instances" value: '
-            f'{{ string_value: "{processes}" }} }}',
-        ))
+        (repo / name / "config.pbtxt").write_text(
+            _config(
+                name,
+                [("x", "TYPE_FP32", "[ 32 ]")],
+                [("y", "TYPE_FP32", "[ 32 ]")],
+                f'instance_group [ {{ count: 2 kind: KIND_CPU }} ]\nparameters {{ key: "process_instances" value: '
+                f'{{ string_value: "{processes}" }} }}',
+            )
+        )
 
 
 def _heavy_repo(repo: Path) -> None:
@@ -86,8 +90,9 @@ def test_process_instances_give_the_same_outputs_as_threads(tmp_path: Path, serv
     server = server_factory(repo)
     x = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
     with InferenceClient(server.url, timeout_s=60) as client:
-        np.testing.assert_allclose(client.infer("processes", {"x": x})["y"], client.infer("threads", {"x": x})["y"],
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            client.infer("processes", {"x": x})["y"], client.infer("threads", {"x": x})["y"], rtol=1e-6
+        )
         assert client.statistics("processes")[0]["memory_usage"] == client.statistics("threads")[0]["memory_usage"]
     assert len(_worker_pids(server.pid)) == 2
 
@@ -149,8 +154,11 @@ def _held_shm_files(pids: list[int]) -> set[str]:
     held = set()
     for pid in pids:
         try:
-            paths = [line.split(maxsplit=5)[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-                     if len(line.split(maxsplit=5)) == 6]
+            paths = [
+                line.split(maxsplit=5)[5]
+                for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                if len(line.split(maxsplit=5)) == 6
+            ]
             paths += [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
         except (FileNotFoundError, ProcessLookupError):
             continue
@@ -200,9 +208,19 @@ TORCH_DATATYPES = ("BF16", "FP16", "FP32", "FP64", "INT8", "INT16", "INT32", "IN
 class Echo(torch.nn.Module):
     """Returns its inputs: one of each datatype the PyTorch backend takes."""
 
-    def forward(self, x_bf16: torch.Tensor, x_fp16: torch.Tensor, x_fp32: torch.Tensor, x_fp64: torch.Tensor,
-                x_int8: torch.Tensor, x_int16: torch.Tensor, x_int32: torch.Tensor, x_int64: torch.Tensor,
-                x_uint8: torch.Tensor, x_bool: torch.Tensor) -> list[torch.Tensor]:
+    def forward(
+        self,
+        x_bf16: torch.Tensor,
+        x_fp16: torch.Tensor,
+        x_fp32: torch.Tensor,
+        x_fp64: torch.Tensor,
+        x_int8: torch.Tensor,
+        x_int16: torch.Tensor,
+        x_int32: torch.Tensor,
+        x_int64: torch.Tensor,
+        x_uint8: torch.Tensor,
+        x_bool: torch.Tensor,
+    ) -> list[torch.Tensor]:
         return [x_bf16, x_fp16, x_fp32, x_fp64, x_int8, x_int16, x_int32, x_int64, x_uint8, x_bool]
 
 
@@ -221,11 +239,15 @@ def test_every_datatype_and_batches_bigger_than_the_arenas_cross_to_a_worker(tmp
     (repo / "echo" / "1").mkdir(parents=True)
     torch.jit.script(Echo()).save(str(repo / "echo" / "1" / "model.pt"))
     tensors = [(f"x_{d.lower()}", f"TYPE_{d}", "[ -1 ]") for d in TORCH_DATATYPES]
-    (repo / "echo" / "config.pbtxt").write_text(_config(
-        "echo", tensors, [(f"OUTPUT__{i}", t, dims) for i, (_, t, dims) in enumerate(tensors)],
-        'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
-        'parameters { key: "process_instances" value: { string_value: "true" } }',
-    ).replace("max_batch_size: 8", "max_batch_size: 0"))
+    (repo / "echo" / "config.pbtxt").write_text(
+        _config(
+            "echo",
+            tensors,
+            [(f"OUTPUT__{i}", t, dims) for i, (_, t, dims) in enumerate(tensors)],
+            "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
+            'parameters { key: "process_instances" value: { string_value: "true" } }',
+        ).replace("max_batch_size: 8", "max_batch_size: 0")
+    )
     server = server_factory(repo)
     rng = np.random.default_rng(0)
     # 5 elements, then 300,000 of each (9.9 MB each way: the 1 MiB arenas grow), then 5 again.
@@ -268,10 +290,13 @@ def test_pickled_eager_module_in_threads_and_processes(tmp_path: Path, server_fa
         (repo / name / "config.pbtxt").write_text(
             'backend: "pytorch"\nmax_batch_size: 0\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 3, 4 ] } ]\n'
             'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 3, 8 ] } ]\n'
-            'instance_group [ { count: 2 kind: KIND_CPU } ]\n'
+            "instance_group [ { count: 2 kind: KIND_CPU } ]\n"
             + opt_in
-            + (f'parameters {{ key: "process_instances" value: {{ string_value: "{processes}" }} }}\n'
-               if processes else "")
+            + (
+                f'parameters {{ key: "process_instances" value: {{ string_value: "{processes}" }} }}\n'
+                if processes
+                else ""
+            )
         )
     server = server_factory(repo, "--strict-readiness", "false", "--exit-on-error", "false")
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -287,12 +312,18 @@ def _one_process_model(repo: Path, name: str, parameters: dict[str, str], count:
     """A TorchScript Linear(8) served by ``count`` worker processes; returns its model file."""
     (repo / name / "1").mkdir(parents=True)
     torch.jit.script(Linear(8)).save(str(repo / name / "1" / "model.pt"))
-    extra = "".join(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-                    for key, value in {"process_instances": "true", **parameters}.items())
-    (repo / name / "config.pbtxt").write_text(_config(
-        name, [("x", "TYPE_FP32", "[ 8 ]")], [("y", "TYPE_FP32", "[ 8 ]")],
-        f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n{extra}",
-    ))
+    extra = "".join(
+        f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+        for key, value in {"process_instances": "true", **parameters}.items()
+    )
+    (repo / name / "config.pbtxt").write_text(
+        _config(
+            name,
+            [("x", "TYPE_FP32", "[ 8 ]")],
+            [("y", "TYPE_FP32", "[ 8 ]")],
+            f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n{extra}",
+        )
+    )
     return repo / name / "1" / "model.pt"
 
 
@@ -320,8 +351,10 @@ def test_execution_timeout_fails_the_request_of_a_stopped_worker_and_replaces_it
             with pytest.raises(ClientError) as caught:
                 client.infer("guarded", {"x": x})
             assert caught.value.status == grpc.StatusCode.UNAVAILABLE
-            assert "did not answer within 1500 ms (execution_timeout_ms); it was killed and restarted" in \
-                caught.value.message
+            assert (
+                "did not answer within 1500 ms (execution_timeout_ms); it was killed and restarted"
+                in caught.value.message
+            )
             assert client.infer("guarded", {"x": x})["y"].shape == (1, 8)  # the new worker serves
             stats = client.statistics("guarded")[0]["inference_stats"]
         assert int(stats["fail"]["count"]) == 1 and int(stats["success"]["count"]) == 1
@@ -365,14 +398,23 @@ def test_a_dead_idle_worker_is_replaced_before_any_request(tmp_path: Path, serve
     (dead,) = _worker_pids(server.pid)
     os.kill(dead, signal.SIGKILL)
     with InferenceClient(server.url, timeout_s=60) as client:
-        wait_until(lambda: dead not in _worker_pids(server.pid) and len(_worker_pids(server.pid)) == 1
-                   and client.is_model_ready("watched"), what="a new worker, ready")
+        wait_until(
+            lambda: (
+                dead not in _worker_pids(server.pid)
+                and len(_worker_pids(server.pid)) == 1
+                and client.is_model_ready("watched")
+            ),
+            what="a new worker, ready",
+        )
         assert client.infer("watched", {"x": np.ones((1, 8), np.float32)})["y"].shape == (1, 8)
         assert int(client.statistics("watched")[0]["inference_stats"]["fail"].get("count", 0)) == 0
     # The check finds the worker dead, or, on a busy machine where the killed process takes longer than the
     # interval to exit, silent: either way it is replaced before any request.
-    assert re.search(rf"worker process {dead} (died \(exit code -9\)|did not answer a liveness check within 300 ms); "
-                     "restarting", server.log()), server.log()
+    assert re.search(
+        rf"worker process {dead} (died \(exit code -9\)|did not answer a liveness check within 300 ms); "
+        "restarting",
+        server.log(),
+    ), server.log()
 
 
 def test_without_liveness_checks_a_dead_idle_worker_fails_one_request_and_is_replaced(
@@ -404,8 +446,12 @@ def test_shutdown_is_bounded_when_workers_are_stopped(tmp_path: Path, server_fac
         start = time.monotonic()
         assert server.stop(timeout_s=60) == 0, server.log()
         assert time.monotonic() - start < 10, "closing stopped workers must not wait long for each"
-        assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
-                    and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1]]
+        assert not [
+            pid
+            for pid in workers
+            if Path(f"/proc/{pid}").exists()
+            and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1]
+        ]
     finally:
         _resume_and_kill(workers)
 
@@ -421,14 +467,19 @@ def _memory_kb(pid: int, field: str) -> int:
 def _exported(repo: Path, name: str, width: int, kind: str = "KIND_CPU") -> torch.nn.Module:
     (repo / name / "1").mkdir(parents=True)
     module = torch.nn.Linear(width, width, bias=False).eval()
-    program = torch.export.export(module, (torch.zeros(2, width),),
-                                  dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},))
+    program = torch.export.export(
+        module, (torch.zeros(2, width),), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},)
+    )
     torch.export.save(program, str(repo / name / "1" / "model.pt2"))
-    (repo / name / "config.pbtxt").write_text(_config(
-        name, [("x", "TYPE_FP32", f"[ {width} ]")], [("y", "TYPE_FP32", f"[ {width} ]")],
-        f'default_model_filename: "model.pt2"\ninstance_group [ {{ count: 1 kind: {kind} }} ]\n'
-        'parameters { key: "process_instances" value: { string_value: "true" } }',
-    ))
+    (repo / name / "config.pbtxt").write_text(
+        _config(
+            name,
+            [("x", "TYPE_FP32", f"[ {width} ]")],
+            [("y", "TYPE_FP32", f"[ {width} ]")],
+            f'default_model_filename: "model.pt2"\ninstance_group [ {{ count: 1 kind: {kind} }} ]\n'
+            'parameters { key: "process_instances" value: { string_value: "true" } }',
+        )
+    )
     return module
 
 
@@ -450,8 +501,13 @@ def test_an_exported_program_worker_holds_no_copy_of_the_weights(tmp_path: Path,
 
 def _gpu_memory_mb(pid: int) -> int:
     """Device memory a process holds, as nvidia-smi reports it (its CUDA context included)."""
-    listing = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=60, check=True).stdout
+    listing = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     used = [int(mb) for line in listing.splitlines() for owner, mb in [line.split(",")] if int(owner) == pid]
     assert used, f"process {pid} holds no device memory"
     return sum(used)

@@ -53,13 +53,19 @@ def test_messages_name_protobuf_types_by_the_wire_package() -> None:
     from shoal.repository.config import parse_config
 
     failures = {
-        "malformed message": (lambda: parse(service_pb2.ModelInferRequest, b"\xff\xff"),
-                              "malformed inference.ModelInferRequest message: Error parsing message with type "
-                              "'inference.ModelInferRequest'"),
-        "config override": (lambda: ConfigOverride.parse("m", {"input": [{"data_type": "TYPE_X"}]}),
-                            "Invalid enum value TYPE_X for enum type inference.DataType"),
-        "config.pbtxt": (lambda: parse_config("max_batch: 3\n"),
-                         'Message type "inference.ModelConfig" has no field named "max_batch"'),
+        "malformed message": (
+            lambda: parse(service_pb2.ModelInferRequest, b"\xff\xff"),
+            "malformed inference.ModelInferRequest message: Error parsing message with type "
+            "'inference.ModelInferRequest'",
+        ),
+        "config override": (
+            lambda: ConfigOverride.parse("m", {"input": [{"data_type": "TYPE_X"}]}),
+            "Invalid enum value TYPE_X for enum type inference.DataType",
+        ),
+        "config.pbtxt": (
+            lambda: parse_config("max_batch: 3\n"),
+            'Message type "inference.ModelConfig" has no field named "max_batch"',
+        ),
     }
     for case, (call, phrase) in failures.items():
         with pytest.raises(ShoalError) as caught:
@@ -113,11 +119,16 @@ def test_service_methods_match_tritonclient() -> None:
 
     theirs = triton_service.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     assert theirs.full_name == SERVICE_NAME
-    expected = {m.name: (m.input_type.name, m.output_type.name, m.client_streaming, m.server_streaming)
-                for m in theirs.methods}
+    expected = {
+        m.name: (m.input_type.name, m.output_type.name, m.client_streaming, m.server_streaming) for m in theirs.methods
+    }
     ours = {
-        m.name: (m.request_type.DESCRIPTOR.name, m.response_type.DESCRIPTOR.name,
-                 m.client_streaming, m.server_streaming)
+        m.name: (
+            m.request_type.DESCRIPTOR.name,
+            m.response_type.DESCRIPTOR.name,
+            m.client_streaming,
+            m.server_streaming,
+        )
         for m in METHODS.values()
     }
     assert ours == expected

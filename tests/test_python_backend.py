@@ -69,15 +69,18 @@ def client(server: RunningServer) -> Iterator[grpcclient.InferenceServerClient]:
 
 
 def _add_sub_inputs(a: np.ndarray) -> list[grpcclient.InferInput]:
-    inputs = [grpcclient.InferInput("INPUT0", list(a.shape), "FP32"), grpcclient.InferInput("INPUT1", list(a.shape),
-                                                                                           "FP32")]
+    inputs = [
+        grpcclient.InferInput("INPUT0", list(a.shape), "FP32"),
+        grpcclient.InferInput("INPUT1", list(a.shape), "FP32"),
+    ]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(np.ones_like(a))
     return inputs
 
 
-def _failure(client: grpcclient.InferenceServerClient, model: str, a: np.ndarray,
-             **kwargs: Any) -> InferenceServerException:
+def _failure(
+    client: grpcclient.InferenceServerClient, model: str, a: np.ndarray, **kwargs: Any
+) -> InferenceServerException:
     with pytest.raises(InferenceServerException) as caught:
         client.infer(model, _add_sub_inputs(a), **kwargs)
     return caught.value
@@ -115,13 +118,25 @@ def _echo(client: grpcclient.InferenceServerClient, **kwargs: Any) -> tuple[dict
     return json.loads(result.as_numpy("ARGS")[0, 0]), json.loads(result.as_numpy("REQUEST")[0, 0])
 
 
-def test_initialize_gets_args_as_triton_gives_them(client: grpcclient.InferenceServerClient,
-                                                   server: RunningServer) -> None:
+def test_initialize_gets_args_as_triton_gives_them(
+    client: grpcclient.InferenceServerClient, server: RunningServer
+) -> None:
     args, seen = _echo(client, request_id="abc", parameters={"colour": "blue", "n": 3})
-    assert sorted(args) == ["model_config", "model_instance_device_id", "model_instance_kind",
-                            "model_instance_name", "model_name", "model_repository", "model_version"]
-    assert (args["model_name"], args["model_version"], args["model_instance_kind"],
-            args["model_instance_device_id"]) == ("echo", "1", "CPU", "0")
+    assert sorted(args) == [
+        "model_config",
+        "model_instance_device_id",
+        "model_instance_kind",
+        "model_instance_name",
+        "model_name",
+        "model_repository",
+        "model_version",
+    ]
+    assert (
+        args["model_name"],
+        args["model_version"],
+        args["model_instance_kind"],
+        args["model_instance_device_id"],
+    ) == ("echo", "1", "CPU", "0")
     assert args["model_instance_name"] == "echo_0_0"
     assert Path(args["model_repository"]).name == "echo" and Path(args["model_repository"], "1", "model.py").is_file()
     config = json.loads(args["model_config"])
@@ -129,7 +144,9 @@ def test_initialize_gets_args_as_triton_gives_them(client: grpcclient.InferenceS
     assert config["input"] == [{"name": "IN", "data_type": "TYPE_FP32", "dims": [1]}]  # numbers, as Triton's
     served = client.get_model_config("echo", as_json=True)["config"]
     assert config["instance_group"] == served["instance_group"] and config["dynamic_batching"] == {
-        "max_queue_delay_microseconds": 200000, "preferred_batch_size": [8]}
+        "max_queue_delay_microseconds": 200000,
+        "preferred_batch_size": [8],
+    }
     assert seen["id"] == "abc" and seen["parameters"] == {"colour": "blue", "n": 3}
     assert seen["requested"] == ["ARGS", "REQUEST"] and seen["dtype"] == "float32"
 
@@ -175,13 +192,14 @@ def test_bls_calls_an_onnx_and_a_python_model(client: grpcclient.InferenceServer
     assert result.as_numpy("ERROR")[0] == b"Request for unknown model: 'no_such_model' is not found"
     for name in ("simple", "add_sub"):  # each went through that model's own scheduler and statistics
         after = _stats(client, name)
-        assert _count(after, "inference_stats", "success", "count") == \
-            _count(before[name], "inference_stats", "success", "count") + 1
+        assert (
+            _count(after, "inference_stats", "success", "count")
+            == _count(before[name], "inference_stats", "success", "count") + 1
+        )
 
 
 @pytest.mark.parametrize("elements", [1_000, 1_500_000])
-def test_bls_tensors_small_and_larger_than_the_arenas(client: grpcclient.InferenceServerClient,
-                                                       elements: int) -> None:
+def test_bls_tensors_small_and_larger_than_the_arenas(client: grpcclient.InferenceServerClient, elements: int) -> None:
     """1,000 floats cross in the instance's arenas; 1.5 million (6 MB, past the 1 MiB arenas, which a
     batch never grows) cross on the pipe. Both ways, sync and async: X * 2, then twice * 2 and summed."""
     x = np.random.default_rng(elements).standard_normal(elements).astype(np.float32)
@@ -191,7 +209,8 @@ def test_bls_tensors_small_and_larger_than_the_arenas(client: grpcclient.Inferen
 
 
 def test_big_bls_calls_and_replies_crossing_on_the_pipe_do_not_wait_on_each_other(
-        client: grpcclient.InferenceServerClient) -> None:
+    client: grpcclient.InferenceServerClient,
+) -> None:
     """A 6 MB reply written to the worker while the worker writes a 6 MB call: the server keeps reading
     (CI once hung here for good: each side blocked writing, neither reading)."""
     x = np.random.default_rng(7).standard_normal(1_500_000).astype(np.float32)
@@ -213,16 +232,29 @@ def test_load_errors_name_the_traceback_s_last_line(client: grpcclient.Inference
     assert not client.is_model_ready("syntax_error")
 
 
-@pytest.mark.parametrize(("model", "message"), [
-    ("raises", "Failed to process the request(s) for model 'raises_0_0', message: RuntimeError: boom\n\nAt:\n"),
-    ("returns_none", "Failed to process the request(s) for model 'returns_none_0_0', message: execute returned None"),
-    ("wrong_count", "Failed to process the request(s) for model 'wrong_count_0_0', message: Number of "
-                    "InferenceResponse objects do not match the number of InferenceRequest objects. "
-                    "InferenceRequest(s) size is:1, and InferenceResponse(s) size is:0"),
-    ("wrong_dtype", "model 'wrong_dtype_0_0': output 'OUTPUT0' has datatype INT64, but the model config declares FP32"),
-])
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("raises", "Failed to process the request(s) for model 'raises_0_0', message: RuntimeError: boom\n\nAt:\n"),
+        (
+            "returns_none",
+            "Failed to process the request(s) for model 'returns_none_0_0', message: execute returned None",
+        ),
+        (
+            "wrong_count",
+            "Failed to process the request(s) for model 'wrong_count_0_0', message: Number of "
+            "InferenceResponse objects do not match the number of InferenceRequest objects. "
+            "InferenceRequest(s) size is:1, and InferenceResponse(s) size is:0",
+        ),
+        (
+            "wrong_dtype",
+            "model 'wrong_dtype_0_0': output 'OUTPUT0' has datatype INT64, but the model config declares FP32",
+        ),
+    ],
+)
 def test_a_failing_execute_fails_its_requests_and_the_server_keeps_serving(
-        client: grpcclient.InferenceServerClient, model: str, message: str) -> None:
+    client: grpcclient.InferenceServerClient, model: str, message: str
+) -> None:
     before = _stats(client, model)
     error = _failure(client, model, A)
     assert error.status() == "StatusCode.INTERNAL"
@@ -236,7 +268,8 @@ def test_a_failing_execute_fails_its_requests_and_the_server_keeps_serving(
 
 
 def test_a_crashed_instance_process_fails_only_its_request_and_is_restarted(
-        client: grpcclient.InferenceServerClient) -> None:
+    client: grpcclient.InferenceServerClient,
+) -> None:
     error = _failure(client, "crashes", np.full((1, 4), 13, np.float32))
     assert error.status() == "StatusCode.UNAVAILABLE"
     assert "the instance process running this request died (exit code 3); it has been restarted" in error.message()

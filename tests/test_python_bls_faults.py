@@ -95,8 +95,9 @@ def test_a_restarted_caller_never_gets_the_answer_of_its_predecessors_call(tmp_p
     timeout = 'parameters { key: "execution_timeout_ms" value: { string_value: "2000" } }'
     pm.write_model(repo, "caller", CALLER_CONFIG + timeout, CALL_TARGET)
     threads = 'parameters { key: "process_instances" value: { string_value: "false" } }'
-    pm.write_model(repo, "target", CALLER_CONFIG + "instance_group [ { count: 2 kind: KIND_CPU } ]\n" + threads,
-                   SLOW_FOR_ONE)
+    pm.write_model(
+        repo, "target", CALLER_CONFIG + "instance_group [ { count: 2 kind: KIND_CPU } ]\n" + threads, SLOW_FOR_ONE
+    )
     server = server_factory(repo)
     with grpcclient.InferenceServerClient(server.url) as client:
         with pytest.raises(InferenceServerException, match="execution_timeout_ms"):

@@ -78,8 +78,10 @@ def _write_version(folder: Path, k: int) -> None:
     (folder / "nsdir").mkdir(exist_ok=True)
     (folder / "nsdir" / "thing.py").write_text(f"K = {k}\n")
     (folder / "json.py").write_text("raise ImportError('the standard library was shadowed')\n")
-    (folder / "lazy.py").write_text("import json\n\nimport nsdir.thing\nfrom helper import f\n\n\n"
-                                    "def h(x):\n    return f(x) - nsdir.thing.K + len(json.dumps([]))\n")
+    (folder / "lazy.py").write_text(
+        "import json\n\nimport nsdir.thing\nfrom helper import f\n\n\n"
+        "def h(x):\n    return f(x) - nsdir.thing.K + len(json.dumps([]))\n"
+    )
 
 
 def add_files_model(repo: Path, name: str, k: int, extra: str = THREADS) -> Path:
@@ -113,12 +115,15 @@ def _assert_outputs(got: dict[str, np.ndarray], want: dict[str, np.ndarray], mod
 
 
 # Reports the sys.modules entries of the server's process whose file is under the folder it is sent.
-PROBE_CONFIG = """
+PROBE_CONFIG = (
+    """
 backend: "python"
 max_batch_size: 0
 input [ { name: "FOLDER" data_type: TYPE_STRING dims: [ 1 ] } ]
 output [ { name: "NAMES" data_type: TYPE_STRING dims: [ 1 ] } ]
-""" + THREADS
+"""
+    + THREADS
+)
 
 PROBE = """
 import json
@@ -185,14 +190,18 @@ def test_poll_mode_runs_a_new_versions_files_and_a_changed_helper(tmp_path: Path
         _assert_outputs(_infer(client, "versions"), expected(X, 2), "version 1")
         _write_version(tmp_path / "staged", 3)  # written whole, then moved in: a poll never sees half of it
         (tmp_path / "staged").rename(folder / "2")
-        wait_until(lambda: client.is_model_ready("versions", "2") and not client.is_model_ready("versions", "1"),
-                   TIMEOUT_S, "version 2 to replace version 1")
+        wait_until(
+            lambda: client.is_model_ready("versions", "2") and not client.is_model_ready("versions", "1"),
+            TIMEOUT_S,
+            "version 2 to replace version 1",
+        )
         _assert_outputs(_infer(client, "versions"), expected(X, 3), "version 2")
         (tmp_path / "helper.py").write_text(_helper(4))  # same size, new constant, moved in whole
         os.replace(tmp_path / "helper.py", folder / "2" / "helper.py")
         want = expected(X, 3, k_helper=4)
-        wait_until(lambda: np.array_equal(_infer(client, "versions")["F"], want["F"]), TIMEOUT_S,
-                   "the edited helper.py to run")
+        wait_until(
+            lambda: np.array_equal(_infer(client, "versions")["F"], want["F"]), TIMEOUT_S, "the edited helper.py to run"
+        )
         _assert_outputs(_infer(client, "versions"), want, "version 2, edited")
     assert server.stop() == 0, server.log()
 
@@ -242,8 +251,14 @@ class TritonPythonModel:
 """
 
 RAISER_ASYNC = RAISER.replace("    def execute(", "    async def execute(")
-RAISED_NAMES = {1: "SystemExit: 3", 2: "KeyboardInterrupt", 3: "CancelledError", 4: "GeneratorExit", 5: "ModelStop",
-                6: "SystemExit: 6"}
+RAISED_NAMES = {
+    1: "SystemExit: 3",
+    2: "KeyboardInterrupt",
+    3: "CancelledError",
+    4: "GeneratorExit",
+    5: "ModelStop",
+    6: "SystemExit: 6",
+}
 
 
 def _call(client: grpcclient.InferenceServerClient, model: str, value: float) -> np.ndarray:
@@ -258,8 +273,11 @@ def test_a_base_exception_in_execute_fails_that_request_only(tmp_path: Path, ser
     execute (plain or async, thread or process instance) fails that request at once with INTERNAL
     naming it, logged once; the instance and the server go on serving."""
     repo = tmp_path / "repo"
-    models_ = {"raiser": RAISER_CONFIG + THREADS, "raiser_async": RAISER_CONFIG + THREADS,
-               "raiser_process": RAISER_CONFIG}
+    models_ = {
+        "raiser": RAISER_CONFIG + THREADS,
+        "raiser_async": RAISER_CONFIG + THREADS,
+        "raiser_process": RAISER_CONFIG,
+    }
     for name, config in models_.items():
         pm.write_model(repo, name, config, RAISER_ASYNC if name == "raiser_async" else RAISER)
     server = server_factory(repo)
@@ -269,8 +287,10 @@ def test_a_base_exception_in_execute_fails_that_request_only(tmp_path: Path, ser
                 with pytest.raises(InferenceServerException) as caught:
                     _call(client, model, code)
                 assert caught.value.status() == "StatusCode.INTERNAL", (model, caught.value)
-                assert f"Failed to process the request(s) for model '{model}_0_0', message: {exception}" \
-                       in caught.value.message(), (model, caught.value.message())
+                assert (
+                    f"Failed to process the request(s) for model '{model}_0_0', message: {exception}"
+                    in caught.value.message()
+                ), (model, caught.value.message())
                 np.testing.assert_array_equal(_call(client, model, 0.5), [1.0])
         with httpclient.InferenceServerClient(server.http_url) as http:
             tensor = httpclient.InferInput("X", [1], "FP32")
@@ -330,8 +350,12 @@ LOAD_FAILURES = {
 
 
 def _http_load(server: RunningServer, model: str) -> tuple[int, Any]:
-    request = urllib.request.Request(f"http://{server.http_url}/v2/repository/models/{model}/load", data=b"{}",
-                                     method="POST", headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v2/repository/models/{model}/load",
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
             return answer.status, json.loads(answer.read() or b"{}")
@@ -340,8 +364,9 @@ def _http_load(server: RunningServer, model: str) -> tuple[int, Any]:
 
 
 @pytest.mark.parametrize("instances", ["threads", "processes"])
-def test_a_base_exception_in_initialize_fails_that_load_only(tmp_path: Path, server_factory: Any,
-                                                              instances: str) -> None:
+def test_a_base_exception_in_initialize_fails_that_load_only(
+    tmp_path: Path, server_factory: Any, instances: str
+) -> None:
     """A load whose initialize calls sys.exit (argparse on bad arguments does) or raises
     KeyboardInterrupt fails with the reason over gRPC and HTTP (a JSON error); finalize calling
     sys.exit does not stop an unload; the server keeps serving."""
@@ -356,8 +381,9 @@ def test_a_base_exception_in_initialize_fails_that_load_only(tmp_path: Path, ser
         for name, (_, reason) in LOAD_FAILURES.items():
             with pytest.raises(InferenceServerException) as caught:
                 client.load_model(name, client_timeout=TIMEOUT_S)
-            assert f"load failed for model '{name}'" in caught.value.message() and reason in caught.value.message(), \
+            assert f"load failed for model '{name}'" in caught.value.message() and reason in caught.value.message(), (
                 caught.value.message()
+            )
             assert not client.is_model_ready(name)
             status, body = _http_load(server, name)
             assert status == 400 and reason in body["error"], (status, body)  # INVALID_ARGUMENT, as Triton's
@@ -389,8 +415,9 @@ def test_a_pickled_pytorch_model_calling_sys_exit_fails_its_load_only(tmp_path: 
     (repo / "exits" / "config.pbtxt").write_text(
         'backend: "pytorch"\nmax_batch_size: 0\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
         'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
-        'parameters { key: "pickled_module" value: { string_value: "true" } }\n')
+        "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
+        'parameters { key: "pickled_module" value: { string_value: "true" } }\n'
+    )
     pm.write_model(repo, "raiser", RAISER_CONFIG + THREADS, RAISER)
     server = server_factory(repo, "--strict-readiness", "false", "--exit-on-error", "false")
     with grpcclient.InferenceServerClient(server.url) as client:
@@ -406,12 +433,14 @@ def test_a_decoupled_models_sys_exit_closes_its_stream_with_the_reason(tmp_path:
     from tests.decoupled_models import SQUARE, SQUARE_CONFIG
     from tests.test_decoupled import Stream
 
-    source = SQUARE.replace("            sender = request.get_response_sender()\n",
-                            "            sender = request.get_response_sender()\n"
-                            "            if n == 13:\n"
-                            "                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor('OUT', "
-                            "np.array([1], dtype=np.int32))]))\n"
-                            "                raise SystemExit(3)\n")
+    source = SQUARE.replace(
+        "            sender = request.get_response_sender()\n",
+        "            sender = request.get_response_sender()\n"
+        "            if n == 13:\n"
+        "                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor('OUT', "
+        "np.array([1], dtype=np.int32))]))\n"
+        "                raise SystemExit(3)\n",
+    )
     assert "SystemExit" in source
     repo = tmp_path / "repo"
     pm.write_model(repo, "square_thread", SQUARE_CONFIG + THREADS, source)

@@ -53,7 +53,7 @@ def test_a_batch_s_outputs_never_overwrite_the_inputs_of_a_call_the_server_has_n
     kind, _, call, slots = server.recv()  # the server reads the call only now, after the outputs were packed
     assert (kind, done) == (BLS, python_process.DONE) and call.model_name == "m"
     np.testing.assert_array_equal(take(arenas[RESPONSES], slots)["X"], x)
-    (output_slots, error, _), = answers
+    ((output_slots, error, _),) = answers
     assert not error
     np.testing.assert_array_equal(take(arenas[RESPONSES], output_slots)["Y"], np.full(4000, -1.0, np.float32))
 

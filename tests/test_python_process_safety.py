@@ -41,7 +41,8 @@ class TritonPythonModel:
 
 # The same, stuck in C code that holds the GIL (no thread of the worker runs again): only the kernel ends it.
 STUCK_HOLDING_THE_GIL = STUCK_IN_EXECUTE.replace("import time\n", "import ctypes\n").replace(
-    "        while True:\n            time.sleep(1)\n", "        ctypes.PyDLL(None).sleep(3600)\n")
+    "        while True:\n            time.sleep(1)\n", "        ctypes.PyDLL(None).sleep(3600)\n"
+)
 
 # initialize starts a thread that is not a daemon and never ends: the process cannot exit by itself.
 NON_DAEMON_THREAD = """
@@ -61,14 +62,19 @@ class TritonPythonModel:
 """
 
 # finalize never returns (it runs when the worker is told to stop, or finds its pipe closed).
-BLOCKING_FINALIZE = NON_DAEMON_THREAD.replace(
-    """        self.forever = threading.Thread(target=threading.Event().wait, daemon=False)
+BLOCKING_FINALIZE = (
+    NON_DAEMON_THREAD.replace(
+        """        self.forever = threading.Thread(target=threading.Event().wait, daemon=False)
         self.forever.start()
-""", "        pass\n") + """
+""",
+        "        pass\n",
+    )
+    + """
     def finalize(self):
         import threading
         threading.Event().wait()
 """
+)
 
 DESCENDANTS_GONE_TIMEOUT_S = 20.0
 
@@ -80,6 +86,7 @@ def _x(values: np.ndarray) -> list[grpcclient.InferInput]:
 
 
 # -- every child of the host dies with it (issue 22, item 6) ----------------------------------------
+
 
 def _children(pid: int) -> list[int]:
     found = []
@@ -136,8 +143,11 @@ def test_sigkill_of_the_host_takes_every_instance_process_with_it(tmp_path: Path
         server.process.send_signal(signal.SIGKILL)
         server.process.wait(timeout=30)
         try:
-            wait_until(lambda: not [pid for pid in descendants if _running(pid)], DESCENDANTS_GONE_TIMEOUT_S,
-                       "every process the server had started to die with it")
+            wait_until(
+                lambda: not [pid for pid in descendants if _running(pid)],
+                DESCENDANTS_GONE_TIMEOUT_S,
+                "every process the server had started to die with it",
+            )
         finally:
             left = [pid for pid in descendants if _running(pid)]
             commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in left if _running(pid)}
@@ -149,7 +159,6 @@ def test_sigkill_of_the_host_takes_every_instance_process_with_it(tmp_path: Path
             assert not left, f"outlived the server: {commands}"
 
 
-
 # -- a worker whose loop ends is replaced, whatever threads the model left (issue 22, item 4) ---------
 
 # X[0] == 13 calls sys.exit() in execute, with a non-daemon thread running since initialize.
@@ -157,8 +166,9 @@ EXITS_WITH_A_THREAD_LEFT = NON_DAEMON_THREAD.replace(
     "    def execute(self, requests):\n",
     "    def execute(self, requests):\n"
     "        import sys\n"
-    "        if pb_utils.get_input_tensor_by_name(requests[0], \"X\").as_numpy()[0] == 13:\n"
-    "            sys.exit(3)\n")
+    '        if pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()[0] == 13:\n'
+    "            sys.exit(3)\n",
+)
 
 
 @pytest.mark.timeout(180)
@@ -308,10 +318,12 @@ class TritonPythonModel:
 """
 
 
-CALLERS = {"threads_exec": THREADED_CALLER.replace("{how}", "exec_sync"),
-           "threads_async_exec": THREADED_CALLER.replace("{how}", "exec_async"),
-           "threads_stream": THREADED_CALLER.replace("{how}", "exec_stream"),
-           "async_and_threads": ASYNC_CALLER}
+CALLERS = {
+    "threads_exec": THREADED_CALLER.replace("{how}", "exec_sync"),
+    "threads_async_exec": THREADED_CALLER.replace("{how}", "exec_async"),
+    "threads_stream": THREADED_CALLER.replace("{how}", "exec_stream"),
+    "async_and_threads": ASYNC_CALLER,
+}
 CLIENT_THREADS, REQUESTS_PER_THREAD = 4, 6
 
 
@@ -347,15 +359,14 @@ def _hammer(url: str, model: str, thread: int) -> list[str]:
                 wrong.append(f"{model} request {thread}.{index}: {exc}")
                 continue
             if y.shape != _expected(model.rsplit("_", 1)[0], x).shape or not np.array_equal(
-                    y, _expected(model.rsplit("_", 1)[0], x)):
+                y, _expected(model.rsplit("_", 1)[0], x)
+            ):
                 wrong.append(f"{model} request {thread}.{index}: another call's answer")
     return wrong
 
 
 @pytest.mark.timeout(600)
-def test_bls_from_many_threads_of_one_instance_gets_every_call_its_own_answer(
-    tmp_path: Path, server_factory
-) -> None:
+def test_bls_from_many_threads_of_one_instance_gets_every_call_its_own_answer(tmp_path: Path, server_factory) -> None:
     """exec, async_exec and exec(decoupled=True) from the threads of one instance (and async_exec on its
     loop beside exec on threads), many requests at once: each call gets its own reply, none hangs."""
     repo = tmp_path / "repo"
@@ -420,7 +431,9 @@ def test_an_abandoned_async_exec_never_swallows_the_next_batch(tmp_path: Path, s
     with grpcclient.InferenceServerClient(server.url) as client:
         for kind in ("process", "thread"):
             assert client.infer(f"gives_up_{kind}", _x(np.ones(2)), client_timeout=30).as_numpy("Y").tolist() == [
-                -1, -1]
+                -1,
+                -1,
+            ]
             for value in range(2, 8):
                 answer = client.infer(f"gives_up_{kind}", _x(np.full(2, float(value))), client_timeout=30)
                 assert answer.as_numpy("Y").tolist() == [value, value]
@@ -457,15 +470,14 @@ class TritonPythonModel:
 
 
 @pytest.mark.timeout(240)
-def test_bls_to_itself_with_one_instance_is_refused_and_the_model_keeps_serving(
-    tmp_path: Path, server_factory
-) -> None:
+def test_bls_to_itself_with_one_instance_is_refused_and_the_model_keeps_serving(tmp_path: Path, server_factory) -> None:
     """With one instance the call would wait for the instance that makes it, forever (Triton 2.51 hangs so,
     timeout or not): it fails at once with a message that says why; with two instances it is served."""
     repo = tmp_path / "repo"
     for kind, extra in (("process", ""), ("thread", THREADS)):
-        pm.write_model(repo, f"self_{kind}", X_CONFIG + "instance_group [ { count: 1 kind: KIND_CPU } ]\n" + extra,
-                       CALLS_ITSELF)
+        pm.write_model(
+            repo, f"self_{kind}", X_CONFIG + "instance_group [ { count: 1 kind: KIND_CPU } ]\n" + extra, CALLS_ITSELF
+        )
         pm.write_model(repo, f"self_{kind}_twice", X_CONFIG + TARGET_INSTANCES + extra, CALLS_ITSELF)
     server = server_factory(repo)
     with grpcclient.InferenceServerClient(server.url) as client:

@@ -41,8 +41,14 @@ def test_tensor_request_response() -> None:
     back = pb_utils.Tensor.from_dlpack("Y", tensor.to_dlpack())
     np.testing.assert_array_equal(back.as_numpy(), tensor.as_numpy())
     assert pb_utils.Tensor("S", np.array(["a"])).as_numpy().dtype == np.object_
-    request = pb_utils.InferenceRequest(model_name="m", inputs=[tensor], requested_output_names=["Z"],
-                                        request_id="7", correlation_id=3, parameters={"k": 1})
+    request = pb_utils.InferenceRequest(
+        model_name="m",
+        inputs=[tensor],
+        requested_output_names=["Z"],
+        request_id="7",
+        correlation_id=3,
+        parameters={"k": 1},
+    )
     assert pb_utils.get_input_tensor_by_name(request, "X") is tensor
     assert pb_utils.get_input_tensor_by_name(request, "nope") is None
     assert (request.request_id(), request.correlation_id(), json.loads(request.parameters())) == ("7", 3, {"k": 1})
@@ -57,8 +63,9 @@ def test_tensor_request_response() -> None:
 
 
 def test_auto_complete_wrapper() -> None:
-    wrapper = ModelConfig({"name": "m", "max_batch_size": 0, "input": [{"name": "A", "data_type": "TYPE_FP32",
-                                                                         "dims": ["2"]}]})
+    wrapper = ModelConfig(
+        {"name": "m", "max_batch_size": 0, "input": [{"name": "A", "data_type": "TYPE_FP32", "dims": ["2"]}]}
+    )
     wrapper.set_max_batch_size(4)
     wrapper.add_input({"name": "A", "data_type": "TYPE_FP32", "dims": [2]})  # agrees with the config
     wrapper.add_output({"name": "B", "data_type": "TYPE_INT32", "dims": [3]})
@@ -77,8 +84,10 @@ def test_auto_complete_wrapper() -> None:
 def test_runner_answers_each_request(tmp_path: Path) -> None:
     """A batch of two through the runner alone: one response per request, errors in Triton's words."""
     folder = pm.add_add_sub(tmp_path)
-    config = {"name": "add_sub", "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32"},
-                                            {"name": "OUTPUT1", "data_type": "TYPE_FP32"}]}
+    config = {
+        "name": "add_sub",
+        "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32"}, {"name": "OUTPUT1", "data_type": "TYPE_FP32"}],
+    }
     model_file = folder / "1" / "model.py"
     model = runner.ModelRunner(config, model_file, runner.model_args(config, model_file, "add_sub_0", "CPU", 0, 1))
     ones = np.ones((1, 4), np.float32)
@@ -90,9 +99,14 @@ def test_runner_answers_each_request(tmp_path: Path) -> None:
 
 def test_auto_complete_runs_in_a_child_process(tmp_path: Path) -> None:
     folder = pm.write_model(tmp_path, "auto", pm.AUTO_CONFIG, pm.AUTO)
-    done = subprocess.run([sys.executable, "-m", "shoal.backends.python.autocomplete", str(folder / "1" / "model.py")],
-                          input=json.dumps({"name": "auto", "max_batch_size": 0}), capture_output=True, text=True,
-                          timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "shoal.backends.python.autocomplete", str(folder / "1" / "model.py")],
+        input=json.dumps({"name": "auto", "max_batch_size": 0}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     completed = json.loads(done.stdout)
     assert completed["max_batch_size"] == 4 and [t["name"] for t in completed["input"]] == ["IN"]
 
@@ -150,9 +164,14 @@ def test_bls_tensors_go_into_the_arena_when_they_fit() -> None:
 def test_bytes_are_taken_wherever_a_string_is_as_tritons_pybind_layer_does() -> None:
     """Triton's BLS example names the model with ``model_name.as_numpy()[0]``, the bytes of a BYTES
     input: pybind11 turns bytes into the string, so Shoal's classes take them too (issue 23)."""
-    request = pb_utils.InferenceRequest(model_name=b"add_sub", requested_output_names=[b"OUTPUT0", "OUTPUT1"],
-                                        request_id=b"r-1", correlation_id=b"c-9", parameters=b'{"k": 1}',
-                                        inputs=[pb_utils.Tensor(b"INPUT0", np.zeros(4, np.float32))])
+    request = pb_utils.InferenceRequest(
+        model_name=b"add_sub",
+        requested_output_names=[b"OUTPUT0", "OUTPUT1"],
+        request_id=b"r-1",
+        correlation_id=b"c-9",
+        parameters=b'{"k": 1}',
+        inputs=[pb_utils.Tensor(b"INPUT0", np.zeros(4, np.float32))],
+    )
     assert request.model_name() == "add_sub"
     assert request.requested_output_names() == ["OUTPUT0", "OUTPUT1"]
     assert (request.request_id(), request.correlation_id(), request.parameters()) == ("r-1", "c-9", '{"k": 1}')

@@ -40,12 +40,15 @@ def _config(name: str, inputs: list[tuple[str, str, str]], outputs: list[tuple[s
     def tensors(items: list[tuple[str, str, str]]) -> str:
         return ", ".join(f'{{ name: "{n}" data_type: {t} dims: {d} }}' for n, t, d in items)
 
-    return f'name: "{name}"\nbackend: "pytorch"\nmax_batch_size: 8\ninput [ {tensors(inputs)} ]\n' \
-           f"output [ {tensors(outputs)} ]\n{extra}\n"
+    return (
+        f'name: "{name}"\nbackend: "pytorch"\nmax_batch_size: 8\ninput [ {tensors(inputs)} ]\n'
+        f"output [ {tensors(outputs)} ]\n{extra}\n"
+    )
 
 
-def add_torchscript(repo: Path, name: str, inputs: list[tuple[str, str, str]],
-                    outputs: list[tuple[str, str, str]], extra: str = ON_CPU) -> None:
+def add_torchscript(
+    repo: Path, name: str, inputs: list[tuple[str, str, str]], outputs: list[tuple[str, str, str]], extra: str = ON_CPU
+) -> None:
     (repo / name / "1").mkdir(parents=True)
     torch.jit.script(AddSub()).save(str(repo / name / "1" / "model.pt"))
     (repo / name / "config.pbtxt").write_text(_config(name, inputs, outputs, extra))
@@ -60,25 +63,45 @@ def torch_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ..
     from tests.conftest import start_server
 
     repo = tmp_path_factory.mktemp("repo")
-    add_torchscript(repo, "addsub", INDEXED_IN, INDEXED_OUT, "dynamic_batching { max_queue_delay_microseconds: 20000 }"
-                                                             "\ninstance_group [ { count: 4 kind: KIND_CPU } ]")
-    add_torchscript(repo, "named", [("b", "TYPE_FP32", "[ 2 ]"), ("a", "TYPE_FP32", "[ 2 ]")],
-                    [("SUM", "TYPE_FP32", "[ 2 ]"), ("DIFF", "TYPE_FP32", "[ 2 ]")])
+    add_torchscript(
+        repo,
+        "addsub",
+        INDEXED_IN,
+        INDEXED_OUT,
+        "dynamic_batching { max_queue_delay_microseconds: 20000 }\ninstance_group [ { count: 4 kind: KIND_CPU } ]",
+    )
+    add_torchscript(
+        repo,
+        "named",
+        [("b", "TYPE_FP32", "[ 2 ]"), ("a", "TYPE_FP32", "[ 2 ]")],
+        [("SUM", "TYPE_FP32", "[ 2 ]"), ("DIFF", "TYPE_FP32", "[ 2 ]")],
+    )
     (repo / "exported" / "1").mkdir(parents=True)
-    program = torch.export.export(Linear(8).eval(), (torch.zeros(2, 8),),
-                                  dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},))
+    program = torch.export.export(
+        Linear(8).eval(), (torch.zeros(2, 8),), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},)
+    )
     torch.export.save(program, str(repo / "exported" / "1" / "model.pt2"))
     (repo / "exported" / "config.pbtxt").write_text(
-        _config("exported", [("x", "TYPE_FP32", "[ 8 ]")], [("y", "TYPE_FP32", "[ 8 ]")],
-                f'default_model_filename: "model.pt2"\n{ON_CPU}')
+        _config(
+            "exported",
+            [("x", "TYPE_FP32", "[ 8 ]")],
+            [("y", "TYPE_FP32", "[ 8 ]")],
+            f'default_model_filename: "model.pt2"\n{ON_CPU}',
+        )
     )
     add_torchscript(repo, "wrong_dims", INDEXED_IN, [("OUTPUT__0", "TYPE_INT32", "[ 5 ]"), INDEXED_OUT[1]])
     add_torchscript(repo, "wrong_type", INDEXED_IN, [("OUTPUT__0", "TYPE_FP32", "[ 4 ]"), INDEXED_OUT[1]])
     add_torchscript(repo, "three_inputs", [*INDEXED_IN, ("INPUT__2", "TYPE_INT32", "[ 4 ]")], INDEXED_OUT)
-    add_torchscript(repo, "timeout_in_threads", INDEXED_IN, INDEXED_OUT,
-                    f'{ON_CPU}\nparameters {{ key: "execution_timeout_ms" value: {{ string_value: "100" }} }}')
-    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--strict-readiness", "false",
-                          "--exit-on-error", "false")
+    add_torchscript(
+        repo,
+        "timeout_in_threads",
+        INDEXED_IN,
+        INDEXED_OUT,
+        f'{ON_CPU}\nparameters {{ key: "execution_timeout_ms" value: {{ string_value: "100" }} }}',
+    )
+    server = start_server(
+        repo, tmp_path_factory.mktemp("server"), *layout, "--strict-readiness", "false", "--exit-on-error", "false"
+    )
     yield server
     assert server.stop() == 0, server.log()
 
@@ -148,8 +171,9 @@ def test_memory_budget_refuses_an_oversized_model(tmp_path: Path, server_factory
         _config("big", [("x", "TYPE_FP32", "[ 1024 ]")], [("y", "TYPE_FP32", "[ 1024 ]")], ON_CPU)
     )
     models.copy_example(repo, "simple")
-    server = server_factory(repo, "--memory-budget-mb", "cpu=2", "--strict-readiness", "false",
-                            "--exit-on-error", "false")
+    server = server_factory(
+        repo, "--memory-budget-mb", "cpu=2", "--strict-readiness", "false", "--exit-on-error", "false"
+    )
     with InferenceClient(server.url, timeout_s=30) as client:
         index = {e.name: e for e in client.repository_index()}
         assert index["big"].state == "UNAVAILABLE"
@@ -165,8 +189,12 @@ def test_model_memory_is_reported(tmp_path: Path, server_factory) -> None:
     (repo / "linear" / "1").mkdir(parents=True)
     torch.jit.script(Linear(256)).save(str(repo / "linear" / "1" / "model.pt"))
     (repo / "linear" / "config.pbtxt").write_text(
-        _config("linear", [("x", "TYPE_FP32", "[ 256 ]")], [("y", "TYPE_FP32", "[ 256 ]")],
-                "instance_group [ { count: 3 } ]")
+        _config(
+            "linear",
+            [("x", "TYPE_FP32", "[ 256 ]")],
+            [("y", "TYPE_FP32", "[ 256 ]")],
+            "instance_group [ { count: 3 } ]",
+        )
     )
     server = server_factory(repo)
     with InferenceClient(server.url, timeout_s=30) as client:
@@ -185,14 +213,19 @@ def test_generate_a_torchscript_config_from_input_shapes(tmp_path: Path) -> None
     command = [sys.executable, "-m", "shoal", "config", "generate", str(tmp_path / "addsub.pt")]
     missing = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "--input NAME:DTYPE:DIMS" in missing.stderr
-    result = subprocess.run([*command, "--input", "INPUT__0:INT32:4", "--input", "INPUT__1:INT32:4"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*command, "--input", "INPUT__0:INT32:4", "--input", "INPUT__1:INT32:4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "addsub" / "config.pbtxt").read_text()
     config = parse_config(text)
     assert config.backend == "pytorch" and config.max_batch_size == 4
     assert [(o.name, list(o.dims)) for o in config.output] == [("OUTPUT__0", [4]), ("OUTPUT__1", [4])]
     assert "found by running the model" in text
-    wrong = subprocess.run([*command, "--input", "INPUT__0:INT32:4", "--force"], capture_output=True, text=True,
-                           timeout=120)
+    wrong = subprocess.run(
+        [*command, "--input", "INPUT__0:INT32:4", "--force"], capture_output=True, text=True, timeout=120
+    )
     assert wrong.returncode == 1 and "does not run on zeros" in wrong.stderr

@@ -21,8 +21,10 @@ def test_declared_resources_parse_as_triton_parses_them() -> None:
     assert Declared.parse("GPU_MEM:4:0") == Declared("GPU_MEM", 4, 0)
     assert Declared.parse("R:2") == Declared("R", 2, EVERY_DEVICE)
     for bad in ("R", "R:1:0:2", ":1", "R:x", "R:1:y", "R:-1"):
-        usage = ("--rate-limit-resource option format is '<resource_name>:<count>:<device>' or "
-                 f"'<resource_name>:<count>'. Got {bad}")
+        usage = (
+            "--rate-limit-resource option format is '<resource_name>:<count>:<device>' or "
+            f"'<resource_name>:<count>'. Got {bad}"
+        )
         with pytest.raises(ValueError, match=re.escape(usage)):
             Declared.parse(bad)
 
@@ -60,8 +62,10 @@ def test_declared_counts_bound_claims_and_an_undeclared_resource_has_none() -> N
     with pytest.raises(ShoalError) as too_many:
         limiter.register("big", [claim_for("z", 1, [("R", False, 6)], 1)])
     assert too_many.value.code is ErrorCode.INVALID_ARGUMENT
-    assert too_many.value.message == ('Resource count for "R" is limited to 5 which will prevent scheduling of one or '
-                                      "more model instances, the minimum required count is 6")
+    assert too_many.value.message == (
+        'Resource count for "R" is limited to 5 which will prevent scheduling of one or '
+        "more model instances, the minimum required count is 6"
+    )
     with pytest.raises(ShoalError, match='Resource count for "OTHER" is limited to 0 '):
         limiter.register("undeclared", [claim_for("w", 0, [("OTHER", False, 1)], 1)])
     assert set(limiter._registered) == {"fits"}  # a refused registration leaves nothing behind
@@ -72,8 +76,9 @@ def test_a_name_cannot_be_global_for_one_instance_and_per_device_for_another() -
     limiter.register("a", [claim_for("a", 0, [("R", True, 1)], 1)])
     with pytest.raises(ShoalError) as both:
         limiter.register("b", [claim_for("b", 0, [("R", False, 1)], 1)])
-    assert both.value.message == ('Resource "R" is present as both global and device-specific resource in the model '
-                                  "configuration.")
+    assert both.value.message == (
+        'Resource "R" is present as both global and device-specific resource in the model configuration.'
+    )
 
 
 def test_staged_claims_go_lowest_executions_times_priority_first() -> None:
@@ -176,6 +181,7 @@ def test_a_load_thread_waits_its_turn_too() -> None:
 
     async def scenario() -> None:
         await limiter.acquire(serving)
+
         def warm_up() -> None:
             with limiter.holding(warming):
                 done.set()

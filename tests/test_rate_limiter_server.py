@@ -138,8 +138,10 @@ def test_the_lower_priority_value_goes_first_once_both_wait(tmp_path: Path, serv
     for model in ("patient", "urgent"):
         threads.append(threading.Thread(target=ask, args=(model, 0)))
         threads[-1].start()
-        wait_until(lambda m=model: metric(server, "nv_inference_pending_request_count", m) == 1,
-                   what=f"'{model}' to wait for the resource")
+        wait_until(
+            lambda m=model: metric(server, "nv_inference_pending_request_count", m) == 1,
+            what=f"'{model}' to wait for the resource",
+        )
     opened.touch()
     for thread in [gate, *threads]:
         thread.join(timeout=120)
@@ -185,28 +187,40 @@ def test_an_instance_that_asks_more_than_the_server_has_fails_its_load_in_triton
     add_timed(repo, "fits", limited(count=2))
     add_timed(repo, "greedy", limited(count=3))
     add_timed(repo, "undeclared", limited(name="OTHER"))
-    server = server_factory(repo, "--rate-limit", "execution_count", "--rate-limit-resource", "GPU_MEM:2",
-                            "--exit-on-error", "false")
+    server = server_factory(
+        repo, "--rate-limit", "execution_count", "--rate-limit-resource", "GPU_MEM:2", "--exit-on-error", "false"
+    )
     with grpcclient.InferenceServerClient(server.url) as client:
         index = {m.name: m for m in client.get_model_repository_index().models}
     assert index["fits"].state == "READY"
     assert index["greedy"].state == "UNAVAILABLE"
-    assert ('Resource count for "GPU_MEM" is limited to 2 which will prevent scheduling of one or more model '
-            "instances, the minimum required count is 3") in index["greedy"].reason
+    assert (
+        'Resource count for "GPU_MEM" is limited to 2 which will prevent scheduling of one or more model '
+        "instances, the minimum required count is 3"
+    ) in index["greedy"].reason
     assert 'Resource count for "OTHER" is limited to 0' in index["undeclared"].reason
     assert span(server.url, "fits", 0)[1] > 0
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--rate-limit", "execution_count", "--rate-limit-resource", "GPU_MEM"],
-     "--rate-limit-resource option format is '<resource_name>:<count>:<device>' or '<resource_name>:<count>'. "
-     "Got GPU_MEM"),
-    (["--rate-limit-resource", "GPU_MEM:1"], "--rate-limit-resource needs --rate-limit execution_count"),
-    (["--rate-limit", "sometimes"], "argument --rate-limit: invalid choice: 'sometimes'"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--rate-limit", "execution_count", "--rate-limit-resource", "GPU_MEM"],
+            "--rate-limit-resource option format is '<resource_name>:<count>:<device>' or '<resource_name>:<count>'. "
+            "Got GPU_MEM",
+        ),
+        (["--rate-limit-resource", "GPU_MEM:1"], "--rate-limit-resource needs --rate-limit execution_count"),
+        (["--rate-limit", "sometimes"], "argument --rate-limit: invalid choice: 'sometimes'"),
+    ],
+)
 def test_the_flags_refuse_what_they_cannot_mean(tmp_path: Path, args: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "shoal", "serve", "--model-repository", str(tmp_path), *args],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal", "serve", "--model-repository", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
@@ -229,14 +243,17 @@ def test_a_sequence_models_executions_wait_for_the_resource_too(tmp_path: Path, 
         with grpcclient.InferenceServerClient(server.url) as client:
             data = grpcclient.InferInput("INPUT", [1, 1], "FP32")
             data.set_data_from_numpy(np.full((1, 1), 5.0, dtype=np.float32))
-            result = client.infer("acc", [data], sequence_id=7, sequence_start=True, sequence_end=True,
-                                  client_timeout=120)
+            result = client.infer(
+                "acc", [data], sequence_id=7, sequence_start=True, sequence_end=True, client_timeout=120
+            )
             answers.append(float(result.as_numpy("OUTPUT").item()))
 
     waiting = threading.Thread(target=sequence)
     waiting.start()
-    wait_until(lambda: metric(server, "nv_inference_pending_request_count", "acc") == 1,
-               what="the sequence's request to wait for the resource")
+    wait_until(
+        lambda: metric(server, "nv_inference_pending_request_count", "acc") == 1,
+        what="the sequence's request to wait for the resource",
+    )
     assert answers == []  # still waiting: the gate holds GPU_MEM
     opened.touch()
     for thread in (gate, waiting):

@@ -63,7 +63,7 @@ def test_a_window_larger_than_one_call_moves_is_read_and_written_whole(segment: 
     window = _window(registry, key, 100, 10 * CAP + 7)
     data = np.random.default_rng(0).integers(0, 256, window.byte_size, dtype=np.uint8).tobytes()
     window.write(data)
-    assert path.read_bytes()[100:100 + len(data)] == data
+    assert path.read_bytes()[100 : 100 + len(data)] == data
     assert window.read().tobytes() == data
     registry.close()
     window.file.close()

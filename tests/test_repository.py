@@ -55,7 +55,8 @@ def test_spec_from_example_folder() -> None:
     spec = configure(EXAMPLES / "simple", strict=True).spec
     assert spec.name == "simple" and spec.backend == "onnxruntime" and spec.max_batch_size == 8
     assert [(t.name, t.datatype, t.dims) for t in spec.inputs] == [
-        ("INPUT0", DataType.INT32, (16,)), ("INPUT1", DataType.INT32, (16,))
+        ("INPUT0", DataType.INT32, (16,)),
+        ("INPUT1", DataType.INT32, (16,)),
     ]
     assert spec.default_model_filename == "model.onnx"
     assert spec.instance_groups[0].kind is InstanceKind.CPU
@@ -87,8 +88,10 @@ def test_unknown_field_is_refused() -> None:
 
 
 def _with_reshape(dims: str, reshape: str) -> str:
-    return (f'backend: "identity" input [{{ name: "a" data_type: TYPE_FP32 dims: {dims} '
-            f'reshape {{ shape: {reshape} }} }}] output [{{ name: "b" data_type: TYPE_FP32 dims: [1] }}]')
+    return (
+        f'backend: "identity" input [{{ name: "a" data_type: TYPE_FP32 dims: {dims} '
+        f'reshape {{ shape: {reshape} }} }}] output [{{ name: "b" data_type: TYPE_FP32 dims: [1] }}]'
+    )
 
 
 @pytest.mark.parametrize(
@@ -98,12 +101,21 @@ def _with_reshape(dims: str, reshape: str) -> str:
         ("max_batch_size: 2", "neither 'platform' nor 'backend'"),
         ('backend: "onnxruntime" max_batch_size: -1', "max_batch_size must be >= 0"),
         ('backend: "onnxruntime" input [{ name: "a" data_type: TYPE_FP32 dims: [1] }]', "at least one input"),
-        ('backend: "onnxruntime" input [{ name: "a" data_type: TYPE_FP32 }] '
-         'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }]', "input 'a' must have at least one dim"),
-        ('backend: "onnxruntime" input [{ name: "a" dims: [1] }] '
-         'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }]', "input 'a' has no data_type"),
-        ('backend: "onnxruntime" input [{ name: "a" data_type: TYPE_FP32 dims: [0] }] '
-         'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }]', "invalid dims"),
+        (
+            'backend: "onnxruntime" input [{ name: "a" data_type: TYPE_FP32 }] '
+            'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }]',
+            "input 'a' must have at least one dim",
+        ),
+        (
+            'backend: "onnxruntime" input [{ name: "a" dims: [1] }] '
+            'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }]',
+            "input 'a' has no data_type",
+        ),
+        (
+            'backend: "onnxruntime" input [{ name: "a" data_type: TYPE_FP32 dims: [0] }] '
+            'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }]',
+            "invalid dims",
+        ),
         ('platform: "pytorch_libtorch" backend: "onnxruntime"', "does not match backend"),
         (_with_reshape("[4]", "[3]"), "different size for dims [4] and reshape [3]"),
         (_with_reshape("[2, -1]", "[-1, 2]"), "different size for dims"),
@@ -111,10 +123,12 @@ def _with_reshape(dims: str, reshape: str) -> str:
         (_with_reshape("[2]", "[]"), "dims must hold one element"),
         (_with_reshape("[-1, -1]", "[-1, -1]"), "more than one variable dimension"),
         (_with_reshape("[4]", "[0, 4]"), "invalid reshape"),
-        ('backend: "onnxruntime" max_batch_size: 4 input [{ name: "a" data_type: TYPE_FP32 dims: [1] }] '
-         'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }] '
-         'dynamic_batching { priority_levels: 4000000000 default_priority_level: 1 }',
-         "priority_levels must be at most 1024"),  # a queue per level: 4e9 took the server past 14 GB
+        (
+            'backend: "onnxruntime" max_batch_size: 4 input [{ name: "a" data_type: TYPE_FP32 dims: [1] }] '
+            'output [{ name: "b" data_type: TYPE_FP32 dims: [1] }] '
+            "dynamic_batching { priority_levels: 4000000000 default_priority_level: 1 }",
+            "priority_levels must be at most 1024",
+        ),  # a queue per level: 4e9 took the server past 14 GB
     ],
 )
 def test_validation_names_the_problem(text: str, phrase: str) -> None:
@@ -136,9 +150,7 @@ def test_version_policy(policy: VersionPolicy, available: list[int], selected: l
     assert policy.select(available) == selected
 
 
-def test_version_folders_skip_non_integer_and_zero_padded(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_version_folders_skip_non_integer_and_zero_padded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     for name in ("1", "2", "010", "0", "v3", "latest"):
         (tmp_path / name).mkdir()
     (tmp_path / "7").write_text("a file, not a folder")
@@ -185,8 +197,10 @@ def test_a_linked_model_folder_is_named_by_its_link_in_messages(tmp_path: Path) 
     (repo / "linked").symlink_to(store / "abc123", target_is_directory=True)
     real = (store / "abc123").resolve()
     text = f"Load model from {real}/1/model.onnx failed: protobuf parsing failed ({real})"
-    assert scanner.without_repository_path(repo, text) == \
-        "Load model from linked/1/model.onnx failed: protobuf parsing failed (linked)"
+    assert (
+        scanner.without_repository_path(repo, text)
+        == "Load model from linked/1/model.onnx failed: protobuf parsing failed (linked)"
+    )
 
 
 @pytest.mark.parametrize("target", ["repository", "above", "file", "dangling"])
@@ -196,8 +210,12 @@ def test_a_top_level_symlink_to_the_repository_or_no_folder_is_skipped(tmp_path:
     repo = tmp_path / "repo"
     (repo / "good").mkdir(parents=True)
     (tmp_path / "afile").write_text("x")
-    destination = {"repository": repo, "above": tmp_path.parent, "file": tmp_path / "afile",
-                   "dangling": tmp_path / "nothing"}[target]
+    destination = {
+        "repository": repo,
+        "above": tmp_path.parent,
+        "file": tmp_path / "afile",
+        "dangling": tmp_path / "nothing",
+    }[target]
     (repo / "escape").symlink_to(destination)
     assert scanner.list_models(repo) == ["good"]
     with pytest.raises(ShoalError):
@@ -215,8 +233,10 @@ def test_the_repository_may_itself_be_a_symlink(tmp_path: Path) -> None:
     assert scanner.list_versions(scanner.model_dir(tmp_path / "mnt", "m")) == [1]
 
 
-@pytest.mark.parametrize(("dims", "reshape"), [("[1]", "[]"), ("[4]", "[2, 2]"), ("[-1, 4]", "[-1, 2, 2]"),
-                                               ("[3, -1, 4]", "[3, -1, 2, 2]"), ("[-1]", "[-1, 1]")])
+@pytest.mark.parametrize(
+    ("dims", "reshape"),
+    [("[1]", "[]"), ("[4]", "[2, 2]"), ("[-1, 4]", "[-1, 2, 2]"), ("[3, -1, 4]", "[3, -1, 2, 2]"), ("[-1]", "[-1, 1]")],
+)
 def test_reshape_with_the_same_elements_is_valid(dims: str, reshape: str) -> None:
     validate(normalize(parse_config(_with_reshape(dims, reshape)), "m"), "m")
 
@@ -230,8 +250,15 @@ def test_checked_path_refuses_every_way_out_alike(tmp_path: Path) -> None:
     for suffix in ("there", "missing"):
         (repo / "m" / f"link_{suffix}").symlink_to(outside / suffix)
     refusals = []
-    for relative in ("/etc/passwd", "m/../../outside/there", "m/../../outside/missing", "m/link_there",
-                     "m/link_missing", "m/link_there/deeper", "m/" + "x" * 300):
+    for relative in (
+        "/etc/passwd",
+        "m/../../outside/there",
+        "m/../../outside/missing",
+        "m/link_there",
+        "m/link_missing",
+        "m/link_there/deeper",
+        "m/" + "x" * 300,
+    ):
         with pytest.raises(ShoalError) as caught:
             scanner.checked_path(repo, relative)
         assert caught.value.code is ErrorCode.LOAD_FAILED
@@ -257,7 +284,14 @@ def test_a_model_folder_is_no_repository(tmp_path: Path, caplog: pytest.LogCaptu
     with pytest.raises(ShoalError, match="pass its parent folder"):
         scanner.list_models(bare)
     assert scanner.list_models(EXAMPLES) == [
-        "image_pipeline", "mlp", "mlp_pipeline", "mlp_scale", "preprocess", "repeat", "simple"]
+        "image_pipeline",
+        "mlp",
+        "mlp_pipeline",
+        "mlp_scale",
+        "preprocess",
+        "repeat",
+        "simple",
+    ]
     empty = tmp_path / "empty"
     empty.mkdir()
     with caplog.at_level(logging.WARNING):

@@ -147,7 +147,9 @@ def test_symlinks_inside_the_repository_still_work(tmp_path: Path, server_factor
     (repo / "linked_config" / "config.pbtxt").symlink_to(shared / "identity_config.pbtxt")
     server = server_factory(repo)
     assert {name: state for name, (state, _) in index_of(server.url).items()} == {
-        "linked_file": "READY", "linked_version": "READY", "linked_config": "READY"
+        "linked_file": "READY",
+        "linked_version": "READY",
+        "linked_config": "READY",
     }
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     x = np.arange(4, dtype=np.float32)
@@ -164,8 +166,9 @@ def test_poll_mode_fingerprint_does_not_follow_symlinks_out(tmp_path: Path, outs
     (repo / "escape" / "1").mkdir(parents=True)
     (repo / "escape" / "config.pbtxt").symlink_to(outside / "identity_config.pbtxt")
     models.add_broken_models(repo)
-    server = server_factory(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2",
-                            "--exit-on-error", "false")
+    server = server_factory(
+        repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2", "--exit-on-error", "false"
+    )
     models.copy_example(repo, "mlp")  # a later scan must still work
     with InferenceClient(server.url, timeout_s=60) as client:
         assert wait_until(lambda: client.is_model_ready("mlp"))
@@ -185,7 +188,8 @@ def test_reasons_and_errors_name_files_relative_to_the_repository(tmp_path: Path
     models.add_broken_models(repo)
     (repo / "no_file" / "1").mkdir(parents=True)
     (repo / "no_file" / "config.pbtxt").write_text(
-        (models.EXAMPLES / "simple" / "config.pbtxt").read_text().replace('"simple"', '"no_file"'))
+        (models.EXAMPLES / "simple" / "config.pbtxt").read_text().replace('"simple"', '"no_file"')
+    )
     server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "*", "--exit-on-error", "false")
     index = index_of(server.url)
     assert index["bad_syntax"][1].startswith("bad_syntax/config.pbtxt:"), index["bad_syntax"]
@@ -194,9 +198,14 @@ def test_reasons_and_errors_name_files_relative_to_the_repository(tmp_path: Path
     messages = [reason for _, reason in index.values()]
     with InferenceClient(server.url, timeout_s=60) as client:
         codes = grpc.StatusCode  # a load that fails: Triton's INVALID_ARGUMENT; no such folder: its INTERNAL
-        for name, status in (("bad_syntax", codes.INVALID_ARGUMENT), ("corrupt_file", codes.INVALID_ARGUMENT),
-                             ("no_file", codes.INVALID_ARGUMENT), ("a" * 10_000, codes.UNAVAILABLE),
-                             ("a" * 255, codes.INTERNAL), ("b" * 255 + "/x", codes.UNAVAILABLE)):
+        for name, status in (
+            ("bad_syntax", codes.INVALID_ARGUMENT),
+            ("corrupt_file", codes.INVALID_ARGUMENT),
+            ("no_file", codes.INVALID_ARGUMENT),
+            ("a" * 10_000, codes.UNAVAILABLE),
+            ("a" * 255, codes.INTERNAL),
+            ("b" * 255 + "/x", codes.UNAVAILABLE),
+        ):
             with pytest.raises(ClientError) as caught:
                 client.load_model(name)
             assert caught.value.status == status, caught.value
@@ -240,12 +249,15 @@ def test_reshape_must_hold_as_many_elements_as_dims(tmp_path: Path, server_facto
         ("bad_runs", "[ 2, -1 ]", "[ -1, 2 ]"),
         ("good_variable", "[ -1, 4 ]", "[ -1, 2, 2 ]"),
     ]:
-        models.write_config(repo / name, f"""
+        models.write_config(
+            repo / name,
+            f"""
             backend: "identity"
             max_batch_size: 2
             input [ {{ name: "IN" data_type: TYPE_FP32 dims: {dims} reshape {{ shape: {reshape} }} }} ]
             output [ {{ name: "OUT" data_type: TYPE_FP32 dims: {dims} reshape {{ shape: {reshape} }} }} ]
-            """)
+            """,
+        )
         (repo / name / "1").mkdir()
     server = server_factory(repo, "--strict-readiness", "false", "--exit-on-error", "false")
     index = index_of(server.url)
@@ -283,11 +295,13 @@ def test_load_config_parameter_must_be_a_json_object_in_a_string(tmp_path: Path,
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (value, caught.value.details())
             assert phrase in (caught.value.details() or ""), (value, caught.value.details())
         request = pb.RepositoryModelLoadRequest(model_name="m")
-        request.parameters["config"].string_param = json.dumps({
-            "backend": "identity",
-            "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [4]}],
-            "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]}],
-        })
+        request.parameters["config"].string_param = json.dumps(
+            {
+                "backend": "identity",
+                "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [4]}],
+                "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]}],
+            }
+        )
         stub.RepositoryModelLoad(request)  # a JSON object still loads
         assert stub.ModelReady(pb.ModelReadyRequest(name="m")).ready
     assert_no_traceback(server.log())
@@ -354,8 +368,13 @@ def test_memory_budget_holds_under_concurrent_loads(tmp_path: Path, server_facto
 
 
 def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shoal", *args], capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "shoal", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 @pytest.mark.parametrize("command", ["serve", "check"])
@@ -365,8 +384,17 @@ def test_a_model_folder_given_as_the_repository(tmp_path: Path, command: str) ->
     (without_config / "config.pbtxt").unlink()
     for folder in (repo / "simple", without_config):
         if command == "serve":
-            result = run_cli("serve", "--model-repository", str(folder), "--grpc-address", "127.0.0.1",
-                             "--grpc-port", "0", "--allow-metrics", "false")
+            result = run_cli(
+                "serve",
+                "--model-repository",
+                str(folder),
+                "--grpc-address",
+                "127.0.0.1",
+                "--grpc-port",
+                "0",
+                "--allow-metrics",
+                "false",
+            )
         else:
             result = run_cli("config", "check", str(folder))
         assert result.returncode != 0, result

@@ -124,8 +124,10 @@ def test_partial_headers_are_closed_within_the_header_timeout(repo: Path, server
 
 
 def _body_head(length: int) -> bytes:
-    return (b"POST /v2/models/identity_fp32/infer HTTP/1.1\r\nhost: shoal\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(length).encode() + b"\r\n\r\n")
+    return (
+        b"POST /v2/models/identity_fp32/infer HTTP/1.1\r\nhost: shoal\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(length).encode() + b"\r\n\r\n"
+    )
 
 
 def test_a_stalled_or_trickling_body_is_closed(repo: Path, server_factory) -> None:
@@ -219,8 +221,11 @@ def test_past_the_connection_bound_a_new_connection_is_refused(
             assert response.status == 200, response.read()
             response.read()
         assert grpc_live(server)
-    wait_until(lambda: call(server, "GET", "/v2/health/live")[0] == 200, CLOSE_TIMEOUT_S,
-               "a new connection served once the others closed")
+    wait_until(
+        lambda: call(server, "GET", "/v2/health/live")[0] == 200,
+        CLOSE_TIMEOUT_S,
+        "a new connection served once the others closed",
+    )
     wait_until(lambda: "--http-max-connections allows here" in server.log(), CLOSE_TIMEOUT_S, "the refusal logged")
 
 

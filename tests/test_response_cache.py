@@ -23,18 +23,21 @@ def key(versions=(1,), feed=None, outputs=("OUT",), class_counts=None, parameter
     return request_key(versions, FEED if feed is None else feed, outputs, class_counts or {}, parameters or {})
 
 
-@pytest.mark.parametrize("changed", [
-    {"versions": (2,)},
-    {"versions": (1, 7)},  # an ensemble's steps resolved to another load
-    {"feed": {"IN": np.arange(4, dtype=np.float64).reshape(1, 4)}},  # same values, other dtype
-    {"feed": {"IN": np.arange(4, dtype=np.float32).reshape(2, 2)}},  # same bytes, other shape
-    {"feed": {"IN": np.array([[0, 1, 2, 4]], dtype=np.float32)}},
-    {"feed": {"OTHER": FEED["IN"]}},
-    {"outputs": ("OUT", "OUT2")},
-    {"outputs": None},  # every output, not the one named
-    {"class_counts": {"OUT": 2}},
-    {"parameters": {"offset": 1}},
-])
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"versions": (2,)},
+        {"versions": (1, 7)},  # an ensemble's steps resolved to another load
+        {"feed": {"IN": np.arange(4, dtype=np.float64).reshape(1, 4)}},  # same values, other dtype
+        {"feed": {"IN": np.arange(4, dtype=np.float32).reshape(2, 2)}},  # same bytes, other shape
+        {"feed": {"IN": np.array([[0, 1, 2, 4]], dtype=np.float32)}},
+        {"feed": {"OTHER": FEED["IN"]}},
+        {"outputs": ("OUT", "OUT2")},
+        {"outputs": None},  # every output, not the one named
+        {"class_counts": {"OUT": 2}},
+        {"parameters": {"offset": 1}},
+    ],
+)
 def test_anything_that_can_change_the_answer_changes_the_key(changed: dict) -> None:
     assert key(**changed) != key()
 
@@ -52,21 +55,25 @@ def test_bytes_elements_are_delimited() -> None:
     assert key(feed=first) != key(feed=second)
 
 
-@pytest.mark.parametrize("first, second", [
-    (b"5", "5"),  # a Python model or BLS caller may pass str where the wire passes bytes
-    (b"5", 5),
-    ("5", 5),
-    (b"\x005", "5"),  # the old key's str encoding was a NUL before the text
-    (5, 5.0),
-])
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (b"5", "5"),  # a Python model or BLS caller may pass str where the wire passes bytes
+        (b"5", 5),
+        ("5", 5),
+        (b"\x005", "5"),  # the old key's str encoding was a NUL before the text
+        (5, 5.0),
+    ],
+)
 def test_bytes_elements_of_different_types_are_different_requests(first: object, second: object) -> None:
     """A model can tell b"5" from "5" from 5: a cached answer to one must never answer the other."""
     assert key(feed={"IN": np.array([first], dtype=object)}) != key(feed={"IN": np.array([second], dtype=object)})
 
 
 def test_equal_bytes_elements_meet_on_one_key() -> None:
-    assert key(feed={"IN": np.array([b"ab", "c", 7], dtype=object)}) == \
-        key(feed={"IN": np.array([b"ab", "c", 7], dtype=object)})
+    assert key(feed={"IN": np.array([b"ab", "c", 7], dtype=object)}) == key(
+        feed={"IN": np.array([b"ab", "c", 7], dtype=object)}
+    )
 
 
 def outputs(value: float, elements: int = 4) -> tuple[Tensor, ...]:
@@ -124,22 +131,31 @@ def test_an_ensembles_entries_go_when_a_step_version_in_their_key_is_unloaded() 
     assert cache.get(b"ensemble") is None and cache.get(b"step") is not None and cache.used == 16 + 64
 
 
-@pytest.mark.parametrize(("values", "size"), [
-    ([], 0), (["local,size=1048576"], 1048576), (["local,size=0"], 0), (["local,size=1", "local,size=2"], 2),
-])
+@pytest.mark.parametrize(
+    ("values", "size"),
+    [
+        ([], 0),
+        (["local,size=1048576"], 1048576),
+        (["local,size=0"], 0),
+        (["local,size=1", "local,size=2"], 2),
+    ],
+)
 def test_cache_config_sizes(values: list[str], size: int) -> None:
     assert parse_cache_config(values) == size
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("size=10", "No cache specified. --cache-config option format is <cache name>,<setting>=<value>. Got size=10"),
-    ("local,size", "--cache-config option format is '<cache name>,<setting>=<value>'. Got local,size"),
-    ("local,=5", "--cache-config option format is '<cache name>,<setting>=<value>'. Got local,=5"),
-    ("local,size=ten", "Failed to initialize LocalCache: config didn't contain a valid 'size' field."),
-    ("local,size=-1", "Failed to initialize LocalCache: config didn't contain a valid 'size' field."),
-    ("redis,host=localhost", "cache 'redis' is not available in Shoal (only 'local')"),
-    ("local,ttl=5", "the local cache has no setting 'ttl' (only 'size')"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("size=10", "No cache specified. --cache-config option format is <cache name>,<setting>=<value>. Got size=10"),
+        ("local,size", "--cache-config option format is '<cache name>,<setting>=<value>'. Got local,size"),
+        ("local,=5", "--cache-config option format is '<cache name>,<setting>=<value>'. Got local,=5"),
+        ("local,size=ten", "Failed to initialize LocalCache: config didn't contain a valid 'size' field."),
+        ("local,size=-1", "Failed to initialize LocalCache: config didn't contain a valid 'size' field."),
+        ("redis,host=localhost", "cache 'redis' is not available in Shoal (only 'local')"),
+        ("local,ttl=5", "the local cache has no setting 'ttl' (only 'size')"),
+    ],
+)
 def test_cache_config_refusals_in_tritons_words(value: str, message: str) -> None:
     with pytest.raises(ValueError) as caught:
         parse_cache_config([value])
@@ -199,9 +215,11 @@ def test_a_large_request_is_hashed_and_its_answer_copied_off_the_event_loop() ->
         asyncio.run(round_trip(small))
         on_loop = list(threads)
         off_loop = []
-        for large in (np.ones((1, OFF_LOOP_BYTES // 4 + 1), dtype=np.float32),
-                      np.array([b"x" * (OFF_LOOP_BYTES + 1)], dtype=object),  # one long element
-                      np.array([b"x"] * (OFF_LOOP_ELEMENTS + 1), dtype=object)):  # many short ones
+        for large in (
+            np.ones((1, OFF_LOOP_BYTES // 4 + 1), dtype=np.float32),
+            np.array([b"x" * (OFF_LOOP_BYTES + 1)], dtype=object),  # one long element
+            np.array([b"x"] * (OFF_LOOP_ELEMENTS + 1), dtype=object),
+        ):  # many short ones
             threads.clear()
             asyncio.run(round_trip(large))
             off_loop.append(list(threads))

@@ -97,19 +97,34 @@ def server(repo: Path, tmp_path_factory: pytest.TempPathFactory, layout: tuple[s
     ensemble_models.add_identity(repo, "cached", extra=CACHE)
     ensemble_models.add_identity(repo, "plain")
     write_offset(repo, 1.0)
-    ensemble_models.add_ensemble(repo, "composed", [ensemble_models.step("offset", {"IN": "IN"}, {"OUT": "OUT"})],
-                                 extra=CACHE)
+    ensemble_models.add_ensemble(
+        repo, "composed", [ensemble_models.step("offset", {"IN": "IN"}, {"OUT": "OUT"})], extra=CACHE
+    )
     ensemble_models.add_identity(repo, "decoupled", extra=CACHE + " model_transaction_policy { decoupled: true }")
-    models.write_config(repo / "sequence", f'''
+    models.write_config(
+        repo / "sequence",
+        f"""
         backend: "identity"
         max_batch_size: 8
         {ensemble_models.IN_OUT}
         sequence_batching {{ }}
         {CACHE}
-        ''')
+        """,
+    )
     (repo / "sequence" / "1").mkdir()
-    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--cache-config", "local,size=1048576",
-                          "--model-control-mode", "explicit", "--load-model", "*", "--exit-on-error", "false")
+    server = start_server(
+        repo,
+        tmp_path_factory.mktemp("server"),
+        *layout,
+        "--cache-config",
+        "local,size=1048576",
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "*",
+        "--exit-on-error",
+        "false",
+    )
     yield server
     assert server.stop() == 0, server.log()
 
@@ -121,8 +136,12 @@ def test_a_repeated_request_is_answered_from_the_cache_without_executing(server:
             np.testing.assert_array_equal(grpc_infer(server, model, x), x)
     cached, plain = stats(server, "cached"), stats(server, "plain")
     # Triton's statistics for a hit: a success with its queue time, no execution, inference or compute
-    assert (count(cached, "success"), count(cached, "queue"), count(cached, "cache_hit"),
-            count(cached, "cache_miss")) == (2, 2, 1, 1)
+    assert (
+        count(cached, "success"),
+        count(cached, "queue"),
+        count(cached, "cache_hit"),
+        count(cached, "cache_miss"),
+    ) == (2, 2, 1, 1)
     assert (cached["execution_count"], cached["inference_count"], count(cached, "compute_infer")) == (1, 1, 1)
     assert (plain["execution_count"], count(plain, "cache_hit"), count(plain, "cache_miss")) == (2, 0, 0)
     assert int(cached["inference_stats"]["cache_hit"]["ns"]) > 0
@@ -131,14 +150,18 @@ def test_a_repeated_request_is_answered_from_the_cache_without_executing(server:
     before = stats(server, "cached")
     np.testing.assert_array_equal(http_infer(server, "cached", x), x)
     after = stats(server, "cached")
-    assert (count(after, "cache_hit"), after["execution_count"]) == (count(before, "cache_hit") + 1,
-                                                                     before["execution_count"])
+    assert (count(after, "cache_hit"), after["execution_count"]) == (
+        count(before, "cache_hit") + 1,
+        before["execution_count"],
+    )
     # Another input is a miss, answered by the model
     other = row([5, 6, 7, 8])
     np.testing.assert_array_equal(grpc_infer(server, "cached", other), other)
     last = stats(server, "cached")
-    assert (count(last, "cache_miss"), last["execution_count"]) == (count(after, "cache_miss") + 1,
-                                                                    after["execution_count"] + 1)
+    assert (count(last, "cache_miss"), last["execution_count"]) == (
+        count(after, "cache_miss") + 1,
+        after["execution_count"] + 1,
+    )
 
 
 def test_the_cache_metrics_are_tritons_and_only_for_the_models_that_use_it(server: RunningServer) -> None:
@@ -148,11 +171,17 @@ def test_the_cache_metrics_are_tritons_and_only_for_the_models_that_use_it(serve
     entry = stats(server, "cached")
     assert metric(server, "nv_cache_num_hits_per_model", "cached") == count(entry, "cache_hit")
     assert metric(server, "nv_cache_num_misses_per_model", "cached") == count(entry, "cache_miss")
-    assert metric(server, "nv_cache_hit_duration_per_model", "cached") == int(
-        entry["inference_stats"]["cache_hit"]["ns"]) // 1000
+    assert (
+        metric(server, "nv_cache_hit_duration_per_model", "cached")
+        == int(entry["inference_stats"]["cache_hit"]["ns"]) // 1000
+    )
     families = parse(scrape(server.metrics_port))
-    for name in ("nv_cache_num_hits_per_model", "nv_cache_hit_duration_per_model", "nv_cache_num_misses_per_model",
-                 "nv_cache_miss_duration_per_model"):
+    for name in (
+        "nv_cache_num_hits_per_model",
+        "nv_cache_hit_duration_per_model",
+        "nv_cache_num_misses_per_model",
+        "nv_cache_miss_duration_per_model",
+    ):
         assert families[name].type == "counter"
         assert {s.labels["model"] for s in families[name].samples} == {"cached", "composed", "offset"}
     # nv_inference_count leaves the hits out; nv_inference_request_success counts them
@@ -179,15 +208,18 @@ def test_decoupled_and_sequence_models_refuse_the_cache_in_tritons_words(server:
     with grpcclient.InferenceServerClient(server.url) as client:
         index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
     assert index["decoupled"]["state"] == "UNAVAILABLE"
-    assert ("Response Cache does not currently support model decoupled with 'decoupled' transaction policy. "
-            "Please disable the response cache.") in index["decoupled"]["reason"]
+    assert (
+        "Response Cache does not currently support model decoupled with 'decoupled' transaction policy. "
+        "Please disable the response cache."
+    ) in index["decoupled"]["reason"]
     assert index["sequence"]["state"] == "UNAVAILABLE"
-    assert ("Response Cache does not currently support model sequence with sequence batching scheduler. "
-            "Please disable the response cache.") in index["sequence"]["reason"]
+    assert (
+        "Response Cache does not currently support model sequence with sequence batching scheduler. "
+        "Please disable the response cache."
+    ) in index["sequence"]["reason"]
 
 
-def test_every_answer_is_its_own_under_concurrent_clients_and_constant_eviction(
-        tmp_path: Path, server_factory) -> None:
+def test_every_answer_is_its_own_under_concurrent_clients_and_constant_eviction(tmp_path: Path, server_factory) -> None:
     """A cache of two entries and eight clients asking six different things: each answer is checked."""
     ensemble_models.add_identity(tmp_path, "cached", extra=CACHE)
     one_entry = 4 * 4 + 64
@@ -239,10 +271,18 @@ def test_a_kept_ensembles_entries_leave_the_cache_when_its_step_is_reloaded(tmp_
     beside a, not push it out while the dead entry stays. The step caches nothing of its own."""
     ensemble_models.add_identity(tmp_path, "cached", extra=CACHE)
     python_models.write_model(tmp_path, "offset", OFFSET_CONFIG.replace(CACHE, ""), OFFSET.format(offset=1.0))
-    ensemble_models.add_ensemble(tmp_path, "composed",
-                                 [ensemble_models.step("offset", {"IN": "IN"}, {"OUT": "OUT"})], extra=CACHE)
-    server = server_factory(tmp_path, "--cache-config", f"local,size={2 * (4 * 4 + 64)}",
-                            "--model-control-mode", "explicit", "--load-model", "*")
+    ensemble_models.add_ensemble(
+        tmp_path, "composed", [ensemble_models.step("offset", {"IN": "IN"}, {"OUT": "OUT"})], extra=CACHE
+    )
+    server = server_factory(
+        tmp_path,
+        "--cache-config",
+        f"local,size={2 * (4 * 4 + 64)}",
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "*",
+    )
     a, b, x = row([1, 0, 0, 0]), row([2, 0, 0, 0]), row([5, 5, 5, 5])
     grpc_infer(server, "cached", a)
     np.testing.assert_array_equal(grpc_infer(server, "composed", x), x + 1)
@@ -257,7 +297,8 @@ def test_a_kept_ensembles_entries_leave_the_cache_when_its_step_is_reloaded(tmp_
 
 
 def test_a_model_that_enables_the_cache_on_a_server_without_one_executes_every_request(
-        tmp_path: Path, server_factory) -> None:
+    tmp_path: Path, server_factory
+) -> None:
     ensemble_models.add_identity(tmp_path, "cached", extra=CACHE)
     server = server_factory(tmp_path)
     x = row([1, 2, 3, 4])
@@ -275,6 +316,10 @@ def test_the_cache_families_sit_where_triton_writes_them(server: RunningServer) 
     grpc_infer(server, "cached", row([4, 3, 2, 1]))
     names = [line.split()[2] for line in scrape(server.metrics_port).splitlines() if line.startswith("# TYPE nv_")]
     at = names.index("nv_inference_compute_output_duration_us")
-    assert names[at + 1:at + 6] == ["nv_cache_num_hits_per_model", "nv_cache_hit_duration_per_model",
-                                    "nv_cache_num_misses_per_model", "nv_cache_miss_duration_per_model",
-                                    "nv_inference_pending_request_count"]
+    assert names[at + 1 : at + 6] == [
+        "nv_cache_num_hits_per_model",
+        "nv_cache_hit_duration_per_model",
+        "nv_cache_num_misses_per_model",
+        "nv_cache_miss_duration_per_model",
+        "nv_inference_pending_request_count",
+    ]

@@ -42,8 +42,9 @@ class _Core:
 
 
 async def _serve_and_ask(engine: str) -> tuple[bool, str]:
-    server, port, choice = build_server(InferenceServicer(_Core()), HealthReporter(), "127.0.0.1", 0,
-                                        limits=GrpcLimits(engine=engine))
+    server, port, choice = build_server(
+        InferenceServicer(_Core()), HealthReporter(), "127.0.0.1", 0, limits=GrpcLimits(engine=engine)
+    )
     assert choice.name == engine
     await server.start()
     try:
@@ -70,9 +71,12 @@ def test_every_engine_serves_unary_rpcs_and_model_stream_infer(engine: str) -> N
     assert live and answered == "r1"
 
 
-@pytest.mark.xfail(strict=True, reason="pygrpc-native 0.5 makes its fallback's socket in tempfile.mkdtemp() and "
-                                       "removes it only in stop(): a SIGKILLed server leaves the folder (a dead "
-                                       "socket, mode 0700); CI kills servers so and /tmp gathers them")
+@pytest.mark.xfail(
+    strict=True,
+    reason="pygrpc-native 0.5 makes its fallback's socket in tempfile.mkdtemp() and "
+    "removes it only in stop(): a SIGKILLed server leaves the folder (a dead "
+    "socket, mode 0700); CI kills servers so and /tmp gathers them",
+)
 def test_a_killed_native_server_leaves_no_fallback_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     private = tmp_path / "tmp"
     private.mkdir()
@@ -90,8 +94,9 @@ def test_a_killed_native_server_leaves_no_fallback_socket(tmp_path: Path, monkey
 async def _list_services(engine: str) -> list[str]:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    server, port, _ = build_server(InferenceServicer(_Core()), HealthReporter(), "127.0.0.1", 0,
-                                   limits=GrpcLimits(engine=engine))
+    server, port, _ = build_server(
+        InferenceServicer(_Core()), HealthReporter(), "127.0.0.1", 0, limits=GrpcLimits(engine=engine)
+    )
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -111,5 +116,8 @@ def test_every_engine_serves_reflection(engine: str) -> None:
     """grpcio-reflection's generated code registers its bidi method both ways; pygrpc-native drops the
     generic handler of a registered service and hands the registered one to its fallback with grpc.aio's
     ``add_registered_method_handlers`` (a no-op below 1.84): reflection was UNIMPLEMENTED on native."""
-    assert asyncio.run(_list_services(engine)) == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
-                                                   "inference.GRPCInferenceService"]
+    assert asyncio.run(_list_services(engine)) == [
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "inference.GRPCInferenceService",
+    ]

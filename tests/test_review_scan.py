@@ -34,9 +34,13 @@ def _add_model(folder: Path, addend: float) -> None:
     """OUT = IN + addend, its model file as long as any other addend's, its mtime fixed."""
     models.write_config(folder, ADD_CONFIG)
     weight = numpy_helper.from_array(np.full(4, addend, dtype=np.float32), "W")
-    graph = helper.make_graph([helper.make_node("Add", ["IN", "W"], ["OUT"])], "add",
-                              [helper.make_tensor_value_info("IN", TensorProto.FLOAT, [4])],
-                              [helper.make_tensor_value_info("OUT", TensorProto.FLOAT, [4])], [weight])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["IN", "W"], ["OUT"])],
+        "add",
+        [helper.make_tensor_value_info("IN", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("OUT", TensorProto.FLOAT, [4])],
+        [weight],
+    )
     models.save_onnx(graph, folder / "1" / "model.onnx")
     for path in (folder / "config.pbtxt", folder / "1" / "model.onnx"):
         os.utime(path, ns=(MTIME_NS, MTIME_NS))
@@ -76,17 +80,23 @@ def test_poll_mode_serves_the_new_target_of_a_retargeted_link(tmp_path: Path) ->
         with InferenceClient(server.url, timeout_s=60) as client:
             np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 1)
             _retarget(repo / "add", two)
-            wait_until(lambda: client.infer("add", {"IN": x})["OUT"][0] == 2.0, timeout_s=15,
-                       what="the poller to serve the link's new target")
+            wait_until(
+                lambda: client.infer("add", {"IN": x})["OUT"][0] == 2.0,
+                timeout_s=15,
+                what="the poller to serve the link's new target",
+            )
     finally:
         server.stop()
 
 
-@pytest.mark.parametrize("argv", [
-    ["--model-store=/a", "--model-repository=/b"],
-    ["--model-repository=/a", "--model-store=/b"],
-    ["--model-repository", "/a", "--model-repository", "/b"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model-store=/a", "--model-repository=/b"],
+        ["--model-repository=/a", "--model-store=/b"],
+        ["--model-repository", "/a", "--model-repository", "/b"],
+    ],
+)
 def test_a_second_repository_is_refused_not_dropped(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """Triton serves every --model-repository/--model-store it is given; Shoal serves one, so a
     second must be refused, not silently replace the first."""
@@ -101,13 +111,17 @@ def test_one_repository_flag_still_parses() -> None:
         assert str(build_parser().parse_args(["serve", f"{flag}=/mnt/models"]).model_repository) == "/mnt/models"
 
 
-@pytest.mark.parametrize(("target", "phrase"), [
-    ("repository", "the repository itself or a folder holding it"),
-    ("above", "the repository itself or a folder holding it"),
-    ("version", "a folder inside the repository below its top level"),
-])
-def test_a_skipped_top_level_link_is_skipped_in_words(tmp_path: Path, target: str, phrase: str,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("target", "phrase"),
+    [
+        ("repository", "the repository itself or a folder holding it"),
+        ("above", "the repository itself or a folder holding it"),
+        ("version", "a folder inside the repository below its top level"),
+    ],
+)
+def test_a_skipped_top_level_link_is_skipped_in_words(
+    tmp_path: Path, target: str, phrase: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Links out of the repository are model folders now: the skip warning must not say "it points
     outside the repository" for a link it skips for another reason, and must say which."""
     repo = tmp_path / "repo"

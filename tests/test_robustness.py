@@ -48,23 +48,36 @@ SHAPES = st.one_of(
     st.lists(st.sampled_from([0, 0, 1, 3, 2**31, 2**32, 2**62, 2**63 - 1, -(2**63)]), max_size=6),
     st.lists(st.sampled_from([0, 1, 1, 1, 2]), min_size=60, max_size=70),
 )
-tensors = st.fixed_dictionaries({
-    "name": st.sampled_from(["INPUT0", "INPUT1", "IN", "x", ""]),
-    "datatype": st.sampled_from(DATATYPES),
-    "shape": SHAPES,
-    "raw": st.binary(max_size=200),
-    "typed": st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), max_size=8),
-})
+tensors = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["INPUT0", "INPUT1", "IN", "x", ""]),
+        "datatype": st.sampled_from(DATATYPES),
+        "shape": SHAPES,
+        "raw": st.binary(max_size=200),
+        "typed": st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), max_size=8),
+    }
+)
 
 
 @FAST
-@given(model=st.sampled_from(MODELS), version=st.sampled_from(["", "1", "2", "x"]),
-       inputs=st.lists(tensors, max_size=3), raw_count_delta=st.sampled_from([0, 0, 0, -1, 1]),
-       outputs=st.lists(st.sampled_from(["OUTPUT0", "OUT", "zzz"]), max_size=2),
-       priority=st.integers(min_value=0, max_value=2**63), typed=st.booleans())
+@given(
+    model=st.sampled_from(MODELS),
+    version=st.sampled_from(["", "1", "2", "x"]),
+    inputs=st.lists(tensors, max_size=3),
+    raw_count_delta=st.sampled_from([0, 0, 0, -1, 1]),
+    outputs=st.lists(st.sampled_from(["OUTPUT0", "OUT", "zzz"]), max_size=2),
+    priority=st.integers(min_value=0, max_value=2**63),
+    typed=st.booleans(),
+)
 def test_well_formed_but_wrong_requests_get_a_clean_status(
-    channel: grpc.Channel, model: str, version: str, inputs: list[dict], raw_count_delta: int,
-    outputs: list[str], priority: int, typed: bool,
+    channel: grpc.Channel,
+    model: str,
+    version: str,
+    inputs: list[dict],
+    raw_count_delta: int,
+    outputs: list[str],
+    priority: int,
+    typed: bool,
 ) -> None:
     """Raw or typed ``contents`` inputs: any shape/dims combination gets a clean status, never INTERNAL."""
     request = pb.ModelInferRequest(model_name=model, model_version=version)
@@ -96,17 +109,19 @@ def test_config_parser_raises_only_clean_errors(text: str) -> None:
         pass
 
 
-config_fields = st.fixed_dictionaries({
-    "backend": st.sampled_from(["onnxruntime", "identity", "", "tensorflow"]),
-    "max_batch_size": st.integers(min_value=-3, max_value=2**31 - 1),
-    "dims": st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=3),
-    "data_type": st.integers(min_value=0, max_value=14),
-    "preferred": st.lists(st.integers(min_value=-5, max_value=100), max_size=3),
-    "levels": st.integers(min_value=0, max_value=5),
-    "default_level": st.integers(min_value=0, max_value=7),
-    "count": st.integers(min_value=-2, max_value=5),
-    "filename": st.sampled_from(["", "model.onnx", "../x", "a/b", ".."]),
-})
+config_fields = st.fixed_dictionaries(
+    {
+        "backend": st.sampled_from(["onnxruntime", "identity", "", "tensorflow"]),
+        "max_batch_size": st.integers(min_value=-3, max_value=2**31 - 1),
+        "dims": st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=3),
+        "data_type": st.integers(min_value=0, max_value=14),
+        "preferred": st.lists(st.integers(min_value=-5, max_value=100), max_size=3),
+        "levels": st.integers(min_value=0, max_value=5),
+        "default_level": st.integers(min_value=0, max_value=7),
+        "count": st.integers(min_value=-2, max_value=5),
+        "filename": st.sampled_from(["", "model.onnx", "../x", "a/b", ".."]),
+    }
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -115,8 +130,9 @@ def test_structurally_valid_configs_validate_cleanly(fields: dict) -> None:
     from shoal.protocol import config_pb2
     from shoal.repository.config import to_spec
 
-    config = config_pb2.ModelConfig(backend=fields["backend"], max_batch_size=fields["max_batch_size"],
-                                    default_model_filename=fields["filename"])
+    config = config_pb2.ModelConfig(
+        backend=fields["backend"], max_batch_size=fields["max_batch_size"], default_model_filename=fields["filename"]
+    )
     config.input.add(name="a", data_type=fields["data_type"], dims=fields["dims"])
     config.output.add(name="b", data_type=fields["data_type"], dims=fields["dims"])
     config.instance_group.add(count=fields["count"])

@@ -92,8 +92,9 @@ def test_an_answer_grpc_could_not_send_is_one_debug_line(caplog: pytest.LogCaptu
         grpc_logger.error("Unexpected [ValueError] raised by servicer method [%s]", method, exc_info=ValueError("x"))
     first, second = caplog.records
     assert first.levelno == logging.DEBUG and first.exc_info is None
-    assert first.getMessage() == (f"{method}: the answer was not sent: the client cancelled, its deadline passed "
-                                  "or it disconnected")
+    assert first.getMessage() == (
+        f"{method}: the answer was not sent: the client cancelled, its deadline passed or it disconnected"
+    )
     assert second.levelno == logging.ERROR and second.exc_info is not None, "other errors keep their traceback"
 
 

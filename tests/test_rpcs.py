@@ -49,9 +49,18 @@ def test_health_and_server_metadata(stub: InferenceStub) -> None:
     metadata = stub.ServerMetadata(pb.ServerMetadataRequest())
     assert metadata.name == "shoal" and metadata.version
     assert list(metadata.extensions) == [
-        "model_configuration", "statistics", "schedule_policy", "model_repository",
-        "model_repository(unload_dependents)", "classification", "system_shared_memory", "sequence",
-        "binary_tensor_data", "cuda_shared_memory", "trace", "logging",
+        "model_configuration",
+        "statistics",
+        "schedule_policy",
+        "model_repository",
+        "model_repository(unload_dependents)",
+        "classification",
+        "system_shared_memory",
+        "sequence",
+        "binary_tensor_data",
+        "cuda_shared_memory",
+        "trace",
+        "logging",
     ]
 
 
@@ -59,7 +68,8 @@ def test_model_metadata_reports_batch_dimension(stub: InferenceStub) -> None:
     metadata = stub.ModelMetadata(pb.ModelMetadataRequest(name="simple"))
     assert metadata.platform == "onnxruntime_onnx" and list(metadata.versions) == ["1"]
     assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [
-        ("INPUT0", "INT32", [-1, 16]), ("INPUT1", "INT32", [-1, 16])
+        ("INPUT0", "INT32", [-1, 16]),
+        ("INPUT1", "INT32", [-1, 16]),
     ]
     strings = stub.ModelMetadata(pb.ModelMetadataRequest(name="strings"))
     assert list(strings.inputs[0].shape) == [-1] and strings.inputs[0].datatype == "BYTES"
@@ -99,7 +109,9 @@ def test_stream_infer_answers_each_request_and_survives_errors(stub: InferenceSt
     responses = list(stub.ModelStreamInfer(iter([simple_request(id="a"), bad, simple_request(id="c")])))
     by_id = {r.infer_response.id: r for r in responses}
     assert len(responses) == 3 and {i: r.error_message == "" for i, r in by_id.items()} == {
-        "a": True, "b": False, "c": True
+        "a": True,
+        "b": False,
+        "c": True,
     }
     assert "data-type is 'FP32'" in by_id["b"].error_message
     np.testing.assert_array_equal(decode(by_id["a"].infer_response, 0), A + B)

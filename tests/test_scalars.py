@@ -39,13 +39,21 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] %(reshape)s } ]
 RESHAPE = "reshape: { shape: [ ] }"
 
 
-def _double(repo: Path, name: str, shape: list[int | str | None], elem: int = TensorProto.FLOAT,
-            config: str | None = None) -> None:
+def _double(
+    repo: Path, name: str, shape: list[int | str | None], elem: int = TensorProto.FLOAT, config: str | None = None
+) -> None:
     """An ONNX model ``Y = X + X`` (or Identity for strings) with both tensors of ``shape``."""
-    node = (helper.make_node("Identity", ["X"], ["Y"]) if elem == TensorProto.STRING
-            else helper.make_node("Add", ["X", "X"], ["Y"]))
-    graph = helper.make_graph([node], name, [helper.make_tensor_value_info("X", elem, shape)],
-                              [helper.make_tensor_value_info("Y", elem, shape)])
+    node = (
+        helper.make_node("Identity", ["X"], ["Y"])
+        if elem == TensorProto.STRING
+        else helper.make_node("Add", ["X", "X"], ["Y"])
+    )
+    graph = helper.make_graph(
+        [node],
+        name,
+        [helper.make_tensor_value_info("X", elem, shape)],
+        [helper.make_tensor_value_info("Y", elem, shape)],
+    )
     models.save_onnx(graph, repo / name / "1" / "model.onnx")
     if config is not None:
         models.write_config(repo / name, config)
@@ -65,8 +73,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     _double(repo, "per_sample_no_reshape", ["batch"], config="max_batch_size: 8\n" + SCALAR_IO % {"reshape": ""})
     _double(repo, "column_no_reshape", ["batch", 1], config="max_batch_size: 8\n" + SCALAR_IO % {"reshape": ""})
     _double(repo, "per_sample_io_only", ["batch"], config=SCALAR_IO % {"reshape": RESHAPE})
-    _double(repo, "per_sample_inputs_only", ["batch"],
-            config='input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]')
+    _double(
+        repo,
+        "per_sample_inputs_only",
+        ["batch"],
+        config='input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]',
+    )
     running = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false")
     yield running
     assert running.stop() == 0, running.log()
@@ -140,8 +152,10 @@ def test_scalar_model_cannot_batch(client: triton.InferenceServerClient) -> None
     """AutoCompleteMaxBatch: a scalar has no batch dimension, so a non-zero max_batch_size fails."""
     state, reason = _state(client, "scalar_batching")
     assert state == "UNAVAILABLE"
-    assert ("autofill failed for model 'scalar_batching': model does not support batching while non-zero "
-            "max_batch_size is specified") in reason
+    assert (
+        "autofill failed for model 'scalar_batching': model does not support batching while non-zero "
+        "max_batch_size is specified"
+    ) in reason
 
 
 def test_string_scalar(client: triton.InferenceServerClient) -> None:
@@ -193,13 +207,16 @@ def test_column_model_with_dims_1_and_no_reshape(client: triton.InferenceServerC
     np.testing.assert_array_equal(values, x + x)
 
 
-@pytest.mark.parametrize(("model", "why"), [
-    # CompareDimsSupported: the model expects 1 dimension, the config [-1] + [1] makes 2
-    ("per_sample_no_reshape", "[-1] + [1]"),
-    # both inputs and outputs listed: nothing is completed, so max_batch_size stays 0 and the
-    # empty reshape (a scalar) does not match the model's [batch]
-    ("per_sample_io_only", "shape [-1] in the model"),
-])
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [
+        # CompareDimsSupported: the model expects 1 dimension, the config [-1] + [1] makes 2
+        ("per_sample_no_reshape", "[-1] + [1]"),
+        # both inputs and outputs listed: nothing is completed, so max_batch_size stays 0 and the
+        # empty reshape (a scalar) does not match the model's [batch]
+        ("per_sample_io_only", "shape [-1] in the model"),
+    ],
+)
 def test_per_sample_configs_triton_refuses(client: triton.InferenceServerClient, model: str, why: str) -> None:
     state, reason = _state(client, model)
     assert state == "UNAVAILABLE" and why in reason
@@ -207,7 +224,6 @@ def test_per_sample_configs_triton_refuses(client: triton.InferenceServerClient,
         _infer(client, model, np.array([[1.0]], dtype=np.float32))
 
 
-def test_refused_models_leave_the_others_serving(client: triton.InferenceServerClient,
-                                                 server: RunningServer) -> None:
+def test_refused_models_leave_the_others_serving(client: triton.InferenceServerClient, server: RunningServer) -> None:
     for model in ("scalar_auto", "scalar_dims_1", "per_sample_auto", "column_no_reshape"):
         assert client.is_model_ready(model), server.log()

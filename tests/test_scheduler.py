@@ -330,8 +330,9 @@ def test_a_delayed_request_goes_behind_its_own_level_only_not_behind_lower_level
     async def scenario() -> None:
         runner = FakeRunner(gated=True)
         delay = QueuePolicy(delay_on_timeout=True, default_timeout_us=60_000_000, allow_timeout_override=True)
-        scheduler = make(runner, max_batch_size=1, priority_levels=2, default_priority_level=2,
-                         priority_queue_policies={1: delay})
+        scheduler = make(
+            runner, max_batch_size=1, priority_levels=2, default_priority_level=2, priority_queue_policies={1: delay}
+        )
         blocker = submit(scheduler, 0)
         await runner.started.wait()
         late = submit(scheduler, 1, priority=1, timeout=1)  # level 1, expires at once: delayed

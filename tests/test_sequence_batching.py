@@ -23,10 +23,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     from tests.conftest import start_server
 
     repo = tmp_path_factory.mktemp("repo")
-    add_accumulator(repo, "acc_direct", "direct { max_queue_delay_microseconds: 3000 minimum_slot_utilization: 0.5 }",
-                    instances=2)
-    add_accumulator(repo, "acc_oldest", "oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }",
-                    instances=2)
+    add_accumulator(
+        repo, "acc_direct", "direct { max_queue_delay_microseconds: 3000 minimum_slot_utilization: 0.5 }", instances=2
+    )
+    add_accumulator(
+        repo, "acc_oldest", "oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }", instances=2
+    )
     add_accumulator(repo, "acc_one_slot", max_batch_size=1, idle_us=300_000)
     add_accumulator(repo, "acc_stats", max_batch_size=2)
     add_state_only(repo, "from_hundred", 100.0)
@@ -48,8 +50,9 @@ def run_sequence(url: str, model: str, cid: int | str, values: list[float]) -> l
     with grpcclient.InferenceServerClient(url) as client:
         sums = []
         for index, value in enumerate(values):
-            out = infer(client, model, value, sequence_id=cid, sequence_start=index == 0,
-                        sequence_end=index == len(values) - 1)
+            out = infer(
+                client, model, value, sequence_id=cid, sequence_start=index == 0, sequence_end=index == len(values) - 1
+            )
             if "CORRID_OUT" in out and isinstance(cid, int):
                 assert int(out["CORRID_OUT"].item()) == cid
             sums.append(float(out["OUTPUT"].item()))
@@ -80,8 +83,14 @@ def test_a_stream_runs_each_sequence_in_the_order_sent(server: RunningServer) ->
             for cid in (101, 102, 103):
                 data = grpcclient.InferInput("INPUT", [1, 1], "FP32")
                 data.set_data_from_numpy(np.array([[1.0]], dtype=np.float32))
-                client.async_stream_infer("acc_direct", [data], request_id=f"{cid}-{step}", sequence_id=cid,
-                                          sequence_start=step == 0, sequence_end=step == 9)
+                client.async_stream_infer(
+                    "acc_direct",
+                    [data],
+                    request_id=f"{cid}-{step}",
+                    sequence_id=cid,
+                    sequence_start=step == 0,
+                    sequence_end=step == 9,
+                )
                 sent += 1
         got = [answers.get(timeout=30) for _ in range(sent)]
     finally:
@@ -97,12 +106,15 @@ def test_errors_use_tritons_words(server: RunningServer) -> None:
     with grpcclient.InferenceServerClient(server.url) as client:
         with pytest.raises(InferenceServerException) as missing:
             infer(client, "acc_direct", 1.0)
-        assert missing.value.message() == ("inference request to model 'acc_direct' must specify a non-zero or "
-                                           "non-empty correlation ID")
+        assert missing.value.message() == (
+            "inference request to model 'acc_direct' must specify a non-zero or non-empty correlation ID"
+        )
         with pytest.raises(InferenceServerException) as not_started:
             infer(client, "acc_direct", 1.0, sequence_id=4242)
-        assert not_started.value.message() == ("inference request for sequence 4242 to model 'acc_direct' must "
-                                               "specify the START flag on the first request of the sequence")
+        assert not_started.value.message() == (
+            "inference request for sequence 4242 to model 'acc_direct' must "
+            "specify the START flag on the first request of the sequence"
+        )
         assert "INVALID_ARGUMENT" in str(not_started.value.status())
 
 

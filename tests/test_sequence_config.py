@@ -51,38 +51,61 @@ def test_controls_and_state_become_backend_tensors() -> None:
     assert [t.name for t in spec.inputs] == ["INPUT"]  # what clients send is unchanged
 
 
-@pytest.mark.parametrize(("batching", "message"), [
-    ('control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START } ] } ]',
-     "sequence batching must specify either 'int32_false_true', 'fp32_false_true' or 'bool_false_true' for "
-     "CONTROL_SEQUENCE_START for m"),
-    ('control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] '
-     'fp32_false_true: [ 0, 1 ] } ] } ]',
-     "sequence batching specifies more than one from 'int32_false_true', 'fp32_false_true' and 'bool_false_true' "
-     "for CONTROL_SEQUENCE_END for m"),
-    ('control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 1 ] } ] } ]',
-     "sequence batching control 'int32_false_true' must have exactly 2 entries for CONTROL_SEQUENCE_READY for m"),
-    ('control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }, '
-     '{ name: "S" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] } ]',
-     "sequence batching control tensor 'S' is specified for multiple control kinds for m"),
-    ('control_input [ { name: "A" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }, '
-     '{ name: "B" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]',
-     "sequence batching specifies multiple CONTROL_SEQUENCE_START tensors for m"),
-    ('control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] } ]',
-     "unexpected control data type, expected TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32, or TYPE_STRING"),
-    ('control_input [ { name: "INPUT" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]',
-     "control tensor 'INPUT' is also a config input"),
-    ('state [ { input_name: "SI" output_name: "SO" data_type: TYPE_FP32 dims: [ 1 ] '
-     'initial_state [ { name: "a" data_type: TYPE_FP32 dims: [ 1 ] zero_data: true }, '
-     '{ name: "b" data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } ] } ]',
-     "initial_state field for state input 'SI' must contain exactly one or zero element. Found '2' elements."),
-    ('state [ { input_name: "SI" output_name: "SO" data_type: TYPE_FP32 dims: [ 2 ] '
-     'initial_state [ { name: "a" data_type: TYPE_FP32 dims: [ 3 ] zero_data: true } ] } ]',
-     "'initial_state' dim for input name 'SI' doesn't match 'state' dim description. 3 != 2"),
-    ('state [ { input_name: "SI" output_name: "SO" data_type: TYPE_FP32 dims: [ 2 ] '
-     'initial_state [ { name: "a" data_type: TYPE_INT32 dims: [ 2 ] zero_data: true } ] } ]',
-     "The data type used for 'initial_state' field of state 'SI' does not match the state data type."),
-    ("iterative_sequence: true", "iterative_sequence is not supported"),
-])
+@pytest.mark.parametrize(
+    ("batching", "message"),
+    [
+        (
+            'control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START } ] } ]',
+            "sequence batching must specify either 'int32_false_true', 'fp32_false_true' or 'bool_false_true' for "
+            "CONTROL_SEQUENCE_START for m",
+        ),
+        (
+            'control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] '
+            "fp32_false_true: [ 0, 1 ] } ] } ]",
+            "sequence batching specifies more than one from 'int32_false_true', 'fp32_false_true' and 'bool_false_true' "  # noqa: E501
+            "for CONTROL_SEQUENCE_END for m",
+        ),
+        (
+            'control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 1 ] } ] } ]',
+            "sequence batching control 'int32_false_true' must have exactly 2 entries for CONTROL_SEQUENCE_READY for m",
+        ),
+        (
+            'control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }, '
+            '{ name: "S" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] } ]',
+            "sequence batching control tensor 'S' is specified for multiple control kinds for m",
+        ),
+        (
+            'control_input [ { name: "A" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }, '
+            '{ name: "B" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]',
+            "sequence batching specifies multiple CONTROL_SEQUENCE_START tensors for m",
+        ),
+        (
+            'control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] } ]',
+            "unexpected control data type, expected TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32, or TYPE_STRING",
+        ),
+        (
+            'control_input [ { name: "INPUT" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]',  # noqa: E501
+            "control tensor 'INPUT' is also a config input",
+        ),
+        (
+            'state [ { input_name: "SI" output_name: "SO" data_type: TYPE_FP32 dims: [ 1 ] '
+            'initial_state [ { name: "a" data_type: TYPE_FP32 dims: [ 1 ] zero_data: true }, '
+            '{ name: "b" data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } ] } ]',
+            "initial_state field for state input 'SI' must contain exactly one or zero element. Found '2' elements.",
+        ),
+        (
+            'state [ { input_name: "SI" output_name: "SO" data_type: TYPE_FP32 dims: [ 2 ] '
+            'initial_state [ { name: "a" data_type: TYPE_FP32 dims: [ 3 ] zero_data: true } ] } ]',
+            "'initial_state' dim for input name 'SI' doesn't match 'state' dim description. 3 != 2",
+        ),
+        (
+            'state [ { input_name: "SI" output_name: "SO" data_type: TYPE_FP32 dims: [ 2 ] '
+            'initial_state [ { name: "a" data_type: TYPE_INT32 dims: [ 2 ] zero_data: true } ] } ]',
+            "The data type used for 'initial_state' field of state 'SI' does not match the state data type.",
+        ),
+        ("iterative_sequence: true", "iterative_sequence is not supported"),
+    ],
+)
 def test_bad_configs_are_refused(batching: str, message: str) -> None:
     with pytest.raises(ShoalError) as refused:
         spec_of(batching)
@@ -93,9 +116,10 @@ def test_initial_state_data_file_is_read_from_the_model_folder(tmp_path: Path) -
     model = tmp_path / "m"
     (model / "initial_state").mkdir(parents=True)
     (model / "initial_state" / "seven.bin").write_bytes((7).to_bytes(4, "little") * 2)
-    batching = spec_of('state [ { input_name: "SI" output_name: "SO" data_type: TYPE_INT32 dims: [ -1 ] '
-                       'initial_state [ { name: "s" data_type: TYPE_INT32 dims: [ 2 ] data_file: "seven.bin" } ] } ]'
-                       ).sequence_batching
+    batching = spec_of(
+        'state [ { input_name: "SI" output_name: "SO" data_type: TYPE_INT32 dims: [ -1 ] '
+        'initial_state [ { name: "s" data_type: TYPE_INT32 dims: [ 2 ] data_file: "seven.bin" } ] } ]'
+    ).sequence_batching
     assert batching is not None
     assert read_initial_states(model, batching).states[0].start_value().tolist() == [7, 7]
     (model / "initial_state" / "seven.bin").write_bytes(b"\x07")

@@ -29,6 +29,7 @@ async def _queued(sched: object, count: int) -> None:
 def test_a_sequence_given_up_in_the_backlog_can_start_again() -> None:
     """A backlogged sequence whose every request was cancelled is dropped when a slot frees, so its
     client's retried START takes that slot (it used to join a backlog nobody serves, forever)."""
+
     async def main() -> None:
         sched, _ = scheduler(max_batch_size=1)
         assert await step(sched, 1, 1.0, start=True) == 1.0
@@ -47,6 +48,7 @@ def test_a_sequence_given_up_in_the_backlog_can_start_again() -> None:
 def test_a_request_given_up_while_queued_counts_as_canceled(strategy: str) -> None:
     """As the dynamic batcher counts it (README: ModelStatistics): once, CANCELED; a request given up
     while its batch runs is answered by the model and counts as a success."""
+
     async def main() -> None:
         sched, runner = scheduler(max_batch_size=1, strategy=strategy)
         assert await step(sched, 1, 1.0, start=True) == 1.0
@@ -80,9 +82,15 @@ class WrongStateRows:
 def test_outputs_without_a_row_per_request_fail_the_batch_and_the_lane_goes_on(strategy: str) -> None:
     """Such a batch used to raise in the lane's task, which died: its requests, and every later one
     of the instance's slots, waited forever (and so did unloading)."""
+
     async def main() -> None:
-        sched, runner = scheduler(max_batch_size=2, strategy=strategy, max_candidate_sequences=2,
-                                  preferred_batch_sizes=(2,), max_queue_delay_us=100_000)
+        sched, runner = scheduler(
+            max_batch_size=2,
+            strategy=strategy,
+            max_candidate_sequences=2,
+            preferred_batch_sizes=(2,),
+            max_queue_delay_us=100_000,
+        )
         runner.instances[0] = WrongStateRows()  # type: ignore[call-overload]
         with pytest.raises(ShoalError, match="output 'STATE_OUT' has shape \\[0, 1\\], not a batch of 1 rows"):
             await asyncio.wait_for(step(sched, 1, 1.0, start=True), 5)
@@ -95,6 +103,7 @@ def test_outputs_without_a_row_per_request_fail_the_batch_and_the_lane_goes_on(s
 def test_oldest_adds_each_requests_phases_to_its_own_callers_totals() -> None:
     """A request the slot sends after the one before it (not when it arrived) still counts into the
     totals its caller set (an ensemble's), not into those of the request that woke the slot."""
+
     async def counted(sched: SequenceScheduler, value: float, start: bool) -> PhaseTotals:
         totals = PhaseTotals()
         ALSO_COUNT_PHASES.set(totals)  # this task's own context, as an ensemble's step has
@@ -125,6 +134,7 @@ class Growing:
 def test_sequences_whose_states_grew_apart_run_in_separate_batches() -> None:
     """Two sequences' variable-dims states of different lengths cannot be stacked: each runs as its own
     row beside a null row (it used to fail both requests, and every later batch that paired them)."""
+
     async def main() -> None:
         growing = StateSpec("STATE_IN", "STATE_OUT", DataType.FP32, (-1,))
         batching = SequenceBatching(strategy="direct", controls=CONTROLS, states=(growing,))
@@ -142,6 +152,7 @@ def test_sequences_whose_states_grew_apart_run_in_separate_batches() -> None:
 def test_unloading_does_not_wait_for_a_slot_for_requests_given_up_in_the_backlog() -> None:
     """``stop`` lets what is queued run; a backlogged request its client gave up is not queued (it used
     to hold ``stop`` until an idle sequence freed a slot: here a minute)."""
+
     async def main() -> None:
         sched, _ = scheduler(max_batch_size=1, max_sequence_idle_us=60_000_000)
         assert await step(sched, 1, 1.0, start=True) == 1.0

@@ -46,16 +46,19 @@ class Instances:
 
 def scheduler(instances: int = 1, max_batch_size: int = 2, **options: Any) -> tuple[SequenceScheduler, Instances]:
     runner = Instances(instances)
-    batching = SequenceBatching(strategy=options.pop("strategy", "direct"), controls=CONTROLS, states=(STATE,),
-                                **options)
+    batching = SequenceBatching(
+        strategy=options.pop("strategy", "direct"), controls=CONTROLS, states=(STATE,), **options
+    )
     return SequenceScheduler(runner, ModelStatistics(), max_batch_size, batching, "acc"), runner
 
 
-async def step(sched: SequenceScheduler, cid: int | str, value: float, start: bool = False, end: bool = False,
-               **parameters: Any) -> float:
+async def step(
+    sched: SequenceScheduler, cid: int | str, value: float, start: bool = False, end: bool = False, **parameters: Any
+) -> float:
     feed = {"IN": np.array([[value]], dtype=np.float32)}
-    result = await sched.submit(feed, ["OUT"], 1, {"sequence_id": cid, "sequence_start": start,
-                                                   "sequence_end": end, **parameters})
+    result = await sched.submit(
+        feed, ["OUT"], 1, {"sequence_id": cid, "sequence_start": start, "sequence_end": end, **parameters}
+    )
     return float(result["OUT"][0, 0])
 
 
@@ -77,7 +80,8 @@ def test_interleaved_sequences_each_get_their_own_running_sum() -> None:
         # As Triton counts them: a null row is in its batch's size, not among the inferences.
         assert sched.statistics.inference_count == sched.statistics.success.count == 5
         assert sum(size * stats.compute_infer.count for size, stats in sched.statistics.batch_stats.items()) == sum(
-            len(batch["IN"]) for _, batch in runner.log)
+            len(batch["IN"]) for _, batch in runner.log
+        )
         assert 2 in sched.statistics.batch_stats
 
     asyncio.run(main())
@@ -88,8 +92,11 @@ def test_errors_use_tritons_words() -> None:
         sched, _ = scheduler()
         with pytest.raises(ShoalError, match="must specify a non-zero or non-empty correlation ID"):
             await step(sched, 0, 1.0, start=True)
-        with pytest.raises(ShoalError, match="inference request for sequence 7 to model 'acc' must specify the "
-                                             "START flag on the first request of the sequence"):
+        with pytest.raises(
+            ShoalError,
+            match="inference request for sequence 7 to model 'acc' must specify the "
+            "START flag on the first request of the sequence",
+        ):
             await step(sched, 7, 1.0)
         with pytest.raises(ShoalError, match="invalid value type for 'sequence_start' parameter"):
             await step(sched, 7, 1.0, start=1)  # type: ignore[arg-type]
@@ -145,8 +152,13 @@ def test_an_idle_sequence_loses_its_slot() -> None:
 
 def test_oldest_batches_ready_sequences_and_keeps_each_in_order() -> None:
     async def main() -> None:
-        sched, runner = scheduler(strategy="oldest", max_batch_size=4, max_candidate_sequences=4,
-                                  preferred_batch_sizes=(4,), max_queue_delay_us=2000)
+        sched, runner = scheduler(
+            strategy="oldest",
+            max_batch_size=4,
+            max_candidate_sequences=4,
+            preferred_batch_sizes=(4,),
+            max_queue_delay_us=2000,
+        )
 
         async def sequence(cid: int) -> list[float]:
             sums = [await step(sched, cid, 1.0, start=True)]

@@ -49,8 +49,12 @@ def regions() -> Iterator[Callable[[int], tuple[str, str, Region]]]:
         shm.destroy_shared_memory_region(handle)
 
 
-def registered(client: grpcclient.InferenceServerClient, make: Callable[[int], tuple[str, str, Region]],
-               values: np.ndarray | None, byte_size: int = 0) -> tuple[str, Region]:
+def registered(
+    client: grpcclient.InferenceServerClient,
+    make: Callable[[int], tuple[str, str, Region]],
+    values: np.ndarray | None,
+    byte_size: int = 0,
+) -> tuple[str, Region]:
     name, key, handle = make(byte_size or _byte_size(values))
     if values is not None:  # BYTES go in as tritonclient serializes them: a 4-byte length per element
         shm.set_shared_memory_region(handle, [serialize_byte_tensor(values) if values.dtype == np.object_ else values])
@@ -148,24 +152,42 @@ def expect_error(status: str, text: str, call: Callable[[], object]) -> None:
 def test_registration_errors_in_tritons_words(client: grpcclient.InferenceServerClient, regions, tmp_path) -> None:
     name, key, _ = regions(64)
     client.register_system_shared_memory(name, key, 64)
-    expect_error("ALREADY_EXISTS", f"shared memory region '{name}' already in manager",
-                 lambda: client.register_system_shared_memory(name, key, 64))
-    expect_error("INTERNAL", "Unable to open shared memory region: '/shoal_no_such_segment'",
-                 lambda: client.register_system_shared_memory("x", "/shoal_no_such_segment", 64))
-    expect_error("INVALID_ARGUMENT", "failed to register shared memory region 'y': invalid args",
-                 lambda: client.register_system_shared_memory("y", key, 64, offset=8))
-    expect_error("NOT_FOUND", "Unable to find system shared memory region: 'nope'",
-                 lambda: client.get_system_shared_memory_status("nope"))
+    expect_error(
+        "ALREADY_EXISTS",
+        f"shared memory region '{name}' already in manager",
+        lambda: client.register_system_shared_memory(name, key, 64),
+    )
+    expect_error(
+        "INTERNAL",
+        "Unable to open shared memory region: '/shoal_no_such_segment'",
+        lambda: client.register_system_shared_memory("x", "/shoal_no_such_segment", 64),
+    )
+    expect_error(
+        "INVALID_ARGUMENT",
+        "failed to register shared memory region 'y': invalid args",
+        lambda: client.register_system_shared_memory("y", key, 64, offset=8),
+    )
+    expect_error(
+        "NOT_FOUND",
+        "Unable to find system shared memory region: 'nope'",
+        lambda: client.get_system_shared_memory_status("nope"),
+    )
     for path_like in ("/../etc/passwd", "/a/b", "/", "/.."):  # only a segment's own name is ever opened
-        expect_error("INTERNAL", "Unable to open shared memory region",
-                     lambda key=path_like: client.register_system_shared_memory("z", key, 1))
+        expect_error(
+            "INTERNAL",
+            "Unable to open shared memory region",
+            lambda key=path_like: client.register_system_shared_memory("z", key, 1),
+        )
     link = Path("/dev/shm") / f"shoal_test_link_{uuid.uuid4().hex[:8]}"
     target = tmp_path / "secret"
     target.write_bytes(b"x" * 64)
     link.symlink_to(target)
     try:
-        expect_error("INTERNAL", "Unable to open shared memory region",
-                     lambda: client.register_system_shared_memory("link", f"/{link.name}", 64))
+        expect_error(
+            "INTERNAL",
+            "Unable to open shared memory region",
+            lambda: client.register_system_shared_memory("link", f"/{link.name}", 64),
+        )
     finally:
         link.unlink()
 
@@ -184,19 +206,28 @@ def test_inference_errors_in_tritons_words(client: grpcclient.InferenceServerCli
         return client.infer("simple", inputs, outputs=[output])
 
     expect_error("NOT_FOUND", "Unable to find shared memory region: 'gone'", lambda: infer("gone", 64))
-    expect_error("INVALID_ARGUMENT", "input byte size mismatch for input 'INPUT0' for model 'simple'. Expected 64, "
-                 "got 32", lambda: infer(in0, 32, 32))
-    expect_error("INVALID_ARGUMENT", f"Invalid offset + byte size for shared memory region: '{in0}'",
-                 lambda: infer(in0, 64, offset=8))
-    expect_error("INVALID_ARGUMENT", f"Invalid offset for shared memory region: '{in0}'",
-                 lambda: infer(in0, 64, offset=64))
-    expect_error("INTERNAL", "shared memory size specified with the request for output 'OUTPUT0' (32 bytes) should "
-                 "be at least 64 bytes to hold the results", lambda: infer(in0, 64, 32))
+    expect_error(
+        "INVALID_ARGUMENT",
+        "input byte size mismatch for input 'INPUT0' for model 'simple'. Expected 64, got 32",
+        lambda: infer(in0, 32, 32),
+    )
+    expect_error(
+        "INVALID_ARGUMENT",
+        f"Invalid offset + byte size for shared memory region: '{in0}'",
+        lambda: infer(in0, 64, offset=8),
+    )
+    expect_error(
+        "INVALID_ARGUMENT", f"Invalid offset for shared memory region: '{in0}'", lambda: infer(in0, 64, offset=64)
+    )
+    expect_error(
+        "INTERNAL",
+        "shared memory size specified with the request for output 'OUTPUT0' (32 bytes) should "
+        "be at least 64 bytes to hold the results",
+        lambda: infer(in0, 64, 32),
+    )
 
 
-def test_a_region_unregistered_while_a_request_waits_still_serves_it(
-    server_factory, tmp_path: Path, regions
-) -> None:
+def test_a_region_unregistered_while_a_request_waits_still_serves_it(server_factory, tmp_path: Path, regions) -> None:
     repo = tmp_path / "repo"
     models.add_delayed_identity(repo, "slow", delay_ms=800)
     server = server_factory(repo)
@@ -217,8 +248,10 @@ def test_a_region_unregistered_while_a_request_waits_still_serves_it(
         for thread in threads:
             thread.start()
         # One instance: one request runs for 0.8 s while the other waits; either way the region's is in flight.
-        wait_until(lambda: metric(server, "nv_inference_pending_request_count", "slow") == 1,
-                   what="one request running and one waiting")
+        wait_until(
+            lambda: metric(server, "nv_inference_pending_request_count", "slow") == 1,
+            what="one request running and one waiting",
+        )
         triton.unregister_system_shared_memory(name)
         for thread in threads:
             thread.join(timeout=20)
@@ -227,16 +260,21 @@ def test_a_region_unregistered_while_a_request_waits_still_serves_it(
 
 def test_registration_is_restricted_and_bounded(server_factory, tmp_path: Path, regions) -> None:
     repo = models.repository(tmp_path, "simple")
-    server = server_factory(repo, "--grpc-restricted-protocol", "shared-memory:admin=yes",
-                            "--shared-memory-max-mb", "0.0625")  # 64 KiB
+    server = server_factory(
+        repo, "--grpc-restricted-protocol", "shared-memory:admin=yes", "--shared-memory-max-mb", "0.0625"
+    )  # 64 KiB
     name, key, _ = regions(128 << 10)
     with grpcclient.InferenceServerClient(server.url) as triton:
-        expect_error("UNAVAILABLE", "This protocol is restricted",
-                     lambda: triton.register_system_shared_memory(name, key, 4096))
+        expect_error(
+            "UNAVAILABLE", "This protocol is restricted", lambda: triton.register_system_shared_memory(name, key, 4096)
+        )
         allowed = {"triton-grpc-protocol-admin": "yes"}
         triton.register_system_shared_memory(name, key, 64 << 10, headers=allowed)
-        expect_error("INVALID_ARGUMENT", "--shared-memory-max-mb",
-                     lambda: triton.register_system_shared_memory("more", key, 1, headers=allowed))
+        expect_error(
+            "INVALID_ARGUMENT",
+            "--shared-memory-max-mb",
+            lambda: triton.register_system_shared_memory("more", key, 1, headers=allowed),
+        )
     assert server.stop() == 0
     assert Path("/dev/shm", key.lstrip("/")).exists()  # the client's segment: the server never unlinks it
     assert os.stat(Path("/dev/shm", key.lstrip("/"))).st_size == 128 << 10
@@ -253,8 +291,11 @@ def test_a_segment_truncated_after_registration_fails_only_that_request(
     inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
     inputs[0].set_shared_memory(name, 64)
     inputs[1].set_data_from_numpy(a)
-    expect_error("INTERNAL", f"shared memory region '{name}' is smaller than when it was registered",
-                 lambda: client.infer("simple", inputs))
+    expect_error(
+        "INTERNAL",
+        f"shared memory region '{name}' is smaller than when it was registered",
+        lambda: client.infer("simple", inputs),
+    )
     inputs[0].set_data_from_numpy(a)
     np.testing.assert_array_equal(client.infer("simple", inputs).as_numpy("OUTPUT0"), a + a)
     assert example_server.process.poll() is None

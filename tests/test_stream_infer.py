@@ -125,9 +125,7 @@ def test_back_to_back_requests_on_one_stream_are_batched(server: RunningServer, 
     assert int(stats["execution_count"]) < count, stats["batch_stats"]
 
 
-def test_responses_come_back_in_arrival_order_while_requests_run_concurrently(
-    server: RunningServer, client
-) -> None:
+def test_responses_come_back_in_arrival_order_while_requests_run_concurrently(server: RunningServer, client) -> None:
     """Triton's order for models that are not decoupled (src/grpc/stream_infer_handler.cc: each
     request's response is queued "so that its response is sent in the same order as the request was
     received"), while the requests run at once: the quick ones sent after a slow one finish first."""
@@ -237,6 +235,7 @@ def test_the_restricted_protocol_covers_the_stream(tmp_path: Path, server_factor
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.ModelStreamInfer(iter([request]), timeout=RESPONSE_TIMEOUT_S))
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        allowed = stub.ModelStreamInfer(iter([request]), metadata=(("triton-grpc-protocol-infer-key", "s3cret"),),
-                                        timeout=RESPONSE_TIMEOUT_S)
+        allowed = stub.ModelStreamInfer(
+            iter([request]), metadata=(("triton-grpc-protocol-infer-key", "s3cret"),), timeout=RESPONSE_TIMEOUT_S
+        )
         assert [response.infer_response.id for response in allowed] == ["one"]

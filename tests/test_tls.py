@@ -23,14 +23,54 @@ def _openssl(*args: str, cwd: Path) -> None:
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, all signed by the CA."""
     folder = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=shoal-test-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=folder)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=shoal-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=folder,
+    )
     (folder / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
     for name, extension in (("server", ["-extfile", "san.ext"]), ("client", [])):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-                 "-out", f"{name}.csr", cwd=folder)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "2", "-out", f"{name}.pem", *extension, cwd=folder)
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=folder,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            f"{name}.pem",
+            *extension,
+            cwd=folder,
+        )
     return folder
 
 
@@ -46,8 +86,16 @@ def _client_tls(pki: Path, with_certificate: bool) -> TlsOptions:
 def test_tls(pki: Path, tmp_path: Path, server_factory) -> None:
     credentials = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
     repo = models.repository(tmp_path, "simple")
-    server = server_factory(repo, "--grpc-use-ssl", "true", "--grpc-server-cert", str(pki / "server.pem"),
-                            "--grpc-server-key", str(pki / "server.key"), credentials=credentials)
+    server = server_factory(
+        repo,
+        "--grpc-use-ssl",
+        "true",
+        "--grpc-server-cert",
+        str(pki / "server.pem"),
+        "--grpc-server-key",
+        str(pki / "server.key"),
+        credentials=credentials,
+    )
     with InferenceClient(server.url, tls=_client_tls(pki, with_certificate=False), timeout_s=10) as client:
         assert client.is_model_ready("simple")
     # pygrpc-native has no TLS: --grpc-engine auto serves it on grpc.aio, and says so (in each worker too)
@@ -65,8 +113,15 @@ def test_mutual_tls_requires_a_client_certificate(pki: Path, tmp_path: Path, ser
     )
     repo = models.repository(tmp_path, "simple")
     server = server_factory(
-        repo, "--grpc-use-ssl-mutual", "true", "--grpc-server-cert", str(pki / "server.pem"),
-        "--grpc-server-key", str(pki / "server.key"), "--grpc-root-cert", str(pki / "ca.pem"),
+        repo,
+        "--grpc-use-ssl-mutual",
+        "true",
+        "--grpc-server-cert",
+        str(pki / "server.pem"),
+        "--grpc-server-key",
+        str(pki / "server.key"),
+        "--grpc-root-cert",
+        str(pki / "ca.pem"),
         credentials=credentials,
     )
     with InferenceClient(server.url, tls=_client_tls(pki, with_certificate=True), timeout_s=10) as client:
@@ -81,19 +136,49 @@ def test_the_native_engine_with_tls_is_a_clear_startup_error(pki: Path, tmp_path
     import sys
 
     repo = models.repository(tmp_path, "simple")
-    result = subprocess.run([sys.executable, "-m", "shoal", "serve", "--model-repository", str(repo), "--grpc-port",
-                             "0", "--http-port", "0", "--metrics-port", "0", "--grpc-address", "127.0.0.1",
-                             "--grpc-engine", "native", "--grpc-use-ssl", "true", "--grpc-server-cert",
-                             str(pki / "server.pem"), "--grpc-server-key", str(pki / "server.key")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shoal",
+            "serve",
+            "--model-repository",
+            str(repo),
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--grpc-address",
+            "127.0.0.1",
+            "--grpc-engine",
+            "native",
+            "--grpc-use-ssl",
+            "true",
+            "--grpc-server-cert",
+            str(pki / "server.pem"),
+            "--grpc-server-key",
+            str(pki / "server.key"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1, result.stderr
-    assert "--grpc-engine native cannot serve TLS (pygrpc-native has none); use --grpc-engine auto or grpcio" \
+    assert (
+        "--grpc-engine native cannot serve TLS (pygrpc-native has none); use --grpc-engine auto or grpcio"
         in result.stderr
+    )
 
 
 def test_tls_flags_are_checked() -> None:
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "shoal", "serve", "--model-repository", ".", "--grpc-use-ssl",
-                             "true"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal", "serve", "--model-repository", ".", "--grpc-use-ssl", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "needs --grpc-server-cert and --grpc-server-key" in result.stderr

@@ -39,8 +39,14 @@ from tests import decoupled_models, ensemble_models, python_models
 from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
 
-TRITON_DEFAULT = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1", "log_frequency": "0",
-                  "trace_file": "", "trace_mode": "triton"}
+TRITON_DEFAULT = {
+    "trace_level": ["OFF"],
+    "trace_rate": "1000",
+    "trace_count": "-1",
+    "log_frequency": "0",
+    "trace_file": "",
+    "trace_mode": "triton",
+}
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
 TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
@@ -50,14 +56,30 @@ TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
 
 
 def test_the_command_line_takes_tritons_trace_config() -> None:
-    config = parse_trace_config(["triton,file=/tmp/t.json", "level=TIMESTAMPS", "rate=1", "count=5",
-                                 "triton,log-frequency=2"])
+    config = parse_trace_config(
+        ["triton,file=/tmp/t.json", "level=TIMESTAMPS", "rate=1", "count=5", "triton,log-frequency=2"]
+    )
     assert (config.mode, config.level, config.rate, config.count, config.file, config.log_frequency) == (
-        "triton", frozenset({"TIMESTAMPS"}), 1, 5, "/tmp/t.json", 2)
-    otel = parse_trace_config(["mode=opentelemetry", "opentelemetry,url=127.0.0.1:4318/v1/traces",
-                               "opentelemetry,resource=service.name=mine", "opentelemetry,bsp_schedule_delay=50"])
+        "triton",
+        frozenset({"TIMESTAMPS"}),
+        1,
+        5,
+        "/tmp/t.json",
+        2,
+    )
+    otel = parse_trace_config(
+        [
+            "mode=opentelemetry",
+            "opentelemetry,url=127.0.0.1:4318/v1/traces",
+            "opentelemetry,resource=service.name=mine",
+            "opentelemetry,bsp_schedule_delay=50",
+        ]
+    )
     assert (otel.url, otel.resource, otel.bsp["bsp_schedule_delay"]) == (
-        "127.0.0.1:4318/v1/traces", (("service.name", "mine"),), 50)
+        "127.0.0.1:4318/v1/traces",
+        (("service.name", "mine"),),
+        50,
+    )
     for bad in ("level=bogus", "rate=abc", "mode=jaeger", "foo=1", "triton,foo=1", "rate", "count=-2"):
         with pytest.raises(ValueError):
             parse_trace_config([bad])
@@ -83,21 +105,30 @@ def test_a_model_overrides_fields_and_clearing_one_follows_the_global_again() ->
     assert traces.answer()["trace_rate"] == "1000"
 
 
-@pytest.mark.parametrize(("changes", "code", "words"), [
-    ({"trace_rate": ["abc"]}, ErrorCode.INVALID_ARGUMENT, "Unable to parse 'trace_rate', got: abc"),
-    ({"trace_count": ["-2"]}, ErrorCode.INVALID_ARGUMENT, "Unable to parse 'trace_count'. Expecting value >= -1, "
-                                                          "got: -2"),
-    ({"trace_rate": ["3000000000000"]}, ErrorCode.INVALID_ARGUMENT, "value is out of range [ 0, 4294967295 ]"),
-    ({"trace_rate": ["1", "2"]}, ErrorCode.INVALID_ARGUMENT, "expect only 1 value for 'trace_rate'"),
-    ({"trace_level": ["OFF", "TIMESTAMPS"]}, ErrorCode.INVALID_ARGUMENT, "Expect only one trace level 'OFF'"),
-    ({"trace_level": ["timestamps"]}, ErrorCode.INVALID_ARGUMENT, "unknown trace level 'timestamps'"),
-    ({"trace_level": ["TENSORS"]}, ErrorCode.UNSUPPORTED, "TENSORS is not supported"),
-    ({"trace_file": ["/tmp/x"]}, ErrorCode.UNSUPPORTED, "trace file location can not be updated through network"),
-    ({"trace_mode": ["opentelemetry"]}, ErrorCode.UNSUPPORTED, "trace mode can not be updated"),
-    ({"trace_ratee": ["1"]}, ErrorCode.INVALID_ARGUMENT, "unknown trace setting 'trace_ratee'"),
-    ({"trace_level": ["TIMESTAMPS"], "trace_rate": ["0"]}, ErrorCode.INVALID_ARGUMENT,
-     "Attempting to set invalid trace setting :sample rate must be non-zero"),
-])
+@pytest.mark.parametrize(
+    ("changes", "code", "words"),
+    [
+        ({"trace_rate": ["abc"]}, ErrorCode.INVALID_ARGUMENT, "Unable to parse 'trace_rate', got: abc"),
+        (
+            {"trace_count": ["-2"]},
+            ErrorCode.INVALID_ARGUMENT,
+            "Unable to parse 'trace_count'. Expecting value >= -1, got: -2",
+        ),
+        ({"trace_rate": ["3000000000000"]}, ErrorCode.INVALID_ARGUMENT, "value is out of range [ 0, 4294967295 ]"),
+        ({"trace_rate": ["1", "2"]}, ErrorCode.INVALID_ARGUMENT, "expect only 1 value for 'trace_rate'"),
+        ({"trace_level": ["OFF", "TIMESTAMPS"]}, ErrorCode.INVALID_ARGUMENT, "Expect only one trace level 'OFF'"),
+        ({"trace_level": ["timestamps"]}, ErrorCode.INVALID_ARGUMENT, "unknown trace level 'timestamps'"),
+        ({"trace_level": ["TENSORS"]}, ErrorCode.UNSUPPORTED, "TENSORS is not supported"),
+        ({"trace_file": ["/tmp/x"]}, ErrorCode.UNSUPPORTED, "trace file location can not be updated through network"),
+        ({"trace_mode": ["opentelemetry"]}, ErrorCode.UNSUPPORTED, "trace mode can not be updated"),
+        ({"trace_ratee": ["1"]}, ErrorCode.INVALID_ARGUMENT, "unknown trace setting 'trace_ratee'"),
+        (
+            {"trace_level": ["TIMESTAMPS"], "trace_rate": ["0"]},
+            ErrorCode.INVALID_ARGUMENT,
+            "Attempting to set invalid trace setting :sample rate must be non-zero",
+        ),
+    ],
+)
 def test_a_bad_change_is_refused_and_changes_nothing(changes: dict[str, Any], code: ErrorCode, words: str) -> None:
     traces = settings("triton,file=/tmp/t.json")
     with pytest.raises(ShoalError) as caught:
@@ -133,17 +164,25 @@ def test_a_clients_trace_is_traced_at_any_rate_and_count_and_takes_none_of_it() 
     assert not settings("mode=opentelemetry").sample("add", has_parent=True)  # unless tracing is off
 
 
-@pytest.mark.parametrize(("text", "valid"), [
-    (TRACEPARENT, True), (f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00", True), ("garbage", False), ("", False),
-    (f"00-{'0' * 32}-{CLIENT_SPAN}-01", False), (f"00-{CLIENT_TRACE.upper()}-{CLIENT_SPAN}-01", False),
-    (f"ff-{CLIENT_TRACE}-{CLIENT_SPAN}-01", False),
-])
+@pytest.mark.parametrize(
+    ("text", "valid"),
+    [
+        (TRACEPARENT, True),
+        (f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00", True),
+        ("garbage", False),
+        ("", False),
+        (f"00-{'0' * 32}-{CLIENT_SPAN}-01", False),
+        (f"00-{CLIENT_TRACE.upper()}-{CLIENT_SPAN}-01", False),
+        (f"ff-{CLIENT_TRACE}-{CLIENT_SPAN}-01", False),
+    ],
+)
 def test_only_a_valid_traceparent_counts_as_a_clients_trace(text: str, valid: bool) -> None:
     assert valid_traceparent(text) is valid
 
 
 def test_a_trace_file_that_cannot_be_written_drops_its_traces_and_says_so_once(
-        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     frequency = [1]
     writer = TraceFile(str(tmp_path / "missing" / "t.json"), lambda: frequency[0])
     for _ in range(3):
@@ -217,6 +256,7 @@ class Collector:
 
     def trace(self, trace_id: str, count: int) -> list[dict[str, Any]]:
         """The spans of one trace, once ``count`` of them arrived."""
+
         def arrived() -> bool:
             with self.lock:
                 return len([s for s in self.spans if s["trace_id"] == trace_id]) >= count
@@ -230,11 +270,19 @@ def _span(span: Any, resource: dict[str, str]) -> dict[str, Any]:
     def value(v: Any) -> Any:
         return getattr(v, v.WhichOneof("value"))
 
-    return {"name": span.name, "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
-            "parent": span.parent_span_id.hex(), "kind": span.kind, "start": span.start_time_unix_nano,
-            "end": span.end_time_unix_nano, "trace_state": span.trace_state,
-            "attributes": {a.key: value(a.value) for a in span.attributes},
-            "events": [e.name for e in span.events], "resource": resource}
+    return {
+        "name": span.name,
+        "trace_id": span.trace_id.hex(),
+        "span_id": span.span_id.hex(),
+        "parent": span.parent_span_id.hex(),
+        "kind": span.kind,
+        "start": span.start_time_unix_nano,
+        "end": span.end_time_unix_nano,
+        "trace_state": span.trace_state,
+        "attributes": {a.key: value(a.value) for a in span.attributes},
+        "events": [e.name for e in span.events],
+        "resource": resource,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -245,12 +293,17 @@ def collector() -> Iterator[Collector]:
     receiver.server.server_close()
 
 
-def test_a_malformed_tracestate_is_dropped_without_a_word(collector: Collector,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_a_malformed_tracestate_is_dropped_without_a_word(
+    collector: Collector, caplog: pytest.LogCaptureFixture
+) -> None:
     spans = OpenTelemetrySpans(parse_trace_config([f"opentelemetry,url=127.0.0.1:{collector.port}/v1/traces"]))
     trace_id = secrets.token_hex(16)
-    trace = RequestTrace("add1", "1", "", Origin("GRPC", time.monotonic_ns(), f"00-{trace_id}-{CLIENT_SPAN}-01",
-                                                 "bad key=!!," + "x" * 100))
+    trace = RequestTrace(
+        "add1",
+        "1",
+        "",
+        Origin("GRPC", time.monotonic_ns(), f"00-{trace_id}-{CLIENT_SPAN}-01", "bad key=!!," + "x" * 100),
+    )
     trace.stamp("REQUEST_START")
     trace.stamp("REQUEST_END")
     with caplog.at_level(logging.DEBUG):
@@ -291,21 +344,37 @@ class TritonPythonModel:
 
 
 @pytest.fixture(scope="module")
-def traced_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...],
-                  collector: Collector) -> Iterator[RunningServer]:
+def traced_server(
+    tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...], collector: Collector
+) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     ensemble_models.add_onnx_add1(repo)
     python_models.write_model(repo, "square", decoupled_models.SQUARE_CONFIG, decoupled_models.SQUARE)
     python_models.write_model(repo, "caller", CALLER_CONFIG, CALLER)
     python_models.write_model(repo, "caller_thread", CALLER_CONFIG + decoupled_models.THREADS, CALLER)
-    ensemble_models.add_ensemble(repo, "twice", [
-        ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "mid"}),
-        ensemble_models.step("add1", {"IN": "mid"}, {"OUT": "OUT"})])
-    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout,
-                          "--trace-config", "mode=opentelemetry",
-                          "--trace-config", f"opentelemetry,url=127.0.0.1:{collector.port}/v1/traces",
-                          "--trace-config", "opentelemetry,bsp_schedule_delay=20",
-                          "--trace-config", "level=TIMESTAMPS", "--trace-config", "rate=0")
+    ensemble_models.add_ensemble(
+        repo,
+        "twice",
+        [
+            ensemble_models.step("add1", {"IN": "IN"}, {"OUT": "mid"}),
+            ensemble_models.step("add1", {"IN": "mid"}, {"OUT": "OUT"}),
+        ],
+    )
+    server = start_server(
+        repo,
+        tmp_path_factory.mktemp("server"),
+        *layout,
+        "--trace-config",
+        "mode=opentelemetry",
+        "--trace-config",
+        f"opentelemetry,url=127.0.0.1:{collector.port}/v1/traces",
+        "--trace-config",
+        "opentelemetry,bsp_schedule_delay=20",
+        "--trace-config",
+        "level=TIMESTAMPS",
+        "--trace-config",
+        "rate=0",
+    )
     yield server
     assert server.stop() == 0, server.log()
 
@@ -325,8 +394,7 @@ def by_name(spans: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return found
 
 
-def test_a_grpc_request_is_spans_under_the_clients_trace(traced_server: RunningServer,
-                                                        collector: Collector) -> None:
+def test_a_grpc_request_is_spans_under_the_clients_trace(traced_server: RunningServer, collector: Collector) -> None:
     trace_id = secrets.token_hex(16)  # the collector serves both layouts: a trace of its own
     started = time.time_ns()
     assert grpc_add1(traced_server, "add1", f"00-{trace_id}-{CLIENT_SPAN}-01", request_id="r-1") == [1, 2, 3, 4]
@@ -339,21 +407,27 @@ def test_a_grpc_request_is_spans_under_the_clients_trace(traced_server: RunningS
     assert model["events"] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
     assert compute["events"] == ["COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
     attributes = model["attributes"]
-    assert (attributes["triton.model_name"], attributes["triton.model_version"], attributes["triton.request_id"],
-            attributes["triton.trace_parent_id"]) == ("add1", 1, "r-1", 0)
+    assert (
+        attributes["triton.model_name"],
+        attributes["triton.model_version"],
+        attributes["triton.request_id"],
+        attributes["triton.trace_parent_id"],
+    ) == ("add1", 1, "r-1", 0)
     assert root["start"] <= model["start"] <= compute["start"] <= compute["end"] <= model["end"] <= root["end"]
     assert started <= root["start"] and root["end"] <= time.time_ns()
     assert root["resource"]["service.name"] == "shoal"
 
 
-def test_an_http_request_keeps_the_clients_trace_and_state(traced_server: RunningServer,
-                                                          collector: Collector) -> None:
+def test_an_http_request_keeps_the_clients_trace_and_state(traced_server: RunningServer, collector: Collector) -> None:
     trace_id = secrets.token_hex(16)  # the collector serves both layouts: a trace of its own
     with httpclient.InferenceServerClient(traced_server.http_url) as client:
         given = httpclient.InferInput("IN", [1, 4], "FP32")
         given.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
-        client.infer("add1", [given], headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01",
-                                               "tracestate": "vendor=shoal-test"})
+        client.infer(
+            "add1",
+            [given],
+            headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01", "tracestate": "vendor=shoal-test"},
+        )
     spans = by_name(collector.trace(trace_id, 3))
     assert spans["InferRequest"][0]["events"][0] == "HTTP_RECV_END"
     assert {s["trace_state"] for s in collector.trace(trace_id, 3)} == {"vendor=shoal-test"}
@@ -373,7 +447,8 @@ def test_an_ensembles_steps_hang_under_its_span(traced_server: RunningServer, co
 
 @pytest.mark.parametrize("model", ["caller", "caller_thread"])
 def test_a_bls_call_given_its_requests_trace_hangs_under_the_callers_span(
-        traced_server: RunningServer, collector: Collector, model: str) -> None:
+    traced_server: RunningServer, collector: Collector, model: str
+) -> None:
     trace_id = secrets.token_hex(16)
     assert grpc_add1(traced_server, model, f"00-{trace_id}-{CLIENT_SPAN}-01") == [2, 4, 6, 8]  # (x + 1) twice
     spans = by_name(collector.trace(trace_id, 5))  # InferRequest, caller, its compute, add1, add1's compute
@@ -395,8 +470,10 @@ def test_a_decoupled_models_stream_is_not_traced(traced_server: RunningServer, c
     streamed_trace = secrets.token_hex(16)
     answers: queue.Queue[Any] = queue.Queue()
     with grpcclient.InferenceServerClient(traced_server.url) as client:
-        client.start_stream(callback=lambda result, error: answers.put((result, error)),
-                            headers={"traceparent": f"00-{streamed_trace}-{CLIENT_SPAN}-01"})
+        client.start_stream(
+            callback=lambda result, error: answers.put((result, error)),
+            headers={"traceparent": f"00-{streamed_trace}-{CLIENT_SPAN}-01"},
+        )
         given = grpcclient.InferInput("IN", [1], "INT32")
         given.set_data_from_numpy(np.array([2], dtype=np.int32))
         client.async_stream_infer("square", [given], request_id="s")
@@ -411,8 +488,9 @@ def test_a_decoupled_models_stream_is_not_traced(traced_server: RunningServer, c
         assert not [s for s in collector.spans if s["trace_id"] == streamed_trace]
 
 
-def test_without_a_clients_trace_at_rate_zero_nothing_is_sent(traced_server: RunningServer,
-                                                             collector: Collector) -> None:
+def test_without_a_clients_trace_at_rate_zero_nothing_is_sent(
+    traced_server: RunningServer, collector: Collector
+) -> None:
     before = len(collector.spans)
     with grpcclient.InferenceServerClient(traced_server.url) as client:
         given = grpcclient.InferInput("IN", [1, 4], "FP32")
@@ -432,38 +510,69 @@ def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -
     ensemble_models.add_onnx_add1(repo)
     trace_file = tmp_path / "trace.json"
     (tmp_path / "server").mkdir()
-    server = start_server(repo, tmp_path / "server", "--grpc-workers", "2", "--trace-config",
-                          f"triton,file={trace_file}", "--trace-config", "level=TIMESTAMPS", "--trace-config", "rate=1",
-                          "--trace-config", "count=2")
+    server = start_server(
+        repo,
+        tmp_path / "server",
+        "--grpc-workers",
+        "2",
+        "--trace-config",
+        f"triton,file={trace_file}",
+        "--trace-config",
+        "level=TIMESTAMPS",
+        "--trace-config",
+        "rate=1",
+        "--trace-config",
+        "count=2",
+    )
     try:
         for _ in range(3):
             grpc_add1(server, "add1", "")
         with httpclient.InferenceServerClient(server.http_url) as client:
-            assert client.get_trace_settings() == {**TRITON_DEFAULT, "trace_level": ["TIMESTAMPS"], "trace_rate": "1",
-                                                   "trace_count": "0", "trace_file": str(trace_file)}
+            assert client.get_trace_settings() == {
+                **TRITON_DEFAULT,
+                "trace_level": ["TIMESTAMPS"],
+                "trace_rate": "1",
+                "trace_count": "0",
+                "trace_file": str(trace_file),
+            }
     finally:
         assert server.stop() == 0, server.log()
     records = json.loads(trace_file.read_text())
     models = [r for r in records if "model_name" in r]
     assert [(m["model_name"], m["model_version"]) for m in models] == [("add1", 1), ("add1", 1)]
     first = [r["timestamps"][0]["name"] for r in records if r["id"] == models[0]["id"] and "timestamps" in r]
-    assert first == ["GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END",
-                     "COMPUTE_OUTPUT_START", "COMPUTE_END", "REQUEST_END", "INFER_RESPONSE_COMPLETE"]
+    assert first == [
+        "GRPC_WAITREAD_END",
+        "REQUEST_START",
+        "QUEUE_START",
+        "COMPUTE_START",
+        "COMPUTE_INPUT_END",
+        "COMPUTE_OUTPUT_START",
+        "COMPUTE_END",
+        "REQUEST_END",
+        "INFER_RESPONSE_COMPLETE",
+    ]
 
 
 @pytest.fixture(scope="module")
 def plain_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     ensemble_models.add_onnx_add1(repo)
-    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--trace-config",
-                          f"triton,file={tmp_path_factory.mktemp('traces') / 't.json'}")
+    server = start_server(
+        repo,
+        tmp_path_factory.mktemp("server"),
+        *layout,
+        "--trace-config",
+        f"triton,file={tmp_path_factory.mktemp('traces') / 't.json'}",
+    )
     yield server
     assert server.stop() == 0, server.log()
 
 
 def http(server: RunningServer, path: str, body: bytes | None = None) -> tuple[int, Any]:
-    request = urllib.request.Request(f"http://{server.http_url}{path}", data=body,
-                                     method="POST" if body is not None else "GET")
+    request = urllib.request.Request(
+        f"http://{server.http_url}{path}", data=body, method="POST" if body is not None else "GET"
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status, json.loads(answer.read())
@@ -488,10 +597,14 @@ def test_settings_round_trip_over_both_transports(plain_server: RunningServer) -
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert caught.value.details() == "Unable to parse 'trace_rate', got: abc"
     assert http(plain_server, "/v2/models/nosuch/trace/setting") == (
-        400, {"error": "Request for unknown model : nosuch"})
+        400,
+        {"error": "Request for unknown model : nosuch"},
+    )
     assert http(plain_server, "/v2/trace/setting", b'{"trace_file": "/tmp/x"}')[0] == 501
     assert http(plain_server, "/v2/trace/setting", b'{"trace_rate": 5}') == (
-        400, {"error": "expect a string for 'trace_rate', as Triton writes every trace setting but the level"})
+        400,
+        {"error": "expect a string for 'trace_rate', as Triton writes every trace setting but the level"},
+    )
     with httpclient.InferenceServerClient(plain_server.http_url) as client:
         assert "trace" in client.get_server_metadata()["extensions"]
         assert client.get_trace_settings()["trace_rate"] == "1000"

@@ -87,10 +87,13 @@ def test_long_client_input_is_shortened_in_errors(tmp_path: Path, server_factory
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # The name shortened, the message whole: it still says what is wrong.
         assert len(caught.value.details().encode()) < MAX_MESSAGE_BYTES / 2
-        assert caught.value.details().startswith("expected 2 inputs but got 1 inputs for model 'simple'. "
-                                                 "Got input(s) ['éé")
-        assert caught.value.details().endswith("...(100000 characters)'], but missing required input(s) "
-                                               "['INPUT0','INPUT1']. Please provide all required input(s).")
+        assert caught.value.details().startswith(
+            "expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['éé"
+        )
+        assert caught.value.details().endswith(
+            "...(100000 characters)'], but missing required input(s) "
+            "['INPUT0','INPUT1']. Please provide all required input(s)."
+        )
     with triton.InferenceServerClient(server.url) as client:
         inputs = [triton.InferInput("INPUT0", [1, 16], "INT32")]
         inputs[0].set_data_from_numpy(np.zeros((1, 16), np.int32))
@@ -103,8 +106,19 @@ def test_long_client_input_is_shortened_in_errors(tmp_path: Path, server_factory
 
 def serve_beside(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """A second `shoal serve` on loopback, expected to refuse to start."""
-    command = [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repo), "--grpc-address", "127.0.0.1",
-               "--http-port", "0", *args]  # never Triton's default HTTP port 8000 in tests; args may name another
+    command = [
+        sys.executable,
+        "-m",
+        "shoal",
+        "serve",
+        "--model-repository",
+        str(repo),
+        "--grpc-address",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        *args,
+    ]  # never Triton's default HTTP port 8000 in tests; args may name another
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
@@ -220,8 +234,11 @@ def start_two_requests(
                 return error
 
     futures = [pool.submit(call) for _ in range(2)]
-    wait_until(lambda: metric(server, "nv_inference_pending_request_count", model) == 1, timeout_s=30,
-               what="the second request to queue")
+    wait_until(
+        lambda: metric(server, "nv_inference_pending_request_count", model) == 1,
+        timeout_s=30,
+        what="the second request to queue",
+    )
     return futures
 
 
@@ -237,7 +254,6 @@ def assert_forced_exit_with_two_in_flight(server: RunningServer, model: str = "s
     assert code == EXIT_FORCED, server.log()
     assert took_s < 2 + 4, f"exited {took_s:.1f} s after SIGTERM"
     assert all(isinstance(result, ClientError) for result in results)
-
 
 
 def test_exit_timeout_is_a_hard_bound(tmp_path: Path, server_factory) -> None:
@@ -335,9 +351,11 @@ def server_settings(port: int) -> dict[int, int]:
             assert chunk, "the server closed the connection"
             received += chunk
     assert received[3] == rapid_reset.SETTINGS
-    payload = received[9:9 + int.from_bytes(received[:3], "big")]
-    return {int.from_bytes(payload[i:i + 2], "big"): int.from_bytes(payload[i + 2:i + 6], "big")
-            for i in range(0, len(payload), 6)}
+    payload = received[9 : 9 + int.from_bytes(received[:3], "big")]
+    return {
+        int.from_bytes(payload[i : i + 2], "big"): int.from_bytes(payload[i + 2 : i + 6], "big")
+        for i in range(0, len(payload), 6)
+    }
 
 
 def attack(port: int, streams: int, deadline: float) -> tuple[int, int]:

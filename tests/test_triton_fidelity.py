@@ -59,17 +59,52 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 16 ] } ]
 # Triton 2.51's GET /v2/models/nobatch/config for the same config (python backend): its keys, and those
 # of its input and instance group (every field of the message is printed, defaults included).
 TRITON_CONFIG_KEYS = {
-    "backend", "batch_input", "batch_output", "cc_model_filenames", "default_model_filename", "input",
-    "instance_group", "max_batch_size", "metric_tags", "model_warmup", "name", "optimization", "output",
-    "parameters", "platform", "runtime", "version_policy"}
-TRITON_INPUT = {"allow_ragged_batch": False, "data_type": "TYPE_INT32", "dims": [16], "format": "FORMAT_NONE",
-                "is_non_linear_format_io": False, "is_shape_tensor": False, "name": "IN", "optional": False}
+    "backend",
+    "batch_input",
+    "batch_output",
+    "cc_model_filenames",
+    "default_model_filename",
+    "input",
+    "instance_group",
+    "max_batch_size",
+    "metric_tags",
+    "model_warmup",
+    "name",
+    "optimization",
+    "output",
+    "parameters",
+    "platform",
+    "runtime",
+    "version_policy",
+}
+TRITON_INPUT = {
+    "allow_ragged_batch": False,
+    "data_type": "TYPE_INT32",
+    "dims": [16],
+    "format": "FORMAT_NONE",
+    "is_non_linear_format_io": False,
+    "is_shape_tensor": False,
+    "name": "IN",
+    "optional": False,
+}
 TRITON_GROUP_KEYS = {"count", "gpus", "host_policy", "kind", "name", "passive", "profile", "secondary_devices"}
-TRITON_OPTIMIZATION = {"eager_batching": False, "gather_kernel_buffer_threshold": 0,
-                       "input_pinned_memory": {"enable": True}, "output_pinned_memory": {"enable": True},
-                       "priority": "PRIORITY_DEFAULT"}
-DURATION_KEYS = {"success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
-                 "cache_miss"}
+TRITON_OPTIMIZATION = {
+    "eager_batching": False,
+    "gather_kernel_buffer_threshold": 0,
+    "input_pinned_memory": {"enable": True},
+    "output_pinned_memory": {"enable": True},
+    "priority": "PRIORITY_DEFAULT",
+}
+DURATION_KEYS = {
+    "success",
+    "fail",
+    "queue",
+    "compute_input",
+    "compute_infer",
+    "compute_output",
+    "cache_hit",
+    "cache_miss",
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +116,19 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     models.write_config(repo / "strs", TWO_STRINGS)
     (repo / "strs" / "1").mkdir()
     models.add_broken_models(repo)  # corrupt_file: its version fails to load
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--model-control-mode", "explicit",
-                           "--load-model", "nobatch", "--load-model", "batched", "--load-model", "strs")
+    running = start_server(
+        repo,
+        tmp_path_factory.mktemp("server"),
+        *layout,
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "nobatch",
+        "--load-model",
+        "batched",
+        "--load-model",
+        "strs",
+    )
     yield running
     assert running.stop() == 0, running.log()
 
@@ -107,17 +153,29 @@ def test_config_prints_default_valued_fields(client: httpclient.InferenceServerC
 
 
 def test_config_64_bit_fields_are_numbers_where_triton_makes_them_numbers(
-        client: httpclient.InferenceServerClient) -> None:
+    client: httpclient.InferenceServerClient,
+) -> None:
     batching = client.get_model_config("batched")["dynamic_batching"]
-    assert batching == {"max_queue_delay_microseconds": 100, "preferred_batch_size": [8], "preserve_ordering": False,
-                        "priority_levels": 2, "default_priority_level": 1, "priority_queue_policy": {}}
+    assert batching == {
+        "max_queue_delay_microseconds": 100,
+        "preferred_batch_size": [8],
+        "preserve_ordering": False,
+        "priority_levels": 2,
+        "default_priority_level": 1,
+        "priority_queue_policy": {},
+    }
 
 
 def test_config_64_bit_fields_triton_misses_stay_strings() -> None:
     """ModelConfigToJson fixes a listed set of fields; the others keep protobuf's strings."""
-    document = model_config({"name": "m", "instance_group": [{"secondary_devices": [{"device_id": "3"}]}],
-                             "sequence_batching": {"state": [{"dims": ["2"], "initial_state": [{"dims": ["2"]}]}]},
-                             "model_warmup": [{"name": "w", "inputs": {"IN": {"dims": ["4"], "zero_data": True}}}]})
+    document = model_config(
+        {
+            "name": "m",
+            "instance_group": [{"secondary_devices": [{"device_id": "3"}]}],
+            "sequence_batching": {"state": [{"dims": ["2"], "initial_state": [{"dims": ["2"]}]}]},
+            "model_warmup": [{"name": "w", "inputs": {"IN": {"dims": ["4"], "zero_data": True}}}],
+        }
+    )
     assert document["instance_group"][0]["secondary_devices"][0]["device_id"] == "3"
     state = document["sequence_batching"]["state"][0]
     assert state["dims"] == [2] and state["initial_state"][0]["dims"] == ["2"]
@@ -171,13 +229,21 @@ def test_sync_client_reads_every_answer_and_compressed_inference(client: httpcli
         np.testing.assert_array_equal(result.as_numpy("OUT"), A)
 
 
-@pytest.mark.parametrize("method, path, body", [
-    ("GET", "/v2/models/nobatch/config", b""), ("GET", "/v2/models/nobatch", b""),
-    ("GET", "/v2/models/nobatch/stats", b""), ("GET", "/v2/models/stats", b""), ("GET", "/v2", b""),
-    ("POST", "/v2/repository/index", b"{}"), ("GET", "/v2/systemsharedmemory/status", b""),
-    ("GET", "/v2/cudasharedmemory/status", b""), ("GET", "/v2/models/nope/config", b""),
-    ("POST", "/v2/models/nobatch/infer", b'{"inputs": []}'),  # an inference that fails: not compressed either
-])
+@pytest.mark.parametrize(
+    "method, path, body",
+    [
+        ("GET", "/v2/models/nobatch/config", b""),
+        ("GET", "/v2/models/nobatch", b""),
+        ("GET", "/v2/models/nobatch/stats", b""),
+        ("GET", "/v2/models/stats", b""),
+        ("GET", "/v2", b""),
+        ("POST", "/v2/repository/index", b"{}"),
+        ("GET", "/v2/systemsharedmemory/status", b""),
+        ("GET", "/v2/cudasharedmemory/status", b""),
+        ("GET", "/v2/models/nope/config", b""),
+        ("POST", "/v2/models/nobatch/infer", b'{"inputs": []}'),  # an inference that fails: not compressed either
+    ],
+)
 def test_no_answer_but_inference_is_compressed(server: RunningServer, method: str, path: str, body: bytes) -> None:
     status, headers, content = call(server, method, path, body, {"Accept-Encoding": "gzip, deflate"})
     assert "content-encoding" not in headers, (status, headers)
@@ -226,20 +292,27 @@ def test_a_file_name_past_name_max_is_internal(server: RunningServer) -> None:
             triton.load_model("nobatch", config="{}", files={"file:1/model.onnx": b"a"})
         assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert triton.is_server_live() and triton.is_model_ready("nobatch")
-    status, message = error(server, "POST", "/v2/repository/models/nobatch/load",
-                            {"parameters": {"config": "{}", long_path: "YQ=="}})
+    status, message = error(
+        server, "POST", "/v2/repository/models/nobatch/load", {"parameters": {"config": "{}", long_path: "YQ=="}}
+    )
     assert status == 500 and "failed to poll from model repository" in message
 
 
 # (counts of INPUT0 and INPUT1, the order they are sent in) -> Triton 2.51's message
 BYTES_CASES = [
     ((16, 14), (0, 1), "expected 16 string elements for inference input 'INPUT1' for model 'strs', got 14"),
-    ((16, 17), (0, 1),
-     "unexpected number of string elements 17 for inference input 'INPUT1' for model 'strs', expecting 16"),
+    (
+        (16, 17),
+        (0, 1),
+        "unexpected number of string elements 17 for inference input 'INPUT1' for model 'strs', expecting 16",
+    ),
     ((14, 15), (0, 1), "expected 16 string elements for inference input 'INPUT1' for model 'strs', got 15"),
     ((14, 15), (1, 0), "expected 16 string elements for inference input 'INPUT0' for model 'strs', got 14"),
-    ((14, 17), (0, 1),
-     "unexpected number of string elements 17 for inference input 'INPUT1' for model 'strs', expecting 16"),
+    (
+        (14, 17),
+        (0, 1),
+        "unexpected number of string elements 17 for inference input 'INPUT1' for model 'strs', expecting 16",
+    ),
     ((14, 17), (1, 0), "expected 16 string elements for inference input 'INPUT0' for model 'strs', got 14"),
 ]
 
@@ -249,8 +322,9 @@ def _strings(count: int) -> bytes:
 
 
 @pytest.mark.parametrize("counts, order, words", BYTES_CASES)
-def test_bytes_counts_over_grpc_raw_contents(server: RunningServer, counts: tuple[int, int],
-                                             order: tuple[int, int], words: str) -> None:
+def test_bytes_counts_over_grpc_raw_contents(
+    server: RunningServer, counts: tuple[int, int], order: tuple[int, int], words: str
+) -> None:
     request = service_pb2.ModelInferRequest(model_name="strs")
     for index in order:
         request.inputs.add(name=f"INPUT{index}", datatype="BYTES", shape=[16])
@@ -261,17 +335,20 @@ def test_bytes_counts_over_grpc_raw_contents(server: RunningServer, counts: tupl
 
 
 @pytest.mark.parametrize("counts, order, words", BYTES_CASES)
-def test_bytes_counts_over_http_binary(server: RunningServer, counts: tuple[int, int],
-                                       order: tuple[int, int], words: str) -> None:
+def test_bytes_counts_over_http_binary(
+    server: RunningServer, counts: tuple[int, int], order: tuple[int, int], words: str
+) -> None:
     inputs, binary = [], b""
     for index in order:
         data = _strings(counts[index])
-        inputs.append({"name": f"INPUT{index}", "datatype": "BYTES", "shape": [16],
-                       "parameters": {"binary_data_size": len(data)}})
+        inputs.append(
+            {"name": f"INPUT{index}", "datatype": "BYTES", "shape": [16], "parameters": {"binary_data_size": len(data)}}
+        )
         binary += data
     header = json.dumps({"inputs": inputs}).encode()
-    assert error(server, "POST", "/v2/models/strs/infer", header + binary,
-                 {"Inference-Header-Content-Length": str(len(header))}) == (400, words)
+    assert error(
+        server, "POST", "/v2/models/strs/infer", header + binary, {"Inference-Header-Content-Length": str(len(header))}
+    ) == (400, words)
 
 
 def test_a_front_end_error_comes_before_a_content_error(server: RunningServer) -> None:

@@ -56,8 +56,12 @@ def _input(name: str, array: np.ndarray, datatype: str = "INT32") -> triton.Infe
     return tensor
 
 
-def _error(client: triton.InferenceServerClient, model: str, inputs: list[triton.InferInput],
-           outputs: list[triton.InferRequestedOutput] | None = None) -> str:
+def _error(
+    client: triton.InferenceServerClient,
+    model: str,
+    inputs: list[triton.InferInput],
+    outputs: list[triton.InferRequestedOutput] | None = None,
+) -> str:
     with pytest.raises(InferenceServerException) as caught:
         client.infer(model, inputs, outputs=outputs)
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
@@ -92,15 +96,19 @@ def _strings(*items: bytes) -> bytes:
 def test_missing_input(client: triton.InferenceServerClient) -> None:
     """infer_request.cc ValidateRequestInputs, the message for a model without optional inputs."""
     message = _error(client, "simple", [_input("INPUT0", A)])
-    assert message == ("expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['INPUT0'], "
-                       "but missing required input(s) ['INPUT1']. Please provide all required input(s).")
+    assert message == (
+        "expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['INPUT0'], "
+        "but missing required input(s) ['INPUT1']. Please provide all required input(s)."
+    )
 
 
 def test_no_inputs(client: triton.InferenceServerClient) -> None:
     """infer_request.cc ValidateRequestInputs: no inputs print as ``[]``."""
     message = _error(client, "simple", [])
-    assert message == ("expected 2 inputs but got 0 inputs for model 'simple'. Got input(s) [], "
-                       "but missing required input(s) ['INPUT0','INPUT1']. Please provide all required input(s).")
+    assert message == (
+        "expected 2 inputs but got 0 inputs for model 'simple'. Got input(s) [], "
+        "but missing required input(s) ['INPUT0','INPUT1']. Please provide all required input(s)."
+    )
 
 
 def test_unknown_input_in_place_of_a_required_one(client: triton.InferenceServerClient) -> None:
@@ -159,7 +167,8 @@ def test_raw_byte_size_mismatch(stub: service_pb2_grpc.GRPCInferenceServiceStub)
     request = _simple_request([1, 16], [1, 16])
     request.raw_input_contents.extend([A.tobytes(), A.tobytes()[:60]])
     assert _raw_error(stub, request) == (
-        "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60")
+        "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60"
+    )
 
 
 def test_typed_contents_count_mismatch(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
@@ -169,7 +178,8 @@ def test_typed_contents_count_mismatch(stub: service_pb2_grpc.GRPCInferenceServi
     request.inputs[0].contents.int_contents.extend(range(16))
     request.inputs[1].contents.int_contents.extend(range(15))
     assert _raw_error(stub, request) == (
-        "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60")
+        "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60"
+    )
 
 
 def test_bytes_fewer_elements_than_the_shape(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
@@ -197,7 +207,8 @@ def test_bytes_cut_inside_a_length_prefix(stub: service_pb2_grpc.GRPCInferenceSe
     message = _raw_error(stub, _strings_request([2], _strings(b"ab") + b"\x01\x00"))
     assert message == (
         "incomplete string length indicator for inference input 'IN' for model 'strings', expecting 4 bytes "
-        "but only 2 bytes available. Please make sure the string length indicator is in one buffer.")
+        "but only 2 bytes available. Please make sure the string length indicator is in one buffer."
+    )
 
 
 def test_input_listed_twice(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
@@ -221,7 +232,8 @@ def test_contents_beside_raw_contents(stub: service_pb2_grpc.GRPCInferenceServic
     request.inputs[0].contents.int_contents.extend(range(16))
     request.raw_input_contents.extend([A.tobytes(), A.tobytes()])
     assert _raw_error(stub, request) == (
-        "contents field must not be specified when using raw_input_contents for 'INPUT0' for model 'simple'")
+        "contents field must not be specified when using raw_input_contents for 'INPUT0' for model 'simple'"
+    )
 
 
 def test_contents_of_another_type(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
@@ -229,8 +241,10 @@ def test_contents_of_another_type(stub: service_pb2_grpc.GRPCInferenceServiceStu
     request = _simple_request([1, 16], [1, 16])
     request.inputs[0].contents.int_contents.extend(range(16))
     request.inputs[1].contents.fp32_contents.extend([1.0] * 16)
-    assert _raw_error(stub, request) == ("unexpected explicit tensor data for input tensor 'INPUT1' for model "
-                                         "'simple' of type 'FP32', expected datatype 'INT32'")
+    assert _raw_error(stub, request) == (
+        "unexpected explicit tensor data for input tensor 'INPUT1' for model "
+        "'simple' of type 'FP32', expected datatype 'INT32'"
+    )
 
 
 def test_contents_in_two_fields(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
@@ -239,8 +253,10 @@ def test_contents_in_two_fields(stub: service_pb2_grpc.GRPCInferenceServiceStub)
     request.inputs[0].contents.int_contents.extend(range(16))
     request.inputs[1].contents.int_contents.extend(range(16))
     request.inputs[1].contents.fp32_contents.extend([1.0] * 16)
-    assert _raw_error(stub, request) == ("unexpected explicit tensor data for input tensor 'INPUT1' for model "
-                                         "'simple', binary data was already supplied.")
+    assert _raw_error(stub, request) == (
+        "unexpected explicit tensor data for input tensor 'INPUT1' for model "
+        "'simple', binary data was already supplied."
+    )
 
 
 def test_the_server_still_serves(client: triton.InferenceServerClient) -> None:

@@ -24,8 +24,13 @@ BUSY_LOOP = f"import time\nend = time.monotonic() + {BUSY_FOR_S}\nwhile time.mon
 def test_timing_sensitive_server_tests_pass_with_every_core_busy() -> None:
     busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(os.cpu_count() or 2)]
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SENSITIVE],
-                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=BUSY_FOR_S - 60)
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SENSITIVE],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=BUSY_FOR_S - 60,
+        )
     finally:
         for process in busy:
             process.kill()

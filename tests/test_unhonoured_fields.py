@@ -72,11 +72,13 @@ def repository() -> Iterator[Path]:
         shutil.copytree(SIMPLE, repo / "cached")
         (repo / "cached" / "config.pbtxt").write_text(
             config.replace('name: "simple"', 'name: "cached"') + "\noptimization { priority: PRIORITY_MAX }\n"
-            'metric_tags { key: "team" value: "search" }\n')
+            'metric_tags { key: "team" value: "search" }\n'
+        )
         shutil.copytree(SIMPLE, repo / "custom_ops")
         (repo / "custom_ops" / "config.pbtxt").write_text(
             config.replace('name: "simple"', 'name: "custom_ops"')
-            + '\nmodel_operations { op_library_filename: [ "libcustom.so" ] }\n')
+            + '\nmodel_operations { op_library_filename: [ "libcustom.so" ] }\n'
+        )
         yield repo
 
 
@@ -88,7 +90,8 @@ def test_a_server_warns_refuses_and_serves_the_rest(repository: Path, tmp_path: 
         index = {m.name: m for m in client.get_model_repository_index().models}
         assert index["custom_ops"].state == "UNAVAILABLE"
         assert index["custom_ops"].reason == (
-            "model 'custom_ops': model_operations is not supported: custom operation libraries are not loaded")
+            "model 'custom_ops': model_operations is not supported: custom operation libraries are not loaded"
+        )
         a = np.arange(16, dtype=np.int32).reshape(1, 16)
         for model in ("simple", "cached"):
             inputs = [grpcclient.InferInput(name, [1, 16], "INT32") for name in ("INPUT0", "INPUT1")]
@@ -106,9 +109,12 @@ def test_a_server_warns_refuses_and_serves_the_rest(repository: Path, tmp_path: 
 
 
 def test_config_check_says_the_same(repository: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "shoal", "config", "check", str(repository)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal", "config", "check", str(repository)], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 1
-    assert ("FAIL  custom_ops: model 'custom_ops': model_operations is not supported: "
-            "custom operation libraries are not loaded") in result.stdout
+    assert (
+        "FAIL  custom_ops: model 'custom_ops': model_operations is not supported: "
+        "custom operation libraries are not loaded"
+    ) in result.stdout
     assert "      warning: model 'cached': optimization.priority is not honoured" in result.stdout

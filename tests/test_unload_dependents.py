@@ -20,8 +20,9 @@ def test_unload_dependents_unloads_what_only_that_ensemble_used(tmp_path: Path, 
     repo.mkdir()
     for name in ("mlp", "mlp_scale", "mlp_pipeline", "preprocess", "image_pipeline"):
         models.copy_example(repo, name)
-    server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "mlp_pipeline",
-                            "--load-model", "image_pipeline")
+    server = server_factory(
+        repo, "--model-control-mode", "explicit", "--load-model", "mlp_pipeline", "--load-model", "image_pipeline"
+    )
     with grpcclient.InferenceServerClient(server.url) as client:
         assert _ready(client) == {"mlp", "mlp_scale", "mlp_pipeline", "preprocess", "image_pipeline"}
         client.unload_model("mlp_pipeline", unload_dependents=True)

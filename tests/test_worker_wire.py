@@ -101,28 +101,38 @@ def test_bytes_cross_unchanged(stub: service_pb2_grpc.GRPCInferenceServiceStub) 
 def test_bytes_as_json_and_binary_over_http(server: RunningServer) -> None:
     """HTTP's JSON answer needs values: a worker decodes the host's encoded BYTES for it alone."""
     a = np.array(["", "é", "z" * 40], dtype=object)
-    inputs = [httpclient.InferInput("A", [3], "BYTES"), httpclient.InferInput("B", [2], "INT32"),
-              httpclient.InferInput("C", [2], "BYTES")]
+    inputs = [
+        httpclient.InferInput("A", [3], "BYTES"),
+        httpclient.InferInput("B", [2], "INT32"),
+        httpclient.InferInput("C", [2], "BYTES"),
+    ]
     inputs[0].set_data_from_numpy(a, binary_data=False)
     inputs[1].set_data_from_numpy(np.array([5, 6], dtype=np.int32), binary_data=False)
     inputs[2].set_data_from_numpy(np.array([b"c", b"\xff"], dtype=object), binary_data=True)
-    outputs = [httpclient.InferRequestedOutput("OA", binary_data=False),
-               httpclient.InferRequestedOutput("OB", binary_data=False),
-               httpclient.InferRequestedOutput("OC", binary_data=True)]
+    outputs = [
+        httpclient.InferRequestedOutput("OA", binary_data=False),
+        httpclient.InferRequestedOutput("OB", binary_data=False),
+        httpclient.InferRequestedOutput("OC", binary_data=True),
+    ]
     with httpclient.InferenceServerClient(server.http_url.removeprefix("http://")) as client:
         result = client.infer("mixed", inputs, outputs=outputs)
     assert [o.get("data") for o in result.get_response()["outputs"][:2]] == [["", "é", "z" * 40], [5, 6]]
     assert result.as_numpy("OC").tolist() == [b"c", b"\xff"]
 
 
-@pytest.mark.parametrize(("a", "b", "c", "named"), [
-    (_strings(b"1", b"2"), GOOD_B, _strings(b"1", b"2", b"3"), C_LONG),  # two BYTES unfit: the last one named
-    (_strings(b"1", b"2"), GOOD_B[:4], GOOD_C, B_SHORT),  # BYTES, then fixed-size: the fixed-size one
-    (GOOD_A, GOOD_B[:4], _strings(b"1", b"2", b"3"), C_LONG),  # fixed-size, then BYTES: the BYTES one
-    (_strings(b"1", b"2"), GOOD_B, GOOD_C, A_SHORT),
-], ids=["bytes-bytes", "bytes-fixed", "fixed-bytes", "bytes"])
-def test_unfit_content_is_refused_in_the_same_words(stub: service_pb2_grpc.GRPCInferenceServiceStub, a: bytes,
-                                                    b: bytes, c: bytes, named: str) -> None:
+@pytest.mark.parametrize(
+    ("a", "b", "c", "named"),
+    [
+        (_strings(b"1", b"2"), GOOD_B, _strings(b"1", b"2", b"3"), C_LONG),  # two BYTES unfit: the last one named
+        (_strings(b"1", b"2"), GOOD_B[:4], GOOD_C, B_SHORT),  # BYTES, then fixed-size: the fixed-size one
+        (GOOD_A, GOOD_B[:4], _strings(b"1", b"2", b"3"), C_LONG),  # fixed-size, then BYTES: the BYTES one
+        (_strings(b"1", b"2"), GOOD_B, GOOD_C, A_SHORT),
+    ],
+    ids=["bytes-bytes", "bytes-fixed", "fixed-bytes", "bytes"],
+)
+def test_unfit_content_is_refused_in_the_same_words(
+    stub: service_pb2_grpc.GRPCInferenceServiceStub, a: bytes, b: bytes, c: bytes, named: str
+) -> None:
     assert _refusal(stub, _request(a, b, c)) == named
 
 
@@ -137,12 +147,21 @@ def test_unfit_bytes_come_before_a_requested_outputs_problem(stub: service_pb2_g
 
 
 def _http_refusal(server: RunningServer, a: bytes, outputs: list[dict[str, object]]) -> tuple[int, str]:
-    header = json.dumps({"inputs": [
-        {"name": "A", "datatype": "BYTES", "shape": [3], "parameters": {"binary_data_size": len(a)}},
-        {"name": "B", "datatype": "INT32", "shape": [2], "data": [1, 2]},
-        {"name": "C", "datatype": "BYTES", "shape": [2], "data": ["c", ""]}], "outputs": outputs}).encode()
-    request = urllib.request.Request(f"http://{server.http_url}/v2/models/mixed/infer", data=header + a,
-                                     headers={"Inference-Header-Content-Length": str(len(header))})
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "A", "datatype": "BYTES", "shape": [3], "parameters": {"binary_data_size": len(a)}},
+                {"name": "B", "datatype": "INT32", "shape": [2], "data": [1, 2]},
+                {"name": "C", "datatype": "BYTES", "shape": [2], "data": ["c", ""]},
+            ],
+            "outputs": outputs,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/mixed/infer",
+        data=header + a,
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
     return refused.value.code, json.loads(refused.value.read())["error"]
@@ -216,10 +235,19 @@ def test_encoded_bytes_cross_an_arena_as_they_are() -> None:
 
 def test_every_message_crosses_the_channel_as_its_own_typed_record() -> None:
     records = [
-        messages.Call(1, "live", ()), messages.Infer(2, "m", "", "", None, {}, {}, (), {}, [], False, [4]),
-        messages.Cancel(2), messages.Free([3]), messages.Started((1, 2)), messages.Pong(), messages.Result(1, True),
-        messages.Error(2, "invalid_argument", "why"), messages.Inferred(2, "m", "1", "", -1, [], [], [2]),
-        messages.Release([2]), messages.Streamed(2, None, -1, [], True, ""), messages.Health(), messages.Stop(1.0),
+        messages.Call(1, "live", ()),
+        messages.Infer(2, "m", "", "", None, {}, {}, (), {}, [], False, [4]),
+        messages.Cancel(2),
+        messages.Free([3]),
+        messages.Started((1, 2)),
+        messages.Pong(),
+        messages.Result(1, True),
+        messages.Error(2, "invalid_argument", "why"),
+        messages.Inferred(2, "m", "1", "", -1, [], [], [2]),
+        messages.Release([2]),
+        messages.Streamed(2, None, -1, [], True, ""),
+        messages.Health(),
+        messages.Stop(1.0),
         messages.Ping(),
     ]
     assert {type(record) for record in records} == set(messages.RECORDS.kinds)

@@ -90,16 +90,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-m", "--model", required=True)
     parser.add_argument("-x", "--model-version", default="")
-    parser.add_argument("-i", "--protocol", choices=["grpc", "http"], default="grpc",
-                        help="grpc (default) or http (KServe v2 REST, binary tensor data as perf_analyzer sends)")
+    parser.add_argument(
+        "-i",
+        "--protocol",
+        choices=["grpc", "http"],
+        default="grpc",
+        help="grpc (default) or http (KServe v2 REST, binary tensor data as perf_analyzer sends)",
+    )
     parser.add_argument("-u", "--url", help="server address (default localhost:8001 for grpc, localhost:8000 for http)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=lambda t: parse_steps(t, True), help="closed loop, e.g. 1:32:x2")
     load.add_argument("--request-rate", type=lambda t: parse_steps(t, False), help="open loop, requests/s")
     parser.add_argument("--distribution", choices=["constant", "poisson"], default="constant")
     parser.add_argument("-b", "--batch-size", type=_positive_int, default=1)
-    parser.add_argument("--shape", action="append", default=[], metavar="NAME:DIMS",
-                        help="dims of an input with variable dims (without the batch dim), e.g. IN:3,224")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME:DIMS",
+        help="dims of an input with variable dims (without the batch dim), e.g. IN:3,224",
+    )
     parser.add_argument("--input-data", default="random", help="random | zeros | FILE.json")
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--window-s", type=float, default=2.0, help="measurement window (default 2 s)")
@@ -150,23 +160,37 @@ def _run_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except InputError as exc:
         parser.error(str(exc))
     except CONTROL_ERRORS as exc:
-        print(f"shoal-load: error: cannot prepare the requests for model '{args.model}' at {args.url}: {exc}",
-              file=sys.stderr)
+        print(
+            f"shoal-load: error: cannot prepare the requests for model '{args.model}' at {args.url}: {exc}",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         print("shoal-load: interrupted before the run started", file=sys.stderr)
         return 130
     settings = Settings(
-        url=args.url, model=args.model, version=args.model_version,
-        request=(http.infer_request(args.model, args.model_version, inputs) if args.protocol == "http"
-                 else serialize_request(args.model, args.model_version, inputs)),
-        batch_size=args.batch_size, protocol=args.protocol,
-        processes=args.processes, workers_per_channel=args.workers_per_channel, warmup_s=args.warmup_s,
-        window_s=args.window_s, stability=args.stability / 100, max_windows=args.max_windows,
-        request_count=args.request_count, poisson=args.distribution == "poisson",
+        url=args.url,
+        model=args.model,
+        version=args.model_version,
+        request=(
+            http.infer_request(args.model, args.model_version, inputs)
+            if args.protocol == "http"
+            else serialize_request(args.model, args.model_version, inputs)
+        ),
+        batch_size=args.batch_size,
+        protocol=args.protocol,
+        processes=args.processes,
+        workers_per_channel=args.workers_per_channel,
+        warmup_s=args.warmup_s,
+        window_s=args.window_s,
+        stability=args.stability / 100,
+        max_windows=args.max_windows,
+        request_count=args.request_count,
+        poisson=args.distribution == "poisson",
     )
-    results, interrupted = run(settings, steps, bool(args.request_rate), args.max_seconds,
-                               progress=not args.no_progress)
+    results, interrupted = run(
+        settings, steps, bool(args.request_rate), args.max_seconds, progress=not args.no_progress
+    )
     if args.csv:
         report.write_csv(results, args.csv)
     if args.json:
@@ -203,9 +227,12 @@ def run(
     interrupted = False
 
     def plain(result: StepResult, windows: int) -> None:
-        print(f"{report.step_label(result)}: window {windows}: {result.throughput:,.1f} infer/s, "
-              f"p99 {result.latency_us['p99'] / 1000:.2f} ms, errors {sum(result.errors.values())}",
-              file=sys.stderr, flush=True)
+        print(
+            f"{report.step_label(result)}: window {windows}: {result.throughput:,.1f} infer/s, "
+            f"p99 {result.latency_us['p99'] / 1000:.2f} ms, errors {sum(result.errors.values())}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     try:
         with LoadTester(settings) as tester:
@@ -214,8 +241,7 @@ def run(
 
                 with Live(_table(results, None), console=console, refresh_per_second=4) as live:
                     tester.on_window = lambda result, windows: live.update(_table(results, (result, windows)))
-                    _run_steps(tester, steps, open_loop, deadline, results,
-                               lambda: live.update(_table(results, None)))
+                    _run_steps(tester, steps, open_loop, deadline, results, lambda: live.update(_table(results, None)))
             else:
                 tester.on_window = plain
                 _run_steps(tester, steps, open_loop, deadline, results, lambda: None)
@@ -230,8 +256,9 @@ def run(
     return results, interrupted or any(r.interrupted for r in results)
 
 
-def _run_steps(tester: LoadTester, steps: list[float], open_loop: bool, deadline: float,
-               results: list[StepResult], refresh: object) -> None:
+def _run_steps(
+    tester: LoadTester, steps: list[float], open_loop: bool, deadline: float, results: list[StepResult], refresh: object
+) -> None:
     for value in steps:
         if time.monotonic() >= deadline:
             print(f"shoal-load: --max-seconds reached; {len(steps) - len(results)} step(s) not run", file=sys.stderr)
@@ -246,18 +273,27 @@ def _run_steps(tester: LoadTester, steps: list[float], open_loop: bool, deadline
         if result.interrupted:
             break
         if result.errors and not result.requests:
-            print(f"shoal-load: no request succeeded in {report.step_label(result)} "
-                  f"({', '.join(f'{k}: {v}' for k, v in sorted(result.errors.items()))}); "
-                  f"{len(steps) - len(results)} step(s) not run", file=sys.stderr)
+            print(
+                f"shoal-load: no request succeeded in {report.step_label(result)} "
+                f"({', '.join(f'{k}: {v}' for k, v in sorted(result.errors.items()))}); "
+                f"{len(steps) - len(results)} step(s) not run",
+                file=sys.stderr,
+            )
             break
 
 
 def _nothing_measured(value: float, open_loop: bool) -> StepResult:
     """The row of a step interrupted before it measured anything."""
     return StepResult(
-        concurrency=0 if open_loop else int(value), request_rate=float(value) if open_loop else 0.0,
-        throughput=0.0, requests=0, latency_us=dict.fromkeys(("avg", "p50", "p90", "p95", "p99", "max"), 0.0),
-        errors={}, stable=False, windows=0, interrupted=True,
+        concurrency=0 if open_loop else int(value),
+        request_rate=float(value) if open_loop else 0.0,
+        throughput=0.0,
+        requests=0,
+        latency_us=dict.fromkeys(("avg", "p50", "p90", "p95", "p99", "max"), 0.0),
+        errors={},
+        stable=False,
+        windows=0,
+        interrupted=True,
     )
 
 

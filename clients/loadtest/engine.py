@@ -116,8 +116,13 @@ class _Windows:
 
     def flush(self) -> None:
         self.results.put(
-            WindowReport(self.worker, self.step.index, self.current,
-                         np.asarray(self.latencies, dtype=np.float64), dict(self.errors))
+            WindowReport(
+                self.worker,
+                self.step.index,
+                self.current,
+                np.asarray(self.latencies, dtype=np.float64),
+                dict(self.errors),
+            )
         )
         self.current += 1
         self.latencies = []
@@ -153,7 +158,8 @@ class _Senders:
         count = -(-coroutines // workers_per_channel)
         self.channels: list[PrebuiltGrpcChannel | _AioChannel] = [
             PrebuiltGrpcChannel(url, INFER_PATH, request) if grpc_h2.fits(request) else _AioChannel(url, request)
-            for _ in range(count)]
+            for _ in range(count)
+        ]
 
     async def send(self, index: int, timeout_s: float) -> str | None:
         if isinstance(self.request, HttpRequest):
@@ -203,8 +209,10 @@ class _AioChannel:
     """A grpc.aio channel sending the serialized request: for requests ``PrebuiltGrpcChannel`` cannot carry."""
 
     def __init__(self, url: str, request: bytes) -> None:
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
         self.request = request
         self.channel = grpc.aio.insecure_channel(url, options)
         self.infer = self.channel.unary_unary(INFER_PATH, request_serializer=None, response_deserializer=None)
@@ -223,10 +231,17 @@ class _AioChannel:
         await self.channel.close()
 
 
-async def _run_step(worker: int, url: str, request: bytes | HttpRequest, step: Step, workers_per_channel: int,
-                    commands: Any, stop: multiprocessing.synchronize.Event, results: Any) -> None:
-    senders = _Senders(url, request, step.concurrency or OPEN_LOOP_CHANNELS * workers_per_channel,
-                       workers_per_channel)
+async def _run_step(
+    worker: int,
+    url: str,
+    request: bytes | HttpRequest,
+    step: Step,
+    workers_per_channel: int,
+    commands: Any,
+    stop: multiprocessing.synchronize.Event,
+    results: Any,
+) -> None:
+    senders = _Senders(url, request, step.concurrency or OPEN_LOOP_CHANNELS * workers_per_channel, workers_per_channel)
     await senders.connect(min(CONNECT_WAIT_S, max(0.0, step.ready_by - time.monotonic())))
     results.put(Ready(worker, step.index))
     start = await asyncio.to_thread(_wait_for_start, commands, step, stop)
@@ -254,8 +269,9 @@ def _wait_for_start(commands: Any, step: Step, stop: multiprocessing.synchronize
     return None
 
 
-async def _send_load(worker: int, senders: _Senders, step: Step, start: Start,
-                     stop: multiprocessing.synchronize.Event, results: Any) -> int:
+async def _send_load(
+    worker: int, senders: _Senders, step: Step, start: Start, stop: multiprocessing.synchronize.Event, results: Any
+) -> int:
     """Send from ``start.start_at`` until stopped or the deadline, counting completions in windows; returns
     how many requests completed (warm-up included)."""
     windows = _Windows(worker, step, start, results)
@@ -302,8 +318,11 @@ async def _send_load(worker: int, senders: _Senders, step: Step, start: Start,
     delay = start.start_at - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
-    loops = [asyncio.create_task(closed_loop(i)) for i in range(step.concurrency)] if step.concurrency > 0 else [
-        asyncio.create_task(open_loop())]
+    loops = (
+        [asyncio.create_task(closed_loop(i)) for i in range(step.concurrency)]
+        if step.concurrency > 0
+        else [asyncio.create_task(open_loop())]
+    )
     while running() and not all(task.done() for task in loops):
         await asyncio.wait(loops, timeout=step.window_s / 4)
         windows.flush_until(time.monotonic())
@@ -317,8 +336,15 @@ async def _send_load(worker: int, senders: _Senders, step: Step, start: Start,
     return windows.completed
 
 
-def worker_main(worker: int, url: str, request: bytes | HttpRequest, workers_per_channel: int, commands: Any,
-                results: Any, stop: multiprocessing.synchronize.Event) -> None:
+def worker_main(
+    worker: int,
+    url: str,
+    request: bytes | HttpRequest,
+    workers_per_channel: int,
+    commands: Any,
+    results: Any,
+    stop: multiprocessing.synchronize.Event,
+) -> None:
     """Entry point of a load process: run steps from ``commands`` until it sends None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # born blocked; now ignored instead

@@ -52,8 +52,16 @@ RECEIVE_WINDOW = 1 << 30
 TOP_UP_AFTER = 1 << 20  # received DATA bytes before the connection window is topped up again
 STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 # gRPC's mapping of an HTTP status without grpc-status (doc/http-grpc-status-mapping.md).
-HTTP_STATUS_NAMES = {400: "INTERNAL", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "UNIMPLEMENTED",
-                     429: "UNAVAILABLE", 502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "UNAVAILABLE"}
+HTTP_STATUS_NAMES = {
+    400: "INTERNAL",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "UNIMPLEMENTED",
+    429: "UNAVAILABLE",
+    502: "UNAVAILABLE",
+    503: "UNAVAILABLE",
+    504: "UNAVAILABLE",
+}
 # ... and of an RST_STREAM error code (grpc core's chttp2 transport).
 RESET_NAMES = {0x7: "UNAVAILABLE", 0x8: "CANCELLED", 0xB: "RESOURCE_EXHAUSTED", 0xC: "PERMISSION_DENIED"}
 REFUSED_STREAM, CANCEL = 0x7, 0x8
@@ -96,13 +104,26 @@ class Prebuilt:
 
     @classmethod
     def build(cls, authority: str, path: str, request: bytes) -> Prebuilt:
-        block = hpack.Encoder().encode([
-            hpack.NeverIndexedHeaderTuple(name, value) for name, value in (
-                (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", authority),
-                ("content-type", "application/grpc"), ("te", "trailers"))])
+        block = hpack.Encoder().encode(
+            [
+                hpack.NeverIndexedHeaderTuple(name, value)
+                for name, value in (
+                    (":method", "POST"),
+                    (":scheme", "http"),
+                    (":path", path),
+                    (":authority", authority),
+                    ("content-type", "application/grpc"),
+                    ("te", "trailers"),
+                )
+            ]
+        )
         message = b"\x00" + struct.pack(">I", len(request)) + request
-        return cls(len(block).to_bytes(3, "big") + bytes((HEADERS, END_HEADERS)), block,
-                   len(message).to_bytes(3, "big") + bytes((DATA, END_STREAM)), message)
+        return cls(
+            len(block).to_bytes(3, "big") + bytes((HEADERS, END_HEADERS)),
+            block,
+            len(message).to_bytes(3, "big") + bytes((DATA, END_STREAM)),
+            message,
+        )
 
     def wire(self, stream: int) -> bytes:
         sid = stream.to_bytes(4, "big")
@@ -159,8 +180,11 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         settings = struct.pack(">HIHI", SETTINGS_ENABLE_PUSH, 0, SETTINGS_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW)
-        transport.write(PREFACE + frame(SETTINGS, 0, 0, settings)
-                        + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", RECEIVE_WINDOW - DEFAULT_WINDOW)))
+        transport.write(
+            PREFACE
+            + frame(SETTINGS, 0, 0, settings)
+            + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", RECEIVE_WINDOW - DEFAULT_WINDOW))
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -202,12 +226,12 @@ class _Connection(asyncio.Protocol):
         position, end = 0, len(buffer)
         replies: list[bytes] = []
         while end - position >= 9:
-            length = int.from_bytes(buffer[position:position + 3], "big")
+            length = int.from_bytes(buffer[position : position + 3], "big")
             if end - position < 9 + length:
                 break
             kind, flags = buffer[position + 3], buffer[position + 4]
-            stream = int.from_bytes(buffer[position + 5:position + 9], "big") & 0x7FFF_FFFF
-            payload = bytes(buffer[position + 9:position + 9 + length])
+            stream = int.from_bytes(buffer[position + 5 : position + 9], "big") & 0x7FFF_FFFF
+            payload = bytes(buffer[position + 9 : position + 9 + length])
             position += 9 + length
             try:
                 self._frame(kind, flags, stream, payload, replies)
@@ -295,8 +319,7 @@ class _Connection(asyncio.Protocol):
         if not ends_stream:
             return
         self._stream_ended(call.stream)
-        self._finish(call, _without_grpc_status(call.http_status) if grpc_status is None
-                     else _status_name(grpc_status))
+        self._finish(call, _without_grpc_status(call.http_status) if grpc_status is None else _status_name(grpc_status))
 
     def _trailers_missing(self, stream: int) -> None:
         """A stream the server ended with its DATA: no grpc-status came."""
@@ -438,7 +461,8 @@ class PrebuiltGrpcChannel:
     async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
         _, connection = await loop.create_connection(
-            lambda: _Connection(self.prebuilt, self._redirect), self.host, self.port)
+            lambda: _Connection(self.prebuilt, self._redirect), self.host, self.port
+        )
         try:
             await asyncio.wait_for(asyncio.shield(connection.settled), HANDSHAKE_S)
         except TimeoutError:
@@ -514,7 +538,8 @@ class PrebuiltGrpcChannel:
         finally:
             timer.cancel()
             abandoned = call.result.cancelled() or (
-                call.result.exception() is None and call.result.result() == "DEADLINE_EXCEEDED")
+                call.result.exception() is None and call.result.result() == "DEADLINE_EXCEEDED"
+            )
             if abandoned and call.connection is not None:
                 call.connection.abandon(call)
         return outcome

@@ -59,8 +59,12 @@ class HttpRequest:
 
     def wire(self, host: str, prefix: str = "") -> bytes:
         """The whole HTTP/1.1 request as it goes on the connection: written once per request, as is."""
-        lines = [f"POST {prefix}{self.path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(self.body)}",
-                 *(f"{name}: {value}" for name, value in self.headers.items())]
+        lines = [
+            f"POST {prefix}{self.path} HTTP/1.1",
+            f"Host: {host}",
+            f"Content-Length: {len(self.body)}",
+            *(f"{name}: {value}" for name, value in self.headers.items()),
+        ]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + self.body
 
 
@@ -157,8 +161,9 @@ class ConnectionPool:
 
     async def connect(self, count: int) -> None:
         """Open up to ``count`` connections ahead of the load (failures are left to the load to report)."""
-        opened = await asyncio.gather(*(self._connect() for _ in range(count - len(self._idle))),
-                                      return_exceptions=True)
+        opened = await asyncio.gather(
+            *(self._connect() for _ in range(count - len(self._idle))), return_exceptions=True
+        )
         self._idle += [c for c in opened if isinstance(c, _Connection)]
 
     async def send(self, timeout_s: float) -> str | None:
@@ -197,7 +202,8 @@ class ConnectionPool:
 
     async def _connect(self) -> _Connection:
         _, connection = await asyncio.get_running_loop().create_connection(
-            _Connection, self._host, self._port, ssl=self._ssl)
+            _Connection, self._host, self._port, ssl=self._ssl
+        )
         self._open.add(connection)
         return connection
 
@@ -218,11 +224,18 @@ def infer_request(model: str, version: str, inputs: Mapping[str, np.ndarray]) ->
     for name, array in inputs.items():
         datatype = DataType.from_numpy(array.dtype)
         data = _tensor_bytes(datatype, array)
-        described.append({"name": name, "shape": list(array.shape), "datatype": datatype.value,
-                          "parameters": {"binary_data_size": len(data)}})
+        described.append(
+            {
+                "name": name,
+                "shape": list(array.shape),
+                "datatype": datatype.value,
+                "parameters": {"binary_data_size": len(data)},
+            }
+        )
         chunks.append(data)
-    header = json.dumps({"inputs": described, "parameters": {"binary_data_output": True}},
-                        separators=(",", ":")).encode()
+    header = json.dumps(
+        {"inputs": described, "parameters": {"binary_data_output": True}}, separators=(",", ":")
+    ).encode()
     return HttpRequest(f"{model_path(model, version)}/infer", header + b"".join(chunks), len(header))
 
 
@@ -267,8 +280,13 @@ class HttpControl:
         def tensors(items: list[dict[str, Any]]) -> tuple[TensorMetadata, ...]:
             return tuple(TensorMetadata(t["name"], t["datatype"], tuple(int(d) for d in t["shape"])) for t in items)
 
-        return ModelMetadata(answer["name"], tuple(answer.get("versions", [])), answer.get("platform", ""),
-                             tensors(answer.get("inputs", [])), tensors(answer.get("outputs", [])))
+        return ModelMetadata(
+            answer["name"],
+            tuple(answer.get("versions", [])),
+            answer.get("platform", ""),
+            tensors(answer.get("inputs", [])),
+            tensors(answer.get("outputs", [])),
+        )
 
     def model_config(self, model: str, version: str = "") -> dict[str, Any]:
         config: dict[str, Any] = self._get(f"{model_path(model, version)}/config")

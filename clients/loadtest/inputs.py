@@ -31,8 +31,13 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
 
 
 def build_inputs(
-    client: Control, model: str, version: str, batch_size: int, shapes: Mapping[str, tuple[int, ...]],
-    data: str, seed: int = 0,
+    client: Control,
+    model: str,
+    version: str,
+    batch_size: int,
+    shapes: Mapping[str, tuple[int, ...]],
+    data: str,
+    seed: int = 0,
 ) -> dict[str, np.ndarray]:
     metadata = client.model_metadata(model, version)
     max_batch_size = int(client.model_config(model, version).get("max_batch_size", 0))

@@ -130,8 +130,15 @@ class LoadTester:
         self._processes = [
             context.Process(
                 target=worker_main,
-                args=(index, settings.url, settings.request, settings.workers_per_channel, self._commands[index],
-                      self._results, self._stop),
+                args=(
+                    index,
+                    settings.url,
+                    settings.request,
+                    settings.workers_per_channel,
+                    self._commands[index],
+                    self._results,
+                    self._stop,
+                ),
                 daemon=True,
             )
             for index in range(settings.processes)
@@ -209,8 +216,17 @@ class LoadTester:
         self._active = active
         ready_until = min(time.monotonic() + READY_TIMEOUT_S, deadline or math.inf)
         for index, command in enumerate(self._commands[:active]):
-            command.put(Step(step_index, _share(concurrency, active, index), request_rate / active, s.poisson,
-                             s.warmup_s, s.window_s, ready_until + READY_SLACK_S))
+            command.put(
+                Step(
+                    step_index,
+                    _share(concurrency, active, index),
+                    request_rate / active,
+                    s.poisson,
+                    s.warmup_s,
+                    s.window_s,
+                    ready_until + READY_SLACK_S,
+                )
+            )
         windows: list[WindowStats] = []
         totals = _Totals()
         snapshots: list[Any] = []
@@ -250,12 +266,20 @@ class LoadTester:
         start_at = time.monotonic() + START_MARGIN_S
         budget = s.warmup_s + s.window_s * (s.max_windows + 1) + 5
         start = Start(step_index, start_at, min(start_at + budget, deadline or math.inf))
-        for command in self._commands[:self._active]:
+        for command in self._commands[: self._active]:
             command.put(start)
         return start
 
-    def _measure(self, step_index: int, step_deadline: float, concurrency: int, request_rate: float,
-                 windows: list[WindowStats], totals: _Totals, snapshots: list[Any]) -> None:
+    def _measure(
+        self,
+        step_index: int,
+        step_deadline: float,
+        concurrency: int,
+        request_rate: float,
+        windows: list[WindowStats],
+        totals: _Totals,
+        snapshots: list[Any],
+    ) -> None:
         """Collect windows until the step is finished or its deadline passes."""
         s = self.settings
         pending: dict[int, list[WindowReport]] = {}
@@ -274,8 +298,9 @@ class LoadTester:
             errors: Counter[str] = Counter()
             for part in parts:
                 errors.update(part.errors)
-            windows.append(WindowStats(report.window, np.concatenate([p.latencies_us for p in parts]), errors,
-                                       s.window_s))
+            windows.append(
+                WindowStats(report.window, np.concatenate([p.latencies_us for p in parts]), errors, s.window_s)
+            )
             snapshots.append(self._snapshot())
             result = _summarize(concurrency, request_rate, windows, s, snapshots, totals)
             if self.on_window:
@@ -303,8 +328,14 @@ def _share(total: int, parts: int, index: int) -> int:
     return total // parts + (1 if index < total % parts else 0)
 
 
-def _summarize(concurrency: int, request_rate: float, windows: list[WindowStats], s: Settings,
-               snapshots: list[Any] | None, totals: _Totals) -> StepResult:
+def _summarize(
+    concurrency: int,
+    request_rate: float,
+    windows: list[WindowStats],
+    s: Settings,
+    snapshots: list[Any] | None,
+    totals: _Totals,
+) -> StepResult:
     used = windows if s.request_count else windows[-STABLE_WINDOWS:]
     latencies = np.concatenate([w.latencies_us for w in used]) if used else np.empty(0)
     seconds = sum(w.seconds for w in used) or 1.0

@@ -72,14 +72,18 @@ def figure(curves: Sequence[Curve], title: str, budget_ms: float | None = None, 
         for point in curve.points:
             right = point.throughput > (x_low + x_high) / 2
             top = point.latency_ms > y_low + 0.85 * (y_high - y_low)
-            axes.annotate(point.label, (point.throughput, point.latency_ms), textcoords="offset points",
-                          xytext=(-5 if right else 5, -10 if top else 6), ha="right" if right else "left",
-                          fontsize=8)
+            axes.annotate(
+                point.label,
+                (point.throughput, point.latency_ms),
+                textcoords="offset points",
+                xytext=(-5 if right else 5, -10 if top else 6),
+                ha="right" if right else "left",
+                fontsize=8,
+            )
     return fig
 
 
-def save(curves: Sequence[Curve], path: Path, title: str, budget_ms: float | None = None,
-         ylabel: str = YLABEL) -> None:
+def save(curves: Sequence[Curve], path: Path, title: str, budget_ms: float | None = None, ylabel: str = YLABEL) -> None:
     fig = figure(curves, title, budget_ms, ylabel)
     fig.savefig(path, dpi=110)
     pyplot().close(fig)

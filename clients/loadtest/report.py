@@ -12,9 +12,18 @@ from shoal.clients.loadtest.measure import StepResult
 
 # perf_analyzer's columns, in its order (µs), so existing spreadsheets read our files.
 PERF_ANALYZER_COLUMNS = [
-    "Inferences/Second", "Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
-    "Server Compute Infer", "Server Compute Output", "Client Recv", "p50 latency", "p90 latency",
-    "p95 latency", "p99 latency",
+    "Inferences/Second",
+    "Client Send",
+    "Network+Server Send/Recv",
+    "Server Queue",
+    "Server Compute Input",
+    "Server Compute Infer",
+    "Server Compute Output",
+    "Client Recv",
+    "p50 latency",
+    "p90 latency",
+    "p95 latency",
+    "p99 latency",
 ]
 EXTRA_COLUMNS = ["Avg latency", "Max latency", "Requests", "Errors", "Stable"]
 
@@ -69,19 +78,31 @@ def table_rows(steps: list[StepResult]) -> list[list[str]]:
     for step in steps:
         latency = step.latency_us
         server = step.server_us
-        rows.append([
-            step_label(step) + (" (interrupted)" if step.interrupted else ""),
-            f"{step.throughput:,.1f}",
-            *(f"{latency[k] / 1000:.2f}" for k in ("p50", "p90", "p95", "p99", "max")),
-            ", ".join(f"{k}: {v}" for k, v in sorted(step.errors.items())) or "0",
-            f"{server['queue']:.0f} / {server['compute_infer']:.0f}" if server else "-",
-            "yes" if step.stable else "no",
-        ])
+        rows.append(
+            [
+                step_label(step) + (" (interrupted)" if step.interrupted else ""),
+                f"{step.throughput:,.1f}",
+                *(f"{latency[k] / 1000:.2f}" for k in ("p50", "p90", "p95", "p99", "max")),
+                ", ".join(f"{k}: {v}" for k, v in sorted(step.errors.items())) or "0",
+                f"{server['queue']:.0f} / {server['compute_infer']:.0f}" if server else "-",
+                "yes" if step.stable else "no",
+            ]
+        )
     return rows
 
 
-TABLE_HEADER = ["step", "infer/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms", "errors",
-                "server queue / infer µs", "stable"]
+TABLE_HEADER = [
+    "step",
+    "infer/s",
+    "p50 ms",
+    "p90 ms",
+    "p95 ms",
+    "p99 ms",
+    "max ms",
+    "errors",
+    "server queue / infer µs",
+    "stable",
+]
 
 
 def curves(steps: list[StepResult]) -> list[plot.Curve]:
@@ -89,8 +110,11 @@ def curves(steps: list[StepResult]) -> list[plot.Curve]:
     result = []
     for key, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^-")):
         points = tuple(
-            plot.Point(s.throughput, s.latency_us[key] / 1000,
-                       f"{s.request_rate:g}/s" if s.request_rate else f"c={s.concurrency}")
+            plot.Point(
+                s.throughput,
+                s.latency_us[key] / 1000,
+                f"{s.request_rate:g}/s" if s.request_rate else f"c={s.concurrency}",
+            )
             for s in steps
         )
         result.append(plot.Curve(key, points, style, annotate=key == "p99"))

@@ -41,8 +41,9 @@ def gpu_available() -> bool:
 
 def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> IdentityModel:
     if device.kind == "gpu":
-        raise load_failed(f"model '{spec.name}': the identity backend runs on the CPU only; "
-                          "use KIND_CPU or KIND_AUTO, not KIND_GPU")
+        raise load_failed(
+            f"model '{spec.name}': the identity backend runs on the CPU only; use KIND_CPU or KIND_AUTO, not KIND_GPU"
+        )
     if len(spec.inputs) != len(spec.outputs):
         raise load_failed(f"model '{spec.name}': the identity backend needs as many outputs as inputs")
     for tensor_in, tensor_out in zip(spec.inputs, spec.outputs, strict=True):

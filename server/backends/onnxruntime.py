@@ -62,8 +62,7 @@ class OnnxModel:
         self._scalar_inputs = {arg.name for arg in session.get_inputs() if not arg.shape}
 
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        feed = {name: _to_ort_strings(name, a) if name in self._string_inputs else a
-                for name, a in inputs.items()}
+        feed = {name: _to_ort_strings(name, a) if name in self._string_inputs else a for name, a in inputs.items()}
         for name in self._scalar_inputs & feed.keys():
             feed[name] = feed[name].reshape(())
         results = self._session.run(list(outputs), feed)
@@ -114,7 +113,7 @@ def session_options(spec: ModelSpec, threads: int) -> ort.SessionOptions:
     options.intra_op_num_threads = int(configured) if configured else threads
     spinning = spec.parameters.get("allow_spinning", "false").strip().lower()
     if spinning not in ("true", "false"):
-        raise load_failed(f"model '{spec.name}': parameter allow_spinning must be \"true\" or \"false\"")
+        raise load_failed(f'model \'{spec.name}\': parameter allow_spinning must be "true" or "false"')
     for key in ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning"):
         options.add_session_config_entry(key, "1" if spinning == "true" else "0")
     return options

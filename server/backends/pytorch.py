@@ -35,9 +35,15 @@ from shoal.repository.model_io import IOTensor, ModelIO
 logger = logging.getLogger(__name__)
 
 _TORCH_TYPES = {
-    DataType.BOOL: torch.bool, DataType.UINT8: torch.uint8, DataType.INT8: torch.int8,
-    DataType.INT16: torch.int16, DataType.INT32: torch.int32, DataType.INT64: torch.int64,
-    DataType.FP16: torch.float16, DataType.FP32: torch.float32, DataType.FP64: torch.float64,
+    DataType.BOOL: torch.bool,
+    DataType.UINT8: torch.uint8,
+    DataType.INT8: torch.int8,
+    DataType.INT16: torch.int16,
+    DataType.INT32: torch.int32,
+    DataType.INT64: torch.int64,
+    DataType.FP16: torch.float16,
+    DataType.FP32: torch.float32,
+    DataType.FP64: torch.float64,
     DataType.BF16: torch.bfloat16,
 }
 _INDEXED = re.compile(r"^.+__(\d+)$")
@@ -162,8 +168,9 @@ def share_weights(model: TorchModel) -> dict[str, torch.Tensor]:
     return shared
 
 
-def attach(spec: ModelSpec, model_path: Path, device: Device, shared: dict[str, torch.Tensor],
-           threads: int) -> TorchModel:
+def attach(
+    spec: ModelSpec, model_path: Path, device: Device, shared: dict[str, torch.Tensor], threads: int
+) -> TorchModel:
     """In a worker process: the module's code, with every parameter and buffer the server's shared tensor."""
     torch.set_num_threads(threads)
     target = torch.device("cpu") if device.kind == "cpu" else torch.device("cuda", device.index)
@@ -235,8 +242,9 @@ def _input_order(spec: ModelSpec, argument_names: list[str]) -> list[str]:
 def _trial_run(spec: ModelSpec, model: TorchModel) -> None:
     """Run zeros of the config's shapes once; refuse outputs whose type or shape contradict the config."""
     batch = [1] if spec.max_batch_size > 0 else []
-    feed = {t.name: np.zeros(batch + [1 if d == -1 else d for d in t.dims], t.datatype.numpy_dtype)
-            for t in spec.inputs}
+    feed = {
+        t.name: np.zeros(batch + [1 if d == -1 else d for d in t.dims], t.datatype.numpy_dtype) for t in spec.inputs
+    }
     try:
         results = model.run(feed, [t.name for t in spec.outputs])
     except Exception as exc:  # noqa: BLE001 - any failure here means the config does not fit the model
@@ -251,8 +259,9 @@ def _check_output(spec: ModelSpec, tensor: TensorSpec, value: np.ndarray, batch:
     label = f"model '{spec.name}': output '{tensor.name}'"
     produced = DataType.from_numpy(value.dtype)
     if produced is not tensor.datatype:
-        raise load_failed(f"{label} is {tensor.datatype.config_name} in the config but the model "
-                          f"returns {produced.config_name}")
+        raise load_failed(
+            f"{label} is {tensor.datatype.config_name} in the config but the model returns {produced.config_name}"
+        )
     expected = batch + list(tensor.dims)
     shape = list(value.shape)
     if len(shape) != len(expected) or any(e not in (-1, s) for e, s in zip(expected, shape, strict=True)):
@@ -318,7 +327,9 @@ def probe(model_path: Path, inputs: list[tuple[str, DataType, tuple[int, ...]]])
         lead: tuple[int | None, ...] = (None,) if batched else ()
         return ModelIO(
             tuple(IOTensor(name, datatype, lead + dims) for name, datatype, dims in inputs),
-            tuple(IOTensor(name, DataType.from_numpy(_to_numpy(value).dtype), lead + tuple(value.shape[len(lead):]))
-                  for name, value in first),
+            tuple(
+                IOTensor(name, DataType.from_numpy(_to_numpy(value).dtype), lead + tuple(value.shape[len(lead) :]))
+                for name, value in first
+            ),
         )
     raise load_failed(f"{model_path}: the model does not run on zeros of the given inputs: {'; '.join(errors)}")

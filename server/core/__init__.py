@@ -25,9 +25,18 @@ from shoal.tracing.trace import Origin
 from shoal.types import InferRequest, InferResponse
 
 __all__ = [
-    "DECOUPLED_REFUSED", "Core", "CudaRegionStatus", "HealthSnapshot", "StreamedResponse",
-    "IndexEntry", "ModelMetadata", "ModelState", "RegionStatus",
-    "ServerMetadata", "StatisticsRow", "TensorMetadata",
+    "DECOUPLED_REFUSED",
+    "Core",
+    "CudaRegionStatus",
+    "HealthSnapshot",
+    "StreamedResponse",
+    "IndexEntry",
+    "ModelMetadata",
+    "ModelState",
+    "RegionStatus",
+    "ServerMetadata",
+    "StatisticsRow",
+    "TensorMetadata",
 ]
 
 
@@ -103,8 +112,9 @@ class Core(Protocol):
     async def system_shared_memory_status(self, name: str) -> list[RegionStatus]: ...  # "": every region
 
     # raw_handle: the 64 bytes of the client's cudaIpcMemHandle_t
-    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int,
-                                          byte_size: int) -> None: ...
+    async def register_cuda_shared_memory(
+        self, name: str, raw_handle: bytes, device_id: int, byte_size: int
+    ) -> None: ...
 
     async def unregister_cuda_shared_memory(self, name: str) -> None: ...  # "": every CUDA region
 

@@ -135,9 +135,17 @@ class CoreHost:
             inputs = await asyncio.to_thread(self._unpack, message.model_name, message.slots, release)
         else:
             inputs = self._unpack(message.model_name, message.slots, release)
-        return InferRequest(message.model_name, message.model_version, message.request_id, inputs,
-                            message.requested_outputs, message.parameters, message.class_counts,
-                            message.region_inputs, message.output_regions)
+        return InferRequest(
+            message.model_name,
+            message.model_version,
+            message.request_id,
+            inputs,
+            message.requested_outputs,
+            message.parameters,
+            message.class_counts,
+            message.region_inputs,
+            message.output_regions,
+        )
 
     def _unpack(self, model: str, slots: list[tensors.Slot], release: InputRelease) -> tuple[Tensor, ...]:
         """The inputs; BYTES that do not fit their shape refused as the one-process transport refuses them
@@ -194,8 +202,11 @@ class CoreHost:
         request_id = message.id
         try:
             response = await self.core.infer(await self._request(message), message.origin)
-            in_regions = [(index, t.name, t.datatype.value, t.shape) for index, t in enumerate(response.outputs)
-                          if t.name in response.in_regions]  # written into the client's memory: no bytes to move
+            in_regions = [
+                (index, t.name, t.datatype.value, t.shape)
+                for index, t in enumerate(response.outputs)
+                if t.name in response.in_regions
+            ]  # written into the client's memory: no bytes to move
             block, out = await self._pack([t for t in response.outputs if t.name not in response.in_regions])
         except BaseException as exc:  # noqa: BLE001 - every request gets its one answer
             self._failed(request_id, exc)

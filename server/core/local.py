@@ -63,10 +63,14 @@ EXTENSIONS = (
 class LocalCore:
     """``Core`` over this process's ``ModelManager``."""
 
-    def __init__(self, manager: ModelManager, strict_readiness: bool = True,
-                 max_shared_memory_bytes: int = ServerSettings.shared_memory_max_bytes,
-                 max_shared_memory_regions: int = ServerSettings.shared_memory_max_regions,
-                 tracer: Tracer | None = None) -> None:
+    def __init__(
+        self,
+        manager: ModelManager,
+        strict_readiness: bool = True,
+        max_shared_memory_bytes: int = ServerSettings.shared_memory_max_bytes,
+        max_shared_memory_regions: int = ServerSettings.shared_memory_max_regions,
+        tracer: Tracer | None = None,
+    ) -> None:
         self.manager = manager
         self.tracer = tracer or Tracer(TraceConfig())  # tracing off: the default settings trace nothing
         self.strict_readiness = strict_readiness
@@ -98,9 +102,7 @@ class LocalCore:
         served = self.manager.resolve(name, version)
         spec = served.spec
         batch = (-1,) if spec.max_batch_size > 0 else ()
-        versions = (
-            tuple(str(v) for v in self.manager.entry(name).ready_versions()) if not version else (version,)
-        )
+        versions = tuple(str(v) for v in self.manager.entry(name).ready_versions()) if not version else (version,)
         return ModelMetadata(
             name=spec.name,
             versions=versions,
@@ -167,8 +169,10 @@ class LocalCore:
             yield StreamedResponse(await self.infer(request), True)
             return
         if request.output_regions:
-            raise ShoalError(ErrorCode.UNSUPPORTED, "outputs in shared memory are not supported for decoupled "
-                                                    f"model '{request.model_name}'")
+            raise ShoalError(
+                ErrorCode.UNSUPPORTED,
+                f"outputs in shared memory are not supported for decoupled model '{request.model_name}'",
+            )
         sink = ResponseSink(asyncio.get_running_loop())
         task = asyncio.create_task(self.infer(StreamingRequest.of(request, sink)))
         task.add_done_callback(lambda _: sink.queue.put_nowait((ENDED, True)))
@@ -257,9 +261,15 @@ class LocalCore:
     def statistics_rows(self, name: str = "", version: str = "") -> list[StatisticsRow]:
         """One row per model version; name ``""`` means every model. Safe to call from the metrics thread."""
         return [
-            StatisticsRow(served.spec.name, str(served.version), served.statistics,
-                          {(d.kind.upper(), d.index): b for d, b in served.memory_bytes.items()},
-                          served.queued, served.instance_count, served.cache is not None)
+            StatisticsRow(
+                served.spec.name,
+                str(served.version),
+                served.statistics,
+                {(d.kind.upper(), d.index): b for d, b in served.memory_bytes.items()},
+                served.queued,
+                served.instance_count,
+                served.cache is not None,
+            )
             for served in self.manager.statistics(name, version)
         ]
 
@@ -288,8 +298,9 @@ class LocalCore:
             )
 
 
-def _streamed(served: ModelVersion, request: InferRequest, item: dict[str, np.ndarray] | ShoalError | None,
-              final: bool) -> StreamedResponse:
+def _streamed(
+    served: ModelVersion, request: InferRequest, item: dict[str, np.ndarray] | ShoalError | None, final: bool
+) -> StreamedResponse:
     """One item of a decoupled model's sink as a response, its outputs checked against the config as
     every reply's are (``tensors.finish``)."""
     if isinstance(item, dict):

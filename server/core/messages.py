@@ -140,14 +140,33 @@ class Ping(NamedTuple):
 
 
 # Every kind of record the channel carries, both ways.
-RECORDS = Records([Call, Infer, Cancel, Free, Started, Pong, Result, Error, Inferred, Release, Streamed, Health, Stop,
-                   Ping])
+RECORDS = Records(
+    [Call, Infer, Cancel, Free, Started, Pong, Result, Error, Inferred, Release, Streamed, Health, Stop, Ping]
+)
 
 # The Core methods a worker may call by name (infer has its own message).
-CALLS = frozenset({
-    "live", "ready", "health", "server_metadata", "model_ready", "model_metadata", "model_config",
-    "model_statistics", "repository_index", "load_model", "unload_model", "register_system_shared_memory",
-    "unregister_system_shared_memory", "system_shared_memory_status", "register_cuda_shared_memory",
-    "unregister_cuda_shared_memory", "cuda_shared_memory_status", "log_settings", "update_log_settings",
-    "trace_settings", "update_trace_settings",
-})
+CALLS = frozenset(
+    {
+        "live",
+        "ready",
+        "health",
+        "server_metadata",
+        "model_ready",
+        "model_metadata",
+        "model_config",
+        "model_statistics",
+        "repository_index",
+        "load_model",
+        "unload_model",
+        "register_system_shared_memory",
+        "unregister_system_shared_memory",
+        "system_shared_memory_status",
+        "register_cuda_shared_memory",
+        "unregister_cuda_shared_memory",
+        "cuda_shared_memory_status",
+        "log_settings",
+        "update_log_settings",
+        "trace_settings",
+        "update_trace_settings",
+    }
+)

@@ -121,16 +121,19 @@ class RemoteCore:
                 return await tensors.pack_off_loop(self.requests, self._allocator, request.inputs)
             return tensors.pack(self.requests, self._allocator, request.inputs)
         except PoolFull as exc:
-            advice = ("it can never fit: start the server with a larger --grpc-worker-pool-mb"
-                      if exc.wanted > exc.capacity else "retry later, or start the server with a larger "
-                      "--grpc-worker-pool-mb")
+            advice = (
+                "it can never fit: start the server with a larger --grpc-worker-pool-mb"
+                if exc.wanted > exc.capacity
+                else "retry later, or start the server with a larger --grpc-worker-pool-mb"
+            )
             message = f"the front-end worker's shared-memory pool is full: the request {exc}; {advice}"
             raise ShoalError(ErrorCode.UNAVAILABLE, message) from None
 
     async def infer(self, request: InferRequest, origin: Origin | None = None) -> InferResponse:
         block, slots = await self._pack_inputs(request)
         response: InferResponse = await self._send(
-            lambda request_id: _infer_message(request_id, request, slots, False, self._take_freed(), origin), block)
+            lambda request_id: _infer_message(request_id, request, slots, False, self._take_freed(), origin), block
+        )
         return response
 
     async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamedResponse]:
@@ -301,8 +304,15 @@ class RemoteCore:
                 datatype = DataType(datatype_name)
                 listed.insert(index, Tensor(name, datatype, shape, np.empty(0, datatype.numpy_dtype)))
             outputs = tuple(listed)
-        answer.set_result(InferResponse(message.model_name, message.model_version, message.response_id, outputs,
-                                        frozenset(r[1] for r in message.in_regions)))
+        answer.set_result(
+            InferResponse(
+                message.model_name,
+                message.model_version,
+                message.response_id,
+                outputs,
+                frozenset(r[1] for r in message.in_regions),
+            )
+        )
 
     def _hold_input(self, request_id: int, block: int) -> None:
         if block != tensors.NO_BLOCK:
@@ -350,8 +360,26 @@ class RemoteCore:
         self.closed.set()
 
 
-def _infer_message(request_id: int, request: InferRequest, slots: list[tensors.Slot], streaming: bool,
-                   freed: list[int], origin: Origin | None = None) -> messages.Infer:
-    return messages.Infer(request_id, request.model_name, request.model_version, request.id,
-                          request.requested_outputs, request.parameters, request.class_counts,
-                          request.region_inputs, request.output_regions, slots, streaming, freed, origin)
+def _infer_message(
+    request_id: int,
+    request: InferRequest,
+    slots: list[tensors.Slot],
+    streaming: bool,
+    freed: list[int],
+    origin: Origin | None = None,
+) -> messages.Infer:
+    return messages.Infer(
+        request_id,
+        request.model_name,
+        request.model_version,
+        request.id,
+        request.requested_outputs,
+        request.parameters,
+        request.class_counts,
+        request.region_inputs,
+        request.output_regions,
+        slots,
+        streaming,
+        freed,
+        origin,
+    )

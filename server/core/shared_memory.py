@@ -40,8 +40,10 @@ def with_region_inputs(registry: RegionRegistry, request: InferRequest) -> Infer
 def output_windows(registry: RegionRegistry, request: InferRequest) -> dict[str, Window | CudaWindow]:
     """Where each output goes, located before the model runs: a bad region fails the request at once,
     and one unregistered meanwhile is still written (the window holds the segment open)."""
-    return {name: registry.window(where.region, where.offset, where.byte_size)
-            for name, where in request.output_regions.items()}
+    return {
+        name: registry.window(where.region, where.offset, where.byte_size)
+        for name, where in request.output_regions.items()
+    }
 
 
 def write_region_outputs(windows: dict[str, Window | CudaWindow], response: InferResponse) -> InferResponse:
@@ -54,13 +56,18 @@ def write_region_outputs(windows: dict[str, Window | CudaWindow], response: Infe
             continue
         raw = wire.to_raw(tensor.datatype, tensor.data)
         if len(raw) > window.byte_size:
-            raise ShoalError(ErrorCode.INTERNAL, (
-                f"shared memory size specified with the request for output '{shown(tensor.name)}' "
-                f"({window.byte_size} bytes) should be at least {len(raw)} bytes to hold the results"))
+            raise ShoalError(
+                ErrorCode.INTERNAL,
+                (
+                    f"shared memory size specified with the request for output '{shown(tensor.name)}' "
+                    f"({window.byte_size} bytes) should be at least {len(raw)} bytes to hold the results"
+                ),
+            )
         window.write(raw)
         outputs.append(Tensor(tensor.name, tensor.datatype, tensor.shape, np.empty(0, tensor.data.dtype)))
-    return dataclasses.replace(response, outputs=tuple(outputs),
-                               in_regions=frozenset(windows) & {t.name for t in outputs})
+    return dataclasses.replace(
+        response, outputs=tuple(outputs), in_regions=frozenset(windows) & {t.name for t in outputs}
+    )
 
 
 # Region bytes past which a copy (preadv/pwrite of a client's segment) leaves the event loop: a
@@ -79,5 +86,7 @@ def costly(registry: RegionRegistry, request: InferRequest) -> bool:
 
 def costly_outputs(windows: dict[str, Window | CudaWindow]) -> bool:
     """Outputs to write off the event loop: into CUDA regions, or large."""
-    return (any(isinstance(w, CudaWindow) for w in windows.values())
-            or sum(w.byte_size for w in windows.values()) > COSTLY_BYTES)
+    return (
+        any(isinstance(w, CudaWindow) for w in windows.values())
+        or sum(w.byte_size for w in windows.values()) > COSTLY_BYTES
+    )

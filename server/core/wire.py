@@ -60,8 +60,10 @@ def refuse_model_files(model: str, keys: list[str]) -> None:
     files = [key for key in keys if key.startswith("file:")]
     for key in files:
         if any(len(part.encode()) > MAX_NAME_BYTES for part in key.removeprefix("file:").split("/")):
-            raise poll_failed(model, f"a part of the path of load parameter '{shown(key)}' is longer than "
-                                     f"{MAX_NAME_BYTES} bytes (NAME_MAX)")
+            raise poll_failed(
+                model,
+                f"a part of the path of load parameter '{shown(key)}' is longer than {MAX_NAME_BYTES} bytes (NAME_MAX)",
+            )
     if files:
         raise invalid(f"loading model files sent with the request ({shown(files[0])}) is not supported")
 
@@ -72,15 +74,18 @@ def content_error(name: str, model: str, exc: tensors.WireFormatError) -> str:
     name, model = shown(name), shown(model)
     where = f"for inference input '{name}' for model '{model}'"
     if isinstance(exc, tensors.ByteSizeMismatch):
-        return (f"input byte size mismatch for input '{name}' for model '{model}'. "
-                f"Expected {exc.expected}, got {exc.got}")
+        return (
+            f"input byte size mismatch for input '{name}' for model '{model}'. Expected {exc.expected}, got {exc.got}"
+        )
     if isinstance(exc, tensors.StringCountMismatch):
         if exc.too_many:
             return f"unexpected number of string elements {exc.got} {where}, expecting {exc.expected}"
         return f"expected {exc.expected} string elements {where}, got {exc.got}"
     if isinstance(exc, tensors.IncompleteLengthPrefix):
-        return (f"incomplete string length indicator {where}, expecting 4 bytes but only {exc.available} bytes "
-                "available. Please make sure the string length indicator is in one buffer.")
+        return (
+            f"incomplete string length indicator {where}, expecting 4 bytes but only {exc.available} bytes "
+            "available. Please make sure the string length indicator is in one buffer."
+        )
     return f"input '{name}' for model '{model}': {exc}"
 
 
@@ -90,10 +95,13 @@ def region_slice(name: str, region: str | None, offset: int | None, byte_size: i
     if region is None:
         for key, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
             if value is not None:
-                raise invalid(f"'{key}' can not be specified without 'shared_memory_region' parameter for tensor "
-                              f"'{shown(name)}'")
+                raise invalid(
+                    f"'{key}' can not be specified without 'shared_memory_region' parameter for tensor '{shown(name)}'"
+                )
         return None
     if byte_size is None:
-        raise invalid(f"'shared_memory_byte_size' must be specified along with 'shared_memory_region' parameter "
-                      f"for tensor '{shown(name)}'")
+        raise invalid(
+            f"'shared_memory_byte_size' must be specified along with 'shared_memory_region' parameter "
+            f"for tensor '{shown(name)}'"
+        )
     return RegionSlice(region, offset or 0, byte_size)

@@ -131,4 +131,3 @@ class BlockAllocator:
         self._free_starts.insert(index, start)
         self._free_sizes[start] = end - start
         return size
-

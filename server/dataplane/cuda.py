@@ -109,11 +109,16 @@ class _CudaPython:
         with self._lock:
             stream = self._streams.get(device_id)
             if stream is None:
-                stream = self._check("cudaStreamCreateWithFlags",
-                                     self.cudart.cudaStreamCreateWithFlags(_STREAM_NON_BLOCKING))
+                stream = self._check(
+                    "cudaStreamCreateWithFlags", self.cudart.cudaStreamCreateWithFlags(_STREAM_NON_BLOCKING)
+                )
                 self._streams[device_id] = stream
-        self._check("cudaMemcpyAsync", self.cudart.cudaMemcpyAsync(
-            target, source, byte_size, self.cudart.cudaMemcpyKind.cudaMemcpyDefault, stream))
+        self._check(
+            "cudaMemcpyAsync",
+            self.cudart.cudaMemcpyAsync(
+                target, source, byte_size, self.cudart.cudaMemcpyKind.cudaMemcpyDefault, stream
+            ),
+        )
         self._check("cudaStreamSynchronize", self.cudart.cudaStreamSynchronize(stream))
 
 
@@ -130,11 +135,19 @@ class _Ctypes:
         cudart.cudaGetErrorString.restype = ctypes.c_char_p
         cudart.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
         cudart.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
-        cudart.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                           ctypes.c_void_p]
+        cudart.cudaMemcpyAsync.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
         cudart.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
-        driver.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                                                   ctypes.c_uint64]
+        driver.cuMemGetAddressRange_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_uint64,
+        ]
         self._streams: dict[int, ctypes.c_void_p] = {}
         self._lock = threading.Lock()
 
@@ -152,14 +165,16 @@ class _Ctypes:
         self._check("cudaSetDevice", self.cudart.cudaSetDevice(device_id))
         address = ctypes.c_void_p()
         ipc = _IpcHandle.from_buffer_copy(handle)
-        self._check("cudaIpcOpenMemHandle", self.cudart.cudaIpcOpenMemHandle(ctypes.byref(address), ipc,
-                                                                             _LAZY_PEER_ACCESS))
+        self._check(
+            "cudaIpcOpenMemHandle", self.cudart.cudaIpcOpenMemHandle(ctypes.byref(address), ipc, _LAZY_PEER_ACCESS)
+        )
         return int(address.value or 0)
 
     def allocation_size(self, address: int) -> int:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._check("cuMemGetAddressRange", self.driver.cuMemGetAddressRange_v2(ctypes.byref(base),
-                                                                                ctypes.byref(size), address))
+        self._check(
+            "cuMemGetAddressRange", self.driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address)
+        )
         return base.value + size.value - address
 
     def close(self, address: int, device_id: int) -> None:
@@ -172,11 +187,12 @@ class _Ctypes:
             stream = self._streams.get(device_id)
             if stream is None:
                 stream = ctypes.c_void_p()
-                self._check("cudaStreamCreateWithFlags", self.cudart.cudaStreamCreateWithFlags(
-                    ctypes.byref(stream), _STREAM_NON_BLOCKING))
+                self._check(
+                    "cudaStreamCreateWithFlags",
+                    self.cudart.cudaStreamCreateWithFlags(ctypes.byref(stream), _STREAM_NON_BLOCKING),
+                )
                 self._streams[device_id] = stream
-        self._check("cudaMemcpyAsync", self.cudart.cudaMemcpyAsync(target, source, byte_size, _MEMCPY_DEFAULT,
-                                                                   stream))
+        self._check("cudaMemcpyAsync", self.cudart.cudaMemcpyAsync(target, source, byte_size, _MEMCPY_DEFAULT, stream))
         self._check("cudaStreamSynchronize", self.cudart.cudaStreamSynchronize(stream))
 
 
@@ -282,8 +298,9 @@ class CudaWindow:
         try:
             self.mapping.cuda.copy(target, source, byte_size, self.mapping.device_id)
         except CudaError as exc:
-            raise ShoalError(ErrorCode.INTERNAL, f"failed to copy CUDA shared memory region "
-                             f"'{shown(self.name)}': {exc}") from None
+            raise ShoalError(
+                ErrorCode.INTERNAL, f"failed to copy CUDA shared memory region '{shown(self.name)}': {exc}"
+            ) from None
 
 
 def open_region(name: str, handle: bytes, device_id: int, byte_size: int) -> CudaRegion:
@@ -291,12 +308,17 @@ def open_region(name: str, handle: bytes, device_id: int, byte_size: int) -> Cud
     codes and words; the size registered must fit in the client's allocation."""
     cuda = require_runtime(name)
     if len(handle) != IPC_HANDLE_BYTES:
-        raise ShoalError(ErrorCode.INVALID_ARGUMENT, (
-            f"failed to register shared memory region '{shown(name)}': raw_handle must be the "
-            f"{IPC_HANDLE_BYTES} bytes of a cudaIpcMemHandle_t, got {len(handle)}"))
+        raise ShoalError(
+            ErrorCode.INVALID_ARGUMENT,
+            (
+                f"failed to register shared memory region '{shown(name)}': raw_handle must be the "
+                f"{IPC_HANDLE_BYTES} bytes of a cudaIpcMemHandle_t, got {len(handle)}"
+            ),
+        )
     if byte_size <= 0 or not 0 <= device_id < cuda.device_count():
-        raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
-                         "invalid args")
+        raise ShoalError(
+            ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': invalid args"
+        )
     try:
         address = cuda.open(handle, device_id)
     except CudaError as exc:
@@ -310,8 +332,9 @@ def open_region(name: str, handle: bytes, device_id: int, byte_size: int) -> Cud
         fits = False
     if not fits:
         mapping.close()  # now: the exception's traceback would keep the mapping alive
-        raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
-                         "invalid args")
+        raise ShoalError(
+            ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': invalid args"
+        )
     return CudaRegion(CudaRegionStatus(name, device_id, byte_size), mapping)
 
 
@@ -319,6 +342,8 @@ def require_runtime(name: str) -> Runtime:
     """The runtime, or the refusal of Triton built without GPU support (INVALID_ARGUMENT)."""
     cuda = runtime()
     if isinstance(cuda, str):
-        raise ShoalError(ErrorCode.INVALID_ARGUMENT,
-                         f"failed to register CUDA shared memory region: '{shown(name)}', GPUs not supported")
+        raise ShoalError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"failed to register CUDA shared memory region: '{shown(name)}', GPUs not supported",
+        )
     return cuda

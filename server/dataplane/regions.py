@@ -99,8 +99,10 @@ class Window:
 
 
 def _shrunk(name: str) -> ShoalError:
-    return ShoalError(ErrorCode.INTERNAL, f"shared memory region '{shown(name)}' is smaller than when it was "
-                      "registered (its segment was truncated)")
+    return ShoalError(
+        ErrorCode.INTERNAL,
+        f"shared memory region '{shown(name)}' is smaller than when it was registered (its segment was truncated)",
+    )
 
 
 _Kind = TypeVar("_Kind", _Region, CudaRegion)
@@ -123,16 +125,20 @@ class RegionRegistry:
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self._check_room(name, byte_size)
         if byte_size <= 0 or offset < 0:
-            raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
-                             "unable to process address spaceInvalid argument")
+            raise ShoalError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"failed to register shared memory region '{shown(name)}': "
+                "unable to process address spaceInvalid argument",
+            )
         fd = _open_segment(key)
         try:
             found = os.fstat(fd)
         finally:
             os.close(fd)  # opened again by each request that uses the region
         if offset + byte_size > found.st_size:
-            raise ShoalError(ErrorCode.INVALID_ARGUMENT,
-                             f"failed to register shared memory region '{shown(name)}': invalid args")
+            raise ShoalError(
+                ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': invalid args"
+            )
         self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), (found.st_dev, found.st_ino))
 
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
@@ -146,13 +152,20 @@ class RegionRegistry:
         if name in self._regions:
             raise ShoalError(ErrorCode.ALREADY_EXISTS, f"shared memory region '{shown(name)}' already in manager")
         if len(self._regions) >= self.max_regions:
-            raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"failed to register shared memory region '{shown(name)}': "
-                             f"{self.max_regions} regions are registered already, the most this server holds "
-                             "(--shared-memory-max-regions)")
+            raise ShoalError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"failed to register shared memory region '{shown(name)}': "
+                f"{self.max_regions} regions are registered already, the most this server holds "
+                "(--shared-memory-max-regions)",
+            )
         if self.total_bytes + byte_size > self.max_total_bytes:
-            raise ShoalError(ErrorCode.INVALID_ARGUMENT, (
-                f"failed to register shared memory region '{shown(name)}': {byte_size} more bytes would pass the "
-                f"server's limit of {self.max_total_bytes} registered bytes (--shared-memory-max-mb)"))
+            raise ShoalError(
+                ErrorCode.INVALID_ARGUMENT,
+                (
+                    f"failed to register shared memory region '{shown(name)}': {byte_size} more bytes would pass the "
+                    f"server's limit of {self.max_total_bytes} registered bytes (--shared-memory-max-mb)"
+                ),
+            )
 
     def unregister(self, name: str) -> None:
         """Forget system region ``name`` (every one when ``""``); an unknown name, or a CUDA
@@ -186,8 +199,11 @@ class RegionRegistry:
             raise ShoalError(ErrorCode.NOT_FOUND, f"Unable to find {kind_name} shared memory region: '{shown(name)}'")
         if not isinstance(region, kind):
             registered, wanted = ("system", "CUDA") if cuda_wanted else ("CUDA", "system")
-            raise ShoalError(ErrorCode.NOT_FOUND, f"The region named '{shown(name)}' is registered as {registered} "
-                             f"shared memory, not {wanted} shared memory")
+            raise ShoalError(
+                ErrorCode.NOT_FOUND,
+                f"The region named '{shown(name)}' is registered as {registered} "
+                f"shared memory, not {wanted} shared memory",
+            )
         return [region]
 
     def window(self, name: str, offset: int, byte_size: int) -> Window | CudaWindow:
@@ -199,8 +215,9 @@ class RegionRegistry:
         if not 0 <= offset < available:
             raise ShoalError(ErrorCode.INVALID_ARGUMENT, f"Invalid offset for shared memory region: '{shown(name)}'")
         if byte_size < 0 or offset + byte_size > available:
-            raise ShoalError(ErrorCode.INVALID_ARGUMENT,
-                             f"Invalid offset + byte size for shared memory region: '{shown(name)}'")
+            raise ShoalError(
+                ErrorCode.INVALID_ARGUMENT, f"Invalid offset + byte size for shared memory region: '{shown(name)}'"
+            )
         if isinstance(region, CudaRegion):
             return CudaWindow(name, region.mapping, offset, byte_size)
         return Window(name, self._segment(region), region.status.offset + offset, byte_size)
@@ -236,8 +253,11 @@ def _reopen(region: _Region) -> io.FileIO:
     found = os.fstat(fd)
     if (found.st_dev, found.st_ino) != region.identity:
         os.close(fd)
-        raise ShoalError(ErrorCode.INTERNAL, f"shared memory region '{shown(region.status.name)}': its key "
-                         f"'{shown(region.status.key)}' names another segment than the one registered")
+        raise ShoalError(
+            ErrorCode.INTERNAL,
+            f"shared memory region '{shown(region.status.name)}': its key "
+            f"'{shown(region.status.key)}' names another segment than the one registered",
+        )
     return io.FileIO(fd, "r+", closefd=True)
 
 

@@ -110,8 +110,9 @@ def pack_at(arena: Arena, offset: int, tensors: Sequence[Tensor]) -> list[Slot]:
     return _write(arena, offset, tensors, payloads, sizes)
 
 
-def _write(arena: Arena, start: int, tensors: Sequence[Tensor], payloads: list[np.ndarray | bytes],
-           sizes: list[int]) -> list[Slot]:
+def _write(
+    arena: Arena, start: int, tensors: Sequence[Tensor], payloads: list[np.ndarray | bytes], sizes: list[int]
+) -> list[Slot]:
     slots = []
     offset = start
     view = arena.map
@@ -131,9 +132,14 @@ def extent(slots: Sequence[Slot]) -> int:
     return max((offset + nbytes for _, _, _, offset, nbytes in slots), default=0)
 
 
-def unpack(arena: Arena, slots: Sequence[Slot], on_release: Callable[[], None] | None = None,
-           writable: bool = False, encoded_bytes: bool = False,
-           on_unfit: Callable[[str, wire.WireFormatError], None] | None = None) -> tuple[Tensor, ...]:
+def unpack(
+    arena: Arena,
+    slots: Sequence[Slot],
+    on_release: Callable[[], None] | None = None,
+    writable: bool = False,
+    encoded_bytes: bool = False,
+    on_unfit: Callable[[str, wire.WireFormatError], None] | None = None,
+) -> tuple[Tensor, ...]:
     """The slots' tensors, as read-only views into the arena (BYTES are decoded copies, or with
     ``encoded_bytes`` ``EncodedTensor`` views of their wire bytes, decoded by whoever needs values).
 
@@ -163,8 +169,13 @@ def unpack(arena: Arena, slots: Sequence[Slot], on_release: Callable[[], None] |
 _DATATYPES = {datatype.value: datatype for datatype in DataType}
 
 
-def _tensor(buffer: memoryview, base: int, slot: Slot, encoded_bytes: bool,
-            on_unfit: Callable[[str, wire.WireFormatError], None] | None) -> Tensor:
+def _tensor(
+    buffer: memoryview,
+    base: int,
+    slot: Slot,
+    encoded_bytes: bool,
+    on_unfit: Callable[[str, wire.WireFormatError], None] | None,
+) -> Tensor:
     name, datatype_name, shape, offset, nbytes = slot
     datatype = _DATATYPES[datatype_name]
     count = math.prod(shape)

@@ -121,7 +121,11 @@ class WorkerSupervisor:
         try:
             process = await asyncio.create_subprocess_exec(
                 # -P: no working directory on sys.path (a stray ssl.py there must not shadow a module)
-                sys.executable, "-P", "-m", "shoal.frontend", str(worker_end.fileno()),
+                sys.executable,
+                "-P",
+                "-m",
+                "shoal.frontend",
+                str(worker_end.fileno()),
                 pass_fds=(worker_end.fileno(), requests.fd, responses.fd, log_share.fd),
                 env={**os.environ, "TMPDIR": scratch},
             )
@@ -131,9 +135,16 @@ class WorkerSupervisor:
         finally:
             worker_end.close()
         config = WorkerConfig(
-            index=index, address=self.settings.grpc_address, port=self.port, tls=self.settings.tls,
-            limits=replace(self.settings.grpc, reuse_port=True), requests_fd=requests.fd,
-            responses_fd=responses.fd, pool_bytes=pool_bytes, log_fd=log_share.fd, log_file=log_share.log_file,
+            index=index,
+            address=self.settings.grpc_address,
+            port=self.port,
+            tls=self.settings.tls,
+            limits=replace(self.settings.grpc, reuse_port=True),
+            requests_fd=requests.fd,
+            responses_fd=responses.fd,
+            pool_bytes=pool_bytes,
+            log_fd=log_share.fd,
+            log_file=log_share.log_file,
             http=replace(self.settings.http, port=self.http_port) if self.settings.allow_http else None,
         )
         host = CoreHost(self.core, requests, responses)
@@ -157,16 +168,22 @@ class WorkerSupervisor:
             watcher = asyncio.create_task(watch)
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
-        logger.info("front-end worker %d (pid %d) serves gRPC on %s:%d%s", index, process.pid,
-                    self.settings.grpc_address, ports[0],
-                    f" and HTTP on {self.settings.http.address}:{ports[1]}" if self.settings.allow_http else "")
+        logger.info(
+            "front-end worker %d (pid %d) serves gRPC on %s:%d%s",
+            index,
+            process.pid,
+            self.settings.grpc_address,
+            ports[0],
+            f" and HTTP on {self.settings.http.address}:{ports[1]}" if self.settings.allow_http else "",
+        )
         return ports
 
     async def _wait_started(self, worker: Worker) -> tuple[int, int]:
         exited = asyncio.create_task(worker.process.wait())
         try:
-            await asyncio.wait((exited, worker.host.started), timeout=START_TIMEOUT_S,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                (exited, worker.host.started), timeout=START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             exited.cancel()
         result = worker.host.started.result() if worker.host.started.done() else None
@@ -174,8 +191,9 @@ class WorkerSupervisor:
             return result
         if worker.process.returncode is None:
             worker.process.kill()
-        raise StartupError(result or f"front-end worker {worker.index} did not start "
-                           f"(exit code {worker.process.returncode})")
+        raise StartupError(
+            result or f"front-end worker {worker.index} did not start (exit code {worker.process.returncode})"
+        )
 
     async def _check_liveness(self, worker: Worker) -> None:
         """Kill a worker that answers no PING for ``MISSED_PINGS`` intervals (stopped, or its loop
@@ -187,8 +205,12 @@ class WorkerSupervisor:
             await asyncio.sleep(interval_s)
             silent_s = time.monotonic() - max(worker.host.answered_ping_at, worker.started_at)
             if silent_s > MISSED_PINGS * interval_s and worker.process.returncode is None and not self._stopping:
-                logger.error("front-end worker %d (pid %d) answered no liveness check for %.1f s; killing it",
-                             worker.index, worker.process.pid, silent_s)
+                logger.error(
+                    "front-end worker %d (pid %d) answered no liveness check for %.1f s; killing it",
+                    worker.index,
+                    worker.process.pid,
+                    silent_s,
+                )
                 worker.process.kill()
                 return
 
@@ -199,9 +221,14 @@ class WorkerSupervisor:
         shutil.rmtree(worker.scratch, ignore_errors=True)
         if self._stopping:
             return
-        logger.error("front-end worker %d (pid %d) exited with code %s; the host finishes the %d requests it "
-                     "had accepted from it, their answers are dropped; starting it again",
-                     worker.index, worker.process.pid, code, worker.host.in_flight)
+        logger.error(
+            "front-end worker %d (pid %d) exited with code %s; the host finishes the %d requests it "
+            "had accepted from it, their answers are dropped; starting it again",
+            worker.index,
+            worker.process.pid,
+            code,
+            worker.host.in_flight,
+        )
         if time.monotonic() - worker.started_at < RESTART_BACKOFF_S:
             await asyncio.sleep(RESTART_BACKOFF_S)
         while not self._stopping:

@@ -114,16 +114,23 @@ async def serve(sock: socket.socket, config: WorkerConfig) -> int:
         servicer = InferenceServicer(core, encoded_bytes=True)  # the host decodes BYTES: see RemoteCore
         server, port, engine = build_server(servicer, health, config.address, config.port, config.tls, config.limits)
         if config.http is not None:
-            http = HttpServer(HttpApp(core, config.http.max_input_bytes, config.http.restrictions,
-                                      config.http.max_pending_body_bytes, encoded_bytes=True), config.http,
-                              reuse_port=True)
+            http = HttpServer(
+                HttpApp(
+                    core,
+                    config.http.max_input_bytes,
+                    config.http.restrictions,
+                    config.http.max_pending_body_bytes,
+                    encoded_bytes=True,
+                ),
+                config.http,
+                reuse_port=True,
+            )
             http_port = await http.start()
     except StartupError as exc:
         core.started(str(exc))
         return 1
     await server.start()
-    logger.info("front-end worker %d serves gRPC on %s:%d (%s)", config.index, config.address, port,
-                engine.describe())
+    logger.info("front-end worker %d serves gRPC on %s:%d (%s)", config.index, config.address, port, engine.describe())
     core.started((port, http_port))
     host_gone = asyncio.create_task(core.closed.wait())
     stopping = asyncio.create_task(stop.wait())
@@ -149,7 +156,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=int(sys.argv[1]))
     config = _receive_config(sock)
-    logs.install(logs.LogShare.attach(config.log_fd, config.log_file),
-                 logs.LOG_LINE.replace("%(name)s", f"worker{config.index} %(name)s"))
+    logs.install(
+        logs.LogShare.attach(config.log_fd, config.log_file),
+        logs.LOG_LINE.replace("%(name)s", f"worker{config.index} %(name)s"),
+    )
     raise_open_file_limit(logging.DEBUG)  # the host raised it already; a worker started otherwise raises its own
     return asyncio.run(serve(sock, config))

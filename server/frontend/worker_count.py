@@ -39,8 +39,10 @@ MIN_CORES_FOR_WORKERS = 4
 HOST_CORES = 2
 MIN_AUTO_WORKERS = 2
 MAX_AUTO_WORKERS = 8
-RULE = (f"0 below {MIN_CORES_FOR_WORKERS} usable cores, else min({MAX_AUTO_WORKERS}, "
-        f"max({MIN_AUTO_WORKERS}, (cores - {HOST_CORES}) // 2))")
+RULE = (
+    f"0 below {MIN_CORES_FOR_WORKERS} usable cores, else min({MAX_AUTO_WORKERS}, "
+    f"max({MIN_AUTO_WORKERS}, (cores - {HOST_CORES}) // 2))"
+)
 
 
 def workers_for_cores(cores: int) -> int:
@@ -71,8 +73,7 @@ class WorkerCount:
         """For the start-up log: the count, and for auto the cores it saw and the rule."""
         if self.allowance is None:
             return f"{self.count} front-end workers (--grpc-workers {self.count})"
-        return (f"{self.count} front-end workers (--grpc-workers auto: {describe_cores(self.allowance)}; "
-                f"rule: {RULE})")
+        return f"{self.count} front-end workers (--grpc-workers auto: {describe_cores(self.allowance)}; rule: {RULE})"
 
 
 def resolve(value: int | str, allowance: CpuAllowance | None = None) -> WorkerCount:

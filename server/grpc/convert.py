@@ -51,7 +51,10 @@ _CONTENTS_FIELD = {
 
 
 def decode_contents(
-    name: str, datatype: DataType, shape: tuple[int, ...], contents: service_pb2.InferTensorContents,
+    name: str,
+    datatype: DataType,
+    shape: tuple[int, ...],
+    contents: service_pb2.InferTensorContents,
     unfit: UnfitContents,
 ) -> np.ndarray:
     """Typed contents as an array. As Triton's gRPC front end turns them into bytes for the core
@@ -68,8 +71,9 @@ def decode_contents(
         if datatype is DataType.BYTES:
             mismatch: tensors.WireFormatError = tensors.StringCountMismatch(count, min(len(values), count + 1))
         else:
-            mismatch = tensors.ByteSizeMismatch(datatype, shape, count * datatype.item_size,
-                                                len(values) * datatype.item_size)
+            mismatch = tensors.ByteSizeMismatch(
+                datatype, shape, count * datatype.item_size, len(values) * datatype.item_size
+            )
         unfit.note(name, mismatch)
         return np.empty(0, dtype=datatype.numpy_dtype)
     if datatype is DataType.BYTES:
@@ -88,17 +92,32 @@ def _contents_type(field: str, datatype: DataType) -> str:
         return datatype.value if datatype in (DataType.INT8, DataType.INT16) else "INT32"
     if field == "uint_contents":
         return datatype.value if datatype in (DataType.UINT8, DataType.UINT16) else "UINT32"
-    return {"bool_contents": "BOOL", "int64_contents": "INT64", "uint64_contents": "UINT64", "fp32_contents": "FP32",
-            "fp64_contents": "FP64", "bytes_contents": "BYTES"}[field]
+    return {
+        "bool_contents": "BOOL",
+        "int64_contents": "INT64",
+        "uint64_contents": "UINT64",
+        "fp32_contents": "FP32",
+        "fp64_contents": "FP64",
+        "bytes_contents": "BYTES",
+    }[field]
 
 
-def _check_contents_fields(name: str, datatype: DataType, contents: service_pb2.InferTensorContents,
-                           model: str) -> None:
+def _check_contents_fields(
+    name: str, datatype: DataType, contents: service_pb2.InferTensorContents, model: str
+) -> None:
     """Typed contents in a field of another type, or in two fields, refused as Triton's front end does:
     fields read in its order, each checked by ``InferGRPCToInputHelper`` (server grpc/infer_handler.cc)."""
     supplied = False
-    for field in ("bool_contents", "int_contents", "int64_contents", "uint_contents", "uint64_contents",
-                  "fp32_contents", "fp64_contents", "bytes_contents"):
+    for field in (
+        "bool_contents",
+        "int_contents",
+        "int64_contents",
+        "uint_contents",
+        "uint64_contents",
+        "fp32_contents",
+        "fp64_contents",
+        "bytes_contents",
+    ):
         if not getattr(contents, field):
             continue
         where = f"unexpected explicit tensor data for input tensor '{shown(name)}' for model '{shown(model)}'"
@@ -204,8 +223,9 @@ def declare_inputs(message: service_pb2.ModelInferRequest) -> DeclaredInputs:
     return DeclaredInputs(message.model_name, entries, inline, bytes_elements, data_bytes, bytes_inputs)
 
 
-def infer_request(message: service_pb2.ModelInferRequest, declared: DeclaredInputs | None = None,
-                  encoded_bytes: bool = False) -> InferRequest:
+def infer_request(
+    message: service_pb2.ModelInferRequest, declared: DeclaredInputs | None = None, encoded_bytes: bool = False
+) -> InferRequest:
     """The request; ``raw_input_contents`` line up, in order, with the inputs not in shared memory.
     ``declared``: ``declare_inputs(message)``, when the caller has read it already. ``encoded_bytes``:
     raw BYTES inputs are left as the wire carries them, unchecked (``infer_request_encoded``)."""
@@ -213,8 +233,10 @@ def infer_request(message: service_pb2.ModelInferRequest, declared: DeclaredInpu
         declared = declare_inputs(message)
     model = declared.model
     if len(message.raw_input_contents) > declared.inline:
-        raise invalid(f"expected {declared.inline} raw_input_contents entries (one per input not in shared memory), "
-                      f"got {len(message.raw_input_contents)}")
+        raise invalid(
+            f"expected {declared.inline} raw_input_contents entries (one per input not in shared memory), "
+            f"got {len(message.raw_input_contents)}"
+        )
     raw = list(message.raw_input_contents)  # each read of an entry copies it out of the message: once
     check_bytes_cost(declared, raw)
     inputs: list[Tensor] = []
@@ -225,14 +247,18 @@ def infer_request(message: service_pb2.ModelInferRequest, declared: DeclaredInpu
         where = shared_memory_slice(name, parameters) if parameters is not None else None
         if where is not None:
             if tensor.HasField("contents"):
-                raise invalid(f"unexpected 'content' provided when using shared memory for input tensor "
-                              f"'{shown(name)}' for model '{shown(model)}'")
+                raise invalid(
+                    f"unexpected 'content' provided when using shared memory for input tensor "
+                    f"'{shown(name)}' for model '{shown(model)}'"
+                )
             region_inputs.append(RegionInput(name, datatype, shape, where))
             continue
         # Triton's front end (server src/grpc/infer_handler.cc InferGRPCToInput) words these three.
         if raw and tensor.HasField("contents"):
-            raise invalid(f"contents field must not be specified when using raw_input_contents for "
-                          f"'{shown(name)}' for model '{shown(model)}'")
+            raise invalid(
+                f"contents field must not be specified when using raw_input_contents for "
+                f"'{shown(name)}' for model '{shown(model)}'"
+            )
         if len(inputs) < len(raw):
             if encoded_bytes and datatype_name == _BYTES:
                 inputs.append(EncodedTensor(name, datatype, shape, np.frombuffer(raw[len(inputs)], np.uint8)))
@@ -241,8 +267,9 @@ def infer_request(message: service_pb2.ModelInferRequest, declared: DeclaredInpu
         elif tensor.HasField("contents"):
             data = decode_contents(name, datatype, shape, tensor.contents, unfit)
         else:
-            raise invalid(f"unable to find data for input tensor '{shown(name)}' for model '{shown(model)}' "
-                          "in request.")
+            raise invalid(
+                f"unable to find data for input tensor '{shown(name)}' for model '{shown(model)}' in request."
+            )
         inputs.append(Tensor(name, datatype, shape, data))
     unfit.check()
     requested, output_regions, class_counts = _requested_outputs(message.outputs)
@@ -259,8 +286,9 @@ def infer_request(message: service_pb2.ModelInferRequest, declared: DeclaredInpu
     )
 
 
-def infer_request_encoded(message: service_pb2.ModelInferRequest,
-                          declared: DeclaredInputs | None = None) -> InferRequest:
+def infer_request_encoded(
+    message: service_pb2.ModelInferRequest, declared: DeclaredInputs | None = None
+) -> InferRequest:
     """``infer_request`` for a core that decodes BYTES inputs itself (a front-end worker's ``RemoteCore``:
     its host decodes them once): raw BYTES inputs go on as ``EncodedTensor``, not decoded here, and the
     host refuses content that does not fit its shape in the same words (``core.wire.UnfitContents``).
@@ -317,8 +345,12 @@ def shared_memory_slice(name: str, parameters: Any) -> RegionSlice | None:
             raise invalid(f"invalid value type for '{key}' parameter for tensor '{name}', expected {kind}.")
         return getattr(parameters[key], kind)
 
-    return region_slice(name, typed("shared_memory_region", "string_param"),
-                        typed("shared_memory_offset", "int64_param"), typed("shared_memory_byte_size", "int64_param"))
+    return region_slice(
+        name,
+        typed("shared_memory_region", "string_param"),
+        typed("shared_memory_offset", "int64_param"),
+        typed("shared_memory_byte_size", "int64_param"),
+    )
 
 
 def class_counts(outputs: list[tuple[str, Any]]) -> dict[str, int]:
@@ -331,11 +363,14 @@ def class_counts(outputs: list[tuple[str, Any]]) -> dict[str, int]:
             continue
         param = parameters["classification"]
         if param.WhichOneof("parameter_choice") != "int64_param":
-            raise invalid(f"output '{shown(name)}': invalid value type for 'classification' parameter, "
-                          "expected int64_param")
+            raise invalid(
+                f"output '{shown(name)}': invalid value type for 'classification' parameter, expected int64_param"
+            )
         if param.int64_param <= 0:
-            raise invalid(f"output '{shown(name)}': invalid value for 'classification' parameter, "
-                          f"expected > 0, got {param.int64_param}")
+            raise invalid(
+                f"output '{shown(name)}': invalid value for 'classification' parameter, "
+                f"expected > 0, got {param.int64_param}"
+            )
         counts[name] = param.int64_param
     return counts
 
@@ -409,8 +444,10 @@ def load_parameters(message: service_pb2.RepositoryModelLoadRequest) -> dict[str
     except ValueError as exc:
         raise invalid(f"failed to load '{name}': the config parameter is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
-        raise invalid(f"failed to load '{name}': the config parameter must be a JSON object (a ModelConfig), "
-                      f"got a JSON {type(document).__name__}")
+        raise invalid(
+            f"failed to load '{name}': the config parameter must be a JSON object (a ModelConfig), "
+            f"got a JSON {type(document).__name__}"
+        )
     return document
 
 
@@ -480,8 +517,16 @@ def model_statistics(rows: list[StatisticsRow]) -> service_pb2.ModelStatisticsRe
             execution_count=stats.execution_count,
         )
         inference = entry.inference_stats
-        for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
-                      "cache_miss"):
+        for field in (
+            "success",
+            "fail",
+            "queue",
+            "compute_input",
+            "compute_infer",
+            "compute_output",
+            "cache_hit",
+            "cache_miss",
+        ):
             _duration(getattr(inference, field), getattr(stats, field))
         for size in sorted(stats.batch_stats):
             batch = stats.batch_stats[size]

@@ -76,8 +76,10 @@ def _native_unusable() -> str | None:
         return f"pygrpc-native {version} is not a release this server was tested with"
     low, high = TESTED_NATIVE
     if not low <= release < high:
-        return f"pygrpc-native {version} is outside the tested range {'.'.join(map(str, low))} to " \
-               f"{'.'.join(map(str, high))}"
+        return (
+            f"pygrpc-native {version} is outside the tested range {'.'.join(map(str, low))} to "
+            f"{'.'.join(map(str, high))}"
+        )
     return None
 
 
@@ -87,8 +89,9 @@ def choose(requested: str, tls: bool) -> EngineChoice:
         return EngineChoice("grpcio", "--grpc-engine grpcio")
     if tls:
         if requested == "native":
-            raise StartupError("--grpc-engine native cannot serve TLS (pygrpc-native has none); "
-                               "use --grpc-engine auto or grpcio")
+            raise StartupError(
+                "--grpc-engine native cannot serve TLS (pygrpc-native has none); use --grpc-engine auto or grpcio"
+            )
         return EngineChoice("grpcio", "TLS is on, which pygrpc-native cannot serve")
     unusable = _native_unusable()
     if unusable is not None:
@@ -97,8 +100,10 @@ def choose(requested: str, tls: bool) -> EngineChoice:
         return EngineChoice("grpcio", unusable)
     if requested == "native":
         return EngineChoice("native", "--grpc-engine native")
-    return EngineChoice("native", "insecure listener, pygrpc-native serves it (ModelStreamInfer and reflection "
-                                  "through its grpc.aio fallback)")
+    return EngineChoice(
+        "native",
+        "insecure listener, pygrpc-native serves it (ModelStreamInfer and reflection through its grpc.aio fallback)",
+    )
 
 
 def create(choice: EngineChoice, options: list[tuple[str, Any]]) -> grpc.aio.Server:
@@ -130,12 +135,17 @@ def _native_server_class() -> type:
     import pygrpc_native.aio
 
     class NativeServer(pygrpc_native.aio.Server):
-        def add_registered_method_handlers(self, service_name: str,
-                                           method_handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-            streamed = {f"/{service_name}/{name}": handler for name, handler in method_handlers.items()
-                        if handler.request_streaming}
+        def add_registered_method_handlers(
+            self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]
+        ) -> None:
+            streamed = {
+                f"/{service_name}/{name}": handler
+                for name, handler in method_handlers.items()
+                if handler.request_streaming
+            }
             super().add_registered_method_handlers(
-                service_name, {name: h for name, h in method_handlers.items() if not h.request_streaming})
+                service_name, {name: h for name, h in method_handlers.items() if not h.request_streaming}
+            )
             if streamed:
                 self.add_generic_rpc_handlers((_StreamedMethods(streamed),))
 

@@ -23,22 +23,30 @@ from shoal.settings import Restriction
 HEADER_PREFIX = "triton-grpc-protocol-"  # what Triton's gRPC endpoint expects before the configured key
 
 CATEGORIES: dict[str, str] = {
-    "ServerLive": "health", "ServerReady": "health", "ModelReady": "health",
-    "ServerMetadata": "metadata", "ModelMetadata": "metadata",
-    "ModelInfer": "inference", "ModelStreamInfer": "inference",
-    "ModelConfig": "model-config", "ModelStatistics": "statistics",
-    "RepositoryIndex": "model-repository", "RepositoryModelLoad": "model-repository",
+    "ServerLive": "health",
+    "ServerReady": "health",
+    "ModelReady": "health",
+    "ServerMetadata": "metadata",
+    "ModelMetadata": "metadata",
+    "ModelInfer": "inference",
+    "ModelStreamInfer": "inference",
+    "ModelConfig": "model-config",
+    "ModelStatistics": "statistics",
+    "RepositoryIndex": "model-repository",
+    "RepositoryModelLoad": "model-repository",
     "RepositoryModelUnload": "model-repository",
-    "SystemSharedMemoryStatus": "shared-memory", "SystemSharedMemoryRegister": "shared-memory",
-    "SystemSharedMemoryUnregister": "shared-memory", "CudaSharedMemoryStatus": "shared-memory",
-    "CudaSharedMemoryRegister": "shared-memory", "CudaSharedMemoryUnregister": "shared-memory",
-    "TraceSetting": "trace", "LogSettings": "logging",
+    "SystemSharedMemoryStatus": "shared-memory",
+    "SystemSharedMemoryRegister": "shared-memory",
+    "SystemSharedMemoryUnregister": "shared-memory",
+    "CudaSharedMemoryStatus": "shared-memory",
+    "CudaSharedMemoryRegister": "shared-memory",
+    "CudaSharedMemoryUnregister": "shared-memory",
+    "TraceSetting": "trace",
+    "LogSettings": "logging",
 }
 
 
-def restricted(
-    category: str, handler: Callable[..., Any], restrictions: tuple[Restriction, ...]
-) -> Callable[..., Any]:
+def restricted(category: str, handler: Callable[..., Any], restrictions: tuple[Restriction, ...]) -> Callable[..., Any]:
     """``handler`` behind the check for ``category``, or ``handler`` itself if unrestricted."""
     rules = [r for r in restrictions if category in r.categories]
     if not rules:

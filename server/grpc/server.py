@@ -63,8 +63,9 @@ def health_handlers(
     }
 
 
-def register(server: grpc.aio.Server, choice: engine.EngineChoice,
-             services: dict[str, dict[str, grpc.RpcMethodHandler]]) -> None:
+def register(
+    server: grpc.aio.Server, choice: engine.EngineChoice, services: dict[str, dict[str, grpc.RpcMethodHandler]]
+) -> None:
     """Each service's handlers, so that the engine serves every one of them.
 
     grpc.aio's ``add_registered_method_handlers`` does nothing below grpcio 1.84 (the pinned range), so
@@ -72,8 +73,9 @@ def register(server: grpc.aio.Server, choice: engine.EngineChoice,
     natively, and its server (``engine.create``) hands request-streaming methods (ModelStreamInfer) to its
     grpc.aio fallback as a generic handler."""
     if choice.name != "native":
-        server.add_generic_rpc_handlers(tuple(grpc.method_handlers_generic_handler(name, handlers)
-                                              for name, handlers in services.items()))
+        server.add_generic_rpc_handlers(
+            tuple(grpc.method_handlers_generic_handler(name, handlers) for name, handlers in services.items())
+        )
         return
     for name, handlers in services.items():
         server.add_registered_method_handlers(name, handlers)
@@ -97,7 +99,8 @@ def build_server(
     that serves it, with why (for the log line that starts it)."""
     limits = limits or GrpcLimits()
     choice = engine.choose(limits.engine, tls is not None).with_io_threads(
-        limits.io_threads, cpu_allowance().cores(round_up=False))  # whole cores, as --grpc-workers auto counts
+        limits.io_threads, cpu_allowance().cores(round_up=False)
+    )  # whole cores, as --grpc-workers auto counts
     options: list[tuple[str, int]] = [
         ("grpc.max_send_message_length", limits.max_message_bytes),
         ("grpc.max_receive_message_length", limits.max_message_bytes),
@@ -114,8 +117,14 @@ def build_server(
         options.append(("grpc.max_concurrent_streams", limits.max_concurrent_streams))
     quiet_answers_not_sent()  # a client that leaves as it is answered is no server error
     server = engine.create(choice, options)
-    register(server, choice, {SERVICE_NAME: method_handlers(servicer, limits.restrictions),
-                              HEALTH_SERVICE: health_handlers(health, limits.restrictions)})
+    register(
+        server,
+        choice,
+        {
+            SERVICE_NAME: method_handlers(servicer, limits.restrictions),
+            HEALTH_SERVICE: health_handlers(health, limits.restrictions),
+        },
+    )
     reflection.enable(server, (HEALTH_SERVICE,))
     target = f"{address}:{port}"
     try:

@@ -51,14 +51,10 @@ class InferenceServicer:
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         return pb.ModelReadyResponse(ready=await self.core.model_ready(request.name, request.version))
 
-    async def ServerMetadata(
-        self, request: pb.ServerMetadataRequest, context: Context
-    ) -> pb.ServerMetadataResponse:
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         return convert.server_metadata(await self.core.server_metadata())
 
-    async def ModelMetadata(
-        self, request: pb.ModelMetadataRequest, context: Context
-    ) -> pb.ModelMetadataResponse:
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         return convert.model_metadata(await self.core.model_metadata(request.name, request.version))
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
@@ -152,8 +148,9 @@ class InferenceServicer:
             known[key] = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         return known[key]
 
-    async def _stream_decoupled(self, request: pb.ModelInferRequest,
-                                put: Callable[[pb.ModelStreamInferResponse], None]) -> None:
+    async def _stream_decoupled(
+        self, request: pb.ModelInferRequest, put: Callable[[pb.ModelStreamInferResponse], None]
+    ) -> None:
         """A decoupled model's responses, each written as it comes, as Triton's stream handler does:
         each names its request, carries ``triton_final_response``, and a FINAL flag without a
         response is written only when the client asked (``triton_enable_empty_final_response``)."""
@@ -163,8 +160,9 @@ class InferenceServicer:
                 if part.response is not None:
                     message = await offload.infer_response(part.response)
                 elif part.error or empty_final:
-                    message = pb.ModelInferResponse(model_name=request.model_name,
-                                                    model_version=request.model_version, id=request.id)
+                    message = pb.ModelInferResponse(
+                        model_name=request.model_name, model_version=request.model_version, id=request.id
+                    )
                 else:
                     continue  # a bare FINAL flag the client did not ask to see
                 message.parameters[FINAL_PARAMETER].bool_param = part.final
@@ -187,14 +185,10 @@ class InferenceServicer:
             failed = pb.ModelInferResponse(id=request.id)  # so the client knows which request failed
             return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
 
-    async def ModelStatistics(
-        self, request: pb.ModelStatisticsRequest, context: Context
-    ) -> pb.ModelStatisticsResponse:
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
         return convert.model_statistics(await self.core.model_statistics(request.name, request.version))
 
-    async def RepositoryIndex(
-        self, request: pb.RepositoryIndexRequest, context: Context
-    ) -> pb.RepositoryIndexResponse:
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         return convert.repository_index(await self.core.repository_index(ready_only=request.ready))
 
     async def RepositoryModelLoad(
@@ -208,7 +202,6 @@ class InferenceServicer:
     ) -> pb.RepositoryModelUnloadResponse:
         await self.core.unload_model(request.model_name, convert.unload_dependents(request))
         return pb.RepositoryModelUnloadResponse()
-
 
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
@@ -235,8 +228,9 @@ class InferenceServicer:
     async def CudaSharedMemoryRegister(
         self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
     ) -> pb.CudaSharedMemoryRegisterResponse:
-        await self.core.register_cuda_shared_memory(request.name, request.raw_handle, request.device_id,
-                                                    request.byte_size)
+        await self.core.register_cuda_shared_memory(
+            request.name, request.raw_handle, request.device_id, request.byte_size
+        )
         return pb.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(

@@ -69,8 +69,10 @@ class AnswerNotSentFilter(logging.Filter):
         found = _NOT_SENT.fullmatch(record.getMessage())
         if found is None or type(error).__name__ != "ExecuteBatchError":
             return True
-        record.msg, record.args = "%s: the answer was not sent: the client cancelled, its deadline passed or it " \
-                                  "disconnected", (found["method"],)
+        record.msg, record.args = (
+            "%s: the answer was not sent: the client cancelled, its deadline passed or it disconnected",
+            (found["method"],),
+        )
         record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
         record.exc_info, record.exc_text = None, None
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)

@@ -39,9 +39,14 @@ _MAX_INFLATION = 1032  # deflate's largest ratio: what a compressed body can gro
 class HttpApp:
     """Triton's HTTP API over ``core``; the same object serves in the host and in front-end workers."""
 
-    def __init__(self, core: Core, max_body_bytes: int, restrictions: tuple[Restriction, ...] = (),
-                 max_pending_body_bytes: int = HttpSettings.max_pending_body_bytes,
-                 encoded_bytes: bool = False) -> None:
+    def __init__(
+        self,
+        core: Core,
+        max_body_bytes: int,
+        restrictions: tuple[Restriction, ...] = (),
+        max_pending_body_bytes: int = HttpSettings.max_pending_body_bytes,
+        encoded_bytes: bool = False,
+    ) -> None:
         self.core = core
         self.encoded_bytes = encoded_bytes  # see handlers.Request
         self.max_body_bytes = max_body_bytes
@@ -104,10 +109,14 @@ class HttpApp:
         """Count ``size`` more bytes of bodies being received; 503 past the bound, unless nothing else
         is being received (one body up to ``max_body_bytes`` is always taken)."""
         if self._pending_body_bytes and self._pending_body_bytes + size > self.max_pending_body_bytes:
-            raise ShoalError(ErrorCode.UNAVAILABLE, (
-                f"the server is receiving {self._pending_body_bytes} bytes of request bodies already, and "
-                f"{size} more would pass its limit of {self.max_pending_body_bytes} "
-                "(--http-max-pending-body-mb); try again later"))
+            raise ShoalError(
+                ErrorCode.UNAVAILABLE,
+                (
+                    f"the server is receiving {self._pending_body_bytes} bytes of request bodies already, and "
+                    f"{size} more would pass its limit of {self.max_pending_body_bytes} "
+                    "(--http-max-pending-body-mb); try again later"
+                ),
+            )
         self._pending_body_bytes += size
         return size
 
@@ -123,14 +132,20 @@ class HttpApp:
         if not decompressor.eof:
             raise HttpError(400, f"the request body is not valid {encoding} data: it ends early")
         if decompressor.unused_data:  # Triton ignores them; they could be a second body, or data lost
-            raise HttpError(400, f"the request body is not valid {encoding} data: "
-                                 f"{len(decompressor.unused_data)} bytes follow the end of the compressed data")
+            raise HttpError(
+                400,
+                f"the request body is not valid {encoding} data: "
+                f"{len(decompressor.unused_data)} bytes follow the end of the compressed data",
+            )
         return data
 
     def _too_large(self, size: int, decompressed: bool = False) -> HttpError:
         what = "decompressed request body" if decompressed else "request body"
-        return HttpError(413, f"the {what} of {size} bytes or more exceeds the maximum allowed value of "
-                              f"{self.max_body_bytes} bytes; use --http-max-input-size to increase the limit")
+        return HttpError(
+            413,
+            f"the {what} of {size} bytes or more exceeds the maximum allowed value of "
+            f"{self.max_body_bytes} bytes; use --http-max-input-size to increase the limit",
+        )
 
 
 def route(method: str, path: str) -> tuple[Handler, dict[str, str], str]:

@@ -69,8 +69,13 @@ def model_metadata(metadata: ModelMetadata) -> dict[str, Any]:
     def tensors(listed: Any) -> list[dict[str, Any]]:
         return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in listed]
 
-    return {"name": metadata.name, "versions": list(metadata.versions), "platform": metadata.platform,
-            "inputs": tensors(metadata.inputs), "outputs": tensors(metadata.outputs)}
+    return {
+        "name": metadata.name,
+        "versions": list(metadata.versions),
+        "platform": metadata.platform,
+        "inputs": tensors(metadata.inputs),
+        "outputs": tensors(metadata.outputs),
+    }
 
 
 # The 64-bit fields Triton's ModelConfigToJson (core model_config_utils.cc) turns back into JSON
@@ -79,10 +84,13 @@ def model_metadata(metadata: ModelMetadata) -> dict[str, Any]:
 # instance_group.secondary_devices.device_id, and sequence_batching.state.initial_state.dims (its fix
 # looks for initial_state in the wrong message).
 _NUMBER_PATHS = (
-    ("input", "[]", "dims"), ("input", "[]", "reshape", "shape"),
-    ("output", "[]", "dims"), ("output", "[]", "reshape", "shape"),
+    ("input", "[]", "dims"),
+    ("input", "[]", "reshape", "shape"),
+    ("output", "[]", "dims"),
+    ("output", "[]", "reshape", "shape"),
     ("version_policy", "specific", "versions"),
-    ("dynamic_batching", "max_queue_delay_microseconds"), ("dynamic_batching", "priority_levels"),
+    ("dynamic_batching", "max_queue_delay_microseconds"),
+    ("dynamic_batching", "priority_levels"),
     ("dynamic_batching", "default_priority_level"),
     ("dynamic_batching", "default_queue_policy", "default_timeout_microseconds"),
     ("dynamic_batching", "priority_queue_policy", "{}", "default_timeout_microseconds"),
@@ -101,8 +109,9 @@ def model_config(config_json: dict[str, Any]) -> dict[str, Any]:
     with ``always_print_primitive_fields`` writes it (clients such as Triton's own read
     ``config["max_batch_size"]``); unset messages left out; then Triton's 64-bit fields as numbers."""
     message = json_format.ParseDict(config_json, config_pb2.ModelConfig())
-    document: dict[str, Any] = json_format.MessageToDict(message, preserving_proto_field_name=True,
-                                                         always_print_fields_with_no_presence=True)
+    document: dict[str, Any] = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
     for path in _NUMBER_PATHS:
         _numbers_at(document, path)
     return document
@@ -135,21 +144,42 @@ def model_statistics(rows: list[StatisticsRow]) -> dict[str, Any]:
     entries = []
     for row in rows:
         stats = row.statistics
-        entries.append({
-            "name": row.name, "version": row.version, "last_inference": stats.last_inference_ms,
-            "inference_count": stats.inference_count, "execution_count": stats.execution_count,
-            "inference_stats": {field: _duration(getattr(stats, field)) for field in (
-                "success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
-                "cache_miss")},  # Triton prints the cache's counts in every model's statistics
-            "batch_stats": [
-                {"batch_size": size, "compute_input": _duration(batch.compute_input),
-                 "compute_infer": _duration(batch.compute_infer), "compute_output": _duration(batch.compute_output)}
-                for size, batch in sorted(stats.batch_stats.items())
-            ],
-            "memory_usage": [{"type": kind, "id": device_id, "byte_size": byte_size}
-                             for (kind, device_id), byte_size in sorted(row.memory_bytes.items())],
-            "response_stats": {},  # Triton's per-response statistics of decoupled models: Shoal keeps none
-        })
+        entries.append(
+            {
+                "name": row.name,
+                "version": row.version,
+                "last_inference": stats.last_inference_ms,
+                "inference_count": stats.inference_count,
+                "execution_count": stats.execution_count,
+                "inference_stats": {
+                    field: _duration(getattr(stats, field))
+                    for field in (
+                        "success",
+                        "fail",
+                        "queue",
+                        "compute_input",
+                        "compute_infer",
+                        "compute_output",
+                        "cache_hit",
+                        "cache_miss",
+                    )
+                },  # Triton prints the cache's counts in every model's statistics
+                "batch_stats": [
+                    {
+                        "batch_size": size,
+                        "compute_input": _duration(batch.compute_input),
+                        "compute_infer": _duration(batch.compute_infer),
+                        "compute_output": _duration(batch.compute_output),
+                    }
+                    for size, batch in sorted(stats.batch_stats.items())
+                ],
+                "memory_usage": [
+                    {"type": kind, "id": device_id, "byte_size": byte_size}
+                    for (kind, device_id), byte_size in sorted(row.memory_bytes.items())
+                ],
+                "response_stats": {},  # Triton's per-response statistics of decoupled models: Shoal keeps none
+            }
+        )
     return {"model_stats": entries}
 
 
@@ -198,8 +228,10 @@ def load_config(name: str, body: dict[str, Any]) -> dict[str, Any] | None:
     except (ValueError, RecursionError) as exc:
         raise invalid(f"failed to load '{shown(name)}': the config parameter is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
-        raise invalid(f"failed to load '{shown(name)}': the config parameter must be a JSON object (a ModelConfig), "
-                      f"got a JSON {type(document).__name__}")
+        raise invalid(
+            f"failed to load '{shown(name)}': the config parameter must be a JSON object (a ModelConfig), "
+            f"got a JSON {type(document).__name__}"
+        )
     return document
 
 

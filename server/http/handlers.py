@@ -94,8 +94,9 @@ async def model_statistics(core: Core, request: Request) -> Reply:
 
 async def infer(core: Core, request: Request) -> Reply:
     """Decoding and encoding run off the loop for large bodies, as the gRPC path does."""
-    origin = Origin("HTTP", time.monotonic_ns(), request.headers.get("traceparent", ""),
-                    request.headers.get("tracestate", ""))
+    origin = Origin(
+        "HTTP", time.monotonic_ns(), request.headers.get("traceparent", ""), request.headers.get("tracestate", "")
+    )
     header, binary = tensors.split_body(request.body, request.headers.get(tensors.HEADER_LENGTH))
     costly = len(request.body) > OFF_LOOP_BYTES
     convert_request = tensors.infer_request_encoded if request.encoded_bytes else tensors.infer_request
@@ -110,16 +111,23 @@ async def infer(core: Core, request: Request) -> Reply:
     body, header_length = await _run(costly, tensors.infer_response, response, binary_outputs)
     if header_length is None:
         return Reply(body=body, compressible=True)
-    return Reply(body=body, content_type="application/octet-stream",
-                 headers={"inference-header-content-length": str(header_length)}, compressible=True)
+    return Reply(
+        body=body,
+        content_type="application/octet-stream",
+        headers={"inference-header-content-length": str(header_length)},
+        compressible=True,
+    )
 
 
 def _costly_answer(response: InferResponse, binary_outputs: dict[str, bool]) -> bool:
     """Many bytes, or many elements that cost Python work each: BYTES, and every value sent as JSON
     (~0.6 µs each: 1 MiB of FP32 as a JSON list took ~0.15 s)."""
-    per_element = sum(t.data.size for t in response.outputs if (
-        t.name not in response.in_regions and not binary_outputs.get(t.name, binary_outputs[""])
-    ) or (t.datatype is DataType.BYTES and not isinstance(t, EncodedTensor)))
+    per_element = sum(
+        t.data.size
+        for t in response.outputs
+        if (t.name not in response.in_regions and not binary_outputs.get(t.name, binary_outputs[""]))
+        or (t.datatype is DataType.BYTES and not isinstance(t, EncodedTensor))
+    )
     return per_element > OFF_LOOP_BYTES_ELEMENTS or sum(t.data.nbytes for t in response.outputs) > OFF_LOOP_BYTES
 
 
@@ -168,7 +176,8 @@ async def cuda_shared_memory_status(core: Core, request: Request) -> Reply:
 
 async def cuda_shared_memory_register(core: Core, request: Request) -> Reply:
     raw_handle, device_id, byte_size = convert.cuda_shared_memory_register(
-        convert.parse_object(request.body, "register"))
+        convert.parse_object(request.body, "register")
+    )
     await core.register_cuda_shared_memory(request.path["region"], raw_handle, device_id, byte_size)
     return Reply()
 
@@ -206,7 +215,8 @@ _REGION = r"(?:/region/(?P<region>[^/]+))?"
 
 # (pattern, methods, handler, restriction category), matched in order; methods separated by |.
 ROUTES: list[tuple[re.Pattern[str], str, Handler, str]] = [
-    (re.compile(pattern), method, handler, category) for pattern, method, handler, category in (
+    (re.compile(pattern), method, handler, category)
+    for pattern, method, handler, category in (
         # First: every request walks the list until its pattern matches (no two patterns match one path).
         (_MODEL + "/infer", "POST", infer, "inference"),
         ("/v2/health/live", "GET", live, "health"),
@@ -221,12 +231,15 @@ ROUTES: list[tuple[re.Pattern[str], str, Handler, str]] = [
         ("/v2/repository/models/(?P<model>[^/]+)/load", "POST", load, "model-repository"),
         ("/v2/repository/models/(?P<model>[^/]+)/unload", "POST", unload, "model-repository"),
         ("/v2/systemsharedmemory" + _REGION + "/status", "GET", shared_memory_status, "shared-memory"),
-        ("/v2/systemsharedmemory/region/(?P<region>[^/]+)/register", "POST", shared_memory_register,
-         "shared-memory"),
+        ("/v2/systemsharedmemory/region/(?P<region>[^/]+)/register", "POST", shared_memory_register, "shared-memory"),
         ("/v2/systemsharedmemory" + _REGION + "/unregister", "POST", shared_memory_unregister, "shared-memory"),
         ("/v2/cudasharedmemory" + _REGION + "/status", "GET", cuda_shared_memory_status, "shared-memory"),
-        ("/v2/cudasharedmemory/region/(?P<region>[^/]+)/register", "POST", cuda_shared_memory_register,
-         "shared-memory"),
+        (
+            "/v2/cudasharedmemory/region/(?P<region>[^/]+)/register",
+            "POST",
+            cuda_shared_memory_register,
+            "shared-memory",
+        ),
         ("/v2/cudasharedmemory" + _REGION + "/unregister", "POST", cuda_shared_memory_unregister, "shared-memory"),
         ("/v2/trace/setting", "GET", trace_settings, "trace"),
         ("/v2/trace/setting", "POST", update_trace_settings, "trace"),

@@ -70,9 +70,13 @@ class _Guard:
         self.unreported += 1
         if now - self.reported_at < REFUSALS_LOG_INTERVAL_S:
             return
-        logger.warning("refused %d HTTP connection(s) since the last report: %d are open, the most "
-                       "--http-max-connections allows here (reported at most every %.0f s)", self.unreported,
-                       self.max_connections, REFUSALS_LOG_INTERVAL_S)
+        logger.warning(
+            "refused %d HTTP connection(s) since the last report: %d are open, the most "
+            "--http-max-connections allows here (reported at most every %.0f s)",
+            self.unreported,
+            self.max_connections,
+            REFUSALS_LOG_INTERVAL_S,
+        )
         self.unreported, self.reported_at = 0, now
 
 
@@ -111,8 +115,11 @@ class _Guarded(HttpToolsProtocol):
         if len(self.connections) >= guard.max_connections:
             self.transport = transport  # uvicorn's state stays unset: this connection is never served
             guard.count_refusal(self.loop.time())
-            self._refuse(503, f"the server has {guard.max_connections} open HTTP connections, the most it serves "
-                              "(--http-max-connections); try again later")
+            self._refuse(
+                503,
+                f"the server has {guard.max_connections} open HTTP connections, the most it serves "
+                "(--http-max-connections); try again later",
+            )
             return
         super().connection_made(transport)
         self._arm(guard.settings.header_timeout_s, self._head_timed_out)
@@ -174,8 +181,11 @@ class _Guarded(HttpToolsProtocol):
             self._refused = True
             self.transport.close()
             return
-        self._refuse(408, f"the request line and headers did not arrive within "
-                          f"{self._guard.settings.header_timeout_s:g} s (--http-header-timeout-secs)")
+        self._refuse(
+            408,
+            f"the request line and headers did not arrive within "
+            f"{self._guard.settings.header_timeout_s:g} s (--http-header-timeout-secs)",
+        )
 
     def _body_check_delay(self) -> float:
         """Seconds until the body's next deadline: its idle time or its whole time, whichever comes first."""
@@ -189,11 +199,15 @@ class _Guarded(HttpToolsProtocol):
         if self.flow.read_paused:
             self._last_read = now  # the application has not taken what was read: the client is not idle
         if now >= self._body_started + settings.body_timeout_s:
-            self._refuse(408, f"the request body did not arrive within {settings.body_timeout_s:g} s "
-                              "(--http-body-timeout-secs)")
+            self._refuse(
+                408, f"the request body did not arrive within {settings.body_timeout_s:g} s (--http-body-timeout-secs)"
+            )
         elif now >= self._last_read + settings.body_idle_timeout_s:
-            self._refuse(408, f"no byte of the request body arrived for {settings.body_idle_timeout_s:g} s "
-                              "(--http-body-idle-timeout-secs)")
+            self._refuse(
+                408,
+                f"no byte of the request body arrived for {settings.body_idle_timeout_s:g} s "
+                "(--http-body-idle-timeout-secs)",
+            )
         else:
             self._arm(self._body_check_delay(), self._check_body)
 
@@ -205,9 +219,13 @@ class _Guarded(HttpToolsProtocol):
         self._disarm()
         if self.cycle is None or not self.cycle.response_started or self.cycle.response_complete:
             body = error_body(message)
-            self.transport.write(f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode()
-                                 + b"content-type: application/json\r\nconnection: close\r\ncontent-length: "
-                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+            self.transport.write(
+                f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode()
+                + b"content-type: application/json\r\nconnection: close\r\ncontent-length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
         guard = self._guard
         if self.transport.can_write_eof() and guard.lingering < MAX_LINGERING:
             guard.lingering += 1
@@ -227,8 +245,7 @@ class _EmbeddedServer(uvicorn.Server):
 def bind(address: str, port: int, reuse_port: bool) -> socket.socket:
     """A listening TCP socket; StartupError if the port is taken (unless shared) or the address is not ours."""
     try:
-        family, _, _, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM,
-                                                    flags=socket.AI_PASSIVE)[0]
+        family, _, _, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
         raise StartupError(f"cannot serve HTTP on {address}:{port}: {exc.strerror}") from None
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -252,8 +269,14 @@ def connection_bound(wanted: int) -> int:
     if limit is None or wanted <= limit // DESCRIPTOR_SHARE:
         return wanted
     bound = max(1, limit // DESCRIPTOR_SHARE)
-    logger.warning("--http-max-connections %d lowered to %d: this process may open %d descriptors, and HTTP takes "
-                   "at most 1/%d of them", wanted, bound, limit, DESCRIPTOR_SHARE)
+    logger.warning(
+        "--http-max-connections %d lowered to %d: this process may open %d descriptors, and HTTP takes "
+        "at most 1/%d of them",
+        wanted,
+        bound,
+        limit,
+        DESCRIPTOR_SHARE,
+    )
     return bound
 
 
@@ -273,10 +296,19 @@ class HttpServer:
         port: int = sock.getsockname()[1]
         tls = self.settings.tls
         config = _GuardedConfig(
-            self.app, _Guard(self.settings, connection_bound(self.settings.max_connections)),
-            http=_Guarded, ws="none", lifespan="off", interface="asgi3", access_log=False,
-            log_config=None, server_header=False, proxy_headers=False, backlog=BACKLOG,
-            ssl_certfile=tls.server_cert if tls else None, ssl_keyfile=tls.server_key if tls else None,
+            self.app,
+            _Guard(self.settings, connection_bound(self.settings.max_connections)),
+            http=_Guarded,
+            ws="none",
+            lifespan="off",
+            interface="asgi3",
+            access_log=False,
+            log_config=None,
+            server_header=False,
+            proxy_headers=False,
+            backlog=BACKLOG,
+            ssl_certfile=tls.server_cert if tls else None,
+            ssl_keyfile=tls.server_key if tls else None,
             ssl_ca_certs=str(tls.root_cert) if tls and tls.root_cert else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.mutual else ssl.CERT_NONE,
         )

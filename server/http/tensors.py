@@ -38,16 +38,18 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     try:
         length = int(header_length)
     except ValueError:
-        raise invalid(f"invalid Inference-Header-Content-Length '{shown(header_length)}': expected an integer") \
-            from None
+        raise invalid(
+            f"invalid Inference-Header-Content-Length '{shown(header_length)}': expected an integer"
+        ) from None
     if not 0 < length <= len(body):
         raise invalid(f"inference header size should be in range (0, {len(body)}), got: {length}")
     view = memoryview(body)
     return body[:length], view[length:]
 
 
-def infer_request_encoded(model: str, version: str, header: bytes,
-                          binary: memoryview) -> tuple[InferRequest, dict[str, bool]]:
+def infer_request_encoded(
+    model: str, version: str, header: bytes, binary: memoryview
+) -> tuple[InferRequest, dict[str, bool]]:
     """``infer_request`` for a core that decodes BYTES inputs itself (a front-end worker's ``RemoteCore``):
     binary BYTES inputs go on as ``EncodedTensor``, and the host refuses content that does not fit its
     shape in the same words. A refusal is looked for again by ``infer_request``, decoding everything, so
@@ -59,8 +61,9 @@ def infer_request_encoded(model: str, version: str, header: bytes,
         return infer_request(model, version, header, binary)
 
 
-def infer_request(model: str, version: str, header: bytes, binary: memoryview,
-                  encoded_bytes: bool = False) -> tuple[InferRequest, dict[str, bool]]:
+def infer_request(
+    model: str, version: str, header: bytes, binary: memoryview, encoded_bytes: bool = False
+) -> tuple[InferRequest, dict[str, bool]]:
     """The core's request, and for each requested output whether it goes back as binary data.
     ``encoded_bytes``: binary BYTES inputs are left as the wire carries them, unchecked."""
     document, infinity_written = _parse_header(header)
@@ -74,8 +77,7 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview,
     _check_reserved(parameters)
     for key, value in parameters.items():  # as Triton's SetTritonParameterFromJsonParameter
         if not isinstance(value, str | int | float):  # bool is an int
-            raise invalid(f"parameter '{shown(key)}' has invalid type. It should be either 'int', 'bool', or "
-                          "'string'.")
+            raise invalid(f"parameter '{shown(key)}' has invalid type. It should be either 'int', 'bool', or 'string'.")
         if isinstance(value, float) and math.isinf(value) and not infinity_written:
             raise _too_big(f"the value of parameter '{shown(key)}'")
     _check_bytes_cost(model, inputs_json)
@@ -91,8 +93,10 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview,
         else:
             inputs.append(tensor)
     if offset != len(binary):
-        raise invalid(f"the request body holds {len(binary) - offset} bytes of binary data past the inputs that "
-                      "declare binary_data_size")
+        raise invalid(
+            f"the request body holds {len(binary) - offset} bytes of binary data past the inputs that "
+            "declare binary_data_size"
+        )
     unfit.check()
     outputs_json = document.get("outputs")
     requested, class_counts, output_regions, binary_outputs = _outputs(outputs_json, binary_default)
@@ -100,9 +104,15 @@ def infer_request(model: str, version: str, header: bytes, binary: memoryview,
     if not isinstance(request_id, str):
         raise invalid("Unable to parse 'id': expected a string")
     return InferRequest(
-        model_name=model, model_version=version, id=request_id, inputs=tuple(inputs),
-        requested_outputs=requested, parameters=parameters, class_counts=class_counts,
-        region_inputs=tuple(region_inputs), output_regions=output_regions,
+        model_name=model,
+        model_version=version,
+        id=request_id,
+        inputs=tuple(inputs),
+        requested_outputs=requested,
+        parameters=parameters,
+        class_counts=class_counts,
+        region_inputs=tuple(region_inputs),
+        output_regions=output_regions,
     ), binary_outputs
 
 
@@ -198,16 +208,23 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _input(unfit: UnfitContents, entry: dict[str, Any], binary: memoryview,
-           infinity_written: bool, encoded_bytes: bool = False) -> tuple[Tensor | RegionInput, int]:
+def _input(
+    unfit: UnfitContents, entry: dict[str, Any], binary: memoryview, infinity_written: bool, encoded_bytes: bool = False
+) -> tuple[Tensor | RegionInput, int]:
     """One input and the binary bytes it took (binary content that does not fit its shape is noted
     in ``unfit``, binary BYTES left encoded with ``encoded_bytes``); ``infinity_written``: see
     ``_parse_header``."""
     name, datatype_name, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
-    if not isinstance(name, str) or not isinstance(datatype_name, str) or not isinstance(shape, list) \
-            or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise invalid("Unable to parse 'inputs': each input needs 'name' and 'datatype' (strings) and 'shape' "
-                      "(a list of integers)")
+    if (
+        not isinstance(name, str)
+        or not isinstance(datatype_name, str)
+        or not isinstance(shape, list)
+        or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+    ):
+        raise invalid(
+            "Unable to parse 'inputs': each input needs 'name' and 'datatype' (strings) and 'shape' "
+            "(a list of integers)"
+        )
     try:
         datatype = DataType(datatype_name)
     except ValueError:
@@ -219,11 +236,17 @@ def _input(unfit: UnfitContents, entry: dict[str, Any], binary: memoryview,
         raise invalid(f"input '{shown(name)}': {exc}") from None
     parameters = _object(entry.get("parameters", {}), "parameters")
     region = shared_memory_slice(name, parameters)
-    sources = {"data": "data" in entry, "binary_data_size": "binary_data_size" in parameters,
-               "shared_memory_region": region is not None}
+    sources = {
+        "data": "data" in entry,
+        "binary_data_size": "binary_data_size" in parameters,
+        "shared_memory_region": region is not None,
+    }
     if sum(sources.values()) != 1:
-        which = "no field is set" if not any(sources.values()) else "set " + " ".join(
-            f"'{field}'" for field, given in sources.items() if given)  # Triton's words
+        which = (
+            "no field is set"
+            if not any(sources.values())
+            else "set " + " ".join(f"'{field}'" for field, given in sources.items() if given)
+        )  # Triton's words
         raise invalid(f"Input must set only one of the following fields: {_DATA_FIELDS}. But {which}")
     if region is not None:
         return RegionInput(name, datatype, dims, region), 0
@@ -243,8 +266,7 @@ def _input(unfit: UnfitContents, entry: dict[str, Any], binary: memoryview,
 _KINDS_ACCEPTED = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "V": "iuf"}  # V: ml_dtypes' bfloat16
 
 
-def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any,
-              infinity_written: bool) -> np.ndarray:
+def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any, infinity_written: bool) -> np.ndarray:
     """``data``, flat or nested, as an array of ``shape``; values of the wrong kind are refused
     (a float for an integer type, a number for BYTES), never silently converted. Without
     ``infinity_written`` an infinite value was a number past a double's range (``_parse_header``)."""
@@ -253,8 +275,9 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any,
     except ValueError:
         values = np.asarray(None, dtype=object)  # ragged nesting
     if values.size != math.prod(shape) or values.dtype == object and values.ndim == 0:
-        raise invalid(f"Unable to parse 'data' of input '{shown(name)}': Shape does not match true shape of "
-                      f"'data' field")
+        raise invalid(
+            f"Unable to parse 'data' of input '{shown(name)}': Shape does not match true shape of 'data' field"
+        )
     flat = values.reshape(-1)
     kind = flat.dtype.kind
     if datatype is DataType.BYTES:
@@ -266,8 +289,9 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any,
         try:
             array[:] = [item.encode("utf-8") for item in items]
         except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate has no UTF-8
-            raise invalid(f"Unable to parse 'data' of input '{shown(name)}': a string is not valid Unicode "
-                          "(a lone surrogate)") from None
+            raise invalid(
+                f"Unable to parse 'data' of input '{shown(name)}': a string is not valid Unicode (a lone surrogate)"
+            ) from None
         return array.reshape(shape)
     target = datatype.numpy_dtype
     if target.kind in "iu" and kind in "fO" and flat.size:
@@ -275,16 +299,20 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any,
     if target.kind in "fV" and kind == "O" and flat.size:
         flat, kind = _integers_as_doubles(name, datatype, flat), "f"
     if flat.size and kind not in _KINDS_ACCEPTED[target.kind]:
-        raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
-                      f"got {_kind_name(kind)}")
+        raise invalid(
+            f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, got {_kind_name(kind)}"
+        )
     with np.errstate(over="ignore"):  # a float past the type's range becomes inf: refused below
         converted = flat.astype(target)
     if kind in "iu" and target.kind in "iu" and not np.array_equal(converted, flat):
         raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
     if kind == "f" and not infinity_written and np.isinf(flat).any():
         raise _too_big(f"a value of input '{shown(name)}'")
-    if target.kind in "fV" and flat.size and not np.array_equal(
-            np.isfinite(converted.astype(np.float64)), np.isfinite(flat.astype(np.float64))):
+    if (
+        target.kind in "fV"
+        and flat.size
+        and not np.array_equal(np.isfinite(converted.astype(np.float64)), np.isfinite(flat.astype(np.float64)))
+    ):
         raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
     return converted.reshape(shape)
 
@@ -293,8 +321,10 @@ def _large_integers(name: str, datatype: DataType, shape: tuple[int, ...], data:
     """Integers numpy did not read as integers: past INT64 (UINT64's upper half), or mixed with others."""
     items = np.asarray(data, dtype=object).reshape(-1).tolist()
     if not all(type(item) is int for item in items):
-        raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
-                      "got numbers with a fraction or values of mixed types")
+        raise invalid(
+            f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
+            "got numbers with a fraction or values of mixed types"
+        )
     try:
         return np.array(items, dtype=datatype.numpy_dtype).reshape(shape)
     except OverflowError:
@@ -306,8 +336,10 @@ def _integers_as_doubles(name: str, datatype: DataType, flat: np.ndarray) -> np.
     objects): read as doubles, as Triton reads them; one past a double's range is refused."""
     items = flat.tolist()
     if not all(type(item) in (int, float) for item in items):  # not a bool, a string or a list
-        raise invalid(f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
-                      "got values of mixed types")
+        raise invalid(
+            f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
+            "got values of mixed types"
+        )
     try:
         return np.array([float(item) for item in items])
     except OverflowError:
@@ -315,24 +347,33 @@ def _integers_as_doubles(name: str, datatype: DataType, flat: np.ndarray) -> np.
 
 
 def _kind_name(kind: str) -> str:
-    return {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers with a fraction",
-            "U": "strings"}.get(kind, "values of mixed types")
+    return {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers with a fraction", "U": "strings"}.get(
+        kind, "values of mixed types"
+    )
 
 
 def shared_memory_slice(name: str, parameters: dict[str, Any]) -> RegionSlice | None:
     """Where a tensor's shared-memory parameters place it, checked as Triton's front end does; None
     when it is not in shared memory."""
-    located = region_slice(name, parameters.get("shared_memory_region"), parameters.get("shared_memory_offset"),
-                           parameters.get("shared_memory_byte_size"))
+    located = region_slice(
+        name,
+        parameters.get("shared_memory_region"),
+        parameters.get("shared_memory_offset"),
+        parameters.get("shared_memory_byte_size"),
+    )
     if located is None:
         return None
     # JSON carries any type: the values must be what gRPC's typed parameters guarantee.
-    for key, value, kind in (("shared_memory_region", located.region, str),
-                             ("shared_memory_offset", located.offset, int),
-                             ("shared_memory_byte_size", located.byte_size, int)):
+    for key, value, kind in (
+        ("shared_memory_region", located.region, str),
+        ("shared_memory_offset", located.offset, int),
+        ("shared_memory_byte_size", located.byte_size, int),
+    ):
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise invalid(f"invalid value type for '{key}' parameter for tensor '{shown(name)}', expected "
-                          f"{'string' if kind is str else 'integer'}.")
+            raise invalid(
+                f"invalid value type for '{key}' parameter for tensor '{shown(name)}', expected "
+                f"{'string' if kind is str else 'integer'}."
+            )
     return located
 
 
@@ -359,11 +400,13 @@ def _outputs(
         if "classification" in parameters:
             count = parameters["classification"]
             if not isinstance(count, int) or isinstance(count, bool):
-                raise invalid(f"output '{shown(name)}': invalid value type for 'classification' parameter, "
-                              "expected an integer")
+                raise invalid(
+                    f"output '{shown(name)}': invalid value type for 'classification' parameter, expected an integer"
+                )
             if count <= 0:
-                raise invalid(f"output '{shown(name)}': invalid value for 'classification' parameter, "
-                              f"expected > 0, got {count}")
+                raise invalid(
+                    f"output '{shown(name)}': invalid value for 'classification' parameter, expected > 0, got {count}"
+                )
             counts[name] = count
         if (where := shared_memory_slice(name, parameters)) is not None:
             regions[name] = where
@@ -417,5 +460,6 @@ def _json_strings(name: str, values: list[Any]) -> list[str]:
             raise invalid(
                 f"output '{shown(name)}' holds bytes that are not valid UTF-8 (element {index}), which a JSON "
                 'string cannot carry unchanged; ask for it as binary data: "binary_data": true in the '
-                'output\'s parameters, or "binary_data_output": true in the request\'s') from None
+                "output's parameters, or \"binary_data_output\": true in the request's"
+            ) from None
     return strings

@@ -81,9 +81,11 @@ FORKSERVER_GUARD = "shoal.instances.forkserver_guard"
 def arena_bytes(needed: int, what: str) -> int:
     """The size of an arena that holds ``needed`` bytes: a power of two; past the bound, an error."""
     if needed > MAX_ARENA_BYTES:
-        raise ShoalError(ErrorCode.INVALID_ARGUMENT if what == "inputs" else ErrorCode.INTERNAL,
-                         f"the batch's {what} need {needed} bytes of shared memory; a process instance "
-                         f"moves at most {MAX_ARENA_BYTES >> 20} MiB each way per batch")
+        raise ShoalError(
+            ErrorCode.INVALID_ARGUMENT if what == "inputs" else ErrorCode.INTERNAL,
+            f"the batch's {what} need {needed} bytes of shared memory; a process instance "
+            f"moves at most {MAX_ARENA_BYTES >> 20} MiB each way per batch",
+        )
     return min(MAX_ARENA_BYTES, max(INITIAL_ARENA_BYTES, 1 << (needed - 1).bit_length()))
 
 
@@ -120,8 +122,9 @@ def map_arena(arenas: dict[str, Arena], which: str, size: int, fd: int) -> None:
         old.close()
 
 
-def _execute(model: Any, conn: Any, arenas: dict[str, Arena], slots: list[tensors.Slot],
-             outputs: list[str]) -> tuple[Any, ...] | None:
+def _execute(
+    model: Any, conn: Any, arenas: dict[str, Arena], slots: list[tensors.Slot], outputs: list[str]
+) -> tuple[Any, ...] | None:
     """Run one batch in a worker; the reply, or None when the server went away while it grew an arena."""
     try:
         inputs = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
@@ -226,8 +229,16 @@ class ProcessModel:
     # may run its own loop over the same pipe and arenas (shoal.instances.python_process).
     worker_main = staticmethod(_worker)
 
-    def __init__(self, spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int,
-                 limits: WorkerLimits, preload: Sequence[str]) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model_path: Path,
+        device: Device,
+        handle: Any,
+        threads: int,
+        limits: WorkerLimits,
+        preload: Sequence[str],
+    ) -> None:
         """``handle``: what the backend's ``share_weights`` returned; ``preload``: its worker modules."""
         self._spec, self._path, self._device, self._handle, self._threads = spec, model_path, device, handle, threads
         self._limits = limits
@@ -244,8 +255,9 @@ class ProcessModel:
         self._failure = ""  # why no worker is running; "" while one is
         self._cause = ""  # what happened to the last worker replaced
         # Inputs go into one, outputs come back in the other; a restarted worker gets the same two.
-        self._arenas = {which: Arena.create(f"shoal-instance-{which}", INITIAL_ARENA_BYTES)
-                        for which in (REQUESTS, RESPONSES)}
+        self._arenas = {
+            which: Arena.create(f"shoal-instance-{which}", INITIAL_ARENA_BYTES) for which in (REQUESTS, RESPONSES)
+        }
         try:
             self._start()
         except BaseException:
@@ -269,9 +281,18 @@ class ProcessModel:
         self._conn, child = self._context.Pipe()
         self._process = self._context.Process(
             target=_worker_entry,
-            args=(type(self).worker_main, logs.current(), self._spec, self._path, self._device, self._handle,
-                  self._threads, child),
-            daemon=True, name=f"shoal-{self._spec.name}-worker",
+            args=(
+                type(self).worker_main,
+                logs.current(),
+                self._spec,
+                self._path,
+                self._device,
+                self._handle,
+                self._threads,
+                child,
+            ),
+            daemon=True,
+            name=f"shoal-{self._spec.name}-worker",
         )
         lifeline.launch(self._process)
         child.close()
@@ -290,8 +311,10 @@ class ProcessModel:
             self._kill()
             if isinstance(reply, tuple) and reply[0] == FAILED:  # the worker said why (a model file's error)
                 raise ShoalError(ErrorCode.LOAD_FAILED, reply[1])
-            raise ShoalError(ErrorCode.LOAD_FAILED, f"model '{self._spec.name}': a worker process did not start "
-                                                    f"(exit code {self._process.exitcode})")
+            raise ShoalError(
+                ErrorCode.LOAD_FAILED,
+                f"model '{self._spec.name}': a worker process did not start (exit code {self._process.exitcode})",
+            )
         for which in self._arenas:
             self._send_arena(which)
         logger.info("model %s: worker process %d ready", self._spec.name, self._process.pid)
@@ -360,8 +383,10 @@ class ProcessModel:
             if self._failure and not self._closing.is_set():
                 self._replace(None)  # a restart that failed before: try once more
             if self._failure or self._closing.is_set():
-                raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{self._spec.name}': the instance process "
-                                                        f"{self._failure or 'is stopping'}")
+                raise ShoalError(
+                    ErrorCode.UNAVAILABLE,
+                    f"model '{self._spec.name}': the instance process {self._failure or 'is stopping'}",
+                )
             feed = _as_tensors(inputs)
             try:
                 slots = tensors.pack_at(self._arenas[REQUESTS], 0, feed)
@@ -382,8 +407,10 @@ class ProcessModel:
                 if reply[0] != OK:
                     raise RuntimeError(reply[1])
                 responses = self._arenas[RESPONSES]
-                results = {t.name: t.data if t.datatype is DataType.BYTES else t.data.copy()
-                           for t in tensors.unpack(responses, reply[1])}
+                results = {
+                    t.name: t.data if t.datatype is DataType.BYTES else t.data.copy()
+                    for t in tensors.unpack(responses, reply[1])
+                }
                 _trim(responses, tensors.extent(reply[1]))
                 return results
             finally:
@@ -436,8 +463,11 @@ class ProcessModel:
                     self._replace(None)
                 elif not self._answers_ping(interval_s):
                     alive = self._process.is_alive()
-                    self._replace(f"did not answer a liveness check within {round(interval_s * 1000)} ms"
-                                  if alive else f"died (exit code {self._process.exitcode})")
+                    self._replace(
+                        f"did not answer a liveness check within {round(interval_s * 1000)} ms"
+                        if alive
+                        else f"died (exit code {self._process.exitcode})"
+                    )
             finally:
                 self._lock.release()
 

@@ -18,12 +18,14 @@ from shoal.instances.python_process import PythonProcessModel
 from shoal.repository.config import ModelSpec
 
 
-def build_python_instances(spec: ModelSpec, model_file: Path, placements: list[Placement],
-                           limits: WorkerLimits | None) -> InstancePool:
+def build_python_instances(
+    spec: ModelSpec, model_file: Path, placements: list[Placement], limits: WorkerLimits | None
+) -> InstancePool:
     """Start the instances; ``limits`` None: threads in this process, else worker processes."""
     if spec.sequence_batching is not None:
-        raise load_failed(f"model '{spec.name}': sequence_batching for Python models is not supported by this "
-                          "server yet")
+        raise load_failed(
+            f"model '{spec.name}': sequence_batching for Python models is not supported by this server yet"
+        )
     names = iter([instance_name(placement, index) for placement in placements for index in range(placement.count)])
     version = version_of(model_file)
 

@@ -213,8 +213,10 @@ class PipeLink:
                 if batch == self._batch:
                     result = replace(result, outputs=take(self._arenas[REQUESTS], slots))
                 else:
-                    result = bls.BlsResult(error="the BLS call's reply came after the batch that made the call had "
-                                                 "ended; its outputs are gone (await BLS calls within execute)")
+                    result = bls.BlsResult(
+                        error="the BLS call's reply came after the batch that made the call had "
+                        "ended; its outputs are gone (await BLS calls within execute)"
+                    )
         with self._filed:
             box = self._mailboxes.get(call_id)
             if box is not None:  # else its caller let go of it

@@ -65,8 +65,15 @@ RESPONSE = "response"
 
 # -- the worker process ---------------------------------------------------------------------------
 
-def _run_batch(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena],
-               requests: list[tuple[Any, ...]], batch: int) -> tuple[Any, ...] | None:
+
+def _run_batch(
+    model: runner.ModelRunner,
+    link: PipeLink,
+    conn: Any,
+    arenas: dict[str, Arena],
+    requests: list[tuple[Any, ...]],
+    batch: int,
+) -> tuple[Any, ...] | None:
     items = []
     for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
         feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
@@ -114,8 +121,14 @@ class LockedConn:
             self._conn.send(message)
 
 
-def _run_decoupled(model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena],
-                   requests: list[tuple[Any, ...]], batch: int) -> tuple[Any, ...]:
+def _run_decoupled(
+    model: runner.ModelRunner,
+    link: PipeLink,
+    conn: Any,
+    arenas: dict[str, Arena],
+    requests: list[tuple[Any, ...]],
+    batch: int,
+) -> tuple[Any, ...]:
     """A decoupled model's batch: responses go to the server as they are sent, DONE once all are FINAL."""
     items = []
     for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
@@ -153,8 +166,11 @@ def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any
     pb_utils.set_host_link(link)
     try:
         instance_name, version = handle
-        model = runner.ModelRunner(spec.config_json, model_path, runner.model_args(
-            spec.config_json, model_path, instance_name, device.kind.upper(), device.index, version))
+        model = runner.ModelRunner(
+            spec.config_json,
+            model_path,
+            runner.model_args(spec.config_json, model_path, instance_name, device.kind.upper(), device.index, version),
+        )
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: the load error names it, as Triton's does
         conn.send((FAILED, runner.describe_error(exc).rstrip()))
         return
@@ -182,13 +198,15 @@ def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any
 
 # -- the server side ------------------------------------------------------------------------------
 
+
 class PythonProcessModel(process.ProcessModel):
     """One Python model instance: a worker process running the model's ``execute`` on request lists."""
 
     worker_main = staticmethod(python_worker)
 
-    def __init__(self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int,
-                 limits: WorkerLimits) -> None:
+    def __init__(
+        self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int, limits: WorkerLimits
+    ) -> None:
         self._host: bls.HostInfer | None = None
         self._caller: Any = None
         self._reply_offset = 0  # where the next BLS call's outputs go in the requests arena
@@ -205,8 +223,9 @@ class PythonProcessModel(process.ProcessModel):
         self._batches = itertools.count()  # which batch's arena holds a BLS reply's outputs
         self._batch = -1
         self._outbox: Outbox | None = None  # what the running batch's conversation says to the worker
-        super().__init__(spec, model_file, device, (instance_name, version), 1, limits,
-                         ("numpy", "shoal.backends.python.runner"))
+        super().__init__(
+            spec, model_file, device, (instance_name, version), 1, limits, ("numpy", "shoal.backends.python.runner")
+        )
 
     def bind_host(self, host: bls.HostInfer, caller: Any) -> None:
         """``caller``: this instance's version, named by every BLS call of the worker, from any thread."""
@@ -218,8 +237,10 @@ class PythonProcessModel(process.ProcessModel):
             if self._failure and not self._closing.is_set():
                 self._replace(None)
             if self._failure or self._closing.is_set():
-                raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{self._spec.name}': the instance process "
-                                                        f"{self._failure or 'is stopping'}")
+                raise ShoalError(
+                    ErrorCode.UNAVAILABLE,
+                    f"model '{self._spec.name}': the instance process {self._failure or 'is stopping'}",
+                )
             self._sinks = [python_backend.sink_of(pending) for pending in batch] if self._decoupled else []
             self._cancel_sent, self._streams_closed = set(), set()
             requests, used = self._pack_inputs(batch)
@@ -247,8 +268,16 @@ class PythonProcessModel(process.ProcessModel):
                     slots = tensors.pack_at(self._arenas[REQUESTS], offset, feed)
                     offset = aligned(max(offset, tensors.extent(slots)))
                     data = runner.request_data({}, pending.outputs, pending.context, getattr(pending, "traced", None))
-                    requests.append((slots, list(data.outputs), data.request_id, data.correlation_id,
-                                     dict(data.parameters), data.trace_id))
+                    requests.append(
+                        (
+                            slots,
+                            list(data.outputs),
+                            data.request_id,
+                            data.correlation_id,
+                            dict(data.parameters),
+                            data.trace_id,
+                        )
+                    )
                 return requests, offset
             except PoolFull as full:
                 self._grow(REQUESTS, offset + full.wanted)
@@ -312,8 +341,11 @@ class PythonProcessModel(process.ProcessModel):
         if self._outbox is not None and self._outbox.error is not None:
             error = self._outbox.error
             self._replace(f"could not be sent a message ({type(error).__name__}: {error})")
-            raise ShoalError(ErrorCode.INTERNAL, f"model '{self._spec.name}': a message to the instance process "
-                                                 f"could not be sent ({type(error).__name__}); it was restarted")
+            raise ShoalError(
+                ErrorCode.INTERNAL,
+                f"model '{self._spec.name}': a message to the instance process "
+                f"could not be sent ({type(error).__name__}); it was restarted",
+            )
 
     def _end_outbox(self) -> None:
         """After the batch: the outbox ends once it has written what it holds. Had the conversation
@@ -377,8 +409,12 @@ class PythonProcessModel(process.ProcessModel):
             if error:
                 results.append(ShoalError(ErrorCode(code), error))
                 continue
-            results.append({t.name: t.data if t.datatype.value == "BYTES" else t.data.copy()
-                            for t in tensors.unpack(responses, slots)})
+            results.append(
+                {
+                    t.name: t.data if t.datatype.value == "BYTES" else t.data.copy()
+                    for t in tensors.unpack(responses, slots)
+                }
+            )
             used = max(used, tensors.extent(slots))
         process._trim(responses, used)
         return results

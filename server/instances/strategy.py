@@ -72,8 +72,9 @@ def choose(spec: ModelSpec, backend: Backend) -> InstancePlan:
     share = _flag(spec, "share_weights", True)
     processes = _flag(spec, "process_instances", False)
     if processes and not backend.shares_weights_with_processes:
-        raise load_failed(f"model '{spec.name}': process_instances needs the "
-                          f"{' or '.join(PROCESS_INSTANCE_BACKENDS)} backend")
+        raise load_failed(
+            f"model '{spec.name}': process_instances needs the {' or '.join(PROCESS_INSTANCE_BACKENDS)} backend"
+        )
     if processes:
         return InstancePlan(Strategy.PROCESSES, WorkerLimits.from_spec(spec))
     _refuse_worker_parameters(spec)
@@ -90,12 +91,15 @@ def _python_plan(spec: ModelSpec) -> InstancePlan:
 def _refuse_worker_parameters(spec: ModelSpec) -> None:
     for key in WORKER_PARAMETERS:
         if key in spec.parameters:
-            raise load_failed(f"model '{spec.name}': parameter {key} needs process_instances: true "
-                              "(a worker process can be killed and restarted, a thread cannot)")
+            raise load_failed(
+                f"model '{spec.name}': parameter {key} needs process_instances: true "
+                "(a worker process can be killed and restarted, a thread cannot)"
+            )
 
 
-def build_instances(spec: ModelSpec, model_path: Path, placements: list[Placement], backend: Backend,
-                    plan: InstancePlan) -> BuiltInstances:
+def build_instances(
+    spec: ModelSpec, model_path: Path, placements: list[Placement], backend: Backend, plan: InstancePlan
+) -> BuiltInstances:
     """Load the weights and start the executors ``plan`` calls for; on failure nothing stays loaded."""
     if plan.strategy in (Strategy.PYTHON_PROCESSES, Strategy.PYTHON_THREADS):
         pool = build_python_instances(spec, model_path, placements, plan.limits)
@@ -115,8 +119,9 @@ def build_instances(spec: ModelSpec, model_path: Path, placements: list[Placemen
     return BuiltInstances(pool, memory_bytes, plan.strategy, len(models))
 
 
-def _worker_processes(spec: ModelSpec, model_path: Path, placements: list[Placement], backend: Backend,
-                      limits: WorkerLimits) -> BuiltInstances:
+def _worker_processes(
+    spec: ModelSpec, model_path: Path, placements: list[Placement], backend: Backend, limits: WorkerLimits
+) -> BuiltInstances:
     """One copy per device in this process, its weights shared; a worker process per executor."""
     shared: dict[Device, tuple[LoadedModel, Any]] = {}
 
@@ -139,5 +144,9 @@ def _worker_processes(spec: ModelSpec, model_path: Path, placements: list[Placem
         raise
     parents = {device: parent for device, (parent, _) in shared.items()}
     memory_bytes = {device: parent.weight_bytes for device, parent in parents.items()}
-    return BuiltInstances(InstancePool(pool.instances, shared_copies=list(parents.values())),
-                          memory_bytes, Strategy.PROCESSES, len(parents))
+    return BuiltInstances(
+        InstancePool(pool.instances, shared_copies=list(parents.values())),
+        memory_bytes,
+        Strategy.PROCESSES,
+        len(parents),
+    )

@@ -43,8 +43,10 @@ class MemoryLedger:
                 budget = self.budgets.get(device)
                 in_use = used.get(device, 0)
                 if budget is not None and in_use + byte_size > budget:
-                    return (f"memory budget: model '{model}' needs {qualifier}{byte_size / MB:.1f} MB on "
-                            f"{device}, but {in_use / MB:.1f} MB of the {budget / MB:.1f} MB budget are in use")
+                    return (
+                        f"memory budget: model '{model}' needs {qualifier}{byte_size / MB:.1f} MB on "
+                        f"{device}, but {in_use / MB:.1f} MB of the {budget / MB:.1f} MB budget are in use"
+                    )
             self._reserved = _add(self._reserved, needed)
             return ""
 
@@ -102,8 +104,10 @@ class LoadBudget:
 
     def _reserve(self, needed: dict[str, int], qualifier: str) -> str:
         if self.own is not None and self.taken + sum(needed.values()) > self.own:
-            return (f"memory budget: model '{self.spec.name}' needs {qualifier}{sum(needed.values()) / MB:.1f} MB, "
-                    f"over its memory_budget_mb of {self.own / MB:.1f} MB")
+            return (
+                f"memory budget: model '{self.spec.name}' needs {qualifier}{sum(needed.values()) / MB:.1f} MB, "
+                f"over its memory_budget_mb of {self.own / MB:.1f} MB"
+            )
         refusal = self.ledger.reserve(self.spec.name, needed, qualifier)
         if not refusal:
             self.reserved = _add(self.reserved, needed)

@@ -26,22 +26,31 @@ from shoal.errors import invalid, shown
 from shoal.protocol.types import DataType
 
 _FLOATS = frozenset({DataType.FP16, DataType.BF16, DataType.FP32, DataType.FP64})
-_INTEGERS = frozenset({
-    DataType.UINT8, DataType.UINT16, DataType.UINT32, DataType.UINT64,
-    DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64,
-})
+_INTEGERS = frozenset(
+    {
+        DataType.UINT8,
+        DataType.UINT16,
+        DataType.UINT32,
+        DataType.UINT64,
+        DataType.INT8,
+        DataType.INT16,
+        DataType.INT32,
+        DataType.INT64,
+    }
+)
 _CHUNK = 1 << 14  # entries formatted per C call (a few ms holding the GIL)
 
 
 def check_datatype(model: str, output: str, datatype: DataType) -> None:
     """Refuse an output that has no order to rank by (Triton's wording, INVALID_ARGUMENT)."""
     if datatype not in _FLOATS and datatype not in _INTEGERS:
-        raise invalid(f"class result not available for output '{shown(output)}' of model '{model}' due to "
-                      f"unsupported type '{datatype.value}'")
+        raise invalid(
+            f"class result not available for output '{shown(output)}' of model '{model}' due to "
+            f"unsupported type '{datatype.value}'"
+        )
 
 
-def top_k(data: np.ndarray, datatype: DataType, count: int, batched: bool,
-          labels: Sequence[bytes] = ()) -> np.ndarray:
+def top_k(data: np.ndarray, datatype: DataType, count: int, batched: bool, labels: Sequence[bytes] = ()) -> np.ndarray:
     """The ``count`` highest-valued classes of each row of ``data`` as an object array of ``bytes``.
 
     Ranking is numpy's (a partition of each row, then a sort of the few that remain); the entries

@@ -71,8 +71,10 @@ class ConfigOverride:
         try:
             config = json_format.ParseDict(document, config_pb2.ModelConfig())
         except json_format.ParseError as exc:
-            raise invalid(f"failed to load '{shown(name)}': the config parameter is not a valid ModelConfig: "
-                          f"{_shortened(wire_names(str(exc)), document)}") from None
+            raise invalid(
+                f"failed to load '{shown(name)}': the config parameter is not a valid ModelConfig: "
+                f"{_shortened(wire_names(str(exc)), document)}"
+            ) from None
         if config.name and config.name != name:
             raise invalid(f"failed to load '{shown(name)}': the config override names model '{shown(config.name)}'")
         problem = nul_in_file_names(config)
@@ -165,8 +167,9 @@ def python_completed(config: config_pb2.ModelConfig, folder: Path) -> config_pb2
     try:
         json_format.ParseDict(completed, result, ignore_unknown_fields=True)
     except json_format.ParseError as exc:
-        raise load_failed(f"model '{config.name}': auto_complete_config returned an invalid config: "
-                          f"{wire_names(str(exc))}") from None
+        raise load_failed(
+            f"model '{config.name}': auto_complete_config returned an invalid config: {wire_names(str(exc))}"
+        ) from None
     return result
 
 

@@ -137,8 +137,12 @@ class EnsembleVersion(ModelVersion):
             if composition is not None:
                 lookup = await self.cache.look_up(prepared, request.parameters, composition, arrival_ns)
                 if lookup.outputs is not None:
-                    return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
-                                         outputs=lookup.outputs)
+                    return InferResponse(
+                        model_name=self.spec.name,
+                        model_version=str(self.version),
+                        id=request.id,
+                        outputs=lookup.outputs,
+                    )
         pool = {name: Tensor(name, self._datatype(name), array.shape, array) for name, array in prepared.feed.items()}
         outer = ALSO_COUNT_PHASES.get()  # an ensemble that has this one as a step
         steps_phases = PhaseTotals()
@@ -167,8 +171,7 @@ class EnsembleVersion(ModelVersion):
             outer.add(phases)
         if self.cache is not None and lookup is not None:
             await self.cache.insert(lookup, outputs)
-        return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
-                             outputs=outputs)
+        return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=outputs)
 
     def _datatype(self, name: str) -> DataType:
         tensor = self.spec.input(name)
@@ -201,8 +204,9 @@ class EnsembleVersion(ModelVersion):
         ensemble input the request left out is not waited for: its steps run without it (as Triton's),
         and the composing model's own checks decide whether it may be missing."""
         absent = {tensor.name for tensor in self.spec.inputs} - pool.keys()
-        waiting = {index: {t for t in step.reads if t not in pool and t not in absent}
-                   for index, step in enumerate(steps)}
+        waiting = {
+            index: {t for t in step.reads if t not in pool and t not in absent} for index, step in enumerate(steps)
+        }
         ready = _arrived({}, pool, waiting)
         running: dict[asyncio.Task[dict[str, Tensor]], int] = {}
         try:
@@ -218,8 +222,9 @@ class EnsembleVersion(ModelVersion):
                 for task in done:
                     step = steps[running.pop(task)]
                     if task.cancelled():  # by its model (stopping), not by this request
-                        failure = failure or ShoalError(ErrorCode.UNAVAILABLE,
-                                                        f"the step of model '{step.model_name}' was cancelled")
+                        failure = failure or ShoalError(
+                            ErrorCode.UNAVAILABLE, f"the step of model '{step.model_name}' was cancelled"
+                        )
                     elif task.exception() is not None:
                         failure = failure or task.exception()
                     else:
@@ -237,18 +242,27 @@ class EnsembleVersion(ModelVersion):
 
     async def _step(self, step: EnsembleStep, pool: dict[str, Tensor], request: InferRequest) -> dict[str, Tensor]:
         """One step as a request to its composing model; returns what it wrote, by ensemble tensor name."""
-        inputs = tuple(Tensor(model_input, pool[name].datatype, pool[name].shape, pool[name].data)
-                       for model_input, name in step.input_map if name in pool)  # not: an optional input left out
+        inputs = tuple(
+            Tensor(model_input, pool[name].datatype, pool[name].shape, pool[name].data)
+            for model_input, name in step.input_map
+            if name in pool
+        )  # not: an optional input left out
         version = str(step.model_version) if step.model_version >= 0 else ""
         served = self._registry.resolve(step.model_name, version)
         parent = TRACED.get()  # this request's trace, when it is sampled: the step's is its child
         traced = parent.child(step.model_name, str(served.version)) if isinstance(parent, RequestTrace) else None
         token = TRACED.set(traced) if traced is not None else None  # this step's own task: its siblings keep theirs
         try:
-            response = await served.infer(InferRequest(
-                model_name=step.model_name, model_version=version, id=request.id, inputs=inputs,
-                requested_outputs=tuple(output for output, _ in step.output_map), parameters=request.parameters,
-            ))
+            response = await served.infer(
+                InferRequest(
+                    model_name=step.model_name,
+                    model_version=version,
+                    id=request.id,
+                    inputs=inputs,
+                    requested_outputs=tuple(output for output, _ in step.output_map),
+                    parameters=request.parameters,
+                )
+            )
         except ShoalError as exc:
             if traced is not None:
                 traced.error = exc.message
@@ -319,8 +333,9 @@ def unfit(spec: ModelSpec, registry: Registry) -> str:
     repository, models (or versions) not loaded, then steps that do not fit their models; or ""."""
     assert spec.ensemble is not None
     models = spec.ensemble.composing_models
-    cycle = ensemble_config.dependency_cycle(spec.name, models,
-                                             lambda model: composing_models(registry.repository, model))
+    cycle = ensemble_config.dependency_cycle(
+        spec.name, models, lambda model: composing_models(registry.repository, model)
+    )
     if cycle:
         return cycle
     missing = [model for model in models if not in_repository(registry.repository, model)]
@@ -404,8 +419,12 @@ class Dependents:
             except ShoalError:  # gone meanwhile (poll mode)
                 continue
             spec = entry.spec
-            if spec is None or spec.ensemble is None or name not in spec.ensemble.composing_models \
-                    or entry.state is not ModelState.READY:
+            if (
+                spec is None
+                or spec.ensemble is None
+                or name not in spec.ensemble.composing_models
+                or entry.state is not ModelState.READY
+            ):
                 continue
             reason = unfit(spec, self._manager) if only_unfit else f"model {name}, which it uses, was unloaded"
             if reason:
@@ -442,8 +461,14 @@ class Dependents:
                 entry = self._manager.entry(name)
             except ShoalError:
                 continue
-            if (entry.spec is not None and entry.spec.ensemble is not None and not entry.unloaded
-                    and entry.state is ModelState.UNAVAILABLE and entry.versions and not entry.ready_versions()):
+            if (
+                entry.spec is not None
+                and entry.spec.ensemble is not None
+                and not entry.unloaded
+                and entry.state is ModelState.UNAVAILABLE
+                and entry.versions
+                and not entry.ready_versions()
+            ):
                 failed.add(name)
         return failed
 

@@ -75,10 +75,12 @@ def _refuse_a_call_that_waits_for_itself(target: ModelVersion) -> None:
     """A BLS call from a version's only instance to that same version would wait for the instance that
     makes it, forever (Triton 2.51 hangs so, with a request timeout or without): it fails at once."""
     if target.instance_count == 1:
-        raise ShoalError(ErrorCode.INVALID_ARGUMENT,
-                         f"model '{target.spec.name}' version {target.version}: a BLS call to itself from its only "
-                         "instance would wait forever for that instance, which runs the caller; give the model "
-                         "an instance_group count of 2 or more")
+        raise ShoalError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"model '{target.spec.name}' version {target.version}: a BLS call to itself from its only "
+            "instance would wait forever for that instance, which runs the caller; give the model "
+            "an instance_group count of 2 or more",
+        )
 
 
 class ModelManager:
@@ -186,8 +188,11 @@ class ModelManager:
             entry = self._models.get(name)
             if entry is None or entry.spec is None and not entry.versions:
                 raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to unload '{shown(name)}': the model is not loaded")
-            composing = entry.spec.ensemble.composing_models if unload_dependents and entry.spec is not None \
-                and entry.spec.ensemble is not None else ()
+            composing = (
+                entry.spec.ensemble.composing_models
+                if unload_dependents and entry.spec is not None and entry.spec.ensemble is not None
+                else ()
+            )
             entry.unloaded = True  # strict readiness stops waiting for it at once
             if entry.state is not ModelState.READY:  # failed or unloaded already: nothing to release
                 entry.reason = UNLOADED
@@ -205,8 +210,13 @@ class ModelManager:
         return entry is not None and entry.state is ModelState.READY
 
     def _used_by_a_loaded_ensemble(self, name: str) -> bool:
-        return any(entry.state is ModelState.READY and entry.spec is not None and entry.spec.ensemble is not None
-                   and name in entry.spec.ensemble.composing_models for entry in self._models.values())
+        return any(
+            entry.state is ModelState.READY
+            and entry.spec is not None
+            and entry.spec.ensemble is not None
+            and name in entry.spec.ensemble.composing_models
+            for entry in self._models.values()
+        )
 
     def memory_in_use(self) -> dict[str, int]:
         """Bytes the loaded versions hold, per device (also read from load threads: copies first)."""
@@ -237,11 +247,17 @@ class ModelManager:
             return exc.message, {}, []
         entry.spec = spec
         if self.rate_limiter is None and any(g.rate_limiter != RateLimiterSpec() for g in spec.instance_groups):
-            logger.info("model %s: its instance groups' rate_limiter takes effect with --rate-limit execution_count "
-                        "(off here, as Triton's default)", entry.name)
+            logger.info(
+                "model %s: its instance groups' rate_limiter takes effect with --rate-limit execution_count "
+                "(off here, as Triton's default)",
+                entry.name,
+            )
         if self.response_cache is None and spec.response_cache:
-            logger.info("model %s: its response_cache takes effect with --cache-config local,size=BYTES (no cache "
-                        "here, as Triton's default)", entry.name)
+            logger.info(
+                "model %s: its response_cache takes effect with --cache-config local,size=BYTES (no cache "
+                "here, as Triton's default)",
+                entry.name,
+            )
         chosen = spec.version_policy.select(available)
         if not chosen:
             return f"model '{entry.name}': no version folder matches the version policy (found {available})", {}, []
@@ -286,8 +302,14 @@ class ModelManager:
                 version.served.statistics.latencies = LatencyWindows()
 
     @staticmethod
-    def _load_within_budget(spec: ModelSpec, folder: Path, version: int, budget: LoadBudget,
-                            host: Callable[..., Any], limiter: RateLimiter | None) -> VersionEntry:
+    def _load_within_budget(
+        spec: ModelSpec,
+        folder: Path,
+        version: int,
+        budget: LoadBudget,
+        host: Callable[..., Any],
+        limiter: RateLimiter | None,
+    ) -> VersionEntry:
         entry = VersionEntry(version)
         entry.transition(ModelState.LOADING)
         try:  # every path checked before anything is opened or stat'ed
@@ -363,8 +385,9 @@ class ModelManager:
 
     # -- queries -------------------------------------------------------------------------------------
 
-    def host_infer(self, request: InferRequest, sink: Any = None, caller: ModelVersion | None = None,
-                   trace_id: int = 0) -> concurrent.futures.Future[InferResponse]:
+    def host_infer(
+        self, request: InferRequest, sink: Any = None, caller: ModelVersion | None = None, trace_id: int = 0
+    ) -> concurrent.futures.Future[InferResponse]:
         """A model's request to another model of this server (BLS), from any thread: it runs on the
         serving loop through the target version's scheduler and statistics, as a client's would.
         With ``sink`` (``exec(decoupled=True)``) a decoupled model's responses go there as they come.
@@ -445,8 +468,11 @@ class ModelManager:
                 rows.append(IndexEntry(model.name, str(version.version), version.state, reason))
         if not ready_only and self.control_mode == "explicit":
             loaded = set(self._models)
-            rows += [IndexEntry(n, "", ModelState.UNKNOWN, "") for n in scanner.list_models(self.repository, warn=False)
-                     if n not in loaded]
+            rows += [
+                IndexEntry(n, "", ModelState.UNKNOWN, "")
+                for n in scanner.list_models(self.repository, warn=False)
+                if n not in loaded
+            ]
             rows.sort(key=lambda r: r.name)
         return [r for r in rows if not ready_only or r.state is ModelState.READY]
 
@@ -470,10 +496,14 @@ def _load_refusal(entry: ModelEntry) -> ShoalError:
     ``LoadUnloadModels``, model_lifecycle.cc ``OnLoadComplete``): INVALID_ARGUMENT, each failed
     version's state and reason, or the model's reason when no version was tried (Triton ends it with
     a newline, which Shoal leaves out)."""
-    failed = "".join(f"version {number} is at {version.state.value} state: {version.reason};"
-                     for number, version in sorted(entry.versions.items()) if version.state is not ModelState.READY)
-    return ShoalError(ErrorCode.INVALID_ARGUMENT, f"load failed for model '{shown(entry.name)}': "
-                                                  f"{failed or entry.reason}")
+    failed = "".join(
+        f"version {number} is at {version.state.value} state: {version.reason};"
+        for number, version in sorted(entry.versions.items())
+        if version.state is not ModelState.READY
+    )
+    return ShoalError(
+        ErrorCode.INVALID_ARGUMENT, f"load failed for model '{shown(entry.name)}': {failed or entry.reason}"
+    )
 
 
 def _unchanged_versions(old: ModelEntry | None, new: ModelEntry, chosen: list[int]) -> dict[int, VersionEntry]:
@@ -486,8 +516,11 @@ def _unchanged_versions(old: ModelEntry | None, new: ModelEntry, chosen: list[in
     if _apart_from_policy(old.spec) != _apart_from_policy(new.spec):
         return {}
     return {
-        number: version for number, version in old.versions.items()
-        if number in chosen and version.state is ModelState.READY and version.served is not None
+        number: version
+        for number, version in old.versions.items()
+        if number in chosen
+        and version.state is ModelState.READY
+        and version.served is not None
         and old.fingerprint.version(number) is not None
         and old.fingerprint.version(number) == new.fingerprint.version(number)
     }
@@ -505,8 +538,14 @@ def _devices(spec: ModelSpec) -> set[Any]:
         return set()
 
 
-def _load_and_warm(spec: ModelSpec, version: int, folder: Path, model_folder: Path,
-                   host: Callable[..., Any], limiter: RateLimiter | None) -> ModelVersion:
+def _load_and_warm(
+    spec: ModelSpec,
+    version: int,
+    folder: Path,
+    model_folder: Path,
+    host: Callable[..., Any],
+    limiter: RateLimiter | None,
+) -> ModelVersion:
     """Load one version and warm every copy: the config's ``model_warmup`` samples (one that fails fails
     the load, as Triton), else one zero-filled request (whose failure is only logged: zeros may be no
     valid input; real requests decide). ShoalError if it fails. ``host`` is bound first: a Python
@@ -536,13 +575,24 @@ def _load_and_warm(spec: ModelSpec, version: int, folder: Path, model_folder: Pa
             logger.warning("model %s version %d: warm-up with zero inputs failed: %s", spec.name, version, exc)
             return served
         asyncio.run(served.close())
-        message = exc.message if isinstance(exc, ShoalError) else str(exc) if isinstance(
-            exc, warmup.SampleFailed) else f"{type(exc).__name__}: {exc}"
+        message = (
+            exc.message
+            if isinstance(exc, ShoalError)
+            else str(exc)
+            if isinstance(exc, warmup.SampleFailed)
+            else f"{type(exc).__name__}: {exc}"
+        )
         logger.error("model %s version %d: %s", spec.name, version, message)
         raise load_failed(f"model '{spec.name}' version {version}: {message}") from None
     if samples:
         elapsed_s = time.monotonic() - started
         served.statistics.warmup.add(int(elapsed_s * 1e9), count=sum(s.runs for s in samples))
-        logger.info("model %s version %d: warmed up with %d sample(s), %d run(s) per copy, in %.0f ms",
-                    spec.name, version, len(samples), served.statistics.warmup.count, elapsed_s * 1000)
+        logger.info(
+            "model %s version %d: warmed up with %d sample(s), %d run(s) per copy, in %.0f ms",
+            spec.name,
+            version,
+            len(samples),
+            served.statistics.warmup.count,
+            elapsed_s * 1000,
+        )
     return served

@@ -69,15 +69,13 @@ def placements(spec: ModelSpec) -> list[Placement]:
             continue
         if gpus == 0:
             raise load_failed(
-                f"model '{spec.name}': instance group '{group.name}' asks for KIND_GPU "
-                "but no CUDA device is available"
+                f"model '{spec.name}': instance group '{group.name}' asks for KIND_GPU but no CUDA device is available"
             )
         indices = group.gpus or tuple(range(gpus))
         for index in indices:
             if not 0 <= index < gpus:
                 raise load_failed(
-                    f"model '{spec.name}': instance group '{group.name}' lists GPU {index}, "
-                    f"but {gpus} GPU(s) exist"
+                    f"model '{spec.name}': instance group '{group.name}' lists GPU {index}, but {gpus} GPU(s) exist"
                 )
             result.append(Placement(group.name, Device("gpu", index), group.count, group.rate_limiter))
     return result
@@ -104,8 +102,13 @@ class ModelVersion:
     """A READY version: ``infer`` checks the request, queues it with the scheduler, shapes the reply."""
 
     def __init__(
-        self, spec: ModelSpec, version: int, pool: InstancePool, memory_bytes: dict[Device, int] | None = None,
-        backend: Backend | None = None, admission: Admission | None = None,
+        self,
+        spec: ModelSpec,
+        version: int,
+        pool: InstancePool,
+        memory_bytes: dict[Device, int] | None = None,
+        backend: Backend | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.spec = spec
         self.version = version
@@ -121,8 +124,9 @@ class ModelVersion:
         self._cache_holding_number: ResponseCache | None = None  # use_cache: forget this version's number at close
         self.scheduler: Scheduler | SequenceScheduler
         if spec.sequence_batching is not None:
-            self.scheduler = SequenceScheduler(pool, self.statistics, spec.max_batch_size, spec.sequence_batching,
-                                               spec.name, admission)
+            self.scheduler = SequenceScheduler(
+                pool, self.statistics, spec.max_batch_size, spec.sequence_batching, spec.name, admission
+            )
         else:
             self.scheduler = Scheduler(pool, self.statistics, spec.max_batch_size, spec.dynamic_batching, admission)
 
@@ -148,7 +152,11 @@ class ModelVersion:
             raise
         logger.info(
             "model %s version %d: %d instance(s), %s, over %d loaded cop%s",
-            spec.name, version, len(built.pool.instances), built.strategy.value, built.copies,
+            spec.name,
+            version,
+            len(built.pool.instances),
+            built.strategy.value,
+            built.copies,
             "y" if built.copies == 1 else "ies",
         )
         return cls(spec, version, built.pool, built.memory_bytes, backend, admission)
@@ -212,8 +220,11 @@ class ModelVersion:
                 continue
             for sample in samples:
                 rows = next(iter(sample.feed.values())).shape[0] if spec.max_batch_size > 0 and sample.feed else 1
-                extra = {name: np.repeat(array, rows, axis=0) if spec.max_batch_size > 0 else array
-                         for name, array in zeros.items() if name not in sample.feed}
+                extra = {
+                    name: np.repeat(array, rows, axis=0) if spec.max_batch_size > 0 else array
+                    for name, array in zeros.items()
+                    if name not in sample.feed
+                }
                 for _ in range(sample.runs):
                     with admitted():
                         try:
@@ -244,15 +255,20 @@ class ModelVersion:
         if cache is not None:  # never a decoupled or sequence model: their loads refuse the cache
             lookup = await cache.look_up(prepared, request.parameters, self.composition(), arrival_ns)
             if lookup.outputs is not None:
-                return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
-                                     outputs=lookup.outputs)
+                return InferResponse(
+                    model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=lookup.outputs
+                )
         try:
             # A decoupled model's responses are checked as they go into the sink; its answer has no outputs.
             streamed = getattr(request, "sink", None) is not None and is_decoupled(self.spec.config_json)
             check = None if streamed else tensors.output_check(self.spec, prepared)
             if isinstance(self.scheduler, Scheduler):  # it hands the request on to executors that take requests
                 results = await self.scheduler.submit(
-                    prepared.feed, prepared.outputs, prepared.batch_size, request.parameters, context=request,
+                    prepared.feed,
+                    prepared.outputs,
+                    prepared.batch_size,
+                    request.parameters,
+                    context=request,
                     check=check,
                 )
             else:
@@ -266,16 +282,14 @@ class ModelVersion:
                 ErrorCode.INTERNAL, f"model '{self.spec.name}' version {self.version} failed: {exc}"
             ) from exc
         if streamed:  # outputs: in the sink
-            return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
-                                 outputs=())
+            return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=())
         if tensors.finish_is_costly(prepared, results):  # a wide classification: off the event loop
             outputs = await asyncio.to_thread(tensors.respond, self.spec, prepared, results)
         else:
             outputs = tensors.respond(self.spec, prepared, results)
         if cache is not None:
             await cache.insert(lookup, outputs)
-        return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id,
-                             outputs=outputs)
+        return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=outputs)
 
     async def close(self) -> None:
         """Finish queued and running requests, then release the instances and the weights."""

@@ -41,8 +41,13 @@ OFF_LOOP_BYTES = 2**20  # hash or copy more than this off the serving loop (the 
 OFF_LOOP_ELEMENTS = 16_384
 
 
-def request_key(versions: Sequence[int], feed: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
-                class_counts: Mapping[str, int], parameters: Mapping[str, Any]) -> bytes:
+def request_key(
+    versions: Sequence[int],
+    feed: Mapping[str, np.ndarray],
+    outputs: Sequence[str] | None,
+    class_counts: Mapping[str, int],
+    parameters: Mapping[str, Any],
+) -> bytes:
     """The digest of everything that can change a version's answer to a request."""
     digest = hashlib.blake2b(digest_size=32)
 
@@ -186,8 +191,9 @@ class VersionCache:
         self.cache = cache
         self.statistics = statistics
 
-    async def look_up(self, prepared: Prepared, parameters: Mapping[str, Any], composition: Sequence[int],
-                      arrival_ns: int) -> Lookup:
+    async def look_up(
+        self, prepared: Prepared, parameters: Mapping[str, Any], composition: Sequence[int], arrival_ns: int
+    ) -> Lookup:
         """Look for the request's answer; a hit is counted here (its queue time is that of a request that
         goes straight from its checks to the lookup, as Triton's: none to speak of). ``composition``: the
         load numbers of the version and, for an ensemble, of the versions its steps run now, so that a
@@ -202,8 +208,9 @@ class VersionCache:
             self.statistics.record_cache_hit(ended_ns - arrival_ns, 0, ended_ns - started_ns)
         return Lookup(key, tuple(composition), outputs, started_ns, ended_ns)
 
-    def _find(self, prepared: Prepared, parameters: Mapping[str, Any],
-              composition: Sequence[int]) -> tuple[bytes, tuple[Tensor, ...] | None]:
+    def _find(
+        self, prepared: Prepared, parameters: Mapping[str, Any], composition: Sequence[int]
+    ) -> tuple[bytes, tuple[Tensor, ...] | None]:
         key = request_key(composition, prepared.feed, prepared.outputs, prepared.class_counts, parameters)
         kept = self.cache.get(key)
         if kept is None:
@@ -232,8 +239,9 @@ def parse_cache_config(values: Sequence[str]) -> int:
     for text in values:
         name, comma, rest = text.partition(",")
         if not comma or not name:
-            raise ValueError("No cache specified. --cache-config option format is <cache name>,<setting>=<value>. "
-                             f"Got {text}")
+            raise ValueError(
+                f"No cache specified. --cache-config option format is <cache name>,<setting>=<value>. Got {text}"
+            )
         setting, equals, value = rest.partition("=")
         if not equals or not setting or not value:
             raise ValueError(f"--cache-config option format is '<cache name>,<setting>=<value>'. Got {text}")

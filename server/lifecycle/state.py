@@ -33,13 +33,15 @@ class ModelState(enum.Enum):
     UNAVAILABLE = "UNAVAILABLE"  # failed to load, refused, or unloaded: the reason says which
 
 
-TRANSITIONS: frozenset[tuple[ModelState, ModelState]] = frozenset({
-    (ModelState.UNKNOWN, ModelState.LOADING),  # a load starts
-    (ModelState.LOADING, ModelState.READY),  # loaded, within budget, warmed up
-    (ModelState.LOADING, ModelState.UNAVAILABLE),  # the load failed, or a budget refused it
-    (ModelState.READY, ModelState.UNLOADING),  # unload, replaced by a reload, shutdown
-    (ModelState.UNLOADING, ModelState.UNAVAILABLE),  # drained and released
-})
+TRANSITIONS: frozenset[tuple[ModelState, ModelState]] = frozenset(
+    {
+        (ModelState.UNKNOWN, ModelState.LOADING),  # a load starts
+        (ModelState.LOADING, ModelState.READY),  # loaded, within budget, warmed up
+        (ModelState.LOADING, ModelState.UNAVAILABLE),  # the load failed, or a budget refused it
+        (ModelState.READY, ModelState.UNLOADING),  # unload, replaced by a reload, shutdown
+        (ModelState.UNLOADING, ModelState.UNAVAILABLE),  # drained and released
+    }
+)
 
 UNLOADED = "unloaded"  # the reason shown for a version that was let go on purpose
 

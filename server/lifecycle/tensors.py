@@ -81,8 +81,11 @@ def _check_input_count(spec: ModelSpec, given: Mapping[str, Tensor]) -> None:
     if len(required) <= len(given) <= len(spec.inputs):
         return
     missing = [t.name for t in required if t.name not in given]
-    expected = (f"expected {len(spec.inputs)} inputs" if len(required) == len(spec.inputs)
-                else f"expected number of inputs between {len(required)} and {len(spec.inputs)}")
+    expected = (
+        f"expected {len(spec.inputs)} inputs"
+        if len(required) == len(spec.inputs)
+        else f"expected number of inputs between {len(required)} and {len(spec.inputs)}"
+    )
     raise invalid(
         f"{expected} but got {len(given)} inputs for model '{spec.name}'. Got input(s) {_names(given)}, "
         f"but missing required input(s) {_names(missing)}. Please provide all required input(s)."
@@ -109,8 +112,9 @@ def _batch_size(spec: ModelSpec, tensors: list[Tensor]) -> int:
     batch = 0
     for tensor in tensors:
         if not tensor.shape:
-            raise invalid(f"input '{shown(tensor.name)}' has no shape but model requires batch dimension for "
-                          f"'{spec.name}'")
+            raise invalid(
+                f"input '{shown(tensor.name)}' has no shape but model requires batch dimension for '{spec.name}'"
+            )
         if tensor.shape[0] < 1:  # Shoal's own rule: Triton takes a 0 as "no batch size yet"
             raise invalid(f"input '{shown(tensor.name)}' for model '{spec.name}' has batch size 0")
         if batch == 0:
@@ -123,9 +127,10 @@ def _batch_size(spec: ModelSpec, tensors: list[Tensor]) -> int:
 
 
 def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> None:
-    if tensor.datatype is tensor_spec.datatype and (
-        tensor.shape[1:] if spec.max_batch_size > 0 else tensor.shape
-    ) == tensor_spec.dims:
+    if (
+        tensor.datatype is tensor_spec.datatype
+        and (tensor.shape[1:] if spec.max_batch_size > 0 else tensor.shape) == tensor_spec.dims
+    ):
         return  # the usual case, exact: every dim fixed and equal (a -1 in dims never equals a size)
     if tensor.datatype is not tensor_spec.datatype:
         raise invalid(
@@ -136,9 +141,7 @@ def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> No
     shape = list(tensor.shape)
     batched = spec.max_batch_size > 0
     shape_to_check = shape[1:] if batched else shape
-    if len(shape_to_check) != len(dims) or any(
-        d != -1 and d != s for d, s in zip(dims, shape_to_check, strict=True)
-    ):
+    if len(shape_to_check) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape_to_check, strict=True)):
         expected = [-1, *dims] if batched else dims
         raise invalid(
             f"unexpected shape for input '{shown(tensor.name)}' for model '{spec.name}'. "
@@ -163,11 +166,14 @@ def _check_classifications(spec: ModelSpec, request: InferRequest, outputs: tupl
     for name, count in request.class_counts.items():
         tensor_spec = spec.output(name)
         if tensor_spec is None or name not in outputs:
-            raise invalid(f"classification asked for output '{shown(name)}', which model '{spec.name}' "
-                          f"does not return for this request; requested outputs are: {list(outputs)}")
+            raise invalid(
+                f"classification asked for output '{shown(name)}', which model '{spec.name}' "
+                f"does not return for this request; requested outputs are: {list(outputs)}"
+            )
         if count < 1:
-            raise invalid(f"output '{shown(name)}': invalid value for 'classification' parameter, expected > 0, "
-                          f"got {count}")
+            raise invalid(
+                f"output '{shown(name)}': invalid value for 'classification' parameter, expected > 0, got {count}"
+            )
         classification.check_datatype(spec.name, name, tensor_spec.datatype)
 
 
@@ -192,6 +198,7 @@ def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray
 def output_check(spec: ModelSpec, prepared: Prepared) -> Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]:
     """One request's outputs, each through ``checked_output``: what the scheduler applies to the
     request's part before it counts the request (a failure, when the model broke its config)."""
+
     def check(results: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         found = {}
         for name in prepared.outputs:
@@ -201,6 +208,7 @@ def output_check(spec: ModelSpec, prepared: Prepared) -> Callable[[Mapping[str, 
                 raise ShoalError(ErrorCode.INTERNAL, f"the model returned no output '{name}'")
             found[name] = checked_output(spec, tensor_spec, np.asarray(results[name]), prepared.batch_size)
         return found
+
     return check
 
 
@@ -259,9 +267,12 @@ def checked_output(spec: ModelSpec, tensor_spec: TensorSpec, data: np.ndarray, b
 
 
 def _unexpected_shape(spec: ModelSpec, name: str, expected: list[int], shape: tuple[int, ...]) -> ShoalError:
-    return ShoalError(ErrorCode.INTERNAL, f"unexpected shape for output '{name}' for model '{spec.name}', "
-                                          f"model configuration shape is {_dims(expected)}, inference shape is "
-                                          f"{_dims(shape)}")
+    return ShoalError(
+        ErrorCode.INTERNAL,
+        f"unexpected shape for output '{name}' for model '{spec.name}', "
+        f"model configuration shape is {_dims(expected)}, inference shape is "
+        f"{_dims(shape)}",
+    )
 
 
 def streamed_outputs(spec: ModelSpec, request: InferRequest, arrays: Mapping[str, np.ndarray]) -> tuple[Tensor, ...]:
@@ -291,8 +302,11 @@ def _unexpected_datatype(spec: ModelSpec, name: str, data: np.ndarray, wanted: D
         returned = DataType.from_numpy(data.dtype).config_name
     except ValueError:  # no Triton datatype at all (a numpy complex, a datetime)
         returned = f"numpy {data.dtype}"
-    return ShoalError(ErrorCode.INTERNAL, f"unexpected datatype {returned} for inference output '{name}' for model "
-                                          f"'{spec.name}', expecting {wanted.config_name}")
+    return ShoalError(
+        ErrorCode.INTERNAL,
+        f"unexpected datatype {returned} for inference output '{name}' for model "
+        f"'{spec.name}', expecting {wanted.config_name}",
+    )
 
 
 def zeros_feed(spec: ModelSpec) -> dict[str, np.ndarray]:

@@ -58,13 +58,18 @@ def samples(spec: ModelSpec, model_folder: Path) -> list[Sample]:
             continue
         where = f"model '{spec.name}': warm-up sample '{warmup.name}'"
         if spec.max_batch_size == 0 and warmup.batch_size != 1:
-            raise load_failed(f"{where}: batch_size must be 1 for a model that does not batch "
-                              f"(max_batch_size 0), got {warmup.batch_size}")
+            raise load_failed(
+                f"{where}: batch_size must be 1 for a model that does not batch "
+                f"(max_batch_size 0), got {warmup.batch_size}"
+            )
         if warmup.batch_size > spec.max_batch_size > 0:
-            raise load_failed(f"{where}: batch_size {warmup.batch_size} is more than max_batch_size "
-                              f"{spec.max_batch_size}")
-        inputs = tuple(_tensor(where, name, value, warmup.batch_size, spec, model_folder)
-                       for name, value in sorted(warmup.inputs.items()))
+            raise load_failed(
+                f"{where}: batch_size {warmup.batch_size} is more than max_batch_size {spec.max_batch_size}"
+            )
+        inputs = tuple(
+            _tensor(where, name, value, warmup.batch_size, spec, model_folder)
+            for name, value in sorted(warmup.inputs.items())
+        )
         request = InferRequest(spec.name, "", f"warmup:{warmup.name}", inputs)
         try:
             prepared = tensors.prepare(spec, request)
@@ -74,8 +79,9 @@ def samples(spec: ModelSpec, model_folder: Path) -> list[Sample]:
     return built
 
 
-def _tensor(where: str, name: str, value: config_pb2.ModelWarmup.Input, batch_size: int, spec: ModelSpec,
-            model_folder: Path) -> Tensor:
+def _tensor(
+    where: str, name: str, value: config_pb2.ModelWarmup.Input, batch_size: int, spec: ModelSpec, model_folder: Path
+) -> Tensor:
     try:
         datatype = DataType.from_config_name(config_pb2.DataType.Name(value.data_type))
     except (KeyError, ValueError):
@@ -117,8 +123,7 @@ def _from_bytes(where: str, name: str, raw: bytes, datatype: DataType, count: in
             raise load_failed(f"{where}: input '{name}': {exc.message}") from None
     needed = count * datatype.item_size
     if len(raw) < needed:
-        raise load_failed(f"{where}: input '{name}' needs {needed} bytes, but its input_data_file holds "
-                          f"{len(raw)}")
+        raise load_failed(f"{where}: input '{name}' needs {needed} bytes, but its input_data_file holds {len(raw)}")
     return np.frombuffer(raw[:needed], dtype=datatype.numpy_dtype.newbyteorder("<")).astype(datatype.numpy_dtype)
 
 
@@ -176,8 +181,9 @@ class _StreamSink:
             self.final.set()
 
 
-def run_on_requests(model: Any, sample: Sample, decoupled: bool,
-                    admitted: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
+def run_on_requests(
+    model: Any, sample: Sample, decoupled: bool, admitted: Callable[[], AbstractContextManager[None]] = nullcontext
+) -> None:
     """Run ``sample`` ``runs`` times on a model that takes queued requests (a Python model's
     ``run_requests``), each run inside ``admitted()`` (the rate limiter's hold); ShoalError with the
     model's own words if an execution failed."""
@@ -191,7 +197,8 @@ def run_on_requests(model: Any, sample: Sample, decoupled: bool,
         if sink is None:
             continue
         if not sink.final.wait(STREAM_TIMEOUT_S):
-            raise ShoalError(ErrorCode.INTERNAL, f"the model sent no response with the FINAL flag within "
-                                                 f"{STREAM_TIMEOUT_S:.0f} s")
+            raise ShoalError(
+                ErrorCode.INTERNAL, f"the model sent no response with the FINAL flag within {STREAM_TIMEOUT_S:.0f} s"
+            )
         if sink.error is not None:
             raise sink.error

@@ -91,5 +91,14 @@ class InferenceStub:
         raise AttributeError(name)
 
 
-__all__ = ["METHODS", "PROTO_PACKAGE", "SERVICE_NAME", "WIRE_PACKAGE", "InferenceStub", "Method", "config_pb2",
-           "service_pb2", "wire_names"]
+__all__ = [
+    "METHODS",
+    "PROTO_PACKAGE",
+    "SERVICE_NAME",
+    "WIRE_PACKAGE",
+    "InferenceStub",
+    "Method",
+    "config_pb2",
+    "service_pb2",
+    "wire_names",
+]

@@ -23,7 +23,8 @@ _UNIFORM_MAX = 1 << 20  # the longest element the one-length path reads as a num
 # The little-endian dtype each fixed-size datatype travels as on the wire (looked up per tensor).
 _WIRE_DTYPES = {
     datatype: datatype.numpy_dtype.newbyteorder("<") if datatype.item_size > 1 else datatype.numpy_dtype
-    for datatype in DataType if datatype is not DataType.BYTES
+    for datatype in DataType
+    if datatype is not DataType.BYTES
 }
 # Read per tensor, so looked up here rather than through the enum's properties (each a few hundred ns).
 _ITEM_SIZES = {datatype: datatype.item_size for datatype in DataType}
@@ -51,8 +52,10 @@ class StringCountMismatch(WireFormatError):
     shape's count: ``got`` is then ``expected + 1`` and ``too_many`` is set."""
 
     def __init__(self, expected: int, got: int) -> None:
-        super().__init__(f"BYTES content holds {'more than ' if got > expected else ''}"
-                         f"{expected if got > expected else got} elements, the shape needs {expected}")
+        super().__init__(
+            f"BYTES content holds {'more than ' if got > expected else ''}"
+            f"{expected if got > expected else got} elements, the shape needs {expected}"
+        )
         self.expected = expected
         self.got = got
         self.too_many = got > expected

@@ -256,9 +256,7 @@ def validate(config: config_pb2.ModelConfig, model_name: str) -> None:
         raise load_failed(f"{where}: config sets neither 'platform' nor 'backend'")
     if config.platform and config.platform in PLATFORM_BACKENDS:
         if PLATFORM_BACKENDS[config.platform] != config.backend:
-            raise load_failed(
-                f"{where}: platform '{config.platform}' does not match backend '{config.backend}'"
-            )
+            raise load_failed(f"{where}: platform '{config.platform}' does not match backend '{config.backend}'")
     validate_filename(config, model_name)
     if config.max_batch_size < 0:
         raise load_failed(f"{where}: max_batch_size must be >= 0, got {config.max_batch_size}")
@@ -305,11 +303,15 @@ def _validate_response_cache(config: config_pb2.ModelConfig) -> None:
     if not config.response_cache.enable:
         return
     if config.HasField("sequence_batching"):
-        raise load_failed(f"Response Cache does not currently support model {config.name} with sequence batching "
-                          "scheduler. Please disable the response cache.")
+        raise load_failed(
+            f"Response Cache does not currently support model {config.name} with sequence batching "
+            "scheduler. Please disable the response cache."
+        )
     if config.model_transaction_policy.decoupled:
-        raise load_failed(f"Response Cache does not currently support model {config.name} with 'decoupled' "
-                          "transaction policy. Please disable the response cache.")
+        raise load_failed(
+            f"Response Cache does not currently support model {config.name} with 'decoupled' "
+            "transaction policy. Please disable the response cache."
+        )
 
 
 def validate_filename(config: config_pb2.ModelConfig, model_name: str) -> None:
@@ -320,8 +322,10 @@ def validate_filename(config: config_pb2.ModelConfig, model_name: str) -> None:
         raise load_failed(f"model '{model_name}': {problem}")
     filename = config.default_model_filename
     if filename and (Path(filename).name != filename or filename in {".", ".."}):
-        raise load_failed(f"model '{model_name}': default_model_filename must be a file name inside the "
-                          f"version folder, got {shown(filename)!r}")
+        raise load_failed(
+            f"model '{model_name}': default_model_filename must be a file name inside the "
+            f"version folder, got {shown(filename)!r}"
+        )
 
 
 def nul_in_file_names(config: config_pb2.ModelConfig) -> str | None:
@@ -330,8 +334,11 @@ def nul_in_file_names(config: config_pb2.ModelConfig) -> str | None:
     first, to refuse it as a bad argument that names the field."""
     named = [("default_model_filename", config.default_model_filename)]
     named += [(f"label_filename of output '{shown(o.name)}'", o.label_filename) for o in config.output]
-    named += [(f"data_file of initial_state '{shown(initial.name)}'", initial.data_file)
-              for state in config.sequence_batching.state for initial in state.initial_state]
+    named += [
+        (f"data_file of initial_state '{shown(initial.name)}'", initial.data_file)
+        for state in config.sequence_batching.state
+        for initial in state.initial_state
+    ]
     for what, value in named:
         if "\0" in value:
             return f"{what} holds a NUL byte, which no file name can hold"
@@ -346,14 +353,14 @@ def _validate_reshape(label: str, dims: list[int], reshape: list[int]) -> None:
         raise load_failed(f"{label} has invalid reshape {reshape}: use positive sizes or -1")
     if not reshape:
         if _runs(dims) != (1,):
-            raise load_failed(f"{label} has an empty reshape (a scalar), so its dims must hold one element, "
-                              f"got {dims}")
+            raise load_failed(f"{label} has an empty reshape (a scalar), so its dims must hold one element, got {dims}")
         return
     if _runs(dims) != _runs(reshape):
         raise load_failed(f"{label} has different size for dims {dims} and reshape {reshape}")
     if reshape.count(-1) > 1:
-        raise load_failed(f"{label}: reshape {reshape} has more than one variable dimension, which Shoal "
-                          "cannot reshape to")
+        raise load_failed(
+            f"{label}: reshape {reshape} has more than one variable dimension, which Shoal cannot reshape to"
+        )
 
 
 def _runs(shape: list[int]) -> tuple[int, ...]:
@@ -372,8 +379,7 @@ def _validate_dynamic_batching(config: config_pb2.ModelConfig, where: str) -> No
     for size in batching.preferred_batch_size:
         if size < 1 or (config.max_batch_size > 0 and size > config.max_batch_size):
             raise load_failed(
-                f"{where}: preferred_batch_size {size} must be between 1 and max_batch_size "
-                f"{config.max_batch_size}"
+                f"{where}: preferred_batch_size {size} must be between 1 and max_batch_size {config.max_batch_size}"
             )
     levels = batching.priority_levels
     if levels > MAX_PRIORITY_LEVELS:
@@ -438,17 +444,19 @@ def to_spec(config: config_pb2.ModelConfig, labels: dict[str, tuple[bytes, ...]]
         platform=config.platform,
         backend=config.backend,
         max_batch_size=config.max_batch_size,
-        inputs=tuple(
-            _tensor_spec(t.name, t.data_type, t.dims, t, optional=t.optional) for t in config.input
-        ),
+        inputs=tuple(_tensor_spec(t.name, t.data_type, t.dims, t, optional=t.optional) for t in config.input),
         outputs=tuple(
-            replace(_tensor_spec(t.name, t.data_type, t.dims, t), label_filename=t.label_filename,
-                    labels=(labels or {}).get(t.name, ()))
+            replace(
+                _tensor_spec(t.name, t.data_type, t.dims, t),
+                label_filename=t.label_filename,
+                labels=(labels or {}).get(t.name, ()),
+            )
             for t in config.output
         ),
         instance_groups=tuple(
-            InstanceGroupSpec(g.name, InstanceKind(kind_names.Name(g.kind)), g.count, tuple(g.gpus),
-                              _rate_limiter(g.rate_limiter))
+            InstanceGroupSpec(
+                g.name, InstanceKind(kind_names.Name(g.kind)), g.count, tuple(g.gpus), _rate_limiter(g.rate_limiter)
+            )
             for g in config.instance_group
         ),
         version_policy=version_policy,
@@ -511,9 +519,7 @@ def _queue_policy(policy: config_pb2.ModelQueuePolicy) -> QueuePolicy:
     )
 
 
-def _tensor_spec(
-    name: str, data_type: int, dims: Any, tensor: Any, optional: bool = False
-) -> TensorSpec:
+def _tensor_spec(name: str, data_type: int, dims: Any, tensor: Any, optional: bool = False) -> TensorSpec:
     reshape = tuple(tensor.reshape.shape) if tensor.HasField("reshape") else None
     datatype = DataType.from_config_name(config_pb2.DataType.Name(data_type))
     return TensorSpec(name, datatype, tuple(dims), reshape, optional)

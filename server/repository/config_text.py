@@ -288,8 +288,8 @@ class ConfigEditor:
     def _field_indent(self, body: Node) -> str:
         for found in body.fields or []:
             line_start = self.original.rfind("\n", 0, found.start) + 1
-            if not self.original[line_start:found.start].strip():
-                return self.original[line_start:found.start]
+            if not self.original[line_start : found.start].strip():
+                return self.original[line_start : found.start]
         return ""
 
     def _splice(self, start: int, end: int, replacement: str) -> None:

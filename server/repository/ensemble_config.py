@@ -66,11 +66,17 @@ def is_ensemble(config: config_pb2.ModelConfig) -> bool:
 
 def scheduling(config: config_pb2.ModelConfig) -> EnsembleScheduling:
     """The steps of a validated ensemble config, maps sorted by name (protobuf maps have no order)."""
-    return EnsembleScheduling(tuple(
-        EnsembleStep(step.model_name, step.model_version, tuple(sorted(step.input_map.items())),
-                     tuple(sorted(step.output_map.items())))
-        for step in config.ensemble_scheduling.step
-    ))
+    return EnsembleScheduling(
+        tuple(
+            EnsembleStep(
+                step.model_name,
+                step.model_version,
+                tuple(sorted(step.input_map.items())),
+                tuple(sorted(step.output_map.items())),
+            )
+            for step in config.ensemble_scheduling.step
+        )
+    )
 
 
 def validate_scheduling(config: config_pb2.ModelConfig) -> None:
@@ -78,8 +84,9 @@ def validate_scheduling(config: config_pb2.ModelConfig) -> None:
     name = config.name
     if not is_ensemble(config):
         if config.HasField("ensemble_scheduling"):
-            raise load_failed(f"ensemble scheduling cannot be set for model '{name}' whose platform is not "
-                              f"{ENSEMBLE_PLATFORM}")
+            raise load_failed(
+                f"ensemble scheduling cannot be set for model '{name}' whose platform is not {ENSEMBLE_PLATFORM}"
+            )
         return
     if not config.HasField("ensemble_scheduling"):
         raise load_failed(f"ensemble scheduling must be set for ensemble {name} whose platform is {ENSEMBLE_PLATFORM}")
@@ -116,8 +123,9 @@ def _graph(config: config_pb2.ModelConfig) -> dict[str, _Tensor]:
         for tensor_name in sorted(step.output_map.values()):
             tensor = tensors.setdefault(tensor_name, _Tensor())
             if tensor.written:
-                raise load_failed(f"ensemble tensor '{tensor_name}' can appear in an output map only once for "
-                                  f"{where} step {index}")
+                raise load_failed(
+                    f"ensemble tensor '{tensor_name}' can appear in an output map only once for {where} step {index}"
+                )
             tensor.written = True
             written.append(tensor)
         for tensor_name in sorted(step.input_map.values()):
@@ -203,7 +211,8 @@ def validate_against_composing(spec: ModelSpec, composing: Sequence[ModelSpec]) 
         if model.max_batch_size != 0 and model.max_batch_size < spec.max_batch_size:
             raise load_failed(
                 f"ensemble {spec.name} allows maximum batch size {spec.max_batch_size}, but it contains model "
-                f"{step.model_name} which only allows maximum batch size to be {model.max_batch_size}")
+                f"{step.model_name} which only allows maximum batch size to be {model.max_batch_size}"
+            )
         _check_step(spec.name, step, model, known)
 
 
@@ -212,24 +221,28 @@ def _check_step(ensemble: str, step: EnsembleStep, model: ModelSpec, known: dict
     batching = model.max_batch_size > 0
     for model_input, tensor_name in step.input_map:
         if model.input(model_input) is None:
-            raise load_failed(f"{where}, ensemble tensor {tensor_name} is mapping to non-existing input "
-                              f"{model_input} in model {model.name}")
+            raise load_failed(
+                f"{where}, ensemble tensor {tensor_name} is mapping to non-existing input "
+                f"{model_input} in model {model.name}"
+            )
     mapped = dict(step.input_map)
     for tensor in model.inputs:
         if tensor.name not in mapped:
             if tensor.optional:
                 continue
-            raise load_failed(f"{where}, input {tensor.name} in model {model.name} is not mapped to any ensemble "
-                              "tensors")
+            raise load_failed(
+                f"{where}, input {tensor.name} in model {model.name} is not mapped to any ensemble tensors"
+            )
         inferred = _Inferred(model.name, tensor.datatype.config_name, tensor.dims, batching)
         _agree(where, mapped[tensor.name], inferred, known)
     for model_output, tensor_name in step.output_map:
         output = model.output(model_output)
         if output is None:
-            raise load_failed(f"{where}, ensemble tensor {tensor_name} is mapped from non-existing output "
-                              f"{model_output} in model {model.name}")
-        _agree(where, tensor_name, _Inferred(model.name, output.datatype.config_name, output.dims, batching),
-               known)
+            raise load_failed(
+                f"{where}, ensemble tensor {tensor_name} is mapped from non-existing output "
+                f"{model_output} in model {model.name}"
+            )
+        _agree(where, tensor_name, _Inferred(model.name, output.datatype.config_name, output.dims, batching), known)
 
 
 def _agree(where: str, tensor_name: str, inferred: _Inferred, known: dict[str, _Inferred]) -> None:
@@ -238,11 +251,15 @@ def _agree(where: str, tensor_name: str, inferred: _Inferred, known: dict[str, _
     first = known.setdefault(tensor_name, inferred)
     prefix = f"{where}, ensemble tensor {tensor_name}: "
     if first.datatype != inferred.datatype:
-        raise load_failed(f"{prefix}inconsistent data type: {first.datatype} is inferred from model {first.model} "
-                          f"while {inferred.datatype} is inferred from model {inferred.model}")
+        raise load_failed(
+            f"{prefix}inconsistent data type: {first.datatype} is inferred from model {first.model} "
+            f"while {inferred.datatype} is inferred from model {inferred.model}"
+        )
     if not _same_dims(first.dims, inferred.dims) and not _same_dims(first.full_dims, inferred.full_dims):
-        raise load_failed(f"{prefix}inconsistent shape: {_text(first.full_dims)} is inferred from model "
-                          f"{first.model} while {_text(inferred.full_dims)} is inferred from model {inferred.model}")
+        raise load_failed(
+            f"{prefix}inconsistent shape: {_text(first.full_dims)} is inferred from model "
+            f"{first.model} while {_text(inferred.full_dims)} is inferred from model {inferred.model}"
+        )
 
 
 def _same_dims(left: tuple[int, ...], right: tuple[int, ...]) -> bool:

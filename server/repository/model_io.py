@@ -73,8 +73,10 @@ def complete(config: config_pb2.ModelConfig, io: ModelIO) -> tuple[config_pb2.Mo
             if tensor.name in present:
                 continue
             if tensor.datatype is None:
-                raise load_failed(f"model '{out.name}': {kind} '{tensor.name}' has type {tensor.type_name}, "
-                                  "which Shoal does not support")
+                raise load_failed(
+                    f"model '{out.name}': {kind} '{tensor.name}' has type {tensor.type_name}, "
+                    "which Shoal does not support"
+                )
             added = target.add(name=tensor.name, data_type=config_pb2.DataType.Value(tensor.datatype.config_name))
             dims = tensor.shape[1:] if batching else tensor.shape
             if dims:

@@ -60,8 +60,7 @@ def checked_path(repository: Path, relative: str | PurePath) -> Path:
     nothing is opened and the target's existence plays no part.
     """
     path = PurePath(relative)
-    if path.is_absolute() or "\0" in str(path) or any(len(os.fsencode(part)) > MAX_NAME_BYTES
-                                                      for part in path.parts):
+    if path.is_absolute() or "\0" in str(path) or any(len(os.fsencode(part)) > MAX_NAME_BYTES for part in path.parts):
         raise outside(relative)
     root = repository.resolve()
     try:
@@ -173,7 +172,8 @@ def looks_like_model_folder(folder: Path) -> bool:
         return True
     return any(
         _VERSION_NAME.match(entry.name) and any((entry / f).exists() for f in _MODEL_FILENAMES)
-        for entry in folder.iterdir() if entry.is_dir()
+        for entry in folder.iterdir()
+        if entry.is_dir()
     )
 
 
@@ -191,8 +191,10 @@ def model_folder_problem(repository: Path) -> str:
     """What to tell an operator who passed a model folder as the repository; "" when it is none."""
     if not looks_like_model_folder(repository):
         return ""
-    return (f"{repository} is a model folder, not a model repository: pass its parent folder "
-            f"({repository.resolve().parent})")
+    return (
+        f"{repository} is a model folder, not a model repository: pass its parent folder "
+        f"({repository.resolve().parent})"
+    )
 
 
 def list_models(repository: Path, warn: bool = True) -> list[str]:

@@ -111,8 +111,10 @@ def validate(config: config_pb2.ModelConfig, where: str) -> None:
     if batching.HasField("oldest"):
         for size in batching.oldest.preferred_batch_size:
             if size < 1 or (config.max_batch_size > 0 and size > config.max_batch_size):
-                raise load_failed(f"{where}: sequence_batching oldest preferred_batch_size {size} must be between 1 "
-                                  f"and max_batch_size {config.max_batch_size}")
+                raise load_failed(
+                    f"{where}: sequence_batching oldest preferred_batch_size {size} must be between 1 "
+                    f"and max_batch_size {config.max_batch_size}"
+                )
         if batching.oldest.max_candidate_sequences < 0:
             raise load_failed(f"{where}: sequence_batching oldest max_candidate_sequences must be >= 0")
     if batching.HasField("direct") and not 0.0 <= batching.direct.minimum_slot_utilization <= 1.0:
@@ -121,8 +123,10 @@ def validate(config: config_pb2.ModelConfig, where: str) -> None:
     taken = {t.name for t in config.input} | {t.name for t in config.output}
     for control in batching.control_input:
         if control.name in taken:
-            raise load_failed(f"{where}: sequence batching control tensor '{control.name}' is also a config input "
-                              "or output; the batcher fills it, so list it only under control_input")
+            raise load_failed(
+                f"{where}: sequence batching control tensor '{control.name}' is also a config input "
+                "or output; the batcher fills it, so list it only under control_input"
+            )
     _validate_states(config, where, taken | {c.name for c in batching.control_input})
 
 
@@ -135,8 +139,10 @@ def _controls(config: config_pb2.ModelConfig) -> tuple[Control, ...]:
         if not control_input.name:
             raise load_failed(f"sequence batching control tensor must have a name for {name}")
         if control_input.name in seen_tensors:
-            raise load_failed(f"sequence batching control tensor '{control_input.name}' is specified for multiple "
-                              f"control kinds for {name}")
+            raise load_failed(
+                f"sequence batching control tensor '{control_input.name}' is specified for multiple "
+                f"control kinds for {name}"
+            )
         seen_tensors.add(control_input.name)
         for control in control_input.control:
             kind = ControlKind(_Batching.Control.Kind.Name(control.kind))
@@ -146,33 +152,43 @@ def _controls(config: config_pb2.ModelConfig) -> tuple[Control, ...]:
     return tuple(found.values())
 
 
-def _control(tensor: str, kind: ControlKind, control: config_pb2.ModelSequenceBatching.Control,
-             model: str) -> Control:
-    lists = {"int32_false_true": list(control.int32_false_true), "fp32_false_true": list(control.fp32_false_true),
-             "bool_false_true": list(control.bool_false_true)}
+def _control(tensor: str, kind: ControlKind, control: config_pb2.ModelSequenceBatching.Control, model: str) -> Control:
+    lists = {
+        "int32_false_true": list(control.int32_false_true),
+        "fp32_false_true": list(control.fp32_false_true),
+        "bool_false_true": list(control.bool_false_true),
+    }
     given = [key for key, values in lists.items() if values]
     if kind is ControlKind.CORRID:
         if given:
-            raise load_failed(f"sequence batching must not specify either 'int32_false_true', 'fp32_false_true' or "
-                              f"'bool_false_true' for {kind.value} for {model}")
+            raise load_failed(
+                f"sequence batching must not specify either 'int32_false_true', 'fp32_false_true' or "
+                f"'bool_false_true' for {kind.value} for {model}"
+            )
         type_name = config_pb2.DataType.Name(control.data_type)
         if type_name not in _CORRID_TYPES:
-            raise load_failed(f"unexpected control data type, expected TYPE_UINT64, TYPE_INT64, TYPE_UINT32, "
-                              f"TYPE_INT32, or TYPE_STRING for {kind.value} for {model}")
+            raise load_failed(
+                f"unexpected control data type, expected TYPE_UINT64, TYPE_INT64, TYPE_UINT32, "
+                f"TYPE_INT32, or TYPE_STRING for {kind.value} for {model}"
+            )
         return Control(kind, tensor, DataType.from_config_name(type_name))
     if not given:
-        raise load_failed(f"sequence batching must specify either 'int32_false_true', 'fp32_false_true' or "
-                          f"'bool_false_true' for {kind.value} for {model}")
+        raise load_failed(
+            f"sequence batching must specify either 'int32_false_true', 'fp32_false_true' or "
+            f"'bool_false_true' for {kind.value} for {model}"
+        )
     if len(given) > 1:
-        raise load_failed(f"sequence batching specifies more than one from 'int32_false_true', 'fp32_false_true' "
-                          f"and 'bool_false_true' for {kind.value} for {model}")
+        raise load_failed(
+            f"sequence batching specifies more than one from 'int32_false_true', 'fp32_false_true' "
+            f"and 'bool_false_true' for {kind.value} for {model}"
+        )
     key = given[0]
     values = lists[key]
     if len(values) != 2:
-        raise load_failed(f"sequence batching control '{key}' must have exactly 2 entries for {kind.value} for "
-                          f"{model}")
-    datatype = {"int32_false_true": DataType.INT32, "fp32_false_true": DataType.FP32,
-                "bool_false_true": DataType.BOOL}[key]
+        raise load_failed(f"sequence batching control '{key}' must have exactly 2 entries for {kind.value} for {model}")
+    datatype = {"int32_false_true": DataType.INT32, "fp32_false_true": DataType.FP32, "bool_false_true": DataType.BOOL}[
+        key
+    ]
     return Control(kind, tensor, datatype, values[0], values[1])
 
 
@@ -184,8 +200,10 @@ def _validate_states(config: config_pb2.ModelConfig, where: str, taken: set[str]
             raise load_failed(f"{where}: a state must set both input_name and output_name")
         for tensor in (state.input_name, state.output_name):
             if tensor in taken or tensor in seen:
-                raise load_failed(f"{label}: tensor '{tensor}' is used twice (config inputs and outputs, control "
-                                  "inputs and states must all differ)")
+                raise load_failed(
+                    f"{label}: tensor '{tensor}' is used twice (config inputs and outputs, control "
+                    "inputs and states must all differ)"
+                )
             seen.add(tensor)
         if state.data_type == config_pb2.TYPE_INVALID:
             raise load_failed(f"{label} has no data_type")
@@ -194,8 +212,10 @@ def _validate_states(config: config_pb2.ModelConfig, where: str, taken: set[str]
         if state.use_growable_memory:
             raise load_failed(f"{label}: use_growable_memory is not supported by this server")
         if len(state.initial_state) > 1:  # Triton's words (SequenceBatchScheduler::Create)
-            raise load_failed(f"initial_state field for state input '{state.input_name}' must contain exactly one "
-                              f"or zero element. Found '{len(state.initial_state)}' elements.")
+            raise load_failed(
+                f"initial_state field for state input '{state.input_name}' must contain exactly one "
+                f"or zero element. Found '{len(state.initial_state)}' elements."
+            )
         if state.initial_state:
             _validate_initial_state(state)
 
@@ -205,26 +225,33 @@ def _validate_initial_state(state: config_pb2.ModelSequenceBatching.State) -> No
     initial = state.initial_state[0]
     name = state.input_name
     if initial.data_type != state.data_type:
-        raise load_failed(f"The data type used for 'initial_state' field of state '{name}' does not match the "
-                          "state data type.")
+        raise load_failed(
+            f"The data type used for 'initial_state' field of state '{name}' does not match the state data type."
+        )
     if not initial.name:
         raise load_failed(f"Field 'name' must be set when using initial_state for state input '{name}'.")
     if len(initial.dims) != len(state.dims):
-        raise load_failed(f"Number of dimensions in 'initial_state' doesn't match the size of 'state' dimensions "
-                          f"for state input '{name}'. {len(initial.dims)} != {len(state.dims)}")
+        raise load_failed(
+            f"Number of dimensions in 'initial_state' doesn't match the size of 'state' dimensions "
+            f"for state input '{name}'. {len(initial.dims)} != {len(state.dims)}"
+        )
     for initial_dim, state_dim in zip(initial.dims, state.dims, strict=True):
         if initial_dim == -1:
             raise load_failed(f"'initial_state' field for state input name '{name}' contains variable dimensions.")
         if initial_dim < 1:
             raise load_failed(f"'initial_state' dims for state input name '{name}' must be positive")
         if state_dim != -1 and initial_dim != state_dim:
-            raise load_failed(f"'initial_state' dim for input name '{name}' doesn't match 'state' dim description. "
-                              f"{initial_dim} != {state_dim}")
+            raise load_failed(
+                f"'initial_state' dim for input name '{name}' doesn't match 'state' dim description. "
+                f"{initial_dim} != {state_dim}"
+            )
     if initial.WhichOneof("state_data") is None:
         raise load_failed(f"initial_state setting expects state'{name}' to have state_data set")
     if initial.data_file and (PurePath(initial.data_file).is_absolute() or ".." in PurePath(initial.data_file).parts):
-        raise load_failed(f"initial_state data_file for state input '{name}' must be a path inside the model "
-                          f"folder's {INITIAL_STATE_FOLDER}/, got {shown(initial.data_file)!r}")
+        raise load_failed(
+            f"initial_state data_file for state input '{name}' must be a path inside the model "
+            f"folder's {INITIAL_STATE_FOLDER}/, got {shown(initial.data_file)!r}"
+        )
 
 
 def to_spec(config: config_pb2.ModelConfig) -> SequenceBatching:
@@ -234,19 +261,25 @@ def to_spec(config: config_pb2.ModelConfig) -> SequenceBatching:
     states = []
     for state in batching.state:
         initial = state.initial_state[0] if state.initial_state else None
-        states.append(StateSpec(
-            input_name=state.input_name, output_name=state.output_name,
-            datatype=DataType.from_config_name(config_pb2.DataType.Name(state.data_type)), dims=tuple(state.dims),
-            initial_name=initial.name if initial else "", initial_dims=tuple(initial.dims) if initial else (),
-            initial_file=initial.data_file if initial else "",
-        ))
+        states.append(
+            StateSpec(
+                input_name=state.input_name,
+                output_name=state.output_name,
+                datatype=DataType.from_config_name(config_pb2.DataType.Name(state.data_type)),
+                dims=tuple(state.dims),
+                initial_name=initial.name if initial else "",
+                initial_dims=tuple(initial.dims) if initial else (),
+                initial_file=initial.data_file if initial else "",
+            )
+        )
     return SequenceBatching(
         strategy="oldest" if oldest else "direct",
         max_sequence_idle_us=batching.max_sequence_idle_microseconds,
         controls=_controls(config),
         states=tuple(states),
-        max_queue_delay_us=(batching.oldest.max_queue_delay_microseconds if oldest
-                            else batching.direct.max_queue_delay_microseconds),
+        max_queue_delay_us=(
+            batching.oldest.max_queue_delay_microseconds if oldest else batching.direct.max_queue_delay_microseconds
+        ),
         minimum_slot_utilization=0.0 if oldest else batching.direct.minimum_slot_utilization,
         max_candidate_sequences=batching.oldest.max_candidate_sequences if oldest else 0,
         preferred_batch_sizes=tuple(sorted(batching.oldest.preferred_batch_size)) if oldest else (),
@@ -268,8 +301,9 @@ def read_initial_states(model_dir: Path, batching: SequenceBatching) -> Sequence
         try:
             data = path.read_bytes()
         except OSError as exc:
-            raise load_failed(f"initial_state file '{relative}' for state input '{state.input_name}' cannot be "
-                              f"read: {exc.strerror}") from None
+            raise load_failed(
+                f"initial_state file '{relative}' for state input '{state.input_name}' cannot be read: {exc.strerror}"
+            ) from None
         states.append(replace(state, initial=_decode_initial(state, data, str(relative))))
     return replace(batching, states=tuple(states))
 
@@ -280,8 +314,8 @@ def _decode_initial(state: StateSpec, data: bytes, label: str) -> np.ndarray:
         elements: list[bytes] = []
         offset = 0
         while len(elements) < count and offset + 4 <= len(data):
-            size = int.from_bytes(data[offset:offset + 4], "little")
-            elements.append(data[offset + 4:offset + 4 + size])
+            size = int.from_bytes(data[offset : offset + 4], "little")
+            elements.append(data[offset + 4 : offset + 4 + size])
             offset += 4 + size
         if len(elements) != count:
             raise load_failed(f"initial_state file '{label}' holds {len(elements)} strings, expected {count}")
@@ -290,8 +324,10 @@ def _decode_initial(state: StateSpec, data: bytes, label: str) -> np.ndarray:
         return array.reshape(state.initial_dims)
     needed = count * state.datatype.item_size
     if len(data) < needed:  # Triton's words
-        raise load_failed(f"initial_state setting expects {needed} bytes, but the data provided from "
-                          f"{state.initial_file}only has {len(data)} bytes.")
+        raise load_failed(
+            f"initial_state setting expects {needed} bytes, but the data provided from "
+            f"{state.initial_file}only has {len(data)} bytes."
+        )
     return np.frombuffer(data[:needed], dtype=state.datatype.numpy_dtype).reshape(state.initial_dims).copy()
 
 

@@ -51,7 +51,9 @@ FIELDS: dict[str, tuple[Treatment, str]] = {
     "optimization.input_pinned_memory": (H, "Shoal stages no host copies to pin: nothing to do"),
     "optimization.output_pinned_memory": (H, "Shoal stages no host copies to pin: nothing to do"),
     "optimization.execution_accelerators": (
-        R, "no execution accelerator (TensorRT, OpenVINO, ...) is available to Shoal's ONNX Runtime backend"),
+        R,
+        "no execution accelerator (TensorRT, OpenVINO, ...) is available to Shoal's ONNX Runtime backend",
+    ),
     "dynamic_batching": (H, ""),
     "sequence_batching": (H, ""),
     "ensemble_scheduling": (H, ""),
@@ -62,15 +64,19 @@ FIELDS: dict[str, tuple[Treatment, str]] = {
     "instance_group.passive": (W, "passive instances are scheduled like any other"),
     "instance_group.secondary_devices": (W, "secondary devices (NVDLA) are not used"),
     "default_model_filename": (H, ""),
-    "cc_model_filenames": (R, "per-compute-capability model files are not chosen: the default file would be "
-                              "served instead"),
+    "cc_model_filenames": (
+        R,
+        "per-compute-capability model files are not chosen: the default file would be served instead",
+    ),
     "metric_tags": (W, "metric tags are not added to the metrics' labels"),
     "parameters": (H, "passed to the backend, which reads its own keys"),
     "model_warmup": (H, "run on every copy at load (lifecycle/warmup.py)"),
     "model_operations": (R, "custom operation libraries are not loaded"),
     "model_transaction_policy": (H, ""),
-    "model_repository_agents": (R, "repository agents (checksum, decryption, ...) are not run: the model files "
-                                   "would be used as they are"),
+    "model_repository_agents": (
+        R,
+        "repository agents (checksum, decryption, ...) are not run: the model files would be used as they are",
+    ),
     "response_cache": (H, "with --cache-config local,size=BYTES (lifecycle/response_cache.py)"),
     "model_metrics": (W, "custom metric histogram buckets are not applied"),
 }

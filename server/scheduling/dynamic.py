@@ -127,8 +127,13 @@ class Scheduler:
     # -- submission ---------------------------------------------------------------------------------
 
     async def submit(
-        self, feed: Mapping[str, np.ndarray], outputs: Sequence[str], batch_size: int, parameters: Mapping[str, Any],
-        context: Any = None, check: OutputCheck | None = None,
+        self,
+        feed: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        batch_size: int,
+        parameters: Mapping[str, Any],
+        context: Any = None,
+        check: OutputCheck | None = None,
     ) -> Outputs:
         """Queue one request and wait for its own rows of the outputs (through ``check``, if given)."""
         if self._stopping:

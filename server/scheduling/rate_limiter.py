@@ -55,8 +55,10 @@ class Declared:
     def parse(cls, text: str) -> Declared:
         """Triton's ``<resource_name>:<count>:<device>`` or ``<resource_name>:<count>``."""
         parts = text.split(":")
-        usage = ("--rate-limit-resource option format is '<resource_name>:<count>:<device>' or "
-                 f"'<resource_name>:<count>'. Got {text}")
+        usage = (
+            "--rate-limit-resource option format is '<resource_name>:<count>:<device>' or "
+            f"'<resource_name>:<count>'. Got {text}"
+        )
         if len(parts) not in (2, 3) or not parts[0]:
             raise ValueError(usage)
         try:
@@ -146,7 +148,8 @@ class RateLimiter:
                         raise ShoalError(
                             ErrorCode.INVALID_ARGUMENT,
                             f'Resource count for "{pool_name[1]}" is limited to {limits.get(pool_name, 0)} which will '
-                            f"prevent scheduling of one or more model instances, the minimum required count is {need}")
+                            f"prevent scheduling of one or more model instances, the minimum required count is {need}",
+                        )
             self._registered, self._limits = registered, limits
 
     def unregister(self, owner: object) -> None:
@@ -163,8 +166,10 @@ class RateLimiter:
         both = sorted(global_names & device_names)
         if both:
             name = both[0]
-            raise ShoalError(ErrorCode.INVALID_ARGUMENT, f'Resource "{name}" is present as both global and '
-                                                         "device-specific resource in the model configuration.")
+            raise ShoalError(
+                ErrorCode.INVALID_ARGUMENT,
+                f'Resource "{name}" is present as both global and device-specific resource in the model configuration.',
+            )
         if not self.declared:  # each pool as large as the largest claim on it
             limits: dict[tuple[int, str], int] = {}
             for claim in claims:

@@ -52,8 +52,13 @@ def takes_requests(executor: Any) -> bool:
     return bool(getattr(executor, "takes_requests", False))
 
 
-async def execute_each(executor: Any, batch: Sequence[QueuedRequest], statistics: ModelStatistics,
-                       release: Callable[[], None], settle: Callable[[Any, Outputs | BaseException], None]) -> None:
+async def execute_each(
+    executor: Any,
+    batch: Sequence[QueuedRequest],
+    statistics: ModelStatistics,
+    release: Callable[[], None],
+    settle: Callable[[Any, Outputs | BaseException], None],
+) -> None:
     """Run ``batch`` on ``executor`` as a list, record the statistics and settle each request."""
     start = time.monotonic_ns()
     try:

@@ -70,8 +70,15 @@ class Flags:
 
 
 class SequenceScheduler:
-    def __init__(self, runner: InstanceRunner, statistics: ModelStatistics, max_batch_size: int,
-                 batching: SequenceBatching, model_name: str, admission: Admission | None = None) -> None:
+    def __init__(
+        self,
+        runner: InstanceRunner,
+        statistics: ModelStatistics,
+        max_batch_size: int,
+        batching: SequenceBatching,
+        model_name: str,
+        admission: Admission | None = None,
+    ) -> None:
         self.runner = runner
         self.admission = admission  # the rate limiter each execution passes, if it is on
         self.statistics = statistics
@@ -94,7 +101,11 @@ class SequenceScheduler:
     # -- submission ---------------------------------------------------------------------------------
 
     async def submit(
-        self, feed: Mapping[str, np.ndarray], outputs: Sequence[str], batch_size: int, parameters: Mapping[str, Any],
+        self,
+        feed: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        batch_size: int,
+        parameters: Mapping[str, Any],
         check: OutputCheck | None = None,
     ) -> Outputs:
         """Route one request to its sequence's slot (or the backlog) and wait for its outputs (through
@@ -102,11 +113,15 @@ class SequenceScheduler:
         now = time.monotonic_ns()
         try:
             if self._stopping:
-                raise ShoalError(ErrorCode.UNAVAILABLE, "Server is stopping, scheduler for model has stopped "
-                                                        "accepting new inference requests")
+                raise ShoalError(
+                    ErrorCode.UNAVAILABLE,
+                    "Server is stopping, scheduler for model has stopped accepting new inference requests",
+                )
             if batch_size > 1:
-                raise invalid(f"inference request to model '{self.model_name}' must specify batch-size 1 due to "
-                              "requirements of sequence batcher")
+                raise invalid(
+                    f"inference request to model '{self.model_name}' must specify batch-size 1 due to "
+                    "requirements of sequence batcher"
+                )
             flags = self._flags(parameters)
             self._check_started(flags)
         except ShoalError as exc:
@@ -116,8 +131,13 @@ class SequenceScheduler:
         if not self._lanes:
             self._start_lanes()
         request = SequenceRequest(
-            feed=feed, outputs=tuple(outputs), correlation_id=flags.correlation_id, start=flags.start,
-            end=flags.end, arrival_ns=now, future=asyncio.get_running_loop().create_future(),
+            feed=feed,
+            outputs=tuple(outputs),
+            correlation_id=flags.correlation_id,
+            start=flags.start,
+            end=flags.end,
+            arrival_ns=now,
+            future=asyncio.get_running_loop().create_future(),
             signature=tuple((name, a.shape[1:] if batch_size else a.shape) for name, a in feed.items()),
             check=check,
         )
@@ -139,8 +159,9 @@ class SequenceScheduler:
         if isinstance(correlation_id, int):
             correlation_id &= UINT64_MASK  # Triton keeps a uint64; a client's int64 wraps
         if correlation_id in (0, ""):
-            raise invalid(f"inference request to model '{self.model_name}' must specify a non-zero or non-empty "
-                          "correlation ID")
+            raise invalid(
+                f"inference request to model '{self.model_name}' must specify a non-zero or non-empty correlation ID"
+            )
         flags = []
         for key in ("sequence_start", "sequence_end"):
             value = parameters.get(key, False)
@@ -156,10 +177,17 @@ class SequenceScheduler:
         cid = flags.correlation_id
         if flags.start or cid in self._active or cid in self._backlogged:
             return
-        logger.debug("model %s: request for sequence %s without START, which holds no slot (%d sequences active, "
-                     "%d backlogged)", self.model_name, cid, len(self._active), len(self._backlogged))
-        raise invalid(f"inference request for sequence {cid} to model '{self.model_name}' must specify the START "
-                      "flag on the first request of the sequence")
+        logger.debug(
+            "model %s: request for sequence %s without START, which holds no slot (%d sequences active, %d backlogged)",
+            self.model_name,
+            cid,
+            len(self._active),
+            len(self._backlogged),
+        )
+        raise invalid(
+            f"inference request for sequence {cid} to model '{self.model_name}' must specify the START "
+            "flag on the first request of the sequence"
+        )
 
     def _route(self, request: SequenceRequest, timeout_us: int) -> None:
         """Triton's SequenceBatchScheduler::Enqueue: the sequence's slot, its backlog, a free slot, or a new backlog."""
@@ -169,8 +197,12 @@ class SequenceScheduler:
         self._suspects.discard(cid)
         self._arm_reaper(now + self.batching.max_sequence_idle_us * 1000)
         if request.start and (cid in self._active or cid in self._backlogged):
-            logger.warning("sequence %s for model '%s' has a conflict. The previous sequence did not end before this "
-                           "sequence start. Previous sequence will be terminated early.", cid, self.model_name)
+            logger.warning(
+                "sequence %s for model '%s' has a conflict. The previous sequence did not end before this "
+                "sequence start. Previous sequence will be terminated early.",
+                cid,
+                self.model_name,
+            )
         deadline = now + timeout_us * 1000 if timeout_us else None
         if cid in self._active:
             slot = self._active.pop(cid) if request.end else self._active[cid]
@@ -219,8 +251,11 @@ class SequenceScheduler:
         leftover = [r for r in slot.queue if r is not None]
         slot.queue.clear()
         for request in leftover:
-            self.fail(request, ShoalError(ErrorCode.UNAVAILABLE, "the sequence was ended before this request ran"),
-                      FailureReason.CANCELED)
+            self.fail(
+                request,
+                ShoalError(ErrorCode.UNAVAILABLE, "the sequence was ended before this request ran"),
+                FailureReason.CANCELED,
+            )
         slot.correlation_id = None
         slot.states = None
         while self._backlog:
@@ -274,13 +309,18 @@ class SequenceScheduler:
                 self._suspects.add(cid)
                 slot = self._active[cid]
                 if any(item is not RELEASE for item in slot.queue):
-                    logger.warning("model %s: sequence %s looks idle but has requests queued in its slot",
-                                   self.model_name, cid)
+                    logger.warning(
+                        "model %s: sequence %s looks idle but has requests queued in its slot", self.model_name, cid
+                    )
                 self._lanes[slot.lane].wake(slot)
                 next_at = min(next_at or now + IDLE_GRACE_NS, now + IDLE_GRACE_NS)
             elif cid in self._active:
-                logger.debug("model %s: sequence %s idle for %d µs, its slot is released", self.model_name, cid,
-                             self.batching.max_sequence_idle_us)
+                logger.debug(
+                    "model %s: sequence %s idle for %d µs, its slot is released",
+                    self.model_name,
+                    cid,
+                    self.batching.max_sequence_idle_us,
+                )
                 self._suspects.discard(cid)
                 self._enqueue(self._active.pop(cid), RELEASE)
                 del self._last_seen[cid]
@@ -298,9 +338,11 @@ class SequenceScheduler:
             if self._backlogged.get(backlog.correlation_id) is backlog:
                 del self._backlogged[backlog.correlation_id]
             for request in backlog.requests:
-                self.fail(request, ShoalError(ErrorCode.UNAVAILABLE,
-                                              "timeout of the corresponding sequence has been expired"),
-                          FailureReason.REJECTED)
+                self.fail(
+                    request,
+                    ShoalError(ErrorCode.UNAVAILABLE, "timeout of the corresponding sequence has been expired"),
+                    FailureReason.REJECTED,
+                )
         if next_at is not None:
             self._arm_reaper(next_at)
 
@@ -315,8 +357,9 @@ class SequenceScheduler:
     def queued(self) -> int:
         """Requests waiting, in slot queues and in the backlog (not those their clients gave up: nobody
         waits for them, and ``stop`` must not wait for a slot to free to drop them)."""
-        in_slots = sum(1 for slots in self._slots for slot in slots for r in slot.queue
-                       if r is not None and not r.future.done())
+        in_slots = sum(
+            1 for slots in self._slots for slot in slots for r in slot.queue if r is not None and not r.future.done()
+        )
         backlog = sum(1 for b in self._backlog for r in b.requests if not r.future.done())
         return in_slots + backlog + sum(lane.queued for lane in self._lanes)
 

@@ -128,8 +128,10 @@ def _keep_state(owner: Owner, slot: Slot, results: dict[str, np.ndarray], row: i
     if not owner.batching.states:
         return
     slot.states = {
-        state.input_name: np.array(results[state.output_name] if row is None else results[state.output_name][row],
-                                   dtype=state.datatype.numpy_dtype)
+        state.input_name: np.array(
+            results[state.output_name] if row is None else results[state.output_name][row],
+            dtype=state.datatype.numpy_dtype,
+        )
         for state in owner.batching.states
     }
 
@@ -296,7 +298,7 @@ class DirectLane:
             if row is None:
                 continue
             _keep_state(owner, slot, results, position if batched else None)
-            part = {name: results[name][position:position + 1] if batched else results[name] for name in row.outputs}
+            part = {name: results[name][position : position + 1] if batched else results[name] for name in row.outputs}
             parts.append((slot, row, part))
         return parts
 
@@ -328,11 +330,14 @@ class OldestLane:
     def __init__(self, owner: Owner, executor: Executor, slots: list[Slot]) -> None:
         self.owner = owner
         batching = owner.batching
-        dynamic = DynamicBatching(preferred_batch_sizes=batching.preferred_batch_sizes,
-                                  max_queue_delay_us=batching.max_queue_delay_us,
-                                  preserve_ordering=batching.preserve_ordering)
-        self._batcher = Scheduler(_OneExecutor(executor), owner.statistics, owner.max_batch_size, dynamic,
-                                  owner.admission)
+        dynamic = DynamicBatching(
+            preferred_batch_sizes=batching.preferred_batch_sizes,
+            max_queue_delay_us=batching.max_queue_delay_us,
+            preserve_ordering=batching.preserve_ordering,
+        )
+        self._batcher = Scheduler(
+            _OneExecutor(executor), owner.statistics, owner.max_batch_size, dynamic, owner.admission
+        )
         self._in_flight: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -368,7 +373,8 @@ class OldestLane:
             wanted = _wanted(owner, [request])
             check = request.check
             results = await self._batcher.submit(  # the request's outputs checked there; its states kept too
-                feed, wanted, batch_size, {}, check=None if check is None else lambda part: {**part, **check(part)})
+                feed, wanted, batch_size, {}, check=None if check is None else lambda part: {**part, **check(part)}
+            )
             _check_results(results, wanted, batch_size or None)
             _keep_state(owner, slot, results, 0 if owner.max_batch_size > 0 else None)
         except Exception as exc:  # noqa: BLE001 - counted by the dynamic batcher; answered here

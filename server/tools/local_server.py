@@ -78,9 +78,23 @@ def start(
         extra_args = (*extra_args, "--http-port", "0", "--http-address", "127.0.0.1")
     with open(log_path or os.devnull, "wb") as log:  # the child keeps its own descriptor
         process = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "serve", "--model-repository", str(repository),
-             "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--port-file", str(port_file), *extra_args],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "shoal",
+                "serve",
+                "--model-repository",
+                str(repository),
+                "--grpc-address",
+                "127.0.0.1",
+                "--grpc-port",
+                "0",
+                "--port-file",
+                str(port_file),
+                *extra_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPATH": str(python_path)} if python_path else {})},
         )
     try:
@@ -93,8 +107,11 @@ def start(
 
 
 def _wait_until_serving(
-    process: subprocess.Popen[bytes], port_file: Path, log_path: Path | None,
-    credentials: grpc.ChannelCredentials | None, deadline: float,
+    process: subprocess.Popen[bytes],
+    port_file: Path,
+    log_path: Path | None,
+    credentials: grpc.ChannelCredentials | None,
+    deadline: float,
 ) -> LocalServer:
     """The started server once it has written its ports and answers ServerLive."""
     while not (port_file.exists() and len(port_file.read_text().split()) == 3):
@@ -123,8 +140,9 @@ def _wait_until_serving(
 
 
 @contextmanager
-def running(repository: Path, *extra_args: str, timeout_s: float = 120.0,
-            python_path: Path | None = None) -> Iterator[LocalServer]:
+def running(
+    repository: Path, *extra_args: str, timeout_s: float = 120.0, python_path: Path | None = None
+) -> Iterator[LocalServer]:
     """A server for the duration of a ``with`` block, stopped gracefully afterwards."""
     with tempfile.TemporaryDirectory() as folder:
         server = start(repository, *extra_args, work_dir=Path(folder), timeout_s=timeout_s, python_path=python_path)

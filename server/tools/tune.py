@@ -57,8 +57,14 @@ class Candidate:
     preferred_half: bool = False  # preferred_batch_size [max/2, max] instead of [max]
 
     def label(self) -> str:
-        batching = (f", batch ≤{self.max_batch_size}, delay {self.delay_us} µs"
-                    f"{', preferred half' if self.preferred_half else ''}") if self.max_batch_size > 1 else ""
+        batching = (
+            (
+                f", batch ≤{self.max_batch_size}, delay {self.delay_us} µs"
+                f"{', preferred half' if self.preferred_half else ''}"
+            )
+            if self.max_batch_size > 1
+            else ""
+        )
         return f"{self.instances} instance(s){batching}"
 
 
@@ -74,8 +80,7 @@ class Measured:
         return max(within, default=0.0)
 
 
-def candidate_config(original: config_pb2.ModelConfig, candidate: Candidate,
-                     can_batch: bool) -> config_pb2.ModelConfig:
+def candidate_config(original: config_pb2.ModelConfig, candidate: Candidate, can_batch: bool) -> config_pb2.ModelConfig:
     """What ``candidate`` means for the parsed original config: the tuned fields, nothing else."""
     config = config_pb2.ModelConfig()
     config.CopyFrom(original)
@@ -119,8 +124,11 @@ def candidate_text(original_text: str, candidate: Candidate, can_batch: bool) ->
                 editor.set_list(batching[0], "preferred_batch_size", preferred)
                 editor.set_scalar(batching[0], "max_queue_delay_microseconds", str(candidate.delay_us))
             else:
-                editor.insert(top, f"dynamic_batching {{\n  preferred_batch_size: [ {', '.join(preferred)} ]\n"
-                                   f"  max_queue_delay_microseconds: {candidate.delay_us}\n}}")
+                editor.insert(
+                    top,
+                    f"dynamic_batching {{\n  preferred_batch_size: [ {', '.join(preferred)} ]\n"
+                    f"  max_queue_delay_microseconds: {candidate.delay_us}\n}}",
+                )
         elif batching:
             editor.remove(batching[0], "preferred_batch_size")
     text = editor.text()
@@ -142,16 +150,22 @@ def _original_text(model_dir: Path, base: config_pb2.ModelConfig) -> str:
 
 
 def neighbours(candidate: Candidate, can_batch: bool) -> list[Candidate]:
-    options = [replace(candidate, instances=n) for n in (candidate.instances - 1, candidate.instances + 1)
-               if 1 <= n <= MAX_INSTANCES]
+    options = [
+        replace(candidate, instances=n)
+        for n in (candidate.instances - 1, candidate.instances + 1)
+        if 1 <= n <= MAX_INSTANCES
+    ]
     if can_batch:
-        options += [replace(candidate, max_batch_size=b) for b in (candidate.max_batch_size // 2,
-                                                                   candidate.max_batch_size * 2)
-                    if 1 <= b <= MAX_BATCH_LIMIT]
+        options += [
+            replace(candidate, max_batch_size=b)
+            for b in (candidate.max_batch_size // 2, candidate.max_batch_size * 2)
+            if 1 <= b <= MAX_BATCH_LIMIT
+        ]
         if candidate.max_batch_size > 1:
             index = DELAYS_US.index(candidate.delay_us)
-            options += [replace(candidate, delay_us=DELAYS_US[i]) for i in (index - 1, index + 1)
-                        if 0 <= i < len(DELAYS_US)]
+            options += [
+                replace(candidate, delay_us=DELAYS_US[i]) for i in (index - 1, index + 1) if 0 <= i < len(DELAYS_US)
+            ]
             if candidate.max_batch_size >= 4:
                 options.append(replace(candidate, preferred_half=not candidate.preferred_half))
     return options
@@ -173,22 +187,35 @@ def check_shapes(config: config_pb2.ModelConfig, shapes: Shapes) -> None:
     inputs = {tensor.name: list(tensor.dims) for tensor in config.input}
     for name, given in shapes.items():
         if name not in inputs:
-            raise invalid(f"--shape {shown(name)}: model '{config.name}' has no such input; "
-                          f"its inputs: {', '.join(map(shown, inputs))}")
+            raise invalid(
+                f"--shape {shown(name)}: model '{config.name}' has no such input; "
+                f"its inputs: {', '.join(map(shown, inputs))}"
+            )
         dims = inputs[name]
         if len(given) != len(dims) or any(d not in (-1, g) for d, g in zip(dims, given, strict=True)):
-            raise invalid(f"--shape {format_shapes({shown(name): given})} does not fit input '{shown(name)}', "
-                          f"whose dims are {dims} (-1 is variable)")
+            raise invalid(
+                f"--shape {format_shapes({shown(name): given})} does not fit input '{shown(name)}', "
+                f"whose dims are {dims} (-1 is variable)"
+            )
     for name, dims in inputs.items():
         if -1 in dims and name not in shapes:
             example = ",".join("16" if d == -1 else str(d) for d in dims)
-            raise invalid(f"input '{shown(name)}' has variable dims {dims}: give one sample's dims with "
-                          f"--shape {shown(name)}:D1,D2,... (e.g. --shape {shown(name)}:{example})")
+            raise invalid(
+                f"input '{shown(name)}' has variable dims {dims}: give one sample's dims with "
+                f"--shape {shown(name)}:D1,D2,... (e.g. --shape {shown(name)}:{example})"
+            )
 
 
 class Tuner:
-    def __init__(self, model_dir: Path, budget_ms: float, concurrencies: list[int], window_s: float,
-                 deadline: float, shapes: Shapes | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        budget_ms: float,
+        concurrencies: list[int],
+        window_s: float,
+        deadline: float,
+        shapes: Shapes | None = None,
+    ) -> None:
         self.model_dir = model_dir
         self.budget_ms = budget_ms
         self.concurrencies = concurrencies
@@ -236,8 +263,10 @@ class Tuner:
             return measured
         score = measured.score(self.budget_ms)
         gpu = "" if measured.gpu_mb is None else f"   GPU {measured.gpu_mb:>6.0f} MB"
-        print(f"  {candidate.label():<58} best in budget {score:>9.1f} infer/s   RSS {measured.rss_mb:>6.0f} MB{gpu}",
-              flush=True)
+        print(
+            f"  {candidate.label():<58} best in budget {score:>9.1f} infer/s   RSS {measured.rss_mb:>6.0f} MB{gpu}",
+            flush=True,
+        )
         return measured
 
     def _measure(self, candidate: Candidate, measured: Measured) -> None:
@@ -255,8 +284,17 @@ class Tuner:
                         inputs = build_inputs(client, self.name, "", 1, self.shapes, "random")
                     except InputError as exc:  # the user's to fix, not the candidate's: stop the search
                         raise invalid(str(exc)) from None
-                settings = Settings(server.url, self.name, "", serialize_request(self.name, "", inputs), 1,
-                                    warmup_s=0.3, window_s=self.window_s, stability=0.15, max_windows=5)
+                settings = Settings(
+                    server.url,
+                    self.name,
+                    "",
+                    serialize_request(self.name, "", inputs),
+                    1,
+                    warmup_s=0.3,
+                    window_s=self.window_s,
+                    stability=0.15,
+                    max_windows=5,
+                )
                 with LoadTester(settings) as tester:
                     for concurrency in self.concurrencies:
                         if time.monotonic() >= self.deadline and measured.points:
@@ -264,11 +302,15 @@ class Tuner:
                         step = tester.run_step(concurrency=concurrency, deadline=self.deadline + 30)
                         if step.interrupted:  # Ctrl-C: the load tester stopped the step; stop the search
                             raise KeyboardInterrupt
-                        measured.points.append({
-                            "concurrency": concurrency, "throughput": step.throughput,
-                            "p50_ms": step.latency_us["p50"] / 1000, "p99_ms": step.latency_us["p99"] / 1000,
-                            "errors": sum(step.errors.values()),
-                        })
+                        measured.points.append(
+                            {
+                                "concurrency": concurrency,
+                                "throughput": step.throughput,
+                                "p50_ms": step.latency_us["p50"] / 1000,
+                                "p99_ms": step.latency_us["p99"] / 1000,
+                                "errors": sum(step.errors.values()),
+                            }
+                        )
                 measured.rss_mb = _rss_mb(server.pid)
                 measured.gpu_mb = nvidia_smi.used_mb([server.pid])
 
@@ -292,14 +334,33 @@ def _rss_mb(pid: int) -> float:
 
 def write_csv(measured: list[Measured], path: Path, budget_ms: float) -> None:
     with path.open("w", newline="") as handle:
-        fields = ["instances", "max_batch_size", "delay_us", "preferred_half", "concurrency", "throughput",
-                  "p50_ms", "p99_ms", "errors", "within_budget", "rss_mb", "gpu_mb"]
+        fields = [
+            "instances",
+            "max_batch_size",
+            "delay_us",
+            "preferred_half",
+            "concurrency",
+            "throughput",
+            "p50_ms",
+            "p99_ms",
+            "errors",
+            "within_budget",
+            "rss_mb",
+            "gpu_mb",
+        ]
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         for m in measured:
             for point in m.points:
-                writer.writerow({**asdict(m.candidate), **point, "within_budget": point["p99_ms"] <= budget_ms,
-                                 "rss_mb": round(m.rss_mb, 1), "gpu_mb": "" if m.gpu_mb is None else m.gpu_mb})
+                writer.writerow(
+                    {
+                        **asdict(m.candidate),
+                        **point,
+                        "within_budget": point["p99_ms"] <= budget_ms,
+                        "rss_mb": round(m.rss_mb, 1),
+                        "gpu_mb": "" if m.gpu_mb is None else m.gpu_mb,
+                    }
+                )
 
 
 def plot(measured: list[Measured], path: Path, budget_ms: float, title: str) -> bool:
@@ -308,10 +369,13 @@ def plot(measured: list[Measured], path: Path, budget_ms: float, title: str) -> 
         return False
     top = sorted(measured, key=lambda m: m.score(budget_ms), reverse=True)[:5]
     curves = [
-        loadplot.Curve(m.candidate.label(),
-                       tuple(loadplot.Point(p["throughput"], p["p99_ms"], f"c={p['concurrency']:g}") for p in m.points),
-                       annotate=index == 0)
-        for index, m in enumerate(top) if m.points
+        loadplot.Curve(
+            m.candidate.label(),
+            tuple(loadplot.Point(p["throughput"], p["p99_ms"], f"c={p['concurrency']:g}") for p in m.points),
+            annotate=index == 0,
+        )
+        for index, m in enumerate(top)
+        if m.points
     ]
     loadplot.save(curves, path, title, budget_ms=budget_ms, ylabel="p99 latency (ms)")
     return True
@@ -325,8 +389,12 @@ def run_tune(args: argparse.Namespace) -> int:
     tuner = Tuner(model_dir, args.latency_budget_ms, concurrencies, args.window_s, deadline, shapes)
     out_dir: Path = args.output_dir or model_dir / "tuning"
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"tuning '{tuner.name}' for p99 ≤ {args.latency_budget_ms:g} ms at concurrencies {concurrencies}, "
-          + (f"inputs {format_shapes(shapes)}, " if shapes else "") + f"at most {args.max_minutes:g} min", flush=True)
+    print(
+        f"tuning '{tuner.name}' for p99 ≤ {args.latency_budget_ms:g} ms at concurrencies {concurrencies}, "
+        + (f"inputs {format_shapes(shapes)}, " if shapes else "")
+        + f"at most {args.max_minutes:g} min",
+        flush=True,
+    )
     try:
         best = tuner.search()
     except KeyboardInterrupt:
@@ -334,9 +402,12 @@ def run_tune(args: argparse.Namespace) -> int:
         if measured:
             write_csv(measured, out_dir / "tune.csv", args.latency_budget_ms)
             plot(measured, out_dir / "tune.png", args.latency_budget_ms, f"shoal config tune: {tuner.name}")
-        print(f"interrupted: {len(measured)} candidate(s) measured"
-              + (f", see {out_dir / 'tune.csv'}" if measured else "") + "; no config.tuned.pbtxt written",
-              file=sys.stderr)
+        print(
+            f"interrupted: {len(measured)} candidate(s) measured"
+            + (f", see {out_dir / 'tune.csv'}" if measured else "")
+            + "; no config.tuned.pbtxt written",
+            file=sys.stderr,
+        )
         return 130
     measured = list(tuner.measured.values())
     start = tuner.measured[tuner.start()]
@@ -344,19 +415,23 @@ def run_tune(args: argparse.Namespace) -> int:
     plotted = plot(measured, out_dir / "tune.png", args.latency_budget_ms, f"shoal config tune: {tuner.name}")
     score, base_score = best.score(args.latency_budget_ms), start.score(args.latency_budget_ms)
     if score == 0:
-        print(f"no candidate kept p99 within {args.latency_budget_ms:g} ms; see {out_dir / 'tune.csv'}",
-              file=sys.stderr)
+        print(
+            f"no candidate kept p99 within {args.latency_budget_ms:g} ms; see {out_dir / 'tune.csv'}", file=sys.stderr
+        )
         return 1
     tuned = model_dir / "config.tuned.pbtxt"
     gain = f"{score / base_score:.2f}x the starting config" if base_score else "the starting config met no budget"
     where = os.path.relpath(out_dir, model_dir)  # no absolute path: the folder may move, or be shared
-    header = "".join(f"{HEADER_PREFIX} {line}\n" for line in (
-        f"p99 <= {args.latency_budget_ms:g} ms: {best.candidate.label()}",
-        f"{score:.1f} inferences/s within the budget ({gain}, {start.candidate.label()}),",
-        f"server RSS {best.rss_mb:.0f} MB. {len(measured)} candidates measured; see {where}/tune.csv.",
-        *([f"Measured with one sample of --shape {format_shapes(shapes)} per request."] if shapes else []),
-        "Only the tuned fields differ from config.pbtxt. To use it: cp config.tuned.pbtxt config.pbtxt",
-    ))
+    header = "".join(
+        f"{HEADER_PREFIX} {line}\n"
+        for line in (
+            f"p99 <= {args.latency_budget_ms:g} ms: {best.candidate.label()}",
+            f"{score:.1f} inferences/s within the budget ({gain}, {start.candidate.label()}),",
+            f"server RSS {best.rss_mb:.0f} MB. {len(measured)} candidates measured; see {where}/tune.csv.",
+            *([f"Measured with one sample of --shape {format_shapes(shapes)} per request."] if shapes else []),
+            "Only the tuned fields differ from config.pbtxt. To use it: cp config.tuned.pbtxt config.pbtxt",
+        )
+    )
     tuned.write_text(header + tuner.text(best.candidate))
     print(f"\nbest: {best.candidate.label()}: {score:.1f} infer/s within budget ({gain})")
     print(f"wrote {tuned}, {out_dir / 'tune.csv'}" + (f", {out_dir / 'tune.png'}" if plotted else ""))

@@ -81,8 +81,12 @@ class TraceFile:
         except OSError as exc:
             if path not in self._failed:
                 self._failed.add(path)
-                logger.error("could not write the trace file %s: %s; its %d records are dropped", path,
-                             exc.strerror, len(records))
+                logger.error(
+                    "could not write the trace file %s: %s; its %d records are dropped",
+                    path,
+                    exc.strerror,
+                    len(records),
+                )
 
 
 def _records(trace: RequestTrace) -> list[dict[str, Any]]:
@@ -124,11 +128,15 @@ class OpenTelemetrySpans:
         attributes = {"service.name": "shoal", **dict(config.resource)}
         # The settings decided to trace: the SDK samples every span, a client's unsampled parent (flags 00) too.
         self.provider = TracerProvider(resource=Resource.create(attributes), sampler=ALWAYS_ON)
-        self.provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S), max_queue_size=config.bsp["bsp_max_queue_size"],
-            export_timeout_millis=int(EXPORT_TIMEOUT_S * 1000),
-            schedule_delay_millis=config.bsp["bsp_schedule_delay"],
-            max_export_batch_size=config.bsp["bsp_max_export_batch_size"]))
+        self.provider.add_span_processor(
+            BatchSpanProcessor(
+                OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S),
+                max_queue_size=config.bsp["bsp_max_queue_size"],
+                export_timeout_millis=int(EXPORT_TIMEOUT_S * 1000),
+                schedule_delay_millis=config.bsp["bsp_schedule_delay"],
+                max_export_batch_size=config.bsp["bsp_max_export_batch_size"],
+            )
+        )
         self.tracer = self.provider.get_tracer("shoal")
         self._kind = SpanKind.SERVER
         self._in_context = set_span_in_context
@@ -156,14 +164,18 @@ class OpenTelemetrySpans:
 
     def _model_span(self, trace: RequestTrace, context: Any) -> None:
         attributes: dict[str, Any] = {
-            "triton.model_name": trace.model_name, "triton.model_version": _version(trace),
-            "triton.trace_id": trace.id, "triton.trace_parent_id": trace.parent.id if trace.parent else 0}
+            "triton.model_name": trace.model_name,
+            "triton.model_version": _version(trace),
+            "triton.trace_id": trace.id,
+            "triton.trace_parent_id": trace.parent.id if trace.parent else 0,
+        }
         if trace.request_id:
             attributes["triton.request_id"] = trace.request_id
         start = trace.when("REQUEST_START") or trace.stamps[0][1]
         end = trace.when("REQUEST_END") or trace.stamps[-1][1]
-        span = self.tracer.start_span(trace.model_name, context=context, kind=self._kind,
-                                      start_time=self._epoch(start), attributes=attributes)
+        span = self.tracer.start_span(
+            trace.model_name, context=context, kind=self._kind, start_time=self._epoch(start), attributes=attributes
+        )
         for name in ("REQUEST_START", "QUEUE_START", "REQUEST_END"):
             ns = trace.when(name)
             if ns is not None:
@@ -174,8 +186,9 @@ class OpenTelemetrySpans:
             span.set_status(Status(StatusCode.ERROR, trace.error))
         inner = self._in_context(span)
         if trace.computed:
-            compute = self.tracer.start_span("compute", context=inner, kind=self._kind,
-                                             start_time=self._epoch(trace.when("COMPUTE_START") or start))
+            compute = self.tracer.start_span(
+                "compute", context=inner, kind=self._kind, start_time=self._epoch(trace.when("COMPUTE_START") or start)
+            )
             for name in COMPUTE_STAMPS:
                 ns = trace.when(name)
                 if ns is not None:

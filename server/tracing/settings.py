@@ -59,7 +59,9 @@ class TraceSettings:
         setting = self.effective(model)
         values: dict[str, list[str] | str] = {
             "trace_level": [level for level in LEVELS if level in setting.level] or ["OFF"],
-            "trace_rate": str(setting.rate), "trace_count": str(setting.count)}
+            "trace_rate": str(setting.rate),
+            "trace_count": str(setting.count),
+        }
         if self.config.mode == "triton":
             values.update(log_frequency=str(setting.log_frequency), trace_file=self.config.file, trace_mode="triton")
         else:
@@ -81,8 +83,10 @@ class TraceSettings:
         parsed: dict[str, Any] = {}
         for name, values in changes.items():
             if name not in FIELDS:
-                raise invalid(f"unknown trace setting '{shown(name)}'; the settings are {', '.join(FIELDS)}, "
-                              "trace_file and trace_mode")
+                raise invalid(
+                    f"unknown trace setting '{shown(name)}'; the settings are {', '.join(FIELDS)}, "
+                    "trace_file and trace_mode"
+                )
             parsed[FIELDS[name]] = None if values is None else _parse(name, values)
         if model:
             own = {**self._models.get(model, {}), **parsed}
@@ -134,8 +138,9 @@ def check_start(config: TraceConfig) -> None:
     """The command line's settings pass the checks a change would (rate 0 aside: only the command
     line may trace just the requests that carry a client's trace context, as Triton)."""
     if "TENSORS" in config.level:
-        raise ShoalError(ErrorCode.UNSUPPORTED, "trace level TENSORS is not supported by this server: it traces "
-                                                "TIMESTAMPS")
+        raise ShoalError(
+            ErrorCode.UNSUPPORTED, "trace level TENSORS is not supported by this server: it traces TIMESTAMPS"
+        )
     _check(Setting(config.level, max(1, config.rate), config.count, config.log_frequency), config)
     if config.mode == "triton" and config.file:
         folder = os.path.dirname(os.path.abspath(config.file))
@@ -151,14 +156,14 @@ def _parse(name: str, values: list[str]) -> Any:
         if "OFF" in values and len(values) > 1:
             raise invalid("Expect only one trace level 'OFF' is specified")
         if "TENSORS" in values:
-            raise ShoalError(ErrorCode.UNSUPPORTED, "trace level TENSORS is not supported by this server: it "
-                                                    "traces TIMESTAMPS")
+            raise ShoalError(
+                ErrorCode.UNSUPPORTED, "trace level TENSORS is not supported by this server: it traces TIMESTAMPS"
+            )
         return frozenset(v for v in values if v != "OFF")
     if len(values) != 1:
         raise invalid(f"expect only 1 value for '{name}'")
     text = values[0]
-    low, high = {"trace_rate": (0, UINT32_MAX), "trace_count": (-1, INT32_MAX),
-                 "log_frequency": (0, UINT32_MAX)}[name]
+    low, high = {"trace_rate": (0, UINT32_MAX), "trace_count": (-1, INT32_MAX), "log_frequency": (0, UINT32_MAX)}[name]
     try:
         number = int(text)
     except ValueError:

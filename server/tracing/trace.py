@@ -60,8 +60,13 @@ class RequestTrace:
         """Its batch's times, from the scheduler that ran it."""
         input_end = started_ns + phases.input_ns
         output_start = input_end + phases.infer_ns
-        self.stamps += [("QUEUE_START", queued_ns), ("COMPUTE_START", started_ns), ("COMPUTE_INPUT_END", input_end),
-                        ("COMPUTE_OUTPUT_START", output_start), ("COMPUTE_END", output_start + phases.output_ns)]
+        self.stamps += [
+            ("QUEUE_START", queued_ns),
+            ("COMPUTE_START", started_ns),
+            ("COMPUTE_INPUT_END", input_end),
+            ("COMPUTE_OUTPUT_START", output_start),
+            ("COMPUTE_END", output_start + phases.output_ns),
+        ]
         self.computed = True
 
     def child(self, model_name: str, model_version: str) -> RequestTrace:

@@ -18,8 +18,9 @@ class TritonPythonModel:
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             name = args["model_name"]
-            raise pb_utils.TritonModelException(f"model {name} must be decoupled (model_transaction_policy "
-                                                "{ decoupled: true })")
+            raise pb_utils.TritonModelException(
+                f"model {name} must be decoupled (model_transaction_policy {{ decoupled: true }})"
+            )
         self.threads = []
         self.lock = threading.Lock()
 
@@ -29,12 +30,17 @@ class TritonPythonModel:
             delays = pb_utils.get_input_tensor_by_name(request, "DELAY").as_numpy()
             if values.shape != delays.shape:
                 request.get_response_sender().send(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                        f"IN and DELAY must have the same shape, got {values.shape} and {delays.shape}")),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError(
+                            f"IN and DELAY must have the same shape, got {values.shape} and {delays.shape}"
+                        )
+                    ),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
                 continue
-            thread = threading.Thread(target=self.respond, args=(request.get_response_sender(), values, delays),
-                                      daemon=True)
+            thread = threading.Thread(
+                target=self.respond, args=(request.get_response_sender(), values, delays), daemon=True
+            )
             with self.lock:
                 self.threads.append(thread)
             thread.start()

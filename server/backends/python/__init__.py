@@ -47,8 +47,9 @@ def sink_of(pending: Any) -> Any:
     """The response sink of a queued request to a decoupled model (its core request carries it)."""
     sink = getattr(pending.context, "sink", None)
     if sink is None:
-        raise ShoalError(ErrorCode.UNSUPPORTED, "ModelInfer RPC doesn't support models with decoupled "
-                                                "transaction policy")
+        raise ShoalError(
+            ErrorCode.UNSUPPORTED, "ModelInfer RPC doesn't support models with decoupled transaction policy"
+        )
     return sink
 
 
@@ -65,8 +66,9 @@ class ThreadInstance:
         self._link = bls.ThreadLink(None)
         self._caller: Any = None
         pb_utils.set_host_link(self._link)
-        args = runner.model_args(spec.config_json, model_file, instance_name, device.kind.upper(), device.index,
-                                 version)
+        args = runner.model_args(
+            spec.config_json, model_file, instance_name, device.kind.upper(), device.index, version
+        )
         self._decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
         try:
             self._runner = runner.ModelRunner(spec.config_json, model_file, args, isolated=True)
@@ -84,8 +86,10 @@ class ThreadInstance:
             return self._run(batch)
 
     def _run(self, batch: Sequence[Any]) -> list[dict[str, np.ndarray] | ShoalError]:
-        items = [runner.request_data(pending.feed, pending.outputs, pending.context, getattr(pending, "traced", None))
-                 for pending in batch]
+        items = [
+            runner.request_data(pending.feed, pending.outputs, pending.context, getattr(pending, "traced", None))
+            for pending in batch
+        ]
         if self._decoupled:
             sinks = [sink_of(pending) for pending in batch]
 

@@ -38,23 +38,29 @@ class ModelConfig:
     def set_max_batch_size(self, max_batch_size: int) -> None:
         current = self.max_batch_size()
         if current and current != max_batch_size:
-            raise ValueError(f"configuration specified max_batch_size {current}, but in auto-complete-config "
-                             f"function for model '{self._config.get('name', '')}' specified max_batch_size "
-                             f"{max_batch_size}")
+            raise ValueError(
+                f"configuration specified max_batch_size {current}, but in auto-complete-config "
+                f"function for model '{self._config.get('name', '')}' specified max_batch_size "
+                f"{max_batch_size}"
+            )
         self._config["max_batch_size"] = max_batch_size
 
     def set_dynamic_batching(self) -> None:
         if "sequence_batching" in self._config:
-            raise ValueError(f"Configuration specified scheduling_choice as 'sequence_batching', but "
-                             f"auto-complete-config function for model '{self._config.get('name', '')}' tries "
-                             "to set scheduling_choice as 'dynamic_batching'")
+            raise ValueError(
+                f"Configuration specified scheduling_choice as 'sequence_batching', but "
+                f"auto-complete-config function for model '{self._config.get('name', '')}' tries "
+                "to set scheduling_choice as 'dynamic_batching'"
+            )
         self._config.setdefault("dynamic_batching", {})
 
     def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
         for key in transaction_policy_dict:
             if key != "decoupled":
-                raise ValueError(f"model transaction property in auto-complete-config function for model "
-                                 f"'{self._config.get('name', '')}' contains property other than 'decoupled'")
+                raise ValueError(
+                    f"model transaction property in auto-complete-config function for model "
+                    f"'{self._config.get('name', '')}' contains property other than 'decoupled'"
+                )
         self._config.setdefault("model_transaction_policy", {}).update(transaction_policy_dict)
 
     def add_input(self, input: dict[str, Any]) -> None:  # noqa: A002 - Triton's parameter name
@@ -68,8 +74,10 @@ class ModelConfig:
         model = self._config.get("name", "")
         for key in ("name", "data_type", "dims") if kind == "input" else ("name", "data_type", "dims"):
             if key not in tensor:
-                raise ValueError(f"{kind} '{tensor.get('name', '')}' in auto-complete-config function for model "
-                                 f"'{model}' is missing '{key}' property.")
+                raise ValueError(
+                    f"{kind} '{tensor.get('name', '')}' in auto-complete-config function for model "
+                    f"'{model}' is missing '{key}' property."
+                )
         existing = next((t for t in self._config.setdefault(kind, []) if t.get("name") == tensor["name"]), None)
         if existing is None:
             self._config[kind].append({k: (list(v) if k == "dims" else v) for k, v in tensor.items()})
@@ -79,8 +87,10 @@ class ModelConfig:
             if key == "dims":
                 given, wanted = [int(d) for d in given or ()], [int(d) for d in wanted]
             if given and given != wanted:
-                raise ValueError(f"unable to load model '{model}', configuration expects {given} as {key} of "
-                                 f"{kind} '{tensor['name']}', model provides {wanted}")
+                raise ValueError(
+                    f"unable to load model '{model}', configuration expects {given} as {key} of "
+                    f"{kind} '{tensor['name']}', model provides {wanted}"
+                )
             existing[key] = wanted
 
 
@@ -107,8 +117,13 @@ def _in_child(model_file: Path, label: str, config: dict[str, Any] | None) -> st
     """What the child prints: the completed ``config``, or nothing when ``config`` is None (import only)."""
     step, late = ("importing it", "did not finish") if config is None else ("auto_complete_config", "did not return")
     try:
-        done = subprocess.run([sys.executable, "-P", "-m", __name__, str(model_file)], input=json.dumps(config),
-                              capture_output=True, text=True, timeout=AUTO_COMPLETE_TIMEOUT_S)
+        done = subprocess.run(
+            [sys.executable, "-P", "-m", __name__, str(model_file)],
+            input=json.dumps(config),
+            capture_output=True,
+            text=True,
+            timeout=AUTO_COMPLETE_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         raise load_failed(f"{label}: {step} {late} within {AUTO_COMPLETE_TIMEOUT_S:.0f} s") from None
     if done.returncode != 0:

@@ -118,9 +118,16 @@ def call_of(request: pb_utils.InferenceRequest, decoupled: bool = False) -> BlsC
         parameters.setdefault("sequence_start", True)
     if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
         parameters.setdefault("sequence_end", True)
-    return BlsCall(request.model_name(), "" if version < 0 else str(version), request.request_id(),
-                   {tensor.name(): tensor.as_numpy() for tensor in request.inputs()},
-                   tuple(request.requested_output_names()), parameters, decoupled, request.trace().trace_id)
+    return BlsCall(
+        request.model_name(),
+        "" if version < 0 else str(version),
+        request.request_id(),
+        {tensor.name(): tensor.as_numpy() for tensor in request.inputs()},
+        tuple(request.requested_output_names()),
+        parameters,
+        decoupled,
+        request.trace().trace_id,
+    )
 
 
 def core_request(call: BlsCall) -> InferRequest:
@@ -128,9 +135,14 @@ def core_request(call: BlsCall) -> InferRequest:
     for name, data in call.inputs.items():
         array = np.asarray(data)
         tensors.append(Tensor(name, DataType.from_numpy(array.dtype), tuple(array.shape), array))
-    return InferRequest(model_name=call.model_name, model_version=call.model_version, id=call.request_id,
-                        inputs=tuple(tensors), requested_outputs=call.requested or None,
-                        parameters=dict(call.parameters))
+    return InferRequest(
+        model_name=call.model_name,
+        model_version=call.model_version,
+        id=call.request_id,
+        inputs=tuple(tensors),
+        requested_outputs=call.requested or None,
+        parameters=dict(call.parameters),
+    )
 
 
 def result_of(future: concurrent.futures.Future[InferResponse]) -> BlsResult:
@@ -150,8 +162,9 @@ def response_of(result: BlsResult) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse([pb_utils.Tensor(name, data) for name, data in result.outputs.items()])
 
 
-def start(host: HostInfer | None, call: BlsCall, sink: Any = None,
-          caller: Any = None) -> concurrent.futures.Future[InferResponse]:
+def start(
+    host: HostInfer | None, call: BlsCall, sink: Any = None, caller: Any = None
+) -> concurrent.futures.Future[InferResponse]:
     """Hand ``call`` to the host; a failed future when the model is not served by a server."""
     if host is not None:
         try:

@@ -69,8 +69,9 @@ class _FolderFileLoader(importlib.machinery.SourceFileLoader):
 class _ContextFinder(importlib.abc.MetaPathFinder):
     """Finds the submodules of a context's package in its folder, to be loaded with its builtins."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         package, dot, _ = fullname.partition(".")
         context = _contexts.get(package)
         if context is None or not dot:
@@ -127,9 +128,14 @@ class ModelImports:
             sys.modules.pop(name, None)
         _forget_finders(self.folder)
 
-    def _import(self, name: str, globals: Mapping[str, Any] | None = None,  # noqa: A002 - __import__'s names
-                locals: Mapping[str, Any] | None = None, fromlist: Sequence[str] | None = (),  # noqa: A002
-                level: int = 0) -> ModuleType:
+    def _import(
+        self,
+        name: str,
+        globals: Mapping[str, Any] | None = None,  # noqa: A002 - __import__'s names
+        locals: Mapping[str, Any] | None = None,
+        fromlist: Sequence[str] | None = (),  # noqa: A002
+        level: int = 0,
+    ) -> ModuleType:
         """``__import__`` for the folder's modules: a bare name the folder provides means the package's."""
         top = name.partition(".")[0]
         if level != 0 or not self._has(top):

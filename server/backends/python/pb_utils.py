@@ -32,8 +32,22 @@ TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 
 # TRITONSERVER_DataType values, in Triton's order.
 TRITONSERVER_TYPE_INVALID = 0
-_TYPE_ORDER = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-               "FP16", "FP32", "FP64", "BYTES", "BF16")
+_TYPE_ORDER = (
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BYTES",
+    "BF16",
+)
 TRITONSERVER_TYPE_BOOL, TRITONSERVER_TYPE_UINT8, TRITONSERVER_TYPE_UINT16, TRITONSERVER_TYPE_UINT32 = 1, 2, 3, 4
 TRITONSERVER_TYPE_UINT64, TRITONSERVER_TYPE_INT8, TRITONSERVER_TYPE_INT16, TRITONSERVER_TYPE_INT32 = 5, 6, 7, 8
 TRITONSERVER_TYPE_INT64, TRITONSERVER_TYPE_FP16, TRITONSERVER_TYPE_FP32, TRITONSERVER_TYPE_FP64 = 9, 10, 11, 12
@@ -74,8 +88,8 @@ def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
     """The inverse of ``serialize_byte_tensor``: an object array of ``bytes``."""
     data, items, offset = bytes(encoded_tensor), [], 0
     while offset < len(data):
-        length = int.from_bytes(data[offset:offset + 4], "little")
-        items.append(data[offset + 4:offset + 4 + length])
+        length = int.from_bytes(data[offset : offset + 4], "little")
+        items.append(data[offset + 4 : offset + 4 + length])
         offset += 4 + length
     return np.array(items, dtype=np.object_)
 
@@ -212,8 +226,12 @@ def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bo
 class InferenceResponse:
     """One response: output tensors, or an error."""
 
-    def __init__(self, output_tensors: Sequence[Tensor] | None = None, error: TritonError | None = None,
-                 parameters: dict[str, Any] | str | None = None) -> None:
+    def __init__(
+        self,
+        output_tensors: Sequence[Tensor] | None = None,
+        error: TritonError | None = None,
+        parameters: dict[str, Any] | str | None = None,
+    ) -> None:
         self._outputs = list(output_tensors or ())
         self._error = error
         self._parameters = _parameters_text(parameters)
@@ -264,8 +282,9 @@ class InferenceResponseSender:
     after ``execute`` returned); otherwise the responses are kept for ``execute``'s caller.
     """
 
-    def __init__(self, request: InferenceRequest,
-                 on_send: Callable[[InferenceResponse | None, bool], None] | None = None) -> None:
+    def __init__(
+        self, request: InferenceRequest, on_send: Callable[[InferenceResponse | None, bool], None] | None = None
+    ) -> None:
         self._request = request
         self._on_send = on_send
         self._lock = threading.Lock()
@@ -312,11 +331,20 @@ class InferenceTrace:
 class InferenceRequest:
     """A request: one the model received, or one it builds to call another model (BLS)."""
 
-    def __init__(self, model_name: str | bytes = "", inputs: Iterable[Tensor] = (),
-                 requested_output_names: Iterable[str | bytes] = (), request_id: str | bytes = "",
-                 correlation_id: int | str | bytes = 0,
-                 model_version: int = -1, flags: int = 0, timeout: int = 0, preferred_memory: Any = None,
-                 trace: Any = None, parameters: dict[str, Any] | str | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str | bytes = "",
+        inputs: Iterable[Tensor] = (),
+        requested_output_names: Iterable[str | bytes] = (),
+        request_id: str | bytes = "",
+        correlation_id: int | str | bytes = 0,
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
+        preferred_memory: Any = None,
+        trace: Any = None,
+        parameters: dict[str, Any] | str | None = None,
+    ) -> None:
         self._model_name, self._model_version = _name(model_name), model_version
         self._inputs = list(inputs)
         self._requested = [_name(name) for name in requested_output_names]
@@ -380,8 +408,9 @@ class InferenceRequest:
     def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse]:
         """Like ``exec``, awaited (from an ``async def execute``); several may run at once."""
         if decoupled:
-            raise TritonModelException("async_exec(decoupled=True) is not supported by this server: use "
-                                       "exec(decoupled=True)")
+            raise TritonModelException(
+                "async_exec(decoupled=True) is not supported by this server: use exec(decoupled=True)"
+            )
         return _link().infer_async(self)
 
 

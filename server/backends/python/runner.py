@@ -48,9 +48,13 @@ logger = logging.getLogger(__name__)
 MODULE_NAME = UTILS_NAME
 _HIDDEN_FRAMES = (str(Path(__file__).resolve().parents[2]), str(Path(asyncio.__file__).parent), "<frozen importlib.")
 # TritonError codes → the names of Shoal's error codes (shoal.errors.ErrorCode values).
-_ERROR_CODES = {pb_utils.TritonError.INVALID_ARG: "invalid_argument", pb_utils.TritonError.NOT_FOUND: "not_found",
-                pb_utils.TritonError.UNAVAILABLE: "unavailable", pb_utils.TritonError.UNSUPPORTED: "unsupported",
-                pb_utils.TritonError.ALREADY_EXISTS: "already_exists"}
+_ERROR_CODES = {
+    pb_utils.TritonError.INVALID_ARG: "invalid_argument",
+    pb_utils.TritonError.NOT_FOUND: "not_found",
+    pb_utils.TritonError.UNAVAILABLE: "unavailable",
+    pb_utils.TritonError.UNSUPPORTED: "unsupported",
+    pb_utils.TritonError.ALREADY_EXISTS: "already_exists",
+}
 
 
 # A decoupled model's response on its way out: (request index in the batch, its outcome or None for
@@ -84,8 +88,9 @@ class Outcome:
         return self.outputs if self.outputs is not None else ShoalError(ErrorCode(self.code), self.error)
 
 
-def request_data(feed: Mapping[str, np.ndarray], outputs: Sequence[str], request: Any,
-                 traced: Any = None) -> RequestData:
+def request_data(
+    feed: Mapping[str, np.ndarray], outputs: Sequence[str], request: Any, traced: Any = None
+) -> RequestData:
     """A queued request as the model sees it; ``request`` is the core's InferRequest (None in tests),
     ``traced`` its trace when it is sampled (the pending request's)."""
     trace_id = int(getattr(traced, "id", 0))
@@ -134,16 +139,18 @@ def describe_error(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, SyntaxError):
         return text
-    frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
-              if not frame.filename.startswith(_HIDDEN_FRAMES)]
+    frames = [
+        frame for frame in traceback.extract_tb(exc.__traceback__) if not frame.filename.startswith(_HIDDEN_FRAMES)
+    ]
     if not frames:
         return text
     lines = [f"  {frame.filename}({frame.lineno}): {frame.name}" for frame in reversed(frames)]
     return text + "\n\nAt:\n" + "\n".join(lines) + "\n"
 
 
-def model_args(config: Mapping[str, Any], model_file: Path, instance_name: str, kind: str, device_id: int,
-               version: int) -> dict[str, str]:
+def model_args(
+    config: Mapping[str, Any], model_file: Path, instance_name: str, kind: str, device_id: int, version: int
+) -> dict[str, str]:
     """``initialize``'s ``args``, the keys and string values Triton's Python backend gives."""
     return {
         "model_config": json.dumps(triton_config(config)),
@@ -162,6 +169,7 @@ _INTEGER_KEYS = {"max_queue_delay_microseconds", "default_timeout_microseconds",
 
 def triton_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The completed config as Triton's JSON has it: numbers as numbers, the fields models read present."""
+
     def fix(value: Any, key: str = "") -> Any:
         if isinstance(value, dict):
             return {k: fix(v, k) for k, v in value.items()}
@@ -170,8 +178,15 @@ def triton_config(config: Mapping[str, Any]) -> dict[str, Any]:
         return int(value) if key in _INTEGER_KEYS and isinstance(value, str) else value
 
     fixed: dict[str, Any] = fix(dict(config))
-    for key, default in (("platform", ""), ("backend", "python"), ("max_batch_size", 0), ("input", []),
-                         ("output", []), ("parameters", {}), ("instance_group", [])):
+    for key, default in (
+        ("platform", ""),
+        ("backend", "python"),
+        ("max_batch_size", 0),
+        ("input", []),
+        ("output", []),
+        ("parameters", {}),
+        ("instance_group", []),
+    ):
         fixed.setdefault(key, default)
     return fixed
 
@@ -183,8 +198,9 @@ class ModelRunner:
     instance), released by ``finalize`` or by a failed start.
     """
 
-    def __init__(self, config: Mapping[str, Any], model_file: Path, args: dict[str, str],
-                 isolated: bool = False) -> None:
+    def __init__(
+        self, config: Mapping[str, Any], model_file: Path, args: dict[str, str], isolated: bool = False
+    ) -> None:
         self.instance_name = args["model_instance_name"]
         self._datatypes = {o["name"]: DataType.from_config_name(o["data_type"]) for o in config.get("output", ())}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -208,13 +224,21 @@ class ModelRunner:
 
     @staticmethod
     def _requests(items: Sequence[RequestData]) -> list[pb_utils.InferenceRequest]:
-        return [pb_utils.InferenceRequest(
-            inputs=[pb_utils.Tensor(name, array) for name, array in item.inputs.items()],
-            requested_output_names=item.outputs, request_id=item.request_id, correlation_id=item.correlation_id,
-            parameters=dict(item.parameters), trace=pb_utils.InferenceTrace(item.trace_id)) for item in items]
+        return [
+            pb_utils.InferenceRequest(
+                inputs=[pb_utils.Tensor(name, array) for name, array in item.inputs.items()],
+                requested_output_names=item.outputs,
+                request_id=item.request_id,
+                correlation_id=item.correlation_id,
+                parameters=dict(item.parameters),
+                trace=pb_utils.InferenceTrace(item.trace_id),
+            )
+            for item in items
+        ]
 
-    def execute_decoupled(self, items: Sequence[RequestData], emit: Emit,
-                          is_cancelled: Callable[[int], bool] = lambda index: False) -> None:
+    def execute_decoupled(
+        self, items: Sequence[RequestData], emit: Emit, is_cancelled: Callable[[int], bool] = lambda index: False
+    ) -> None:
         """Run a decoupled model's batch: each response goes to ``emit`` as the model sends it.
 
         Returns once every request got its FINAL flag (possibly from the model's own threads after
@@ -237,17 +261,23 @@ class ModelRunner:
             for request in requests:
                 request._sender = None
 
-    def _run_decoupled(self, requests: list[pb_utils.InferenceRequest],
-                       senders: list[pb_utils.InferenceResponseSender], is_cancelled: Callable[[int], bool]) -> None:
+    def _run_decoupled(
+        self,
+        requests: list[pb_utils.InferenceRequest],
+        senders: list[pb_utils.InferenceResponseSender],
+        is_cancelled: Callable[[int], bool],
+    ) -> None:
         try:
             returned = self._await(self.model.execute(requests))
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: the batch fails, the instance goes on
-            message = f"Failed to process the request(s) for model '{self.instance_name}', message: " \
-                      f"{self._raised(exc)}"
+            message = f"Failed to process the request(s) for model '{self.instance_name}', message: {self._raised(exc)}"
             return self._close_open(senders, message)
         if returned is not None:
-            return self._close_open(senders, f"Python model '{self.instance_name}' is using the decoupled mode "
-                                              "and the execute function must return None.")
+            return self._close_open(
+                senders,
+                f"Python model '{self.instance_name}' is using the decoupled mode "
+                "and the execute function must return None.",
+            )
         for index, sender in enumerate(senders):
             while not sender.closed.wait(CANCEL_POLL_S):
                 if is_cancelled(index):
@@ -260,8 +290,10 @@ class ModelRunner:
     def _close_open(senders: Sequence[pb_utils.InferenceResponseSender], message: str) -> None:
         for sender in senders:
             try:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
-                            pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sender.send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+                    pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
             except pb_utils.TritonModelException:
                 pass  # it was closed already
 
@@ -282,20 +314,27 @@ class ModelRunner:
         if responses is None:  # the responses may have gone through the response senders
             responses = [self._sent(request) for request in requests]
             if any(response is None for response in responses):
-                return self._failed(items, "execute returned None, and not every request was answered "
-                                           "through its response sender with TRITONSERVER_RESPONSE_COMPLETE_FINAL")
+                return self._failed(
+                    items,
+                    "execute returned None, and not every request was answered "
+                    "through its response sender with TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+                )
         if len(responses) != len(requests):
-            return self._failed(items, "Number of InferenceResponse objects do not match the number of "
-                                       f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
-                                       f"and InferenceResponse(s) size is:{len(responses)}\n")
+            return self._failed(
+                items,
+                "Number of InferenceResponse objects do not match the number of "
+                f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
+                f"and InferenceResponse(s) size is:{len(responses)}\n",
+            )
         return [self._outcome(item, response) for item, response in zip(items, responses, strict=True)]
 
     def _raised(self, exc: BaseException) -> str:
         """The text of what ``execute`` raised; one that is no Exception (SystemExit...) is logged too."""
         text = describe_error(exc)
         if not isinstance(exc, Exception):
-            logger.error("model instance %s: execute raised %s; only this batch fails", self.instance_name,
-                         text.rstrip())
+            logger.error(
+                "model instance %s: execute raised %s; only this batch fails", self.instance_name, text.rstrip()
+            )
         return text
 
     def _failed(self, items: Sequence[RequestData], message: str) -> list[Outcome]:
@@ -311,8 +350,9 @@ class ModelRunner:
 
     def _outcome(self, item: RequestData, response: Any) -> Outcome:
         if not isinstance(response, pb_utils.InferenceResponse):
-            return Outcome(error=f"model '{self.instance_name}' returned {type(response).__name__}, "
-                                 "not an InferenceResponse")
+            return Outcome(
+                error=f"model '{self.instance_name}' returned {type(response).__name__}, not an InferenceResponse"
+            )
         error = response.error()
         if error is not None:
             return Outcome(error=error.message(), code=_ERROR_CODES.get(error.code(), "internal"))
@@ -326,11 +366,15 @@ class ModelRunner:
             try:
                 datatype = DataType.from_numpy(array.dtype)
             except ValueError:
-                return Outcome(error=f"model '{self.instance_name}': output '{name}' has numpy dtype {array.dtype}, "
-                                     "which has no Triton datatype")
+                return Outcome(
+                    error=f"model '{self.instance_name}': output '{name}' has numpy dtype {array.dtype}, "
+                    "which has no Triton datatype"
+                )
             if wanted is not None and datatype is not wanted:
-                return Outcome(error=f"model '{self.instance_name}': output '{name}' has datatype {datatype.value}, "
-                                     f"but the model config declares {wanted.value}")
+                return Outcome(
+                    error=f"model '{self.instance_name}': output '{name}' has datatype {datatype.value}, "
+                    f"but the model config declares {wanted.value}"
+                )
             outputs[name] = array
         return Outcome(outputs=outputs)
 
