@@ -156,7 +156,7 @@ TRITON_CPU_FAMILIES: dict[str, tuple[str, str]] = {
 }
 # --metrics-config summary_latencies=true: Triton 2.51's summaries, after the CPU families, in Triton's order
 # and words (captured with run_triton.sh); the ModelStatistics field that counts and sums each (its _count
-# and _sum are those of the duration counter, as Triton's) and the LatencyWindows field of its quantiles.
+# and _sum are those of the duration counter, as Triton's), which names the LatencyWindows of its quantiles too.
 TRITON_SUMMARY_FAMILIES: dict[str, tuple[str, str]] = {
     "nv_inference_request_summary_us": (
         "success",
@@ -178,13 +178,6 @@ TRITON_SUMMARY_FAMILIES: dict[str, tuple[str, str]] = {
         "compute_output",
         "Cumulative inference compute output duration in microseconds (does not include cached requests)",
     ),
-}
-_WINDOW_FIELDS = {
-    "success": "request",
-    "queue": "queue",
-    "compute_input": "compute_input",
-    "compute_infer": "compute_infer",
-    "compute_output": "compute_output",
 }
 # Duration families -> the ModelStatistics field they sum (ns there, whole µs here).
 _DURATION_FIELDS = {
@@ -234,7 +227,7 @@ def summary_families(rows: Iterable[StatisticsRow], quantiles: tuple[float, ...]
             if windows is None:
                 continue
             duration = getattr(row.statistics, stat)
-            values = getattr(windows, _WINDOW_FIELDS[stat]).quantiles(quantiles)
+            values = getattr(windows, stat).quantiles(quantiles)
             family.samples.append(
                 (
                     {"model": row.name, "version": row.version},
@@ -382,17 +375,6 @@ class CpuMetrics:
         return [utilization, memory_total, memory_used]
 
 
-class _NoNvml:
-    """--allow-gpu-metrics false: NVML is never loaded."""
-
-    @staticmethod
-    def nvmlInit() -> None:  # noqa: N802 - NVML's name
-        raise RuntimeError("GPU metrics are off (--allow-gpu-metrics false)")
-
-
-_NO_NVML = _NoNvml()
-
-
 class MetricsPage:
     """The whole /metrics text: Triton's families, Shoal's, then the process collector's."""
 
@@ -404,9 +386,7 @@ class MetricsPage:
     ) -> None:
         self.statistics_rows = statistics_rows
         self.settings = settings
-        if gpu is None:
-            gpu = GpuMetrics() if settings.gpu_metrics else GpuMetrics(nvml=_NO_NVML)
-        self.gpu = gpu
+        self.gpu = gpu or (GpuMetrics() if settings.gpu_metrics else None)  # None: --allow-gpu-metrics false
         self.quantiles = tuple(q for q, _ in settings.summary_quantiles)
         self.cpu = CpuMetrics()
         self.process = CollectorRegistry()
@@ -416,7 +396,8 @@ class MetricsPage:
         rows = self.statistics_rows()
         tritons, shoals = model_families(rows, self.settings.counter_latencies)
         yield from tritons
-        yield from self.gpu.families()
+        if self.gpu is not None:
+            yield from self.gpu.families()
         yield from self.cpu.families()  # Triton's order: per-model families, CPU, then the summaries
         if self.settings.summary_latencies:
             yield from summary_families(rows, self.quantiles)

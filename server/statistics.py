@@ -153,21 +153,35 @@ class WindowedQuantiles:
 @dataclass
 class LatencyWindows:
     """The latencies (µs) of the last minute behind Triton's five ``nv_inference_*_summary_us``: each
-    successful request's duration and queue time (cache hits too), and its batch's compute phases."""
+    successful request's duration and queue time (cache hits too), and its batch's compute phases;
+    each named as the ModelStatistics duration that counts and sums the same latencies."""
 
-    request: WindowedQuantiles = field(default_factory=WindowedQuantiles)
+    success: WindowedQuantiles = field(default_factory=WindowedQuantiles)
     queue: WindowedQuantiles = field(default_factory=WindowedQuantiles)
     compute_input: WindowedQuantiles = field(default_factory=WindowedQuantiles)
     compute_infer: WindowedQuantiles = field(default_factory=WindowedQuantiles)
     compute_output: WindowedQuantiles = field(default_factory=WindowedQuantiles)
 
-    def success(self, total_ns: int, queue_ns: int, phases: Phases | None) -> None:
-        self.request.add(total_ns / 1000)
+    def add(self, total_ns: int, queue_ns: int, phases: Phases | None) -> None:
+        self.success.add(total_ns / 1000)
         self.queue.add(queue_ns / 1000)
         if phases is not None:
             self.compute_input.add(phases.input_ns / 1000)
             self.compute_infer.add(phases.infer_ns / 1000)
             self.compute_output.add(phases.output_ns / 1000)
+
+
+# The durations of Triton's InferStatistics, in its order (both transports' statistics answers).
+INFER_DURATIONS = (
+    "success",
+    "fail",
+    "queue",
+    "compute_input",
+    "compute_infer",
+    "compute_output",
+    "cache_hit",
+    "cache_miss",
+)
 
 
 @dataclass
@@ -212,7 +226,7 @@ class ModelStatistics:
         self.compute_infer.add(phases.infer_ns)
         self.compute_output.add(phases.output_ns)
         if self.latencies is not None:
-            self.latencies.success(total_ns, queue_ns, phases)
+            self.latencies.add(total_ns, queue_ns, phases)
 
     def record_cache_hit(self, total_ns: int, queue_ns: int, lookup_ns: int) -> None:
         """A request answered from the response cache: a success, with no execution or compute."""
@@ -220,7 +234,7 @@ class ModelStatistics:
         self.queue.add(queue_ns)
         self.cache_hit.add(lookup_ns)
         if self.latencies is not None:
-            self.latencies.success(total_ns, queue_ns, None)
+            self.latencies.add(total_ns, queue_ns, None)
 
     def record_cache_miss(self, ns: int) -> None:
         """A successful request the cache did not have (already counted a success): its lookup and

@@ -116,9 +116,10 @@ class LocalCore:
         return self.manager.resolve(name, version).spec.config_json
 
     async def infer(self, request: InferRequest, origin: Origin | None = None) -> InferResponse:
-        # A decoupled model's request (its responses go to a sink) is not traced: README, Tracing.
-        streamed = isinstance(request, StreamingRequest)
-        trace = None if streamed else self.tracer.start(request.model_name, request.model_version, request.id, origin)
+        # Off, that one check is all; a decoupled model's request (its responses go to a sink) is not traced.
+        trace = None
+        if self.tracer.settings.on and not isinstance(request, StreamingRequest):
+            trace = self.tracer.start(request.model_name, request.model_version, request.id, origin)
         if trace is None:
             return await self._infer(request)
         token = TRACED.set(trace)

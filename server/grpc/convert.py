@@ -28,7 +28,7 @@ from shoal.errors import ShoalError, invalid, shown
 from shoal.logs import NO_VALUE
 from shoal.protocol import config_pb2, service_pb2, tensors
 from shoal.protocol.types import DataType
-from shoal.statistics import Duration
+from shoal.statistics import INFER_DURATIONS, Duration
 from shoal.types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 
 _CONTENTS_FIELD = {
@@ -517,16 +517,7 @@ def model_statistics(rows: list[StatisticsRow]) -> service_pb2.ModelStatisticsRe
             execution_count=stats.execution_count,
         )
         inference = entry.inference_stats
-        for field in (
-            "success",
-            "fail",
-            "queue",
-            "compute_input",
-            "compute_infer",
-            "compute_output",
-            "cache_hit",
-            "cache_miss",
-        ):
+        for field in INFER_DURATIONS:
             _duration(getattr(inference, field), getattr(stats, field))
         for size in sorted(stats.batch_stats):
             batch = stats.batch_stats[size]

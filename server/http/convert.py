@@ -26,7 +26,7 @@ from shoal.core import (
 from shoal.core.wire import refuse_model_files
 from shoal.errors import invalid, shown
 from shoal.protocol import config_pb2
-from shoal.statistics import Duration
+from shoal.statistics import INFER_DURATIONS, Duration
 
 
 def parse_object(body: bytes, what: str) -> dict[str, Any]:
@@ -152,17 +152,7 @@ def model_statistics(rows: list[StatisticsRow]) -> dict[str, Any]:
                 "inference_count": stats.inference_count,
                 "execution_count": stats.execution_count,
                 "inference_stats": {
-                    field: _duration(getattr(stats, field))
-                    for field in (
-                        "success",
-                        "fail",
-                        "queue",
-                        "compute_input",
-                        "compute_infer",
-                        "compute_output",
-                        "cache_hit",
-                        "cache_miss",
-                    )
+                    field: _duration(getattr(stats, field)) for field in INFER_DURATIONS
                 },  # Triton prints the cache's counts in every model's statistics
                 "batch_stats": [
                     {

@@ -251,7 +251,7 @@ class EnsembleVersion(ModelVersion):
         served = self._registry.resolve(step.model_name, version)
         parent = TRACED.get()  # this request's trace, when it is sampled: the step's is its child
         traced = parent.child(step.model_name, str(served.version)) if isinstance(parent, RequestTrace) else None
-        token = TRACED.set(traced) if traced is not None else None  # this step's own task: its siblings keep theirs
+        token = TRACED.set(traced)  # the step's own trace, or none (this step's task: its siblings keep theirs)
         try:
             response = await served.infer(
                 InferRequest(
@@ -268,9 +268,9 @@ class EnsembleVersion(ModelVersion):
                 traced.error = exc.message
             raise
         finally:
-            if traced is not None and token is not None:
+            if traced is not None:
                 traced.stamp("REQUEST_END")
-                TRACED.reset(token)
+            TRACED.reset(token)
         renamed = dict(step.output_map)
         return {renamed[t.name]: Tensor(renamed[t.name], t.datatype, t.shape, t.data) for t in response.outputs}
 
