@@ -1,7 +1,7 @@
 """shoal-load beside Triton's perf_analyzer on the same server, model and concurrencies, one run.
 
     python bench/loadtest_vs_perf_analyzer.py [--concurrency 1 4 16] [--protocol grpc http] [--repeats 2]
-                                              [--models simple mlp] [--window-s 1] [--ceiling]
+                                              [--models simple mlp] [--window-s 1] [--ceiling] [--split-cores]
 
 Starts Shoal on model_repository/ and, for each model, protocol and concurrency, measures it
 ``--repeats`` times in turn with perf_analyzer, shoal-load in 1 process and shoal-load in 2
@@ -11,14 +11,18 @@ the range of those ratios. Each run's client CPU per request (perf_analyzer: its
 the requests the server counted during it; shoal-load: its load processes' own figure) says how much of the
 machine the load generator took from the server: on a machine they share, a costlier client
 reads a lower throughput. With ``--ceiling``, also the load tester's own ceiling: requests/s it
-drives against a model that does no work (identity backend, 4 floats) at concurrency 32. Writes
-bench/results/loadtest_vs_perf_analyzer.csv.
+drives against a model that does no work (identity backend, 4 floats) at concurrency 32. With
+``--split-cores``, the server runs on the first half of the cores this process may use and every load
+generator on the other half (CPU affinity, inherited by their children), so neither client's own cost
+takes CPU from the server: the question the comparison asks is then what each client measures, not how
+much each leaves to the server. Writes bench/results/loadtest_vs_perf_analyzer[_split].csv.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -175,6 +179,15 @@ def print_ranges(rows: list[dict[str, object]]) -> None:
         print(f"  {model:<7} {protocol:<5} c={concurrency:<3} 1 process {spans[0]}, 2 processes {spans[1]}")
 
 
+def split_cores() -> tuple[set[int], set[int]]:
+    """The cores this process may use, split in two halves: the server's and the load generators'."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--split-cores needs at least 2 usable cores")
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -183,8 +196,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--window-s", type=float, default=1.0)
     parser.add_argument("--ceiling", action="store_true", help="also the no-op model at concurrency 32")
+    parser.add_argument(
+        "--split-cores", action="store_true", help="server on half the usable cores, load generators on the rest"
+    )
     args = parser.parse_args()
     install_perf_analyzer()
+    everything = os.sched_getaffinity(0)
+    server_cores, client_cores = split_cores() if args.split_cores else (everything, everything)
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as folder:
         repo = Path(folder)
@@ -192,7 +210,10 @@ def main() -> None:
             shutil.copytree(REPO_ROOT / "model_repository" / name, repo / name)
         (repo / "noop" / "1").mkdir(parents=True)
         (repo / "noop" / "config.pbtxt").write_text(NOOP_CONFIG)
+        os.sched_setaffinity(0, server_cores)  # the server and every process it starts inherit this set
         with local_server.running(repo) as server:
+            os.sched_setaffinity(0, client_cores)  # perf_analyzer and shoal-load inherit this one
+            print(f"server on cores {sorted(server_cores)}, load generators on cores {sorted(client_cores)}")
             urls = {"grpc": server.url, "http": server.http_url}
             print("throughput in inferences/s; cpu: the load generator's CPU per request, µs")
             print(
@@ -215,7 +236,8 @@ def main() -> None:
                     f"\nno-op model at concurrency 32: shoal-load 1 process {ceiling[1]:.0f}/s, 2 processes "
                     f"{ceiling[2]:.0f}/s, perf_analyzer {pa_noop:.0f}/s"
                 )
-    save_results(rows, "loadtest_vs_perf_analyzer.csv")
+    os.sched_setaffinity(0, everything)
+    save_results(rows, "loadtest_vs_perf_analyzer_split.csv" if args.split_cores else "loadtest_vs_perf_analyzer.csv")
 
 
 if __name__ == "__main__":
