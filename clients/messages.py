@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
+from shoal.protocol import codec
 from shoal.protocol import service_pb2 as pb
-from shoal.protocol import tensors
 from shoal.protocol.types import DataType, ModelMetadata, ServerMetadata, TensorMetadata
 
 
@@ -46,7 +46,7 @@ def infer_request(
         array = np.asarray(value)
         datatype = datatype_of(array)
         request.inputs.add(name=name, datatype=datatype.value, shape=array.shape)
-        request.raw_input_contents.append(tensors.to_raw(datatype, array))
+        request.raw_input_contents.append(codec.to_raw(datatype, array))
     for name in outputs or ():
         request.outputs.add(name=name)
     if priority:
@@ -76,7 +76,7 @@ def infer_outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
         datatype = DataType(output.datatype)
         shape = tuple(output.shape)
         if index < len(response.raw_output_contents):
-            result[output.name] = tensors.from_raw(datatype, shape, response.raw_output_contents[index])
+            result[output.name] = codec.from_raw(datatype, shape, response.raw_output_contents[index])
         else:  # typed contents, from servers that do not reply raw
             result[output.name] = _from_contents(datatype, shape, output.contents)
     return result

@@ -14,6 +14,8 @@ Exception tree::
         LOAD_FAILED        a model could not be loaded (config, model file, device); a load that
                            ends so is answered INVALID_ARGUMENT, as Triton's (lifecycle.manager)
         PERMISSION_DENIED  a restricted call without the configured header (gRPC: UNAVAILABLE, as Triton)
+      DecoupledRefused     a one-response call (ModelInfer, HTTP infer) to a decoupled model: UNSUPPORTED,
+                           told apart by type so each transport words it as Triton does
     StartupError(message)  the server cannot start (a port in use): a clear line and exit 1
 
 Each transport maps every code to its status in one table (server/grpc/status.py,
@@ -32,6 +34,7 @@ from __future__ import annotations
 import enum
 import logging
 import secrets
+from typing import ClassVar
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +56,40 @@ class ErrorCode(enum.Enum):
 
 
 class ShoalError(Exception):
-    """An error with a code from the closed set above and a message for the caller."""
+    """An error with a code from the closed set above and a message for the caller.
+
+    ``kind`` names a subclass a caller tells apart by type; it crosses a process boundary (a front-end
+    worker's channel) with the code and message, and ``rebuilt`` makes the same subclass again there."""
+
+    kind: ClassVar[str] = ""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+# Triton's words (grpc infer_handler.cc) for a one-response inference of a decoupled model.
+GRPC_DECOUPLED_REFUSED = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+
+
+class DecoupledRefused(ShoalError):
+    """A call that wants one response (gRPC ModelInfer, HTTP infer) to a decoupled model, whose responses
+    stream. Triton words it per endpoint; the message is its gRPC words, the HTTP front end uses its own."""
+
+    kind = "decoupled_refused"
+
+    def __init__(self, message: str = GRPC_DECOUPLED_REFUSED) -> None:
+        super().__init__(ErrorCode.UNSUPPORTED, message)
+
+
+_KINDS: dict[str, type[DecoupledRefused]] = {DecoupledRefused.kind: DecoupledRefused}
+
+
+def rebuilt(code: str, message: str, kind: str = "") -> ShoalError:
+    """The error another process sent as its code's value, message and ``kind``: of the same subclass."""
+    subclass = _KINDS.get(kind)
+    return subclass(message) if subclass is not None else ShoalError(ErrorCode(code), message)
 
 
 class StartupError(Exception):

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.protocol.tensors import deserialize_bytes
+from shoal.protocol.codec import deserialize_bytes
 from shoal.protocol.types import DataType
 
 

@@ -95,6 +95,47 @@ def test_imports_point_down_the_layers() -> None:
     assert not upward, "imports that point up or sideways:\n" + "\n".join(upward)
 
 
+def _module_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Each module's imports of other modules (a type-checking import counts: it is still a circle
+    for the reader). ``from package import module`` is an edge to the module, not to the package."""
+    edges: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                named = {f"{node.module}.{alias.name}" for alias in node.names}
+                submodules = named & modules.keys()
+                targets |= submodules
+                if len(submodules) < len(named) and node.module in modules:
+                    targets.add(node.module)
+        edges[module] = targets - {module}
+    return edges
+
+
+def test_no_two_modules_import_each_other_even_through_others() -> None:
+    """No import circle between modules, however long (a package's ``__init__`` re-exporting what its
+    own modules import from it is the one kind left, and there is none today)."""
+    edges = _module_edges(_modules())
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    circles: list[str] = []
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == 1:
+                circles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                walk(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            walk(module, [module])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
 def test_no_import_of_the_folder_names() -> None:
     """Code imports `shoal.*`, never the folders `server` or `clients` (they are not installed)."""
     wrong = [

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from shoal.core import wire
 from shoal.errors import ErrorCode, ShoalError
 from shoal.grpc import convert
-from shoal.protocol import service_pb2, tensors
+from shoal.protocol import codec, service_pb2
 from shoal.protocol.types import DataType
 
 AWKWARD_BYTES = [b"", b"\x00", b"a\x00b", b"\xff\xfe\x80", "é".encode(), b"x" * 300]
@@ -22,7 +22,7 @@ AWKWARD_BYTES = [b"", b"\x00", b"a\x00b", b"\xff\xfe\x80", "é".encode(), b"x" *
 def test_bytes_round_trip_exactly() -> None:
     array = np.empty(len(AWKWARD_BYTES), dtype=object)
     array[:] = AWKWARD_BYTES
-    raw = tensors.serialize_bytes(array)
+    raw = codec.serialize_bytes(array)
     assert raw[:4] == struct.pack("<I", 0) and raw[4:8] == struct.pack("<I", 1)
     decoded = wire.decode_raw("x", DataType.BYTES, (2, 3), raw)
     assert decoded.shape == (2, 3)
@@ -51,7 +51,7 @@ def test_malformed_bytes_are_invalid(raw: bytes, phrase: str) -> None:
 def test_numeric_raw_round_trip(datatype: DataType) -> None:
     rng = np.random.default_rng(1)
     array = (rng.standard_normal((2, 3)) * 50).astype(datatype.numpy_dtype)
-    raw = tensors.to_raw(datatype, array)
+    raw = codec.to_raw(datatype, array)
     assert len(raw) == array.size * datatype.item_size
     back = wire.decode_raw("t", datatype, (2, 3), raw)
     assert back.dtype == datatype.numpy_dtype
@@ -60,7 +60,7 @@ def test_numeric_raw_round_trip(datatype: DataType) -> None:
 
 def test_bf16_wire_format_is_upper_half_of_fp32() -> None:
     value = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)
-    raw = tensors.to_raw(DataType.BF16, value)
+    raw = codec.to_raw(DataType.BF16, value)
     assert raw == struct.pack("<f", 1.5)[2:4] + struct.pack("<f", -2.0)[2:4]
 
 
@@ -132,15 +132,15 @@ def test_bytes_framing_matches_the_plain_reference(items: list[bytes], length: i
     if length is not None:
         items = [item[:length].ljust(length, b"\x00") for item in items]
     raw = _framed(items)
-    assert tensors.serialize_bytes(_objects(items)) == raw
-    assert list(tensors.deserialize_bytes(raw, len(items))) == items
+    assert codec.serialize_bytes(_objects(items)) == raw
+    assert list(codec.deserialize_bytes(raw, len(items))) == items
 
 
 def test_bytes_framing_of_many_elements_spans_chunks() -> None:
     items = [bytes([i % 251]) * (i % 7) for i in range(200_003)]
-    raw = tensors.serialize_bytes(_objects(items))
+    raw = codec.serialize_bytes(_objects(items))
     assert raw == _framed(items)
-    assert list(tensors.deserialize_bytes(raw, len(items))) == items
+    assert list(codec.deserialize_bytes(raw, len(items))) == items
 
 
 @pytest.mark.parametrize(
@@ -155,8 +155,8 @@ def test_bytes_framing_of_many_elements_spans_chunks() -> None:
     ],
 )
 def test_bytes_that_look_of_one_length_are_still_checked(raw: bytes, count: int, error: str) -> None:
-    with pytest.raises(tensors.WireFormatError, match=error):
-        tensors.deserialize_bytes(raw, count)
+    with pytest.raises(codec.WireFormatError, match=error):
+        codec.deserialize_bytes(raw, count)
 
 
 # -- the memory a BYTES request may cost ------------------------------------------------------------
@@ -171,7 +171,7 @@ def _empty_strings_request(count: int) -> service_pb2.ModelInferRequest:
 
 def test_many_tiny_strings_are_refused_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     """5M empty strings: 20 MB on the wire, ~280 MB as Python objects. Refused without decoding."""
-    monkeypatch.setattr(tensors, "deserialize_bytes", lambda raw, count: pytest.fail("decoded"))
+    monkeypatch.setattr(codec, "deserialize_bytes", lambda raw, count: pytest.fail("decoded"))
     with pytest.raises(ShoalError) as caught:
         convert.infer_request(_empty_strings_request(5_000_000))
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT

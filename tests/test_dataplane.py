@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from shoal.dataplane import tensors
+from shoal.dataplane import packing
 from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
 from shoal.protocol.types import DataType
 from shoal.types import Tensor
@@ -35,10 +35,10 @@ def arena() -> Iterator[Arena]:
 
 def test_every_datatype_round_trips_at_an_offset(arena: Arena) -> None:
     sent = [_tensor(DataType(name), 7) for name in ALL_DATATYPES] + [_tensor(DataType.FP32, 0)]
-    slots = tensors.pack_at(arena, 128, sent)
+    slots = packing.pack_at(arena, 128, sent)
     assert all(offset % ALIGNMENT == 0 and offset >= 128 for _, _, _, offset, _ in slots)
-    assert tensors.extent(slots) == max(offset + nbytes for _, _, _, offset, nbytes in slots)
-    for before, after in zip(sent, tensors.unpack(arena, slots), strict=True):
+    assert packing.extent(slots) == max(offset + nbytes for _, _, _, offset, nbytes in slots)
+    for before, after in zip(sent, packing.unpack(arena, slots), strict=True):
         assert (after.name, after.datatype, after.shape) == (before.name, before.datatype, before.shape)
         assert after.data.dtype == before.datatype.numpy_dtype
         assert after.data.tolist() == before.data.tolist()
@@ -48,15 +48,15 @@ def test_a_message_that_does_not_fit_writes_nothing_and_says_what_it_needs(arena
     arena.map[:8] = b"untouchd"
     big = Tensor("big", DataType.FP64, (10_000,), np.ones(10_000))
     with pytest.raises(PoolFull) as caught:
-        tensors.pack_at(arena, 0, [big])
+        packing.pack_at(arena, 0, [big])
     assert caught.value.wanted == 80_000 and caught.value.capacity == arena.size
     assert arena.map[:8] == b"untouchd"
 
 
 def test_views_are_read_only_unless_the_reader_owns_the_bytes(arena: Arena) -> None:
-    slots = tensors.pack_at(arena, 0, [_tensor(DataType.INT32, 4)])
-    (shared,) = tensors.unpack(arena, slots)
+    slots = packing.pack_at(arena, 0, [_tensor(DataType.INT32, 4)])
+    (shared,) = packing.unpack(arena, slots)
     assert not shared.data.flags.writeable
-    (owned,) = tensors.unpack(arena, slots, writable=True)
+    (owned,) = packing.unpack(arena, slots, writable=True)
     owned.data[0] = 42
     assert shared.data[0] == 42  # both views are the arena's bytes, not copies

@@ -8,7 +8,7 @@ import pytest
 import tritonclient.grpc as triton
 
 from shoal.grpc.convert import _CONTENTS_FIELD
-from shoal.protocol import InferenceStub, tensors
+from shoal.protocol import InferenceStub, codec
 from shoal.protocol import service_pb2 as pb
 from shoal.protocol.types import DataType
 from tests.conftest import RunningServer
@@ -72,7 +72,7 @@ def test_typed_contents_round_trip(stub: InferenceStub, datatype: str) -> None:
     assert list(response.outputs[0].shape) == list(data.shape)
     raw = response.raw_output_contents[0]
     if datatype == "BYTES":
-        assert list(tensors.deserialize_bytes(raw, data.size)) == AWKWARD_BYTES
+        assert list(codec.deserialize_bytes(raw, data.size)) == AWKWARD_BYTES
     else:
         np.testing.assert_array_equal(np.frombuffer(raw, dtype=data.dtype).reshape(data.shape), data)
 

@@ -16,7 +16,7 @@ import pytest
 
 from shoal.errors import MAX_MESSAGE_BYTES, ShoalError
 from shoal.grpc import convert
-from shoal.lifecycle import tensors
+from shoal.lifecycle import request_checks
 from shoal.lifecycle.configure import ConfigOverride
 from shoal.protocol import service_pb2 as pb
 from shoal.protocol.types import DataType
@@ -76,7 +76,7 @@ def _prepare(
         parameters={},
         class_counts=class_counts or {},
     )
-    return lambda: tensors.prepare(SPEC, request)
+    return lambda: request_checks.prepare(SPEC, request)
 
 
 CASES: dict[str, tuple[Callable[[], object], str]] = {

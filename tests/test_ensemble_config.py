@@ -7,7 +7,8 @@ import pytest
 
 from shoal.errors import ErrorCode, ShoalError
 from shoal.repository.config import ModelSpec, normalize, parse_config, to_spec, validate
-from shoal.repository.ensemble_config import dependency_cycle, validate_against_composing
+from shoal.repository.ensemble_composing import validate_against_composing
+from shoal.repository.ensemble_config import dependency_cycle
 
 ADD = (
     'name: "add" backend: "identity" max_batch_size: 8 '

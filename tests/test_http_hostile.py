@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from shoal.http import app as http_app
-from shoal.http import handlers, tensors
+from shoal.http import handlers, infer_body
 from shoal.http.app import HttpApp
 from shoal.http.handlers import Reply, Request
 from shoal.http.server import MAX_HEAD_BYTES
@@ -255,13 +255,13 @@ def test_an_answer_of_many_json_values_is_encoded_off_the_loop(
     monkeypatch: pytest.MonkeyPatch, size: int, binary: bool, off_loop: bool
 ) -> None:
     threads: list[int] = []
-    real = tensors.infer_response
+    real = infer_body.infer_response
 
     def recording(*args: object) -> tuple[bytes, int | None]:
         threads.append(threading.get_ident())
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tensors, "infer_response", recording)
+    monkeypatch.setattr(infer_body, "infer_response", recording)
     body = json.dumps(
         {
             "inputs": [{"name": "IN", "datatype": "FP32", "shape": [1], "data": [1]}],

@@ -111,7 +111,7 @@ def test_the_host_releases_a_worker_block_only_when_no_view_of_it_is_left() -> N
 
     from shoal.core import messages
     from shoal.core.host import CoreHost
-    from shoal.dataplane import tensors
+    from shoal.dataplane import packing
     from shoal.dataplane.arena import Arena, BlockAllocator
     from shoal.dataplane.channel import Channel
     from shoal.protocol.types import DataType
@@ -133,7 +133,7 @@ def test_the_host_releases_a_worker_block_only_when_no_view_of_it_is_left() -> N
             await host.connect(host_end)
             worker = await Channel.open(worker_end, received.put_nowait, lambda: None, messages.RECORDS)
             value = Tensor("IN", DataType.FP32, (1, 4), np.arange(4, dtype=np.float32).reshape(1, 4))
-            _, slots = tensors.pack(requests, BlockAllocator(requests.size), [value])
+            _, slots = packing.pack(requests, BlockAllocator(requests.size), [value])
             worker.send(messages.Infer(7, "m", "", "", None, {}, {}, (), {}, slots, False, []))
             answered = await asyncio.wait_for(received.get(), 10)
             # A RELEASE due at the answer would have been written with it, in the same write.
@@ -261,31 +261,31 @@ def test_a_block_packed_for_a_caller_cancelled_meanwhile_is_freed(monkeypatch: p
     """Costly messages are packed on a worker thread, which a cancelled caller cannot stop: the block it
     takes used to stay taken for good (in a worker's pool for a client's deadline, in the host's for a
     cancelled request with many BYTES outputs)."""
-    from shoal.dataplane import tensors
+    from shoal.dataplane import packing
     from shoal.dataplane.arena import Arena, BlockAllocator
     from shoal.protocol.types import DataType
     from shoal.types import Tensor
 
     started, go = threading.Event(), threading.Event()
-    real_pack = tensors.pack
+    real_pack = packing.pack
 
     def held_pack(*args: Any) -> Any:
         started.set()
         assert go.wait(30)
         return real_pack(*args)
 
-    monkeypatch.setattr(tensors, "pack", held_pack)
+    monkeypatch.setattr(packing, "pack", held_pack)
     value = Tensor("IN", DataType.BYTES, (3,), np.array([b"a", b"bc", b"def"], dtype=np.object_))
 
     async def scenario() -> tuple[int, int]:
         arena = Arena.create("t-cancelled", 1 << 16)
         allocator = BlockAllocator(arena.size)
         try:
-            packing = asyncio.create_task(tensors.pack_off_loop(arena, allocator, [value]))
+            in_progress = asyncio.create_task(packing.pack_off_loop(arena, allocator, [value]))
             assert await asyncio.to_thread(started.wait, 30)
-            packing.cancel()
+            in_progress.cancel()
             with pytest.raises(asyncio.CancelledError):
-                await packing
+                await in_progress
             go.set()
             deadline = time.monotonic() + 30
             while allocator.free_bytes != allocator.capacity and time.monotonic() < deadline:

@@ -164,8 +164,8 @@ def test_cache_config_refusals_in_tritons_words(value: str, message: str) -> Non
 
 def test_each_hit_gets_its_own_copy_so_an_in_place_write_never_changes_the_entry() -> None:
     """An ensemble's next step (torch.from_numpy ignores the read-only flag) may write into what a hit answers."""
+    from shoal.lifecycle.request_checks import Prepared
     from shoal.lifecycle.response_cache import VersionCache
-    from shoal.lifecycle.tensors import Prepared
     from shoal.statistics import ModelStatistics
 
     version = VersionCache(ResponseCache(1000), ModelStatistics())
@@ -183,8 +183,8 @@ def test_a_large_request_is_hashed_and_its_answer_copied_off_the_event_loop() ->
     """Hashing and copying cost ~2 ms per MiB: above OFF_LOOP_BYTES neither may run on the serving loop,
     or one large request holds every other one. Small ones stay on the loop (a thread costs more)."""
     from shoal.lifecycle import response_cache
+    from shoal.lifecycle.request_checks import Prepared
     from shoal.lifecycle.response_cache import OFF_LOOP_BYTES, OFF_LOOP_ELEMENTS, VersionCache
-    from shoal.lifecycle.tensors import Prepared
     from shoal.statistics import ModelStatistics
 
     threads: list[str] = []

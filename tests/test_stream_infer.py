@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from shoal.grpc.servicer import MAX_IN_FLIGHT_PER_STREAM
+from shoal.core.stream import MAX_IN_FLIGHT_PER_STREAM
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import models

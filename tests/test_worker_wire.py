@@ -25,13 +25,13 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from shoal.core import messages
-from shoal.dataplane import tensors
+from shoal.dataplane import packing
 from shoal.dataplane.arena import Arena, BlockAllocator
 from shoal.dataplane.channel import Channel
 from shoal.errors import ShoalError
 from shoal.grpc import convert
+from shoal.protocol import codec
 from shoal.protocol import service_pb2 as shoal_pb2
-from shoal.protocol import tensors as wire
 from shoal.protocol.types import DataType
 from shoal.types import EncodedTensor, Tensor
 from tests import models
@@ -191,7 +191,7 @@ def test_the_worker_leaves_raw_bytes_encoded(monkeypatch: pytest.MonkeyPatch) ->
     def never(*args: object) -> None:
         raise AssertionError("BYTES were decoded in the front end")
 
-    monkeypatch.setattr(wire, "deserialize_bytes", never)
+    monkeypatch.setattr(codec, "deserialize_bytes", never)
     request = convert.infer_request_encoded(_shoal_request(GOOD_A, GOOD_B, GOOD_C))
     a, b, c = request.inputs
     assert isinstance(a, EncodedTensor) and isinstance(c, EncodedTensor) and not isinstance(b, EncodedTensor)
@@ -214,19 +214,19 @@ def test_encoded_bytes_cross_an_arena_as_they_are() -> None:
     try:
         encoded = EncodedTensor("A", DataType.BYTES, (3,), np.frombuffer(GOOD_A, np.uint8))
         fixed = Tensor("B", DataType.INT32, (2,), np.array([1, 2], dtype=np.int32))
-        _, slots = tensors.pack(arena, BlockAllocator(arena.size), [encoded, fixed])
-        assert not tensors.costly([EncodedTensor("A", DataType.BYTES, (10**6,), np.zeros(4 * 10**6, np.uint8))])
-        views = tensors.unpack(arena, slots, encoded_bytes=True)
+        _, slots = packing.pack(arena, BlockAllocator(arena.size), [encoded, fixed])
+        assert not packing.costly([EncodedTensor("A", DataType.BYTES, (10**6,), np.zeros(4 * 10**6, np.uint8))])
+        views = packing.unpack(arena, slots, encoded_bytes=True)
         assert isinstance(views[0], EncodedTensor) and views[0].raw() == GOOD_A
         assert views[0].decoded().data.tolist() == VALUES and views[1].data.tolist() == [1, 2]
-        decoded = tensors.unpack(arena, slots)  # the host's reading: BYTES decoded once
+        decoded = packing.unpack(arena, slots)  # the host's reading: BYTES decoded once
         assert not isinstance(decoded[0], EncodedTensor) and decoded[0].data.tolist() == VALUES
         short = EncodedTensor("A", DataType.BYTES, (3,), np.frombuffer(_strings(b"1"), np.uint8))
-        _, bad = tensors.pack(arena, BlockAllocator(arena.size), [short])
-        with pytest.raises(wire.StringCountMismatch):
-            tensors.unpack(arena, bad)
+        _, bad = packing.pack(arena, BlockAllocator(arena.size), [short])
+        with pytest.raises(codec.StringCountMismatch):
+            packing.unpack(arena, bad)
         noted: list[str] = []
-        assert tensors.unpack(arena, bad, on_unfit=lambda name, exc: noted.append(name))[0].data.size == 0
+        assert packing.unpack(arena, bad, on_unfit=lambda name, exc: noted.append(name))[0].data.size == 0
         assert noted == ["A"]
         del views, decoded
     finally:
@@ -293,10 +293,10 @@ def test_an_answer_carries_its_release_and_a_request_the_freed_blocks() -> None:
         await host.connect(host_end)
         worker = await Channel.open(worker_end, received.put_nowait, lambda: None, messages.RECORDS)
         value = EncodedTensor("IN", DataType.BYTES, (3,), np.frombuffer(GOOD_A, np.uint8))
-        _, slots = tensors.pack(requests, BlockAllocator(requests.size), [value])
+        _, slots = packing.pack(requests, BlockAllocator(requests.size), [value])
         worker.send(messages.Infer(7, "m", "", "", None, {}, {}, (), {}, slots, False, []))
         first = await asyncio.wait_for(received.get(), 10)
-        out = tensors.unpack(responses, first.slots, encoded_bytes=True)
+        out = packing.unpack(responses, first.slots, encoded_bytes=True)
         assert out[0].raw() == GOOD_A  # decoded by the host, encoded again for the worker
         del out
         worker.send(messages.Infer(8, "m", "", "", None, {}, {}, (), {}, slots, False, [first.block]))

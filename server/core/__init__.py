@@ -25,7 +25,6 @@ from shoal.tracing.trace import Origin
 from shoal.types import InferRequest, InferResponse
 
 __all__ = [
-    "DECOUPLED_REFUSED",
     "Core",
     "CudaRegionStatus",
     "HealthSnapshot",
@@ -49,10 +48,6 @@ class StatisticsRow:
     pending: int  # requests queued, waiting for an executor
     instances: int
     cached: bool = False  # answered from the response cache when it can (Triton's nv_cache_* families)
-
-
-# Triton's words (grpc infer_handler.cc) for a one-response inference of a decoupled model.
-DECOUPLED_REFUSED = "ModelInfer RPC doesn't support models with decoupled transaction policy"
 
 
 @dataclass(frozen=True)
@@ -89,6 +84,10 @@ class Core(Protocol):
     async def model_metadata(self, name: str, version: str) -> ModelMetadata: ...
 
     async def model_config(self, name: str, version: str) -> dict[str, Any]: ...
+
+    # Whether the model streams its responses (zero or more, then FINAL): ``infer`` refuses it with
+    # ``errors.DecoupledRefused``, ``infer_stream`` serves it.
+    async def model_decoupled(self, name: str, version: str) -> bool: ...
 
     # ``origin``: where the transport got it (for tracing: its receive time, the client's trace context).
     async def infer(self, request: InferRequest, origin: Origin | None = None) -> InferResponse: ...

@@ -28,7 +28,7 @@ from typing import Any
 from shoal.core import messages
 from shoal.core.local import LocalCore
 from shoal.core.wire import UnfitContents
-from shoal.dataplane import tensors
+from shoal.dataplane import packing
 from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
 from shoal.dataplane.channel import Channel
 from shoal.errors import ErrorCode, ShoalError, bounded, internal_error
@@ -131,7 +131,7 @@ class CoreHost:
         released with the last view."""
         release = self._releases[message.id]
         release.handed_out = True
-        if tensors.costly(message.slots):  # many BYTES to decode: off the loop
+        if packing.costly(message.slots):  # many BYTES to decode: off the loop
             inputs = await asyncio.to_thread(self._unpack, message.model_name, message.slots, release)
         else:
             inputs = self._unpack(message.model_name, message.slots, release)
@@ -147,12 +147,12 @@ class CoreHost:
             message.output_regions,
         )
 
-    def _unpack(self, model: str, slots: list[tensors.Slot], release: InputRelease) -> tuple[Tensor, ...]:
+    def _unpack(self, model: str, slots: list[packing.Slot], release: InputRelease) -> tuple[Tensor, ...]:
         """The inputs; BYTES that do not fit their shape refused as the one-process transport refuses them
         (every input read first, the last unfit one named: ``UnfitContents``)."""
         unfit = UnfitContents(model)
         try:
-            inputs = tensors.unpack(self.requests, slots, release, on_unfit=unfit.note)
+            inputs = packing.unpack(self.requests, slots, release, on_unfit=unfit.note)
             try:
                 unfit.check()
             except ShoalError:
@@ -189,12 +189,12 @@ class CoreHost:
             released.append(self._released.popleft())
         return released
 
-    async def _pack(self, moved: list[Tensor]) -> tuple[int, list[tensors.Slot]]:
+    async def _pack(self, moved: list[Tensor]) -> tuple[int, list[packing.Slot]]:
         """Outputs copied into a block of this host's arena for the worker, which frees it when done."""
         try:
-            if tensors.costly(moved):
-                return await tensors.pack_off_loop(self.responses, self._allocator, moved)
-            return tensors.pack(self.responses, self._allocator, moved)
+            if packing.costly(moved):
+                return await packing.pack_off_loop(self.responses, self._allocator, moved)
+            return packing.pack(self.responses, self._allocator, moved)
         except PoolFull as exc:
             raise ShoalError(ErrorCode.UNAVAILABLE, f"the response does not fit: it {exc}") from None
 
@@ -224,8 +224,8 @@ class CoreHost:
         request_id = message.id
         try:
             async for part in self.core.infer_stream(await self._request(message)):
-                names, block = None, tensors.NO_BLOCK
-                out: list[tensors.Slot] = []
+                names, block = None, packing.NO_BLOCK
+                out: list[packing.Slot] = []
                 if part.response is not None:
                     response = part.response
                     names = (response.model_name, response.model_version, response.id)
@@ -253,20 +253,21 @@ class CoreHost:
         self.send(messages.Result(request_id, value))
 
     def _failed(self, request_id: int, exc: BaseException) -> None:
+        kind = ""
         if isinstance(exc, ShoalError):
-            code, message = exc.code, exc.message
+            code, message, kind = exc.code, exc.message, exc.kind
         elif isinstance(exc, asyncio.CancelledError):
             code, message = ErrorCode.UNAVAILABLE, "the request was cancelled"
         else:
             code, message = ErrorCode.INTERNAL, internal_error(exc, "serving a front-end worker's request")
         self._send_released()
-        self.send(messages.Error(request_id, code.value, bounded(message)))
+        self.send(messages.Error(request_id, code.value, bounded(message), kind))
 
 
 class InputRelease:
     """Tells the worker, once, that the host is done with one request's input block.
 
-    Runs when the last view of the inputs is collected (``tensors.unpack``'s ``on_release``), or at
+    Runs when the last view of the inputs is collected (``packing.unpack``'s ``on_release``), or at
     once when no view was ever made (``handed_out`` False: the request failed or was cancelled first).
     """
 

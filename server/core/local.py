@@ -15,7 +15,6 @@ import numpy as np
 
 from shoal import __version__, logs
 from shoal.core import (
-    DECOUPLED_REFUSED,
     CudaRegionStatus,
     HealthSnapshot,
     IndexEntry,
@@ -29,11 +28,11 @@ from shoal.core import (
 )
 from shoal.dataplane import cuda
 from shoal.dataplane.regions import RegionRegistry
-from shoal.errors import ErrorCode, ShoalError, internal_error, shown
-from shoal.lifecycle import tensors
+from shoal.errors import DecoupledRefused, ErrorCode, ShoalError, internal_error, shown
+from shoal.lifecycle import request_checks
 from shoal.lifecycle.manager import ModelManager
 from shoal.lifecycle.model import ModelVersion
-from shoal.lifecycle.streaming import ENDED, ResponseSink, StreamingRequest, is_decoupled
+from shoal.lifecycle.streaming import ENDED, ResponseSink, StreamingRequest
 from shoal.settings import ServerSettings, TraceConfig
 from shoal.statistics import TRACED
 from shoal.tracing.trace import Origin
@@ -115,6 +114,9 @@ class LocalCore:
         """The normalized config as proto3 JSON (field names as in model_config.proto)."""
         return self.manager.resolve(name, version).spec.config_json
 
+    async def model_decoupled(self, name: str, version: str) -> bool:
+        return self.manager.resolve(name, version).spec.decoupled
+
     async def infer(self, request: InferRequest, origin: Origin | None = None) -> InferResponse:
         # Off, that one check is all; a decoupled model's request (its responses go to a sink) is not traced.
         trace = None
@@ -144,8 +146,8 @@ class LocalCore:
         self._idle.clear()
         try:
             served = self.manager.resolve(request.model_name, request.model_version)
-            if is_decoupled(served.spec.config_json) and not isinstance(request, StreamingRequest):
-                raise ShoalError(ErrorCode.UNSUPPORTED, DECOUPLED_REFUSED)
+            if served.spec.decoupled and not isinstance(request, StreamingRequest):
+                raise DecoupledRefused()
             if request.region_inputs:
                 if shared_memory.costly(self.regions, request):
                     request = await asyncio.to_thread(shared_memory.with_region_inputs, self.regions, request)
@@ -166,7 +168,7 @@ class LocalCore:
     async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamedResponse]:
         """A decoupled model's responses as its instance puts them into the request's sink."""
         served = self.manager.resolve(request.model_name, request.model_version)
-        if not is_decoupled(served.spec.config_json):
+        if not served.spec.decoupled:
             yield StreamedResponse(await self.infer(request), True)
             return
         if request.output_regions:
@@ -303,10 +305,10 @@ def _streamed(
     served: ModelVersion, request: InferRequest, item: dict[str, np.ndarray] | ShoalError | None, final: bool
 ) -> StreamedResponse:
     """One item of a decoupled model's sink as a response, its outputs checked against the config as
-    every reply's are (``tensors.finish``)."""
+    every reply's are (``request_checks.finish``)."""
     if isinstance(item, dict):
         try:
-            outputs = tensors.streamed_outputs(served.spec, request, item)
+            outputs = request_checks.streamed_outputs(served.spec, request, item)
         except ShoalError as exc:
             return StreamedResponse(None, final, exc.message)
         return StreamedResponse(InferResponse(served.spec.name, str(served.version), request.id, outputs), final)

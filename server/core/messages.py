@@ -34,7 +34,7 @@ Every ``Infer`` gets its id released exactly once, in a ``Release`` or an ``Infe
 ``released``, before, with or after its answer, once no view of its inputs is left in the host; the
 worker reuses the block only then.
 
-Tensors travel as ``dataplane.tensors.Slot`` tuples; BYTES in the wire's encoding both ways, so
+Tensors travel as ``dataplane.packing.Slot`` tuples; BYTES in the wire's encoding both ways, so
 only the host decodes inputs and encodes outputs.
 """
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from shoal.dataplane.channel import Records
-from shoal.dataplane.tensors import Slot
+from shoal.dataplane.packing import Slot
 from shoal.tracing.trace import Origin
 from shoal.types import RegionInput, RegionSlice
 
@@ -101,6 +101,7 @@ class Error(NamedTuple):
     id: int
     code: str
     message: str
+    kind: str = ""  # ShoalError.kind: the subclass errors.rebuilt makes again in the worker
 
 
 class Inferred(NamedTuple):
@@ -154,6 +155,7 @@ CALLS = frozenset(
         "model_ready",
         "model_metadata",
         "model_config",
+        "model_decoupled",
         "model_statistics",
         "repository_index",
         "load_model",

@@ -32,10 +32,10 @@ from shoal.core import (
     StreamedResponse,
     messages,
 )
-from shoal.dataplane import tensors
+from shoal.dataplane import packing
 from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
 from shoal.dataplane.channel import Channel
-from shoal.errors import ErrorCode, ShoalError
+from shoal.errors import ErrorCode, ShoalError, rebuilt
 from shoal.protocol.types import DataType
 from shoal.tracing.trace import Origin
 from shoal.types import InferRequest, InferResponse, Tensor
@@ -115,11 +115,14 @@ class RemoteCore:
         config: dict[str, Any] = await self._call("model_config", name, version)
         return config
 
-    async def _pack_inputs(self, request: InferRequest) -> tuple[int, list[tensors.Slot]]:
+    async def model_decoupled(self, name: str, version: str) -> bool:
+        return bool(await self._call("model_decoupled", name, version))
+
+    async def _pack_inputs(self, request: InferRequest) -> tuple[int, list[packing.Slot]]:
         try:
-            if tensors.costly(request.inputs):  # many BYTES to encode: off the loop
-                return await tensors.pack_off_loop(self.requests, self._allocator, request.inputs)
-            return tensors.pack(self.requests, self._allocator, request.inputs)
+            if packing.costly(request.inputs):  # many BYTES to encode: off the loop
+                return await packing.pack_off_loop(self.requests, self._allocator, request.inputs)
+            return packing.pack(self.requests, self._allocator, request.inputs)
         except PoolFull as exc:
             advice = (
                 "it can never fit: start the server with a larger --grpc-worker-pool-mb"
@@ -166,7 +169,7 @@ class RemoteCore:
         stream = self._streams[message.id]
         if isinstance(message, messages.Error):
             del self._streams[message.id]
-            stream.put(ShoalError(ErrorCode(message.code), message.message))
+            stream.put(rebuilt(message.code, message.message, message.kind))
             return
         if message.final:
             del self._streams[message.id]
@@ -176,7 +179,7 @@ class RemoteCore:
             return
         response = None
         if message.names is not None:
-            outputs = tensors.unpack(self.responses, message.slots, lambda: self._release(block), encoded_bytes=True)
+            outputs = packing.unpack(self.responses, message.slots, lambda: self._release(block), encoded_bytes=True)
             model_name, model_version, response_id = message.names
             response = InferResponse(model_name, model_version, response_id, outputs)
         stream.put(StreamedResponse(response, message.final, message.error))
@@ -234,7 +237,7 @@ class RemoteCore:
     # -- the channel -------------------------------------------------------------------------------
 
     async def _call(self, method: str, *args: Any) -> Any:
-        return await self._send(lambda request_id: messages.Call(request_id, method, args), tensors.NO_BLOCK)
+        return await self._send(lambda request_id: messages.Call(request_id, method, args), packing.NO_BLOCK)
 
     async def _send(self, message_for: Callable[[int], Any], block: int) -> Any:
         """Send one request (``message_for`` its id) and wait for its answer. The input block stays taken
@@ -261,7 +264,7 @@ class RemoteCore:
         kind = type(message)
         if kind is messages.Release:
             for request_id in message.ids:
-                self._free_input(self._input_blocks.pop(request_id, tensors.NO_BLOCK))
+                self._free_input(self._input_blocks.pop(request_id, packing.NO_BLOCK))
             return
         if kind is messages.Health:
             self._on_health()
@@ -278,7 +281,7 @@ class RemoteCore:
             return
         if kind is messages.Inferred:
             for request_id in message.released:
-                self._free_input(self._input_blocks.pop(request_id, tensors.NO_BLOCK))
+                self._free_input(self._input_blocks.pop(request_id, packing.NO_BLOCK))
         answer = self._pending.pop(message.id, None)
         if answer is None:  # an id this worker never sent: ignore it rather than fail every later answer
             return
@@ -289,7 +292,7 @@ class RemoteCore:
         elif kind is messages.Result:
             answer.set_result(message.value)
         else:
-            answer.set_exception(ShoalError(ErrorCode(message.code), message.message))
+            answer.set_exception(rebuilt(message.code, message.message, message.kind))
 
     def _inferred(self, answer: asyncio.Future[Any], message: messages.Inferred) -> None:
         """The outputs as views of the host's block (BYTES still encoded: no work per element here)."""
@@ -297,7 +300,7 @@ class RemoteCore:
         if answer.done():  # cancelled meanwhile: nobody reads the outputs
             self._release(block)
             return
-        outputs = tensors.unpack(self.responses, message.slots, lambda: self._release(block), encoded_bytes=True)
+        outputs = packing.unpack(self.responses, message.slots, lambda: self._release(block), encoded_bytes=True)
         if message.in_regions:
             listed = list(outputs)
             for index, name, datatype_name, shape in message.in_regions:  # in the client's shared memory
@@ -315,16 +318,16 @@ class RemoteCore:
         )
 
     def _hold_input(self, request_id: int, block: int) -> None:
-        if block != tensors.NO_BLOCK:
+        if block != packing.NO_BLOCK:
             self._input_blocks[request_id] = block
 
     def _free_input(self, block: int) -> None:
-        if block != tensors.NO_BLOCK:
+        if block != packing.NO_BLOCK:
             self.requests.release_pages(block, self._allocator.free(block))
 
     def _release(self, block: int) -> None:
         """A response block is no longer read here; give it back (from any thread)."""
-        if block == tensors.NO_BLOCK or self._loop is None or self._loop.is_closed():
+        if block == packing.NO_BLOCK or self._loop is None or self._loop.is_closed():
             return
         if threading.get_ident() != self._loop_thread:
             self._loop.call_soon_threadsafe(self._release, block)
@@ -363,7 +366,7 @@ class RemoteCore:
 def _infer_message(
     request_id: int,
     request: InferRequest,
-    slots: list[tensors.Slot],
+    slots: list[packing.Slot],
     streaming: bool,
     freed: list[int],
     origin: Origin | None = None,

@@ -22,7 +22,7 @@ from shoal.core.wire import decode_raw
 from shoal.dataplane.cuda import CudaWindow
 from shoal.dataplane.regions import RegionRegistry, Window
 from shoal.errors import ErrorCode, ShoalError, shown
-from shoal.protocol import tensors as wire
+from shoal.protocol import codec
 from shoal.protocol.types import DataType
 from shoal.types import InferRequest, InferResponse, Tensor
 
@@ -54,7 +54,7 @@ def write_region_outputs(windows: dict[str, Window | CudaWindow], response: Infe
         if window is None:
             outputs.append(tensor)
             continue
-        raw = wire.to_raw(tensor.datatype, tensor.data)
+        raw = codec.to_raw(tensor.datatype, tensor.data)
         if len(raw) > window.byte_size:
             raise ShoalError(
                 ErrorCode.INTERNAL,

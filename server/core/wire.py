@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from shoal.errors import invalid, poll_failed, shown
-from shoal.protocol import tensors
+from shoal.protocol import codec
 from shoal.protocol.types import DataType
 from shoal.repository.scanner import MAX_NAME_BYTES
 from shoal.types import RegionSlice
@@ -39,12 +39,12 @@ class UnfitContents:
     def decode(self, name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes | memoryview) -> np.ndarray:
         """Raw content as an array; when it does not fit, noted, and an empty stand-in returned."""
         try:
-            return tensors.from_raw(datatype, shape, raw)
-        except tensors.WireFormatError as exc:
+            return codec.from_raw(datatype, shape, raw)
+        except codec.WireFormatError as exc:
             self.note(name, exc)
             return np.empty(0, dtype=datatype.numpy_dtype)
 
-    def note(self, name: str, exc: tensors.WireFormatError) -> None:
+    def note(self, name: str, exc: codec.WireFormatError) -> None:
         self._refusal = content_error(name, self.model, exc)
 
     def check(self) -> None:
@@ -68,20 +68,20 @@ def refuse_model_files(model: str, keys: list[str]) -> None:
         raise invalid(f"loading model files sent with the request ({shown(files[0])}) is not supported")
 
 
-def content_error(name: str, model: str, exc: tensors.WireFormatError) -> str:
+def content_error(name: str, model: str, exc: codec.WireFormatError) -> str:
     """Triton's message for tensor content that does not fit its shape (core infer_request.cc
     ``Normalize`` and ``ValidateBytesInputs``); Shoal's own for the cases Triton has none."""
     name, model = shown(name), shown(model)
     where = f"for inference input '{name}' for model '{model}'"
-    if isinstance(exc, tensors.ByteSizeMismatch):
+    if isinstance(exc, codec.ByteSizeMismatch):
         return (
             f"input byte size mismatch for input '{name}' for model '{model}'. Expected {exc.expected}, got {exc.got}"
         )
-    if isinstance(exc, tensors.StringCountMismatch):
+    if isinstance(exc, codec.StringCountMismatch):
         if exc.too_many:
             return f"unexpected number of string elements {exc.got} {where}, expecting {exc.expected}"
         return f"expected {exc.expected} string elements {where}, got {exc.got}"
-    if isinstance(exc, tensors.IncompleteLengthPrefix):
+    if isinstance(exc, codec.IncompleteLengthPrefix):
         return (
             f"incomplete string length indicator {where}, expecting 4 bytes but only {exc.available} bytes "
             "available. Please make sure the string length indicator is in one buffer."

@@ -1,6 +1,6 @@
 """Control messages between two processes: length-prefixed pickles over a connected Unix socket.
 
-Messages are small typed records (tensor bytes travel in an arena, see ``dataplane.tensors``); both
+Messages are small typed records (tensor bytes travel in an arena, see ``dataplane.packing``); both
 ends are Shoal's own processes joined by a ``socketpair``, which nothing else can connect to. Sends
 made in one turn of the event loop go out in one write.
 

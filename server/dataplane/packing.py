@@ -24,7 +24,7 @@ from typing import TypeAlias
 import numpy as np
 
 from shoal.dataplane.arena import ALIGNMENT, Arena, BlockAllocator, PoolFull
-from shoal.protocol import tensors as wire
+from shoal.protocol import codec
 from shoal.protocol.types import DataType
 from shoal.types import EncodedTensor, Tensor
 
@@ -52,7 +52,7 @@ def _payload(tensor: Tensor) -> np.ndarray | bytes:
     if isinstance(tensor, EncodedTensor):
         return tensor.data
     if tensor.datatype is DataType.BYTES:
-        return wire.serialize_bytes(tensor.data)
+        return codec.serialize_bytes(tensor.data)
     return np.ascontiguousarray(tensor.data, dtype=tensor.datatype.numpy_dtype)
 
 
@@ -138,7 +138,7 @@ def unpack(
     on_release: Callable[[], None] | None = None,
     writable: bool = False,
     encoded_bytes: bool = False,
-    on_unfit: Callable[[str, wire.WireFormatError], None] | None = None,
+    on_unfit: Callable[[str, codec.WireFormatError], None] | None = None,
 ) -> tuple[Tensor, ...]:
     """The slots' tensors, as read-only views into the arena (BYTES are decoded copies, or with
     ``encoded_bytes`` ``EncodedTensor`` views of their wire bytes, decoded by whoever needs values).
@@ -174,7 +174,7 @@ def _tensor(
     base: int,
     slot: Slot,
     encoded_bytes: bool,
-    on_unfit: Callable[[str, wire.WireFormatError], None] | None,
+    on_unfit: Callable[[str, codec.WireFormatError], None] | None,
 ) -> Tensor:
     name, datatype_name, shape, offset, nbytes = slot
     datatype = _DATATYPES[datatype_name]
@@ -185,8 +185,8 @@ def _tensor(
             encoded = np.frombuffer(buffer, np.uint8, nbytes, start if nbytes else 0)
             return EncodedTensor(name, datatype, tuple(shape), encoded)
         try:
-            data = wire.deserialize_bytes(bytes(buffer[start : start + nbytes]), count).reshape(shape)
-        except wire.WireFormatError as exc:
+            data = codec.deserialize_bytes(bytes(buffer[start : start + nbytes]), count).reshape(shape)
+        except codec.WireFormatError as exc:
             if on_unfit is None:
                 raise
             on_unfit(name, exc)

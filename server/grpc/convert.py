@@ -1,7 +1,7 @@
 """Protobuf ↔ core types, one pair of functions per message.
 
 Tensor data arrives either as ``raw_input_contents`` (one entry per input, in input order;
-wire format in ``shoal.protocol.tensors``) or as typed ``contents``. Replies always use
+wire format in ``shoal.protocol.codec``) or as typed ``contents``. Replies always use
 ``raw_output_contents``, which is what tritonclient and perf_analyzer read.
 """
 
@@ -26,7 +26,7 @@ from shoal.core import (
 from shoal.core.wire import UnfitContents, refuse_model_files, region_slice
 from shoal.errors import ShoalError, invalid, shown
 from shoal.logs import NO_VALUE
-from shoal.protocol import config_pb2, service_pb2, tensors
+from shoal.protocol import codec, config_pb2, service_pb2
 from shoal.protocol.types import DataType
 from shoal.statistics import INFER_DURATIONS, Duration
 from shoal.types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
@@ -69,9 +69,9 @@ def decode_contents(
     count = math.prod(shape)
     if len(values) != count:
         if datatype is DataType.BYTES:
-            mismatch: tensors.WireFormatError = tensors.StringCountMismatch(count, min(len(values), count + 1))
+            mismatch: codec.WireFormatError = codec.StringCountMismatch(count, min(len(values), count + 1))
         else:
-            mismatch = tensors.ByteSizeMismatch(
+            mismatch = codec.ByteSizeMismatch(
                 datatype, shape, count * datatype.item_size, len(values) * datatype.item_size
             )
         unfit.note(name, mismatch)
@@ -327,8 +327,8 @@ def _declared(name: str, datatype_name: str, shape: tuple[int, ...]) -> DataType
     if datatype is None:
         raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'")
     try:
-        tensors.check_shape(datatype, shape)
-    except tensors.WireFormatError as exc:
+        codec.check_shape(datatype, shape)
+    except codec.WireFormatError as exc:
         raise invalid(f"input '{shown(name)}': {exc}") from None
     return datatype
 
@@ -388,7 +388,7 @@ def infer_response(response: InferResponse) -> service_pb2.ModelInferResponse:
         elif isinstance(tensor, EncodedTensor):  # BYTES as the host encoded them (a front-end worker)
             message.raw_output_contents.append(tensor.raw())
         else:
-            message.raw_output_contents.append(tensors.to_raw(tensor.datatype, tensor.data))
+            message.raw_output_contents.append(codec.to_raw(tensor.datatype, tensor.data))
     return message
 
 

@@ -1,7 +1,7 @@
 """The thin servicer: protobuf in on the first line, one core call, protobuf out on the last.
 
-ModelStreamInfer adds only the stream's plumbing: its requests run concurrently, bounded per stream,
-and are answered in arrival order; a decoupled model's responses go out as they come.
+ModelStreamInfer hands its requests to the core's ``InferStream``, which orders the answers (arrival
+order; a decoupled model's responses as they come); the servicer only translates them.
 
 One method per RPC of ``inference.GRPCInferenceService``; ``server.grpc.server``
 registers each under the guard that maps errors to status.
@@ -9,15 +9,16 @@ registers each under the guard that maps errors to status.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import grpc
 
 from shoal.core import Core
+from shoal.core.stream import InferStream, Route
 from shoal.grpc import convert, offload
 from shoal.grpc.status import to_status
 from shoal.protocol import service_pb2 as pb
@@ -25,11 +26,6 @@ from shoal.tracing.trace import Origin
 
 Context: TypeAlias = grpc.aio.ServicerContext
 
-# Requests one stream may have in flight (read and not yet answered on the wire). Deep enough for a
-# client pipelining on one stream to fill a dynamic batch; past it the stream is not read, so one
-# stream holds at most this many decoded requests and a client that sends faster than the models
-# answer is held back by grpc's flow control instead of being refused.
-MAX_IN_FLIGHT_PER_STREAM = 32
 # Triton's request and response parameters for decoupled models on a stream.
 EMPTY_FINAL_PARAMETER, FINAL_PARAMETER = "triton_enable_empty_final_response", "triton_final_response"
 
@@ -68,85 +64,14 @@ class InferenceServicer:
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Each request starts as it is read; responses go out in the order the requests came, as Triton's.
-
-        Triton's stream handler (src/grpc/stream_infer_handler.cc) runs a stream's requests
-        concurrently but, for models that are not decoupled, writes their responses in arrival order;
-        clients that send no ids rely on it. A failed request gets ``error_message`` and its id, and the
-        stream goes on. A slot is taken before a request is read and freed once its response is
-        written: with every slot taken the stream is not read, so grpc's flow control holds the client
-        back. When the client half-closes, every request in flight is answered, then the stream ends;
-        if it cancels, they are cancelled. A request of a sequence (``sequence_id``) starts only once the
-        stream's previous request of that sequence is answered, so a sequence runs in the order sent
-        (Triton's sequence batcher relies on it), in either process layout. A request to a decoupled
-        model (asked of the core once per model on a stream) holds its slot until its final response;
-        its responses go out as they come, behind any ordered answer already queued.
-        """
-        slots = asyncio.Semaphore(MAX_IN_FLIGHT_PER_STREAM)
-        # Answers in the order they are written, each with whether writing it frees a slot; None: the
-        # client sent its last request and every decoupled request has its final response.
-        answers: asyncio.Queue[tuple[asyncio.Future[pb.ModelStreamInferResponse], bool] | None] = asyncio.Queue()
-        in_flight: set[asyncio.Task[Any]] = set()
-        decoupled_tasks: set[asyncio.Task[None]] = set()
-        last_of_sequence: dict[tuple[str, Any], asyncio.Task[pb.ModelStreamInferResponse]] = {}
-        decoupled_models: dict[tuple[str, str], bool] = {}
-
-        def put(message: pb.ModelStreamInferResponse) -> None:
-            written = asyncio.get_running_loop().create_future()
-            written.set_result(message)
-            answers.put_nowait((written, False))
-
-        async def read() -> None:
-            try:
-                await slots.acquire()
-                async for request in requests:
-                    if await self._decoupled(request, decoupled_models):
-                        stream = asyncio.create_task(self._stream_decoupled(request, put))
-                        in_flight.add(stream)
-                        decoupled_tasks.add(stream)
-                        stream.add_done_callback(in_flight.discard)
-                        stream.add_done_callback(decoupled_tasks.discard)
-                        stream.add_done_callback(lambda _: slots.release())
-                        await slots.acquire()
-                        continue
-                    key = _sequence_key(request)
-                    after = last_of_sequence.get(key) if key is not None else None
-                    task = asyncio.create_task(self._stream_answer(request, context, after))
-                    in_flight.add(task)
-                    task.add_done_callback(in_flight.discard)
-                    if key is not None:
-                        last_of_sequence[key] = task
-                        task.add_done_callback(functools.partial(_forget, last_of_sequence, key))
-                    answers.put_nowait((task, True))
-                    await slots.acquire()
-                if decoupled_tasks:  # the client is done sending: answer what it sent, then end
-                    await asyncio.wait(set(decoupled_tasks))
-            finally:
-                answers.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await answers.get()) is not None:
-                answer, frees_slot = item
-                yield await answer
-                if frees_slot:
-                    slots.release()
-            await reader  # raises what ended the reading (a malformed message): the guard makes it a status
-        finally:
-            reader.cancel()
-            for task in in_flight:
-                task.cancel()
-
-    async def _decoupled(self, request: pb.ModelInferRequest, known: dict[tuple[str, str], bool]) -> bool:
-        """Whether the request's model is decoupled, asked once per model and version on a stream."""
-        key = (request.model_name, request.model_version)
-        if key not in known:
-            try:
-                config = await self.core.model_config(*key)
-            except Exception:  # noqa: BLE001 - not served: the ordinary path reports it in-stream
-                return False
-            known[key] = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
-        return known[key]
+        """Each request starts as it is read; the core's ``InferStream`` orders the answers as Triton's
+        stream handler does. A failed request gets ``error_message`` and its id, and the stream goes on."""
+        stream = InferStream(
+            self.core, _route, functools.partial(self._stream_answer, context=context), self._stream_decoupled
+        )
+        async with contextlib.aclosing(stream.answers(requests)) as answers:  # closed with this RPC
+            async for answer in answers:
+                yield answer
 
     async def _stream_decoupled(
         self, request: pb.ModelInferRequest, put: Callable[[pb.ModelStreamInferResponse], None]
@@ -171,13 +96,8 @@ class InferenceServicer:
             _, text = to_status(exc)
             put(pb.ModelStreamInferResponse(error_message=text, infer_response=pb.ModelInferResponse(id=request.id)))
 
-    async def _stream_answer(
-        self, request: pb.ModelInferRequest, context: Context, after: asyncio.Task[Any] | None = None
-    ) -> pb.ModelStreamInferResponse:
-        """One request's answer on a stream, once ``after`` is answered; a failure is reported in-stream,
-        as Triton does."""
-        if after is not None:
-            await asyncio.wait([after])
+    async def _stream_answer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelStreamInferResponse:
+        """One request's answer on a stream; a failure is reported in-stream, as Triton does."""
         try:
             return pb.ModelStreamInferResponse(infer_response=await self.ModelInfer(request, context))
         except Exception as exc:  # noqa: BLE001 - reported in-stream; the stream goes on
@@ -266,19 +186,14 @@ def _trace_context(context: Context) -> tuple[str, str]:
     return traceparent, tracestate
 
 
-def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, Any] | None:
-    """The model and correlation id of a request that belongs to a sequence; None for others."""
-    if "sequence_id" not in request.parameters:
-        return None
-    value = convert.parameter_value(request.parameters["sequence_id"])
-    return None if value in (None, 0, "") else (request.model_name, value)
+def _route(request: pb.ModelInferRequest) -> Route:
+    """The request's model and version, and its sequence: the correlation id of one that has one."""
+    sequence = None
+    if "sequence_id" in request.parameters:
+        value = convert.parameter_value(request.parameters["sequence_id"])
+        sequence = None if value in (None, 0, "") else value
+    return Route(request.model_name, request.model_version, sequence)
 
 
 def _bool_parameter(request: pb.ModelInferRequest, name: str) -> bool:
     return name in request.parameters and convert.parameter_value(request.parameters[name]) is True
-
-
-def _forget(last: dict[tuple[str, Any], asyncio.Task[Any]], key: tuple[str, Any], done: asyncio.Task[Any]) -> None:
-    """A sequence's answered request stops being the one its next request waits for."""
-    if last.get(key) is done:
-        del last[key]

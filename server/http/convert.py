@@ -1,4 +1,4 @@
-"""JSON ↔ core types for every endpoint but inference (``http.tensors``): one function per message.
+"""JSON ↔ core types for every endpoint but inference (``http.infer_body``): one function per message.
 
 Shapes and field names are Triton's HTTP answers (KServe v2 REST and Triton's extensions), which
 are the gRPC messages' proto3 JSON with their field names, every field printed (defaults too), and

@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.core import DECOUPLED_REFUSED, Core
-from shoal.errors import ShoalError
-from shoal.http import convert, tensors
+from shoal.core import Core
+from shoal.errors import DecoupledRefused
+from shoal.http import convert, infer_body
 from shoal.http.status import HttpError
 from shoal.protocol.types import DataType
 from shoal.tracing.trace import Origin
@@ -97,18 +97,16 @@ async def infer(core: Core, request: Request) -> Reply:
     origin = Origin(
         "HTTP", time.monotonic_ns(), request.headers.get("traceparent", ""), request.headers.get("tracestate", "")
     )
-    header, binary = tensors.split_body(request.body, request.headers.get(tensors.HEADER_LENGTH))
+    header, binary = infer_body.split_body(request.body, request.headers.get(infer_body.HEADER_LENGTH))
     costly = len(request.body) > OFF_LOOP_BYTES
-    convert_request = tensors.infer_request_encoded if request.encoded_bytes else tensors.infer_request
+    convert_request = infer_body.infer_request_encoded if request.encoded_bytes else infer_body.infer_request
     inference, binary_outputs = await _run(costly, convert_request, *_model(request), header, binary)
     try:
         response = await core.infer(inference, origin)
-    except ShoalError as exc:  # Triton's HTTP words for a decoupled model (http_server.cc)
-        if exc.message != DECOUPLED_REFUSED:
-            raise
-        raise ShoalError(exc.code, "HTTP end point doesn't support models with decoupled transaction policy") from None
+    except DecoupledRefused:  # in Triton's HTTP words (http_server.cc)
+        raise DecoupledRefused("HTTP end point doesn't support models with decoupled transaction policy") from None
     costly = costly or _costly_answer(response, binary_outputs)
-    body, header_length = await _run(costly, tensors.infer_response, response, binary_outputs)
+    body, header_length = await _run(costly, infer_body.infer_response, response, binary_outputs)
     if header_length is None:
         return Reply(body=body, compressible=True)
     return Reply(

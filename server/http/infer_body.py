@@ -23,7 +23,7 @@ import numpy as np
 
 from shoal.core.wire import UnfitContents, region_slice
 from shoal.errors import ShoalError, invalid, shown
-from shoal.protocol import tensors
+from shoal.protocol import codec
 from shoal.protocol.types import DataType
 from shoal.types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 
@@ -231,8 +231,8 @@ def _input(
         raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'") from None
     dims = tuple(shape)
     try:
-        tensors.check_shape(datatype, dims)
-    except tensors.WireFormatError as exc:
+        codec.check_shape(datatype, dims)
+    except codec.WireFormatError as exc:
         raise invalid(f"input '{shown(name)}': {exc}") from None
     parameters = _object(entry.get("parameters", {}), "parameters")
     region = shared_memory_slice(name, parameters)
@@ -423,7 +423,7 @@ def infer_response(response: InferResponse, binary_outputs: dict[str, bool]) -> 
             pass  # written into the client's shared memory
         elif binary_outputs.get(tensor.name, binary_outputs[""]):
             # BYTES a front-end worker got encoded by the host go out as they are
-            raw = tensor.raw() if isinstance(tensor, EncodedTensor) else tensors.to_raw(tensor.datatype, tensor.data)
+            raw = tensor.raw() if isinstance(tensor, EncodedTensor) else codec.to_raw(tensor.datatype, tensor.data)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:

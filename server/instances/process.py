@@ -10,7 +10,7 @@ Tensors travel through the ``dataplane``: each worker has two memfd arenas, crea
 handed to it over its pipe (``multiprocessing.reduction.send_handle``): nothing is named in
 /dev/shm, and the kernel frees them whenever the last holder exits, SIGKILL included. A worker
 runs one batch at a time, so the server writes the inputs at offset 0 of the requests arena and
-the worker its outputs at offset 0 of the responses arena (``tensors.pack_at``); the pipe
+the worker its outputs at offset 0 of the responses arena (``packing.pack_at``); the pipe
 carries only the slots. A batch that does not fit is not refused: its side asks for a bigger
 arena (the server creates it and hands it over) up to ``MAX_ARENA_BYTES`` per direction, past
 which the batch fails with a message that says so. The first ``arena.RESIDENT_BYTES`` of each
@@ -47,7 +47,7 @@ import numpy as np
 from shoal import logs
 from shoal.backends.base import backend_for
 from shoal.backends.devices import Device
-from shoal.dataplane import tensors
+from shoal.dataplane import packing
 from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import lifeline
@@ -123,18 +123,18 @@ def map_arena(arenas: dict[str, Arena], which: str, size: int, fd: int) -> None:
 
 
 def _execute(
-    model: Any, conn: Any, arenas: dict[str, Arena], slots: list[tensors.Slot], outputs: list[str]
+    model: Any, conn: Any, arenas: dict[str, Arena], slots: list[packing.Slot], outputs: list[str]
 ) -> tuple[Any, ...] | None:
     """Run one batch in a worker; the reply, or None when the server went away while it grew an arena."""
     try:
-        inputs = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
+        inputs = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
         results = _as_tensors(model.run(inputs, outputs))
         del inputs
     except Exception as exc:  # noqa: BLE001 - reported to the server, the worker goes on
         return (FAILED, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ShoalError) else exc.message)
     while True:
         try:
-            return (OK, tensors.pack_at(arenas[RESPONSES], 0, results))
+            return (OK, packing.pack_at(arenas[RESPONSES], 0, results))
         except PoolFull as full:
             try:
                 arena_bytes(full.wanted, "outputs")
@@ -389,10 +389,10 @@ class ProcessModel:
                 )
             feed = _as_tensors(inputs)
             try:
-                slots = tensors.pack_at(self._arenas[REQUESTS], 0, feed)
+                slots = packing.pack_at(self._arenas[REQUESTS], 0, feed)
             except PoolFull as full:
                 self._grow(REQUESTS, full.wanted)
-                slots = tensors.pack_at(self._arenas[REQUESTS], 0, feed)
+                slots = packing.pack_at(self._arenas[REQUESTS], 0, feed)
             timeout_s = self._limits.execution_timeout_s
             deadline = time.monotonic() + timeout_s if timeout_s else None
             try:
@@ -409,12 +409,12 @@ class ProcessModel:
                 responses = self._arenas[RESPONSES]
                 results = {
                     t.name: t.data if t.datatype is DataType.BYTES else t.data.copy()
-                    for t in tensors.unpack(responses, reply[1])
+                    for t in packing.unpack(responses, reply[1])
                 }
-                _trim(responses, tensors.extent(reply[1]))
+                _trim(responses, packing.extent(reply[1]))
                 return results
             finally:
-                _trim(self._arenas[REQUESTS], tensors.extent(slots))
+                _trim(self._arenas[REQUESTS], packing.extent(slots))
 
     def _wait(self, deadline: float | None) -> Any:
         """The worker's reply; if it dies or passes the execution timeout, replace it and fail this request."""

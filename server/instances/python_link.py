@@ -34,7 +34,7 @@ from multiprocessing import reduction
 from typing import Any, TypeVar
 
 from shoal.backends.python import bls, pb_utils
-from shoal.dataplane import tensors
+from shoal.dataplane import packing
 from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
 from shoal.instances import process
 from shoal.instances.process import ARENA, REQUESTS, RESPONSES
@@ -56,18 +56,18 @@ def aligned(offset: int) -> int:
     return -(-offset // ALIGNMENT) * ALIGNMENT
 
 
-def put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[tensors.Slot] | None, int]:
+def put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[packing.Slot] | None, int]:
     """``arrays`` packed at ``offset``, and where the next pack may start; (None, offset) when they do not fit."""
     try:
-        slots = tensors.pack_at(arena, offset, process._as_tensors(arrays))
+        slots = packing.pack_at(arena, offset, process._as_tensors(arrays))
     except PoolFull:
         return None, offset
-    return slots, aligned(max(offset, tensors.extent(slots)))
+    return slots, aligned(max(offset, packing.extent(slots)))
 
 
-def take(arena: Arena, slots: list[tensors.Slot]) -> dict[str, Any]:
+def take(arena: Arena, slots: list[packing.Slot]) -> dict[str, Any]:
     """Copies of the tensors at ``slots`` (the arena is rewritten by the next batch)."""
-    return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in tensors.unpack(arena, slots)}
+    return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in packing.unpack(arena, slots)}
 
 
 class PipeLink:

@@ -46,7 +46,7 @@ from typing import Any
 import shoal.backends.python as python_backend
 from shoal.backends.devices import Device
 from shoal.backends.python import bls, pb_utils, runner
-from shoal.dataplane import tensors
+from shoal.dataplane import packing
 from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError
 from shoal.instances import process
@@ -76,7 +76,7 @@ def _run_batch(
 ) -> tuple[Any, ...] | None:
     items = []
     for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
-        feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
+        feed = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
         items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters, trace_id))
     link.begin(batch)
     try:
@@ -92,8 +92,8 @@ def _run_batch(
                 if outcome.outputs is None:
                     answers.append(([], outcome.error, outcome.code))
                     continue
-                slots = tensors.pack_at(arenas[RESPONSES], offset, process._as_tensors(outcome.outputs))
-                offset = aligned(max(offset, tensors.extent(slots)))
+                slots = packing.pack_at(arenas[RESPONSES], offset, process._as_tensors(outcome.outputs))
+                offset = aligned(max(offset, packing.extent(slots)))
                 answers.append((slots, "", ""))
             return (DONE, answers)
         except (PoolFull, ShoalError) as exc:
@@ -132,7 +132,7 @@ def _run_decoupled(
     """A decoupled model's batch: responses go to the server as they are sent, DONE once all are FINAL."""
     items = []
     for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
-        feed = {t.name: t.data for t in tensors.unpack(arenas[REQUESTS], slots, writable=True)}
+        feed = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
         items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters, trace_id))
     lock = threading.Lock()
     batch_open = [True]  # a response sent after DONE (by a cancelled request's thread) is dropped
@@ -161,7 +161,7 @@ def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the host's to handle; it stops us
     arenas: dict[str, Arena] = {}
     conn = LockedConn(conn)
-    decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
+    decoupled = spec.decoupled
     link = PipeLink(conn, arenas)
     pb_utils.set_host_link(link)
     try:
@@ -216,7 +216,7 @@ class PythonProcessModel(process.ProcessModel):
         # Finished BLS calls: (the worker's connection that made the call, its call id, the outcome: the
         # call's future, or one (BlsResult, final) response of an exec(decoupled=True)).
         self._finished: queue.SimpleQueue[tuple[Any, int, Any]] = queue.SimpleQueue()
-        self._decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
+        self._decoupled = spec.decoupled
         self._sinks: list[Any] = []  # the running batch's response sinks (a decoupled model)
         self._cancel_sent: set[int] = set()
         self._streams_closed: set[int] = set()  # exec(decoupled=True) calls whose FINAL went to the worker
@@ -265,8 +265,8 @@ class PythonProcessModel(process.ProcessModel):
             offset, requests = 0, []
             try:
                 for pending, feed in zip(batch, feeds, strict=True):
-                    slots = tensors.pack_at(self._arenas[REQUESTS], offset, feed)
-                    offset = aligned(max(offset, tensors.extent(slots)))
+                    slots = packing.pack_at(self._arenas[REQUESTS], offset, feed)
+                    offset = aligned(max(offset, packing.extent(slots)))
                     data = runner.request_data({}, pending.outputs, pending.context, getattr(pending, "traced", None))
                     requests.append(
                         (
@@ -412,10 +412,10 @@ class PythonProcessModel(process.ProcessModel):
             results.append(
                 {
                     t.name: t.data if t.datatype.value == "BYTES" else t.data.copy()
-                    for t in tensors.unpack(responses, slots)
+                    for t in packing.unpack(responses, slots)
                 }
             )
-            used = max(used, tensors.extent(slots))
+            used = max(used, packing.extent(slots))
         process._trim(responses, used)
         return results
 

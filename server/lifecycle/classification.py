@@ -56,7 +56,7 @@ def top_k(data: np.ndarray, datatype: DataType, count: int, batched: bool, label
     Ranking is numpy's (a partition of each row, then a sort of the few that remain); the entries
     are formatted by one C-level ``%`` per chunk of them: one f-string per entry made all 2M classes
     of a [2, 1M] output take 2.0-2.4 s (0.8-0.9 s now, on the same machine). Wide outputs are still
-    costly: ``lifecycle.tensors.finish_is_costly`` sends them to a worker thread.
+    costly: ``lifecycle.request_checks.finish_is_costly`` sends them to a worker thread.
     """
     rows = data.reshape(data.shape[0] if batched else 1, math.prod(data.shape[1:] if batched else data.shape))
     width = min(count, rows.shape[1])

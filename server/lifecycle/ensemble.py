@@ -32,13 +32,13 @@ from typing import Any, Protocol
 
 from shoal.backends.devices import Device
 from shoal.errors import ErrorCode, ShoalError
-from shoal.lifecycle import tensors
+from shoal.lifecycle import request_checks
 from shoal.lifecycle.model import ModelVersion, next_load_number
 from shoal.lifecycle.response_cache import ResponseCache, VersionCache
 from shoal.lifecycle.state import ModelEntry, ModelState, VersionEntry
 from shoal.protocol import config_pb2
 from shoal.protocol.types import DataType
-from shoal.repository import ensemble_config, scanner
+from shoal.repository import ensemble_composing, ensemble_config, scanner
 from shoal.repository.config import ModelSpec, read_config
 from shoal.repository.ensemble_config import EnsembleStep
 from shoal.statistics import ALSO_COUNT_PHASES, TRACED, FailureReason, ModelStatistics, PhaseTotals
@@ -124,7 +124,7 @@ class EnsembleVersion(ModelVersion):
     async def _infer(self, request: InferRequest) -> InferResponse:
         arrival_ns = time.monotonic_ns()
         try:
-            prepared = tensors.prepare(self.spec, request)
+            prepared = request_checks.prepare(self.spec, request)
         except ShoalError:
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
             raise
@@ -150,7 +150,7 @@ class EnsembleVersion(ModelVersion):
         started_ns = time.monotonic_ns()
         try:
             await self._run(self._plan(prepared.outputs), pool, request)
-            outputs = tensors.finish(self.spec, prepared, {name: pool[name].data for name in prepared.outputs})
+            outputs = request_checks.finish(self.spec, prepared, {name: pool[name].data for name in prepared.outputs})
         except ShoalError as exc:
             reason = FailureReason.OTHER if exc.code is ErrorCode.INVALID_ARGUMENT else FailureReason.BACKEND
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, reason)
@@ -349,7 +349,7 @@ def unfit(spec: ModelSpec, registry: Registry) -> str:
             return _not_loaded(spec.name, step, registry)
         step_specs.append(served.spec)
     try:
-        ensemble_config.validate_against_composing(spec, step_specs)
+        ensemble_composing.validate_against_composing(spec, step_specs)
     except ShoalError as exc:
         return exc.message
     return ""

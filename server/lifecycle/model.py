@@ -24,9 +24,8 @@ from shoal.backends.devices import CPU, Device, cuda_device_count
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import strategy
 from shoal.instances.pool import Instance, InstancePool, Placement, instance_name
-from shoal.lifecycle import tensors, warmup
+from shoal.lifecycle import request_checks, warmup
 from shoal.lifecycle.response_cache import ResponseCache, VersionCache
-from shoal.lifecycle.streaming import is_decoupled
 from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
 from shoal.repository.sequence_spec import backend_spec
@@ -204,10 +203,10 @@ class ModelVersion:
         for Python models (their ``execute`` is the user's code: it runs only on the config's samples)."""
         spec = backend_spec(self.spec)
         configured = bool(samples)
-        zeros = tensors.zeros_feed(spec)  # also the sequence batcher's own tensors, which a sample does not name
+        zeros = request_checks.zeros_feed(spec)  # also the sequence batcher's own tensors, which a sample does not name
         if not samples:
             samples = [warmup.Sample("", zeros, spec.output_names, 1)]
-        decoupled = is_decoupled(self.spec.config_json)
+        decoupled = self.spec.decoupled
         for instance in {id(i.model): i for i in self.pool.instances}.values():  # one instance per loaded copy
             model = instance.model
             admitted = self._admitted(instance)  # each warm-up run passes the rate limiter too, as Triton's
@@ -245,7 +244,7 @@ class ModelVersion:
     async def infer(self, request: InferRequest) -> InferResponse:
         arrival_ns = time.monotonic_ns()
         try:
-            prepared = tensors.prepare(self.spec, request)
+            prepared = request_checks.prepare(self.spec, request)
             if self._backend is not None:
                 self._backend.validate_request(self.spec, prepared.feed)
         except ShoalError:  # rejected for bad input: still a failed request of this version
@@ -260,8 +259,8 @@ class ModelVersion:
                 )
         try:
             # A decoupled model's responses are checked as they go into the sink; its answer has no outputs.
-            streamed = getattr(request, "sink", None) is not None and is_decoupled(self.spec.config_json)
-            check = None if streamed else tensors.output_check(self.spec, prepared)
+            streamed = getattr(request, "sink", None) is not None and self.spec.decoupled
+            check = None if streamed else request_checks.output_check(self.spec, prepared)
             if isinstance(self.scheduler, Scheduler):  # it hands the request on to executors that take requests
                 results = await self.scheduler.submit(
                     prepared.feed,
@@ -283,10 +282,10 @@ class ModelVersion:
             ) from exc
         if streamed:  # outputs: in the sink
             return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=())
-        if tensors.finish_is_costly(prepared, results):  # a wide classification: off the event loop
-            outputs = await asyncio.to_thread(tensors.respond, self.spec, prepared, results)
+        if request_checks.finish_is_costly(prepared, results):  # a wide classification: off the event loop
+            outputs = await asyncio.to_thread(request_checks.respond, self.spec, prepared, results)
         else:
-            outputs = tensors.respond(self.spec, prepared, results)
+            outputs = request_checks.respond(self.spec, prepared, results)
         if cache is not None:
             await cache.insert(lookup, outputs)
         return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=outputs)

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from shoal.lifecycle.tensors import Prepared
+from shoal.lifecycle.request_checks import Prepared
 from shoal.statistics import ModelStatistics
 from shoal.types import Tensor
 

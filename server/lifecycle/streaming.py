@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 import numpy as np
 
@@ -25,10 +24,6 @@ Streamed = tuple[dict[str, np.ndarray] | ShoalError | None, bool]
 
 # Put into the sink's queue when the request's execution ended: after its FINAL flag, or instead of it.
 ENDED = ShoalError(ErrorCode.INTERNAL, "the model's execution ended before it sent the FINAL flag")
-
-
-def is_decoupled(config_json: dict[str, Any]) -> bool:
-    return bool(config_json.get("model_transaction_policy", {}).get("decoupled", False))
 
 
 class ResponseSink:

@@ -2,7 +2,7 @@
 
 Why here: Triton users rely on a sample that fails to fail the load (a version that cannot answer its
 own warm-up is UNAVAILABLE with the reason, never READY), and on the first real request not paying
-for lazy initialisation. A sample is built as a client's request would be (``tensors.prepare``: the
+for lazy initialisation. A sample is built as a client's request would be (``request_checks.prepare``: the
 same checks, the same reshape into the backend's shapes), so a sample a client could not send fails
 the load with the words a client would get. Data: ``zero_data`` (zeros; empty strings for BYTES),
 ``random_data`` (uniform random values; BYTES get zeros, as Triton), ``input_data_file`` (the raw
@@ -29,9 +29,9 @@ import numpy as np
 from google.protobuf import json_format
 
 from shoal.errors import ErrorCode, ShoalError, load_failed
-from shoal.lifecycle import tensors
+from shoal.lifecycle import request_checks
 from shoal.protocol import config_pb2
-from shoal.protocol.tensors import deserialize_bytes
+from shoal.protocol.codec import deserialize_bytes
 from shoal.protocol.types import DataType
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec
@@ -72,7 +72,7 @@ def samples(spec: ModelSpec, model_folder: Path) -> list[Sample]:
         )
         request = InferRequest(spec.name, "", f"warmup:{warmup.name}", inputs)
         try:
-            prepared = tensors.prepare(spec, request)
+            prepared = request_checks.prepare(spec, request)
         except ShoalError as exc:
             raise load_failed(f"{where}: {exc.message}") from None
         built.append(Sample(warmup.name, prepared.feed, tuple(prepared.outputs), max(1, warmup.count)))

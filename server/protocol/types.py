@@ -1,7 +1,7 @@
 """Plain types both sides of the protocol share: datatypes and the metadata the server reports.
 
 The server builds them and the client library reads them; numpy dtypes for each protocol
-datatype live here too, since the wire codec (``shoal.protocol.tensors``) needs them.
+datatype live here too, since the wire codec (``shoal.protocol.codec``) needs them.
 """
 
 from __future__ import annotations

@@ -141,6 +141,8 @@ class ModelSpec:
     ensemble: EnsembleScheduling | None = None
     # response_cache { enable: true }: answered from the server's cache when it has one (--cache-config).
     response_cache: bool = False
+    # model_transaction_policy { decoupled: true }: zero or more responses per request, then a FINAL flag.
+    decoupled: bool = False
 
     def input(self, name: str) -> TensorSpec | None:
         return self._inputs_by_name.get(name)
@@ -467,6 +469,7 @@ def to_spec(config: config_pb2.ModelConfig, labels: dict[str, tuple[bytes, ...]]
         config_json=json_format.MessageToDict(config, preserving_proto_field_name=True),
         ensemble=ensemble_config.scheduling(config) if ensemble_config.is_ensemble(config) else None,
         response_cache=config.response_cache.enable,
+        decoupled=config.model_transaction_policy.decoupled,
     )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from shoal.backends.devices import Device
 from shoal.backends.python import bls, pb_utils, runner
-from shoal.errors import ErrorCode, ShoalError, load_failed
+from shoal.errors import DecoupledRefused, ErrorCode, ShoalError, load_failed
 from shoal.repository.config import ModelSpec
 
 RUNS_OWN_INSTANCES = True  # read by Backend.runs_own_instances
@@ -47,9 +47,7 @@ def sink_of(pending: Any) -> Any:
     """The response sink of a queued request to a decoupled model (its core request carries it)."""
     sink = getattr(pending.context, "sink", None)
     if sink is None:
-        raise ShoalError(
-            ErrorCode.UNSUPPORTED, "ModelInfer RPC doesn't support models with decoupled transaction policy"
-        )
+        raise DecoupledRefused()
     return sink
 
 
