@@ -20,7 +20,7 @@ in-process call measured just before each measurement (what moves with grpcio an
 and, for Shoal, to the floor's in the same round (what moves with Shoal's own path). Each ratio
 and each context-switch count is checked against ``bench/python_path_recorded.json``
 (``--record`` rewrites it): a figure over 1.2× its recorded value is marked REGRESSED. A grpcio
-1.84+ install, or a Shoal change that adds per-request work, shows there (README, "The Python
+1.84+ install, or a Shoal change that adds per-request work, shows there (docs/benchmarks.md, "The Python
 path: where last month's ratio went").
 The in-process ratios are printed but not judged: on this shared machine the in-process call
 itself moved between 23 and 46 µs from run to run. What settles a grpcio question is

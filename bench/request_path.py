@@ -6,7 +6,7 @@
 `simple` (the Triton quick-start add/sub model, INT32 [1,16]) with max_batch_size 32, one
 instance, `dynamic_batching { max_queue_delay_microseconds: 200 }` and 2 ONNX Runtime threads,
 as in issue 12. Two copies of it are served side by side, differing only in ONNX Runtime's
-intra-op spinning: `simple` (the default, see the README's Benchmarks) and `simple_spin` with
+intra-op spinning: `simple` (the default, see docs/benchmarks.md) and `simple_spin` with
 `parameters { key: "allow_spinning" value: { string_value: "true" } }`. For each round, model
 and concurrency: perf_analyzer over gRPC with zero inputs gives throughput and p50; the server
 process's CPU time (utime + stime from /proc/<pid>/stat) over the measurement, divided by the

@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="front-end processes serving gRPC and HTTP on their ports, beside the process that holds "
         "the models; 0 serves both in that process (default 0: the fastest measured, on 2 "
         f"cores); auto = from the cores this process may use (affinity and cgroup CPU quota): "
-        f"{RULE} (a projection past 2 cores, see the README)",
+        f"{RULE} (a projection past 2 cores, see docs/operations.md)",
     )
     serve.add_argument(
         "--grpc-worker-pool-mb",

@@ -1,4 +1,4 @@
-"""The house rules that keep the code base one-directional (README: Architecture).
+"""The house rules that keep the code base one-directional (docs/architecture.md).
 
 Imports point down the layers below and never up; a package never reaches a layer above it, so
 no two packages import each other. The client library stands beside the server and shares only

@@ -61,7 +61,7 @@ def test_a_lone_surrogate_in_bytes_data_is_400(example_server: RunningServer) ->
 
 
 def test_a_number_among_bytes_strings_is_refused(example_server: RunningServer) -> None:
-    """numpy reads ["a", 1] as two strings; the README promises a number for BYTES is refused."""
+    """numpy reads ["a", 1] as two strings; docs/http.md promises a number for BYTES is refused."""
     mixed = {"inputs": [{"name": "IN", "datatype": "BYTES", "shape": [1, 2], "data": ["a", 1]}]}
     assert error(example_server, "POST", BYTES_INFER, mixed) == (
         400,

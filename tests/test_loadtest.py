@@ -378,10 +378,11 @@ def test_a_ctrl_c_while_the_load_processes_start_is_raised_not_lost() -> None:
 
 
 def _readme_commands() -> list[str]:
-    """The shoal-load commands of the README's section on it."""
-    text = (REPO_ROOT / "README.md").read_text()
+    """The shoal-load commands of its section in docs/clients.md."""
+    text = (REPO_ROOT / "docs" / "clients.md").read_text()
     start = text.index("\n## Load testing: `shoal-load`\n")
-    section = text[start : text.index("\n## ", start + 1)]
+    end = text.find("\n## ", start + 1)
+    section = text[start : end if end >= 0 else len(text)]
     return [
         line
         for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
@@ -391,7 +392,7 @@ def _readme_commands() -> list[str]:
 
 
 def test_the_readme_examples_run_and_finish_quickly(load_server: RunningServer, tmp_path: Path) -> None:
-    """Each README command is bounded (--max-seconds) and completes every step, as written."""
+    """Each documented command is bounded (--max-seconds) and completes every step, as written."""
     commands = _readme_commands()
     assert len(commands) == 2
     for command in commands:
@@ -400,7 +401,7 @@ def test_the_readme_examples_run_and_finish_quickly(load_server: RunningServer, 
         if "-u" in args:
             args[args.index("-u") + 1] = load_server.http_url if "http" in args else load_server.url
         else:
-            args += ["-u", load_server.url]  # the README's server listens on the default port
+            args += ["-u", load_server.url]  # the documented server listens on the default port
         result = subprocess.run(
             [sys.executable, "-m", "shoal.clients.loadtest", *args, "--no-progress"],
             capture_output=True,

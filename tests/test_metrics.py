@@ -25,7 +25,7 @@ from tests.test_batching_server import gather_model, infer, slow_identity, wait_
 # bench/triton_metrics_peer.py points TRITON_METRICS_CAPTURE at a fresh capture.
 CAPTURE = Path(os.environ.get("TRITON_METRICS_CAPTURE", Path(__file__).parent / "data" / "triton_metrics.txt"))
 TRITON = parse(CAPTURE.read_text())
-# Triton families Shoal does not have, and why (README, Operations, Metrics).
+# Triton families Shoal does not have, and why (docs/operations.md, Metrics).
 NOT_IN_SHOAL = {
     "nv_pinned_memory_pool_total_bytes",  # Shoal keeps no pinned host-memory pool
     "nv_pinned_memory_pool_used_bytes",

@@ -223,7 +223,7 @@ def test_config_check_imports_a_python_model_but_never_runs_it(tmp_path: Path) -
     assert marker.with_suffix(".imported").exists() and not marker.exists()
 
 
-# -- item 10: one default instance count in --help, the generated file and the README ------------
+# -- item 10: one default instance count in --help, the generated file and the docs --------------
 
 
 def test_generate_help_states_the_instance_count_the_generated_file_has(tmp_path: Path) -> None:
@@ -236,7 +236,7 @@ def test_generate_help_states_the_instance_count_the_generated_file_has(tmp_path
     comment = " ".join(line.removeprefix("# ") for line in generated.stdout.splitlines() if line.startswith("#"))
     assert rule in comment, generated.stdout
     assert "count: 2\n" in generated.stdout and "kind: KIND_CPU" in generated.stdout, generated.stdout
-    assert rule in " ".join((REPO_ROOT / "README.md").read_text().split())
+    assert rule in " ".join((REPO_ROOT / "docs" / "model-repository.md").read_text().split())
 
 
 # -- item 11: the README's first screen ----------------------------------------------------------
@@ -247,5 +247,6 @@ def test_readme_first_screen_names_the_interfaces_and_quotes_extras() -> None:
     first_screen = readme.split("\n---\n", 1)[0]
     assert first_screen.count("```bash\n") == 2  # serve model_repository/, run the tests
     assert "every interface" in first_screen and "--grpc-address 127.0.0.1" in first_screen
-    installs = [line for line in readme.splitlines() if "pip install" in line and "[" in line]
+    pages = [readme, *(page.read_text() for page in (REPO_ROOT / "docs").glob("*.md"))]
+    installs = [line for page in pages for line in page.splitlines() if "pip install" in line and "[" in line]
     assert installs and all(re.search(r"pip install [^\[]*\"[^\"]*\[", line) for line in installs), installs

@@ -481,7 +481,7 @@ class TritonPythonModel:
                 os._exit(0)  # reached only if the child outlived its SIGTERM
             _, status = os.waitpid(child, 0)
             # Ended by a signal: its SIGTERM (or a crash in a library's fork handler, which a process forked
-            # from the threads of a server may meet before it runs any code: see the README).
+            # from the threads of a server may meet before it runs any code: see docs/security.md).
             outlived_sigterm = os.WIFEXITED(status)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * (-1 if outlived_sigterm else 3))]))
         return responses

@@ -10,7 +10,7 @@ The rule (``workers_for_cores``), from ``bench/grpc_workers.py`` on the native g
 default), tiny requests at c=16:
 
 - **Below 4 cores: 0.** Measured on 2 cores: one process served 4,210/s, 1 worker 2,861/s and
-  2 workers 2,287/s (README, Benchmarks). A worker takes the front end's Python work out of the
+  2 workers 2,287/s (docs/benchmarks.md). A worker takes the front end's Python work out of the
   host, but the host spends about as much on the hop through shared memory (host CPU per request
   112-141 µs with workers, 169 µs in one process of which 32 µs in pygrpc-native's I/O threads),
   and the workers (176-211 µs per request) need cores of their own beside the host's.

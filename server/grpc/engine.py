@@ -19,7 +19,7 @@ pygrpc-native runs HTTP/2 on threads of its own (``--grpc-io-threads``; its defa
 (the default) the count follows the cores this process may use (``io_threads_for``): one below 4
 cores, else 2. On 2 cores a second I/O thread only competes with the event loop and the model's
 threads for the same cores: ``python bench/grpc_engines.py --compare-io-threads`` measured one
-thread against two (README, Benchmarks).
+thread against two (docs/benchmarks.md).
 """
 
 from __future__ import annotations

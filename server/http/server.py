@@ -1,6 +1,6 @@
 """Serve ``http.app`` with uvicorn (httptools) inside the event loop the process already runs.
 
-Chosen by measuring (bench/http_stacks.py, README "HTTP/REST"): uvicorn's httptools protocol with
+Chosen by measuring (bench/http_stacks.py, docs/http.md): uvicorn's httptools protocol with
 a raw ASGI application costs less server CPU per request than aiohttp's server here. The socket is
 bound here, not by uvicorn: a port in use is a ``StartupError`` at once, port 0 gives the port the
 kernel chose, and front-end workers share one port with SO_REUSEPORT. It is created with

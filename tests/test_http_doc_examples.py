@@ -1,5 +1,5 @@
-"""The README's HTTP/REST examples run as written, against a real server: they are parsed out of
-README.md, so they cannot drift from what the server does."""
+"""The HTTP/REST examples of docs/http.md run as written, against a real server: they are parsed
+out of the page, so they cannot drift from what the server does."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ SECTION = "## HTTP/REST"
 
 
 def _blocks(language: str) -> list[str]:
-    """The ``language`` code blocks of the README's HTTP/REST section."""
-    text = (REPO_ROOT / "README.md").read_text()
+    """The ``language`` code blocks of docs/http.md's HTTP/REST section."""
+    text = (REPO_ROOT / "docs" / "http.md").read_text()
     start = text.index(f"\n{SECTION}\n")
-    end = text.index("\n## ", start + 1)
-    return re.findall(rf"```{language}\n(.*?)```", text[start:end], flags=re.S)
+    end = text.find("\n## ", start + 1)
+    return re.findall(rf"```{language}\n(.*?)```", text[start : end if end >= 0 else len(text)], flags=re.S)
 
 
 def _on(port: int, code: str) -> str:
