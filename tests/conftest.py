@@ -7,6 +7,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -44,6 +45,22 @@ def start_server(
         credentials=credentials,
         timeout_s=STARTUP_TIMEOUT_S,
     )
+
+
+@contextmanager
+def serving(
+    repository: Path, tmp_path: Path, *extra_args: str, credentials: grpc.ChannelCredentials | None = None
+) -> Iterator[RunningServer]:
+    """A served repository for the ``with`` block (a module's fixture, a test): ``start_server``, then a
+    graceful stop that must exit 0 (its log in the failure); after a failure in the block, stopped and
+    the block's failure raised."""
+    server = start_server(repository, tmp_path, *extra_args, credentials=credentials)
+    try:
+        yield server
+    except BaseException:
+        server.stop()
+        raise
+    assert server.stop() == 0, server.log()
 
 
 @pytest.fixture(scope="session", autouse=True)

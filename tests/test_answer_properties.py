@@ -34,7 +34,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
 from tests import ensemble_models, python_models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.sequence_models import PROCESSES, add_accumulator, add_torch_passthrough_state
 
 LAYOUTS = {"one-process": (), "one-worker": ("--grpc-workers", "1"), "two-workers": ("--grpc-workers", "2")}
@@ -108,11 +108,10 @@ def build_repository(repo: Path) -> None:
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     build_repository(repo)
-    running = start_server(
+    with serving(
         repo, tmp_path_factory.mktemp("server"), *LAYOUTS[request.param], "--cache-config", f"local,size={CACHE_BYTES}"
-    )
-    yield running
-    assert running.stop() == 0, running.log()
+    ) as running:
+        yield running
 
 
 @dataclass

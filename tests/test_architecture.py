@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "statistics": 1,
     "types": 1,
     "errors": 1,
+    "off_loop": 1,  # when work leaves the event loop: one rule for every layer
     "descriptors": 1,
     "clients": 1,  # the client library: the protocol is all it shares with the server
     "protocol": 0,

@@ -50,7 +50,7 @@ def gather_model(repo: Path) -> None:
 
 @pytest.fixture(scope="module")
 def batching_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]):
-    from tests.conftest import start_server
+    from tests.conftest import serving
 
     repo = tmp_path_factory.mktemp("repo")
     slow_identity(repo, "batched", "dynamic_batching { }")
@@ -62,9 +62,8 @@ def batching_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str,
         + "\ndynamic_batching { }\ninstance_group [ { count: 2 kind: KIND_CPU } ]\n"
     )
     gather_model(repo)
-    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
-    yield server
-    assert server.stop() == 0, server.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout) as server:
+        yield server
 
 
 def infer(url: str, model: str, value: int, rows: int = 1, **kwargs) -> np.ndarray:

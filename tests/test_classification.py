@@ -41,7 +41,7 @@ from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from shoal.protocol.types import DataType
 from tests import models
-from tests.conftest import RunningServer, open_channel, start_server
+from tests.conftest import RunningServer, open_channel, serving
 
 NUMERIC = ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16")
 FLOATS = {"FP16", "FP32", "FP64", "BF16"}
@@ -133,9 +133,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repo: Path, tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false")
-    yield running
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false") as running:
+        yield running
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from tritonclient.utils import InferenceServerException
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import ensemble_models, models, python_models, sequence_models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.test_http_errors import call, error
 
 pytest.importorskip("torch", reason="the datatype check's model is TorchScript")
@@ -173,11 +173,10 @@ def repository(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]
 def server(
     repository: Path, tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]
 ) -> Iterator[RunningServer]:
-    running = start_server(
+    with serving(
         repository, tmp_path_factory.mktemp("server"), *layout, "--model-control-mode", "explicit", "--load-model", "*"
-    )
-    yield running
-    assert running.stop() == 0, running.log()
+    ) as running:
+        yield running
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests import decoupled_models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 
 TAKE_TIMEOUT_S = 30.0
 Item = tuple[Any, Any]  # (InferResult | None, InferenceServerException | None), as the callback gets them
@@ -30,9 +30,8 @@ Item = tuple[Any, Any]  # (InferResult | None, InferenceServerException | None),
 def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     decoupled_models.add_models(repo)
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
-    yield running
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout) as running:
+        yield running
 
 
 class Stream:

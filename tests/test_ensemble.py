@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests import ensemble_models, models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.polling import wait_until
 from tests.test_perf_analyzer import BINARY as PERF_ANALYZER
 
@@ -38,9 +38,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     repo = tmp_path_factory.mktemp("repo")
     ensemble_models.add_serving_ensembles(repo)
     refused = ensemble_models.add_invalid_ensembles(repo)
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false")
-    yield Served(running, refused)
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false") as running:
+        yield Served(running, refused)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving, start_server
 from tests.polling import metric, wait_until
 
 WORKERS = ("--grpc-workers", "2")
@@ -339,8 +339,7 @@ def test_auto_starts_the_workers_its_rule_gives_for_the_cores_here_and_says_so(t
     expected = resolve("auto")  # the server inherits this process's affinity and cgroup
     repo = tmp_path / "repo"
     models.add_delayed_identity(repo, "echo", delay_ms=0)
-    server = start_server(repo, tmp_path, "--grpc-workers", "auto")
-    try:
+    with serving(repo, tmp_path, "--grpc-workers", "auto") as server:
         with own_connection(server.url) as client:
             assert client.infer("echo", rows(3)).as_numpy("OUT").tolist() == [[3, 3]]
         assert len(worker_pids(server)) == expected.count
@@ -349,5 +348,3 @@ def test_auto_starts_the_workers_its_rule_gives_for_the_cores_here_and_says_so(t
         assert f"{expected.count} front-end workers (--grpc-workers auto: " in log and RULE in log
         if expected.count:
             assert f"in {expected.count} front-end worker processes" in log, log
-    finally:
-        assert server.stop() == 0, server.log()

@@ -19,7 +19,7 @@ import pytest
 
 from shoal.metrics import TRITON_GPU_FAMILIES, GpuMetrics
 from tests import models
-from tests.conftest import start_server
+from tests.conftest import serving
 from tests.prometheus_text import parse, scrape
 
 
@@ -108,11 +108,8 @@ def test_a_server_reports_the_gpus_this_host_has(tmp_path: Path, allowed: str) -
     repo = tmp_path / "repo"
     models.add_identity(repo, "identity", "INT64", dims="[ 2 ]")
     (tmp_path / "server").mkdir()
-    server = start_server(repo, tmp_path / "server", "--allow-gpu-metrics", allowed)
-    try:
+    with serving(repo, tmp_path / "server", "--allow-gpu-metrics", allowed) as server:
         families = parse(scrape(server.metrics_port))
-    finally:
-        assert server.stop() == 0, server.log()
     expected = gpus_here() if allowed == "true" else []
     reported = families.get("nv_gpu_memory_total_bytes")
     assert sorted(s.labels["gpu_uuid"] for s in reported.samples) == sorted(expected) if reported else not expected

@@ -23,7 +23,7 @@ from shoal.grpc import engine
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving, start_server
 
 ENGINES = ("native", "grpcio")
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
@@ -54,15 +54,12 @@ def test_native_io_threads_follow_the_usable_cores_unless_given() -> None:
 def test_the_io_thread_count_given_is_the_one_served_and_logged(tmp_path: Path) -> None:
     """``--grpc-io-threads 3``: the native listener runs 3 I/O threads (counted in /proc), and says so."""
     (tmp_path / "server").mkdir()
-    server = start_server(
+    with serving(
         models.repository(tmp_path, "simple"), tmp_path / "server", "--grpc-engine", "native", "--grpc-io-threads", "3"
-    )
-    try:
+    ) as server:
         assert "(engine native: --grpc-engine native; 3 I/O threads)" in server.log(), server.log()
         names = [(task / "comm").read_text().strip() for task in Path(f"/proc/{server.process.pid}/task").iterdir()]
         assert names.count("grpc-native-io") == 3, names
-    finally:
-        assert server.stop() == 0, server.log()
 
 
 @pytest.fixture(scope="module", params=ENGINES)

@@ -271,12 +271,11 @@ def test_every_worker_serves_http_and_a_replaced_one_too(tmp_path: Path) -> None
     """With front-end workers, each one listens on the shared HTTP port, a restarted one included."""
     import signal
 
-    from tests.conftest import start_server
+    from tests.conftest import serving
     from tests.polling import wait_until
     from tests.test_frontend_workers import worker_pids
 
-    server = start_server(models.repository(tmp_path, "simple"), tmp_path, "--grpc-workers", "2")
-    try:
+    with serving(models.repository(tmp_path, "simple"), tmp_path, "--grpc-workers", "2") as server:
         where = f"HTTP on 127.0.0.1:{server.http_port}"
         wait_until(lambda: server.log().count(where) == 2, what="both workers to serve HTTP")
         victim = min(worker_pids(server))
@@ -290,8 +289,6 @@ def test_every_worker_serves_http_and_a_replaced_one_too(tmp_path: Path) -> None
         for _ in range(8):  # fresh connections: the kernel spreads them over both workers
             with httpclient.InferenceServerClient(server.http_url) as client:
                 np.testing.assert_array_equal(client.infer("simple", _simple_inputs(a, a)).as_numpy("OUTPUT0"), a + a)
-    finally:
-        assert server.stop() == 0, server.log()
 
 
 def test_sigterm_drains_http_requests_and_readiness_turns_false(tmp_path: Path, server_factory) -> None:

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shoal.settings import DEFAULT_QUANTILES, MetricsSettings, parse_metrics_config
 from shoal.statistics import WINDOW_S, WindowedQuantiles
 from tests import python_models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.polling import wait_until
 from tests.prometheus_text import parse, scrape
 
@@ -151,11 +151,10 @@ def test_reading_while_the_loop_adds_is_safe() -> None:
 def nap_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     python_models.write_model(repo, "nap", NAP_CONFIG, NAP)
-    server = start_server(
+    with serving(
         repo, tmp_path_factory.mktemp("server"), *layout, "--metrics-config", "summary_latencies=true"
-    )
-    yield server
-    assert server.stop() == 0, server.log()
+    ) as server:
+        yield server
 
 
 def client_latencies_us(server: RunningServer, count: int) -> list[float]:
@@ -210,11 +209,8 @@ def test_without_the_setting_there_are_no_summaries_and_counters_can_go(tmp_path
     repo = tmp_path / "repo"
     python_models.write_model(repo, "nap", NAP_CONFIG, NAP)
     (tmp_path / "server").mkdir()
-    server = start_server(repo, tmp_path / "server", "--metrics-config", "counter_latencies=false")
-    try:
+    with serving(repo, tmp_path / "server", "--metrics-config", "counter_latencies=false") as server:
         client_latencies_us(server, 1)
         families = parse(scrape(server.metrics_port))
         assert not [n for n in families if n.startswith("nv_") and n.endswith(("_summary_us", "_duration_us"))]
         assert families["nv_inference_request_success"].value(model="nap") == 1  # the rest stays
-    finally:
-        assert server.stop() == 0, server.log()

@@ -31,7 +31,7 @@ FAST = ["--warmup-s", "0.3", "--window-s", "0.5", "--max-windows", "4", "--max-s
 
 @pytest.fixture(scope="module")
 def load_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]):
-    from tests.conftest import start_server
+    from tests.conftest import serving
 
     repo = tmp_path_factory.mktemp("repo")
     models.copy_example(repo, "simple")
@@ -48,9 +48,8 @@ def load_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...
         """,
     )
     (repo / "bounded" / "1").mkdir()
-    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
-    yield server
-    assert server.stop() == 0, server.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout) as server:
+        yield server
 
 
 def shoal_load(*args: str) -> subprocess.CompletedProcess[str]:

@@ -26,7 +26,7 @@ from shoal.logs import LogSettings
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import python_models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.polling import wait_until
 
 DEFAULTS = {
@@ -110,9 +110,8 @@ def test_the_log_file_is_not_changed_over_the_network() -> None:
 def loud_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     python_models.write_model(repo, "loud", LOUD_CONFIG, LOUD)
-    server = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
-    yield server
-    assert server.stop() == 0, server.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout) as server:
+        yield server
 
 
 def http_post(server: RunningServer, body: bytes) -> tuple[int, dict[str, Any]]:
@@ -233,7 +232,7 @@ def test_the_command_line_sets_them_and_the_log_file_takes_every_process(tmp_pat
     python_models.write_model(repo, "loud", LOUD_CONFIG, LOUD)
     log_file = tmp_path / "shoal.log"
     (tmp_path / "server").mkdir()
-    server = start_server(
+    with serving(
         repo,
         tmp_path / "server",
         "--grpc-workers",
@@ -246,8 +245,7 @@ def test_the_command_line_sets_them_and_the_log_file_takes_every_process(tmp_pat
         "ISO8601",
         "--log-file",
         str(log_file),
-    )
-    try:
+    ) as server:
         with httpclient.InferenceServerClient(server.http_url) as client:
             assert client.get_log_settings() == {
                 **DEFAULTS,
@@ -264,5 +262,3 @@ def test_the_command_line_sets_them_and_the_log_file_takes_every_process(tmp_pat
         assert {w for w in (0, 1) if f"front-end worker {w} serves gRPC" in text} == {0, 1}  # workers' lines
         assert ours and all(ISO_LINE.match(line) for line in ours), ours
         assert "loud-" not in server.log() and "front-end worker" not in server.log()
-    finally:
-        assert server.stop() == 0, server.log()

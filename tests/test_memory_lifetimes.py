@@ -25,7 +25,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.models import add_identity
 from tests.sequence_models import add_torch_passthrough_state
 
@@ -46,9 +46,8 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     )
     add_torch_passthrough_state(repo, "pass_processes", processes=True)
     add_identity(repo, "identity_fp32", "FP32", dims="[ 1 ]")
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *LAYOUTS[request.param])
-    yield running
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *LAYOUTS[request.param]) as running:
+        yield running
 
 
 def _step(
@@ -218,11 +217,10 @@ def small_pool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runn
         """,
         DECOUPLED_ECHO,
     )
-    running = start_server(
+    with serving(
         repo, tmp_path_factory.mktemp("server"), "--grpc-workers", "1", "--grpc-worker-pool-mb", str(POOL_MB)
-    )
-    yield running
-    assert running.stop() == 0, running.log()
+    ) as running:
+        yield running
 
 
 def test_an_idle_model_holds_no_block_of_its_last_request(small_pool_server: RunningServer) -> None:
@@ -309,8 +307,7 @@ def test_a_dead_workers_arenas_are_unmapped_by_the_host(tmp_path: Path) -> None:
 
     repo = tmp_path / "repo"
     add_identity(repo, "echo", "FP32", dims="[ 1 ]")
-    server = start_server(repo, tmp_path, "--grpc-workers", "1")
-    try:
+    with serving(repo, tmp_path, "--grpc-workers", "1") as server:
         with_one_worker = _worker_mappings(server.pid)
         for _ in range(3):
             live = worker_pids(server)
@@ -328,5 +325,3 @@ def test_a_dead_workers_arenas_are_unmapped_by_the_host(tmp_path: Path) -> None:
             what=f"the host to map only its live worker's arenas ({with_one_worker} mappings): "
             f"{Path(f'/proc/{server.pid}/maps').read_text().count('shoal-worker')} now",
         )
-    finally:
-        assert server.stop() == 0, server.log()

@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from shoal.metrics import TRITON_GPU_FAMILIES, CpuMetrics
 from tests import models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.polling import wait_until
 from tests.prometheus_text import Family, parse, scrape
 from tests.test_batching_server import gather_model, infer, slow_identity, wait_executing, wait_queued
@@ -42,9 +42,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     slow_identity(repo, "expiring", expiring, 1)
     slow_identity(repo, "abandoned", "dynamic_batching { }", 1)
     gather_model(repo)
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
-    yield running
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout) as running:
+        yield running
 
 
 def shoal_families(server: RunningServer) -> dict[str, Family]:

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from shoal.grpc import convert, offload
+from shoal.grpc import convert
 from shoal.grpc.servicer import InferenceServicer
+from shoal.off_loop import OFF_LOOP_BYTES, OFF_LOOP_ELEMENTS
 from shoal.protocol import service_pb2
 from shoal.types import InferRequest, InferResponse, Tensor
 
@@ -66,7 +67,7 @@ def _recording(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bool]:
     return on_main
 
 
-@pytest.mark.parametrize(("count", "off_loop"), [(3, False), (offload.OFF_LOOP_BYTES_ELEMENTS // 3 * 3 + 3, True)])
+@pytest.mark.parametrize(("count", "off_loop"), [(3, False), (OFF_LOOP_ELEMENTS // 3 * 3 + 3, True)])
 def test_bytes_messages_are_converted_off_the_loop_past_a_size(
     monkeypatch: pytest.MonkeyPatch, count: int, off_loop: bool
 ) -> None:
@@ -80,8 +81,8 @@ def test_bytes_messages_are_converted_off_the_loop_past_a_size(
 def test_large_fixed_size_inputs_are_converted_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     decoded_on_main = _recording(monkeypatch, "infer_request")
     request = service_pb2.ModelInferRequest(model_name="m")
-    request.inputs.add(name="IN", datatype="FP32", shape=[1, offload.OFF_LOOP_BYTES // 4 + 1])
-    request.raw_input_contents.append(bytes(offload.OFF_LOOP_BYTES + 4))
+    request.inputs.add(name="IN", datatype="FP32", shape=[1, OFF_LOOP_BYTES // 4 + 1])
+    request.raw_input_contents.append(bytes(OFF_LOOP_BYTES + 4))
     _infer(request)
     assert decoded_on_main == [False]
 

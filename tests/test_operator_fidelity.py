@@ -20,7 +20,7 @@ import pytest
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import python_models
-from tests.conftest import start_server
+from tests.conftest import serving
 from tests.models import EXAMPLES, REPO_ROOT
 from tests.polling import live_members, wait_until
 
@@ -120,22 +120,18 @@ def test_a_model_that_fails_at_start_ends_the_server(tmp_path: Path, mode: tuple
 
 @pytest.mark.parametrize("flag", [("--exit-on-error=false",), ("--exit-on-error", "false")])
 def test_exit_on_error_false_serves_the_models_that_loaded(tmp_path: Path, flag: tuple[str, ...]) -> None:
-    server = start_server(_repository(tmp_path, broken=True), tmp_path, *flag)
-    try:
+    with serving(_repository(tmp_path, broken=True), tmp_path, *flag) as server:
         with grpc.insecure_channel(server.url) as channel:
             stub = InferenceStub(channel)
             assert stub.ModelReady(pb.ModelReadyRequest(name="good")).ready
             assert not stub.ModelReady(pb.ModelReadyRequest(name="broken")).ready
             assert not stub.ServerReady(pb.ServerReadyRequest()).ready  # strict readiness, as Triton
-    finally:
-        assert server.stop() == 0, server.log()
 
 
 def test_a_model_that_breaks_while_polling_leaves_the_server_serving(tmp_path: Path) -> None:
     """Poll mode: only start-up failures end the server; a later one is the model's alone (as Triton)."""
     repo = _repository(tmp_path, broken=False)
-    server = start_server(repo, tmp_path, "--model-control-mode", "poll", "--repository-poll-secs", "0.2")
-    try:
+    with serving(repo, tmp_path, "--model-control-mode", "poll", "--repository-poll-secs", "0.2") as server:
         (repo / "good" / "1" / "model.py").write_text("class TritonPythonModel:\n    def execute(self, r)\n")
         python_models.add_add_sub(repo, "late")
         with grpc.insecure_channel(server.url) as channel:
@@ -146,8 +142,6 @@ def test_a_model_that_breaks_while_polling_leaves_the_server_serving(tmp_path: P
                 what="the poll to load the added model",
             )
             assert server.process.poll() is None
-    finally:
-        assert server.stop() == 0, server.log()
 
 
 # -- item 7: Ctrl-C ------------------------------------------------------------------------------
@@ -186,13 +180,10 @@ def test_config_check_reports_the_load_error_serve_reports(tmp_path: Path, fault
     repo = _repository(tmp_path, broken=False)
     python_models.add_fault(repo, fault)
     checked = _shoal("config", "check", str(repo))
-    server = start_server(repo, tmp_path, "--exit-on-error", "false")
-    try:
+    with serving(repo, tmp_path, "--exit-on-error", "false") as server:
         with grpc.insecure_channel(server.url) as channel:
             index = InferenceStub(channel).RepositoryIndex(pb.RepositoryIndexRequest()).models
             reason = next(model.reason for model in index if model.name == fault)
-    finally:
-        assert server.stop() == 0, server.log()
     assert checked.returncode == 1, checked
     assert f"FAIL  {fault}: {reason.splitlines()[0]}\n" in checked.stdout, (checked.stdout, reason)
     assert "ok    good\n" in checked.stdout

@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests import models
 from tests import python_models as pm
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.polling import wait_until
 
 THREADS = 'parameters { key: "process_instances" value: { string_value: "false" } }'
@@ -57,9 +57,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     sequence = pm.add_add_sub(repo, "sequence")
     config = (sequence / "config.pbtxt").read_text().replace("dynamic_batching", "sequence_batching")
     (sequence / "config.pbtxt").write_text(config.replace("max_queue_delay_microseconds: 0", ""))
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false")
-    yield running
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false") as running:
+        yield running
 
 
 @pytest.fixture

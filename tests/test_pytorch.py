@@ -60,7 +60,7 @@ INDEXED_OUT = [("OUTPUT__0", "TYPE_INT32", "[ 4 ]"), ("OUTPUT__1", "TYPE_INT32",
 
 @pytest.fixture(scope="module")
 def torch_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]):
-    from tests.conftest import start_server
+    from tests.conftest import serving
 
     repo = tmp_path_factory.mktemp("repo")
     add_torchscript(
@@ -99,11 +99,10 @@ def torch_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ..
         INDEXED_OUT,
         f'{ON_CPU}\nparameters {{ key: "execution_timeout_ms" value: {{ string_value: "100" }} }}',
     )
-    server = start_server(
+    with serving(
         repo, tmp_path_factory.mktemp("server"), *layout, "--strict-readiness", "false", "--exit-on-error", "false"
-    )
-    yield server
-    assert server.stop() == 0, server.log()
+    ) as server:
+        yield server
 
 
 def test_torchscript_serves_with_indexed_names(torch_server) -> None:

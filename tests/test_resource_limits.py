@@ -39,7 +39,7 @@ from tests import models
 from tests.conftest import RunningServer
 from tests.polling import wait_until
 from tests.test_http_errors import call
-from tests.test_transport_hardening import children
+from tests.test_transport_abuse import children
 
 CLOSE_TIMEOUT_S = 30.0  # the test-shortened timeouts are 1-3 s; this is how long a close may take to be seen
 LIVE = b"GET /v2/health/live HTTP/1.1\r\nhost: shoal\r\n\r\n"

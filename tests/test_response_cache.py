@@ -184,7 +184,8 @@ def test_a_large_request_is_hashed_and_its_answer_copied_off_the_event_loop() ->
     or one large request holds every other one. Small ones stay on the loop (a thread costs more)."""
     from shoal.lifecycle import response_cache
     from shoal.lifecycle.request_checks import Prepared
-    from shoal.lifecycle.response_cache import OFF_LOOP_BYTES, OFF_LOOP_ELEMENTS, VersionCache
+    from shoal.lifecycle.response_cache import VersionCache
+    from shoal.off_loop import OFF_LOOP_BYTES, OFF_LOOP_ELEMENTS
     from shoal.statistics import ModelStatistics
 
     threads: list[str] = []

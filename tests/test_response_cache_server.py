@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from tests import ensemble_models, models, python_models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.polling import metric
 from tests.prometheus_text import parse, scrape
 
@@ -112,7 +112,7 @@ def server(repo: Path, tmp_path_factory: pytest.TempPathFactory, layout: tuple[s
         """,
     )
     (repo / "sequence" / "1").mkdir()
-    server = start_server(
+    with serving(
         repo,
         tmp_path_factory.mktemp("server"),
         *layout,
@@ -124,9 +124,8 @@ def server(repo: Path, tmp_path_factory: pytest.TempPathFactory, layout: tuple[s
         "*",
         "--exit-on-error",
         "false",
-    )
-    yield server
-    assert server.stop() == 0, server.log()
+    ) as server:
+        yield server
 
 
 def test_a_repeated_request_is_answered_from_the_cache_without_executing(server: RunningServer) -> None:

@@ -30,7 +30,7 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 
 SCALAR_IO = """
 input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] %(reshape)s } ]
@@ -79,9 +79,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
         ["batch"],
         config='input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]',
     )
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false")
-    yield running
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout, "--exit-on-error", "false") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

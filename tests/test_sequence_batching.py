@@ -20,7 +20,7 @@ from tests.sequence_models import add_accumulator, add_state_only, add_torch_acc
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
-    from tests.conftest import start_server
+    from tests.conftest import serving
 
     repo = tmp_path_factory.mktemp("repo")
     add_accumulator(
@@ -34,9 +34,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     add_state_only(repo, "from_hundred", 100.0)
     add_torch_accumulator(repo, "torch_acc")
     add_torch_accumulator(repo, "torch_acc_processes", processes=True)
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
-    yield running
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout) as running:
+        yield running
 
 
 def infer(client: grpcclient.InferenceServerClient, model: str, value: float, **sequence: Any) -> dict[str, Any]:

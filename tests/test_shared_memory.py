@@ -307,9 +307,10 @@ def test_an_unnamed_region_is_refused(client: grpcclient.InferenceServerClient, 
 
 
 def test_large_region_copies_leave_the_event_loop() -> None:
-    """Region bytes past COSTLY_BYTES are read and written on a thread (256 MiB on the loop stalled it ~0.9 s)."""
+    """Region bytes past OFF_LOOP_BYTES are read and written on a thread (256 MiB on the loop stalled it ~0.9 s)."""
     from shoal.core import shared_memory
     from shoal.dataplane.regions import RegionRegistry, Window
+    from shoal.off_loop import OFF_LOOP_BYTES
     from shoal.protocol.types import DataType
     from shoal.types import InferRequest, RegionInput, RegionSlice
 
@@ -319,10 +320,10 @@ def test_large_region_copies_leave_the_event_loop() -> None:
 
     registry = RegionRegistry(max_total_bytes=1 << 30)
     assert not shared_memory.costly(registry, request(4096))
-    assert shared_memory.costly(registry, request(shared_memory.COSTLY_BYTES + 1))
+    assert shared_memory.costly(registry, request(OFF_LOOP_BYTES + 1))
     with open(os.devnull, "rb") as file:
         small = {"OUT": Window("r", file, 0, 4096)}  # type: ignore[arg-type]
-        large = {"OUT": Window("r", file, 0, shared_memory.COSTLY_BYTES + 1)}  # type: ignore[arg-type]
+        large = {"OUT": Window("r", file, 0, OFF_LOOP_BYTES + 1)}  # type: ignore[arg-type]
         assert not shared_memory.costly_outputs(small)  # type: ignore[arg-type]
         assert shared_memory.costly_outputs(large)  # type: ignore[arg-type]
     registry.close()

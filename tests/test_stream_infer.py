@@ -17,7 +17,7 @@ from shoal.core.stream import MAX_IN_FLIGHT_PER_STREAM
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import models
-from tests.conftest import RunningServer, open_channel, start_server
+from tests.conftest import RunningServer, open_channel, serving
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.other_engine  # every gRPC test here also runs on grpcio (conftest)
@@ -38,9 +38,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     identity(repo, "slow", SLOW_MS, max_batch_size=0)
     identity(repo, "ticking", 50, max_batch_size=0)  # many requests through one instance, quickly
     identity(repo, "fast", 0, max_batch_size=0)
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
-    yield running
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout) as running:
+        yield running
 
 
 def rows(value: int, batched: bool) -> np.ndarray:

@@ -36,7 +36,7 @@ from shoal.tracing.settings import TraceSettings, check_start
 from shoal.tracing.trace import Origin, RequestTrace
 from shoal.tracing.tracer import valid_traceparent
 from tests import decoupled_models, ensemble_models, python_models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.polling import wait_until
 
 TRITON_DEFAULT = {
@@ -360,7 +360,7 @@ def traced_server(
             ensemble_models.step("add1", {"IN": "mid"}, {"OUT": "OUT"}),
         ],
     )
-    server = start_server(
+    with serving(
         repo,
         tmp_path_factory.mktemp("server"),
         *layout,
@@ -374,9 +374,8 @@ def traced_server(
         "level=TIMESTAMPS",
         "--trace-config",
         "rate=0",
-    )
-    yield server
-    assert server.stop() == 0, server.log()
+    ) as server:
+        yield server
 
 
 def grpc_add1(server: RunningServer, model: str, traceparent: str, request_id: str = "") -> list[float]:
@@ -510,7 +509,7 @@ def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -
     ensemble_models.add_onnx_add1(repo)
     trace_file = tmp_path / "trace.json"
     (tmp_path / "server").mkdir()
-    server = start_server(
+    with serving(
         repo,
         tmp_path / "server",
         "--grpc-workers",
@@ -523,8 +522,7 @@ def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -
         "rate=1",
         "--trace-config",
         "count=2",
-    )
-    try:
+    ) as server:
         for _ in range(3):
             grpc_add1(server, "add1", "")
         with httpclient.InferenceServerClient(server.http_url) as client:
@@ -535,8 +533,6 @@ def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -
                 "trace_count": "0",
                 "trace_file": str(trace_file),
             }
-    finally:
-        assert server.stop() == 0, server.log()
     records = json.loads(trace_file.read_text())
     models = [r for r in records if "model_name" in r]
     assert [(m["model_name"], m["model_version"]) for m in models] == [("add1", 1), ("add1", 1)]
@@ -558,15 +554,14 @@ def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -
 def plain_server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
     ensemble_models.add_onnx_add1(repo)
-    server = start_server(
+    with serving(
         repo,
         tmp_path_factory.mktemp("server"),
         *layout,
         "--trace-config",
         f"triton,file={tmp_path_factory.mktemp('traces') / 't.json'}",
-    )
-    yield server
-    assert server.stop() == 0, server.log()
+    ) as server:
+        yield server
 
 
 def http(server: RunningServer, path: str, body: bytes | None = None) -> tuple[int, Any]:

@@ -37,7 +37,7 @@ from tritonclient.utils import InferenceServerException
 
 from shoal.http.convert import model_config
 from tests import models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 from tests.test_http_errors import call, error
 
 A = np.arange(16, dtype=np.int32)
@@ -116,7 +116,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     models.write_config(repo / "strs", TWO_STRINGS)
     (repo / "strs" / "1").mkdir()
     models.add_broken_models(repo)  # corrupt_file: its version fails to load
-    running = start_server(
+    with serving(
         repo,
         tmp_path_factory.mktemp("server"),
         *layout,
@@ -128,9 +128,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
         "batched",
         "--load-model",
         "strs",
-    )
-    yield running
-    assert running.stop() == 0, running.log()
+    ) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from shoal.protocol import service_pb2 as shoal_pb2
 from shoal.protocol.types import DataType
 from shoal.types import EncodedTensor, Tensor
 from tests import models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 
 MIXED = """
 backend: "identity"
@@ -59,9 +59,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     repo = tmp_path_factory.mktemp("repo")
     models.write_config(repo / "mixed", MIXED)
     (repo / "mixed" / "1").mkdir()
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
-    yield running
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

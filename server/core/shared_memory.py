@@ -22,6 +22,7 @@ from shoal.core.wire import decode_raw
 from shoal.dataplane.cuda import CudaWindow
 from shoal.dataplane.regions import RegionRegistry, Window
 from shoal.errors import ErrorCode, ShoalError, shown
+from shoal.off_loop import OFF_LOOP_BYTES
 from shoal.protocol import codec
 from shoal.protocol.types import DataType
 from shoal.types import InferRequest, InferResponse, Tensor
@@ -70,16 +71,15 @@ def write_region_outputs(windows: dict[str, Window | CudaWindow], response: Infe
     )
 
 
-# Region bytes past which a copy (preadv/pwrite of a client's segment) leaves the event loop: a
-# 256 MiB tensor read on the loop stalled every other call on it for most of a second.
-COSTLY_BYTES = 1 << 20
+# Region bytes past off_loop.OFF_LOOP_BYTES are copied (preadv/pwrite of a client's segment) off the
+# event loop: a 256 MiB tensor read on the loop stalled every other call on it for most of a second.
 
 
 def costly(registry: RegionRegistry, request: InferRequest) -> bool:
     """Region inputs to read off the event loop: large ones, many BYTES elements, or any in CUDA regions."""
     if any(registry.on_device(r.where.region) for r in request.region_inputs):
         return True
-    if sum(r.where.byte_size for r in request.region_inputs) > COSTLY_BYTES:
+    if sum(r.where.byte_size for r in request.region_inputs) > OFF_LOOP_BYTES:
         return True
     return sum(math.prod(r.shape) for r in request.region_inputs if r.datatype is DataType.BYTES) > 16_384
 
@@ -88,5 +88,5 @@ def costly_outputs(windows: dict[str, Window | CudaWindow]) -> bool:
     """Outputs to write off the event loop: into CUDA regions, or large."""
     return (
         any(isinstance(w, CudaWindow) for w in windows.values())
-        or sum(w.byte_size for w in windows.values()) > COSTLY_BYTES
+        or sum(w.byte_size for w in windows.values()) > OFF_LOOP_BYTES
     )

@@ -23,6 +23,7 @@ from typing import TypeAlias
 
 import numpy as np
 
+from shoal import off_loop
 from shoal.dataplane.arena import ALIGNMENT, Arena, BlockAllocator, PoolFull
 from shoal.protocol import codec
 from shoal.protocol.types import DataType
@@ -30,9 +31,8 @@ from shoal.types import EncodedTensor, Tensor
 
 Slot: TypeAlias = tuple[str, str, tuple[int, ...], int, int]
 NO_BLOCK = -1  # a message whose tensors hold no bytes at all needs no block
-# Past this many BYTES elements, packing or unpacking a message is Python work per element (ms):
-# callers do it on a worker thread, off their event loop (``costly``).
-OFF_LOOP_BYTES_ELEMENTS = 16_384
+# Past off_loop.OFF_LOOP_ELEMENTS BYTES elements, packing or unpacking a message is Python work per
+# element (ms): callers do it on a worker thread, off their event loop (``costly``).
 
 
 def costly(tensors_or_slots: Sequence[Tensor] | Sequence[Slot]) -> bool:
@@ -45,7 +45,7 @@ def costly(tensors_or_slots: Sequence[Tensor] | Sequence[Slot]) -> bool:
                 elements += item.data.size
         elif item[1] == DataType.BYTES.value:
             elements += math.prod(item[2])
-    return elements > OFF_LOOP_BYTES_ELEMENTS
+    return off_loop.costly(elements=elements)
 
 
 def _payload(tensor: Tensor) -> np.ndarray | bytes:

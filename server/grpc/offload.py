@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import asyncio
 
+from shoal import off_loop
 from shoal.grpc import convert
 from shoal.protocol import service_pb2
 from shoal.protocol.types import DataType
 from shoal.types import EncodedTensor, InferRequest, InferResponse
 
-# Past either, a message is converted off the loop: ~16k BYTES elements take a few ms to convert,
-# and 1 MiB of fixed-size data a copy or two of that size.
-OFF_LOOP_BYTES_ELEMENTS = 16_384
-OFF_LOOP_BYTES = 2**20
-
 
 def _costly(bytes_elements: int, data_bytes: int) -> bool:
-    return bytes_elements > OFF_LOOP_BYTES_ELEMENTS or data_bytes > OFF_LOOP_BYTES
+    """A message converted off the loop (shoal.off_loop): ~16k BYTES elements take a few ms to convert,
+    and 1 MiB of fixed-size data a copy or two of that size."""
+    return off_loop.costly(data_bytes, bytes_elements)
 
 
 def _response_is_costly(response: InferResponse) -> bool:

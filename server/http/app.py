@@ -21,8 +21,9 @@ from typing import Any
 
 from shoal.core import Core
 from shoal.errors import ErrorCode, ShoalError
-from shoal.http.handlers import OFF_LOOP_BYTES, ROUTES, Handler, Reply, Request
+from shoal.http.handlers import ROUTES, Handler, Reply, Request
 from shoal.http.status import HttpError, error_body, to_http
+from shoal.off_loop import OFF_LOOP_BYTES, OFF_LOOP_COMPRESS_BYTES
 from shoal.settings import HttpSettings, Restriction
 
 Scope = dict[str, Any]
@@ -30,9 +31,9 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _WBITS = {"gzip": 31, "deflate": 15, "x-gzip": 31}  # zlib's window bits: 31 reads the gzip wrapper, 15 zlib's
-# Compressing costs ~65 ms per MiB at level 6: past 16 KiB (~1 ms) it runs on a worker thread.
+# Compressing costs ~65 ms per MiB at level 6: past 16 KiB (~1 ms, off_loop.OFF_LOOP_COMPRESS_BYTES) it
+# runs on a worker thread.
 COMPRESS_LEVEL = 6
-COMPRESS_OFF_LOOP_BYTES = 16 * 2**10
 _MAX_INFLATION = 1032  # deflate's largest ratio: what a compressed body can grow to, at most
 
 
@@ -192,7 +193,7 @@ async def _send(send: Send, reply: Reply, accept: str) -> None:
     headers += [(name.encode(), value.encode()) for name, value in reply.headers.items()]
     encoding = _accepted_encoding(accept) if accept and body and reply.compressible else None
     if encoding is not None:
-        if len(body) > COMPRESS_OFF_LOOP_BYTES:
+        if len(body) > OFF_LOOP_COMPRESS_BYTES:
             body = await asyncio.to_thread(_compress, body, encoding)
         else:
             body = _compress(body, encoding)

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal import off_loop
 from shoal.core import Core
 from shoal.errors import DecoupledRefused
 from shoal.http import convert, infer_body
@@ -22,10 +23,8 @@ from shoal.protocol.types import DataType
 from shoal.tracing.trace import Origin
 from shoal.types import EncodedTensor, InferResponse
 
-# Past this many body bytes (or answer elements that cost Python work each: BYTES, JSON values), decoding
-# and encoding run on a worker thread, off the event loop; a thread hop costs tens of µs, so not below.
-OFF_LOOP_BYTES = 2**20
-OFF_LOOP_BYTES_ELEMENTS = 16_384
+# Past off_loop's thresholds (body bytes, or answer elements that cost Python work each: BYTES, JSON
+# values), decoding and encoding run on a worker thread, off the event loop.
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ async def infer(core: Core, request: Request) -> Reply:
         "HTTP", time.monotonic_ns(), request.headers.get("traceparent", ""), request.headers.get("tracestate", "")
     )
     header, binary = infer_body.split_body(request.body, request.headers.get(infer_body.HEADER_LENGTH))
-    costly = len(request.body) > OFF_LOOP_BYTES
+    costly = off_loop.costly(len(request.body))
     convert_request = infer_body.infer_request_encoded if request.encoded_bytes else infer_body.infer_request
     inference, binary_outputs = await _run(costly, convert_request, *_model(request), header, binary)
     try:
@@ -126,7 +125,7 @@ def _costly_answer(response: InferResponse, binary_outputs: dict[str, bool]) -> 
         if (t.name not in response.in_regions and not binary_outputs.get(t.name, binary_outputs[""]))
         or (t.datatype is DataType.BYTES and not isinstance(t, EncodedTensor))
     )
-    return per_element > OFF_LOOP_BYTES_ELEMENTS or sum(t.data.nbytes for t in response.outputs) > OFF_LOOP_BYTES
+    return off_loop.costly(sum(t.data.nbytes for t in response.outputs), per_element)
 
 
 async def _run(off_loop: bool, function: Callable[..., Any], *args: Any) -> Any:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shoal import off_loop
 from shoal.errors import ErrorCode, ShoalError, invalid, shown
 from shoal.lifecycle import classification
 from shoal.protocol.types import DataType
@@ -178,14 +179,13 @@ def _check_classifications(spec: ModelSpec, request: InferRequest, outputs: tupl
 
 
 # Ranking an output for a classification costs up to ~0.15 µs per element, formatting ~0.3 µs per class
-# returned: past this many elements in the outputs to classify, ``finish`` runs off the event loop.
-FINISH_OFF_LOOP_ELEMENTS = 16_384
+# returned: past off_loop.OFF_LOOP_ELEMENTS elements in the outputs to classify, ``finish`` runs off the loop.
 
 
 def finish_is_costly(prepared: Prepared, results: Mapping[str, np.ndarray]) -> bool:
     """Whether ``respond`` would hold the event loop for long: a classification of a wide output."""
     classified = sum(np.size(results[name]) for name in prepared.class_counts if name in results)
-    return classified > FINISH_OFF_LOOP_ELEMENTS
+    return off_loop.costly(elements=classified)
 
 
 def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray]) -> tuple[Tensor, ...]:

@@ -34,11 +34,9 @@ from typing import Any
 import numpy as np
 
 from shoal.lifecycle.request_checks import Prepared
+from shoal.off_loop import OFF_LOOP_BYTES, OFF_LOOP_ELEMENTS
 from shoal.statistics import ModelStatistics
 from shoal.types import Tensor
-
-OFF_LOOP_BYTES = 2**20  # hash or copy more than this off the serving loop (the transports' thresholds)
-OFF_LOOP_ELEMENTS = 16_384
 
 
 def request_key(

@@ -67,7 +67,7 @@ class ThreadInstance:
         args = runner.model_args(
             spec.config_json, model_file, instance_name, device.kind.upper(), device.index, version
         )
-        self._decoupled = pb_utils.using_decoupled_model_transaction_policy(spec.config_json)
+        self._decoupled = spec.decoupled
         try:
             self._runner = runner.ModelRunner(spec.config_json, model_file, args, isolated=True)
         except BaseException as exc:  # noqa: BLE001 - SystemExit too (argparse): this load fails, not the server

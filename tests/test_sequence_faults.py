@@ -46,8 +46,8 @@ def test_a_sequence_given_up_in_the_backlog_can_start_again() -> None:
 
 @pytest.mark.parametrize("strategy", ["direct", "oldest"])
 def test_a_request_given_up_while_queued_counts_as_canceled(strategy: str) -> None:
-    """As the dynamic batcher counts it (docs/operations.md: metrics, failures by reason): once, CANCELED; a request given up
-    while its batch runs is answered by the model and counts as a success."""
+    """As the dynamic batcher counts it (docs/operations.md: metrics, failures by reason): once, CANCELED; a
+    request given up while its batch runs is answered by the model and counts as a success."""
 
     async def main() -> None:
         sched, runner = scheduler(max_batch_size=1, strategy=strategy)

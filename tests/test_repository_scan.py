@@ -1,5 +1,5 @@
-"""Review of issue 25's repository rule and command line: what a hostile reading of a top-level
-symlink to a model folder outside the repository, and of Triton's flag aliases, found."""
+"""The repository scan and the command line's aliases (issue 25): a top-level symlink to a model folder
+outside the repository, and Triton's flag aliases, read as a hostile user would."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Review of --grpc-engine (issue 24): what broke on the pinned grpcio and the native engine.
+"""--grpc-engine at its edges (issue 24): what broke on the pinned grpcio and the native engine.
 
 In-process: ``build_server`` on each engine with a core that answers only what is asked, so these run in
 a second and need no model."""

@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, serving
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
 
@@ -33,9 +33,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     repo = tmp_path_factory.mktemp("repo")
     models.copy_example(repo, "simple")  # max_batch_size 8, INPUT0/INPUT1 INT32 dims [16]
     models.add_onnx_strings(repo)  # "strings": BYTES IN -> OUT, dims [-1], no batching
-    running = start_server(repo, tmp_path_factory.mktemp("server"), *layout)
-    yield running
-    assert running.stop() == 0, running.log()
+    with serving(repo, tmp_path_factory.mktemp("server"), *layout) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Ensembles under review: following their composing models (Dependents), and optional inputs."""
+"""Ensembles following their composing models (Dependents), and optional inputs."""
 
 from __future__ import annotations
 
