@@ -20,7 +20,7 @@ import pytest
 
 from shoal.clients import ClientError, InferenceClient
 from shoal.errors import ErrorCode, ShoalError
-from shoal.instances.process import INITIAL_ARENA_BYTES, MAX_ARENA_BYTES, arena_bytes
+from shoal.instances.worker_pipe import INITIAL_ARENA_BYTES, MAX_ARENA_BYTES, arena_bytes
 from shoal.protocol.types import DataType
 from tests.polling import wait_until
 

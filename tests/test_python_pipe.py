@@ -1,5 +1,5 @@
 """The pipe and arenas between a Python process instance and the server, driven in one process:
-the worker's side (``python_link``, ``python_process._run_batch``) against a hand-played server,
+the worker's side (``python_link``, ``python_worker.run_batch``) against a hand-played server,
 for the tensor lifetimes a batch's BLS calls depend on (the whole server: test_python_backend.py)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 
 from shoal.backends.python import bls, pb_utils, runner
 from shoal.dataplane.arena import Arena
-from shoal.instances import python_process
+from shoal.instances import python_worker
 from shoal.instances.outbox import Outbox
-from shoal.instances.process import REQUESTS, RESPONSES
-from shoal.instances.python_link import BLS, BLS_REPLY, PipeLink, put, take
+from shoal.instances.python_link import PipeLink
+from shoal.instances.worker_pipe import BLS, BLS_REPLY, DONE, REQUESTS, RESPONSES, put, take
 
 
 @pytest.fixture
@@ -49,9 +49,9 @@ def test_a_batch_s_outputs_never_overwrite_the_inputs_of_a_call_the_server_has_n
             link.infer_async(_call(x)).close()  # sent, never awaited
             return [runner.Outcome({"Y": np.full(4000, -1.0, np.float32)})]
 
-    done, answers = python_process._run_batch(FireAndForget(), link, worker, arenas, [], 0)
+    done, answers = python_worker.run_batch(FireAndForget(), link, worker, arenas, [], 0)
     kind, _, call, slots = server.recv()  # the server reads the call only now, after the outputs were packed
-    assert (kind, done) == (BLS, python_process.DONE) and call.model_name == "m"
+    assert (kind, done) == (BLS, DONE) and call.model_name == "m"
     np.testing.assert_array_equal(take(arenas[RESPONSES], slots)["X"], x)
     ((output_slots, error, _),) = answers
     assert not error
@@ -112,12 +112,12 @@ def test_a_call_with_inputs_in_the_arena_is_on_the_pipe_before_its_batch_ends(en
             reserved.wait(10)
             return [runner.Outcome({"Y": np.zeros(4, np.float32)})]
 
-    done = python_process._run_batch(LeavesACallBehind(), link, worker, arenas, [], 0)
+    done = python_worker.run_batch(LeavesACallBehind(), link, worker, arenas, [], 0)
     worker.send(done)
     kind, _, _, slots = server.recv()
     assert kind == BLS and slots is not None
     np.testing.assert_array_equal(take(arenas[RESPONSES], slots)["X"], x)
-    assert server.recv()[0] == python_process.DONE
+    assert server.recv()[0] == DONE
 
 
 def test_an_outbox_that_cannot_send_a_message_says_so_and_does_not_hang(ends: Any) -> None:

@@ -146,7 +146,7 @@ def test_an_error_response_or_a_missing_output_fails_that_request_alone(tmp_path
 def test_bls_tensors_go_into_the_arena_when_they_fit() -> None:
     """What decides, in process mode, whether a BLS call's tensors cross in the arena or on the pipe."""
     from shoal.dataplane.arena import Arena
-    from shoal.instances.python_link import put, take
+    from shoal.instances.worker_pipe import put, take
 
     arena = Arena.create("test-bls", 1 << 20)
     try:

@@ -6,9 +6,11 @@ can reach them (PyTorch: shared memory, or CUDA IPC handles on a GPU). Each work
 backend's ``attach`` hook, which builds the model over those weights, so they exist once; this
 module knows no framework.
 
-Tensors travel through the ``dataplane``: each worker has two memfd arenas, created here and
-handed to it over its pipe (``multiprocessing.reduction.send_handle``): nothing is named in
-/dev/shm, and the kernel frees them whenever the last holder exits, SIGKILL included. A worker
+The worker's side is ``instances.process_worker``; the pipe and arenas between them, one protocol
+for both kinds of process instance, ``instances.worker_pipe``. Tensors travel through the
+``dataplane``: each worker has two memfd arenas, created here and handed to it over its pipe
+(``multiprocessing.reduction.send_handle``): nothing is named in /dev/shm, and the kernel frees
+them whenever the last holder exits, SIGKILL included. A worker
 runs one batch at a time, so the server writes the inputs at offset 0 of the requests arena and
 the worker its outputs at offset 0 of the responses arena (``packing.pack_at``); the pipe
 carries only the slots. A batch that does not fit is not refused: its side asks for a bigger
@@ -33,7 +35,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -45,15 +46,28 @@ from typing import Any
 import numpy as np
 
 from shoal import logs
-from shoal.backends.base import backend_for
 from shoal.backends.devices import Device
 from shoal.dataplane import packing
 from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError, load_failed
-from shoal.instances import lifeline
+from shoal.instances import lifeline, process_worker
+from shoal.instances.worker_pipe import (
+    ARENA,
+    FAILED,
+    GROW,
+    INITIAL_ARENA_BYTES,
+    OK,
+    PING,
+    READY,
+    REQUESTS,
+    RESPONSES,
+    RUN,
+    arena_bytes,
+    as_tensors,
+    trim,
+)
 from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec
-from shoal.types import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -65,134 +79,7 @@ EXECUTION_TIMEOUT_KEY = "execution_timeout_ms"
 LIVENESS_KEY = "liveness_check_interval_ms"
 WORKER_PARAMETERS = (EXECUTION_TIMEOUT_KEY, LIVENESS_KEY)
 DEFAULT_LIVENESS_INTERVAL_S = 5.0
-# Each arena starts this big (its pages are only backed once written) and doubles as batches need.
-INITIAL_ARENA_BYTES = 1 << 20
-MAX_ARENA_BYTES = 1 << 32  # per direction: two of the largest gRPC messages
-
-# The pipe. Server to worker: None (stop), PING, (ARENA, REQUESTS | RESPONSES, size) followed by
-# the arena's descriptor, (RUN, input slots, output names). Worker to server: READY, PING,
-# (OK, output slots), (FAILED, message), (GROW, bytes the outputs need).
-PING = "ping"  # the liveness check: an idle worker echoes it at once
-READY, RUN, ARENA, OK, FAILED, GROW = "ready", "run", "arena", "ok", "failed", "grow"
-REQUESTS, RESPONSES = "requests", "responses"
 FORKSERVER_GUARD = "shoal.instances.forkserver_guard"
-
-
-def arena_bytes(needed: int, what: str) -> int:
-    """The size of an arena that holds ``needed`` bytes: a power of two; past the bound, an error."""
-    if needed > MAX_ARENA_BYTES:
-        raise ShoalError(
-            ErrorCode.INVALID_ARGUMENT if what == "inputs" else ErrorCode.INTERNAL,
-            f"the batch's {what} need {needed} bytes of shared memory; a process instance "
-            f"moves at most {MAX_ARENA_BYTES >> 20} MiB each way per batch",
-        )
-    return min(MAX_ARENA_BYTES, max(INITIAL_ARENA_BYTES, 1 << (needed - 1).bit_length()))
-
-
-def _trim(arena: Arena, used: int) -> None:
-    """After a batch: give back the pages it used past the arena's resident part."""
-    arena.release_pages(0, used)
-
-
-def _as_tensors(arrays: Mapping[str, np.ndarray]) -> list[Tensor]:
-    found = []
-    for name, array in arrays.items():
-        array = np.asarray(array)
-        try:
-            datatype = DataType.from_numpy(array.dtype)
-        except ValueError as exc:
-            raise ShoalError(ErrorCode.INTERNAL, f"tensor '{name}': {exc}") from None
-        found.append(Tensor(name, datatype, tuple(array.shape), array))
-    return found
-
-
-def _receive_arena(conn: Any, arenas: dict[str, Arena], message: tuple[str, str, int]) -> None:
-    """In a worker: map the arena whose descriptor follows ``message`` on the pipe, in place of the old one."""
-    _, which, size = message
-    map_arena(arenas, which, size, reduction.recv_handle(conn))
-
-
-def map_arena(arenas: dict[str, Arena], which: str, size: int, fd: int) -> None:
-    """In a worker: map the arena ``fd`` (received from the server) in place of the old one."""
-    arena = Arena(fd, size)
-    arena.close_fd()  # the mapping is all a worker needs
-    old = arenas.get(which)
-    arenas[which] = arena
-    if old is not None:
-        old.close()
-
-
-def _execute(
-    model: Any, conn: Any, arenas: dict[str, Arena], slots: list[packing.Slot], outputs: list[str]
-) -> tuple[Any, ...] | None:
-    """Run one batch in a worker; the reply, or None when the server went away while it grew an arena."""
-    try:
-        inputs = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
-        results = _as_tensors(model.run(inputs, outputs))
-        del inputs
-    except Exception as exc:  # noqa: BLE001 - reported to the server, the worker goes on
-        return (FAILED, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ShoalError) else exc.message)
-    while True:
-        try:
-            return (OK, packing.pack_at(arenas[RESPONSES], 0, results))
-        except PoolFull as full:
-            try:
-                arena_bytes(full.wanted, "outputs")
-            except ShoalError as exc:
-                return (FAILED, exc.message)
-            conn.send((GROW, full.wanted))
-            message = conn.recv()
-            if not (isinstance(message, tuple) and message[0] == ARENA):
-                return None
-            _receive_arena(conn, arenas, message)
-
-
-def _worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
-    """A worker process: the backend attaches the model to the server's weights, requests come from the pipe."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the host's to handle; it stops us
-    try:
-        model = backend_for(spec).attach(spec, model_path, device, handle, threads)
-    except Exception as exc:  # noqa: BLE001 - the load error names it
-        conn.send((FAILED, exc.message if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(READY)
-    arenas: dict[str, Arena] = {}
-    while True:
-        try:
-            message = conn.recv()
-            if message is None:
-                return
-            if message == PING:
-                conn.send(PING)
-            elif message[0] == ARENA:
-                _receive_arena(conn, arenas, message)
-            else:
-                reply = _execute(model, conn, arenas, *message[1:])
-                if reply is None:
-                    return
-                conn.send(reply)
-        except (EOFError, OSError):
-            return
-
-
-def _worker_entry(main: Any, log_share: logs.LogShare, *args: Any) -> None:
-    """A worker process starts here: it dies with the host whatever ``main`` (its loop) is doing, and
-    ends as soon as ``main`` does, however (a model's ``sys.exit()`` included): a thread the model left
-    running, daemon or not, never holds a worker whose loop is gone, so the server sees it die and
-    replaces it instead of waiting for its answer forever. It logs as the server's settings say, now
-    and after any change (``shoal.logs``)."""
-    lifeline.guard_worker(args[-1])
-    logs.install(log_share)
-    code = 0
-    try:
-        main(*args)
-    except BaseException:  # noqa: BLE001 - whatever ended the loop, the process ends with it
-        logger.exception("the worker process's loop ended with an error")
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 @dataclass(frozen=True)
@@ -227,7 +114,7 @@ class ProcessModel:
     weight_bytes = 0  # the weights belong to the server's shared copy, counted there
     # What the worker process runs: (spec, model_path, device, handle, threads, conn). A subclass
     # may run its own loop over the same pipe and arenas (shoal.instances.python_process).
-    worker_main = staticmethod(_worker)
+    worker_main = staticmethod(process_worker.worker_main)
 
     def __init__(
         self,
@@ -249,7 +136,9 @@ class ProcessModel:
         # segment or CUDA IPC handle, never by value): the same context torch.multiprocessing gives.
         self._context = multiprocessing.get_context("forkserver")
         # The guard comes first: the fork server dies with this process (shoal.instances.lifeline).
-        self._context.set_forkserver_preload([FORKSERVER_GUARD, *preload, __name__, type(self).__module__])
+        self._context.set_forkserver_preload(
+            [FORKSERVER_GUARD, *preload, __name__, type(self).__module__, type(self).worker_main.__module__]
+        )
         self._lock = threading.Lock()  # one conversation with the worker at a time
         self._closing = threading.Event()
         self._failure = ""  # why no worker is running; "" while one is
@@ -280,7 +169,7 @@ class ProcessModel:
     def _start(self) -> None:
         self._conn, child = self._context.Pipe()
         self._process = self._context.Process(
-            target=_worker_entry,
+            target=process_worker.entry,
             args=(
                 type(self).worker_main,
                 logs.current(),
@@ -387,7 +276,7 @@ class ProcessModel:
                     ErrorCode.UNAVAILABLE,
                     f"model '{self._spec.name}': the instance process {self._failure or 'is stopping'}",
                 )
-            feed = _as_tensors(inputs)
+            feed = as_tensors(inputs)
             try:
                 slots = packing.pack_at(self._arenas[REQUESTS], 0, feed)
             except PoolFull as full:
@@ -411,10 +300,10 @@ class ProcessModel:
                     t.name: t.data if t.datatype is DataType.BYTES else t.data.copy()
                     for t in packing.unpack(responses, reply[1])
                 }
-                _trim(responses, packing.extent(reply[1]))
+                trim(responses, packing.extent(reply[1]))
                 return results
             finally:
-                _trim(self._arenas[REQUESTS], packing.extent(slots))
+                trim(self._arenas[REQUESTS], packing.extent(slots))
 
     def _wait(self, deadline: float | None) -> Any:
         """The worker's reply; if it dies or passes the execution timeout, replace it and fail this request."""

@@ -28,46 +28,20 @@ import collections
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from multiprocessing import reduction
 from typing import Any, TypeVar
 
 from shoal.backends.python import bls, pb_utils
-from shoal.dataplane import packing
-from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
-from shoal.instances import process
-from shoal.instances.process import ARENA, REQUESTS, RESPONSES
-
-# The pipe during a batch (the rest of the conversation is in shoal.instances.python_process):
-# worker → server (BLS, call id, BlsCall, input slots); server → worker (BLS_REPLY, call id,
-# BlsResult, output slots, final, batch) and (CANCEL_REQUEST, index) when a decoupled request's client
-# gave up. ``batch``: the number of the batch during which the server put the outputs in the arena.
-BLS, BLS_REPLY, CANCEL_REQUEST = "bls", "bls_reply", "cancel_request"
+from shoal.dataplane.arena import Arena
+from shoal.instances.worker_pipe import ARENA, BLS, BLS_REPLY, CANCEL_REQUEST, REQUESTS, RESPONSES, put, take
 
 T = TypeVar("T")
 
 
 class Mailbox(collections.deque[tuple[bls.BlsResult, bool]]):
     """One call's replies as (result, final), oldest first."""
-
-
-def aligned(offset: int) -> int:
-    return -(-offset // ALIGNMENT) * ALIGNMENT
-
-
-def put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[packing.Slot] | None, int]:
-    """``arrays`` packed at ``offset``, and where the next pack may start; (None, offset) when they do not fit."""
-    try:
-        slots = packing.pack_at(arena, offset, process._as_tensors(arrays))
-    except PoolFull:
-        return None, offset
-    return slots, aligned(max(offset, packing.extent(slots)))
-
-
-def take(arena: Arena, slots: list[packing.Slot]) -> dict[str, Any]:
-    """Copies of the tensors at ``slots`` (the arena is rewritten by the next batch)."""
-    return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in packing.unpack(arena, slots)}
 
 
 class PipeLink:

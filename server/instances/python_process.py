@@ -1,17 +1,13 @@
-"""A Python model's instance in its own worker process (Triton's stub process), the default.
+"""A Python model's instance in its own worker process (Triton's stub process), the default: the host's side.
 
 Built on the process instances' one mechanism (``shoal.instances.process``): a forkserver child
 per instance, two memfd arenas for tensors, a pipe for small messages, the same restart on death,
-execution timeout and liveness checks. What differs is the conversation for a batch:
-
-    server → worker  (RUN_REQUESTS, [(input slots, outputs, request id, correlation id, parameters)], batch)
-    worker → server  (BLS, call id, BlsCall, input slots)  a model's request to another model, any number
-    server → worker  (BLS_REPLY, call id, BlsResult, output slots, final, batch)  as each of those finishes
-                                                     (exec(decoupled=True): one per response)
-    worker → server  (RESPONSE, index, outputs, error, code, final)  a decoupled model's responses
-    server → worker  (CANCEL_REQUEST, index)          a decoupled request's client gave up
-    worker → server  (GROW, bytes)                   the outputs need a bigger arena
-    worker → server  (DONE, [(output slots, error, code)])
+execution timeout and liveness checks. What differs is the conversation for a batch (its messages
+in ``instances.worker_pipe``; the worker's side is ``instances.python_worker``): the batch's
+requests go in (RUN_REQUESTS), any number of BLS calls come out and each is answered (BLS_REPLY;
+an ``exec(decoupled=True)`` once per response), a decoupled model's responses come out as it sends
+them (RESPONSE), the host says which of its requests' clients gave up (CANCEL_REQUEST), the
+outputs may ask for a bigger arena (GROW), and DONE ends the batch.
 
 Inputs of every request are packed one after another at the start of the requests arena,
 outputs in the responses arena after the batch's BLS inputs. A BLS call's tensors go the same way
@@ -34,7 +30,6 @@ import itertools
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -45,164 +40,38 @@ from typing import Any
 
 import shoal.backends.python as python_backend
 from shoal.backends.devices import Device
-from shoal.backends.python import bls, pb_utils, runner
+from shoal.backends.python import bls, runner
 from shoal.dataplane import packing
-from shoal.dataplane.arena import Arena, PoolFull
+from shoal.dataplane.arena import PoolFull
 from shoal.errors import ErrorCode, ShoalError
-from shoal.instances import process
+from shoal.instances import process, python_worker
 from shoal.instances.outbox import Outbox
-from shoal.instances.process import ARENA, FAILED, GROW, PING, READY, REQUESTS, RESPONSES, WorkerLimits
-from shoal.instances.python_link import BLS, BLS_REPLY, CANCEL_REQUEST, PipeLink, aligned, put, take
+from shoal.instances.process import WorkerLimits
+from shoal.instances.worker_pipe import (
+    BLS,
+    BLS_REPLY,
+    CANCEL_REQUEST,
+    DONE,
+    GROW,
+    REQUESTS,
+    RESPONSE,
+    RESPONSES,
+    RUN_REQUESTS,
+    aligned,
+    as_tensors,
+    put,
+    take,
+    trim,
+)
 from shoal.repository.config import ModelSpec
 
 logger = logging.getLogger(__name__)
-
-RUN_REQUESTS, DONE = "run_requests", "done"
-# A decoupled model's batch: (RESPONSE, index, outputs | None, error, code, final) as the model sends
-# each response (outputs pickled on the pipe); CANCEL_REQUEST (python_link) when the client gave up.
-RESPONSE = "response"
-
-
-# -- the worker process ---------------------------------------------------------------------------
-
-
-def _run_batch(
-    model: runner.ModelRunner,
-    link: PipeLink,
-    conn: Any,
-    arenas: dict[str, Arena],
-    requests: list[tuple[Any, ...]],
-    batch: int,
-) -> tuple[Any, ...] | None:
-    items = []
-    for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
-        feed = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
-        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters, trace_id))
-    link.begin(batch)
-    try:
-        outcomes = model.execute(items)
-    finally:
-        first_free = link.end()  # the outputs go after the BLS calls' inputs, which the server may not have read
-    del items
-    while True:
-        answers: list[tuple[Any, ...]] = []
-        offset = first_free
-        try:
-            for outcome in outcomes:
-                if outcome.outputs is None:
-                    answers.append(([], outcome.error, outcome.code))
-                    continue
-                slots = packing.pack_at(arenas[RESPONSES], offset, process._as_tensors(outcome.outputs))
-                offset = aligned(max(offset, packing.extent(slots)))
-                answers.append((slots, "", ""))
-            return (DONE, answers)
-        except (PoolFull, ShoalError) as exc:
-            if isinstance(exc, ShoalError):
-                return (DONE, [([], exc.message, "internal") for _ in outcomes])
-            needed = offset + exc.wanted
-            conn.send((GROW, needed))
-            message = link.next_message()
-            if not (isinstance(message, tuple) and message[0] == ARENA):
-                return None
-            process.map_arena(arenas, *message[1:])
-            first_free = 0  # a new arena: no BLS call's inputs in it (the server read them before GROW)
-
-
-class LockedConn:
-    """The worker's pipe end, safe to send on from the model's own threads (a decoupled model's sender)."""
-
-    def __init__(self, conn: Any) -> None:
-        self._conn = conn
-        self._lock = threading.Lock()
-        self.recv, self.poll, self.fileno = conn.recv, conn.poll, conn.fileno
-
-    def send(self, message: Any) -> None:
-        with self._lock:
-            self._conn.send(message)
-
-
-def _run_decoupled(
-    model: runner.ModelRunner,
-    link: PipeLink,
-    conn: Any,
-    arenas: dict[str, Arena],
-    requests: list[tuple[Any, ...]],
-    batch: int,
-) -> tuple[Any, ...]:
-    """A decoupled model's batch: responses go to the server as they are sent, DONE once all are FINAL."""
-    items = []
-    for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
-        feed = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
-        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters, trace_id))
-    lock = threading.Lock()
-    batch_open = [True]  # a response sent after DONE (by a cancelled request's thread) is dropped
-
-    def emit(index: int, outcome: runner.Outcome | None, final: bool) -> None:
-        with lock:
-            if not batch_open[0]:
-                return
-            if outcome is None:
-                conn.send((RESPONSE, index, None, "", "", final))
-            else:
-                conn.send((RESPONSE, index, outcome.outputs, outcome.error, outcome.code, final))
-
-    link.begin(batch)
-    try:
-        model.execute_decoupled(items, emit, link.is_cancelled)
-    finally:
-        link.end()
-        with lock:
-            batch_open[0] = False
-    return (DONE, [([], "", "") for _ in requests])
-
-
-def python_worker(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
-    """The worker process: initialize the model, then run batches from the pipe until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the host's to handle; it stops us
-    arenas: dict[str, Arena] = {}
-    conn = LockedConn(conn)
-    decoupled = spec.decoupled
-    link = PipeLink(conn, arenas)
-    pb_utils.set_host_link(link)
-    try:
-        instance_name, version = handle
-        model = runner.ModelRunner(
-            spec.config_json,
-            model_path,
-            runner.model_args(spec.config_json, model_path, instance_name, device.kind.upper(), device.index, version),
-        )
-    except BaseException as exc:  # noqa: BLE001 - SystemExit too: the load error names it, as Triton's does
-        conn.send((FAILED, runner.describe_error(exc).rstrip()))
-        return
-    conn.send(READY)
-    try:
-        while True:
-            message = link.next_message()  # the link reads the pipe: a thread of the model may be reading it
-            if message is None:
-                return
-            if message == PING:
-                conn.send(PING)
-            elif message[0] == ARENA:
-                process.map_arena(arenas, *message[1:])
-            elif message[0] == RUN_REQUESTS:
-                run = _run_decoupled if decoupled else _run_batch
-                reply = run(model, link, conn, arenas, message[1], message[2])
-                if reply is None:
-                    return
-                conn.send(reply)
-    except (EOFError, OSError):
-        return
-    finally:
-        model.finalize()  # it logs what the model's finalize raises
-
-
-# -- the server side ------------------------------------------------------------------------------
 
 
 class PythonProcessModel(process.ProcessModel):
     """One Python model instance: a worker process running the model's ``execute`` on request lists."""
 
-    worker_main = staticmethod(python_worker)
+    worker_main = staticmethod(python_worker.worker_main)
 
     def __init__(
         self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int, limits: WorkerLimits
@@ -257,10 +126,10 @@ class PythonProcessModel(process.ProcessModel):
                 return self._unpack_outputs(answers)
             finally:
                 self._end_outbox()
-                process._trim(self._arenas[REQUESTS], max(used, self._reply_offset))
+                trim(self._arenas[REQUESTS], max(used, self._reply_offset))
 
     def _pack_inputs(self, batch: Sequence[Any]) -> tuple[list[tuple[Any, ...]], int]:
-        feeds = [process._as_tensors(pending.feed) for pending in batch]
+        feeds = [as_tensors(pending.feed) for pending in batch]
         while True:
             offset, requests = 0, []
             try:
@@ -416,7 +285,7 @@ class PythonProcessModel(process.ProcessModel):
                 }
             )
             used = max(used, packing.extent(slots))
-        process._trim(responses, used)
+        trim(responses, used)
         return results
 
     def run(self, inputs: Any, outputs: Any) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""A process instance's worker: the backend attaches the model to the server's weights, then runs the
+batches the host sends over the pipe (``instances.worker_pipe``), one at a time. ``entry`` starts
+every worker process, a Python model's too (``instances.python_worker``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from shoal import logs
+from shoal.backends.base import backend_for
+from shoal.backends.devices import Device
+from shoal.dataplane import packing
+from shoal.dataplane.arena import Arena, PoolFull
+from shoal.errors import ShoalError
+from shoal.instances import lifeline
+from shoal.instances.worker_pipe import (
+    ARENA,
+    FAILED,
+    GROW,
+    OK,
+    PING,
+    READY,
+    REQUESTS,
+    RESPONSES,
+    arena_bytes,
+    as_tensors,
+    receive_arena,
+)
+from shoal.repository.config import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+
+def execute(
+    model: Any, conn: Any, arenas: dict[str, Arena], slots: list[packing.Slot], outputs: list[str]
+) -> tuple[Any, ...] | None:
+    """Run one batch in a worker; the reply, or None when the server went away while it grew an arena."""
+    try:
+        inputs = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
+        results = as_tensors(model.run(inputs, outputs))
+        del inputs
+    except Exception as exc:  # noqa: BLE001 - reported to the server, the worker goes on
+        return (FAILED, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ShoalError) else exc.message)
+    while True:
+        try:
+            return (OK, packing.pack_at(arenas[RESPONSES], 0, results))
+        except PoolFull as full:
+            try:
+                arena_bytes(full.wanted, "outputs")
+            except ShoalError as exc:
+                return (FAILED, exc.message)
+            conn.send((GROW, full.wanted))
+            message = conn.recv()
+            if not (isinstance(message, tuple) and message[0] == ARENA):
+                return None
+            receive_arena(conn, arenas, message)
+
+
+def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
+    """A worker process: the backend attaches the model to the server's weights, requests come from the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the host's to handle; it stops us
+    try:
+        model = backend_for(spec).attach(spec, model_path, device, handle, threads)
+    except Exception as exc:  # noqa: BLE001 - the load error names it
+        conn.send((FAILED, exc.message if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(READY)
+    arenas: dict[str, Arena] = {}
+    while True:
+        try:
+            message = conn.recv()
+            if message is None:
+                return
+            if message == PING:
+                conn.send(PING)
+            elif message[0] == ARENA:
+                receive_arena(conn, arenas, message)
+            else:
+                reply = execute(model, conn, arenas, *message[1:])
+                if reply is None:
+                    return
+                conn.send(reply)
+        except (EOFError, OSError):
+            return
+
+
+def entry(main: Any, log_share: logs.LogShare, *args: Any) -> None:
+    """A worker process starts here: it dies with the host whatever ``main`` (its loop) is doing, and
+    ends as soon as ``main`` does, however (a model's ``sys.exit()`` included): a thread the model left
+    running, daemon or not, never holds a worker whose loop is gone, so the server sees it die and
+    replaces it instead of waiting for its answer forever. It logs as the server's settings say, now
+    and after any change (``shoal.logs``)."""
+    lifeline.guard_worker(args[-1])
+    logs.install(log_share)
+    code = 0
+    try:
+        main(*args)
+    except BaseException:  # noqa: BLE001 - whatever ended the loop, the process ends with it
+        logger.exception("the worker process's loop ended with an error")
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,166 @@
+"""A Python model's worker process (Triton's stub process): initialize the model, then run the batches
+the host sends over the pipe (``instances.worker_pipe``) until told to stop. Its BLS calls go back
+to the host through ``python_link``; the host's side is ``instances.python_process``."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from shoal.backends.devices import Device
+from shoal.backends.python import pb_utils, runner
+from shoal.dataplane import packing
+from shoal.dataplane.arena import Arena, PoolFull
+from shoal.errors import ShoalError
+from shoal.instances.python_link import PipeLink
+from shoal.instances.worker_pipe import (
+    ARENA,
+    DONE,
+    FAILED,
+    GROW,
+    PING,
+    READY,
+    REQUESTS,
+    RESPONSE,
+    RESPONSES,
+    RUN_REQUESTS,
+    aligned,
+    as_tensors,
+    map_arena,
+)
+from shoal.repository.config import ModelSpec
+
+
+def run_batch(
+    model: runner.ModelRunner,
+    link: PipeLink,
+    conn: Any,
+    arenas: dict[str, Arena],
+    requests: list[tuple[Any, ...]],
+    batch: int,
+) -> tuple[Any, ...] | None:
+    items = []
+    for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
+        feed = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
+        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters, trace_id))
+    link.begin(batch)
+    try:
+        outcomes = model.execute(items)
+    finally:
+        first_free = link.end()  # the outputs go after the BLS calls' inputs, which the server may not have read
+    del items
+    while True:
+        answers: list[tuple[Any, ...]] = []
+        offset = first_free
+        try:
+            for outcome in outcomes:
+                if outcome.outputs is None:
+                    answers.append(([], outcome.error, outcome.code))
+                    continue
+                slots = packing.pack_at(arenas[RESPONSES], offset, as_tensors(outcome.outputs))
+                offset = aligned(max(offset, packing.extent(slots)))
+                answers.append((slots, "", ""))
+            return (DONE, answers)
+        except (PoolFull, ShoalError) as exc:
+            if isinstance(exc, ShoalError):
+                return (DONE, [([], exc.message, "internal") for _ in outcomes])
+            needed = offset + exc.wanted
+            conn.send((GROW, needed))
+            message = link.next_message()
+            if not (isinstance(message, tuple) and message[0] == ARENA):
+                return None
+            map_arena(arenas, *message[1:])
+            first_free = 0  # a new arena: no BLS call's inputs in it (the server read them before GROW)
+
+
+class LockedConn:
+    """The worker's pipe end, safe to send on from the model's own threads (a decoupled model's sender)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.recv, self.poll, self.fileno = conn.recv, conn.poll, conn.fileno
+
+    def send(self, message: Any) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+
+def run_decoupled(
+    model: runner.ModelRunner,
+    link: PipeLink,
+    conn: Any,
+    arenas: dict[str, Arena],
+    requests: list[tuple[Any, ...]],
+    batch: int,
+) -> tuple[Any, ...]:
+    """A decoupled model's batch: responses go to the server as they are sent, DONE once all are FINAL."""
+    items = []
+    for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
+        feed = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
+        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters, trace_id))
+    lock = threading.Lock()
+    batch_open = [True]  # a response sent after DONE (by a cancelled request's thread) is dropped
+
+    def emit(index: int, outcome: runner.Outcome | None, final: bool) -> None:
+        with lock:
+            if not batch_open[0]:
+                return
+            if outcome is None:
+                conn.send((RESPONSE, index, None, "", "", final))
+            else:
+                conn.send((RESPONSE, index, outcome.outputs, outcome.error, outcome.code, final))
+
+    link.begin(batch)
+    try:
+        model.execute_decoupled(items, emit, link.is_cancelled)
+    finally:
+        link.end()
+        with lock:
+            batch_open[0] = False
+    return (DONE, [([], "", "") for _ in requests])
+
+
+def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
+    """The worker process: initialize the model, then run batches from the pipe until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the host's to handle; it stops us
+    arenas: dict[str, Arena] = {}
+    conn = LockedConn(conn)
+    decoupled = spec.decoupled
+    link = PipeLink(conn, arenas)
+    pb_utils.set_host_link(link)
+    try:
+        instance_name, version = handle
+        model = runner.ModelRunner(
+            spec.config_json,
+            model_path,
+            runner.model_args(spec.config_json, model_path, instance_name, device.kind.upper(), device.index, version),
+        )
+    except BaseException as exc:  # noqa: BLE001 - SystemExit too: the load error names it, as Triton's does
+        conn.send((FAILED, runner.describe_error(exc).rstrip()))
+        return
+    conn.send(READY)
+    try:
+        while True:
+            message = link.next_message()  # the link reads the pipe: a thread of the model may be reading it
+            if message is None:
+                return
+            if message == PING:
+                conn.send(PING)
+            elif message[0] == ARENA:
+                map_arena(arenas, *message[1:])
+            elif message[0] == RUN_REQUESTS:
+                run = run_decoupled if decoupled else run_batch
+                reply = run(model, link, conn, arenas, message[1], message[2])
+                if reply is None:
+                    return
+                conn.send(reply)
+    except (EOFError, OSError):
+        return
+    finally:
+        model.finalize()  # it logs what the model's finalize raises
+
+
+# -- the server side ------------------------------------------------------------------------------
