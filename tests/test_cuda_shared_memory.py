@@ -33,7 +33,7 @@ from shoal.dataplane import cuda
 from shoal.dataplane.regions import RegionRegistry
 from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol.types import DataType
-from shoal.types import InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
+from shoal.request_types import InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 from tests import models
 from tests.conftest import RunningServer
 from tests.polling import metric, wait_until

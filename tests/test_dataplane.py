@@ -12,7 +12,7 @@ import pytest
 from shoal.dataplane import packing
 from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
 from shoal.protocol.types import DataType
-from shoal.types import Tensor
+from shoal.request_types import Tensor
 from tests.models import ALL_DATATYPES
 
 

@@ -21,7 +21,7 @@ from shoal.lifecycle.configure import ConfigOverride
 from shoal.protocol import service_pb2 as pb
 from shoal.protocol.types import DataType
 from shoal.repository.config import parse_config, to_spec
-from shoal.types import InferRequest, Tensor
+from shoal.request_types import InferRequest, Tensor
 
 LONG = "n" * 10_000
 SPEC = to_spec(

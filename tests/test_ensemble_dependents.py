@@ -13,7 +13,7 @@ from shoal.errors import ShoalError
 from shoal.lifecycle.manager import ModelManager
 from shoal.lifecycle.state import ModelState
 from shoal.protocol.types import DataType
-from shoal.types import InferRequest, Tensor
+from shoal.request_types import InferRequest, Tensor
 from tests import ensemble_models, models
 
 

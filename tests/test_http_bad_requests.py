@@ -24,7 +24,7 @@ from shoal.http.app import HttpApp
 from shoal.http.handlers import Reply, Request
 from shoal.http.server import MAX_HEAD_BYTES
 from shoal.protocol.types import DataType
-from shoal.types import InferRequest, InferResponse, Tensor
+from shoal.request_types import InferRequest, InferResponse, Tensor
 from tests.conftest import RunningServer
 from tests.test_http_errors import call, error
 

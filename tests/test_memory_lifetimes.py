@@ -114,7 +114,7 @@ def test_the_host_releases_a_worker_block_only_when_no_view_of_it_is_left() -> N
     from shoal.dataplane.arena import Arena, BlockAllocator
     from shoal.dataplane.channel import Channel
     from shoal.protocol.types import DataType
-    from shoal.types import InferRequest, InferResponse, Tensor
+    from shoal.request_types import InferRequest, InferResponse, Tensor
 
     kept: list[np.ndarray] = []
 
@@ -262,7 +262,7 @@ def test_a_block_packed_for_a_caller_cancelled_meanwhile_is_freed(monkeypatch: p
     from shoal.dataplane import packing
     from shoal.dataplane.arena import Arena, BlockAllocator
     from shoal.protocol.types import DataType
-    from shoal.types import Tensor
+    from shoal.request_types import Tensor
 
     started, go = threading.Event(), threading.Event()
     real_pack = packing.pack

@@ -34,7 +34,7 @@ from shoal.lifecycle.state import (
 )
 from shoal.protocol import service_pb2
 from shoal.protocol.types import DataType
-from shoal.types import InferRequest, Tensor
+from shoal.request_types import InferRequest, Tensor
 from tests import models
 
 S = ModelState

@@ -17,7 +17,7 @@ from shoal.grpc import convert
 from shoal.grpc.servicer import InferenceServicer
 from shoal.off_loop import OFF_LOOP_BYTES, OFF_LOOP_ELEMENTS
 from shoal.protocol import service_pb2
-from shoal.types import InferRequest, InferResponse, Tensor
+from shoal.request_types import InferRequest, InferResponse, Tensor
 
 
 class _NoMetadata:

@@ -14,7 +14,7 @@ import pytest
 
 from shoal.lifecycle.response_cache import ResponseCache, parse_cache_config, request_key
 from shoal.protocol.types import DataType
-from shoal.types import Tensor
+from shoal.request_types import Tensor
 
 FEED = {"IN": np.arange(4, dtype=np.float32).reshape(1, 4)}
 

@@ -22,7 +22,7 @@ from shoal.grpc.servicer import InferenceServicer
 from shoal.grpc.status import GRPC_SERVER_LOGGER, guard_stream, quiet_answers_not_sent
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
-from shoal.types import InferRequest, InferResponse
+from shoal.request_types import InferRequest, InferResponse
 from tests import models
 from tests.conftest import open_channel
 

@@ -312,7 +312,7 @@ def test_large_region_copies_leave_the_event_loop() -> None:
     from shoal.dataplane.regions import RegionRegistry, Window
     from shoal.off_loop import OFF_LOOP_BYTES
     from shoal.protocol.types import DataType
-    from shoal.types import InferRequest, RegionInput, RegionSlice
+    from shoal.request_types import InferRequest, RegionInput, RegionSlice
 
     def request(byte_size: int) -> InferRequest:
         where = RegionSlice("r", 0, byte_size)

@@ -33,7 +33,7 @@ from shoal.grpc import convert
 from shoal.protocol import codec
 from shoal.protocol import service_pb2 as shoal_pb2
 from shoal.protocol.types import DataType
-from shoal.types import EncodedTensor, Tensor
+from shoal.request_types import EncodedTensor, Tensor
 from tests import models
 from tests.conftest import RunningServer, serving
 
@@ -278,7 +278,7 @@ def test_an_answer_carries_its_release_and_a_request_the_freed_blocks() -> None:
     """One message each way per request: inputs let go of by the answer are released in it, and the
     response blocks the worker is done with go back in its next request."""
     from shoal.core.host import CoreHost
-    from shoal.types import InferRequest, InferResponse
+    from shoal.request_types import InferRequest, InferResponse
 
     class EchoCore:
         async def infer(self, request: InferRequest, origin: object = None) -> InferResponse:

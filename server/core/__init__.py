@@ -20,9 +20,9 @@ from shoal.dataplane.cuda import CudaRegionStatus
 from shoal.dataplane.regions import RegionStatus
 from shoal.lifecycle.state import IndexEntry, ModelState
 from shoal.protocol.types import ModelMetadata, ServerMetadata, TensorMetadata
+from shoal.request_types import InferRequest, InferResponse
 from shoal.statistics import ModelStatistics
 from shoal.tracing.trace import Origin
-from shoal.types import InferRequest, InferResponse
 
 __all__ = [
     "Core",

@@ -32,7 +32,7 @@ from shoal.dataplane import packing
 from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
 from shoal.dataplane.channel import Channel
 from shoal.errors import ErrorCode, ShoalError, bounded, internal_error
-from shoal.types import InferRequest, Tensor
+from shoal.request_types import InferRequest, Tensor
 
 logger = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ from shoal.lifecycle import request_checks
 from shoal.lifecycle.manager import ModelManager
 from shoal.lifecycle.model import ModelVersion
 from shoal.lifecycle.streaming import ENDED, ResponseSink, StreamingRequest
+from shoal.request_types import InferRequest, InferResponse
 from shoal.settings import ServerSettings, TraceConfig
 from shoal.statistics import TRACED
 from shoal.tracing.trace import Origin
 from shoal.tracing.tracer import Tracer
-from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ from typing import Any, NamedTuple
 
 from shoal.dataplane.channel import Records
 from shoal.dataplane.packing import Slot
+from shoal.request_types import RegionInput, RegionSlice
 from shoal.tracing.trace import Origin
-from shoal.types import RegionInput, RegionSlice
 
 # (index among the outputs, name, datatype name, shape) of an output written into the client's
 # shared memory: no bytes to move.

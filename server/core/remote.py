@@ -37,8 +37,8 @@ from shoal.dataplane.arena import Arena, BlockAllocator, PoolFull
 from shoal.dataplane.channel import Channel
 from shoal.errors import ErrorCode, ShoalError, rebuilt
 from shoal.protocol.types import DataType
+from shoal.request_types import InferRequest, InferResponse, Tensor
 from shoal.tracing.trace import Origin
-from shoal.types import InferRequest, InferResponse, Tensor
 
 HOST_GONE = "the server's model host process is gone"
 # Freed response blocks ride along with the next request to the host; when none goes out this

@@ -25,7 +25,7 @@ from shoal.errors import ErrorCode, ShoalError, shown
 from shoal.off_loop import OFF_LOOP_BYTES
 from shoal.protocol import codec
 from shoal.protocol.types import DataType
-from shoal.types import InferRequest, InferResponse, Tensor
+from shoal.request_types import InferRequest, InferResponse, Tensor
 
 
 def with_region_inputs(registry: RegionRegistry, request: InferRequest) -> InferRequest:

@@ -10,7 +10,7 @@ from shoal.errors import invalid, poll_failed, shown
 from shoal.protocol import codec
 from shoal.protocol.types import DataType
 from shoal.repository.scanner import MAX_NAME_BYTES
-from shoal.types import RegionSlice
+from shoal.request_types import RegionSlice
 
 
 def decode_raw(

@@ -27,7 +27,7 @@ from shoal import off_loop
 from shoal.dataplane.arena import ALIGNMENT, Arena, BlockAllocator, PoolFull
 from shoal.protocol import codec
 from shoal.protocol.types import DataType
-from shoal.types import EncodedTensor, Tensor
+from shoal.request_types import EncodedTensor, Tensor
 
 Slot: TypeAlias = tuple[str, str, tuple[int, ...], int, int]
 NO_BLOCK = -1  # a message whose tensors hold no bytes at all needs no block

@@ -28,8 +28,8 @@ from shoal.errors import ShoalError, invalid, shown
 from shoal.logs import NO_VALUE
 from shoal.protocol import codec, config_pb2, service_pb2
 from shoal.protocol.types import DataType
+from shoal.request_types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 from shoal.statistics import INFER_DURATIONS, Duration
-from shoal.types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 
 _CONTENTS_FIELD = {
     DataType.BOOL: "bool_contents",

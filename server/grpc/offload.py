@@ -17,7 +17,7 @@ from shoal import off_loop
 from shoal.grpc import convert
 from shoal.protocol import service_pb2
 from shoal.protocol.types import DataType
-from shoal.types import EncodedTensor, InferRequest, InferResponse
+from shoal.request_types import EncodedTensor, InferRequest, InferResponse
 
 
 def _costly(bytes_elements: int, data_bytes: int) -> bool:

@@ -20,8 +20,8 @@ from shoal.errors import DecoupledRefused
 from shoal.http import convert, infer_body
 from shoal.http.status import HttpError
 from shoal.protocol.types import DataType
+from shoal.request_types import EncodedTensor, InferResponse
 from shoal.tracing.trace import Origin
-from shoal.types import EncodedTensor, InferResponse
 
 # Past off_loop's thresholds (body bytes, or answer elements that cost Python work each: BYTES, JSON
 # values), decoding and encoding run on a worker thread, off the event loop.

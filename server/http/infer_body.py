@@ -25,7 +25,7 @@ from shoal.core.wire import UnfitContents, region_slice
 from shoal.errors import ShoalError, invalid, shown
 from shoal.protocol import codec
 from shoal.protocol.types import DataType
-from shoal.types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
+from shoal.request_types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 
 HEADER_LENGTH = "inference-header-content-length"
 _DATA_FIELDS = "'data', 'binary_data_size' in 'parameters', 'shared_memory_region' in 'parameters'"

@@ -32,7 +32,7 @@ from shoal.dataplane import packing
 from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol.types import DataType
-from shoal.types import Tensor
+from shoal.request_types import Tensor
 
 PING = "ping"  # the liveness check: an idle worker echoes it at once
 READY, RUN, ARENA, OK, FAILED, GROW = "ready", "run", "arena", "ok", "failed", "grow"

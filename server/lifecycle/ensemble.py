@@ -41,9 +41,9 @@ from shoal.protocol.types import DataType
 from shoal.repository import ensemble_composing, ensemble_config, scanner
 from shoal.repository.config import ModelSpec, read_config
 from shoal.repository.ensemble_config import EnsembleStep
+from shoal.request_types import InferRequest, InferResponse, Tensor
 from shoal.statistics import ALSO_COUNT_PHASES, TRACED, FailureReason, ModelStatistics, PhaseTotals
 from shoal.tracing.trace import RequestTrace
-from shoal.types import InferRequest, InferResponse, Tensor
 
 logger = logging.getLogger(__name__)
 

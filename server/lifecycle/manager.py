@@ -46,10 +46,10 @@ from shoal.lifecycle.state import UNLOADED, IndexEntry, ModelEntry, ModelState, 
 from shoal.lifecycle.streaming import StreamingRequest
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec, RateLimiterSpec, VersionPolicy
+from shoal.request_types import InferRequest, InferResponse
 from shoal.scheduling.rate_limiter import RateLimiter
 from shoal.statistics import TRACED, LatencyWindows
 from shoal.tracing.trace import live_trace
-from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
 

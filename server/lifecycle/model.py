@@ -29,11 +29,11 @@ from shoal.lifecycle.response_cache import ResponseCache, VersionCache
 from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
 from shoal.repository.sequence_spec import backend_spec
+from shoal.request_types import InferRequest, InferResponse
 from shoal.scheduling.dynamic import Scheduler
 from shoal.scheduling.rate_limiter import Admission, Claim, RateLimiter, claim_for
 from shoal.scheduling.sequence import SequenceScheduler
 from shoal.statistics import FailureReason, ModelStatistics
-from shoal.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from shoal.errors import ErrorCode, ShoalError, invalid, shown
 from shoal.lifecycle import classification
 from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec, TensorSpec
-from shoal.types import InferRequest, Tensor
+from shoal.request_types import InferRequest, Tensor
 
 # Triton appends this to a shape mismatch when the model batches (core infer_request.cc Normalize).
 IMPLICIT_BATCH_NOTE = (

@@ -35,8 +35,8 @@ import numpy as np
 
 from shoal.lifecycle.request_checks import Prepared
 from shoal.off_loop import OFF_LOOP_BYTES, OFF_LOOP_ELEMENTS
+from shoal.request_types import Tensor
 from shoal.statistics import ModelStatistics
-from shoal.types import Tensor
 
 
 def request_key(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from shoal.errors import ErrorCode, ShoalError
-from shoal.types import InferRequest
+from shoal.request_types import InferRequest
 
 # One streamed item: outputs (name -> array) or an error, or None for a bare FINAL flag; and FINAL.
 Streamed = tuple[dict[str, np.ndarray] | ShoalError | None, bool]

@@ -35,7 +35,7 @@ from shoal.protocol.codec import deserialize_bytes
 from shoal.protocol.types import DataType
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec
-from shoal.types import InferRequest, Tensor
+from shoal.request_types import InferRequest, Tensor
 
 WARMUP_FOLDER = "warmup"
 STREAM_TIMEOUT_S = 60.0  # a decoupled Python model's warm-up request: its FINAL flag comes within this

@@ -26,7 +26,7 @@ import numpy as np
 from shoal.backends.python import pb_utils
 from shoal.errors import ShoalError
 from shoal.protocol.types import DataType
-from shoal.types import InferRequest, InferResponse, Tensor
+from shoal.request_types import InferRequest, InferResponse, Tensor
 
 logger = logging.getLogger(__name__)
 
