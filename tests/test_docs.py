@@ -14,13 +14,16 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from shoal import cli
+from shoal.backends.devices import cuda_device_count
 from shoal.clients.loadtest import cli as load_cli
 from tests import models
+from tests.conftest import RunningServer, serving
 from tests.models import REPO_ROOT
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "bench" / "README.md"]
@@ -187,3 +190,53 @@ def test_the_readmes_first_request_runs_as_written(tmp_path: Path, server_factor
     printed, index = result.stdout.split("\n", 1)[0], result.stdout.split("\n", 1)[1]
     assert [int(n) for n in re.findall(r"-?\d+", printed)] == list(range(1, 17))  # a + 1
     assert "simple" in index and "READY" in index
+
+
+# -- the Python examples of docs/, run against the shipped repository --------------------------------
+
+EXAMPLE_MODELS = [path.name for path in models.EXAMPLES.iterdir() if (path / "config.pbtxt").is_file()]
+NEEDS_A_GPU = "cuda_shared_memory"  # such an example runs on a GPU host only (the gpu-marked tests)
+
+
+def _python_examples() -> list[tuple[str, str]]:
+    """(page and index, code) of every Python block in docs/ that talks to a server on localhost:8001."""
+    found = []
+    for page in sorted((REPO_ROOT / "docs").glob("*.md")):
+        blocks = [code for language, code in FENCE.findall(page.read_text()) if language == "python"]
+        found += [(f"{page.name}[{index}]", code) for index, code in enumerate(blocks) if "localhost:8001" in code]
+    return found
+
+
+@pytest.fixture(scope="module")
+def shipped_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """``shoal serve --model-repository model_repository``, as the README's first command runs it."""
+    repo = tmp_path_factory.mktemp("repo")
+    for name in EXAMPLE_MODELS:
+        models.copy_example(repo, name)
+    with serving(repo, tmp_path_factory.mktemp("server")) as server:
+        yield server
+
+
+def test_the_docs_hold_python_examples() -> None:
+    assert len(_python_examples()) >= 5
+
+
+@pytest.mark.parametrize(("where", "code"), _python_examples(), ids=lambda value: value if ".md" in value else "")
+def test_each_python_example_of_the_docs_runs_as_written(shipped_server: RunningServer, where: str, code: str) -> None:
+    if NEEDS_A_GPU in code and cuda_device_count() == 0:
+        pytest.skip("a CUDA shared-memory example: it runs on a host with a CUDA device")
+    result = subprocess.run(
+        [sys.executable, "-c", code.replace("localhost:8001", shipped_server.url)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, f"{where}:\n{result.stderr}"
+    # A print whose comment is its exact output (``print(x.shape)  # (1, 256)``) must print just that.
+    promised = [
+        comment.strip()
+        for line in code.splitlines()
+        if line.startswith("print(") and (comment := line.partition(")  # ")[2]) and re.fullmatch(r"[\w(), ]+", comment)
+    ]
+    for expected in promised:
+        assert expected in result.stdout.splitlines(), (where, expected, result.stdout)
