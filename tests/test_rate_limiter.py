@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from shoal.errors import ErrorCode, ShoalError
+from shoal.scheduling.batching import execute_as_one_feed
 from shoal.scheduling.rate_limiter import EVERY_DEVICE, GLOBAL, Claim, Declared, RateLimiter, claim_for
 from tests.polling import wait_until
 
@@ -264,6 +265,9 @@ def test_a_model_waiting_on_its_batching_delay_holds_up_no_other_model(b_device:
     class Executor:
         def __init__(self, gate: asyncio.Event | None = None) -> None:
             self.gate = gate
+
+        async def execute(self, batch):  # the feed adapter, as an instance's
+            return await execute_as_one_feed(self.run, batch)
 
         async def run(self, inputs: dict, outputs: list) -> dict:
             if self.gate is not None:

@@ -14,6 +14,7 @@ import pytest
 from shoal.errors import ShoalError
 from shoal.repository.config import DynamicBatching, QueuePolicy
 from shoal.scheduling import clock
+from shoal.scheduling.batching import execute_as_one_feed
 from shoal.scheduling.clock import DeadlineClock, deadline_clock
 from shoal.scheduling.dynamic import Scheduler
 from shoal.statistics import ModelStatistics
@@ -27,6 +28,9 @@ class GatedExecutor:
     def __init__(self, runner: FakeRunner, name: str) -> None:
         self.runner = runner
         self.name = name
+
+    async def execute(self, batch):  # the feed adapter, as an instance's
+        return await execute_as_one_feed(self.run, batch)
 
     async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         self.runner.departures_ns.append(time.monotonic_ns())

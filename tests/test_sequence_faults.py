@@ -12,6 +12,7 @@ import pytest
 from shoal.errors import ShoalError
 from shoal.protocol.types import DataType
 from shoal.repository.sequence_config import SequenceBatching, StateSpec
+from shoal.scheduling.batching import execute_as_one_feed
 from shoal.scheduling.sequence import SequenceScheduler
 from shoal.statistics import ALSO_COUNT_PHASES, FailureReason, ModelStatistics, PhaseTotals
 from tests.test_sequence_scheduler import CONTROLS, scheduler, step
@@ -72,6 +73,9 @@ class WrongStateRows:
     def __init__(self) -> None:
         self.calls = 0
 
+    async def execute(self, batch):  # the feed adapter, as an instance's
+        return await execute_as_one_feed(self.run, batch)
+
     async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         self.calls += 1
         total = inputs["STATE_IN"] + inputs["IN"]
@@ -124,6 +128,9 @@ class Growing:
 
     def __init__(self) -> None:
         self.batches: list[int] = []
+
+    async def execute(self, batch):  # the feed adapter, as an instance's
+        return await execute_as_one_feed(self.run, batch)
 
     async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         self.batches.append(len(inputs["IN"]))

@@ -13,6 +13,7 @@ import pytest
 from shoal.errors import ShoalError
 from shoal.protocol.types import DataType
 from shoal.repository.sequence_config import Control, ControlKind, SequenceBatching, StateSpec
+from shoal.scheduling.batching import execute_as_one_feed
 from shoal.scheduling.sequence import SequenceScheduler
 from shoal.statistics import ModelStatistics
 
@@ -30,6 +31,9 @@ class Accumulator:
     def __init__(self, log: list[tuple[int, dict[str, np.ndarray]]], index: int) -> None:
         self.log = log
         self.index = index
+
+    async def execute(self, batch):  # the feed adapter, as an instance's
+        return await execute_as_one_feed(self.run, batch)
 
     async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         self.log.append((self.index, {name: np.array(value) for name, value in inputs.items()}))

@@ -49,16 +49,34 @@ PROCESS_INSTANCE_BACKENDS = ("pytorch",)
 
 
 class LoadedModel(Protocol):
+    """One loaded copy of a model, as an instance runs it: a ``FeedModel`` or a ``RequestModel``,
+    as its ``runs_requests`` declares."""
+
     # Bytes of weights this copy holds on its device: counted where the framework can (PyTorch:
     # parameters and buffers), else the model file's size, which the weights dominate (ONNX).
     weight_bytes: int
+    # True: a batch is run as its list of queued requests (``RequestModel``: the Python backend, whose
+    # ``execute`` takes requests, as Triton's); False: as one feed (``FeedModel``: every other backend).
+    runs_requests: bool
 
+    def close(self) -> None:
+        """Release the weights."""
+        ...
+
+
+class FeedModel(LoadedModel, Protocol):
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """Execute one batch: config-named inputs in, the requested config-named outputs back."""
         ...
 
-    def close(self) -> None:
-        """Release the weights."""
+
+class RequestModel(LoadedModel, Protocol):
+    def run_requests(self, batch: Sequence[Any]) -> list[Any]:
+        """Each queued request's outputs (name -> array), or a ShoalError that fails it alone."""
+        ...
+
+    def bind_host(self, host: Any, caller: Any) -> None:
+        """Where its calls to other models go (BLS), and the version that makes them (``caller``)."""
         ...
 
 

@@ -20,6 +20,7 @@ from shoal.repository.config import ModelSpec
 
 class IdentityModel:
     weight_bytes = 0
+    runs_requests = False  # one feed per batch
 
     def __init__(self, pairs: dict[str, str], delay_s: float) -> None:
         self._input_for_output = pairs

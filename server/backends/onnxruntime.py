@@ -52,6 +52,8 @@ _ORT_TYPES = {
 
 
 class OnnxModel:
+    runs_requests = False  # one feed per batch
+
     def __init__(self, session: ort.InferenceSession, spec: ModelSpec, weight_bytes: int) -> None:
         self._session = session
         self.weight_bytes = weight_bytes  # the model file's size: ORT does not report its initializers

@@ -57,6 +57,8 @@ def _index(name: str) -> int | None:
 
 
 class TorchModel:
+    runs_requests = False  # one feed per batch
+
     def __init__(self, module: Any, spec: ModelSpec, device: torch.device, argument_names: list[str]) -> None:
         self._module = module
         self._device = device

@@ -1,7 +1,7 @@
 """Executors over one loaded model per device.
 
-Each instance is one thread that calls ``run`` on the shared ``LoadedModel`` of its
-device: ``count: 4`` gives four concurrent executions and one copy of the weights.
+Each instance is one thread that runs batches on the shared ``LoadedModel`` of its device (the
+scheduler's ``Executor``): ``count: 4`` gives four concurrent executions and one copy of the weights.
 Execution never happens on the event loop; the scheduler decides what runs where.
 
 Whatever a call raises on an instance thread goes to its caller as an ``Exception``: a
@@ -16,15 +16,20 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from shoal.backends.base import LoadedModel
+from shoal.backends.base import FeedModel, LoadedModel, RequestModel
 from shoal.backends.devices import Device, usable_cores
+from shoal.errors import ShoalError
 from shoal.repository.config import RateLimiterSpec
+from shoal.scheduling.base import Executed, Outputs, QueuedRequest
+from shoal.scheduling.batching import execute_as_one_feed
+from shoal.statistics import Phases
 
 Call = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]]
 
@@ -102,19 +107,18 @@ class Instance:
     model: LoadedModel
     thread: InstanceThread
 
-    async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        result: dict[str, np.ndarray] = await self.thread.submit(self.model.run, inputs, outputs)
-        return result
+    async def execute(self, batch: Sequence[QueuedRequest]) -> Executed:
+        """The batch on this instance's thread: as its list of requests to a model that runs them so (the
+        Python backend), else as one feed (``batching.execute_as_one_feed``)."""
+        model = self.model
+        if not model.runs_requests:
+            return await execute_as_one_feed(self._run_feed, batch)
+        start = time.monotonic_ns()
+        results: list[Outputs | ShoalError] = await self.thread.submit(cast(RequestModel, model).run_requests, batch)
+        return Executed(results, Phases(0, time.monotonic_ns() - start, 0))
 
-    @property
-    def takes_requests(self) -> bool:
-        """The model runs a batch as a list of requests (the Python backend), not one feed."""
-        return hasattr(self.model, "run_requests")
-
-    async def run_requests(self, requests: Sequence[Any]) -> list[Any]:
-        """The model's outcome per queued request: its outputs, or a ShoalError for it alone."""
-        run_requests = self.model.run_requests  # type: ignore[attr-defined]  # checked by takes_requests
-        result: list[Any] = await self.thread.submit(run_requests, requests)
+    async def _run_feed(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        result: dict[str, np.ndarray] = await self.thread.submit(cast(FeedModel, self.model).run, inputs, outputs)
         return result
 
 

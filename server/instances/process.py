@@ -112,6 +112,7 @@ class ProcessModel:
     """
 
     weight_bytes = 0  # the weights belong to the server's shared copy, counted there
+    runs_requests = False  # one feed per batch, which its worker runs
     # What the worker process runs: (spec, model_path, device, handle, threads, conn). A subclass
     # may run its own loop over the same pipe and arenas (shoal.instances.python_process).
     worker_main = staticmethod(process_worker.worker_main)

@@ -72,6 +72,7 @@ class PythonProcessModel(process.ProcessModel):
     """One Python model instance: a worker process running the model's ``execute`` on request lists."""
 
     worker_main = staticmethod(python_worker.worker_main)
+    runs_requests = True  # execute(requests), as Triton's; the pipe carries a batch's requests, not one feed
 
     def __init__(
         self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int, limits: WorkerLimits
@@ -287,9 +288,6 @@ class PythonProcessModel(process.ProcessModel):
             used = max(used, packing.extent(slots))
         trim(responses, used)
         return results
-
-    def run(self, inputs: Any, outputs: Any) -> dict[str, Any]:
-        raise ShoalError(ErrorCode.UNSUPPORTED, "a Python model runs lists of requests (run_requests)")
 
     def close(self) -> None:
         super().close()

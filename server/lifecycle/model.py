@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from shoal.backends.base import Backend, backend_for, backend_gpu_available
+from shoal.backends.base import Backend, FeedModel, RequestModel, backend_for, backend_gpu_available
 from shoal.backends.devices import CPU, Device, cuda_device_count
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import strategy
@@ -30,6 +30,7 @@ from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
 from shoal.repository.sequence_spec import backend_spec
 from shoal.request_types import InferRequest, InferResponse
+from shoal.scheduling.base import ModelScheduler
 from shoal.scheduling.dynamic import Scheduler
 from shoal.scheduling.rate_limiter import Admission, Claim, RateLimiter, claim_for
 from shoal.scheduling.sequence import SequenceScheduler
@@ -121,7 +122,7 @@ class ModelVersion:
         self.load_number = next_load_number()
         self.cache: VersionCache | None = None  # use_cache: the server's response cache, when both enable it
         self._cache_holding_number: ResponseCache | None = None  # use_cache: forget this version's number at close
-        self.scheduler: Scheduler | SequenceScheduler
+        self.scheduler: ModelScheduler
         if spec.sequence_batching is not None:
             self.scheduler = SequenceScheduler(
                 pool, self.statistics, spec.max_batch_size, spec.sequence_batching, spec.name, admission
@@ -180,9 +181,8 @@ class ModelVersion:
         """Give the instances that call other models (Python models' BLS) the host's entry point, and
         this version, which they name as the caller (a call to the calling version itself may be refused)."""
         for model in self.pool.models():
-            bind = getattr(model, "bind_host", None)
-            if bind is not None:
-                bind(host, self)
+            if model.runs_requests:
+                cast(RequestModel, model).bind_host(host, self)
 
     @property
     def queued(self) -> int:
@@ -210,7 +210,7 @@ class ModelVersion:
         for instance in {id(i.model): i for i in self.pool.instances}.values():  # one instance per loaded copy
             model = instance.model
             admitted = self._admitted(instance)  # each warm-up run passes the rate limiter too, as Triton's
-            if hasattr(model, "run_requests"):  # a Python model: it runs lists of requests, not feeds
+            if model.runs_requests:  # a Python model: it runs lists of requests, not feeds
                 for sample in samples if configured else ():  # its execute is the user's: no zeros of ours
                     try:
                         warmup.run_on_requests(model, sample, decoupled, admitted)
@@ -227,7 +227,7 @@ class ModelVersion:
                 for _ in range(sample.runs):
                     with admitted():
                         try:
-                            model.run({**sample.feed, **extra}, list(sample.outputs))
+                            cast(FeedModel, model).run({**sample.feed, **extra}, list(sample.outputs))
                         except BaseException as exc:  # noqa: BLE001 - the backend's or model's: named with its sample
                             if not configured:
                                 raise
@@ -261,19 +261,9 @@ class ModelVersion:
             # A decoupled model's responses are checked as they go into the sink; its answer has no outputs.
             streamed = getattr(request, "sink", None) is not None and self.spec.decoupled
             check = None if streamed else request_checks.output_check(self.spec, prepared)
-            if isinstance(self.scheduler, Scheduler):  # it hands the request on to executors that take requests
-                results = await self.scheduler.submit(
-                    prepared.feed,
-                    prepared.outputs,
-                    prepared.batch_size,
-                    request.parameters,
-                    context=request,
-                    check=check,
-                )
-            else:
-                results = await self.scheduler.submit(
-                    prepared.feed, prepared.outputs, prepared.batch_size, request.parameters, check=check
-                )
+            results = await self.scheduler.submit(
+                prepared.feed, prepared.outputs, prepared.batch_size, request.parameters, context=request, check=check
+            )
         except ShoalError:
             raise
         except Exception as exc:  # logged once per batch by the scheduler

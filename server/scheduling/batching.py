@@ -1,12 +1,34 @@
-"""Concatenate requests into one batch and split the batch's outputs back, row-exact."""
+"""Concatenate requests into one batch and split the batch's outputs back, row-exact: the adapter
+(``execute_as_one_feed``) for every executor whose model runs one feed per batch."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
 from shoal.errors import ErrorCode, ShoalError
+from shoal.scheduling.base import Executed, Outputs, QueuedRequest
+from shoal.statistics import Phases
+
+RunFeed = Callable[[Mapping[str, np.ndarray], Sequence[str]], Awaitable[Outputs]]
+
+
+async def execute_as_one_feed(run: RunFeed, batch: Sequence[QueuedRequest]) -> Executed:
+    """``batch`` as one execution of ``run``: the requests' inputs concatenated along the batch dimension,
+    every output any of them asked for computed once, each request's rows (and only its outputs) back."""
+    start = time.monotonic_ns()
+    outputs = list(dict.fromkeys(name for request in batch for name in request.outputs))
+    feed = gather([request.feed for request in batch]) if len(batch) > 1 else batch[0].feed
+    gathered = time.monotonic_ns()
+    results = await run(feed, outputs)
+    executed = time.monotonic_ns()
+    parts: list[Outputs | ShoalError] = list(
+        scatter(results, [request.size for request in batch], [request.outputs for request in batch])
+    )
+    done = time.monotonic_ns()
+    return Executed(parts, Phases(gathered - start, executed - gathered, done - executed))
 
 
 def gather(feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -20,6 +42,9 @@ def scatter(
     results: Mapping[str, np.ndarray], sizes: Sequence[int], wanted: Sequence[Sequence[str]]
 ) -> list[dict[str, np.ndarray]]:
     """Split each output by the requests' batch sizes; request i gets only ``wanted[i]``."""
+    for name in dict.fromkeys(name for names in wanted for name in names):
+        if name not in results:
+            raise ShoalError(ErrorCode.INTERNAL, f"the model returned no output '{name}'")
     if len(sizes) == 1:
         return [{name: results[name] for name in wanted[0]}]
     total = sum(sizes)

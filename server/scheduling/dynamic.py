@@ -53,12 +53,10 @@ import numpy as np
 
 from shoal.errors import ErrorCode, ShoalError, invalid
 from shoal.repository.config import DynamicBatching, QueuePolicy
-from shoal.scheduling.base import Executor, Runner
-from shoal.scheduling.batching import gather, scatter
+from shoal.scheduling.base import Executor, OutputCheck, Runner, checked
 from shoal.scheduling.clock import deadline_clock
 from shoal.scheduling.rate_limiter import Admission
-from shoal.scheduling.requests import OutputCheck, checked, execute_each, takes_requests
-from shoal.statistics import ALSO_COUNT_PHASES, TRACED, FailureReason, ModelStatistics, Phases, PhaseTotals, Traced
+from shoal.statistics import ALSO_COUNT_PHASES, TRACED, FailureReason, ModelStatistics, PhaseTotals, Traced
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +78,7 @@ class Pending:
     sequence: int
     future: asyncio.Future[Outputs] = field(repr=False)
     delayed: bool = False
-    context: Any = None  # the core request it came from, for executors that take requests (requests.py)
+    context: Any = None  # the core request it came from (a Python model reads it)
     check: OutputCheck | None = None  # its outputs checked before it counts as a success
     also_count: PhaseTotals | None = None  # the caller's aggregator (an ensemble's), if it set one
     traced: Traced | None = None  # its trace, when it is sampled (statistics.TRACED)
@@ -393,18 +391,11 @@ class Scheduler:
             self.statistics.executing -= len(batch)
 
     async def _execute_batch(self, executor: Executor, batch: list[Pending]) -> None:
-        if takes_requests(executor):  # a list of requests, not one concatenated feed
-            await execute_each(executor, batch, self.statistics, lambda: self.runner.release(executor), self._settle)
-            return
         start = time.monotonic_ns()
         try:
-            outputs = list(dict.fromkeys(name for pending in batch for name in pending.outputs))
-            feed = gather([pending.feed for pending in batch]) if len(batch) > 1 else batch[0].feed
-            gathered = time.monotonic_ns()
-            results = await executor.run(feed, outputs)
-            executed = time.monotonic_ns()
-            parts = scatter(results, [p.size for p in batch], [p.outputs for p in batch])
-            done = time.monotonic_ns()
+            executed = await executor.execute(batch)
+            if len(executed.results) != len(batch):
+                raise ShoalError(ErrorCode.INTERNAL, f"{len(executed.results)} results for {len(batch)} requests")
         except BaseException as exc:  # noqa: BLE001 - fails this batch's requests only
             self.runner.release(executor)
             if isinstance(exc, Exception) and not isinstance(exc, ShoalError):
@@ -417,10 +408,11 @@ class Scheduler:
                 raise
             return
         self.runner.release(executor)
-        phases = Phases(gathered - start, executed - gathered, done - executed)
+        done = time.monotonic_ns()
+        phases = executed.phases
         self.statistics.record_execution(sum(p.size for p in batch), phases)
-        for pending, part in zip(batch, parts, strict=True):
-            outcome = checked(pending.check, part)
+        for pending, result in zip(batch, executed.results, strict=True):
+            outcome = result if isinstance(result, ShoalError) else checked(pending.check, result)
             if isinstance(outcome, ShoalError):
                 self.statistics.record_failure(done - pending.arrival_ns, FailureReason.BACKEND)
             else:

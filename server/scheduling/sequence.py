@@ -41,9 +41,8 @@ import numpy as np
 
 from shoal.errors import ErrorCode, ShoalError, invalid
 from shoal.repository.sequence_config import SequenceBatching
-from shoal.scheduling.base import Executor
+from shoal.scheduling.base import Executor, OutputCheck
 from shoal.scheduling.rate_limiter import Admission
-from shoal.scheduling.requests import OutputCheck
 from shoal.scheduling.sequence_lanes import Lane, make_lane
 from shoal.scheduling.sequence_slots import RELEASE, Backlog, CorrelationId, Outputs, SequenceRequest, Slot
 from shoal.statistics import FailureReason, ModelStatistics
@@ -106,10 +105,12 @@ class SequenceScheduler:
         outputs: Sequence[str],
         batch_size: int,
         parameters: Mapping[str, Any],
+        context: Any = None,
         check: OutputCheck | None = None,
     ) -> Outputs:
         """Route one request to its sequence's slot (or the backlog) and wait for its outputs (through
-        ``check``, if given)."""
+        ``check``, if given). ``context``: the core request it came from, as the dynamic batcher takes it
+        (the oldest strategy hands it on to its batcher; the direct lane runs its slots' rows as one feed)."""
         now = time.monotonic_ns()
         try:
             if self._stopping:
@@ -140,6 +141,7 @@ class SequenceScheduler:
             future=asyncio.get_running_loop().create_future(),
             signature=tuple((name, a.shape[1:] if batch_size else a.shape) for name, a in feed.items()),
             check=check,
+            context=context,
         )
         self._route(request, flags.timeout_us)
         try:

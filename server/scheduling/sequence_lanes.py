@@ -22,17 +22,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
 from shoal.errors import ErrorCode, ShoalError
 from shoal.repository.config import DynamicBatching
 from shoal.repository.sequence_config import Control, ControlKind, SequenceBatching
-from shoal.scheduling.base import Executor
+from shoal.scheduling.base import Executor, checked
 from shoal.scheduling.dynamic import Scheduler
 from shoal.scheduling.rate_limiter import Admission
-from shoal.scheduling.requests import checked
 from shoal.scheduling.sequence_slots import RELEASE, Outputs, SequenceRequest, Slot
 from shoal.statistics import ALSO_COUNT_PHASES, TRACED, FailureReason, ModelStatistics, Phases
 
@@ -258,8 +258,14 @@ class DirectLane:
             fallback = next(iter(states.values()), {})
             feed = build_feed(owner, rows, [states.get(id(slot), fallback) for slot, _ in rows])
             gathered = time.monotonic_ns()
-            results = await self.executor.run(feed, _wanted(owner, [r for _, r in real]))
-            executed = time.monotonic_ns()
+            # The slots' rows, states and controls are one request to the executor: the lane built its feed.
+            executed = await self.executor.execute(
+                [_Rows(feed, tuple(_wanted(owner, [r for _, r in real])), len(rows))]
+            )
+            returned = time.monotonic_ns()
+            (results,) = executed.results
+            if isinstance(results, ShoalError):
+                raise results
             parts = self._split(rows, results)
         except Exception as exc:  # noqa: BLE001 - fails this batch's requests only
             if not isinstance(exc, ShoalError):
@@ -270,7 +276,8 @@ class DirectLane:
                     owner.release(slot)
             return
         done = time.monotonic_ns()
-        phases = Phases(gathered - start, executed - gathered, done - executed)
+        ran = executed.phases  # the lane's own gathering counts as input time, its split as output time
+        phases = Phases(gathered - start + ran.input_ns, ran.infer_ns, ran.output_ns + done - returned)
         owner.statistics.record_execution(len(rows), phases, inferences=len(parts))
         for slot, request, part in parts:
             outcome = checked(request.check, part)
@@ -307,6 +314,16 @@ class DirectLane:
         self._ready.set()
         if self._task is not None:
             await self._task
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A direct lane's batch as the one request its executor runs (``scheduling.base.QueuedRequest``)."""
+
+    feed: dict[str, np.ndarray]
+    outputs: tuple[str, ...]
+    size: int
+    context: Any = None
 
 
 # -- oldest ---------------------------------------------------------------------------------------
@@ -373,7 +390,12 @@ class OldestLane:
             wanted = _wanted(owner, [request])
             check = request.check
             results = await self._batcher.submit(  # the request's outputs checked there; its states kept too
-                feed, wanted, batch_size, {}, check=None if check is None else lambda part: {**part, **check(part)}
+                feed,
+                wanted,
+                batch_size,
+                {},
+                context=request.context,
+                check=None if check is None else lambda part: {**part, **check(part)},
             )
             _check_results(results, wanted, batch_size or None)
             _keep_state(owner, slot, results, 0 if owner.max_batch_size > 0 else None)

@@ -6,10 +6,11 @@ import asyncio
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from shoal.scheduling.requests import OutputCheck
+from shoal.scheduling.base import OutputCheck
 from shoal.statistics import ALSO_COUNT_PHASES, TRACED, PhaseTotals, Traced
 
 Outputs = dict[str, np.ndarray]
@@ -33,6 +34,7 @@ class SequenceRequest:
     also_count: PhaseTotals | None = field(default_factory=ALSO_COUNT_PHASES.get)
     traced: Traced | None = field(default_factory=TRACED.get)  # its trace, when it is sampled
     check: OutputCheck | None = None  # its outputs checked before it counts as a success
+    context: Any = None  # the core request it came from (the oldest strategy's batcher hands it on)
 
 
 # A slot's queue holds requests, and ``RELEASE`` where the reaper ended an idle sequence.

@@ -14,7 +14,7 @@ itself (``RUNS_OWN_INSTANCES``) and the scheduler hands them lists of requests.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from shoal.backends.devices import Device
 from shoal.backends.python import bls, pb_utils, runner
-from shoal.errors import DecoupledRefused, ErrorCode, ShoalError, load_failed
+from shoal.errors import DecoupledRefused, ShoalError, load_failed
 from shoal.repository.config import ModelSpec
 
 RUNS_OWN_INSTANCES = True  # read by Backend.runs_own_instances
@@ -59,6 +59,7 @@ class ThreadInstance:
     """
 
     weight_bytes = 0
+    runs_requests = True  # execute(requests), as Triton's
 
     def __init__(self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int) -> None:
         self._link = bls.ThreadLink(None)
@@ -97,9 +98,6 @@ class ThreadInstance:
             self._runner.execute_decoupled(items, emit, lambda index: sinks[index].cancelled)
             return [{} for _ in batch]  # the responses went through the sinks
         return [outcome.result() for outcome in self._runner.execute(items)]
-
-    def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        raise ShoalError(ErrorCode.UNSUPPORTED, "a Python model runs lists of requests (run_requests)")
 
     def close(self) -> None:
         self._runner.finalize()
