@@ -561,3 +561,36 @@ def test_deadline_clock_does_not_spin_while_it_waits() -> None:
         return time.thread_time() - cpu_before
 
     assert run(scenario()) < 0.02
+
+
+def test_a_model_that_leaves_out_an_asked_output_fails_the_batch_with_a_clean_internal_error() -> None:
+    """Before the one execution contract, scatter raised a bare KeyError here (logged as unexpected)."""
+
+    class Forgetful:
+        async def execute(self, batch):  # the feed adapter, as an instance's
+            return await execute_as_one_feed(self.run, batch)
+
+        async def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+            return {}
+
+    class OneRunner:
+        def __init__(self) -> None:
+            self.executor = Forgetful()
+
+        async def acquire(self) -> Forgetful:
+            return self.executor
+
+        def release(self, executor: Forgetful) -> None:
+            pass
+
+    async def scenario() -> None:
+        scheduler = Scheduler(OneRunner(), ModelStatistics(), 8, DynamicBatching())
+        for rows in (1, 2):  # one request (no split), and two in a batch
+            tasks = [submit(scheduler, value) for value in range(rows)]  # type: ignore[arg-type]
+            for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+                assert isinstance(outcome, ShoalError), outcome
+                assert outcome.message == "the model returned no output 'OUT'"
+        assert scheduler.statistics.fail.count == 3
+        await scheduler.stop()
+
+    run(scenario())
