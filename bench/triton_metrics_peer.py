@@ -1,4 +1,5 @@
-"""Capture a real Triton's /metrics, then diff Shoal's against it (tests/test_metrics.py with the fresh capture).
+"""Capture a real Triton's /metrics, then diff Shoal's against it (tests/observability/test_metrics.py with the
+fresh capture).
 
     python bench/triton_metrics_peer.py [--write] [--port 18101]
 
@@ -6,7 +7,7 @@ Starts tritonserver 2.51 with ../shared/tools/triton_peer/run_triton.sh (Python 
 /tmp/triton-venv the first time: a ~500 MB download, so it is not part of the CI suite) on 127.0.0.1, serves five
 Python models, sends the requests the header below names (tritonclient gRPC), scrapes the metrics port and stops
 Triton. The capture goes to /tmp/triton_metrics.txt (``--write``: to tests/data/triton_metrics.txt, the reference
-the suite diffs against); then pytest runs tests/test_metrics.py against it (TRITON_METRICS_CAPTURE).
+the suite diffs against); then pytest runs tests/observability/test_metrics.py against it (TRITON_METRICS_CAPTURE).
 """
 
 from __future__ import annotations
@@ -162,7 +163,11 @@ def main() -> None:
     print(f"capture written to {target}")
     environment = {**os.environ, "TRITON_METRICS_CAPTURE": str(target)}
     sys.exit(
-        subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/test_metrics.py"], cwd=REPO_ROOT, env=environment)
+        subprocess.call(
+            [sys.executable, "-m", "pytest", "-q", "tests/observability/test_metrics.py"],
+            cwd=REPO_ROOT,
+            env=environment,
+        )
     )
 
 

@@ -1,4 +1,4 @@
-"""Decoupled Python models written as a Triton user writes them, for tests/test_decoupled.py.
+"""Decoupled Python models written as a Triton user writes them, for tests/python/test_decoupled.py.
 
 ``repeat`` is the shipped example (model_repository/repeat); ``square`` is Triton's other
 decoupled example (n responses of n for an input n, then a FINAL flag on its own), and the

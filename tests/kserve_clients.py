@@ -1,4 +1,4 @@
-"""Run by tests/test_kserve_serving.py in .kserve-venv's interpreter (KServe's ``kserve`` package),
+"""Run by tests/deploy/test_kserve_serving.py in .kserve-venv's interpreter (KServe's ``kserve`` package),
 never imported by the suite: kserve's ``inference`` protos would collide with tritonclient's in one
 process. Asks a Shoal server through KServe's own InferenceRESTClient and InferenceGRPCClient and
 prints what they got as JSON: ``python kserve_clients.py HTTP_HOST:PORT GRPC_HOST:PORT MODEL``."""

@@ -5,7 +5,7 @@ parses but does not act on is named when the model loads: a warning where acting
 change an answer (scheduling, performance, metrics), a refusal where it could (custom operators,
 batch inputs, an accelerator this server does not have). ``FIELDS`` is keyed by dotted field path
 (map values and repeated elements take their field's path); an entry covers the fields under it
-unless a longer path has its own. ``tests/test_unhonoured_fields.py`` walks ``model_config.proto``
+unless a longer path has its own. ``tests/repository/test_unhonoured_fields.py`` walks ``model_config.proto``
 and fails on a field no entry covers, so a field added to the proto cannot slip through unlisted.
 """
 
