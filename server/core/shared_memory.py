@@ -22,7 +22,7 @@ from shoal.core.wire import decode_raw
 from shoal.dataplane.cuda import CudaWindow
 from shoal.dataplane.regions import RegionRegistry, Window
 from shoal.errors import ErrorCode, ShoalError, shown
-from shoal.off_loop import OFF_LOOP_BYTES
+from shoal.off_loop import OFF_LOOP_BYTES, OFF_LOOP_ELEMENTS
 from shoal.protocol import codec
 from shoal.protocol.types import DataType
 from shoal.request_types import InferRequest, InferResponse, Tensor
@@ -81,7 +81,7 @@ def costly(registry: RegionRegistry, request: InferRequest) -> bool:
         return True
     if sum(r.where.byte_size for r in request.region_inputs) > OFF_LOOP_BYTES:
         return True
-    return sum(math.prod(r.shape) for r in request.region_inputs if r.datatype is DataType.BYTES) > 16_384
+    return sum(math.prod(r.shape) for r in request.region_inputs if r.datatype is DataType.BYTES) > OFF_LOOP_ELEMENTS
 
 
 def costly_outputs(windows: dict[str, Window | CudaWindow]) -> bool:

@@ -74,6 +74,11 @@ class PythonProcessModel(process.ProcessModel):
     worker_main = staticmethod(python_worker.worker_main)
     runs_requests = True  # execute(requests), as Triton's; the pipe carries a batch's requests, not one feed
 
+    def run(self, inputs: Any, outputs: Any) -> dict[str, Any]:
+        """Inherited from the feed models' process instance, which this worker does not speak: refused at
+        once (it would wait on the worker forever). Nothing calls it: ``runs_requests`` routes batches."""
+        raise ShoalError(ErrorCode.UNSUPPORTED, "a Python model runs lists of requests (run_requests)")
+
     def __init__(
         self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int, limits: WorkerLimits
     ) -> None:

@@ -157,6 +157,8 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
                 if reply is None:
                     return
                 conn.send(reply)
+            else:  # a kind this worker does not speak (a feed's RUN): answered, never left waiting
+                conn.send((FAILED, f"a Python model's worker runs lists of requests, not {message[0]!r}"))
     except (EOFError, OSError):
         return
     finally:

@@ -37,6 +37,9 @@ class _Core:
     async def model_config(self, name: str, version: str) -> dict:
         raise LookupError(name)
 
+    async def model_decoupled(self, name: str, version: str) -> bool:
+        raise LookupError(name)
+
     async def infer(self, request: object, origin: object = None) -> object:
         raise LookupError("no model here")
 

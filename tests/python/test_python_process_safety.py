@@ -487,3 +487,30 @@ def test_bls_to_itself_with_one_instance_is_refused_and_the_model_keeps_serving(
             assert client.infer(f"self_{kind}", _x(np.zeros(2)), client_timeout=30).as_numpy("Y").tolist() == [0, 0]
             answer = client.infer(f"self_{kind}_twice", _x(np.ones(2)), client_timeout=30).as_numpy("Y")
             assert answer.tolist() == [1, 1]
+
+
+def test_a_feed_sent_to_a_python_models_worker_is_refused_at_once_not_waited_on() -> None:
+    """A Python model's process instance runs lists of requests: its ``run`` (inherited from the feed
+    models' process instance) refuses at once, and a feed's RUN reaching its worker is answered FAILED.
+    Found by review: with ``run`` removed, the inherited one waited on the worker forever."""
+    from shoal.backends.devices import CPU
+    from shoal.errors import ErrorCode, ShoalError
+    from shoal.instances.process import ProcessModel, WorkerLimits
+    from shoal.instances.python_process import PythonProcessModel
+    from shoal.lifecycle.configure import configure
+    from tests.models import EXAMPLES
+
+    folder = EXAMPLES / "preprocess"
+    spec = configure(folder, strict=False).spec
+    model = PythonProcessModel(spec, folder / "1" / "model.py", CPU, "preprocess_0", 1, WorkerLimits(0.0, 0.0))
+    try:
+        feed = {"IMAGE": np.zeros((1, 16, 16), np.uint8)}
+        with pytest.raises(ShoalError) as refused:
+            model.run(feed, ["INPUT0"])
+        assert refused.value.code is ErrorCode.UNSUPPORTED
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the worker's own answer, bounded by the test
+            sent = pool.submit(ProcessModel.run, model, feed, ["INPUT0"])
+            with pytest.raises(RuntimeError, match="runs lists of requests, not 'run'"):
+                sent.result(timeout=60)
+    finally:
+        model.close()
