@@ -33,6 +33,7 @@ import numpy as np
 
 from shoal.backends.devices import Device
 from shoal.errors import load_failed
+from shoal.protocol import config_pb2
 from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec
 from shoal.repository.model_io import ModelIO
@@ -46,6 +47,10 @@ _BACKEND_MODULES = {
 # The backends whose module has ``share_weights`` and ``attach`` (process instances). Named here
 # so a refusal can list them without importing every framework; a test holds it to the modules.
 PROCESS_INSTANCE_BACKENDS = ("pytorch",)
+# The backends whose model file is code that says what the model takes (``complete_config``,
+# ``check_model_file``: a Python model's ``auto_complete_config`` and import), not a graph whose
+# tensors ``describe`` reads. Named here so that configuring a model imports no framework to ask.
+SELF_DESCRIBED_BACKENDS = ("python",)
 
 
 class LoadedModel(Protocol):
@@ -111,6 +116,26 @@ def describe_model(backend: str, model_path: Path, label: str = "") -> ModelIO:
         raise load_failed(f"model file {label or model_path} not found")
     io: ModelIO = module.describe(model_path)
     return io
+
+
+def complete_own_config(config: config_pb2.ModelConfig, folder: Path) -> config_pb2.ModelConfig | None:
+    """The config as the model's own code completes it, for a backend in ``SELF_DESCRIBED_BACKENDS``; None
+    for the others (their configs are completed from what the model file declares, ``describe_model``)."""
+    if config.backend not in SELF_DESCRIBED_BACKENDS:
+        return None
+    completed: config_pb2.ModelConfig = importlib.import_module(_BACKEND_MODULES[config.backend]).complete_config(
+        config, folder
+    )
+    return completed
+
+
+def check_own_model_file(backend: str, model_path: Path, label: str) -> bool:
+    """For a backend in ``SELF_DESCRIBED_BACKENDS``: LOAD_FAILED unless the model file loads as an
+    instance's would load it, and True; False for the others (checked against ``describe_model``)."""
+    if backend not in SELF_DESCRIBED_BACKENDS:
+        return False
+    importlib.import_module(_BACKEND_MODULES[backend]).check_model_file(model_path, label)
+    return True
 
 
 def probe_model(backend: str, model_path: Path, inputs: list[tuple[str, DataType, tuple[int, ...]]]) -> ModelIO:

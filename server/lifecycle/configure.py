@@ -16,11 +16,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from shoal.backends.base import describe_model
+from shoal.backends.base import check_own_model_file, complete_own_config, describe_model
 from shoal.backends.devices import cuda_device_count
-from shoal.backends.python.autocomplete import auto_complete as python_auto_complete
-from shoal.backends.python.autocomplete import check_import as python_check_import
-from shoal.backends.python.runner import triton_config
 from shoal.errors import MAX_ECHO_CHARS, ShoalError, invalid, load_failed, shown
 from shoal.lifecycle.model import resolve_kind
 from shoal.protocol import config_pb2, wire_names
@@ -128,8 +125,8 @@ def _configure(folder: Path, strict: bool, base: config_pb2.ModelConfig | None) 
     detect_backend(config, versions)
     reasons: dict[str, str] = {}
     completed = False
-    if config.backend == "python" and not strict:  # the model's own auto_complete_config, as Triton
-        config = python_completed(config, folder)
+    if not strict and (own := complete_own_config(config, folder)) is not None:  # a Python model's own, as Triton
+        config = own
     if not (config.input and config.output) and not ensemble_config.is_ensemble(config):  # no model file to ask
         if strict:
             raise load_failed(
@@ -152,25 +149,6 @@ def refuse_or_warn_unhonoured(config: config_pb2.ModelConfig, name: str) -> tupl
         if finding.treatment is unhonoured.Treatment.REFUSED:
             raise load_failed(finding.message(name))
     return tuple(finding.message(name) for finding in found)
-
-
-def python_completed(config: config_pb2.ModelConfig, folder: Path) -> config_pb2.ModelConfig:
-    """The config a Python model's ``auto_complete_config`` (in the newest version's model file) returns."""
-    versions = scanner.list_versions(folder, warn=False)
-    if not versions:
-        return config
-    label = PurePath(folder.name, str(versions[-1]), config.default_model_filename or "model.py")
-    scanner.checked_version_dir(folder, versions[-1])
-    document = json_format.MessageToDict(config, preserving_proto_field_name=True)
-    completed = python_auto_complete(triton_config(document), scanner.checked_path(folder.parent, label), str(label))
-    result = config_pb2.ModelConfig()
-    try:
-        json_format.ParseDict(completed, result, ignore_unknown_fields=True)
-    except json_format.ParseError as exc:
-        raise load_failed(
-            f"model '{config.name}': auto_complete_config returned an invalid config: {wire_names(str(exc))}"
-        ) from None
-    return result
 
 
 def auto_kind(backend: str, group: config_pb2.ModelInstanceGroup) -> int:
@@ -205,9 +183,6 @@ def check_against_model(configured: Configured, folder: Path) -> None:
         scanner.checked_version_dir(folder, version)
         path = model_file(configured.config.default_model_filename, folder, version)
         label = scanner.relative_name(folder.parent, path)
-        if spec.backend == "python":  # a model.py declares no tensors: it is imported, as an instance does
-            if not path.is_file():
-                raise load_failed(f"model file {label} not found")
-            python_check_import(path, label)
+        if check_own_model_file(spec.backend, path, str(label)):  # a model.py: imported, as an instance does
             continue
         check_io(backend_spec(spec), describe_model(spec.backend, path, label))

@@ -327,3 +327,18 @@ def test_the_hooks_are_read_from_the_backend_module_when_called(monkeypatch: pyt
     assert not backend.shares_weights_with_processes and backend.worker_preload == ()
     monkeypatch.setattr(module, "gpu_available", lambda: True, raising=True)
     assert backend.gpu_available()
+
+
+def test_the_self_described_backends_named_for_configuring_are_those_with_the_hooks() -> None:
+    """Configuring a model asks ``SELF_DESCRIBED_BACKENDS`` (no framework import) which backends complete
+    their own configs: exactly those whose module has ``complete_config`` and ``check_model_file``."""
+    with_hooks = []
+    for name in base.supported_backends():
+        try:
+            module = importlib.import_module(base._BACKEND_MODULES[name])
+        except ImportError:  # pragma: no cover - a framework not installed here
+            continue
+        if hasattr(module, "complete_config") or hasattr(module, "check_model_file"):
+            assert hasattr(module, "complete_config") and hasattr(module, "check_model_file"), name
+            with_hooks.append(name)
+    assert tuple(with_hooks) == base.SELF_DESCRIBED_BACKENDS

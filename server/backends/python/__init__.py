@@ -15,14 +15,17 @@ itself (``RUNS_OWN_INSTANCES``) and the scheduler hands them lists of requests.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
+from google.protobuf import json_format
 
 from shoal.backends.devices import Device
-from shoal.backends.python import bls, pb_utils, runner
+from shoal.backends.python import autocomplete, bls, pb_utils, runner
 from shoal.errors import DecoupledRefused, ShoalError, load_failed
+from shoal.protocol import config_pb2, wire_names
+from shoal.repository import scanner
 from shoal.repository.config import ModelSpec
 
 RUNS_OWN_INSTANCES = True  # read by Backend.runs_own_instances
@@ -32,6 +35,35 @@ DEFAULT_PROCESS_INSTANCES = True  # an instance is a process unless the config s
 def gpu_available() -> bool:
     """KIND_AUTO resolves to the CPU: a Python model's tensors are numpy arrays in host memory."""
     return False
+
+
+def complete_config(config: config_pb2.ModelConfig, folder: Path) -> config_pb2.ModelConfig:
+    """The config a Python model's ``auto_complete_config`` (in the newest version's model file) returns,
+    as Triton's Python backend completes it (``backends.base.complete_own_config``)."""
+    versions = scanner.list_versions(folder, warn=False)
+    if not versions:
+        return config
+    label = PurePath(folder.name, str(versions[-1]), config.default_model_filename or "model.py")
+    scanner.checked_version_dir(folder, versions[-1])
+    document = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    completed = autocomplete.auto_complete(
+        runner.triton_config(document), scanner.checked_path(folder.parent, label), str(label)
+    )
+    result = config_pb2.ModelConfig()
+    try:
+        json_format.ParseDict(completed, result, ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        raise load_failed(
+            f"model '{config.name}': auto_complete_config returned an invalid config: {wire_names(str(exc))}"
+        ) from None
+    return result
+
+
+def check_model_file(model_file: Path, label: str) -> None:
+    """A model.py declares no tensors: it is imported (never run), as an instance's load imports it."""
+    if not model_file.is_file():
+        raise load_failed(f"model file {label} not found")
+    autocomplete.check_import(model_file, label)
 
 
 def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> ThreadInstance:
