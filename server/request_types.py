@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -74,6 +74,19 @@ class InferRequest:
     # Inputs in shared memory (besides ``inputs``) and outputs to write into it, by name.
     region_inputs: tuple[RegionInput, ...] = ()
     output_regions: dict[str, RegionSlice] = field(default_factory=dict)
+    # A streaming request's sink: a decoupled model's responses go there as it sends them, from any
+    # thread (lifecycle.streaming.ResponseSink); None for a request answered once.
+    sink: ResponseSink | None = field(default=None, compare=False)
+
+
+class ResponseSink(Protocol):
+    """Where a decoupled model's responses go: outputs (name -> array), an error or None (a bare FINAL
+    flag), with whether it is the last; ``cancelled`` once the client gave up."""
+
+    def put(self, item: Any, final: bool) -> None: ...
+
+    @property
+    def cancelled(self) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ the statistics rows the metrics page reads from its own thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,7 +33,7 @@ from shoal.errors import DecoupledRefused, ErrorCode, ShoalError, internal_error
 from shoal.lifecycle import request_checks
 from shoal.lifecycle.manager import ModelManager
 from shoal.lifecycle.model import ModelVersion
-from shoal.lifecycle.streaming import ENDED, ResponseSink, StreamingRequest
+from shoal.lifecycle.streaming import ENDED, ResponseSink
 from shoal.request_types import InferRequest, InferResponse
 from shoal.settings import ServerSettings, TraceConfig
 from shoal.statistics import TRACED
@@ -120,7 +121,7 @@ class LocalCore:
     async def infer(self, request: InferRequest, origin: Origin | None = None) -> InferResponse:
         # Off, that one check is all; a decoupled model's request (its responses go to a sink) is not traced.
         trace = None
-        if self.tracer.settings.on and not isinstance(request, StreamingRequest):
+        if self.tracer.settings.on and request.sink is None:
             trace = self.tracer.start(request.model_name, request.model_version, request.id, origin)
         if trace is None:
             return await self._infer(request)
@@ -146,7 +147,7 @@ class LocalCore:
         self._idle.clear()
         try:
             served = self.manager.resolve(request.model_name, request.model_version)
-            if served.spec.decoupled and not isinstance(request, StreamingRequest):
+            if served.spec.decoupled and request.sink is None:
                 raise DecoupledRefused()
             if request.region_inputs:
                 if shared_memory.costly(self.regions, request):
@@ -177,7 +178,7 @@ class LocalCore:
                 f"outputs in shared memory are not supported for decoupled model '{request.model_name}'",
             )
         sink = ResponseSink(asyncio.get_running_loop())
-        task = asyncio.create_task(self.infer(StreamingRequest.of(request, sink)))
+        task = asyncio.create_task(self.infer(dataclasses.replace(request, sink=sink)))
         task.add_done_callback(lambda _: sink.queue.put_nowait((ENDED, True)))
         try:
             while True:

@@ -43,7 +43,6 @@ from shoal.lifecycle.fingerprint import fingerprint_or_none
 from shoal.lifecycle.model import ModelVersion, placements
 from shoal.lifecycle.response_cache import ResponseCache
 from shoal.lifecycle.state import UNLOADED, IndexEntry, ModelEntry, ModelState, VersionEntry
-from shoal.lifecycle.streaming import StreamingRequest
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec, RateLimiterSpec, VersionPolicy
 from shoal.request_types import InferRequest, InferResponse
@@ -396,7 +395,7 @@ class ModelManager:
         if self._loop is None or self._loop.is_closed():
             raise ShoalError(ErrorCode.UNAVAILABLE, "the server is not serving")
         if sink is not None:
-            request = StreamingRequest.of(request, sink)
+            request = replace(request, sink=sink)
 
         async def infer() -> InferResponse:
             target = self.resolve(request.model_name, request.model_version)

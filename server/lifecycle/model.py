@@ -259,7 +259,7 @@ class ModelVersion:
                 )
         try:
             # A decoupled model's responses are checked as they go into the sink; its answer has no outputs.
-            streamed = getattr(request, "sink", None) is not None and self.spec.decoupled
+            streamed = request.sink is not None and self.spec.decoupled
             check = None if streamed else request_checks.output_check(self.spec, prepared)
             results = await self.scheduler.submit(
                 prepared.feed, prepared.outputs, prepared.batch_size, request.parameters, context=request, check=check

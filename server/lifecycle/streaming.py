@@ -1,6 +1,6 @@
 """Requests whose responses stream: a decoupled model's zero or more responses, then FINAL.
 
-A ``StreamingRequest`` is an ``InferRequest`` that carries a ``ResponseSink``. It goes through the
+A streaming request is an ``InferRequest`` whose ``sink`` is a ``ResponseSink``. It goes through the
 model's scheduler like any request (queue, batching, statistics); the instance (a decoupled Python
 model) puts each response into the sink as the model sends it, from whichever thread it runs on,
 and the core reads them on the event loop. The scheduler's own answer to such a request carries
@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from shoal.errors import ErrorCode, ShoalError
-from shoal.request_types import InferRequest
 
 # One streamed item: outputs (name -> array) or an error, or None for a bare FINAL flag; and FINAL.
 Streamed = tuple[dict[str, np.ndarray] | ShoalError | None, bool]
@@ -49,13 +47,3 @@ class ResponseSink:
 
     def cancel(self) -> None:
         self._cancelled.set()
-
-
-@dataclass(frozen=True)
-class StreamingRequest(InferRequest):
-    sink: ResponseSink | None = field(default=None, compare=False)
-
-    @classmethod
-    def of(cls, request: InferRequest, sink: ResponseSink) -> StreamingRequest:
-        values = {f.name: getattr(request, f.name) for f in fields(InferRequest)}
-        return cls(**values, sink=sink)

@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from shoal.errors import ShoalError
+from shoal.request_types import InferRequest
 from shoal.statistics import Phases
 
 Outputs = dict[str, np.ndarray]
@@ -51,7 +52,7 @@ class QueuedRequest(Protocol):
     def size(self) -> int: ...  # the rows it adds to a batch
 
     @property
-    def context(self) -> Any: ...  # the core request it came from (a Python model reads it), or None
+    def context(self) -> InferRequest | None: ...  # the core request it came from (a Python model reads it)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from shoal.errors import DecoupledRefused, ShoalError, load_failed
 from shoal.protocol import config_pb2, wire_names
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec
+from shoal.request_types import InferRequest, ResponseSink
 
 RUNS_OWN_INSTANCES = True  # read by Backend.runs_own_instances
 DEFAULT_PROCESS_INSTANCES = True  # an instance is a process unless the config says otherwise
@@ -75,9 +76,11 @@ def version_of(model_file: Path) -> int:
     return int(model_file.parent.name)
 
 
-def sink_of(pending: Any) -> Any:
-    """The response sink of a queued request to a decoupled model (its core request carries it)."""
-    sink = getattr(pending.context, "sink", None)
+def sink_of(pending: Any) -> ResponseSink:
+    """The response sink of a queued request (``scheduling.base.QueuedRequest``) to a decoupled model:
+    its core request (``context``) carries it."""
+    request: InferRequest | None = pending.context
+    sink = request.sink if request is not None else None
     if sink is None:
         raise DecoupledRefused()
     return sink
