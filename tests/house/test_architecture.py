@@ -8,6 +8,7 @@ the protocol package with it. The distribution installs one top-level name, ``sh
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -170,3 +171,22 @@ def test_python_dash_m_shoal_is_the_shoal_command(tmp_path: Path) -> None:
         [sys.executable, "-m", "shoal", "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and result.stdout.startswith("shoal "), result.stdout + result.stderr
+
+
+def test_no_test_folder_shadows_a_module_a_script_in_tests_imports() -> None:
+    """A script run from tests/ (tests/kserve_clients.py, in KServe's venv) has tests/ first on its path:
+    a subject folder named ``http`` hid the standard library's ``http`` from KServe's client there."""
+
+    def installed(name: str) -> bool:  # the repository's own top-level folders (clients/, deploy/) do not count
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            return False
+        places = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
+        return any(not Path(place).resolve().is_relative_to(REPO_ROOT) for place in places)
+
+    shadowing = [
+        folder.name
+        for folder in (REPO_ROOT / "tests").iterdir()
+        if (folder / "__init__.py").is_file() and (folder.name in sys.stdlib_module_names or installed(folder.name))
+    ]
+    assert not shadowing, f"tests/ folders named as importable modules: {shadowing}"

@@ -14,7 +14,7 @@ from shoal.backends.devices import cuda_device_count
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import models
-from tests.grpc.test_rpcs import A, B, decode, simple_request
+from tests.grpc_api.test_rpcs import A, B, decode, simple_request
 
 
 def _cuda_provider() -> bool:

@@ -11,7 +11,7 @@ import pytest
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import models
-from tests.grpc.test_rpcs import A, B, decode, simple_request
+from tests.grpc_api.test_rpcs import A, B, decode, simple_request
 
 
 def test_broken_models_beside_healthy(tmp_path: Path, server_factory) -> None:

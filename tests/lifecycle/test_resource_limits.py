@@ -37,8 +37,8 @@ from shoal.http.app import HttpApp
 from shoal.protocol import InferenceStub, service_pb2
 from tests import models
 from tests.conftest import RunningServer
-from tests.grpc.test_transport_abuse import children
-from tests.http.test_http_errors import call
+from tests.grpc_api.test_transport_abuse import children
+from tests.http_api.test_http_errors import call
 from tests.polling import wait_until
 
 CLOSE_TIMEOUT_S = 30.0  # the test-shortened timeouts are 1-3 s; this is how long a close may take to be seen

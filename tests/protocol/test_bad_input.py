@@ -10,7 +10,7 @@ import pytest
 
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
-from tests.grpc.test_rpcs import A, B, decode, simple_request
+from tests.grpc_api.test_rpcs import A, B, decode, simple_request
 
 
 def _mutate(change: Callable[[pb.ModelInferRequest], None]) -> pb.ModelInferRequest:

@@ -39,7 +39,7 @@ from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from tests import ensemble_models, models, python_models, sequence_models
 from tests.conftest import RunningServer, serving
-from tests.http.test_http_errors import call, error
+from tests.http_api.test_http_errors import call, error
 
 pytest.importorskip("torch", reason="the datatype check's model is TorchScript")
 

@@ -38,7 +38,7 @@ from tritonclient.utils import InferenceServerException
 from shoal.http.convert import model_config
 from tests import models
 from tests.conftest import RunningServer, serving
-from tests.http.test_http_errors import call, error
+from tests.http_api.test_http_errors import call, error
 
 A = np.arange(16, dtype=np.int32)
 TWO_STRINGS = """

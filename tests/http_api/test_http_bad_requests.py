@@ -26,7 +26,7 @@ from shoal.http.server import MAX_HEAD_BYTES
 from shoal.protocol.types import DataType
 from shoal.request_types import InferRequest, InferResponse, Tensor
 from tests.conftest import RunningServer
-from tests.http.test_http_errors import call, error
+from tests.http_api.test_http_errors import call, error
 
 FP32_INFER = "/v2/models/identity_fp32/infer"
 BYTES_INFER = "/v2/models/identity_bytes/infer"

@@ -103,7 +103,7 @@ def test_infer_typed_contents_and_a_subset_of_outputs(stub: InferenceStub) -> No
 
 
 def test_stream_infer_answers_each_request_and_survives_errors(stub: InferenceStub) -> None:
-    """Responses come in completion order, so they are matched by id (tests/grpc/test_stream_infer.py has more)."""
+    """Responses come in completion order, so they are matched by id (tests/grpc_api/test_stream_infer.py has more)."""
     bad = simple_request(id="b")
     bad.inputs[0].datatype = "FP32"
     responses = list(stub.ModelStreamInfer(iter([simple_request(id="a"), bad, simple_request(id="c")])))

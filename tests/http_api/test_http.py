@@ -297,7 +297,7 @@ def test_sigterm_drains_http_requests_and_readiness_turns_false(tmp_path: Path, 
     import signal
     import threading
 
-    from tests.http.test_http_errors import call
+    from tests.http_api.test_http_errors import call
     from tests.polling import metric, wait_until
 
     repo = models.repository(tmp_path)

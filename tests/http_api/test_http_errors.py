@@ -34,7 +34,7 @@ from shoal.http.status import STATUS_BY_CODE
 from shoal.settings import EXIT_STARTUP_FAILED
 from tests import models
 from tests.conftest import RunningServer
-from tests.grpc.test_tls import pki  # noqa: F401 - the fixture: a CA, server and client certificates
+from tests.grpc_api.test_tls import pki  # noqa: F401 - the fixture: a CA, server and client certificates
 
 SIMPLE_INFER = "/v2/models/simple/infer"
 ONE_INPUT = {"inputs": [{"name": "IN", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
