@@ -60,7 +60,7 @@ class Executed:
     """A batch's outcome: per request, in the batch's order, its outputs or the error that fails it
     alone; and the execution's phases (input, infer, output), counted once for the batch."""
 
-    results: list[Outputs | ShoalError]
+    results: Sequence[Outputs | ShoalError]
     phases: Phases
 
 

@@ -24,9 +24,10 @@ async def execute_as_one_feed(run: RunFeed, batch: Sequence[QueuedRequest]) -> E
     gathered = time.monotonic_ns()
     results = await run(feed, outputs)
     executed = time.monotonic_ns()
-    parts: list[Outputs | ShoalError] = list(
-        scatter(results, [request.size for request in batch], [request.outputs for request in batch])
-    )
+    for name in outputs:
+        if name not in results:
+            raise ShoalError(ErrorCode.INTERNAL, f"the model returned no output '{name}'")
+    parts = scatter(results, [request.size for request in batch], [request.outputs for request in batch])
     done = time.monotonic_ns()
     return Executed(parts, Phases(gathered - start, executed - gathered, done - executed))
 
@@ -41,10 +42,8 @@ def gather(feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
 def scatter(
     results: Mapping[str, np.ndarray], sizes: Sequence[int], wanted: Sequence[Sequence[str]]
 ) -> list[dict[str, np.ndarray]]:
-    """Split each output by the requests' batch sizes; request i gets only ``wanted[i]``."""
-    for name in dict.fromkeys(name for names in wanted for name in names):
-        if name not in results:
-            raise ShoalError(ErrorCode.INTERNAL, f"the model returned no output '{name}'")
+    """Split each output by the requests' batch sizes; request i gets only ``wanted[i]`` (every one of
+    them in ``results``: ``execute_as_one_feed`` checked)."""
     if len(sizes) == 1:
         return [{name: results[name] for name in wanted[0]}]
     total = sum(sizes)

@@ -137,10 +137,9 @@ def _keep_state(owner: Owner, slot: Slot, results: dict[str, np.ndarray], row: i
 
 
 def _check_results(results: dict[str, np.ndarray], wanted: Sequence[str], rows: int | None) -> None:
-    """Every wanted output present, with ``rows`` rows when batching (None: not batching)."""
+    """Every wanted output with ``rows`` rows when batching (None: not batching); that each is there at
+    all, the executor's adapter checked (``batching.execute_as_one_feed``)."""
     for name in wanted:
-        if name not in results:
-            raise ShoalError(ErrorCode.INTERNAL, f"the model returned no output '{name}'")
         shape = np.shape(results[name])
         if rows is not None and (not shape or shape[0] != rows):
             raise ShoalError(ErrorCode.INTERNAL, f"output '{name}' has shape {list(shape)}, not a batch of {rows} rows")
@@ -259,14 +258,13 @@ class DirectLane:
             feed = build_feed(owner, rows, [states.get(id(slot), fallback) for slot, _ in rows])
             gathered = time.monotonic_ns()
             # The slots' rows, states and controls are one request to the executor: the lane built its feed.
-            executed = await self.executor.execute(
-                [_Rows(feed, tuple(_wanted(owner, [r for _, r in real])), len(rows))]
-            )
+            wanted = tuple(_wanted(owner, [r for _, r in real]))
+            executed = await self.executor.execute([_Rows(feed, wanted, len(rows))])
             returned = time.monotonic_ns()
             (results,) = executed.results
             if isinstance(results, ShoalError):
                 raise results
-            parts = self._split(rows, results)
+            parts = self._split(rows, results, wanted)
         except Exception as exc:  # noqa: BLE001 - fails this batch's requests only
             if not isinstance(exc, ShoalError):
                 logger.error("a sequence batch of %d row(s) failed", len(rows), exc_info=exc)
@@ -294,12 +292,14 @@ class DirectLane:
             if request.end:
                 owner.release(slot)
 
-    def _split(self, rows: list[Row], results: dict[str, np.ndarray]) -> list[tuple[Slot, SequenceRequest, Outputs]]:
+    def _split(
+        self, rows: list[Row], results: dict[str, np.ndarray], wanted: Sequence[str]
+    ) -> list[tuple[Slot, SequenceRequest, Outputs]]:
         """Each real row's outputs, with its state kept for its sequence's next request; INTERNAL where the
         model did not answer one row per batch row (as the dynamic batcher's ``scatter``)."""
         owner = self.owner
         batched = owner.max_batch_size > 0
-        _check_results(results, _wanted(owner, [r for _, r in rows if r is not None]), len(rows) if batched else None)
+        _check_results(results, wanted, len(rows) if batched else None)
         parts = []
         for position, (slot, row) in enumerate(rows):
             if row is None:
