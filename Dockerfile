@@ -7,19 +7,19 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY server server
 COPY clients clients
 COPY proto proto
-RUN python -m pip install --no-cache-dir --disable-pip-version-check build \
-    && python -m build --wheel --outdir /wheels .
+RUN python -m pip wheel --no-cache-dir --disable-pip-version-check --no-deps --wheel-dir /wheels ./proto ./clients .
 
 FROM ${PYTHON_IMAGE}
 ARG EXTRAS=""
 COPY --from=build /wheels /wheels
 RUN python -m venv /opt/shoal \
     && wheel=$(ls /wheels/shoal-*.whl) \
-    && /opt/shoal/bin/pip install --no-cache-dir --disable-pip-version-check "${wheel}${EXTRAS:+[$EXTRAS]}" \
+    && /opt/shoal/bin/pip install --no-cache-dir --disable-pip-version-check \
+        /wheels/shoal_protocol-*.whl /wheels/shoal_client-*.whl "${wheel}${EXTRAS:+[$EXTRAS]}" \
     && /opt/shoal/bin/pip uninstall -y pip setuptools \
     && rm -rf /wheels
 # Nothing is written outside $TMPDIR and /dev/shm: no bytecode caches, no HOME.

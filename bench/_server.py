@@ -26,16 +26,26 @@ def shoal_server(
 
 @contextmanager
 def checked_out_server(revision: str) -> Iterator[Path]:
-    """A folder holding ``shoal`` as ``server/`` was at ``revision`` (``git archive``), with this checkout's
-    generated protobuf modules (not in git), to pass as ``python_path``: the same benchmark run against an
-    earlier revision of the server in one run, alternating."""
+    """A folder holding the server's ``shoal`` as it was at ``revision`` (``git archive``), to pass as
+    ``python_path``: the same benchmark run against an earlier revision of the server in one run, alternating.
+
+    Since ``server/shoal/`` (a portion of the ``shoal`` namespace) the revision's server is served with this
+    checkout's ``shoal.protocol`` and ``shoal.clients``. Before it, ``server/`` was the whole package, protocol
+    included, and gets this checkout's generated protobuf modules (they are not in git)."""
     with tempfile.TemporaryDirectory() as folder:
+        split = subprocess.run(
+            ["git", "cat-file", "-e", f"{revision}:server/shoal"], cwd=REPO_ROOT, capture_output=True
+        )
+        tree = "server/shoal" if split.returncode == 0 else "server"
         archive = subprocess.run(
-            ["git", "archive", revision, "server"], cwd=REPO_ROOT, check=True, capture_output=True
+            ["git", "archive", revision, tree], cwd=REPO_ROOT, check=True, capture_output=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+        if split.returncode == 0:
+            yield Path(folder) / "server"
+            return
         package = Path(folder) / "shoal"
         (Path(folder) / "server").rename(package)
-        for generated in (REPO_ROOT / "server" / "protocol").glob("*_pb2.py"):
+        for generated in (REPO_ROOT / "proto" / "shoal" / "protocol").glob("*_pb2.py"):
             shutil.copy(generated, package / "protocol" / generated.name)
         yield Path(folder)

@@ -93,7 +93,7 @@ async def _serve_uvicorn(sock: socket.socket) -> None:
         access_log=False,
         log_level="warning",
         proxy_headers=False,
-    )  # as server/http/server.py
+    )  # as server/shoal/http/server.py
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)  # what Server.serve sets up before startup

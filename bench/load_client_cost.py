@@ -6,7 +6,7 @@ Starts Shoal on model_repository/ and drives the ``simple`` model from this proc
 after the other in each round (so a machine shared with other work disturbs them alike):
 shoal-load's HTTP ``ConnectionPool``, aiohttp's client (what shoal-load used before; only when
 aiohttp is importable: tritonclient[http] brings it), shoal-load's gRPC sender (the request as
-prebuilt HTTP/2 frames, ``clients/loadtest/grpc_h2.py``) and a grpc.aio unary call with the same
+prebuilt HTTP/2 frames, ``clients/shoal/clients/loadtest/grpc_h2.py``) and a grpc.aio unary call with the same
 serialized request (what shoal-load's gRPC path used before). Prints requests/s and this process's
 CPU per request (user + system), and writes bench/results/load_client_cost.csv. On a machine where
 client and server share the cores, every microsecond here is taken from the server: that is why

@@ -14,7 +14,7 @@ requests the model's statistics counted over the same span, gives CPU µs per re
 table, writes bench/results/request_path[_<label>].csv.
 
 With ``--against REVISION`` (a commit, e.g. ``main~3``) each round runs two servers in turn, alternating which
-goes first: ``server/`` as it was at REVISION ("before", from ``git archive``) and as it is in this checkout
+goes first: ``server/shoal/`` as it was at REVISION ("before", from ``git archive``) and as it is in this checkout
 ("after"); the table gives both and after / before, the medians over rounds.
 """
 
@@ -105,7 +105,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--label", default="", help="suffix of the CSV name, e.g. before / after")
-    parser.add_argument("--against", metavar="REVISION", help="also serve server/ as it was at REVISION, alternating")
+    parser.add_argument(
+        "--against", metavar="REVISION", help="also serve server/shoal/ as it was at REVISION, alternating"
+    )
     args = parser.parse_args()
     install_perf_analyzer()
     rows = []

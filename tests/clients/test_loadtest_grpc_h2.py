@@ -1,4 +1,4 @@
-"""shoal-load's prebuilt HTTP/2 gRPC sender (clients/loadtest/grpc_h2.py).
+"""shoal-load's prebuilt HTTP/2 gRPC sender (clients/shoal/clients/loadtest/grpc_h2.py).
 
 Against a real Shoal on loopback: every outcome is the one grpc.aio reports for the same bytes, on both
 gRPC engines, and more requests than the server's stream limit queue instead of being refused. Against a

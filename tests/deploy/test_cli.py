@@ -63,7 +63,7 @@ def test_shoal_entry_point_serves_and_exits_zero_on_sigterm(tmp_path: Path, serv
 @pytest.mark.parametrize(("script", "expected"), [("shoal", "shoal "), ("shoal-load", "usage: shoal-load")])
 def test_console_scripts_are_installed(script: str, expected: str) -> None:
     path = shutil.which(script, path=str(Path(sys.executable).parent))
-    assert path is not None, f"the `{script}` console script is missing: pip install -e ."
+    assert path is not None, f"the `{script}` console script is missing: pip install -e ./proto -e ./clients -e ."
     result = subprocess.run(
         [path, "--version" if script == "shoal" else "--help"], capture_output=True, text=True, timeout=60
     )

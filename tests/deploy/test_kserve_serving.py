@@ -462,7 +462,7 @@ def _docker_build_context(context: Path) -> None:
 
 
 def test_the_images_install_serves_from_a_clean_venv(scratch: Path) -> None:
-    """The Dockerfile's install, without Docker: the wheel built from what its build stage copies,
+    """The Dockerfile's install, without Docker: the three wheels built from what its build stage copies,
     installed into a fresh venv, then ``shoal serve`` with the runtime's args from that venv, as
     UID 1000, on a read-only repository. Kept cheap: the wheel is built without build isolation
     (the suite's setuptools and grpcio-tools, not downloaded ones) and the fresh venv reaches
@@ -472,15 +472,18 @@ def test_the_images_install_serves_from_a_clean_venv(scratch: Path) -> None:
     _docker_build_context(base / "context")
     wheels, venv = base / "wheels", base / "opt-shoal"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    context = base / "context"
+    projects = [str(context / "proto"), str(context / "clients"), str(context)]
     for command in (
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(base / "context")],
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), *projects],
         [sys.executable, "-m", "venv", "--without-pip", str(venv)],
     ):
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-    (wheel,) = wheels.glob("shoal-*.whl")
+    built = sorted(str(wheel) for wheel in wheels.glob("shoal*.whl"))
+    assert [Path(wheel).name.split("-")[0] for wheel in built] == ["shoal", "shoal_client", "shoal_protocol"], built
     done = subprocess.run(
-        [*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", str(wheel)],
+        [*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", *built],
         capture_output=True,
         text=True,
         timeout=300,
@@ -489,12 +492,20 @@ def test_the_images_install_serves_from_a_clean_venv(scratch: Path) -> None:
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "zz_shoal_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     where = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import shoal.protocol.grpc_service_pb2, shoal; print(shoal.__file__)"],
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import shoal.protocol.grpc_service_pb2 as pb, shoal.clients, shoal.cli, shoal\n"
+            "print(list(shoal.__path__), pb.__file__)",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert where.stdout.strip() == str(site / "shoal" / "__init__.py"), where.stderr
+    assert where.stdout.split() == [
+        f"['{site / 'shoal'}']",
+        str(site / "shoal" / "protocol" / "grpc_service_pb2.py"),
+    ], where.stdout + where.stderr
     repository = base / "mnt" / "models"
     repository.mkdir(parents=True)
     models.copy_example(repository, "simple")

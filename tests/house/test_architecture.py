@@ -2,15 +2,19 @@
 
 Imports point down the layers below and never up; a package never reaches a layer above it, so
 no two packages import each other. The client library stands beside the server and shares only
-the protocol package with it. The distribution installs one top-level name, ``shoal``.
+the protocol package with it. Three distributions install one top-level name, ``shoal`` (a PEP 420
+namespace), each from a source root in which a file's path is its import name.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import importlib.util
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -45,29 +49,34 @@ LAYERS: dict[str, int] = {
     "descriptors": 1,
     "clients": 1,  # the client library: the protocol is all it shares with the server
     "protocol": 0,
-    "__init__": 0,
 }
-PACKAGE_FOLDERS = {"shoal": REPO_ROOT / "server", "shoal.clients": REPO_ROOT / "clients"}
+# The source root of each distribution (pyproject.toml beside it, or above it for the server's):
+# below it, a file's path is its import name.
+SOURCE_ROOTS = {
+    "shoal": REPO_ROOT / "server",
+    "shoal-client": REPO_ROOT / "clients",
+    "shoal-protocol": REPO_ROOT / "proto",
+}
+
+
+def _import_name(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _modules() -> dict[str, Path]:
-    """Every source module by its installed name."""
-    found: dict[str, Path] = {}
-    for package, folder in PACKAGE_FOLDERS.items():
-        for path in folder.rglob("*.py"):
-            if path.name.endswith("_pb2.py") or (package == "shoal" and path.is_relative_to(REPO_ROOT / "clients")):
-                continue
-            parts = path.relative_to(folder).with_suffix("").parts
-            if parts[-1] == "__init__" and len(parts) > 1:
-                parts = parts[:-1]
-            found[".".join((package, *parts))] = path
-    return found
+    """Every source module by its import name, which is its path below its source root."""
+    return {
+        _import_name(root, path): path
+        for root in SOURCE_ROOTS.values()
+        for path in (root / "shoal").rglob("*.py")
+        if not path.name.endswith("_pb2.py")
+    }
 
 
 def _part(module: str) -> str:
     """The layer a ``shoal.*`` module belongs to: its first name below ``shoal``."""
-    names = module.split(".")
-    return names[1] if len(names) > 1 else "__init__"
+    return module.split(".")[1]
 
 
 def _imports(path: Path) -> set[str]:
@@ -156,9 +165,55 @@ def test_no_import_of_the_folder_names() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("name", ["server", "clients"])
+def test_every_module_is_imported_from_its_path() -> None:
+    """What the installs resolve is what the folders say: ``shoal.core.host`` is ``server/shoal/core/host.py``,
+    ``shoal.clients.client`` is ``clients/shoal/clients/client.py`` (found, not imported)."""
+    modules = _modules()
+    assert {"shoal.cli", "shoal.core.host", "shoal.clients.client", "shoal.protocol.codec"} <= modules.keys()
+    elsewhere = []
+    for name, path in sorted(modules.items()):
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None or Path(spec.origin).resolve() != path.resolve():
+            elsewhere.append(f"{name}: {path} in the tree, {spec and spec.origin} installed")
+    assert not elsewhere, "\n".join(elsewhere)
+    assert not (REPO_ROOT / "server" / "shoal" / "__init__.py").exists(), "shoal is a namespace over three folders"
+
+
+def _declared(pyproject: Path) -> set[str]:
+    """The distributions a pyproject.toml depends on, extras included, names normalised."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    requirements = [*project.get("dependencies", []), *sum(project.get("optional-dependencies", {}).values(), [])]
+    return {_normalised(re.match(r"[A-Za-z0-9._-]+", requirement).group()) for requirement in requirements}
+
+
+def _normalised(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+@pytest.mark.parametrize("distribution", ["shoal-client", "shoal-protocol"])
+def test_the_client_side_imports_only_what_its_distributions_declare(distribution: str) -> None:
+    """The client library installs without the server's dependencies (no onnxruntime or uvicorn to get
+    ``shoal.clients``): every third-party module the client's and the protocol's code imports comes
+    from a distribution their own pyproject.toml files declare."""
+    root = SOURCE_ROOTS[distribution]
+    declared = _declared(root / "pyproject.toml")
+    if distribution == "shoal-client":
+        declared |= _declared(SOURCE_ROOTS["shoal-protocol"] / "pyproject.toml")
+    providers = importlib.metadata.packages_distributions()
+    undeclared = []
+    for path in sorted((root / "shoal").rglob("*.py")):
+        for name in sorted({target.split(".")[0] for target in _imports(path)}):
+            if name in sys.stdlib_module_names or name in {"shoal", "__future__"}:
+                continue
+            if not {_normalised(d) for d in providers.get(name, [])} & declared:
+                undeclared.append(f"{path.relative_to(REPO_ROOT)} imports {name} ({providers.get(name)})")
+    assert not undeclared, "\n".join(undeclared)
+
+
+@pytest.mark.parametrize("name", ["server", "clients", "setup", "compile_protos"])
 def test_no_generic_top_level_module_is_installed(tmp_path: Path, name: str) -> None:
-    """Outside the repository, `server` and `clients` are free for the user's own code."""
+    """Outside the repository, `server` and `clients` are free for the user's own code, and the protocol's
+    build scripts (proto/setup.py, proto/compile_protos.py) are not importable."""
     (tmp_path / f"{name}.py").write_text("MINE = True\n")
     code = f"import {name}, shoal.clients, shoal.cli; print({name}.MINE, {name}.__file__)"
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)

@@ -86,7 +86,8 @@ def test_every_link_reaches_a_page_and_a_heading_that_exist(page: Path) -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(REPO_ROOT)))
 def test_every_repository_path_a_page_names_exists(page: Path) -> None:
-    """A file named in inline code (``tests/...py``, ``bench/...py``, ``server/...py``, ``deploy/...``) is there."""
+    """A file named in inline code (``tests/...py``, ``bench/...py``, ``server/shoal/...py``, ``deploy/...``) is
+    there."""
     named = re.findall(r"`((?:tests|bench|server|clients|deploy|docs|proto)/[\w./-]+\.\w+)`", _prose(page.read_text()))
     written = [path for path in named if not path.startswith("bench/results/")]  # a script's output: git-ignored
     missing = sorted({path for path in written if not (REPO_ROOT / path).exists()})

@@ -304,7 +304,7 @@ BACKEND_MODULES = {"shoal.backends.pytorch", "shoal.backends.onnxruntime", "shoa
 def test_instances_and_lifecycle_name_no_framework_and_no_backend_module(package: str) -> None:
     """What a backend can do is asked through its hooks (backends/base.py), never by importing it."""
     found = []
-    for path in sorted((REPO_ROOT / "server" / package).glob("*.py")):
+    for path in sorted((REPO_ROOT / "server" / "shoal" / package).glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = (
                 [a.name for a in node.names]

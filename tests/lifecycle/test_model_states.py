@@ -268,7 +268,7 @@ def test_the_manager_turns_the_dict_into_a_model_config(tmp_path: Path) -> None:
 
 def test_the_manager_touches_no_protobuf() -> None:
     """protobuf stays in the transports and the config pipeline."""
-    source = models.REPO_ROOT / "server" / "lifecycle" / "manager.py"
+    source = models.REPO_ROOT / "server" / "shoal" / "lifecycle" / "manager.py"
     imported = {
         alias.name
         for node in ast.walk(ast.parse(source.read_text()))

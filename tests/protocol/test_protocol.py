@@ -14,8 +14,8 @@ from shoal.protocol import METHODS, SERVICE_NAME, config_pb2, service_pb2
 from tests.models import REPO_ROOT
 
 
-def _load_generator():  # proto/generate.py is a script, not part of the package
-    spec = importlib.util.spec_from_file_location("shoal_proto_generate", REPO_ROOT / "proto" / "generate.py")
+def _load_generator():  # proto/compile_protos.py is a script, not part of the package
+    spec = importlib.util.spec_from_file_location("shoal_compile_protos", REPO_ROOT / "proto" / "compile_protos.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -26,9 +26,9 @@ def test_generated_code_is_not_stale(tmp_path: Path) -> None:
     written = _load_generator().generate(tmp_path)
     assert written
     for fresh in written:
-        in_tree = REPO_ROOT / "server" / "protocol" / fresh.relative_to(tmp_path)
+        in_tree = REPO_ROOT / "proto" / "shoal" / "protocol" / fresh.relative_to(tmp_path)
         assert in_tree.read_bytes() == fresh.read_bytes(), (
-            f"{in_tree} is stale: reinstall (pip install -e .) to regenerate it from proto/"
+            f"{in_tree} is stale: reinstall (pip install -e ./proto) to regenerate it from its .proto"
         )
 
 

@@ -6,7 +6,7 @@ the model file (``model_io.complete``) → ``normalize`` (defaults Triton fills 
 ``validate`` (rules that need no model file) → ``to_spec`` (plain dataclasses).
 ``server.lifecycle.configure`` runs them in that order. Checks that need the model file
 (tensor names, types and dims) are ``model_io.check_io``.
-This and ``server/grpc`` are the only places that touch protobuf.
+This and ``server/shoal/grpc`` are the only places that touch protobuf.
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from importlib.metadata import version
 from typing import Any
 
 import numpy as np
 
-from shoal import __version__, logs
+from shoal import logs
 from shoal.core import (
     CudaRegionStatus,
     HealthSnapshot,
@@ -43,6 +44,7 @@ from shoal.tracing.tracer import Tracer
 logger = logging.getLogger(__name__)
 
 SERVER_NAME = "shoal"
+SERVER_VERSION = version(SERVER_NAME)  # the installed distribution's, from pyproject.toml
 # Only what is implemented end to end; clients gate features on these strings.
 EXTENSIONS = (
     "model_configuration",
@@ -93,7 +95,7 @@ class LocalCore:
         return HealthSnapshot(self.is_ready(), ready_models)
 
     async def server_metadata(self) -> ServerMetadata:
-        return ServerMetadata(SERVER_NAME, __version__, EXTENSIONS)
+        return ServerMetadata(SERVER_NAME, SERVER_VERSION, EXTENSIONS)
 
     async def model_ready(self, name: str, version: str) -> bool:
         return self.manager.is_ready(name, version)

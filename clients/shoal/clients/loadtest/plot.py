@@ -50,7 +50,7 @@ def figure(curves: Sequence[Curve], title: str, budget_ms: float | None = None, 
     """The figure (a matplotlib Figure); ``budget_ms`` draws a horizontal latency budget."""
     plt = pyplot()
     if plt is None:
-        raise RuntimeError("plots need matplotlib: pip install 'shoal[bench]'")
+        raise RuntimeError("plots need matplotlib: pip install 'shoal-client[plot]'")
     fig, axes = plt.subplots(figsize=(8, 5), layout="constrained")
     for curve in curves:
         points = sorted(curve.points, key=lambda p: p.throughput)

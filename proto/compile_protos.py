@@ -1,10 +1,9 @@
 """Generate Shoal's protobuf message modules from the .proto sources in this folder.
 
-One function, used by the build (setup.py) and by the test that fails when the generated
-code in the source tree is stale. The .proto files sit under ``proto/shoal/protocol/`` so that
-their import paths, and so the imports protoc writes into the Python modules, are
-``shoal.protocol.*_pb2``: the package they are installed as. The modules are written into
-``server/protocol/``, the folder that package is installed from.
+One function, used by the build (``proto/setup.py``) and by the test that fails when the
+generated code in the source tree is stale. The .proto files sit in the package they are
+compiled into, ``proto/shoal/protocol/``, so that their import paths, and so the imports protoc
+writes into the Python modules, are ``shoal.protocol.*_pb2``: the modules' own names.
 """
 
 from __future__ import annotations
@@ -45,6 +44,6 @@ def generate(out_dir: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else PROTO_ROOT.parent / "server" / "protocol"
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else PROTO_ROOT / PACKAGE_PATH
     for path in generate(target):
         print(path)

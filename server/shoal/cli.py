@@ -8,10 +8,11 @@ import logging
 import math
 import sys
 from dataclasses import replace
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from shoal import __version__, logs
+from shoal import logs
 from shoal.descriptors import raise_open_file_limit
 from shoal.errors import ShoalError
 from shoal.frontend.worker_count import AUTO, RULE, resolve
@@ -132,7 +133,7 @@ def _shape(text: str) -> tuple[str, tuple[int, ...]]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Shoal model server")
-    parser.add_argument("--version", action="version", version=f"shoal {__version__}")
+    parser.add_argument("--version", action="version", version=f"shoal {version('shoal')}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model repository over gRPC and HTTP (KServe v2 / Triton)")
     serve.add_argument(

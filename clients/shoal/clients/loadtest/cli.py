@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot needs matplotlib: pip install 'shoal[bench]'")
+            parser.error("--plot needs matplotlib: pip install 'shoal-client[plot]'")
     if args.request_rate and args.processes > 1 and any(r / args.processes < 1 for r in args.request_rate):
         parser.error("--request-rate per process must be at least 1/s")
     previous_handler = signal.signal(signal.SIGINT, _interrupt)

@@ -18,8 +18,8 @@ Exception tree::
                            told apart by type so each transport words it as Triton does
     StartupError(message)  the server cannot start (a port in use): a clear line and exit 1
 
-Each transport maps every code to its status in one table (server/grpc/status.py,
-server/http/status.py).
+Each transport maps every code to its status in one table (server/shoal/grpc/status.py,
+server/shoal/http/status.py).
 
 An unexpected exception (a bug, not one of the codes) reaches a client only as ``internal_error``'s
 generic message with an incident id; its type, text and traceback are in the log under that id.
