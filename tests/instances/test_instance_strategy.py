@@ -66,7 +66,7 @@ def fake_backend(log: list[str], processes: bool, weight_bytes: int = 100) -> Ba
         module.share_weights = share_weights  # type: ignore[attr-defined]
         module.attach = lambda *args: pytest.fail("attach runs in a worker process")  # type: ignore[attr-defined]
         module.WORKER_PRELOAD = ("fake_framework",)  # type: ignore[attr-defined]
-    return Backend("fake", module)
+    return Backend("fake", base.Declared("fake_backend", process_instances=processes), module)
 
 
 # -- the choice ----------------------------------------------------------------------------------------
@@ -259,18 +259,33 @@ def test_a_version_over_the_identity_backend_builds_copies_as_asked(tmp_path: Pa
 # -- the hooks -----------------------------------------------------------------------------------------
 
 
-def test_the_process_backends_named_for_refusals_are_those_with_the_hooks() -> None:
-    with_hooks = []
-    for name in base.supported_backends():
-        spec = spec_with(name)
+@pytest.mark.parametrize("name", sorted(base.BACKENDS))
+def test_what_a_backend_declares_is_what_its_module_does(name: str) -> None:
+    """``BACKENDS`` says what each backend can do without importing it (a refusal names the backends
+    that could, configuring asks without loading torch); each flag holds to the module's hooks."""
+    declared = base.BACKENDS[name]
+    try:
+        module = importlib.import_module(declared.module)
+    except ImportError:  # pragma: no cover - a framework not installed here
+        pytest.skip(f"{declared.module} does not import here")
+    assert declared.process_instances == (hasattr(module, "share_weights") and hasattr(module, "attach"))
+    assert declared.process_instances == bool(getattr(module, "WORKER_PRELOAD", ())), "a worker preloads its framework"
+    assert declared.self_described == hasattr(module, "complete_config") == hasattr(module, "check_model_file")
+    if declared.own_instances:  # each instance loads the model itself and runs lists of requests
+        from shoal.lifecycle.configure import configure
+        from tests.models import EXAMPLES
+
+        spec = configure(EXAMPLES / "preprocess", strict=False).spec
+        loaded = module.load(spec, EXAMPLES / "preprocess" / "1" / "model.py", CPU, 1)
         try:
-            backend = base.backend_for(spec)
-        except ImportError:  # pragma: no cover - a framework not installed here
-            continue
-        if backend.shares_weights_with_processes:
-            with_hooks.append(name)
-            assert backend.worker_preload, f"{name}: a worker needs its framework preloaded"
-    assert tuple(with_hooks) == base.PROCESS_INSTANCE_BACKENDS
+            assert loaded.runs_requests and loaded.weight_bytes == 0
+        finally:
+            loaded.close()
+
+
+def test_a_refusal_names_the_backends_declared_able() -> None:
+    with pytest.raises(ShoalError, match="process_instances needs the pytorch backend"):
+        strategy.choose(spec_with("identity", process_instances="true"), base.backend_for(spec_with("identity")))
 
 
 def strings_spec(backend: str) -> ModelSpec:
@@ -324,21 +339,6 @@ def test_instances_and_lifecycle_name_no_framework_and_no_backend_module(package
 def test_the_hooks_are_read_from_the_backend_module_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
     backend = base.backend_for(spec_with("identity"))
     module = importlib.import_module("shoal.backends.identity")
-    assert not backend.shares_weights_with_processes and backend.worker_preload == ()
+    assert not backend.declared.process_instances and backend.worker_preload == ()
     monkeypatch.setattr(module, "gpu_available", lambda: True, raising=True)
     assert backend.gpu_available()
-
-
-def test_the_self_described_backends_named_for_configuring_are_those_with_the_hooks() -> None:
-    """Configuring a model asks ``SELF_DESCRIBED_BACKENDS`` (no framework import) which backends complete
-    their own configs: exactly those whose module has ``complete_config`` and ``check_model_file``."""
-    with_hooks = []
-    for name in base.supported_backends():
-        try:
-            module = importlib.import_module(base._BACKEND_MODULES[name])
-        except ImportError:  # pragma: no cover - a framework not installed here
-            continue
-        if hasattr(module, "complete_config") or hasattr(module, "check_model_file"):
-            assert hasattr(module, "complete_config") and hasattr(module, "check_model_file"), name
-            with_hooks.append(name)
-    assert tuple(with_hooks) == base.SELF_DESCRIBED_BACKENDS

@@ -18,7 +18,7 @@ from shoal.dataplane.arena import Arena
 from shoal.instances import python_worker
 from shoal.instances.outbox import Outbox
 from shoal.instances.python_link import PipeLink
-from shoal.instances.worker_pipe import BLS, BLS_REPLY, DONE, REQUESTS, RESPONSES, put, take
+from shoal.instances.worker_pipe import REQUESTS, RESPONSES, Bls, BlsReply, Done, RunRequests, put, take
 
 
 @pytest.fixture
@@ -49,11 +49,11 @@ def test_a_batch_s_outputs_never_overwrite_the_inputs_of_a_call_the_server_has_n
             link.infer_async(_call(x)).close()  # sent, never awaited
             return [runner.Outcome({"Y": np.full(4000, -1.0, np.float32)})]
 
-    done, answers = python_worker.run_batch(FireAndForget(), link, worker, arenas, [], 0)
-    kind, _, call, slots = server.recv()  # the server reads the call only now, after the outputs were packed
-    assert (kind, done) == (BLS, DONE) and call.model_name == "m"
-    np.testing.assert_array_equal(take(arenas[RESPONSES], slots)["X"], x)
-    ((output_slots, error, _),) = answers
+    done = python_worker.run_batch(FireAndForget(), link, worker, arenas, RunRequests([], 0))
+    call = server.recv()  # the server reads the call only now, after the outputs were packed
+    assert isinstance(call, Bls) and isinstance(done, Done) and call.call.model_name == "m"
+    np.testing.assert_array_equal(take(arenas[RESPONSES], call.inputs)["X"], x)
+    ((output_slots, error, _),) = done.answers
     assert not error
     np.testing.assert_array_equal(take(arenas[RESPONSES], output_slots)["Y"], np.full(4000, -1.0, np.float32))
 
@@ -67,9 +67,9 @@ def test_a_reply_is_taken_from_the_arena_only_while_its_batch_runs(ends: Any) ->
 
     def reply(batch: int) -> pb_utils.InferenceResponse:
         waiting = link.infer_async(_call(y))
-        _, call_id, _, _ = server.recv()
+        call = server.recv()
         slots, _ = put(arenas[REQUESTS], 4096, {"Y": y})
-        server.send((BLS_REPLY, call_id, bls.BlsResult(outputs={}), slots, True, batch))
+        server.send(BlsReply(call.call_id, bls.BlsResult(outputs={}), slots, True, batch))
         return asyncio.run(waiting)
 
     link.begin(7)
@@ -91,7 +91,7 @@ class _PausingConn:
         self.recv, self.poll, self.fileno = conn.recv, conn.poll, conn.fileno
 
     def send(self, message: Any) -> None:
-        if message[0] == BLS and threading.current_thread().name == "left":
+        if isinstance(message, Bls) and threading.current_thread().name == "left":
             self._reserved.set()
             threading.Event().wait(0.5)  # the pause itself: nothing to wait for
         self._conn.send(message)
@@ -112,12 +112,12 @@ def test_a_call_with_inputs_in_the_arena_is_on_the_pipe_before_its_batch_ends(en
             reserved.wait(10)
             return [runner.Outcome({"Y": np.zeros(4, np.float32)})]
 
-    done = python_worker.run_batch(LeavesACallBehind(), link, worker, arenas, [], 0)
+    done = python_worker.run_batch(LeavesACallBehind(), link, worker, arenas, RunRequests([], 0))
     worker.send(done)
-    kind, _, _, slots = server.recv()
-    assert kind == BLS and slots is not None
-    np.testing.assert_array_equal(take(arenas[RESPONSES], slots)["X"], x)
-    assert server.recv()[0] == DONE
+    call = server.recv()
+    assert isinstance(call, Bls) and call.inputs is not None
+    np.testing.assert_array_equal(take(arenas[RESPONSES], call.inputs)["X"], x)
+    assert isinstance(server.recv(), Done)
 
 
 def test_an_outbox_that_cannot_send_a_message_says_so_and_does_not_hang(ends: Any) -> None:

@@ -491,7 +491,7 @@ def test_bls_to_itself_with_one_instance_is_refused_and_the_model_keeps_serving(
 
 def test_a_feed_sent_to_a_python_models_worker_is_refused_at_once_not_waited_on() -> None:
     """A Python model's process instance runs lists of requests: its ``run`` (inherited from the feed
-    models' process instance) refuses at once, and a feed's RUN reaching its worker is answered FAILED.
+    models' process instance) refuses at once, and a feed's Run reaching its worker is answered Failed.
     Found by review: with ``run`` removed, the inherited one waited on the worker forever."""
     from shoal.backends.devices import CPU
     from shoal.errors import ErrorCode, ShoalError
@@ -510,7 +510,7 @@ def test_a_feed_sent_to_a_python_models_worker_is_refused_at_once_not_waited_on(
         assert refused.value.code is ErrorCode.UNSUPPORTED
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the worker's own answer, bounded by the test
             sent = pool.submit(ProcessModel.run, model, feed, ["INPUT0"])
-            with pytest.raises(RuntimeError, match="runs lists of requests, not 'run'"):
+            with pytest.raises(RuntimeError, match="runs lists of requests, not Run"):
                 sent.result(timeout=60)
     finally:
         model.close()

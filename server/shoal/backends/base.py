@@ -7,15 +7,19 @@ tensor. A ``LoadedModel`` holds one copy of the weights on one device; its ``run
 is called concurrently by every executor of that device, so it must be thread-safe.
 Heavy libraries (onnxruntime, torch) are imported by their backend module alone.
 
-Optional hooks say what else a backend can do; ``Backend`` reads them, and the instance
-strategy (``shoal.instances.strategy``) chooses from them, so nothing above the backends
-names a framework:
+What each backend is and can do is declared once, in ``BACKENDS`` (readable without importing
+a framework); its module's hooks do it. ``Backend`` reads both, and the instance strategy
+(``shoal.instances.strategy``) and the config pipeline (``shoal.lifecycle.configure``) choose
+from them, so nothing above the backends names a framework. The optional hooks:
 
 - ``share_weights(loaded) -> handle``: put a loaded copy's weights where other processes can
   reach them (a picklable handle), and ``attach(spec, model_path, device, handle, threads) ->
   LoadedModel``: run inside a worker process, build a copy over those weights without loading
   them again. Together they make process instances possible; ``WORKER_PRELOAD`` names the
   modules a worker's fork server imports once, so every worker shares their pages.
+- ``complete_config(config, folder)`` and ``check_model_file(model_path, label)``: for a backend
+  whose model file is code that says what the model takes (a Python model's
+  ``auto_complete_config`` and import), not a graph whose tensors ``describe`` reads.
 - ``validate_request(spec, inputs)``: per-request checks the config cannot express (ONNX
   Runtime's string tensors must hold UTF-8), run before the request is queued, so a bad request
   fails alone instead of failing the batch it would have joined.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
@@ -38,19 +43,34 @@ from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec
 from shoal.repository.model_io import ModelIO
 
-_BACKEND_MODULES = {
-    "onnxruntime": "shoal.backends.onnxruntime",
-    "identity": "shoal.backends.identity",
-    "pytorch": "shoal.backends.pytorch",
-    "python": "shoal.backends.python",
+
+@dataclass(frozen=True)
+class Declared:
+    """What a backend is, declared where it can be read without importing its framework (a refusal
+    lists the backends that could; configuring a model asks without loading torch). A test holds
+    each flag to the module's hooks."""
+
+    module: str
+    # Worker processes attach to one loaded copy's weights (``share_weights``, ``attach``).
+    process_instances: bool = False
+    # The model file is code that completes its own config (``complete_config``, ``check_model_file``).
+    self_described: bool = False
+    # No weights to share: each instance loads the model itself, and is handed lists of requests
+    # (its loaded models are ``RequestModel``s); the strategy builds these instances its own way.
+    own_instances: bool = False
+
+
+BACKENDS: dict[str, Declared] = {
+    "onnxruntime": Declared("shoal.backends.onnxruntime"),
+    "identity": Declared("shoal.backends.identity"),
+    "pytorch": Declared("shoal.backends.pytorch", process_instances=True),
+    "python": Declared("shoal.backends.python", self_described=True, own_instances=True),
 }
-# The backends whose module has ``share_weights`` and ``attach`` (process instances). Named here
-# so a refusal can list them without importing every framework; a test holds it to the modules.
-PROCESS_INSTANCE_BACKENDS = ("pytorch",)
-# The backends whose model file is code that says what the model takes (``complete_config``,
-# ``check_model_file``: a Python model's ``auto_complete_config`` and import), not a graph whose
-# tensors ``describe`` reads. Named here so that configuring a model imports no framework to ask.
-SELF_DESCRIBED_BACKENDS = ("python",)
+
+
+def backends_that(capability: str) -> list[str]:
+    """The backends declaring ``capability`` (a ``Declared`` flag), for messages that name them."""
+    return [name for name, declared in BACKENDS.items() if getattr(declared, capability)]
 
 
 class LoadedModel(Protocol):
@@ -86,7 +106,7 @@ class RequestModel(LoadedModel, Protocol):
 
 
 def supported_backends() -> list[str]:
-    return sorted(_BACKEND_MODULES)
+    return sorted(BACKENDS)
 
 
 def backend_gpu_available(backend: str) -> bool:
@@ -94,10 +114,10 @@ def backend_gpu_available(backend: str) -> bool:
 
     An unknown backend answers False; its load fails with the unsupported-backend message.
     """
-    module_name = _BACKEND_MODULES.get(backend)
-    if module_name is None:
+    declared = BACKENDS.get(backend)
+    if declared is None:
         return False
-    available: bool = importlib.import_module(module_name).gpu_available()
+    available: bool = importlib.import_module(declared.module).gpu_available()
     return available
 
 
@@ -106,10 +126,10 @@ def describe_model(backend: str, model_path: Path, label: str = "") -> ModelIO:
 
     ``model_path`` is a checked real path (``scanner.checked_path``); ``label`` names it in messages.
     """
-    module_name = _BACKEND_MODULES.get(backend)
-    if module_name is None:
+    declared = BACKENDS.get(backend)
+    if declared is None:
         raise load_failed(f"backend '{backend}' is not supported (supported: {', '.join(supported_backends())})")
-    module = importlib.import_module(module_name)
+    module = importlib.import_module(declared.module)
     if not hasattr(module, "describe"):
         raise load_failed(f"backend '{backend}' has no model file to read tensors from; list them in the config")
     if not model_path.exists():
@@ -119,28 +139,28 @@ def describe_model(backend: str, model_path: Path, label: str = "") -> ModelIO:
 
 
 def complete_own_config(config: config_pb2.ModelConfig, folder: Path) -> config_pb2.ModelConfig | None:
-    """The config as the model's own code completes it, for a backend in ``SELF_DESCRIBED_BACKENDS``; None
-    for the others (their configs are completed from what the model file declares, ``describe_model``)."""
-    if config.backend not in SELF_DESCRIBED_BACKENDS:
+    """The config as the model's own code completes it, for a ``self_described`` backend; None for the
+    others (their configs are completed from what the model file declares, ``describe_model``)."""
+    declared = BACKENDS.get(config.backend)
+    if declared is None or not declared.self_described:
         return None
-    completed: config_pb2.ModelConfig = importlib.import_module(_BACKEND_MODULES[config.backend]).complete_config(
-        config, folder
-    )
+    completed: config_pb2.ModelConfig = importlib.import_module(declared.module).complete_config(config, folder)
     return completed
 
 
 def check_own_model_file(backend: str, model_path: Path, label: str) -> bool:
-    """For a backend in ``SELF_DESCRIBED_BACKENDS``: LOAD_FAILED unless the model file loads as an
-    instance's would load it, and True; False for the others (checked against ``describe_model``)."""
-    if backend not in SELF_DESCRIBED_BACKENDS:
+    """For a ``self_described`` backend: LOAD_FAILED unless the model file loads as an instance's would
+    load it, and True; False for the others (checked against ``describe_model``)."""
+    declared = BACKENDS.get(backend)
+    if declared is None or not declared.self_described:
         return False
-    importlib.import_module(_BACKEND_MODULES[backend]).check_model_file(model_path, label)
+    importlib.import_module(declared.module).check_model_file(model_path, label)
     return True
 
 
 def probe_model(backend: str, model_path: Path, inputs: list[tuple[str, DataType, tuple[int, ...]]]) -> ModelIO:
     """Run a model without a signature (TorchScript) on zeros of ``inputs`` to learn its outputs."""
-    module = importlib.import_module(_BACKEND_MODULES[backend])
+    module = importlib.import_module(BACKENDS[backend].module)
     if not hasattr(module, "probe"):
         raise load_failed(f"backend '{backend}' cannot probe a model")
     if not model_path.exists():
@@ -156,13 +176,13 @@ def load_model(spec: ModelSpec, model_path: Path, device: Device, threads: int) 
 
 def backend_for(spec: ModelSpec) -> Backend:
     """The backend ``spec`` names, its module imported; LOAD_FAILED when Shoal has no such backend."""
-    module_name = _BACKEND_MODULES.get(spec.backend)
-    if module_name is None:
+    declared = BACKENDS.get(spec.backend)
+    if declared is None:
         raise load_failed(
             f"model '{spec.name}': backend '{spec.backend}' is not supported "
             f"(supported: {', '.join(supported_backends())})"
         )
-    return Backend(spec.backend, importlib.import_module(module_name))
+    return Backend(spec.backend, declared, importlib.import_module(declared.module))
 
 
 class Backend:
@@ -172,8 +192,9 @@ class Backend:
     that defines them.
     """
 
-    def __init__(self, name: str, module: ModuleType) -> None:
+    def __init__(self, name: str, declared: Declared, module: ModuleType) -> None:
         self.name = name
+        self.declared = declared
         self._module = module
 
     def load(self, spec: ModelSpec, model_path: Path, device: Device, threads: int) -> LoadedModel:
@@ -183,16 +204,6 @@ class Backend:
     def gpu_available(self) -> bool:
         available: bool = self._module.gpu_available()
         return available
-
-    @property
-    def shares_weights_with_processes(self) -> bool:
-        """Whether worker processes can attach to one loaded copy's weights (process instances)."""
-        return hasattr(self._module, "share_weights") and hasattr(self._module, "attach")
-
-    @property
-    def runs_own_instances(self) -> bool:
-        """Each instance loads the model itself and takes lists of requests (the Python backend)."""
-        return bool(getattr(self._module, "RUNS_OWN_INSTANCES", False))
 
     @property
     def worker_preload(self) -> tuple[str, ...]:

@@ -52,16 +52,17 @@ from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import lifeline, process_worker
 from shoal.instances.worker_pipe import (
-    ARENA,
-    FAILED,
-    GROW,
     INITIAL_ARENA_BYTES,
-    OK,
-    PING,
-    READY,
     REQUESTS,
     RESPONSES,
-    RUN,
+    Failed,
+    Grow,
+    NewArena,
+    Ping,
+    Ran,
+    Ready,
+    Run,
+    Stop,
     arena_bytes,
     as_tensors,
     trim,
@@ -197,10 +198,10 @@ class ProcessModel:
                 break
         if reply is None:
             reply = self._last_word()  # a worker that said why and exited at once: its reason is still in the pipe
-        if reply != READY:
+        if not isinstance(reply, Ready):
             self._kill()
-            if isinstance(reply, tuple) and reply[0] == FAILED:  # the worker said why (a model file's error)
-                raise ShoalError(ErrorCode.LOAD_FAILED, reply[1])
+            if isinstance(reply, Failed):  # the worker said why (a model file's error)
+                raise ShoalError(ErrorCode.LOAD_FAILED, reply.message)
             raise ShoalError(
                 ErrorCode.LOAD_FAILED,
                 f"model '{self._spec.name}': a worker process did not start (exit code {self._process.exitcode})",
@@ -220,7 +221,7 @@ class ProcessModel:
         """Hand the worker an arena: a message, then its descriptor over the pipe. Lock held."""
         arena = self._arenas[which]
         try:
-            self._conn.send((ARENA, which, arena.size))
+            self._conn.send(NewArena(which, arena.size))
             reduction.send_handle(self._conn, arena.fd, self._process.pid)
         except OSError:
             pass  # the worker is gone: the next wait finds it dead and replaces it
@@ -286,22 +287,22 @@ class ProcessModel:
             timeout_s = self._limits.execution_timeout_s
             deadline = time.monotonic() + timeout_s if timeout_s else None
             try:
-                self._conn.send((RUN, slots, list(outputs)))
+                self._conn.send(Run(slots, list(outputs)))
             except OSError:
                 pass  # the worker is gone: the wait finds it dead and replaces it
             try:
                 reply = self._wait(deadline)
-                while reply[0] == GROW:  # the outputs do not fit: a bigger arena, then the reply
-                    self._grow(RESPONSES, reply[1])
+                while isinstance(reply, Grow):  # the outputs do not fit: a bigger arena, then the reply
+                    self._grow(RESPONSES, reply.needed)
                     reply = self._wait(deadline)
-                if reply[0] != OK:
-                    raise RuntimeError(reply[1])
+                if not isinstance(reply, Ran):
+                    raise RuntimeError(reply.message if isinstance(reply, Failed) else f"the worker answered {reply!r}")
                 responses = self._arenas[RESPONSES]
                 results = {
                     t.name: t.data if t.datatype is DataType.BYTES else t.data.copy()
-                    for t in packing.unpack(responses, reply[1])
+                    for t in packing.unpack(responses, reply.outputs)
                 }
-                trim(responses, packing.extent(reply[1]))
+                trim(responses, packing.extent(reply.outputs))
                 return results
             finally:
                 trim(self._arenas[REQUESTS], packing.extent(slots))
@@ -363,8 +364,8 @@ class ProcessModel:
 
     def _answers_ping(self, timeout_s: float) -> bool:
         try:
-            self._conn.send(PING)
-            return bool(self._conn.poll(timeout_s)) and self._conn.recv() == PING
+            self._conn.send(Ping())
+            return bool(self._conn.poll(timeout_s)) and isinstance(self._conn.recv(), Ping)
         except (EOFError, OSError):
             return False
 
@@ -384,7 +385,7 @@ class ProcessModel:
                     try:
                         if self._process.pid:
                             os.kill(self._process.pid, signal.SIGCONT)  # a stopped worker can read the request
-                        self._conn.send(None)
+                        self._conn.send(Stop())
                     except (OSError, ValueError):
                         pass
                     self._process.join(timeout=CLOSE_GRACE_S)

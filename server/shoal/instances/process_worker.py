@@ -19,46 +19,47 @@ from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ShoalError
 from shoal.instances import lifeline
 from shoal.instances.worker_pipe import (
-    ARENA,
-    FAILED,
-    GROW,
-    OK,
-    PING,
-    READY,
     REQUESTS,
     RESPONSES,
+    Failed,
+    Grow,
+    NewArena,
+    Ping,
+    Ran,
+    Ready,
+    Run,
+    Stop,
     arena_bytes,
     as_tensors,
-    receive_arena,
+    map_arena,
+    with_descriptor,
 )
 from shoal.repository.config import ModelSpec
 
 logger = logging.getLogger(__name__)
 
 
-def execute(
-    model: Any, conn: Any, arenas: dict[str, Arena], slots: list[packing.Slot], outputs: list[str]
-) -> tuple[Any, ...] | None:
+def execute(model: Any, conn: Any, arenas: dict[str, Arena], run: Run) -> Ran | Failed | None:
     """Run one batch in a worker; the reply, or None when the server went away while it grew an arena."""
     try:
-        inputs = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
-        results = as_tensors(model.run(inputs, outputs))
+        inputs = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], run.inputs, writable=True)}
+        results = as_tensors(model.run(inputs, run.outputs))
         del inputs
     except Exception as exc:  # noqa: BLE001 - reported to the server, the worker goes on
-        return (FAILED, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ShoalError) else exc.message)
+        return Failed(f"{type(exc).__name__}: {exc}" if not isinstance(exc, ShoalError) else exc.message)
     while True:
         try:
-            return (OK, packing.pack_at(arenas[RESPONSES], 0, results))
+            return Ran(packing.pack_at(arenas[RESPONSES], 0, results))
         except PoolFull as full:
             try:
                 arena_bytes(full.wanted, "outputs")
             except ShoalError as exc:
-                return (FAILED, exc.message)
-            conn.send((GROW, full.wanted))
+                return Failed(exc.message)
+            conn.send(Grow(full.wanted))
             message = conn.recv()
-            if not (isinstance(message, tuple) and message[0] == ARENA):
+            if not isinstance(message, NewArena):
                 return None
-            receive_arena(conn, arenas, message)
+            map_arena(arenas, with_descriptor(conn, message))
 
 
 def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
@@ -67,24 +68,26 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
     try:
         model = backend_for(spec).attach(spec, model_path, device, handle, threads)
     except Exception as exc:  # noqa: BLE001 - the load error names it
-        conn.send((FAILED, exc.message if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"))
+        conn.send(Failed(exc.message if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(READY)
+    conn.send(Ready())
     arenas: dict[str, Arena] = {}
     while True:
         try:
-            message = conn.recv()
-            if message is None:
-                return
-            if message == PING:
-                conn.send(PING)
-            elif message[0] == ARENA:
-                receive_arena(conn, arenas, message)
-            else:
-                reply = execute(model, conn, arenas, *message[1:])
-                if reply is None:
+            match conn.recv():
+                case Stop():
                     return
-                conn.send(reply)
+                case Ping():
+                    conn.send(Ping())
+                case NewArena() as message:
+                    map_arena(arenas, with_descriptor(conn, message))
+                case Run() as run:
+                    reply = execute(model, conn, arenas, run)
+                    if reply is None:
+                        return
+                    conn.send(reply)
+                case other:  # a kind this worker does not speak (a Python model's batch): answered, never left waiting
+                    conn.send(Failed(f"a feed model's worker runs feeds, not {type(other).__name__}"))
         except (EOFError, OSError):
             return
 

@@ -30,12 +30,21 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from multiprocessing import reduction
 from typing import Any, TypeVar
 
 from shoal.backends.python import bls, pb_utils
 from shoal.dataplane.arena import Arena
-from shoal.instances.worker_pipe import ARENA, BLS, BLS_REPLY, CANCEL_REQUEST, REQUESTS, RESPONSES, put, take
+from shoal.instances.worker_pipe import (
+    REQUESTS,
+    RESPONSES,
+    Bls,
+    BlsReply,
+    CancelRequest,
+    NewArena,
+    put,
+    take,
+    with_descriptor,
+)
 
 T = TypeVar("T")
 
@@ -61,7 +70,7 @@ class PipeLink:
         # its caller let go (an iterator dropped halfway) goes with it, and replies for it are dropped.
         self._mailboxes: weakref.WeakValueDictionary[int, Mailbox] = weakref.WeakValueDictionary()
         self._cancelled: set[int] = set()  # the running decoupled batch's requests whose clients gave up
-        self._control: collections.deque[tuple[Any]] = collections.deque()  # the main loop's: runs, pings, arenas
+        self._control: collections.deque[Any] = collections.deque()  # the main loop's: runs, pings, arenas, stop
         self._ended: BaseException | None = None  # the pipe's end (EOF): every waiter sees it
 
     def begin(self, batch: int) -> None:
@@ -82,9 +91,8 @@ class PipeLink:
         return first_free
 
     def next_message(self) -> Any:
-        """The main loop's next message: a run, a ping, None (stop), or (ARENA, which, size, fd)."""
-        (message,) = self._wait(lambda: self._control.popleft() if self._control else None)
-        return message
+        """The main loop's next message: RunRequests, Ping, Stop, or NewArena (its descriptor received)."""
+        return self._wait(lambda: self._control.popleft() if self._control else None)
 
     def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         box = self._send(request)
@@ -138,9 +146,9 @@ class PipeLink:
             if self._offset is not None:
                 slots, self._offset = put(self._arenas[RESPONSES], self._offset, call.inputs)
                 if slots is not None:
-                    self._conn.send((BLS, call_id, replace(call, inputs={}), slots))
+                    self._conn.send(Bls(call_id, replace(call, inputs={}), slots))
                     return box
-        self._conn.send((BLS, call_id, call, None))
+        self._conn.send(Bls(call_id, call, None))
         return box
 
     def _wait(self, claim: Callable[[], T | None]) -> T:
@@ -167,21 +175,21 @@ class PipeLink:
         """Read one message (this thread is the reader) and file it under the lock."""
         try:
             message = self._conn.recv()
-            if isinstance(message, tuple) and message[0] == ARENA:  # its descriptor follows at once
-                message = (*message, reduction.recv_handle(self._conn))
+            if isinstance(message, NewArena):  # its descriptor follows at once
+                message = with_descriptor(self._conn, message)
         except (EOFError, OSError) as exc:
             with self._filed:
                 self._ended = exc
             return
-        if not (isinstance(message, tuple) and message[0] in (BLS_REPLY, CANCEL_REQUEST)):
+        if isinstance(message, CancelRequest):
             with self._filed:
-                self._control.append((message,))  # boxed: None (stop) is a message too
+                self._cancelled.add(message.position)
             return
-        if message[0] == CANCEL_REQUEST:
+        if not isinstance(message, BlsReply):
             with self._filed:
-                self._cancelled.add(message[1])
+                self._control.append(message)
             return
-        _, call_id, result, slots, final, batch = message
+        call_id, result, slots, final, batch = message
         if slots is not None:
             with self._packing:
                 if batch == self._batch:

@@ -4,10 +4,10 @@ Built on the process instances' one mechanism (``shoal.instances.process``): a f
 per instance, two memfd arenas for tensors, a pipe for small messages, the same restart on death,
 execution timeout and liveness checks. What differs is the conversation for a batch (its messages
 in ``instances.worker_pipe``; the worker's side is ``instances.python_worker``): the batch's
-requests go in (RUN_REQUESTS), any number of BLS calls come out and each is answered (BLS_REPLY;
+requests go in (RunRequests), any number of BLS calls come out (Bls) and each is answered (BlsReply;
 an ``exec(decoupled=True)`` once per response), a decoupled model's responses come out as it sends
-them (RESPONSE), the host says which of its requests' clients gave up (CANCEL_REQUEST), the
-outputs may ask for a bigger arena (GROW), and DONE ends the batch.
+them (Response), the host says which of its requests' clients gave up (CancelRequest), the
+outputs may ask for a bigger arena (Grow), and Done ends the batch.
 
 Inputs of every request are packed one after another at the start of the requests arena,
 outputs in the responses arena after the batch's BLS inputs. A BLS call's tensors go the same way
@@ -48,15 +48,17 @@ from shoal.instances import process, python_worker
 from shoal.instances.outbox import Outbox
 from shoal.instances.process import WorkerLimits
 from shoal.instances.worker_pipe import (
-    BLS,
-    BLS_REPLY,
-    CANCEL_REQUEST,
-    DONE,
-    GROW,
     REQUESTS,
-    RESPONSE,
     RESPONSES,
-    RUN_REQUESTS,
+    Answer,
+    Bls,
+    BlsReply,
+    CancelRequest,
+    Done,
+    Grow,
+    PipedRequest,
+    Response,
+    RunRequests,
     aligned,
     as_tensors,
     put,
@@ -125,7 +127,7 @@ class PythonProcessModel(process.ProcessModel):
             deadline = time.monotonic() + timeout_s if timeout_s else None
             try:
                 try:
-                    self._conn.send((RUN_REQUESTS, requests, self._batch))
+                    self._conn.send(RunRequests(requests, self._batch))
                 except OSError:
                     pass  # the worker is gone: the wait finds it dead and replaces it
                 answers = self._conversation(deadline)
@@ -134,7 +136,7 @@ class PythonProcessModel(process.ProcessModel):
                 self._end_outbox()
                 trim(self._arenas[REQUESTS], max(used, self._reply_offset))
 
-    def _pack_inputs(self, batch: Sequence[Any]) -> tuple[list[tuple[Any, ...]], int]:
+    def _pack_inputs(self, batch: Sequence[Any]) -> tuple[list[PipedRequest], int]:
         feeds = [as_tensors(pending.feed) for pending in batch]
         while True:
             offset, requests = 0, []
@@ -144,7 +146,7 @@ class PythonProcessModel(process.ProcessModel):
                     offset = aligned(max(offset, packing.extent(slots)))
                     data = runner.request_data({}, pending.outputs, pending.context, getattr(pending, "traced", None))
                     requests.append(
-                        (
+                        PipedRequest(
                             slots,
                             list(data.outputs),
                             data.request_id,
@@ -157,7 +159,7 @@ class PythonProcessModel(process.ProcessModel):
             except PoolFull as full:
                 self._grow(REQUESTS, offset + full.wanted)
 
-    def _conversation(self, deadline: float | None) -> list[tuple[Any, ...]]:
+    def _conversation(self, deadline: float | None) -> list[Answer]:
         """Serve the worker's BLS calls and arena requests until it answers the batch."""
         while True:
             try:
@@ -181,19 +183,19 @@ class PythonProcessModel(process.ProcessModel):
                     message = self._conn.recv()
                 except (EOFError, OSError):
                     message = None
-                if isinstance(message, tuple) and message[0] == DONE:
-                    self._flush(deadline)  # the worker reads again; what follows goes on the pipe directly
-                    return list(message[1])
-                if isinstance(message, tuple) and message[0] == GROW:
-                    self._flush(deadline)
-                    self._grow(RESPONSES, message[1])
-                elif isinstance(message, tuple) and message[0] == RESPONSE:
-                    self._forward(*message[1:])
-                elif isinstance(message, tuple) and message[0] == BLS:
-                    _, call_id, call, slots = message
-                    if slots is not None:
-                        call = replace(call, inputs=take(self._arenas[RESPONSES], slots))
-                    self._start_call(call_id, call)
+                match message:
+                    case Done(answers):
+                        self._flush(deadline)  # the worker reads again; what follows goes on the pipe directly
+                        return answers
+                    case Grow(needed):
+                        self._flush(deadline)
+                        self._grow(RESPONSES, needed)
+                    case Response():
+                        self._forward(message)
+                    case Bls(call_id, call, slots):
+                        if slots is not None:
+                            call = replace(call, inputs=take(self._arenas[RESPONSES], slots))
+                        self._start_call(call_id, call)
             self._send_cancellations()
             self._check_outbox()
             self._check_running(deadline)
@@ -239,18 +241,18 @@ class PythonProcessModel(process.ProcessModel):
         else:
             self._replace("was left with messages of a failed batch unsent")
 
-    def _forward(self, index: int, outputs: dict[str, Any] | None, error: str, code: str, final: bool) -> None:
+    def _forward(self, response: Response) -> None:
         """One response of a decoupled model, on to its request's sink."""
-        item: dict[str, Any] | ShoalError | None = outputs
-        if error:
-            item = ShoalError(ErrorCode(code), error)
-        self._sinks[index].put(item, final)
+        item: dict[str, Any] | ShoalError | None = response.outputs
+        if response.error:
+            item = ShoalError(ErrorCode(response.code), response.error)
+        self._sinks[response.position].put(item, response.final)
 
     def _send_cancellations(self) -> None:
         for index, sink in enumerate(self._sinks):
             if sink.cancelled and index not in self._cancel_sent:
                 self._cancel_sent.add(index)
-                self._post((CANCEL_REQUEST, index))
+                self._post(CancelRequest(index))
 
     def _start_call(self, call_id: int, call: bls.BlsCall) -> None:
         caller = self._conn
@@ -274,9 +276,9 @@ class PythonProcessModel(process.ProcessModel):
             slots, self._reply_offset = put(self._arenas[REQUESTS], self._reply_offset, result.outputs)
             if slots is not None:
                 result = replace(result, outputs={})
-        self._post((BLS_REPLY, call_id, result, slots, final, self._batch))
+        self._post(BlsReply(call_id, result, slots, final, self._batch))
 
-    def _unpack_outputs(self, answers: list[tuple[Any, ...]]) -> list[dict[str, Any] | ShoalError]:
+    def _unpack_outputs(self, answers: list[Answer]) -> list[dict[str, Any] | ShoalError]:
         responses = self._arenas[RESPONSES]
         results: list[dict[str, Any] | ShoalError] = []
         used = 0

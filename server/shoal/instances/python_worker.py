@@ -16,16 +16,19 @@ from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ShoalError
 from shoal.instances.python_link import PipeLink
 from shoal.instances.worker_pipe import (
-    ARENA,
-    DONE,
-    FAILED,
-    GROW,
-    PING,
-    READY,
     REQUESTS,
-    RESPONSE,
     RESPONSES,
-    RUN_REQUESTS,
+    Answer,
+    Done,
+    Failed,
+    Grow,
+    NewArena,
+    Ping,
+    PipedRequest,
+    Ready,
+    Response,
+    RunRequests,
+    Stop,
     aligned,
     as_tensors,
     map_arena,
@@ -33,46 +36,53 @@ from shoal.instances.worker_pipe import (
 from shoal.repository.config import ModelSpec
 
 
+def _items(arenas: dict[str, Arena], requests: list[PipedRequest]) -> list[runner.RequestData]:
+    """The batch's requests as the model's ``execute`` reads them, their inputs views of the REQUESTS arena."""
+    return [
+        runner.RequestData(
+            {t.name: t.data for t in packing.unpack(arenas[REQUESTS], request.inputs, writable=True)},
+            tuple(request.outputs),
+            request.request_id,
+            request.correlation_id,
+            request.parameters,
+            request.trace_id,
+        )
+        for request in requests
+    ]
+
+
 def run_batch(
-    model: runner.ModelRunner,
-    link: PipeLink,
-    conn: Any,
-    arenas: dict[str, Arena],
-    requests: list[tuple[Any, ...]],
-    batch: int,
-) -> tuple[Any, ...] | None:
-    items = []
-    for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
-        feed = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
-        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters, trace_id))
-    link.begin(batch)
+    model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena], run: RunRequests
+) -> Done | None:
+    """A batch's outcomes, packed after its BLS calls' inputs; None when the server went away while an arena grew."""
+    items = _items(arenas, run.requests)
+    link.begin(run.batch)
     try:
         outcomes = model.execute(items)
     finally:
         first_free = link.end()  # the outputs go after the BLS calls' inputs, which the server may not have read
     del items
     while True:
-        answers: list[tuple[Any, ...]] = []
+        answers: list[Answer] = []
         offset = first_free
         try:
             for outcome in outcomes:
                 if outcome.outputs is None:
-                    answers.append(([], outcome.error, outcome.code))
+                    answers.append(Answer([], outcome.error, outcome.code))
                     continue
                 slots = packing.pack_at(arenas[RESPONSES], offset, as_tensors(outcome.outputs))
                 offset = aligned(max(offset, packing.extent(slots)))
-                answers.append((slots, "", ""))
-            return (DONE, answers)
+                answers.append(Answer(slots))
+            return Done(answers)
         except (PoolFull, ShoalError) as exc:
             if isinstance(exc, ShoalError):
-                return (DONE, [([], exc.message, "internal") for _ in outcomes])
-            needed = offset + exc.wanted
-            conn.send((GROW, needed))
+                return Done([Answer([], exc.message, "internal") for _ in outcomes])
+            conn.send(Grow(offset + exc.wanted))
             message = link.next_message()
-            if not (isinstance(message, tuple) and message[0] == ARENA):
+            if not isinstance(message, NewArena):
                 return None
-            map_arena(arenas, *message[1:])
-            first_free = 0  # a new arena: no BLS call's inputs in it (the server read them before GROW)
+            map_arena(arenas, message)
+            first_free = 0  # a new arena: no BLS call's inputs in it (the server read them before Grow)
 
 
 class LockedConn:
@@ -89,38 +99,30 @@ class LockedConn:
 
 
 def run_decoupled(
-    model: runner.ModelRunner,
-    link: PipeLink,
-    conn: Any,
-    arenas: dict[str, Arena],
-    requests: list[tuple[Any, ...]],
-    batch: int,
-) -> tuple[Any, ...]:
-    """A decoupled model's batch: responses go to the server as they are sent, DONE once all are FINAL."""
-    items = []
-    for slots, outputs, request_id, correlation_id, parameters, trace_id in requests:
-        feed = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], slots, writable=True)}
-        items.append(runner.RequestData(feed, tuple(outputs), request_id, correlation_id, parameters, trace_id))
+    model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena], run: RunRequests
+) -> Done:
+    """A decoupled model's batch: responses go to the server as they are sent, Done once all are FINAL."""
+    items = _items(arenas, run.requests)
     lock = threading.Lock()
-    batch_open = [True]  # a response sent after DONE (by a cancelled request's thread) is dropped
+    batch_open = [True]  # a response sent after Done (by a cancelled request's thread) is dropped
 
     def emit(index: int, outcome: runner.Outcome | None, final: bool) -> None:
         with lock:
             if not batch_open[0]:
                 return
             if outcome is None:
-                conn.send((RESPONSE, index, None, "", "", final))
+                conn.send(Response(index, None, "", "", final))
             else:
-                conn.send((RESPONSE, index, outcome.outputs, outcome.error, outcome.code, final))
+                conn.send(Response(index, outcome.outputs, outcome.error, outcome.code, final))
 
-    link.begin(batch)
+    link.begin(run.batch)
     try:
         model.execute_decoupled(items, emit, link.is_cancelled)
     finally:
         link.end()
         with lock:
             batch_open[0] = False
-    return (DONE, [([], "", "") for _ in requests])
+    return Done([Answer([]) for _ in run.requests])
 
 
 def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, threads: int, conn: Any) -> None:
@@ -139,26 +141,26 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
             runner.model_args(spec.config_json, model_path, instance_name, device.kind.upper(), device.index, version),
         )
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: the load error names it, as Triton's does
-        conn.send((FAILED, runner.describe_error(exc).rstrip()))
+        conn.send(Failed(runner.describe_error(exc).rstrip()))
         return
-    conn.send(READY)
+    conn.send(Ready())
     try:
         while True:
-            message = link.next_message()  # the link reads the pipe: a thread of the model may be reading it
-            if message is None:
-                return
-            if message == PING:
-                conn.send(PING)
-            elif message[0] == ARENA:
-                map_arena(arenas, *message[1:])
-            elif message[0] == RUN_REQUESTS:
-                run = run_decoupled if decoupled else run_batch
-                reply = run(model, link, conn, arenas, message[1], message[2])
-                if reply is None:
+            # The link reads the pipe (a thread of the model may be reading it) and hands this loop its share.
+            match link.next_message():
+                case Stop():
                     return
-                conn.send(reply)
-            else:  # a kind this worker does not speak (a feed's RUN): answered, never left waiting
-                conn.send((FAILED, f"a Python model's worker runs lists of requests, not {message[0]!r}"))
+                case Ping():
+                    conn.send(Ping())
+                case NewArena() as message:
+                    map_arena(arenas, message)
+                case RunRequests() as run:
+                    reply = (run_decoupled if decoupled else run_batch)(model, link, conn, arenas, run)
+                    if reply is None:
+                        return
+                    conn.send(reply)
+                case other:  # a kind this worker does not speak (a feed's Run): answered, never left waiting
+                    conn.send(Failed(f"a Python model's worker runs lists of requests, not {type(other).__name__}"))
     except (EOFError, OSError):
         return
     finally:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.backends.base import PROCESS_INSTANCE_BACKENDS, Backend, LoadedModel
+from shoal.backends.base import Backend, LoadedModel, backends_that
 from shoal.backends.devices import Device
 from shoal.errors import load_failed
 from shoal.instances.pool import InstancePool, Placement, build_pool
@@ -67,14 +67,13 @@ def _flag(spec: ModelSpec, key: str, default: bool) -> bool:
 
 def choose(spec: ModelSpec, backend: Backend) -> InstancePlan:
     """The strategy the spec's parameters ask for, refused where ``backend`` cannot provide it."""
-    if backend.runs_own_instances:  # the Python backend: a process per instance unless told otherwise
+    if backend.declared.own_instances:  # the Python backend: a process per instance unless told otherwise
         return _python_plan(spec)
     share = _flag(spec, "share_weights", True)
     processes = _flag(spec, "process_instances", False)
-    if processes and not backend.shares_weights_with_processes:
-        raise load_failed(
-            f"model '{spec.name}': process_instances needs the {' or '.join(PROCESS_INSTANCE_BACKENDS)} backend"
-        )
+    if processes and not backend.declared.process_instances:
+        able = " or ".join(backends_that("process_instances"))
+        raise load_failed(f"model '{spec.name}': process_instances needs the {able} backend")
     if processes:
         return InstancePlan(Strategy.PROCESSES, WorkerLimits.from_spec(spec))
     _refuse_worker_parameters(spec)

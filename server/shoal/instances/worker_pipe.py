@@ -2,29 +2,30 @@
 
 Both kinds of process instance speak it (``instances.process`` with ``process_worker`` for a
 backend's model attached to the server's weights; ``instances.python_process`` with
-``python_worker`` and ``python_link`` for a Python model). Messages are small tuples whose first
-item names the kind; tensors never ride on the pipe: they are packed into the two memfd arenas
-(``dataplane.packing``), REQUESTS written by the host and RESPONSES by the worker, and a message
-carries their slots.
+``python_worker`` and ``python_link`` for a Python model). Every message is one of the typed
+records below (a ``NamedTuple``: it pickles as a tuple does, and each field has a name); the
+receiver dispatches on its type, never on equality (two records without fields compare equal).
+Tensors never ride on the pipe: they are packed into the two memfd arenas (``dataplane.packing``),
+REQUESTS written by the host and RESPONSES by the worker, and a message carries their slots.
 
-Either kind, host → worker: None (stop), PING, (ARENA, REQUESTS | RESPONSES, size) followed by the
-arena's descriptor; worker → host: READY, PING, (FAILED, message), (GROW, bytes the outputs need).
-A backend's model: host → worker (RUN, input slots, output names); worker → host (OK, output slots).
+Either kind, host → worker: Stop, Ping, NewArena (its descriptor follows on the pipe);
+worker → host: Ready, Ping, Failed, Grow (the outputs need a bigger arena).
+A backend's model: host → worker Run; worker → host Ran.
 A Python model (its batch conversation, BLS calls included, is told in ``instances.python_process``):
 
-    host → worker  (RUN_REQUESTS, [(input slots, outputs, request id, correlation id, parameters, trace id)], batch)
-    worker → host  (BLS, call id, BlsCall, input slots)
-    host → worker  (BLS_REPLY, call id, BlsResult, output slots, final, batch)
-    worker → host  (RESPONSE, index, outputs, error, code, final)   a decoupled model's responses
-    host → worker  (CANCEL_REQUEST, index)                          a decoupled request's client gave up
-    worker → host  (DONE, [(output slots, error, code)])
+    host → worker  RunRequests(requests, batch)
+    worker → host  Bls(call id, call, input slots)             any number, from any thread of the model
+    host → worker  BlsReply(call id, result, output slots, final, batch)
+    worker → host  Response(position, outputs, error, code, final)  a decoupled model's responses
+    host → worker  CancelRequest(position)                         a decoupled request's client gave up
+    worker → host  Done(answers)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from multiprocessing import reduction
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -34,11 +35,127 @@ from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol.types import DataType
 from shoal.request_types import Tensor
 
-PING = "ping"  # the liveness check: an idle worker echoes it at once
-READY, RUN, ARENA, OK, FAILED, GROW = "ready", "run", "arena", "ok", "failed", "grow"
-REQUESTS, RESPONSES = "requests", "responses"
-RUN_REQUESTS, DONE, RESPONSE = "run_requests", "done", "response"
-BLS, BLS_REPLY, CANCEL_REQUEST = "bls", "bls_reply", "cancel_request"
+if TYPE_CHECKING:  # a feed model's worker never loads the Python backend
+    from shoal.backends.python.bls import BlsCall, BlsResult
+
+REQUESTS, RESPONSES = "requests", "responses"  # the two arenas: the host writes one, the worker the other
+
+Slots = list[packing.Slot]
+
+
+class Stop(NamedTuple):
+    """host → worker: end the loop (the process then exits)."""
+
+
+class Ping(NamedTuple):
+    """Either way: the liveness check; an idle worker echoes it at once."""
+
+
+class Ready(NamedTuple):
+    """worker → host: the model is loaded; the host hands it the arenas next."""
+
+
+class Failed(NamedTuple):
+    """worker → host: loading or a batch failed, and why."""
+
+    message: str
+
+
+class NewArena(NamedTuple):
+    """host → worker: map this arena in place of the old one. Its descriptor follows on the pipe
+    (``reduction.send_handle``); ``fd`` is -1 on the wire and the received descriptor once read."""
+
+    which: str  # REQUESTS or RESPONSES
+    size: int
+    fd: int = -1
+
+
+class Grow(NamedTuple):
+    """worker → host: the outputs need a RESPONSES arena of at least ``needed`` bytes (a NewArena answers)."""
+
+    needed: int
+
+
+class Run(NamedTuple):
+    """host → worker: run one feed (a backend's model)."""
+
+    inputs: Slots  # in the REQUESTS arena
+    outputs: list[str]  # the names wanted
+
+
+class Ran(NamedTuple):
+    """worker → host: the feed's outputs, in the RESPONSES arena."""
+
+    outputs: Slots
+
+
+class PipedRequest(NamedTuple):
+    """One queued request of a Python model's batch, as its ``execute`` sees it."""
+
+    inputs: Slots  # in the REQUESTS arena
+    outputs: list[str]
+    request_id: str
+    correlation_id: Any
+    parameters: dict[str, Any]
+    trace_id: int  # the request's trace, which its BLS calls name (0: not traced)
+
+
+class RunRequests(NamedTuple):
+    """host → worker: run a Python model's batch; ``batch`` numbers it (a BLS reply names its batch)."""
+
+    requests: list[PipedRequest]
+    batch: int
+
+
+class Bls(NamedTuple):
+    """worker → host: a BLS call; its inputs in the RESPONSES arena (``inputs``), or pickled in ``call``."""
+
+    call_id: int
+    call: BlsCall
+    inputs: Slots | None
+
+
+class BlsReply(NamedTuple):
+    """host → worker: one reply to a BLS call (a decoupled call gets several, the last ``final``); its
+    outputs in the REQUESTS arena if ``outputs``, valid only while batch ``batch`` runs."""
+
+    call_id: int
+    result: BlsResult
+    outputs: Slots | None
+    final: bool
+    batch: int
+
+
+class Response(NamedTuple):
+    """worker → host: one response of a decoupled model to its batch's request number ``position``
+    (its tensors pickled)."""
+
+    position: int
+    outputs: dict[str, Any] | None
+    error: str
+    code: str
+    final: bool
+
+
+class CancelRequest(NamedTuple):
+    """host → worker: the client of the decoupled batch's request number ``position`` gave up."""
+
+    position: int
+
+
+class Answer(NamedTuple):
+    """One request's outcome in ``Done``: its outputs' slots in the RESPONSES arena, or an error."""
+
+    outputs: Slots
+    error: str = ""
+    code: str = ""
+
+
+class Done(NamedTuple):
+    """worker → host: the batch is over; one answer per request, in order."""
+
+    answers: list[Answer]
+
 
 # Each arena starts this big (its pages are only backed once written) and doubles as batches need.
 INITIAL_ARENA_BYTES = 1 << 20
@@ -73,14 +190,14 @@ def as_tensors(arrays: Mapping[str, np.ndarray]) -> list[Tensor]:
     return found
 
 
-def receive_arena(conn: Any, arenas: dict[str, Arena], message: tuple[str, str, int]) -> None:
-    """In a worker: map the arena whose descriptor follows ``message`` on the pipe, in place of the old one."""
-    _, which, size = message
-    map_arena(arenas, which, size, reduction.recv_handle(conn))
+def with_descriptor(conn: Any, message: NewArena) -> NewArena:
+    """``message`` with the descriptor that follows it on the pipe (read it at once: nothing comes between)."""
+    return message._replace(fd=reduction.recv_handle(conn))
 
 
-def map_arena(arenas: dict[str, Arena], which: str, size: int, fd: int) -> None:
-    """In a worker: map the arena ``fd`` (received from the server) in place of the old one."""
+def map_arena(arenas: dict[str, Arena], message: NewArena) -> None:
+    """In a worker: map the arena ``message`` brought (its descriptor received) in place of the old one."""
+    which, size, fd = message
     arena = Arena(fd, size)
     arena.close_fd()  # the mapping is all a worker needs
     old = arenas.get(which)

@@ -9,7 +9,7 @@ the parameter ``process_instances: false``, on an instance thread in the server
 
 Unlike the other backends there are no weights to load once and share: every instance imports
 the model file and calls ``initialize`` itself, so the instance strategy builds these instances
-itself (``RUNS_OWN_INSTANCES``) and the scheduler hands them lists of requests.
+itself (``own_instances`` in ``backends.base.BACKENDS``) and the scheduler hands them lists of requests.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from shoal.repository import scanner
 from shoal.repository.config import ModelSpec
 from shoal.request_types import InferRequest, ResponseSink
 
-RUNS_OWN_INSTANCES = True  # read by Backend.runs_own_instances
 DEFAULT_PROCESS_INSTANCES = True  # an instance is a process unless the config says otherwise
 
 
