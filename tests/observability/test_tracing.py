@@ -465,26 +465,44 @@ def test_a_clients_unsampled_trace_is_still_continued(traced_server: RunningServ
     assert by_name(collector.trace(trace_id, 3))["InferRequest"][0]["parent"] == CLIENT_SPAN
 
 
-def test_a_decoupled_models_stream_is_not_traced(traced_server: RunningServer, collector: Collector) -> None:
-    streamed_trace = secrets.token_hex(16)
+def stream_square(server: RunningServer, n: int, traceparent: str = "") -> list[int]:
+    """``square`` over a gRPC stream: its ``n`` responses (each ``n``), read up to the FINAL flag."""
     answers: queue.Queue[Any] = queue.Queue()
-    with grpcclient.InferenceServerClient(traced_server.url) as client:
+    with grpcclient.InferenceServerClient(server.url) as client:
         client.start_stream(
             callback=lambda result, error: answers.put((result, error)),
-            headers={"traceparent": f"00-{streamed_trace}-{CLIENT_SPAN}-01"},
+            headers={"traceparent": traceparent} if traceparent else None,
         )
         given = grpcclient.InferInput("IN", [1], "INT32")
-        given.set_data_from_numpy(np.array([2], dtype=np.int32))
-        client.async_stream_infer("square", [given], request_id="s")
-        for _ in range(2):
+        given.set_data_from_numpy(np.array([n], dtype=np.int32))
+        client.async_stream_infer("square", [given], request_id="s", enable_empty_final_response=True)
+        got = []
+        while True:
             result, error = answers.get(timeout=60)
-            assert error is None and result.as_numpy("OUT").tolist() == [2]
+            assert error is None, error
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+            got += result.as_numpy("OUT").tolist()
         client.stop_stream()
-    later = secrets.token_hex(16)
-    grpc_add1(traced_server, "add1", f"00-{later}-{CLIENT_SPAN}-01")
-    collector.trace(later, 3)  # exported after the stream's would have been
-    with collector.lock:
-        assert not [s for s in collector.spans if s["trace_id"] == streamed_trace]
+    return got
+
+
+def test_a_decoupled_models_request_is_one_trace_as_tritons(traced_server: RunningServer, collector: Collector) -> None:
+    """As Triton 2.51 traces a decoupled model's request (captured): one trace, the batch's times once,
+    INFER_RESPONSE_COMPLETE once (at the first response), under the client's span (it was once not traced)."""
+    trace_id = secrets.token_hex(16)
+    assert stream_square(traced_server, 3, f"00-{trace_id}-{CLIENT_SPAN}-01") == [3, 3, 3]
+    spans = by_name(collector.trace(trace_id, 3))
+    assert sorted(spans) == ["InferRequest", "compute", "square"]
+    root, model, compute = spans["InferRequest"][0], spans["square"][0], spans["compute"][0]
+    assert (
+        root["parent"] == CLIENT_SPAN and model["parent"] == root["span_id"] and compute["parent"] == model["span_id"]
+    )
+    assert root["events"] == ["GRPC_WAITREAD_END", "INFER_RESPONSE_COMPLETE"]
+    assert model["events"] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+    assert compute["events"] == ["COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
+    assert model["attributes"]["triton.request_id"] == "s" and model["attributes"]["triton.model_version"] == 1
+    assert root["start"] <= model["start"] <= compute["start"] <= compute["end"] <= model["end"] <= root["end"]
 
 
 def test_without_a_clients_trace_at_rate_zero_nothing_is_sent(
@@ -507,6 +525,7 @@ def test_without_a_clients_trace_at_rate_zero_nothing_is_sent(
 def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     ensemble_models.add_onnx_add1(repo)
+    python_models.write_model(repo, "square", decoupled_models.SQUARE_CONFIG, decoupled_models.SQUARE)
     trace_file = tmp_path / "trace.json"
     (tmp_path / "server").mkdir()
     with serving(
@@ -521,8 +540,9 @@ def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -
         "--trace-config",
         "rate=1",
         "--trace-config",
-        "count=2",
+        "count=3",
     ) as server:
+        assert stream_square(server, 2) == [2, 2]
         for _ in range(3):
             grpc_add1(server, "add1", "")
         with httpclient.InferenceServerClient(server.http_url) as client:
@@ -535,8 +555,15 @@ def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -
             }
     records = json.loads(trace_file.read_text())
     models = [r for r in records if "model_name" in r]
-    assert [(m["model_name"], m["model_version"]) for m in models] == [("add1", 1), ("add1", 1)]
-    first = [r["timestamps"][0]["name"] for r in records if r["id"] == models[0]["id"] and "timestamps" in r]
+    assert [(m["model_name"], m["model_version"]) for m in models] == [("square", 1), ("add1", 1), ("add1", 1)]
+    streamed = dict(r["timestamps"][0].values() for r in records if r["id"] == models[0]["id"] and "timestamps" in r)
+    assert sorted(streamed) == sorted(  # a decoupled model's request: its first response completes it, once
+        ["GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START", "INFER_RESPONSE_COMPLETE", "REQUEST_END"]
+        + ["COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
+    )
+    assert streamed["REQUEST_START"] < streamed["INFER_RESPONSE_COMPLETE"] < streamed["REQUEST_END"]
+    assert streamed["COMPUTE_START"] < streamed["INFER_RESPONSE_COMPLETE"] < streamed["COMPUTE_END"]
+    first = [r["timestamps"][0]["name"] for r in records if r["id"] == models[1]["id"] and "timestamps" in r]
     assert first == [
         "GRPC_WAITREAD_END",
         "REQUEST_START",

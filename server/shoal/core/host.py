@@ -223,7 +223,7 @@ class CoreHost:
         until the final one; an Error instead when the request fails before (or cancelled)."""
         request_id = message.id
         try:
-            async for part in self.core.infer_stream(await self._request(message)):
+            async for part in self.core.infer_stream(await self._request(message), message.origin):
                 names, block = None, packing.NO_BLOCK
                 out: list[packing.Slot] = []
                 if part.response is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator
 from importlib.metadata import version
@@ -38,7 +39,7 @@ from shoal.lifecycle.streaming import ENDED, ResponseSink
 from shoal.request_types import InferRequest, InferResponse
 from shoal.settings import ServerSettings, TraceConfig
 from shoal.statistics import TRACED
-from shoal.tracing.trace import Origin
+from shoal.tracing.trace import Origin, RequestTrace
 from shoal.tracing.tracer import Tracer
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,8 @@ class LocalCore:
         return self.manager.resolve(name, version).spec.decoupled
 
     async def infer(self, request: InferRequest, origin: Origin | None = None) -> InferResponse:
-        # Off, that one check is all; a decoupled model's request (its responses go to a sink) is not traced.
+        # Off, that one check is all; a decoupled model's request (its responses go to a sink) is traced
+        # by ``infer_stream``, which runs it through here.
         trace = None
         if self.tracer.settings.on and request.sink is None:
             trace = self.tracer.start(request.model_name, request.model_version, request.id, origin)
@@ -168,11 +170,17 @@ class LocalCore:
             if not self._in_flight:
                 self._idle.set()
 
-    async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamedResponse]:
-        """A decoupled model's responses as its instance puts them into the request's sink."""
+    async def infer_stream(
+        self, request: InferRequest, origin: Origin | None = None
+    ) -> AsyncIterator[StreamedResponse]:
+        """A decoupled model's responses as its instance puts them into the request's sink.
+
+        Traced as Triton traces it: one trace for the request, its batch's times once, and
+        ``INFER_RESPONSE_COMPLETE`` at its first response; it ends (``REQUEST_END``) when the
+        execution does, which may be after the FINAL flag."""
         served = self.manager.resolve(request.model_name, request.model_version)
         if not served.spec.decoupled:
-            yield StreamedResponse(await self.infer(request), True)
+            yield StreamedResponse(await self.infer(request, origin), True)
             return
         if request.output_regions:
             raise ShoalError(
@@ -180,8 +188,18 @@ class LocalCore:
                 f"outputs in shared memory are not supported for decoupled model '{request.model_name}'",
             )
         sink = ResponseSink(asyncio.get_running_loop())
-        task = asyncio.create_task(self.infer(dataclasses.replace(request, sink=sink)))
+        trace = None
+        if self.tracer.settings.on:
+            trace = self.tracer.start(request.model_name, str(served.version), request.id, origin)
+        token = TRACED.set(trace)  # the task's context is a copy of this one: its scheduler reads the trace
+        try:
+            task = asyncio.create_task(self.infer(dataclasses.replace(request, sink=sink)))
+        finally:
+            TRACED.reset(token)
         task.add_done_callback(lambda _: sink.queue.put_nowait((ENDED, True)))
+        if trace is not None:
+            task.add_done_callback(functools.partial(self._stream_traced, trace))
+        final_seen = False
         try:
             while True:
                 item, final = await sink.queue.get()
@@ -192,16 +210,31 @@ class LocalCore:
                         message = internal_error(error, f"running a streaming request to model {request.model_name}")
                     yield StreamedResponse(None, True, message)
                     return
+                if item is not None and trace is not None and trace.when("INFER_RESPONSE_COMPLETE") is None:
+                    trace.stamp("INFER_RESPONSE_COMPLETE")
+                final_seen = final
                 if item is not None or final:
                     yield _streamed(served, request, item, final)
                 if final:
                     return
         finally:
             sink.cancel()  # read by a model still sending (sender.is_cancelled()) and by the instance's wait
-            if not task.done():
+            if task.done():
+                _retrieve(task)
+            elif final_seen:  # its execution ends by itself (within its timeouts), and its trace with it
+                task.add_done_callback(_retrieve)
+            else:  # the client went away first
                 task.cancel()
-            elif not task.cancelled():
-                task.exception()  # retrieved: a failure was reported in-stream
+
+    def _stream_traced(self, trace: RequestTrace, task: asyncio.Task[InferResponse]) -> None:
+        """A streamed request's execution ended: its trace ends (an error if it failed or was cancelled)."""
+        if task.cancelled():
+            error = "the request was cancelled"
+        elif (exc := task.exception()) is not None:
+            error = exc.message if isinstance(exc, ShoalError) else type(exc).__name__
+        else:
+            error = ""
+        self.tracer.finish(trace, error, responded=False)
 
     async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
         return self.statistics_rows(name, version)
@@ -302,6 +335,12 @@ class LocalCore:
                 ErrorCode.UNAVAILABLE,
                 "explicit model load / unload is not allowed: start the server with --model-control-mode explicit",
             )
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """A streamed request's execution task, ended: its failure, if any, was reported in-stream."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _streamed(

@@ -139,7 +139,9 @@ class RemoteCore:
         )
         return response
 
-    async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamedResponse]:
+    async def infer_stream(
+        self, request: InferRequest, origin: Origin | None = None
+    ) -> AsyncIterator[StreamedResponse]:
         """The host's responses as they come (``RemoteStream``); a give-up is sent as CANCEL."""
         block, slots = await self._pack_inputs(request)
         channel = self._channel
@@ -150,7 +152,7 @@ class RemoteCore:
         stream = RemoteStream()
         self._streams[request_id] = stream
         self._hold_input(request_id, block)
-        channel.send(_infer_message(request_id, request, slots, True, self._take_freed()))
+        channel.send(_infer_message(request_id, request, slots, True, self._take_freed(), origin))
         try:
             while True:
                 part = await stream.parts.get()

@@ -67,21 +67,26 @@ class InferenceServicer:
         """Each request starts as it is read; the core's ``InferStream`` orders the answers as Triton's
         stream handler does. A failed request gets ``error_message`` and its id, and the stream goes on."""
         stream = InferStream(
-            self.core, _route, functools.partial(self._stream_answer, context=context), self._stream_decoupled
+            self.core,
+            _route,
+            functools.partial(self._stream_answer, context=context),
+            functools.partial(self._stream_decoupled, context=context),
         )
         async with contextlib.aclosing(stream.answers(requests)) as answers:  # closed with this RPC
             async for answer in answers:
                 yield answer
 
     async def _stream_decoupled(
-        self, request: pb.ModelInferRequest, put: Callable[[pb.ModelStreamInferResponse], None]
+        self, request: pb.ModelInferRequest, put: Callable[[pb.ModelStreamInferResponse], None], context: Context
     ) -> None:
         """A decoupled model's responses, each written as it comes, as Triton's stream handler does:
         each names its request, carries ``triton_final_response``, and a FINAL flag without a
         response is written only when the client asked (``triton_enable_empty_final_response``)."""
         empty_final = _bool_parameter(request, EMPTY_FINAL_PARAMETER)
+        origin = Origin("GRPC", time.monotonic_ns(), *_trace_context(context))
         try:
-            async for part in self.core.infer_stream(await offload.infer_request(request, self.encoded_bytes)):
+            inference = await offload.infer_request(request, self.encoded_bytes)
+            async for part in self.core.infer_stream(inference, origin):
                 if part.response is not None:
                     message = await offload.infer_response(part.response)
                 elif part.error or empty_final:

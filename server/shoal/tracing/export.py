@@ -152,7 +152,7 @@ class OpenTelemetrySpans:
                 carrier["tracestate"] = origin.tracestate
         context = self._propagator.extract(carrier) if carrier else None
         start = origin.received_ns if origin is not None else trace.stamps[0][1]
-        end = trace.when("INFER_RESPONSE_COMPLETE") or trace.stamps[-1][1]
+        end = max(ns for _, ns in trace.stamps)  # a streamed request's first response is not its end
         root = self.tracer.start_span("InferRequest", context=context, kind=self._kind, start_time=self._epoch(start))
         if origin is not None:
             root.add_event(received_stamp(origin), timestamp=self._epoch(origin.received_ns))

@@ -5,7 +5,8 @@ front-end worker's receive time is comparable): ``<PROTOCOL>_RECV_END`` / ``GRPC
 when the transport had the request, ``REQUEST_START`` when the core took it, ``QUEUE_START`` when
 its model's scheduler queued it, ``COMPUTE_START``, ``COMPUTE_INPUT_END``, ``COMPUTE_OUTPUT_START``
 and ``COMPUTE_END`` of the batch that ran it, ``REQUEST_END`` and ``INFER_RESPONSE_COMPLETE`` when
-its response was ready. The scheduler reports the batch's times through ``executed``
+its response was ready (a decoupled model's request: ``INFER_RESPONSE_COMPLETE`` at its first
+response, ``REQUEST_END`` when its execution ended). The scheduler reports the batch's times through ``executed``
 (``statistics.TRACED`` carries the trace to it); an ensemble's steps are child traces.
 """
 

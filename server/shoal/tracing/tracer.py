@@ -41,13 +41,15 @@ class Tracer:
         trace.begin()
         return trace
 
-    def finish(self, trace: RequestTrace, error: str = "") -> None:
-        """The request's response is ready (or it failed): stamp its end and hand it to the exporter."""
+    def finish(self, trace: RequestTrace, error: str = "", responded: bool = True) -> None:
+        """The request's response is ready (or it failed): stamp its end and hand it to the exporter.
+        ``responded`` False: a streamed request, whose ``INFER_RESPONSE_COMPLETE`` marks its first
+        response and was stamped then (as Triton's), if it had one."""
         trace.stamp("REQUEST_END")
         trace.end()
         if error:
             trace.error = error
-        else:
+        elif responded:
             trace.stamp("INFER_RESPONSE_COMPLETE")
         try:
             self._export(trace)
