@@ -27,9 +27,9 @@ import enum
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ddsketch import DDSketch
 
@@ -90,12 +90,22 @@ class PhaseTotals:
 class Traced(Protocol):
     """A sampled request's trace (``shoal.tracing.trace.RequestTrace``), as a scheduler sees it."""
 
-    def executed(self, queued_ns: int, started_ns: int, phases: Phases) -> None: ...
+    def queued(self, inputs: Mapping[str, Any]) -> None: ...
+
+    def executed(self, queued_ns: int, started_ns: int, phases: Phases, outputs: Any) -> None: ...
 
 
 # The trace of the request being submitted (set by the core, and by an ensemble for each step), which the
 # scheduler keeps with the queued request and tells its batch's times; None for a request not traced.
 TRACED: contextvars.ContextVar[Traced | None] = contextvars.ContextVar("traced", default=None)
+
+
+def traced_queue(inputs: Mapping[str, Any]) -> Traced | None:
+    """The trace of the request being queued with ``inputs``, told its inputs (the TENSORS level)."""
+    traced = TRACED.get()
+    if traced is not None:
+        traced.queued(inputs)
+    return traced
 
 
 # Set by a caller (an ensemble) around the requests it makes; a scheduler adds each of those requests'

@@ -74,10 +74,10 @@ def test_errors_carry_the_grpc_status(client: InferenceClient) -> None:
     with pytest.raises(ClientError) as caught:
         client.unload_model("simple")  # control mode none: no repository control
     assert caught.value.status == grpc.StatusCode.UNAVAILABLE and "not allowed" in caught.value.message
-    tensors = service_pb2.TraceSettingRequest()
-    tensors.settings["trace_level"].value.append("TENSORS")  # a level Shoal does not trace
+    moved = service_pb2.TraceSettingRequest()
+    moved.settings["trace_file"].value.append("/tmp/elsewhere.json")  # not over the network, as Triton
     with pytest.raises(ClientError) as caught:
-        client._call("TraceSetting", tensors)
+        client._call("TraceSetting", moved)
     assert caught.value.status == grpc.StatusCode.UNIMPLEMENTED
 
 

@@ -33,7 +33,7 @@ from shoal.protocol import service_pb2 as pb
 from shoal.settings import parse_trace_config
 from shoal.tracing.export import OpenTelemetrySpans, TraceFile
 from shoal.tracing.settings import TraceSettings, check_start
-from shoal.tracing.trace import Origin, RequestTrace
+from shoal.tracing.trace import Origin, RequestTrace, tensor_record
 from shoal.tracing.tracer import valid_traceparent
 from tests import decoupled_models, ensemble_models, python_models
 from tests.conftest import RunningServer, serving
@@ -118,7 +118,6 @@ def test_a_model_overrides_fields_and_clearing_one_follows_the_global_again() ->
         ({"trace_rate": ["1", "2"]}, ErrorCode.INVALID_ARGUMENT, "expect only 1 value for 'trace_rate'"),
         ({"trace_level": ["OFF", "TIMESTAMPS"]}, ErrorCode.INVALID_ARGUMENT, "Expect only one trace level 'OFF'"),
         ({"trace_level": ["timestamps"]}, ErrorCode.INVALID_ARGUMENT, "unknown trace level 'timestamps'"),
-        ({"trace_level": ["TENSORS"]}, ErrorCode.UNSUPPORTED, "TENSORS is not supported"),
         ({"trace_file": ["/tmp/x"]}, ErrorCode.UNSUPPORTED, "trace file location can not be updated through network"),
         ({"trace_mode": ["opentelemetry"]}, ErrorCode.UNSUPPORTED, "trace mode can not be updated"),
         ({"trace_ratee": ["1"]}, ErrorCode.INVALID_ARGUMENT, "unknown trace setting 'trace_ratee'"),
@@ -137,6 +136,15 @@ def test_a_bad_change_is_refused_and_changes_nothing(changes: dict[str, Any], co
     assert traces.answer()["trace_count"] == "-1"
 
 
+def test_a_model_cleared_back_to_a_command_line_rate_of_zero_is_not_refused() -> None:
+    """Found by the TENSORS test: the global rate 0 (clients' traces only) passed at start, and a model
+    that took a rate of its own could not be given back to it (its check found the rate 0)."""
+    traces = settings("mode=opentelemetry", "level=TIMESTAMPS", "rate=0")
+    traces.update("add", {"trace_level": ["TENSORS"], "trace_rate": ["1"]})
+    traces.update("add", {"trace_level": None, "trace_rate": None})
+    assert traces.answer("add")["trace_rate"] == "0" and traces.answer("add")["trace_level"] == ["TIMESTAMPS"]
+
+
 def test_enabling_without_a_file_in_triton_mode_is_refused_in_tritons_words() -> None:
     with pytest.raises(ShoalError, match="Attempting to set invalid trace setting :trace file name is not given"):
         settings().update("", {"trace_level": ["TIMESTAMPS"]})
@@ -144,7 +152,7 @@ def test_enabling_without_a_file_in_triton_mode_is_refused_in_tritons_words() ->
 
 def test_the_rate_samples_one_in_n_and_the_count_counts_down() -> None:
     traces = settings("triton,file=/tmp/t.json", "level=TIMESTAMPS", "rate=3", "count=2")
-    taken = [traces.sample("add", has_parent=False) for _ in range(9)]
+    taken = [traces.sample("add", has_parent=False) is not None for _ in range(9)]
     assert taken == [True, False, False, True, False, False, False, False, False]
     assert traces.answer()["trace_count"] == "0"
     with pytest.raises(ShoalError, match="trace count is 0"):  # an update that leaves it at 0, as Triton refuses
@@ -153,15 +161,15 @@ def test_the_rate_samples_one_in_n_and_the_count_counts_down() -> None:
 
 def test_at_rate_zero_only_a_request_with_a_clients_trace_is_traced() -> None:
     traces = settings("mode=opentelemetry", "level=TIMESTAMPS", "rate=0")
-    assert [traces.sample("add", has_parent=p) for p in (False, True, False)] == [False, True, False]
+    assert [traces.sample("add", has_parent=p) is not None for p in (False, True, False)] == [False, True, False]
 
 
 def test_a_clients_trace_is_traced_at_any_rate_and_count_and_takes_none_of_it() -> None:
     traces = settings("mode=opentelemetry", "level=TIMESTAMPS", "rate=1000", "count=1")
-    assert traces.sample("add", has_parent=False)  # the first of a thousand, and the count's last
-    assert [traces.sample("add", has_parent=True) for _ in range(3)] == [True, True, True]
-    assert traces.answer()["trace_count"] == "0" and not traces.sample("add", has_parent=False)
-    assert not settings("mode=opentelemetry").sample("add", has_parent=True)  # unless tracing is off
+    assert traces.sample("add", has_parent=False) == {"TIMESTAMPS"}  # the first of a thousand, the count's last
+    assert [traces.sample("add", has_parent=True) for _ in range(3)] == [{"TIMESTAMPS"}] * 3
+    assert traces.answer()["trace_count"] == "0" and traces.sample("add", has_parent=False) is None
+    assert settings("mode=opentelemetry").sample("add", has_parent=True) is None  # unless tracing is off
 
 
 @pytest.mark.parametrize(
@@ -575,6 +583,98 @@ def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -
         "REQUEST_END",
         "INFER_RESPONSE_COMPLETE",
     ]
+
+
+@pytest.mark.parametrize(
+    ("array", "data", "shape", "dtype"),
+    [  # Triton 2.51's trace file, captured, for the same values
+        (np.arange(16, dtype=np.int32).reshape(1, 16), ",".join(map(str, range(16))), "1,16", "INT32"),
+        (np.array([1, 2, 3, -4], dtype=np.int64), "1,2,3,-4", "4", "INT64"),
+        (np.array([True, False, True]), "1,0,1", "3", "BOOL"),
+        (
+            np.array([0.1, 1e-7, 123456789, 3.14159265, -0.0, 100, 1234567], dtype=np.float32),
+            "0.1,1e-07,1.23457e+08,3.14159,-0,100,1.23457e+06",
+            "7",
+            "FP32",
+        ),
+        (np.array([0.1, 1 / 3, 1e20]), "0.1,0.333333,1e+20", "3", "FP64"),
+        (np.array([b"hello", b"a,b", b""], dtype=object).reshape(3, 1), '"hello","a,b",""', "3,1", "BYTES"),
+    ],
+)
+def test_a_tensor_is_written_as_tritons_trace_file_writes_it(
+    array: np.ndarray, data: str, shape: str, dtype: str
+) -> None:
+    assert tensor_record("TENSOR_QUEUE_INPUT", "X", array) == ("TENSOR_QUEUE_INPUT", "X", data, shape, dtype)
+
+
+def test_where_shoal_writes_tensors_better_than_triton() -> None:
+    """Triton writes INT8/UINT8 as characters, FP16 as "" and a quote unescaped (its file is then not JSON)."""
+    assert tensor_record("A", "X", np.array([72, 105], dtype=np.uint8)).data == "72,105"
+    assert tensor_record("A", "X", np.array([0.5, 2], dtype=np.float16)).data == "0.5,2"
+    quoted = tensor_record("A", "X", np.array([b'q"x', b"\xff"], dtype=object))
+    assert json.loads(json.dumps({"data": quoted.data}))["data"] == '"q"x","\\xff"'
+
+
+def test_the_tensors_level_writes_a_requests_tensors_as_triton_does(tmp_path: Path) -> None:
+    """TENSORS with TIMESTAMPS: the header (with the request's id), the stamps and the tensors; TENSORS
+    alone: the tensors only, as Triton 2.51 writes them (captured); a decoupled model's outputs per response."""
+    repo = tmp_path / "repo"
+    ensemble_models.add_onnx_add1(repo)
+    python_models.write_model(repo, "square", decoupled_models.SQUARE_CONFIG, decoupled_models.SQUARE)
+    trace_file = tmp_path / "trace.json"
+    (tmp_path / "server").mkdir()
+    with serving(
+        repo, tmp_path / "server", "--trace-config", f"triton,file={trace_file}", "--trace-config", "rate=1"
+    ) as server:
+        for level in (["TIMESTAMPS", "TENSORS"], ["TENSORS"]):
+            status, answer = http(server, "/v2/trace/setting", json.dumps({"trace_level": level}).encode())
+            assert status == 200 and answer["trace_level"] == level
+            assert grpc_add1(server, "add1", "", request_id=f"r-{len(level)}") == [1, 2, 3, 4]
+        assert stream_square(server, 2) == [2, 2]
+    records = json.loads(trace_file.read_text())
+    ids = sorted({r["id"] for r in records})
+    assert len(ids) == 3
+    both, alone, streamed = ([r for r in records if r["id"] == i] for i in ids)
+    assert both[0] == {"id": ids[0], "model_name": "add1", "model_version": 1, "request_id": "r-2"}
+    assert [r["timestamps"][0]["name"] for r in both if "timestamps" in r][1:3] == ["REQUEST_START", "QUEUE_START"]
+    tensors = [(r["activity"], r["tensor"]) for r in both if "activity" in r]
+    assert tensors == [
+        ("TENSOR_QUEUE_INPUT", {"name": "IN", "data": "0,1,2,3", "shape": "1,4", "dtype": "FP32"}),
+        ("TENSOR_BACKEND_OUTPUT", {"name": "OUT", "data": "1,2,3,4", "shape": "1,4", "dtype": "FP32"}),
+    ]
+    assert [(r["activity"], r["tensor"]) for r in alone] == tensors  # nothing else at TENSORS alone
+    assert [(r["activity"], r["tensor"]["data"]) for r in streamed] == [
+        ("TENSOR_QUEUE_INPUT", "2"),
+        ("TENSOR_BACKEND_OUTPUT", "2"),
+        ("TENSOR_BACKEND_OUTPUT", "2"),
+    ]
+
+
+def test_the_tensors_level_in_opentelemetry_mode_exports_the_bare_request_as_triton(
+    traced_server: RunningServer, collector: Collector
+) -> None:
+    """Triton 2.51 takes TENSORS in OpenTelemetry mode, exports the request's root span alone and logs that
+    it cannot trace tensors (Triton: once per tensor; Shoal: once)."""
+    setting = b'{"trace_level": ["TENSORS"], "trace_rate": "1"}'  # the global rate is 0: clients' traces only
+    status, _ = http(traced_server, "/v2/models/add1/trace/setting", setting)
+    assert status == 200
+    try:
+        trace_id = secrets.token_hex(16)
+        grpc_add1(traced_server, "add1", f"00-{trace_id}-{CLIENT_SPAN}-01")
+        (root,) = collector.trace(trace_id, 1)
+        assert (root["name"], root["events"], root["attributes"]) == ("InferRequest", [], {})
+        later = secrets.token_hex(16)
+        grpc_add1(traced_server, "twice", f"00-{later}-{CLIENT_SPAN}-01")  # exported after add1's would be
+        collector.trace(later, 6)
+        assert len(collector.trace(trace_id, 1)) == 1
+    finally:
+        cleared = b'{"trace_level": null, "trace_rate": null}'
+        assert http(traced_server, "/v2/models/add1/trace/setting", cleared)[0] == 200
+    wait_until(
+        lambda: "Tensor level tracing is not supported by the mode: opentelemetry" in traced_server.log(),
+        timeout_s=30,
+        what="the server to say it traces no tensors in opentelemetry mode",
+    )
 
 
 @pytest.fixture(scope="module")

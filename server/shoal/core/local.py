@@ -210,8 +210,10 @@ class LocalCore:
                         message = internal_error(error, f"running a streaming request to model {request.model_name}")
                     yield StreamedResponse(None, True, message)
                     return
-                if item is not None and trace is not None and trace.when("INFER_RESPONSE_COMPLETE") is None:
-                    trace.stamp("INFER_RESPONSE_COMPLETE")
+                if isinstance(item, dict) and trace is not None:
+                    if trace.when("INFER_RESPONSE_COMPLETE") is None:
+                        trace.stamp("INFER_RESPONSE_COMPLETE")
+                    trace.record_tensors("TENSOR_BACKEND_OUTPUT", item)
                 final_seen = final
                 if item is not None or final:
                     yield _streamed(served, request, item, final)

@@ -56,7 +56,14 @@ from shoal.repository.config import DynamicBatching, QueuePolicy
 from shoal.scheduling.base import Executor, OutputCheck, Runner, checked
 from shoal.scheduling.clock import deadline_clock
 from shoal.scheduling.rate_limiter import Admission
-from shoal.statistics import ALSO_COUNT_PHASES, TRACED, FailureReason, ModelStatistics, PhaseTotals, Traced
+from shoal.statistics import (
+    ALSO_COUNT_PHASES,
+    FailureReason,
+    ModelStatistics,
+    PhaseTotals,
+    Traced,
+    traced_queue,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +170,7 @@ class Scheduler:
             context=context,
             check=check,
             also_count=ALSO_COUNT_PHASES.get(),
-            traced=TRACED.get(),
+            traced=traced_queue(feed),
         )
         self._queue(level)[pending.sequence] = pending
         self._in_use.add(level)
@@ -420,7 +427,7 @@ class Scheduler:
                 if pending.also_count is not None:
                     pending.also_count.add(phases)
                 if pending.traced is not None:
-                    pending.traced.executed(pending.arrival_ns, start, phases)
+                    pending.traced.executed(pending.arrival_ns, start, phases, outcome)
             self._settle(pending, outcome)
 
     def _settle(self, pending: Pending, outcome: Outputs | BaseException | None) -> None:

@@ -286,7 +286,7 @@ class DirectLane:
                 if request.also_count is not None:
                     request.also_count.add(phases)
                 if request.traced is not None:
-                    request.traced.executed(request.arrival_ns, start, phases)
+                    request.traced.executed(request.arrival_ns, start, phases, outcome)
                 if not request.future.done():
                     request.future.set_result(outcome)
             if request.end:

@@ -36,6 +36,10 @@ class SequenceRequest:
     check: OutputCheck | None = None  # its outputs checked before it counts as a success
     context: Any = None  # the core request it came from (the oldest strategy's batcher hands it on)
 
+    def __post_init__(self) -> None:
+        if self.traced is not None:
+            self.traced.queued(self.feed)  # its inputs, as they are queued (the TENSORS level)
+
 
 # A slot's queue holds requests, and ``RELEASE`` where the reaper ended an idle sequence.
 RELEASE = None

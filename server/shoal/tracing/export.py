@@ -90,13 +90,20 @@ class TraceFile:
 
 
 def _records(trace: RequestTrace) -> list[dict[str, Any]]:
-    """Children first, as Triton writes them; then the trace's model line and its timestamps."""
+    """Children first, as Triton writes them; then the trace's model line and its timestamps (at the
+    TIMESTAMPS level), and its tensors (at the TENSORS level: alone, Triton writes nothing else)."""
     records = [record for child in trace.children for record in _records(child)]
-    model: dict[str, Any] = {"id": trace.id, "model_name": trace.model_name, "model_version": _version(trace)}
-    if trace.parent is not None:
-        model["parent_id"] = trace.parent.id
-    records.append(model)
-    records += [{"id": trace.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in _all_stamps(trace)]
+    if trace.timestamps:
+        model: dict[str, Any] = {"id": trace.id, "model_name": trace.model_name, "model_version": _version(trace)}
+        if trace.request_id:
+            model["request_id"] = trace.request_id
+        if trace.parent is not None:
+            model["parent_id"] = trace.parent.id
+        records.append(model)
+        records += [{"id": trace.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in _all_stamps(trace)]
+    for record in trace.tensors or ():
+        tensor = {"name": record.name, "data": record.data, "shape": record.shape, "dtype": record.dtype}
+        records.append({"id": trace.id, "activity": record.activity, "tensor": tensor})
     return records
 
 
@@ -154,6 +161,9 @@ class OpenTelemetrySpans:
         start = origin.received_ns if origin is not None else trace.stamps[0][1]
         end = max(ns for _, ns in trace.stamps)  # a streamed request's first response is not its end
         root = self.tracer.start_span("InferRequest", context=context, kind=self._kind, start_time=self._epoch(start))
+        if not trace.timestamps:  # TENSORS alone: Triton exports the bare root (it traces no tensors here)
+            root.end(end_time=self._epoch(end))
+            return
         if origin is not None:
             root.add_event(received_stamp(origin), timestamp=self._epoch(origin.received_ns))
         response = trace.when("INFER_RESPONSE_COMPLETE")

@@ -12,8 +12,7 @@ client's valid ``traceparent`` is traced whenever the level is on, at any rate a
 
 Where Shoal differs on purpose: a request with any bad field changes nothing (Triton may apply a
 global change and still answer 400); a setting name or level Shoal does not know is refused
-(Triton ignores it); ``TENSORS`` is refused (Shoal traces timestamps only; Triton's OpenTelemetry
-mode logs an error per request and traces nothing); ``trace_mode`` cannot change while serving
+(Triton ignores it); ``trace_mode`` cannot change while serving
 (Triton ignores the field), as ``trace_file`` cannot (Triton's words).
 """
 
@@ -91,7 +90,8 @@ class TraceSettings:
         if model:
             own = {**self._models.get(model, {}), **parsed}
             own = {name: value for name, value in own.items() if value is not None}
-            _check(replace(self._global, **own), self.config)
+            if own:  # none left: the model follows the global setting, which is in use already
+                _check(replace(self._global, **own), self.config)
             if own:
                 self._models[model] = own
             else:
@@ -108,39 +108,36 @@ class TraceSettings:
 
     # -- sampling ----------------------------------------------------------------------------------
 
-    def sample(self, model: str, has_parent: bool) -> bool:
-        """Whether to trace this request of ``model``; counts it against the rate and takes one from
-        the count. A request that carries a client's trace context (``has_parent``: a valid
-        ``traceparent``) is traced whenever the model's level is on, whatever the rate and the count,
-        and takes nothing from the count, as Triton's ``force_sample``. Only called when ``on``."""
+    def sample(self, model: str, has_parent: bool) -> frozenset[str] | None:
+        """The level to trace this request of ``model`` at, or None not to trace it; counts it against
+        the rate and takes one from the count. A request that carries a client's trace context
+        (``has_parent``: a valid ``traceparent``) is traced whenever the model's level is on, whatever
+        the rate and the count, and takes nothing from the count, as Triton's ``force_sample``. Only
+        called when ``on``."""
         own = self._models.get(model, {})
         setting = replace(self._global, **own) if own else self._global
         if not setting.level:
-            return False
+            return None
         if has_parent:
-            return True
+            return setting.level
         if setting.count == 0 or setting.rate == 0:
-            return False
+            return None
         rate_owner = model if "rate" in own else ""
         seen = self._seen.get(rate_owner, 0)
         self._seen[rate_owner] = seen + 1
         if seen % setting.rate != 0:
-            return False
+            return None
         if setting.count > 0:
             if "count" in own:
                 own["count"] -= 1
             else:
                 self._global = replace(self._global, count=self._global.count - 1)
-        return True
+        return setting.level
 
 
 def check_start(config: TraceConfig) -> None:
     """The command line's settings pass the checks a change would (rate 0 aside: only the command
     line may trace just the requests that carry a client's trace context, as Triton)."""
-    if "TENSORS" in config.level:
-        raise ShoalError(
-            ErrorCode.UNSUPPORTED, "trace level TENSORS is not supported by this server: it traces TIMESTAMPS"
-        )
     _check(Setting(config.level, max(1, config.rate), config.count, config.log_frequency), config)
     if config.mode == "triton" and config.file:
         folder = os.path.dirname(os.path.abspath(config.file))
@@ -155,10 +152,6 @@ def _parse(name: str, values: list[str]) -> Any:
             raise invalid(f"unknown trace level '{shown(unknown[0])}'; the levels are OFF, TIMESTAMPS and TENSORS")
         if "OFF" in values and len(values) > 1:
             raise invalid("Expect only one trace level 'OFF' is specified")
-        if "TENSORS" in values:
-            raise ShoalError(
-                ErrorCode.UNSUPPORTED, "trace level TENSORS is not supported by this server: it traces TIMESTAMPS"
-            )
         return frozenset(v for v in values if v != "OFF")
     if len(values) != 1:
         raise invalid(f"expect only 1 value for '{name}'")

@@ -8,16 +8,26 @@ and ``COMPUTE_END`` of the batch that ran it, ``REQUEST_END`` and ``INFER_RESPON
 its response was ready (a decoupled model's request: ``INFER_RESPONSE_COMPLETE`` at its first
 response, ``REQUEST_END`` when its execution ended). The scheduler reports the batch's times through ``executed``
 (``statistics.TRACED`` carries the trace to it); an ensemble's steps are child traces.
+
+At the ``TENSORS`` level a trace also keeps its request's tensors, as Triton's trace file writes
+them: ``TENSOR_QUEUE_INPUT`` per input and ``TENSOR_BACKEND_OUTPUT`` per output of each response,
+each element written as Triton writes it (C++ ``ostream``: integers in decimal, floats with 6
+significant digits, BOOL as 1/0, BYTES each in quotes), comma-separated. Where Shoal differs on
+purpose: INT8/UINT8 are numbers (Triton writes them as characters), FP16/BF16 have their values
+(Triton writes ""), and a string's quotes and backslashes are escaped (Triton's file is then not JSON).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
+
+from shoal.protocol.types import DataType
 from shoal.statistics import Phases
 
 _ids = itertools.count(1)  # Triton's trace ids: one counter for the process, an ensemble's steps included
@@ -41,6 +51,32 @@ class Origin(NamedTuple):
     tracestate: str = ""
 
 
+class TensorRecord(NamedTuple):
+    """One tensor as Triton's trace file writes it (``activity``, then ``tensor``'s four strings)."""
+
+    activity: str  # TENSOR_QUEUE_INPUT or TENSOR_BACKEND_OUTPUT
+    name: str
+    data: str
+    shape: str
+    dtype: str
+
+
+def tensor_record(activity: str, name: str, array: np.ndarray) -> TensorRecord:
+    """``array`` as a trace record: its elements in row-major order, as Triton writes them."""
+    datatype = DataType.from_numpy(array.dtype)
+    flat = np.asarray(array).reshape(-1)
+    if datatype is DataType.BYTES:
+        texts = (v.decode("utf-8", "backslashreplace") if isinstance(v, bytes) else str(v) for v in flat)
+        data = ",".join(f'"{text}"' for text in texts)
+    elif datatype is DataType.BOOL:
+        data = ",".join("1" if v else "0" for v in flat.tolist())
+    elif datatype.value.startswith(("FP", "BF")):
+        data = ",".join(format(v, "g") for v in flat.astype(np.float64).tolist())
+    else:
+        data = ",".join(str(v) for v in flat.tolist())
+    return TensorRecord(activity, name, data, ",".join(str(d) for d in array.shape), datatype.value)
+
+
 @dataclass
 class RequestTrace:
     model_name: str
@@ -53,12 +89,26 @@ class RequestTrace:
     children: list[RequestTrace] = field(default_factory=list)
     computed: bool = False  # a batch ran it (an ensemble's own trace has none)
     error: str = ""
+    timestamps: bool = True  # the level has TIMESTAMPS (at TENSORS alone Triton writes no timestamps)
+    tensors: list[TensorRecord] | None = None  # the level has TENSORS: the request's tensors
 
     def stamp(self, name: str, ns: int | None = None) -> None:
         self.stamps.append((name, time.monotonic_ns() if ns is None else ns))
 
-    def executed(self, queued_ns: int, started_ns: int, phases: Phases) -> None:
-        """Its batch's times, from the scheduler that ran it."""
+    def record_tensors(self, activity: str, arrays: Mapping[str, Any]) -> None:
+        """At the TENSORS level: ``arrays`` (name -> array) as records of ``activity``; else nothing."""
+        if self.tensors is not None:
+            self.tensors += [tensor_record(activity, name, np.asarray(array)) for name, array in arrays.items()]
+
+    def queued(self, inputs: Mapping[str, Any]) -> None:
+        """Its scheduler queued it with ``inputs`` (recorded at the TENSORS level)."""
+        self.record_tensors("TENSOR_QUEUE_INPUT", inputs)
+
+    def executed(self, queued_ns: int, started_ns: int, phases: Phases, outputs: Any) -> None:
+        """Its batch's times, from the scheduler that ran it, and (TENSORS) its outputs (a decoupled
+        model's request has none here: its responses are recorded as they are sent)."""
+        if isinstance(outputs, Mapping):
+            self.record_tensors("TENSOR_BACKEND_OUTPUT", outputs)
         input_end = started_ns + phases.input_ns
         output_start = input_end + phases.infer_ns
         self.stamps += [
@@ -72,7 +122,15 @@ class RequestTrace:
 
     def child(self, model_name: str, model_version: str) -> RequestTrace:
         """The trace of a request this one makes (an ensemble's step, a BLS call), live until the top one ends."""
-        step = RequestTrace(model_name, model_version, "", None, parent=self)
+        step = RequestTrace(
+            model_name,
+            model_version,
+            "",
+            None,
+            parent=self,
+            timestamps=self.timestamps,
+            tensors=None if self.tensors is None else [],
+        )
         step.stamp("REQUEST_START")
         self.children.append(step)
         _live[step.id] = step

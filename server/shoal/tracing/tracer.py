@@ -24,6 +24,8 @@ def valid_traceparent(text: str) -> bool:
 class Tracer:
     def __init__(self, config: TraceConfig) -> None:
         self.settings = TraceSettings(config)
+        self._mode = config.mode
+        self._said_no_tensors = False
         self._export: TraceFile | OpenTelemetrySpans
         if config.mode == "opentelemetry":
             self._export = OpenTelemetrySpans(config)
@@ -34,9 +36,21 @@ class Tracer:
         """A trace for this request if the settings sample it, else None (one check while tracing is off)."""
         if not self.settings.on:
             return None
-        if not self.settings.sample(model_name, origin is not None and valid_traceparent(origin.traceparent)):
+        level = self.settings.sample(model_name, origin is not None and valid_traceparent(origin.traceparent))
+        if level is None:
             return None
-        trace = RequestTrace(model_name, model_version, request_id, origin)
+        tensors = "TENSORS" in level
+        if tensors and self._mode == "opentelemetry" and not self._said_no_tensors:
+            self._said_no_tensors = True  # Triton logs it for every tensor of every request
+            logger.error("Tensor level tracing is not supported by the mode: opentelemetry")
+        trace = RequestTrace(
+            model_name,
+            model_version,
+            request_id,
+            origin,
+            timestamps="TIMESTAMPS" in level,
+            tensors=[] if tensors and self._mode == "triton" else None,
+        )
         trace.stamp("REQUEST_START")
         trace.begin()
         return trace
