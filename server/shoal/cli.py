@@ -652,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from shoal import config_commands
+    from shoal.configuring import commands as config_commands
     from shoal.errors import ShoalError
 
     try:

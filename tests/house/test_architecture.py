@@ -26,7 +26,6 @@ LAYERS: dict[str, int] = {
     "__main__": 11,
     "cli": 10,
     "app": 9,  # wiring
-    "config_commands": 8,
     "tools": 8,  # tools that drive a server
     "frontend": 8,  # front-end worker processes: a transport over a remote core
     "grpc": 7,
@@ -35,6 +34,7 @@ LAYERS: dict[str, int] = {
     "core": 6,  # the facade every transport calls
     "lifecycle": 5,
     "instances": 4,  # executors: they implement the schedulers' contract (scheduling.base)
+    "configuring": 4,  # the config pipeline and the config commands: the backends describe, lifecycle loads
     "scheduling": 3,
     "backends": 3,
     "repository": 2,

@@ -272,7 +272,7 @@ def test_what_a_backend_declares_is_what_its_module_does(name: str) -> None:
     assert declared.process_instances == bool(getattr(module, "WORKER_PRELOAD", ())), "a worker preloads its framework"
     assert declared.self_described == hasattr(module, "complete_config") == hasattr(module, "check_model_file")
     if declared.own_instances:  # each instance loads the model itself and runs lists of requests
-        from shoal.lifecycle.configure import configure
+        from shoal.configuring.pipeline import configure
         from tests.models import EXAMPLES
 
         spec = configure(EXAMPLES / "preprocess", strict=False).spec

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shoal.configuring.pipeline import ConfigOverride
 from shoal.errors import MAX_MESSAGE_BYTES, ShoalError
 from shoal.grpc import convert
 from shoal.lifecycle import request_checks
-from shoal.lifecycle.configure import ConfigOverride
 from shoal.protocol import service_pb2 as pb
 from shoal.protocol.types import DataType
 from shoal.repository.config import parse_config, to_spec

@@ -46,9 +46,9 @@ def test_tritonclient_and_shoal_messages_share_one_process() -> None:
 
 def test_messages_name_protobuf_types_by_the_wire_package() -> None:
     """Our proto package is ``shoal.inference`` (above); messages say ``inference.``, as Triton's."""
+    from shoal.configuring.pipeline import ConfigOverride
     from shoal.errors import ShoalError
     from shoal.grpc.status import parse, to_status
-    from shoal.lifecycle.configure import ConfigOverride
     from shoal.repository.config import parse_config
 
     failures = {

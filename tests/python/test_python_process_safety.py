@@ -494,10 +494,10 @@ def test_a_feed_sent_to_a_python_models_worker_is_refused_at_once_not_waited_on(
     models' process instance) refuses at once, and a feed's Run reaching its worker is answered Failed.
     Found by review: with ``run`` removed, the inherited one waited on the worker forever."""
     from shoal.backends.devices import CPU
+    from shoal.configuring.pipeline import configure
     from shoal.errors import ErrorCode, ShoalError
     from shoal.instances.process import ProcessModel, WorkerLimits
     from shoal.instances.python_process import PythonProcessModel
-    from shoal.lifecycle.configure import configure
     from tests.models import EXAMPLES
 
     folder = EXAMPLES / "preprocess"

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from shoal.clients import InferenceClient
-from shoal.lifecycle.configure import configure
+from shoal.configuring.pipeline import configure
 from shoal.protocol import config_pb2
 from shoal.repository.config import parse_config
 from tests import models

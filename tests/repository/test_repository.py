@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from shoal.configuring.pipeline import configure
 from shoal.errors import ErrorCode, ShoalError, shown
-from shoal.lifecycle.configure import configure
 from shoal.protocol.types import DataType
 from shoal.repository import scanner
 from shoal.repository.config import InstanceKind, VersionPolicy, normalize, parse_config, validate

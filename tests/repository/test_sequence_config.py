@@ -129,7 +129,7 @@ def test_initial_state_data_file_is_read_from_the_model_folder(tmp_path: Path) -
 
 def test_a_sequence_model_completes_and_checks_against_its_file(tmp_path: Path) -> None:
     """Auto-complete leaves the batcher's tensors out of the config; ``config check`` finds them in the model."""
-    from shoal.lifecycle.configure import check_against_model, configure
+    from shoal.configuring.pipeline import check_against_model, configure
     from tests.sequence_models import add_accumulator
 
     add_accumulator(tmp_path, "acc")

@@ -9,7 +9,7 @@ Heavy libraries (onnxruntime, torch) are imported by their backend module alone.
 
 What each backend is and can do is declared once, in ``BACKENDS`` (readable without importing
 a framework); its module's hooks do it. ``Backend`` reads both, and the instance strategy
-(``shoal.instances.strategy``) and the config pipeline (``shoal.lifecycle.configure``) choose
+(``shoal.instances.strategy``) and the config pipeline (``shoal.configuring.pipeline``) choose
 from them, so nothing above the backends names a framework. The optional hooks:
 
 - ``share_weights(loaded) -> handle``: put a loaded copy's weights where other processes can
@@ -40,7 +40,7 @@ from shoal.backends.devices import Device
 from shoal.errors import load_failed
 from shoal.protocol import config_pb2
 from shoal.protocol.types import DataType
-from shoal.repository.config import ModelSpec
+from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
 from shoal.repository.model_io import ModelIO
 
 
@@ -119,6 +119,17 @@ def backend_gpu_available(backend: str) -> bool:
         return False
     available: bool = importlib.import_module(declared.module).gpu_available()
     return available
+
+
+def resolve_kind(backend: str, group: InstanceGroupSpec, gpus: int) -> InstanceKind:
+    """KIND_AUTO as Triton resolves it: the GPU when ``gpus`` CUDA devices exist, every GPU the
+    group lists is one of them and the model's ``backend`` can run on them here; else the CPU.
+    Other kinds stay as written (an impossible KIND_GPU fails later, with its own message)."""
+    if group.kind is not InstanceKind.AUTO:
+        return group.kind
+    if gpus == 0 or any(not 0 <= index < gpus for index in group.gpus):
+        return InstanceKind.CPU
+    return InstanceKind.GPU if backend_gpu_available(backend) else InstanceKind.CPU
 
 
 def describe_model(backend: str, model_path: Path, label: str = "") -> ModelIO:

@@ -35,10 +35,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from shoal.configuring.pipeline import ConfigOverride, configure, model_file
 from shoal.errors import ErrorCode, ShoalError, load_failed, poll_failed, shown, unknown_model
 from shoal.lifecycle import ensemble, warmup
 from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
-from shoal.lifecycle.configure import ConfigOverride, configure, model_file
 from shoal.lifecycle.fingerprint import fingerprint_or_none
 from shoal.lifecycle.model import ModelVersion, placements
 from shoal.lifecycle.response_cache import ResponseCache

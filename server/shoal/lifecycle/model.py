@@ -19,14 +19,14 @@ from typing import Any, cast
 
 import numpy as np
 
-from shoal.backends.base import Backend, FeedModel, RequestModel, backend_for, backend_gpu_available
+from shoal.backends.base import Backend, FeedModel, RequestModel, backend_for, resolve_kind
 from shoal.backends.devices import CPU, Device, cuda_device_count
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import strategy
 from shoal.instances.pool import Instance, InstancePool, Placement, instance_name
 from shoal.lifecycle import request_checks, warmup
 from shoal.lifecycle.response_cache import ResponseCache, VersionCache
-from shoal.repository.config import InstanceGroupSpec, InstanceKind, ModelSpec
+from shoal.repository.config import InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
 from shoal.repository.sequence_spec import backend_spec
 from shoal.request_types import InferRequest, InferResponse
@@ -45,17 +45,6 @@ _load_numbers = itertools.count(1)
 
 def next_load_number() -> int:
     return next(_load_numbers)
-
-
-def resolve_kind(backend: str, group: InstanceGroupSpec, gpus: int) -> InstanceKind:
-    """KIND_AUTO as Triton resolves it: the GPU when ``gpus`` CUDA devices exist, every GPU the
-    group lists is one of them and the model's ``backend`` can run on them here; else the CPU.
-    Other kinds stay as written (an impossible KIND_GPU fails later, with its own message)."""
-    if group.kind is not InstanceKind.AUTO:
-        return group.kind
-    if gpus == 0 or any(not 0 <= index < gpus for index in group.gpus):
-        return InstanceKind.CPU
-    return InstanceKind.GPU if backend_gpu_available(backend) else InstanceKind.CPU
 
 
 def placements(spec: ModelSpec) -> list[Placement]:

@@ -4,7 +4,7 @@ Named steps, each testable alone (as Triton's model_config_utils): ``parse_confi
 (text format against our ModelConfig schema) → ``detect_backend`` → auto-complete from
 the model file (``model_io.complete``) → ``normalize`` (defaults Triton fills in) →
 ``validate`` (rules that need no model file) → ``to_spec`` (plain dataclasses).
-``server.lifecycle.configure`` runs them in that order. Checks that need the model file
+``shoal.configuring.pipeline`` runs them in that order. Checks that need the model file
 (tensor names, types and dims) are ``model_io.check_io``.
 This and ``server/shoal/grpc`` are the only places that touch protobuf.
 """

@@ -34,8 +34,8 @@ from shoal.clients import ClientError, InferenceClient
 from shoal.clients.loadtest import plot as loadplot
 from shoal.clients.loadtest.inputs import InputError, build_inputs, serialize_request
 from shoal.clients.loadtest.measure import LoadTester, Settings
+from shoal.configuring.pipeline import configure
 from shoal.errors import invalid, shown
-from shoal.lifecycle.configure import configure
 from shoal.protocol import config_pb2
 from shoal.repository import scanner
 from shoal.repository.config import CONFIG_FILENAME, parse_config

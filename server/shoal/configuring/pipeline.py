@@ -16,10 +16,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from shoal.backends.base import check_own_model_file, complete_own_config, describe_model
+from shoal.backends.base import check_own_model_file, complete_own_config, describe_model, resolve_kind
 from shoal.backends.devices import cuda_device_count
 from shoal.errors import MAX_ECHO_CHARS, ShoalError, invalid, load_failed, shown
-from shoal.lifecycle.model import resolve_kind
 from shoal.protocol import config_pb2, wire_names
 from shoal.repository import ensemble_config, scanner, unhonoured
 from shoal.repository.config import (

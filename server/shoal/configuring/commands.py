@@ -1,6 +1,6 @@
 """``shoal config generate`` and ``shoal config check``: the server's own config pipeline, offline.
 
-Both run ``server.lifecycle.configure`` (the code the server loads models with) and the
+Both run ``shoal.configuring.pipeline`` (the code the server loads models with) and the
 model-file check the backend makes at load, so what they accept the server serves.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from shoal.backends.base import load_model, probe_model
 from shoal.backends.devices import CPU
+from shoal.configuring.pipeline import Configured, check_against_model, configure
 from shoal.errors import ShoalError, load_failed
-from shoal.lifecycle.configure import Configured, check_against_model, configure
 from shoal.protocol import config_pb2
 from shoal.protocol.types import DataType
 from shoal.repository import scanner
