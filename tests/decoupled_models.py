@@ -131,6 +131,36 @@ class TritonPythonModel:
 """
 
 
+# IN 1: the response with FINAL at once, then execute lingers (its cleanup); IN 2: the response from a
+# thread after execute returned, as Triton's repeat example sends. One instance: both run at position 0.
+LINGERS = """
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            sender = request.get_response_sender()
+            response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", np.array([n], np.int32))])
+            if n == 1:
+                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                time.sleep(0.3)
+            else:
+
+                def later(sender=sender, response=response):
+                    time.sleep(0.3)  # as Triton's repeat example's delay: the runner checks for cancellations
+                    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+                threading.Thread(target=later).start()
+        return None
+"""
+
+
 def add_models(repo: Path) -> None:
     """repeat (process instances, as shipped, and thread instances), square, and the faulty models."""
     models.copy_example(repo, "repeat")
@@ -145,3 +175,4 @@ def add_models(repo: Path) -> None:
     python_models.write_model(repo, "bls_decoupled_thread", BLS_CONFIG + THREADS, BLS_DECOUPLED)
     one_instance = SQUARE_CONFIG.replace("count: 2", "count: 1")
     python_models.write_model(repo, "never_final", one_instance + EXECUTION_TIMEOUT, NEVER_FINAL)
+    python_models.write_model(repo, "lingers", one_instance, LINGERS)

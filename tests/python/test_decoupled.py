@@ -149,6 +149,24 @@ def test_an_error_mid_stream_and_a_send_after_final(
     assert "Unable to send response. Response sender has been closed." in server.log()
 
 
+def test_a_stream_closed_after_final_cancels_nothing_of_the_next_request(
+    server: RunningServer,
+) -> None:
+    """A request answered FINAL while its execute went on (cleanup) ended its stream, and the client's
+    side of it was taken for a give-up: the cancellation reached the worker after the batch and was
+    read as the next batch's, at the same position, so the next request (answered from a thread after
+    execute returned) was cancelled and failed. Found by review; three rounds, each a new stream."""
+    for _ in range(3):
+        for n in (1, 2):
+            with grpcclient.InferenceServerClient(server.url) as client:
+                stream = Stream(client)
+                stream.send("lingers", f"r{n}", IN=np.array([n], dtype=np.int32))
+                ((result, error),) = stream.take(1)
+                client.stop_stream()
+            assert error is None, error
+            assert result.as_numpy("OUT").tolist() == [n]
+
+
 def test_execute_returning_responses_fails_the_request(client: grpcclient.InferenceServerClient) -> None:
     stream = Stream(client)
     stream.send("returns_responses", "x", IN=np.array([0], dtype=np.int32))

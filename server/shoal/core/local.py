@@ -220,7 +220,8 @@ class LocalCore:
                 if final:
                     return
         finally:
-            sink.cancel()  # read by a model still sending (sender.is_cancelled()) and by the instance's wait
+            if not final_seen:  # read by a model still sending (sender.is_cancelled()) and by the instance's wait
+                sink.cancel()
             if task.done():
                 _retrieve(task)
             elif final_seen:  # its execution ends by itself (within its timeouts), and its trace with it

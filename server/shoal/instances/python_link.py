@@ -70,6 +70,7 @@ class PipeLink:
         # its caller let go (an iterator dropped halfway) goes with it, and replies for it are dropped.
         self._mailboxes: weakref.WeakValueDictionary[int, Mailbox] = weakref.WeakValueDictionary()
         self._cancelled: set[int] = set()  # the running decoupled batch's requests whose clients gave up
+        self._cancelling: int | None = None  # the batch they belong to (guarded by _filed); None between batches
         self._control: collections.deque[Any] = collections.deque()  # the main loop's: runs, pings, arenas, stop
         self._ended: BaseException | None = None  # the pipe's end (EOF): every waiter sees it
 
@@ -77,6 +78,9 @@ class PipeLink:
         """Batch ``batch`` starts: BLS inputs go from the start of the responses arena again."""
         with self._packing:
             self._offset, self._batch = 0, batch
+        with self._filed:
+            self._cancelled.clear()
+            self._cancelling = batch
 
     def end(self) -> int:
         """After a batch: where in the responses arena its outputs may start (after its calls' inputs).
@@ -88,6 +92,7 @@ class PipeLink:
             first_free, self._offset, self._batch = self._offset or 0, None, None
         with self._filed:
             self._cancelled.clear()
+            self._cancelling = None
         return first_free
 
     def next_message(self) -> Any:
@@ -182,8 +187,9 @@ class PipeLink:
                 self._ended = exc
             return
         if isinstance(message, CancelRequest):
-            with self._filed:
-                self._cancelled.add(message.position)
+            with self._filed:  # one read after its batch ended (the model lingered) is not the next batch's
+                if message.batch == self._cancelling:
+                    self._cancelled.add(message.position)
             return
         if not isinstance(message, BlsReply):
             with self._filed:

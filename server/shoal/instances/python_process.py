@@ -252,7 +252,7 @@ class PythonProcessModel(process.ProcessModel):
         for index, sink in enumerate(self._sinks):
             if sink.cancelled and index not in self._cancel_sent:
                 self._cancel_sent.add(index)
-                self._post(CancelRequest(index))
+                self._post(CancelRequest(index, self._batch))
 
     def _start_call(self, call_id: int, call: bls.BlsCall) -> None:
         caller = self._conn

@@ -17,7 +17,7 @@ A Python model (its batch conversation, BLS calls included, is told in ``instanc
     worker → host  Bls(call id, call, input slots)             any number, from any thread of the model
     host → worker  BlsReply(call id, result, output slots, final, batch)
     worker → host  Response(position, outputs, error, code, final)  a decoupled model's responses
-    host → worker  CancelRequest(position)                         a decoupled request's client gave up
+    host → worker  CancelRequest(position, batch)                  a decoupled request's client gave up
     worker → host  Done(answers)
 """
 
@@ -138,9 +138,11 @@ class Response(NamedTuple):
 
 
 class CancelRequest(NamedTuple):
-    """host → worker: the client of the decoupled batch's request number ``position`` gave up."""
+    """host → worker: the client of batch ``batch``'s request number ``position`` gave up (a decoupled
+    model's; the worker may read it after that batch ended, when it no longer counts)."""
 
     position: int
+    batch: int
 
 
 class Answer(NamedTuple):
