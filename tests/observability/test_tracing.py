@@ -31,6 +31,7 @@ from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from shoal.settings import parse_trace_config
+from shoal.statistics import Phases
 from shoal.tracing.export import OpenTelemetrySpans, TraceFile
 from shoal.tracing.settings import TraceSettings, check_start
 from shoal.tracing.trace import Origin, RequestTrace, tensor_record
@@ -141,8 +142,14 @@ def test_a_model_cleared_back_to_a_command_line_rate_of_zero_is_not_refused() ->
     that took a rate of its own could not be given back to it (its check found the rate 0)."""
     traces = settings("mode=opentelemetry", "level=TIMESTAMPS", "rate=0")
     traces.update("add", {"trace_level": ["TENSORS"], "trace_rate": ["1"]})
-    traces.update("add", {"trace_level": None, "trace_rate": None})
-    assert traces.answer("add")["trace_rate"] == "0" and traces.answer("add")["trace_level"] == ["TIMESTAMPS"]
+    traces.update("add", {"trace_rate": None})  # its own level stays: it follows the rate 0 again
+    assert traces.answer("add")["trace_rate"] == "0" and traces.answer("add")["trace_level"] == ["TENSORS"]
+    traces.update("add", {"trace_level": None})
+    assert traces.answer("add")["trace_level"] == ["TIMESTAMPS"]
+    traces.update("", {"trace_count": ["3"]})  # a global change beside the command line's rate 0
+    assert traces.answer()["trace_count"] == "3"
+    with pytest.raises(ShoalError, match="sample rate must be non-zero"):  # setting 0 itself stays refused
+        traces.update("add", {"trace_rate": ["0"]})
 
 
 def test_enabling_without_a_file_in_triton_mode_is_refused_in_tritons_words() -> None:
@@ -608,11 +615,25 @@ def test_a_tensor_is_written_as_tritons_trace_file_writes_it(
 
 
 def test_where_shoal_writes_tensors_better_than_triton() -> None:
-    """Triton writes INT8/UINT8 as characters, FP16 as "" and a quote unescaped (its file is then not JSON)."""
+    """Triton writes INT8/UINT8 as characters, FP16 as "", and a string's quotes and backslashes raw (its
+    file is then not JSON, and its elements cannot be told apart): here each element reads back."""
     assert tensor_record("A", "X", np.array([72, 105], dtype=np.uint8)).data == "72,105"
     assert tensor_record("A", "X", np.array([0.5, 2], dtype=np.float16)).data == "0.5,2"
-    quoted = tensor_record("A", "X", np.array([b'q"x', b"\xff"], dtype=object))
-    assert json.loads(json.dumps({"data": quoted.data}))["data"] == '"q"x","\\xff"'
+    strings = np.array([b'a","b', rb"a\xff", b"\xff", "café"], dtype=object)
+    assert tensor_record("A", "X", strings).data == r'"a\",\"b","a\\xff","\xff","café"'
+
+
+def test_a_tensor_that_cannot_be_written_drops_the_traces_tensors_not_the_request() -> None:
+    """Found by review: an error there was raised into the scheduler, which then settled no request of
+    the batch. It is logged, and the trace keeps no tensors."""
+    trace = RequestTrace("m", "1", "", None, tensors=[])
+    trace.queued({"X": np.array([1 + 2j])})  # no request carries complex numbers: a stand-in for any failure
+    trace.executed(0, 1, Phases(1, 1, 1), {"Y": np.ones(2, np.float32)})
+    assert trace.tensors is None and trace.computed
+    trace = RequestTrace("m", "1", "", None, tensors=[])
+    trace.queued({"X": np.ones(2, np.int32)})
+    trace.queued({"X": np.ones(2, np.int32), "CONTROL": np.ones(1, np.int32)})  # a lane's built feed: not again
+    assert [(t.activity, t.name) for t in trace.tensors or []] == [("TENSOR_QUEUE_INPUT", "X")]
 
 
 def test_the_tensors_level_writes_a_requests_tensors_as_triton_does(tmp_path: Path) -> None:

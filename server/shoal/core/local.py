@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from importlib.metadata import version
 from typing import Any
@@ -197,8 +198,9 @@ class LocalCore:
         finally:
             TRACED.reset(token)
         task.add_done_callback(lambda _: sink.queue.put_nowait((ENDED, True)))
+        executed_ns: list[int] = []  # when the execution ended: the trace's REQUEST_END
         if trace is not None:
-            task.add_done_callback(functools.partial(self._stream_traced, trace))
+            task.add_done_callback(lambda _: executed_ns.append(time.monotonic_ns()))
         final_seen = False
         try:
             while True:
@@ -224,20 +226,29 @@ class LocalCore:
                 sink.cancel()
             if task.done():
                 _retrieve(task)
-            elif final_seen:  # its execution ends by itself (within its timeouts), and its trace with it
+            elif (
+                final_seen
+            ):  # its execution ends by itself (a process instance's within its timeout), its trace with it
                 task.add_done_callback(_retrieve)
             else:  # the client went away first
                 task.cancel()
+            if trace is not None:  # ends once both the responses read here and the execution have
+                finish = functools.partial(self._stream_traced, trace, executed_ns)
+                if task.done():
+                    finish(task)
+                else:
+                    task.add_done_callback(finish)
 
-    def _stream_traced(self, trace: RequestTrace, task: asyncio.Task[InferResponse]) -> None:
-        """A streamed request's execution ended: its trace ends (an error if it failed or was cancelled)."""
+    def _stream_traced(self, trace: RequestTrace, executed_ns: list[int], task: asyncio.Task[InferResponse]) -> None:
+        """A streamed request's responses were all read and its execution ended: its trace ends (an error
+        if the execution failed or was cancelled), ``REQUEST_END`` when the execution ended."""
         if task.cancelled():
             error = "the request was cancelled"
         elif (exc := task.exception()) is not None:
             error = exc.message if isinstance(exc, ShoalError) else type(exc).__name__
         else:
             error = ""
-        self.tracer.finish(trace, error, responded=False)
+        self.tracer.finish(trace, error, responded=False, ended_ns=executed_ns[0] if executed_ns else None)
 
     async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
         return self.statistics_rows(name, version)

@@ -87,11 +87,13 @@ class TraceSettings:
                     "trace_file and trace_mode"
                 )
             parsed[FIELDS[name]] = None if values is None else _parse(name, values)
+        # The command line's rate 0 (clients' traces only) holds wherever it is followed; only a change
+        # that sets the rate to 0 itself is refused.
+        zero_rate_ok = parsed.get("rate") is None and self._start.rate == 0
         if model:
             own = {**self._models.get(model, {}), **parsed}
             own = {name: value for name, value in own.items() if value is not None}
-            if own:  # none left: the model follows the global setting, which is in use already
-                _check(replace(self._global, **own), self.config)
+            _check(replace(self._global, **own), self.config, zero_rate_ok=zero_rate_ok)
             if own:
                 self._models[model] = own
             else:
@@ -101,7 +103,7 @@ class TraceSettings:
             fields = {name: getattr(self._start, name) if value is None else value for name, value in parsed.items()}
             new_global = replace(self._global, **fields)
             for name, own in [("", {}), *self._models.items()]:
-                _check(replace(new_global, **own), self.config, name)
+                _check(replace(new_global, **own), self.config, name, zero_rate_ok)
             self._global = new_global
             self._seen.pop("", None)
         self.on = bool(self._global.level) or any(self.effective(name).level for name in self._models)
@@ -168,14 +170,15 @@ def _parse(name: str, values: list[str]) -> Any:
     return number
 
 
-def _check(setting: Setting, config: TraceConfig, model: str = "") -> None:
-    """Triton's checks of a setting that traces (one that does not may hold anything)."""
+def _check(setting: Setting, config: TraceConfig, model: str = "", zero_rate_ok: bool = False) -> None:
+    """Triton's checks of a setting that traces (one that does not may hold anything); ``zero_rate_ok``:
+    a rate of 0 is the command line's, which only the command line may give."""
     if not setting.level:
         return
     reason = ""
     if config.mode == "triton" and not config.file:
         reason = "trace file name is not given (start the server with --trace-config triton,file=PATH)"
-    elif setting.rate == 0:
+    elif setting.rate == 0 and not zero_rate_ok:
         reason = "sample rate must be non-zero"
     elif setting.count == 0:
         reason = "trace count is 0: no trace is left to take (set trace_count)"

@@ -14,12 +14,14 @@ them: ``TENSOR_QUEUE_INPUT`` per input and ``TENSOR_BACKEND_OUTPUT`` per output 
 each element written as Triton writes it (C++ ``ostream``: integers in decimal, floats with 6
 significant digits, BOOL as 1/0, BYTES each in quotes), comma-separated. Where Shoal differs on
 purpose: INT8/UINT8 are numbers (Triton writes them as characters), FP16/BF16 have their values
-(Triton writes ""), and a string's quotes and backslashes are escaped (Triton's file is then not JSON).
+(Triton writes ""), and a string's quotes and backslashes are escaped and a byte that is not
+UTF-8 is written \\xNN (Triton writes them raw: its file is then not JSON).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +31,8 @@ import numpy as np
 
 from shoal.protocol.types import DataType
 from shoal.statistics import Phases
+
+logger = logging.getLogger(__name__)
 
 _ids = itertools.count(1)  # Triton's trace ids: one counter for the process, an ensemble's steps included
 # The traces of requests still running, by id: a Python model's BLS call names its request's trace by id
@@ -66,8 +70,10 @@ def tensor_record(activity: str, name: str, array: np.ndarray) -> TensorRecord:
     datatype = DataType.from_numpy(array.dtype)
     flat = np.asarray(array).reshape(-1)
     if datatype is DataType.BYTES:
-        texts = (v.decode("utf-8", "backslashreplace") if isinstance(v, bytes) else str(v) for v in flat)
-        data = ",".join(f'"{text}"' for text in texts)
+        # Quotes and backslashes escaped, then a byte that is not UTF-8 as \xNN: each element reads back.
+        raw = (v if isinstance(v, bytes) else str(v).encode() for v in flat)
+        escaped = (v.replace(b"\\", b"\\\\").replace(b'"', b'\\"').decode("utf-8", "backslashreplace") for v in raw)
+        data = ",".join(f'"{text}"' for text in escaped)
     elif datatype is DataType.BOOL:
         data = ",".join("1" if v else "0" for v in flat.tolist())
     elif datatype.value.startswith(("FP", "BF")):
@@ -91,18 +97,29 @@ class RequestTrace:
     error: str = ""
     timestamps: bool = True  # the level has TIMESTAMPS (at TENSORS alone Triton writes no timestamps)
     tensors: list[TensorRecord] | None = None  # the level has TENSORS: the request's tensors
+    _queued: bool = field(default=False, repr=False)  # its inputs were recorded (the first queue only)
 
     def stamp(self, name: str, ns: int | None = None) -> None:
         self.stamps.append((name, time.monotonic_ns() if ns is None else ns))
 
     def record_tensors(self, activity: str, arrays: Mapping[str, Any]) -> None:
-        """At the TENSORS level: ``arrays`` (name -> array) as records of ``activity``; else nothing."""
-        if self.tensors is not None:
+        """At the TENSORS level: ``arrays`` (name -> array) as records of ``activity``; else nothing. A
+        tensor that cannot be written (a dtype no request carries, no memory for its text) drops the
+        trace's tensors and is logged: a trace is never worth its request."""
+        if self.tensors is None:
+            return
+        try:
             self.tensors += [tensor_record(activity, name, np.asarray(array)) for name, array in arrays.items()]
+        except Exception:  # noqa: BLE001 - whatever it is, the request goes on
+            self.tensors = None
+            logger.exception("model %s: could not trace a request's tensors; its trace keeps none", self.model_name)
 
     def queued(self, inputs: Mapping[str, Any]) -> None:
-        """Its scheduler queued it with ``inputs`` (recorded at the TENSORS level)."""
-        self.record_tensors("TENSOR_QUEUE_INPUT", inputs)
+        """Its scheduler queued it with ``inputs`` (recorded at the TENSORS level). Once: a scheduler that
+        queues it again inside another (the oldest sequence strategy's lane) queues a built feed."""
+        if not self._queued:
+            self._queued = True
+            self.record_tensors("TENSOR_QUEUE_INPUT", inputs)
 
     def executed(self, queued_ns: int, started_ns: int, phases: Phases, outputs: Any) -> None:
         """Its batch's times, from the scheduler that ran it, and (TENSORS) its outputs (a decoupled

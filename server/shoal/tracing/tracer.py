@@ -55,11 +55,12 @@ class Tracer:
         trace.begin()
         return trace
 
-    def finish(self, trace: RequestTrace, error: str = "", responded: bool = True) -> None:
-        """The request's response is ready (or it failed): stamp its end and hand it to the exporter.
-        ``responded`` False: a streamed request, whose ``INFER_RESPONSE_COMPLETE`` marks its first
-        response and was stamped then (as Triton's), if it had one."""
-        trace.stamp("REQUEST_END")
+    def finish(self, trace: RequestTrace, error: str = "", responded: bool = True, ended_ns: int | None = None) -> None:
+        """The request's response is ready (or it failed): stamp its end (``ended_ns``, else now) and
+        hand it to the exporter. ``responded`` False: a streamed request, whose
+        ``INFER_RESPONSE_COMPLETE`` marks its first response and was stamped then (as Triton's), if it
+        had one."""
+        trace.stamp("REQUEST_END", ended_ns)
         trace.end()
         if error:
             trace.error = error
