@@ -26,26 +26,30 @@ def shoal_server(
 
 @contextmanager
 def checked_out_server(revision: str) -> Iterator[Path]:
-    """A folder holding the server's ``shoal`` as it was at ``revision`` (``git archive``), to pass as
-    ``python_path``: the same benchmark run against an earlier revision of the server in one run, alternating.
+    """A folder holding ``shoal`` as it was at ``revision`` (``git archive``), to pass as ``python_path``:
+    the same benchmark run against an earlier revision of the server in one run, alternating.
 
-    Since ``server/shoal/`` (a portion of the ``shoal`` namespace) the revision's server is served with this
-    checkout's ``shoal.protocol`` and ``shoal.clients``. Before it, ``server/`` was the whole package, protocol
-    included, and gets this checkout's generated protobuf modules (they are not in git)."""
+    The folder's ``shoal`` is one regular package holding the whole revision (server, protocol and
+    clients), so that nothing of this checkout's namespace fills a module the revision lacks; it gets
+    this checkout's generated protobuf modules (they are not in git). Before ``server/shoal/``,
+    ``server/`` was that package, protocol included."""
     with tempfile.TemporaryDirectory() as folder:
-        split = subprocess.run(
+        found = subprocess.run(
             ["git", "cat-file", "-e", f"{revision}:server/shoal"], cwd=REPO_ROOT, capture_output=True
         )
-        tree = "server/shoal" if split.returncode == 0 else "server"
+        split = found.returncode == 0
+        trees = ["server/shoal", "proto/shoal", "clients/shoal"] if split else ["server"]
         archive = subprocess.run(
-            ["git", "archive", revision, tree], cwd=REPO_ROOT, check=True, capture_output=True
+            ["git", "archive", revision, *trees], cwd=REPO_ROOT, check=True, capture_output=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
-        if split.returncode == 0:
-            yield Path(folder) / "server"
-            return
         package = Path(folder) / "shoal"
-        (Path(folder) / "server").rename(package)
+        if split:
+            for tree in trees:  # one package: shoal/ with protocol/ and clients/ inside
+                shutil.copytree(Path(folder) / tree, package, dirs_exist_ok=True)
+            (package / "__init__.py").touch()
+        else:
+            (Path(folder) / "server").rename(package)
         for generated in (REPO_ROOT / "proto" / "shoal" / "protocol").glob("*_pb2.py"):
             shutil.copy(generated, package / "protocol" / generated.name)
         yield Path(folder)
