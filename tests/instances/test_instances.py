@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shoal.backends import base
 from shoal.backends.devices import CPU, Device, usable_cores
 from shoal.errors import ShoalError
 from shoal.instances.pool import Placement, build_pool
@@ -92,7 +93,7 @@ def fake_host(monkeypatch: pytest.MonkeyPatch, gpus: int, backend_can_use_them: 
         return backend_can_use_them
 
     monkeypatch.setattr(model, "cuda_device_count", lambda: gpus)
-    monkeypatch.setattr(model, "backend_gpu_available", answer)
+    monkeypatch.setattr(base, "backend_gpu_available", answer)  # what resolve_kind asks
     return asked
 
 
@@ -152,7 +153,7 @@ def test_the_identity_backend_stays_on_the_cpu(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_onnxruntime_can_use_a_gpu_only_with_the_cuda_provider(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shoal.backends import base, onnxruntime
+    from shoal.backends import onnxruntime
 
     monkeypatch.setattr(onnxruntime.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
     assert not base.backend_gpu_available("onnxruntime")
@@ -165,8 +166,6 @@ def test_onnxruntime_can_use_a_gpu_only_with_the_cuda_provider(monkeypatch: pyte
 
 def test_pytorch_can_use_a_gpu_only_as_a_cuda_build_that_sees_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
-    from shoal.backends import base
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not base.backend_gpu_available("pytorch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
