@@ -100,14 +100,6 @@ class Traced(Protocol):
 TRACED: contextvars.ContextVar[Traced | None] = contextvars.ContextVar("traced", default=None)
 
 
-def traced_queue(inputs: Mapping[str, Any]) -> Traced | None:
-    """The trace of the request being queued with ``inputs``, told its inputs (the TENSORS level)."""
-    traced = TRACED.get()
-    if traced is not None:
-        traced.queued(inputs)
-    return traced
-
-
 # Set by a caller (an ensemble) around the requests it makes; a scheduler adds each of those requests'
 # phases to it as well as to its own model's statistics. A context variable, so that it follows the
 # request into the composing model's scheduler without a parameter on every call in between.

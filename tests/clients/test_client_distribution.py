@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import re
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 from tests.conftest import RunningServer
+from tests.distributions import declared, normalised
 from tests.models import REPO_ROOT
 
 
@@ -47,18 +46,15 @@ def _server_only_modules() -> list[str]:
     """Top-level modules that distributions the server declares (and the client side does not) install, and no
     distribution the client side declares does (``opentelemetry`` counts: the SDK installs part of it)."""
 
-    def declared(pyproject: Path) -> set[str]:
-        project = tomllib.loads(pyproject.read_text())["project"]
-        found = {re.match(r"[A-Za-z0-9._-]+", r).group().lower().replace("_", "-") for r in project["dependencies"]}
-        return found - {"shoal-protocol", "shoal-client"}
-
-    client_side = declared(REPO_ROOT / "proto" / "pyproject.toml") | declared(REPO_ROOT / "clients" / "pyproject.toml")
-    server_only = declared(REPO_ROOT / "pyproject.toml") - client_side
+    ours = {"shoal-protocol", "shoal-client"}
+    client_side = declared(REPO_ROOT / "proto" / "pyproject.toml", extras=False) | declared(
+        REPO_ROOT / "clients" / "pyproject.toml", extras=False
+    )
+    server_only = declared(REPO_ROOT / "pyproject.toml", extras=False) - client_side - ours
     return sorted(
         module
         for module, distributions in importlib.metadata.packages_distributions().items()
-        if (providers := {d.lower().replace("_", "-") for d in distributions}) & server_only
-        and not providers & client_side
+        if (providers := {normalised(d) for d in distributions}) & server_only and not providers & client_side
     )
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
-import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
+from tests.distributions import declared, normalised
 from tests.models import REPO_ROOT
 
 # Rank of each part of `shoal`: a module may import only parts of a lower rank (or its own part).
@@ -179,33 +178,22 @@ def test_every_module_is_imported_from_its_path() -> None:
     assert not (REPO_ROOT / "server" / "shoal" / "__init__.py").exists(), "shoal is a namespace over three folders"
 
 
-def _declared(pyproject: Path) -> set[str]:
-    """The distributions a pyproject.toml depends on, extras included, names normalised."""
-    project = tomllib.loads(pyproject.read_text())["project"]
-    requirements = [*project.get("dependencies", []), *sum(project.get("optional-dependencies", {}).values(), [])]
-    return {_normalised(re.match(r"[A-Za-z0-9._-]+", requirement).group()) for requirement in requirements}
-
-
-def _normalised(distribution: str) -> str:
-    return re.sub(r"[-_.]+", "-", distribution).lower()
-
-
 @pytest.mark.parametrize("distribution", ["shoal-client", "shoal-protocol"])
 def test_the_client_side_imports_only_what_its_distributions_declare(distribution: str) -> None:
     """The client library installs without the server's dependencies (no onnxruntime or uvicorn to get
     ``shoal.clients``): every third-party module the client's and the protocol's code imports comes
     from a distribution their own pyproject.toml files declare."""
     root = SOURCE_ROOTS[distribution]
-    declared = _declared(root / "pyproject.toml")
+    allowed = declared(root / "pyproject.toml")
     if distribution == "shoal-client":
-        declared |= _declared(SOURCE_ROOTS["shoal-protocol"] / "pyproject.toml")
+        allowed |= declared(SOURCE_ROOTS["shoal-protocol"] / "pyproject.toml")
     providers = importlib.metadata.packages_distributions()
     undeclared = []
     for path in sorted((root / "shoal").rglob("*.py")):
         for name in sorted({target.split(".")[0] for target in _imports(path)}):
             if name in sys.stdlib_module_names or name in {"shoal", "__future__"}:
                 continue
-            if not {_normalised(d) for d in providers.get(name, [])} & declared:
+            if not {normalised(d) for d in providers.get(name, [])} & allowed:
                 undeclared.append(f"{path.relative_to(REPO_ROOT)} imports {name} ({providers.get(name)})")
     assert not undeclared, "\n".join(undeclared)
 

@@ -537,12 +537,18 @@ def test_without_a_clients_trace_at_rate_zero_nothing_is_sent(
 # -- Triton's trace file and the settings over both transports -------------------------------------
 
 
-def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -> None:
+def add1_and_square(tmp_path: Path) -> tuple[Path, Path]:
+    """A repository of add1 (ONNX) and square (a decoupled Python model), and where its trace file goes;
+    the server's folder made."""
     repo = tmp_path / "repo"
     ensemble_models.add_onnx_add1(repo)
     python_models.write_model(repo, "square", decoupled_models.SQUARE_CONFIG, decoupled_models.SQUARE)
-    trace_file = tmp_path / "trace.json"
     (tmp_path / "server").mkdir()
+    return repo, tmp_path / "trace.json"
+
+
+def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -> None:
+    repo, trace_file = add1_and_square(tmp_path)
     with serving(
         repo,
         tmp_path / "server",
@@ -639,11 +645,7 @@ def test_a_tensor_that_cannot_be_written_drops_the_traces_tensors_not_the_reques
 def test_the_tensors_level_writes_a_requests_tensors_as_triton_does(tmp_path: Path) -> None:
     """TENSORS with TIMESTAMPS: the header (with the request's id), the stamps and the tensors; TENSORS
     alone: the tensors only, as Triton 2.51 writes them (captured); a decoupled model's outputs per response."""
-    repo = tmp_path / "repo"
-    ensemble_models.add_onnx_add1(repo)
-    python_models.write_model(repo, "square", decoupled_models.SQUARE_CONFIG, decoupled_models.SQUARE)
-    trace_file = tmp_path / "trace.json"
-    (tmp_path / "server").mkdir()
+    repo, trace_file = add1_and_square(tmp_path)
     with serving(
         repo, tmp_path / "server", "--trace-config", f"triton,file={trace_file}", "--trace-config", "rate=1"
     ) as server:

@@ -192,11 +192,13 @@ class LocalCore:
         trace = None
         if self.tracer.settings.on:
             trace = self.tracer.start(request.model_name, str(served.version), request.id, origin)
-        token = TRACED.set(trace)  # the task's context is a copy of this one: its scheduler reads the trace
+        # The task's context is a copy of this one: its scheduler reads the trace (nothing to set when off).
+        token = TRACED.set(trace) if trace is not None else None
         try:
             task = asyncio.create_task(self.infer(dataclasses.replace(request, sink=sink)))
         finally:
-            TRACED.reset(token)
+            if token is not None:
+                TRACED.reset(token)
         task.add_done_callback(lambda _: sink.queue.put_nowait((ENDED, True)))
         executed_ns: list[int] = []  # when the execution ended: the trace's REQUEST_END
         if trace is not None:

@@ -58,11 +58,11 @@ from shoal.scheduling.clock import deadline_clock
 from shoal.scheduling.rate_limiter import Admission
 from shoal.statistics import (
     ALSO_COUNT_PHASES,
+    TRACED,
     FailureReason,
     ModelStatistics,
     PhaseTotals,
     Traced,
-    traced_queue,
 )
 
 logger = logging.getLogger(__name__)
@@ -170,8 +170,10 @@ class Scheduler:
             context=context,
             check=check,
             also_count=ALSO_COUNT_PHASES.get(),
-            traced=traced_queue(feed),
+            traced=TRACED.get(),
         )
+        if pending.traced is not None:
+            pending.traced.queued(feed)  # its inputs, as they are queued (the TENSORS level)
         self._queue(level)[pending.sequence] = pending
         self._in_use.add(level)
         timer = None
