@@ -149,6 +149,7 @@ async def serve(settings: ServerSettings) -> int:
 async def close_tracer(core: LocalCore, deadline: float) -> None:
     """Write the trace file and export the spans still held, on a thread: a collector that does not
     answer costs at most what is left of the exit deadline (then they are lost, and the log says so)."""
+    core.tracer.stop_waiting()
     closed = threading.Event()
 
     def close() -> None:

@@ -97,3 +97,5 @@ class InferResponse:
     outputs: tuple[Tensor, ...]
     # Outputs written into the client's shared memory: their ``data`` is empty, their shape is real.
     in_regions: frozenset[str] = frozenset()
+    # The trace its transport reports its send to (``Core.sent``); 0: untraced, nothing to report.
+    trace_id: int = 0

@@ -240,6 +240,7 @@ def test_every_message_crosses_the_channel_as_its_own_typed_record() -> None:
         messages.Free([3]),
         messages.Started((1, 2)),
         messages.Pong(),
+        messages.Sent(7, 1, 2, True),
         messages.Result(1, True),
         messages.Error(2, "invalid_argument", "why"),
         messages.Inferred(2, "m", "1", "", -1, [], [], [2]),

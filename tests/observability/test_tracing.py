@@ -7,6 +7,7 @@ ensemble's steps under it; in both process layouts (a front-end worker's receive
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
@@ -32,10 +33,11 @@ from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from shoal.settings import parse_trace_config
 from shoal.statistics import Phases
+from shoal.tracing import tracer as tracer_module
 from shoal.tracing.export import OpenTelemetrySpans, TraceFile
 from shoal.tracing.settings import TraceSettings, check_start
 from shoal.tracing.trace import Origin, RequestTrace, tensor_record
-from shoal.tracing.tracer import valid_traceparent
+from shoal.tracing.tracer import Tracer, valid_traceparent
 from tests import decoupled_models, ensemble_models, python_models
 from tests.conftest import RunningServer, serving
 from tests.polling import wait_until
@@ -231,6 +233,70 @@ def trace_of(model: str) -> RequestTrace:
     return trace
 
 
+def traced_to_a_list(tmp_path: Path) -> tuple[Tracer, list[RequestTrace]]:
+    """A tracer that traces every request, its exports kept in a list."""
+    tracer = Tracer(parse_trace_config([f"triton,file={tmp_path / 't.json'}", "level=TIMESTAMPS", "rate=1"]))
+    exported: list[RequestTrace] = []
+    tracer._export = exported.append  # type: ignore[assignment]
+    return tracer, exported
+
+
+def test_a_trace_waits_for_its_send_and_carries_it(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        tracer, exported = traced_to_a_list(tmp_path)
+        trace = tracer.start("add1", "1", "", Origin("HTTP", time.monotonic_ns()))
+        assert trace is not None
+        tracer.finish(trace, sending=True)
+        assert exported == []  # its answer is not written yet
+        tracer.sent(trace.id, 5, 7, last=True)
+        assert exported == [trace] and trace.stamps[-2:] == [("HTTP_SEND_START", 5), ("HTTP_SEND_END", 7)]
+        tracer.sent(trace.id, 8, 9, last=True)  # a late report of an exported trace changes nothing
+        assert len(trace.stamps) == 5
+
+    asyncio.run(scenario())
+
+
+def test_sends_reported_before_the_end_are_kept_and_the_last_ends_it_at_once(tmp_path: Path) -> None:
+    """A decoupled model's responses go out while it runs: the trace ends with its execution."""
+
+    async def scenario() -> None:
+        tracer, exported = traced_to_a_list(tmp_path)
+        trace = tracer.start("square", "1", "", Origin("GRPC", time.monotonic_ns()))
+        assert trace is not None
+        tracer.sent(trace.id, 1, 2, last=False)
+        tracer.sent(trace.id, 3, 0, last=True)  # the last one was not written (the client went)
+        tracer.finish(trace, responded=False, sending=True)
+        assert exported == [trace]
+        assert [n for n, _ in trace.stamps if "SEND" in n] == ["GRPC_SEND_START", "GRPC_SEND_END"]
+
+    asyncio.run(scenario())
+
+
+def test_a_send_never_reported_costs_the_trace_its_send_not_the_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A front-end worker that died, a stream closed with answers queued: the trace goes out anyway."""
+    monkeypatch.setattr(tracer_module, "SEND_WAIT_S", 0.05)
+
+    async def scenario() -> None:
+        tracer, exported = traced_to_a_list(tmp_path)
+        first, second = (tracer.start("add1", "1", "", Origin("GRPC", time.monotonic_ns())) for _ in range(2))
+        assert first is not None and second is not None
+        tracer.finish(first, sending=True)
+        tracer.finish(second, sending=True)
+        deadline = time.monotonic() + 30
+        while len(exported) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # the loop runs the tracer's timer; polled, never a fixed wait
+        assert exported == [first, second] and not any("SEND" in n for n, _ in first.stamps)
+        third = tracer.start("add1", "1", "", Origin("GRPC", time.monotonic_ns()))
+        assert third is not None
+        tracer.finish(third, sending=True)
+        tracer.stop_waiting()  # at shutdown: what still waits is exported as it is
+        assert exported == [first, second, third]
+
+    asyncio.run(scenario())
+
+
 def test_off_is_one_check() -> None:
     traces = settings()
     assert traces.on is False  # LocalCore asks nothing more of an untraced request
@@ -296,6 +362,7 @@ def _span(span: Any, resource: dict[str, str]) -> dict[str, Any]:
         "trace_state": span.trace_state,
         "attributes": {a.key: value(a.value) for a in span.attributes},
         "events": [e.name for e in span.events],
+        "times": [e.time_unix_nano for e in span.events],
         "resource": resource,
     }
 
@@ -358,6 +425,31 @@ class TritonPythonModel:
 """
 
 
+CONTEXT_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1, 4 ] } ]
+output [ { name: "CONTEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+# Answers what Triton's pb_utils gives a model to continue its request's trace with ("None" when nothing).
+CONTEXT = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("CONTEXT", np.array([str(request.trace().get_context())], dtype=object))
+            ])
+            for request in requests
+        ]
+"""
+
+
 @pytest.fixture(scope="module")
 def traced_server(
     tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...], collector: Collector
@@ -367,6 +459,8 @@ def traced_server(
     python_models.write_model(repo, "square", decoupled_models.SQUARE_CONFIG, decoupled_models.SQUARE)
     python_models.write_model(repo, "caller", CALLER_CONFIG, CALLER)
     python_models.write_model(repo, "caller_thread", CALLER_CONFIG + decoupled_models.THREADS, CALLER)
+    python_models.write_model(repo, "context", CONTEXT_CONFIG, CONTEXT)
+    python_models.write_model(repo, "context_thread", CONTEXT_CONFIG + decoupled_models.THREADS, CONTEXT)
     ensemble_models.add_ensemble(
         repo,
         "twice",
@@ -408,6 +502,7 @@ def by_name(spans: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return found
 
 
+@pytest.mark.other_engine  # the send is reported from each engine's end of the RPC
 def test_a_grpc_request_is_spans_under_the_clients_trace(traced_server: RunningServer, collector: Collector) -> None:
     trace_id = secrets.token_hex(16)  # the collector serves both layouts: a trace of its own
     started = time.time_ns()
@@ -417,7 +512,14 @@ def test_a_grpc_request_is_spans_under_the_clients_trace(traced_server: RunningS
     assert root["parent"] == CLIENT_SPAN  # the client's span is the root's parent; its trace id is kept
     assert model["parent"] == root["span_id"] and compute["parent"] == model["span_id"]
     assert {s["kind"] for s in (root, model, compute)} == {2}  # SERVER
-    assert root["events"] == ["GRPC_WAITREAD_END", "INFER_RESPONSE_COMPLETE"]
+    assert root["events"] == [  # Triton's, with its send: the span ends when the engine wrote the answer
+        "GRPC_WAITREAD_START",
+        "GRPC_WAITREAD_END",
+        "INFER_RESPONSE_COMPLETE",
+        "GRPC_SEND_START",
+        "GRPC_SEND_END",
+    ]
+    assert root["times"] == sorted(root["times"]) and root["end"] == root["times"][-1] >= model["end"]
     assert model["events"] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
     assert compute["events"] == ["COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
     attributes = model["attributes"]
@@ -443,7 +545,15 @@ def test_an_http_request_keeps_the_clients_trace_and_state(traced_server: Runnin
             headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01", "tracestate": "vendor=shoal-test"},
         )
     spans = by_name(collector.trace(trace_id, 3))
-    assert spans["InferRequest"][0]["events"][0] == "HTTP_RECV_END"
+    root = spans["InferRequest"][0]
+    assert root["events"] == [
+        "HTTP_RECV_START",
+        "HTTP_RECV_END",
+        "INFER_RESPONSE_COMPLETE",
+        "HTTP_SEND_START",
+        "HTTP_SEND_END",
+    ]
+    assert root["times"] == sorted(root["times"]) and root["end"] == root["times"][-1] >= spans["add1"][0]["end"]
     assert {s["trace_state"] for s in collector.trace(trace_id, 3)} == {"vendor=shoal-test"}
 
 
@@ -474,6 +584,42 @@ def test_a_bls_call_given_its_requests_trace_hangs_under_the_callers_span(
     assert len(collector.trace(trace_id, 5)) == 5  # one export per request tree: the untraced call has none
 
 
+def model_context(server: RunningServer, model: str, headers: dict[str, str]) -> str:
+    with grpcclient.InferenceServerClient(server.url) as client:
+        given = grpcclient.InferInput("IN", [1, 4], "FP32")
+        given.set_data_from_numpy(np.zeros((1, 4), dtype=np.float32))
+        return str(client.infer(model, [given], headers=headers).as_numpy("CONTEXT").ravel()[0].decode())
+
+
+@pytest.mark.parametrize("model", ["context", "context_thread"])
+def test_a_python_model_gets_its_spans_context_as_tritons_get_context(
+    traced_server: RunningServer, collector: Collector, model: str
+) -> None:
+    """Triton's ``request.trace().get_context()``: a JSON object whose traceparent names the model's span
+    (the span exported later), the client's tracestate with it; None for a request that is not traced."""
+    trace_id = secrets.token_hex(16)
+    headers = {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01", "tracestate": "vendor=shoal-test"}
+    context = json.loads(model_context(traced_server, model, headers))
+    spans = by_name(collector.trace(trace_id, 3))
+    assert context == {
+        "traceparent": f"00-{trace_id}-{spans[model][0]['span_id']}-01",
+        "tracestate": "vendor=shoal-test",
+    }
+    assert model_context(traced_server, model, {}) == "None"  # rate 0 and no client's trace: not traced
+
+
+def test_a_trace_of_its_own_gives_its_own_ids_to_get_context() -> None:
+    """Without a client's trace the trace id is the server's, chosen at the start and kept by the spans."""
+    tracer = Tracer(parse_trace_config(["mode=opentelemetry", "level=TIMESTAMPS", "rate=1"]))
+    trace = tracer.start("add1", "1", "", Origin("GRPC", time.monotonic_ns()))
+    assert trace is not None
+    step = trace.child("add1", "1")
+    parent, step_parent = (json.loads(t.context())["traceparent"].split("-") for t in (trace, step))
+    assert parent[1] == step_parent[1] == f"{trace.otel_trace_id:032x}" and parent[2] != step_parent[2]
+    in_triton_mode = RequestTrace("add1", "1", "", Origin("GRPC", time.monotonic_ns()))
+    assert in_triton_mode.context() == ""  # pb_utils answers None
+
+
 def test_a_clients_unsampled_trace_is_still_continued(traced_server: RunningServer, collector: Collector) -> None:
     trace_id = secrets.token_hex(16)
     grpc_add1(traced_server, "add1", f"00-{trace_id}-{CLIENT_SPAN}-00")  # flags 00: Triton exports it too
@@ -502,6 +648,7 @@ def stream_square(server: RunningServer, n: int, traceparent: str = "") -> list[
     return got
 
 
+@pytest.mark.other_engine  # the send is reported from each engine's end of the RPC
 def test_a_decoupled_models_request_is_one_trace_as_tritons(traced_server: RunningServer, collector: Collector) -> None:
     """As Triton 2.51 traces a decoupled model's request (captured): one trace, the batch's times once,
     INFER_RESPONSE_COMPLETE once (at the first response), under the client's span (it was once not traced)."""
@@ -513,7 +660,10 @@ def test_a_decoupled_models_request_is_one_trace_as_tritons(traced_server: Runni
     assert (
         root["parent"] == CLIENT_SPAN and model["parent"] == root["span_id"] and compute["parent"] == model["span_id"]
     )
-    assert root["events"] == ["GRPC_WAITREAD_END", "INFER_RESPONSE_COMPLETE"]
+    # A send per response written, the empty final one asked for included (Triton's: 4 pairs for 3 + FINAL)
+    sends = ["GRPC_SEND_START", "GRPC_SEND_END"] * 4
+    assert root["events"] == ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "INFER_RESPONSE_COMPLETE", *sends]
+    assert root["times"] == sorted(root["times"]) and root["end"] >= root["times"][-1]
     assert model["events"] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
     assert compute["events"] == ["COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
     assert model["attributes"]["triton.request_id"] == "s" and model["attributes"]["triton.model_version"] == 1
@@ -561,12 +711,16 @@ def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -
         "--trace-config",
         "rate=1",
         "--trace-config",
-        "count=3",
+        "count=4",
     ) as server:
         assert stream_square(server, 2) == [2, 2]
-        for _ in range(3):
+        for _ in range(2):
             grpc_add1(server, "add1", "")
         with httpclient.InferenceServerClient(server.http_url) as client:
+            given = httpclient.InferInput("IN", [1, 4], "FP32")
+            given.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+            client.infer("add1", [given])
+            grpc_add1(server, "add1", "")  # past the count: not traced
             assert client.get_trace_settings() == {
                 **TRITON_DEFAULT,
                 "trace_level": ["TIMESTAMPS"],
@@ -576,26 +730,41 @@ def test_triton_mode_writes_tritons_trace_file_and_counts_down(tmp_path: Path) -
             }
     records = json.loads(trace_file.read_text())
     models = [r for r in records if "model_name" in r]
-    assert [(m["model_name"], m["model_version"]) for m in models] == [("square", 1), ("add1", 1), ("add1", 1)]
-    streamed = dict(r["timestamps"][0].values() for r in records if r["id"] == models[0]["id"] and "timestamps" in r)
+    assert [(m["model_name"], m["model_version"]) for m in models] == [("square", 1)] + [("add1", 1)] * 3
+
+    def stamps(model: dict[str, Any]) -> list[tuple[str, int]]:
+        return [tuple(r["timestamps"][0].values()) for r in records if r["id"] == model["id"] and "timestamps" in r]
+
+    streamed = dict(stamps(models[0]))
     assert sorted(streamed) == sorted(  # a decoupled model's request: its first response completes it, once
-        ["GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START", "INFER_RESPONSE_COMPLETE", "REQUEST_END"]
-        + ["COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
+        ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START", "INFER_RESPONSE_COMPLETE"]
+        + ["REQUEST_END", "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
+        + ["GRPC_SEND_START", "GRPC_SEND_END"]
     )
     assert streamed["REQUEST_START"] < streamed["INFER_RESPONSE_COMPLETE"] < streamed["REQUEST_END"]
     assert streamed["COMPUTE_START"] < streamed["INFER_RESPONSE_COMPLETE"] < streamed["COMPUTE_END"]
-    first = [r["timestamps"][0]["name"] for r in records if r["id"] == models[1]["id"] and "timestamps" in r]
-    assert first == [
+    sends = [name for name, _ in stamps(models[0]) if "_SEND_" in name]
+    assert sends == ["GRPC_SEND_START", "GRPC_SEND_END"] * 3  # 2 responses and the empty FINAL asked for
+    request = ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START"]
+    request += ["COMPUTE_END", "REQUEST_END", "INFER_RESPONSE_COMPLETE"]
+    first = stamps(models[1])
+    assert [name for name, _ in first] == [  # what Triton's trace_summary.py reads for gRPC, all there
+        "GRPC_WAITREAD_START",
         "GRPC_WAITREAD_END",
-        "REQUEST_START",
-        "QUEUE_START",
-        "COMPUTE_START",
-        "COMPUTE_INPUT_END",
-        "COMPUTE_OUTPUT_START",
-        "COMPUTE_END",
-        "REQUEST_END",
-        "INFER_RESPONSE_COMPLETE",
+        *request,
+        "GRPC_SEND_START",
+        "GRPC_SEND_END",
     ]
+    over_http = stamps(models[3])
+    assert [name for name, _ in over_http] == [  # and for HTTP (in a front-end worker: its send reported)
+        "HTTP_RECV_START",
+        "HTTP_RECV_END",
+        *request,
+        "HTTP_SEND_START",
+        "HTTP_SEND_END",
+    ]
+    for timeline in (first, over_http):  # one clock in every process: the worker's stamps are in order too
+        assert [ns for _, ns in timeline] == sorted(ns for _, ns in timeline)
 
 
 @pytest.mark.parametrize(
@@ -659,7 +828,7 @@ def test_the_tensors_level_writes_a_requests_tensors_as_triton_does(tmp_path: Pa
     assert len(ids) == 3
     both, alone, streamed = ([r for r in records if r["id"] == i] for i in ids)
     assert both[0] == {"id": ids[0], "model_name": "add1", "model_version": 1, "request_id": "r-2"}
-    assert [r["timestamps"][0]["name"] for r in both if "timestamps" in r][1:3] == ["REQUEST_START", "QUEUE_START"]
+    assert [r["timestamps"][0]["name"] for r in both if "timestamps" in r][2:4] == ["REQUEST_START", "QUEUE_START"]
     tensors = [(r["activity"], r["tensor"]) for r in both if "activity" in r]
     assert tensors == [
         ("TENSOR_QUEUE_INPUT", {"name": "IN", "data": "0,1,2,3", "shape": "1,4", "dtype": "FP32"}),

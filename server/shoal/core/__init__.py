@@ -58,6 +58,7 @@ class StreamedResponse:
     response: InferResponse | None
     final: bool
     error: str = ""
+    trace_id: int = 0  # the trace its transport reports its send to (``Core.sent``); 0: none
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,12 @@ class Core(Protocol):
     # A decoupled model's zero or more responses as it sends them, the last one final; any other
     # model's one response, final. A failure before the model ran raises, as ``infer`` does.
     def infer_stream(self, request: InferRequest, origin: Origin | None = None) -> AsyncIterator[StreamedResponse]: ...
+
+    # A traced request's response (one whose ``trace_id`` is not 0) was written between ``started_ns``
+    # and ``ended_ns`` (``time.monotonic_ns``; 0: it was not written); ``last``: the request's last
+    # response. The transport that got the request with an ``origin`` reports each such response, in
+    # every case (written, failed, abandoned): its trace is exported then.
+    def sent(self, trace_id: int, started_ns: int, ended_ns: int, last: bool = True) -> None: ...
 
     async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]: ...
 

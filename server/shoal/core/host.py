@@ -98,6 +98,8 @@ class CoreHost:
             task = self._tasks.get(message.id)
             if task is not None:
                 task.cancel()
+        elif kind is messages.Sent:
+            self.core.sent(message.trace_id, message.started_ns, message.ended_ns, message.last)
         elif kind is messages.Pong:
             self.answered_ping_at = time.monotonic()
         elif kind is messages.Started:
@@ -200,8 +202,10 @@ class CoreHost:
 
     async def _infer(self, message: messages.Infer) -> None:
         request_id = message.id
+        trace_id = 0
         try:
             response = await self.core.infer(await self._request(message), message.origin)
+            trace_id = response.trace_id
             in_regions = [
                 (index, t.name, t.datatype.value, t.shape)
                 for index, t in enumerate(response.outputs)
@@ -209,6 +213,8 @@ class CoreHost:
             ]  # written into the client's memory: no bytes to move
             block, out = await self._pack([t for t in response.outputs if t.name not in response.in_regions])
         except BaseException as exc:  # noqa: BLE001 - every request gets its one answer
+            if trace_id:  # its answer is an error now: no send of it will be reported
+                self.core.sent(trace_id, 0, 0)
             self._failed(request_id, exc)
             if not isinstance(exc, Exception | asyncio.CancelledError):
                 raise
@@ -216,25 +222,29 @@ class CoreHost:
         names = (response.model_name, response.model_version, response.id)
         del response  # its outputs may be views of the inputs (an identity model): copied, so let them go
         # Inputs let go of by now ride with the answer: the worker can reuse them for its next request.
-        self.send(messages.Inferred(request_id, *names, block, out, in_regions, self._take_released()))
+        self.send(messages.Inferred(request_id, *names, block, out, in_regions, self._take_released(), trace_id))
 
     async def _stream(self, message: messages.Infer) -> None:
         """A streaming inference: a Streamed message per response, each outputs in its own block,
         until the final one; an Error instead when the request fails before (or cancelled)."""
         request_id = message.id
+        trace_id = 0
         try:
             async for part in self.core.infer_stream(await self._request(message), message.origin):
+                trace_id = part.trace_id
                 names, block = None, packing.NO_BLOCK
                 out: list[packing.Slot] = []
                 if part.response is not None:
                     response = part.response
                     names = (response.model_name, response.model_version, response.id)
                     block, out = await self._pack(list(response.outputs))
-                self.send(messages.Streamed(request_id, names, block, out, part.final, part.error))
+                self.send(messages.Streamed(request_id, names, block, out, part.final, part.error, trace_id))
                 if part.final:
                     return
             raise ShoalError(ErrorCode.INTERNAL, "the stream of responses ended without its final response")
         except BaseException as exc:  # noqa: BLE001 - every request gets its one final answer
+            if trace_id:  # its last answer is this error: no send of it will be reported
+                self.core.sent(trace_id, 0, 0)
             self._failed(request_id, exc)
             if not isinstance(exc, Exception | asyncio.CancelledError):
                 raise

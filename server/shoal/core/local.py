@@ -142,8 +142,14 @@ class LocalCore:
         finally:
             TRACED.reset(token)
         trace.model_version = response.model_version
-        self.tracer.finish(trace)
-        return response
+        if origin is None:  # nobody writes it: the trace ends here
+            self.tracer.finish(trace)
+            return response
+        self.tracer.finish(trace, sending=True)  # exported once its transport wrote the response
+        return dataclasses.replace(response, trace_id=trace.id)
+
+    def sent(self, trace_id: int, started_ns: int, ended_ns: int, last: bool = True) -> None:
+        self.tracer.sent(trace_id, started_ns, ended_ns, last)
 
     async def _infer(self, request: InferRequest) -> InferResponse:
         if not self._accepting:
@@ -181,7 +187,8 @@ class LocalCore:
         execution does, which may be after the FINAL flag."""
         served = self.manager.resolve(request.model_name, request.model_version)
         if not served.spec.decoupled:
-            yield StreamedResponse(await self.infer(request, origin), True)
+            response = await self.infer(request, origin)
+            yield StreamedResponse(response, True, trace_id=response.trace_id)
             return
         if request.output_regions:
             raise ShoalError(
@@ -201,8 +208,12 @@ class LocalCore:
                 TRACED.reset(token)
         task.add_done_callback(lambda _: sink.queue.put_nowait((ENDED, True)))
         executed_ns: list[int] = []  # when the execution ended: the trace's REQUEST_END
+        # Parts name the trace their transport reports its sends to (a transport's request only).
+        trace_id = 0
         if trace is not None:
             task.add_done_callback(lambda _: executed_ns.append(time.monotonic_ns()))
+            trace_id = trace.id if origin is not None else 0
+        handed_out = False  # a part went to the transport: it reports the last one's send
         final_seen = False
         try:
             while True:
@@ -212,7 +223,8 @@ class LocalCore:
                     message = error.message if isinstance(error, ShoalError) else ENDED.message
                     if error is not None and not isinstance(error, ShoalError):
                         message = internal_error(error, f"running a streaming request to model {request.model_name}")
-                    yield StreamedResponse(None, True, message)
+                    handed_out = True
+                    yield StreamedResponse(None, True, message, trace_id)
                     return
                 if isinstance(item, dict) and trace is not None:
                     if trace.when("INFER_RESPONSE_COMPLETE") is None:
@@ -220,7 +232,8 @@ class LocalCore:
                     trace.record_tensors("TENSOR_BACKEND_OUTPUT", item)
                 final_seen = final
                 if item is not None or final:
-                    yield _streamed(served, request, item, final)
+                    handed_out = True
+                    yield _streamed(served, request, item, final, trace_id)
                 if final:
                     return
         finally:
@@ -235,22 +248,26 @@ class LocalCore:
             else:  # the client went away first
                 task.cancel()
             if trace is not None:  # ends once both the responses read here and the execution have
-                finish = functools.partial(self._stream_traced, trace, executed_ns)
+                finish = functools.partial(self._stream_traced, trace, executed_ns, bool(trace_id) and handed_out)
                 if task.done():
                     finish(task)
                 else:
                     task.add_done_callback(finish)
 
-    def _stream_traced(self, trace: RequestTrace, executed_ns: list[int], task: asyncio.Task[InferResponse]) -> None:
+    def _stream_traced(
+        self, trace: RequestTrace, executed_ns: list[int], sending: bool, task: asyncio.Task[InferResponse]
+    ) -> None:
         """A streamed request's responses were all read and its execution ended: its trace ends (an error
-        if the execution failed or was cancelled), ``REQUEST_END`` when the execution ended."""
+        if the execution failed or was cancelled), ``REQUEST_END`` when the execution ended; exported
+        once its transport wrote the last response (``sending``: it was handed some)."""
         if task.cancelled():
             error = "the request was cancelled"
         elif (exc := task.exception()) is not None:
             error = exc.message if isinstance(exc, ShoalError) else type(exc).__name__
         else:
             error = ""
-        self.tracer.finish(trace, error, responded=False, ended_ns=executed_ns[0] if executed_ns else None)
+        ended_ns = executed_ns[0] if executed_ns else None
+        self.tracer.finish(trace, error, responded=False, ended_ns=ended_ns, sending=sending)
 
     async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
         return self.statistics_rows(name, version)
@@ -360,7 +377,11 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
 
 
 def _streamed(
-    served: ModelVersion, request: InferRequest, item: dict[str, np.ndarray] | ShoalError | None, final: bool
+    served: ModelVersion,
+    request: InferRequest,
+    item: dict[str, np.ndarray] | ShoalError | None,
+    final: bool,
+    trace_id: int,
 ) -> StreamedResponse:
     """One item of a decoupled model's sink as a response, its outputs checked against the config as
     every reply's are (``request_checks.finish``)."""
@@ -368,8 +389,9 @@ def _streamed(
         try:
             outputs = request_checks.streamed_outputs(served.spec, request, item)
         except ShoalError as exc:
-            return StreamedResponse(None, final, exc.message)
-        return StreamedResponse(InferResponse(served.spec.name, str(served.version), request.id, outputs), final)
+            return StreamedResponse(None, final, exc.message, trace_id)
+        response = InferResponse(served.spec.name, str(served.version), request.id, outputs)
+        return StreamedResponse(response, final, trace_id=trace_id)
     if isinstance(item, ShoalError):
-        return StreamedResponse(None, final, item.message)
-    return StreamedResponse(None, True)  # the FINAL flag alone
+        return StreamedResponse(None, final, item.message, trace_id)
+    return StreamedResponse(None, True, trace_id=trace_id)  # the FINAL flag alone

@@ -11,13 +11,15 @@ and their fields (``dataplane.channel.Records``: as cheap to pickle as a bare tu
 - ``Free``: response blocks of the host's arena the worker is done with
 - ``Started``: serving on its (gRPC, HTTP) ports, or why it cannot (then it exits)
 - ``Pong``: the answer to a ``Ping``, from the worker's event loop
+- ``Sent``: a traced response was written to its client (``Core.sent``)
 
 Host → worker:
 
 - ``Result``: a call's answer
 - ``Error``: a call or inference failed (an ``ErrorCode`` value and the message)
 - ``Inferred``: outputs in the host's arena; the worker frees ``block``; ``released``: requests
-  whose inputs were let go of by then, as a ``Release`` would say (its own id, usually)
+  whose inputs were let go of by then, as a ``Release`` would say (its own id, usually);
+  ``trace_id``: the trace the worker reports its send to (0: none)
 - ``Release``: nothing in the host refers to these requests' inputs any more
 - ``Streamed``: one response of a streaming ``Infer``, its outputs in a block of their own (``names``
   None: no outputs)
@@ -113,6 +115,7 @@ class Inferred(NamedTuple):
     slots: list[Slot]
     in_regions: list[RegionOutput]
     released: list[int]
+    trace_id: int = 0
 
 
 class Release(NamedTuple):
@@ -126,6 +129,14 @@ class Streamed(NamedTuple):
     slots: list[Slot]
     final: bool
     error: str
+    trace_id: int = 0
+
+
+class Sent(NamedTuple):
+    trace_id: int
+    started_ns: int
+    ended_ns: int
+    last: bool
 
 
 class Health(NamedTuple):
@@ -142,7 +153,7 @@ class Ping(NamedTuple):
 
 # Every kind of record the channel carries, both ways.
 RECORDS = Records(
-    [Call, Infer, Cancel, Free, Started, Pong, Result, Error, Inferred, Release, Streamed, Health, Stop, Ping]
+    [Call, Infer, Cancel, Free, Started, Pong, Sent, Result, Error, Inferred, Release, Streamed, Health, Stop, Ping]
 )
 
 # The Core methods a worker may call by name (infer has its own message).

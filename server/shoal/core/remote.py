@@ -184,7 +184,11 @@ class RemoteCore:
             outputs = packing.unpack(self.responses, message.slots, lambda: self._release(block), encoded_bytes=True)
             model_name, model_version, response_id = message.names
             response = InferResponse(model_name, model_version, response_id, outputs)
-        stream.put(StreamedResponse(response, message.final, message.error))
+        stream.put(StreamedResponse(response, message.final, message.error, message.trace_id))
+
+    def sent(self, trace_id: int, started_ns: int, ended_ns: int, last: bool = True) -> None:
+        if self._channel is not None and not self._channel.closed:
+            self._channel.send(messages.Sent(trace_id, started_ns, ended_ns, last))
 
     async def model_statistics(self, name: str, version: str) -> list[StatisticsRow]:
         rows: list[StatisticsRow] = await self._call("model_statistics", name, version)
@@ -316,6 +320,7 @@ class RemoteCore:
                 message.response_id,
                 outputs,
                 frozenset(r[1] for r in message.in_regions),
+                message.trace_id,
             )
         )
 

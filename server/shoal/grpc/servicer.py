@@ -13,7 +13,7 @@ import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
 import grpc
 
@@ -57,15 +57,31 @@ class InferenceServicer:
         return convert.model_config(await self.core.model_config(request.name, request.version))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        message, trace_id = await self._infer(request, context)
+        if trace_id:  # traced: its send is reported once the engine wrote it (the RPC's end), however it ends
+            send = _Send(self.core, trace_id)
+            context.add_done_callback(send.ended)
+            send.started_ns = time.monotonic_ns()
+        return message
+
+    async def _infer(self, request: pb.ModelInferRequest, context: Context) -> tuple[pb.ModelInferResponse, int]:
+        """The response, and the trace its send is reported to (0: none)."""
         origin = Origin("GRPC", time.monotonic_ns(), *_trace_context(context))
         inference = await offload.infer_request(request, self.encoded_bytes)
-        return await offload.infer_response(await self.core.infer(inference, origin))
+        response = await self.core.infer(inference, origin)
+        try:
+            return await offload.infer_response(response), response.trace_id
+        except BaseException:
+            if response.trace_id:  # no response goes out: the trace ends without a send
+                self.core.sent(response.trace_id, 0, 0)
+            raise
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each request starts as it is read; the core's ``InferStream`` orders the answers as Triton's
-        stream handler does. A failed request gets ``error_message`` and its id, and the stream goes on."""
+        stream handler does. A failed request gets ``error_message`` and its id, and the stream goes on.
+        A traced answer's send is reported when the engine asks for the next one (it wrote this one)."""
         stream = InferStream(
             self.core,
             _route,
@@ -74,19 +90,29 @@ class InferenceServicer:
         )
         async with contextlib.aclosing(stream.answers(requests)) as answers:  # closed with this RPC
             async for answer in answers:
-                yield answer
+                if not answer.trace_id:
+                    yield answer.message
+                    continue
+                started_ns, ended_ns = time.monotonic_ns(), 0
+                try:
+                    yield answer.message
+                    ended_ns = time.monotonic_ns()
+                finally:
+                    self.core.sent(answer.trace_id, started_ns, ended_ns, answer.last)
 
     async def _stream_decoupled(
-        self, request: pb.ModelInferRequest, put: Callable[[pb.ModelStreamInferResponse], None], context: Context
+        self, request: pb.ModelInferRequest, put: Callable[[Written], None], context: Context
     ) -> None:
         """A decoupled model's responses, each written as it comes, as Triton's stream handler does:
         each names its request, carries ``triton_final_response``, and a FINAL flag without a
         response is written only when the client asked (``triton_enable_empty_final_response``)."""
         empty_final = _bool_parameter(request, EMPTY_FINAL_PARAMETER)
         origin = Origin("GRPC", time.monotonic_ns(), *_trace_context(context))
+        trace_id, last_handed = 0, False  # the trace its sends are reported to; its last answer went out
         try:
             inference = await offload.infer_request(request, self.encoded_bytes)
             async for part in self.core.infer_stream(inference, origin):
+                trace_id = part.trace_id
                 if part.response is not None:
                     message = await offload.infer_response(part.response)
                 elif part.error or empty_final:
@@ -96,19 +122,32 @@ class InferenceServicer:
                 else:
                     continue  # a bare FINAL flag the client did not ask to see
                 message.parameters[FINAL_PARAMETER].bool_param = part.final
-                put(pb.ModelStreamInferResponse(error_message=part.error, infer_response=message))
+                put(
+                    Written(
+                        pb.ModelStreamInferResponse(error_message=part.error, infer_response=message),
+                        trace_id,
+                        part.final,
+                    )
+                )
+                last_handed = part.final
         except Exception as exc:  # noqa: BLE001 - reported in-stream; the stream goes on
             _, text = to_status(exc)
-            put(pb.ModelStreamInferResponse(error_message=text, infer_response=pb.ModelInferResponse(id=request.id)))
+            failed = pb.ModelInferResponse(id=request.id)
+            put(Written(pb.ModelStreamInferResponse(error_message=text, infer_response=failed), trace_id))
+            last_handed = True
+        finally:
+            if trace_id and not last_handed:  # its last answer goes out unwritten (a bare FINAL flag, or none)
+                self.core.sent(trace_id, 0, 0)
 
-    async def _stream_answer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelStreamInferResponse:
+    async def _stream_answer(self, request: pb.ModelInferRequest, context: Context) -> Written:
         """One request's answer on a stream; a failure is reported in-stream, as Triton does."""
         try:
-            return pb.ModelStreamInferResponse(infer_response=await self.ModelInfer(request, context))
+            message, trace_id = await self._infer(request, context)
+            return Written(pb.ModelStreamInferResponse(infer_response=message), trace_id)
         except Exception as exc:  # noqa: BLE001 - reported in-stream; the stream goes on
-            _, message = to_status(exc)
+            _, text = to_status(exc)
             failed = pb.ModelInferResponse(id=request.id)  # so the client knows which request failed
-            return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+            return Written(pb.ModelStreamInferResponse(error_message=text, infer_response=failed))
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
         return convert.model_statistics(await self.core.model_statistics(request.name, request.version))
@@ -178,6 +217,28 @@ class InferenceServicer:
         else:
             settings = await self.core.trace_settings(request.model_name)
         return convert.trace_settings(settings)
+
+
+class Written(NamedTuple):
+    """One answer on a stream, and the trace its send is reported to (0: none); ``last``: that
+    request's last answer."""
+
+    message: pb.ModelStreamInferResponse
+    trace_id: int = 0
+    last: bool = True
+
+
+class _Send:
+    """A traced unary response: reported sent when its RPC ends (the engine has written it by then)."""
+
+    __slots__ = ("core", "trace_id", "started_ns")
+
+    def __init__(self, core: Core, trace_id: int) -> None:
+        self.core, self.trace_id, self.started_ns = core, trace_id, 0
+
+    def ended(self, context: Context) -> None:
+        written = self.started_ns and not context.cancelled()  # cancelled: the client went first
+        self.core.sent(self.trace_id, self.started_ns, time.monotonic_ns() if written else 0)
 
 
 def _trace_context(context: Context) -> tuple[str, str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import time
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -58,16 +59,25 @@ class HttpApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # lifespan is off; websockets are not served
+        started_ns = time.monotonic_ns()  # the head was parsed: a traced request's HTTP_RECV_START
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         try:
             handler, path, category = route(scope["method"], scope["path"])
             self._check_restriction(category, headers)
             body = await self._read_body(receive, headers)
-            reply = await handler(self.core, Request(path, headers, body, self.encoded_bytes))
+            reply = await handler(self.core, Request(path, headers, body, self.encoded_bytes, started_ns))
         except Exception as exc:  # noqa: BLE001 - every failure becomes Triton's error body
             status, message = to_http(exc)
             reply = Reply(status=status, body=error_body(message))
-        await _send(send, reply, headers.get("accept-encoding", ""))
+        if not reply.trace_id:
+            await _send(send, reply, headers.get("accept-encoding", ""))
+            return
+        sending_ns, sent_ns = time.monotonic_ns(), 0  # a traced answer: its send is reported, however it ends
+        try:
+            await _send(send, reply, headers.get("accept-encoding", ""))
+            sent_ns = time.monotonic_ns()
+        finally:
+            self.core.sent(reply.trace_id, sending_ns, sent_ns)
 
     def _check_restriction(self, category: str, headers: dict[str, str]) -> None:
         for rule in self.restrictions:

@@ -34,6 +34,7 @@ class Request:
     body: bytes
     # The core decodes BYTES inputs itself (a front-end worker's RemoteCore): binary ones are left encoded.
     encoded_bytes: bool = False
+    started_ns: int = 0  # time.monotonic_ns() when its head was read: a trace's HTTP_RECV_START
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Reply:
     # Only a successful inference answer may be compressed (Triton's http_server.cc compresses nothing
     # else): tritonclient reads every other answer as it comes, and aiohttp asks for gzip on its own.
     compressible: bool = False
+    trace_id: int = 0  # a traced inference's: the app reports its send to the core (``Core.sent``)
 
 
 def _json(document: Any) -> Reply:
@@ -93,8 +95,9 @@ async def model_statistics(core: Core, request: Request) -> Reply:
 
 async def infer(core: Core, request: Request) -> Reply:
     """Decoding and encoding run off the loop for large bodies, as the gRPC path does."""
+    headers = request.headers
     origin = Origin(
-        "HTTP", time.monotonic_ns(), request.headers.get("traceparent", ""), request.headers.get("tracestate", "")
+        "HTTP", time.monotonic_ns(), headers.get("traceparent", ""), headers.get("tracestate", ""), request.started_ns
     )
     header, binary = infer_body.split_body(request.body, request.headers.get(infer_body.HEADER_LENGTH))
     costly = off_loop.costly(len(request.body))
@@ -104,15 +107,21 @@ async def infer(core: Core, request: Request) -> Reply:
         response = await core.infer(inference, origin)
     except DecoupledRefused:  # in Triton's HTTP words (http_server.cc)
         raise DecoupledRefused("HTTP end point doesn't support models with decoupled transaction policy") from None
-    costly = costly or _costly_answer(response, binary_outputs)
-    body, header_length = await _run(costly, infer_body.infer_response, response, binary_outputs)
+    try:
+        costly = costly or _costly_answer(response, binary_outputs)
+        body, header_length = await _run(costly, infer_body.infer_response, response, binary_outputs)
+    except BaseException:
+        if response.trace_id:  # its answer is an error now: the trace ends without the response's send
+            core.sent(response.trace_id, 0, 0)
+        raise
     if header_length is None:
-        return Reply(body=body, compressible=True)
+        return Reply(body=body, compressible=True, trace_id=response.trace_id)
     return Reply(
         body=body,
         content_type="application/octet-stream",
         headers={"inference-header-content-length": str(header_length)},
         compressible=True,
+        trace_id=response.trace_id,
     )
 
 

@@ -153,6 +153,7 @@ class PythonProcessModel(process.ProcessModel):
                             data.correlation_id,
                             dict(data.parameters),
                             data.trace_id,
+                            data.trace_context,
                         )
                     )
                 return requests, offset

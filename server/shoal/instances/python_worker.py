@@ -46,6 +46,7 @@ def _items(arenas: dict[str, Arena], requests: list[PipedRequest]) -> list[runne
             request.correlation_id,
             request.parameters,
             request.trace_id,
+            request.trace_context,
         )
         for request in requests
     ]

@@ -98,6 +98,7 @@ class PipedRequest(NamedTuple):
     correlation_id: Any
     parameters: dict[str, Any]
     trace_id: int  # the request's trace, which its BLS calls name (0: not traced)
+    trace_context: str  # its OpenTelemetry context, for ``trace().get_context()`` ("": none)
 
 
 class RunRequests(NamedTuple):

@@ -4,7 +4,8 @@
 Spans as Triton 2.51's OpenTelemetry mode makes them (captured from tritonserver 2.51), all of
 kind SERVER: ``InferRequest`` (the root; a child of the client's span when the request carried a
 ``traceparent``, whose trace id it keeps and whose ``tracestate`` every span carries), with the
-transport's events and ``INFER_RESPONSE_COMPLETE``; under it a span named after the model, with
+transport's receive events, ``INFER_RESPONSE_COMPLETE`` and a ``*_SEND_START``/``*_SEND_END`` pair per
+response written, ending with the last; under it a span named after the model, with
 ``triton.model_name``, ``triton.model_version`` (int), ``triton.trace_id``,
 ``triton.trace_parent_id`` (0 at the top) and ``triton.request_id`` (when the request has an id),
 and events ``REQUEST_START``, ``QUEUE_START``, ``REQUEST_END``; under it ``compute``, with the four
@@ -23,18 +24,25 @@ from pathlib import Path
 from typing import Any
 
 from shoal.settings import DEFAULT_URL, TraceConfig
-from shoal.tracing.trace import RequestTrace, received_stamp
+from shoal.tracing.trace import (
+    MAX_TRACESTATE_CHARS,
+    RequestTrace,
+    random_span_id,
+    random_trace_id,
+    transport_stamps,
+)
 
 logger = logging.getLogger(__name__)
 
-# W3C's bound on a tracestate header; a longer one is dropped (the trace still continues the client's).
-MAX_TRACESTATE_CHARS = 512
 # The SDK logs a WARNING with the whole header for each malformed tracestate member: a client could fill the
 # log with them, so that logger says only errors (a malformed tracestate is dropped without a word).
 logging.getLogger("opentelemetry.trace.span").setLevel(logging.ERROR)
 # One export's bound: a collector that does not answer costs the exporter's thread this long, never a request.
 EXPORT_TIMEOUT_S = 5.0
 COMPUTE_STAMPS = ("COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END")
+# The root span's events besides the transport's receive: the response's completion and each send.
+ROOT_STAMPS = ("INFER_RESPONSE_COMPLETE",)
+SEND_STAMPS = ("_SEND_START", "_SEND_END")
 
 
 class TraceFile:
@@ -110,7 +118,7 @@ def _records(trace: RequestTrace) -> list[dict[str, Any]]:
 def _all_stamps(trace: RequestTrace) -> list[tuple[str, int]]:
     if trace.origin is None:
         return trace.stamps
-    return [(received_stamp(trace.origin), trace.origin.received_ns), *trace.stamps]
+    return [*transport_stamps(trace.origin), *trace.stamps]
 
 
 def _version(trace: RequestTrace) -> int:
@@ -134,7 +142,12 @@ class OpenTelemetrySpans:
             url = f"http://{url}"  # Triton takes host:port/path too
         attributes = {"service.name": "shoal", **dict(config.resource)}
         # The settings decided to trace: the SDK samples every span, a client's unsampled parent (flags 00) too.
-        self.provider = TracerProvider(resource=Resource.create(attributes), sampler=ALWAYS_ON)
+        self._ids = _ChosenIds()
+        self.provider = TracerProvider(
+            resource=Resource.create(attributes),
+            sampler=ALWAYS_ON,
+            id_generator=self._ids,  # type: ignore[arg-type]  # its two methods: the SDK is imported only here
+        )
         self.provider.add_span_processor(
             BatchSpanProcessor(
                 OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S),
@@ -160,15 +173,19 @@ class OpenTelemetrySpans:
         context = self._propagator.extract(carrier) if carrier else None
         start = origin.received_ns if origin is not None else trace.stamps[0][1]
         end = max(ns for _, ns in trace.stamps)  # a streamed request's first response is not its end
+        if context is None:  # the trace id the trace chose (a client's trace keeps the client's)
+            self._ids.trace_id = trace.otel_trace_id
         root = self.tracer.start_span("InferRequest", context=context, kind=self._kind, start_time=self._epoch(start))
+        self._ids.trace_id = 0
         if not trace.timestamps:  # TENSORS alone: Triton exports the bare root (it traces no tensors here)
             root.end(end_time=self._epoch(end))
             return
         if origin is not None:
-            root.add_event(received_stamp(origin), timestamp=self._epoch(origin.received_ns))
-        response = trace.when("INFER_RESPONSE_COMPLETE")
-        if response is not None:
-            root.add_event("INFER_RESPONSE_COMPLETE", timestamp=self._epoch(response))
+            for name, ns in transport_stamps(origin):
+                root.add_event(name, timestamp=self._epoch(ns))
+        for name, ns in trace.stamps:
+            if name in ROOT_STAMPS or name.endswith(SEND_STAMPS):
+                root.add_event(name, timestamp=self._epoch(ns))
         self._model_span(trace, self._in_context(root))
         root.end(end_time=self._epoch(end))
 
@@ -183,9 +200,11 @@ class OpenTelemetrySpans:
             attributes["triton.request_id"] = trace.request_id
         start = trace.when("REQUEST_START") or trace.stamps[0][1]
         end = trace.when("REQUEST_END") or trace.stamps[-1][1]
+        self._ids.span_id = trace.span_id  # the id get_context gave a Python model while it ran
         span = self.tracer.start_span(
             trace.model_name, context=context, kind=self._kind, start_time=self._epoch(start), attributes=attributes
         )
+        self._ids.span_id = 0
         for name in ("REQUEST_START", "QUEUE_START", "REQUEST_END"):
             ns = trace.when(name)
             if ns is not None:
@@ -213,3 +232,20 @@ class OpenTelemetrySpans:
 
     def close(self) -> None:
         self.provider.shutdown()  # exports what the batch processor still holds
+
+
+class _ChosenIds:
+    """The SDK's id generator (``opentelemetry.sdk.trace.id_generator.IdGenerator``'s two methods): the
+    ids a trace chose at its start when it has them (a Python model may have continued the trace with
+    them: ``RequestTrace.context``), random ones otherwise. Set just before the span that takes them;
+    spans are built on the serving loop only."""
+
+    def __init__(self) -> None:
+        self.trace_id = 0
+        self.span_id = 0
+
+    def generate_span_id(self) -> int:
+        return self.span_id or random_span_id()
+
+    def generate_trace_id(self) -> int:
+        return self.trace_id or random_trace_id()

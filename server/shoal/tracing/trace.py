@@ -1,13 +1,19 @@
 """One sampled request: its timestamps by Triton's names, and the traces of the requests it made.
 
 Timestamps are ``time.monotonic_ns`` (one clock for every process of the server on Linux, so a
-front-end worker's receive time is comparable): ``<PROTOCOL>_RECV_END`` / ``GRPC_WAITREAD_END``
-when the transport had the request, ``REQUEST_START`` when the core took it, ``QUEUE_START`` when
+front-end worker's receive time is comparable): ``HTTP_RECV_START`` when the HTTP transport began
+reading the request (its head was parsed) and ``HTTP_RECV_END`` when it had its body;
+``GRPC_WAITREAD_START`` and ``GRPC_WAITREAD_END`` both when the gRPC handler got the decoded request
+(the engine reads it before: Triton's ``GRPC_WAITREAD_START`` is when it posted its handler state,
+often seconds before the request); ``REQUEST_START`` when the core took it, ``QUEUE_START`` when
 its model's scheduler queued it, ``COMPUTE_START``, ``COMPUTE_INPUT_END``, ``COMPUTE_OUTPUT_START``
 and ``COMPUTE_END`` of the batch that ran it, ``REQUEST_END`` and ``INFER_RESPONSE_COMPLETE`` when
 its response was ready (a decoupled model's request: ``INFER_RESPONSE_COMPLETE`` at its first
-response, ``REQUEST_END`` when its execution ended). The scheduler reports the batch's times through ``executed``
-(``statistics.TRACED`` carries the trace to it); an ensemble's steps are child traces.
+response, ``REQUEST_END`` when its execution ended); then ``<PROTOCOL>_SEND_START`` and
+``<PROTOCOL>_SEND_END`` around each response the transport wrote (reported through ``Core.sent``;
+a decoupled model's request has a pair per response written). The scheduler reports the batch's
+times through ``executed`` (``statistics.TRACED`` carries the trace to it); an ensemble's steps are
+child traces.
 
 At the ``TENSORS`` level a trace also keeps its request's tensors, as Triton's trace file writes
 them: ``TENSOR_QUEUE_INPUT`` per input and ``TENSOR_BACKEND_OUTPUT`` per output of each response,
@@ -21,7 +27,9 @@ UTF-8 is written \\xNN (Triton writes them raw: its file is then not JSON).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -53,6 +61,7 @@ class Origin(NamedTuple):
     received_ns: int
     traceparent: str = ""
     tracestate: str = ""
+    started_ns: int = 0  # when the transport began reading it (0: when it had it, ``received_ns``)
 
 
 class TensorRecord(NamedTuple):
@@ -98,6 +107,12 @@ class RequestTrace:
     timestamps: bool = True  # the level has TIMESTAMPS (at TENSORS alone Triton writes no timestamps)
     tensors: list[TensorRecord] | None = None  # the level has TENSORS: the request's tensors
     _queued: bool = field(default=False, repr=False)  # its inputs were recorded (the first queue only)
+    ended: bool = False  # the core is done with it; exported once its transport sent its last response
+    # OpenTelemetry mode: the ids its spans will have, chosen at its start so that a Python model can
+    # continue the trace while it runs (``pb_utils`` ``trace().get_context()``); 0: none chosen.
+    otel_trace_id: int = 0
+    span_id: int = 0  # the model span's
+    sent_all: bool = False  # its transport reported its last response's send (or that none goes out)
 
     def stamp(self, name: str, ns: int | None = None) -> None:
         self.stamps.append((name, time.monotonic_ns() if ns is None else ns))
@@ -147,6 +162,8 @@ class RequestTrace:
             parent=self,
             timestamps=self.timestamps,
             tensors=None if self.tensors is None else [],
+            otel_trace_id=self.otel_trace_id,
+            span_id=random_span_id() if self.span_id else 0,
         )
         step.stamp("REQUEST_START")
         self.children.append(step)
@@ -166,10 +183,39 @@ class RequestTrace:
     def when(self, name: str) -> int | None:
         return next((ns for stamp, ns in self.stamps if stamp == name), None)
 
+    def context(self) -> str:
+        """Triton's trace context of its model span, as a Python model's ``trace().get_context()`` gives
+        it: ``{"traceparent": ...}`` (and the client's ``tracestate``) in OpenTelemetry mode; "" else."""
+        if not self.span_id:
+            return ""
+        carrier = {"traceparent": f"00-{self.otel_trace_id:032x}-{self.span_id:016x}-01"}
+        top = self
+        while top.parent is not None:
+            top = top.parent
+        if top.origin is not None and top.origin.tracestate and len(top.origin.tracestate) <= MAX_TRACESTATE_CHARS:
+            carrier["tracestate"] = top.origin.tracestate
+        return json.dumps(carrier, separators=(",", ":"))
 
-def received_stamp(origin: Origin) -> str:
-    """Triton's name for the time the transport had the whole request."""
-    return "GRPC_WAITREAD_END" if origin.protocol == "GRPC" else f"{origin.protocol}_RECV_END"
+
+# W3C's bound on a tracestate header; a longer one is dropped (the trace still continues the client's).
+MAX_TRACESTATE_CHARS = 512
+
+
+def random_span_id() -> int:
+    return random.getrandbits(64) or 1
+
+
+def random_trace_id() -> int:
+    return random.getrandbits(128) or 1
+
+
+def transport_stamps(origin: Origin) -> list[tuple[str, int]]:
+    """When the transport began reading the request and when it had it, by Triton's names."""
+    started, received = ("WAITREAD_START", "WAITREAD_END") if origin.protocol == "GRPC" else ("RECV_START", "RECV_END")
+    return [
+        (f"{origin.protocol}_{started}", origin.started_ns or origin.received_ns),
+        (f"{origin.protocol}_{received}", origin.received_ns),
+    ]
 
 
 Exporter = Callable[[RequestTrace], None]

@@ -320,12 +320,15 @@ class InferenceTrace:
     nest a BLS call's trace under the request's (Triton traces the call only then). ``trace_id`` 0: the
     request is not traced."""
 
-    def __init__(self, trace_id: int = 0) -> None:
+    def __init__(self, trace_id: int = 0, context: str = "") -> None:
         self.trace_id = trace_id
+        self._context = context
 
-    def get_context(self) -> str:
-        """Triton's OpenTelemetry context of the trace; Shoal carries the trace by its id only."""
-        return ""
+    def get_context(self) -> str | None:
+        """The trace's OpenTelemetry context, as Triton's: a JSON object whose ``traceparent`` names the
+        model's span (and the client's ``tracestate``), for the model to continue the trace in what it
+        calls; None when the request is not traced or the mode is not opentelemetry."""
+        return self._context or None
 
 
 class InferenceRequest:

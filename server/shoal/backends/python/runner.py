@@ -73,6 +73,7 @@ class RequestData:
     correlation_id: int | str = 0
     parameters: Mapping[str, Any] = field(default_factory=dict)
     trace_id: int = 0  # the request's trace, when it is sampled: a BLS call made with trace= nests under it
+    trace_context: str = ""  # its OpenTelemetry context (``trace().get_context()``); "": none
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,12 @@ def request_data(
 ) -> RequestData:
     """A queued request as the model sees it; ``request`` is the core's InferRequest (None in tests),
     ``traced`` its trace when it is sampled (the pending request's)."""
-    trace_id = int(getattr(traced, "id", 0))
+    trace_id, context = (traced.id, traced.context()) if traced is not None else (0, "")
     if request is None:
-        return RequestData(feed, tuple(outputs), trace_id=trace_id)
+        return RequestData(feed, tuple(outputs), trace_id=trace_id, trace_context=context)
     parameters = dict(request.parameters)
-    return RequestData(feed, tuple(outputs), request.id, parameters.get("sequence_id", 0), parameters, trace_id)
+    sequence_id = parameters.get("sequence_id", 0)
+    return RequestData(feed, tuple(outputs), request.id, sequence_id, parameters, trace_id, context)
 
 
 def install_utils() -> None:
@@ -231,7 +233,7 @@ class ModelRunner:
                 request_id=item.request_id,
                 correlation_id=item.correlation_id,
                 parameters=dict(item.parameters),
-                trace=pb_utils.InferenceTrace(item.trace_id),
+                trace=pb_utils.InferenceTrace(item.trace_id, item.trace_context),
             )
             for item in items
         ]
