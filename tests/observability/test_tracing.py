@@ -27,6 +27,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol import InferenceStub
@@ -554,6 +556,7 @@ def test_an_http_request_keeps_the_clients_trace_and_state(traced_server: Runnin
         "HTTP_SEND_END",
     ]
     assert root["times"] == sorted(root["times"]) and root["end"] == root["times"][-1] >= spans["add1"][0]["end"]
+    assert root["start"] == root["times"][0]  # the span holds its first event, HTTP_RECV_START
     assert {s["trace_state"] for s in collector.trace(trace_id, 3)} == {"vendor=shoal-test"}
 
 
@@ -608,6 +611,36 @@ def test_a_python_model_gets_its_spans_context_as_tritons_get_context(
     assert model_context(traced_server, model, {}) == "None"  # rate 0 and no client's trace: not traced
 
 
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        "",  # a trace of the server's own: sampled by rate
+        "garbage",
+        "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",  # upper case: not W3C's
+        "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",  # a later version's
+        TRACEPARENT,  # the client's, continued
+    ],
+)
+def test_the_spans_exported_have_the_ids_get_context_gave(collector: Collector, traceparent: str) -> None:
+    """The model span's id and the trace id a Python model was given are the exported ones, whether the
+    trace is the server's own or a client's, and whatever the client sent (once: no spans at all)."""
+    url = f"opentelemetry,url=127.0.0.1:{collector.port}/v1/traces"
+    tracer = Tracer(parse_trace_config(["mode=opentelemetry", "level=TIMESTAMPS", "rate=1", url]))
+    memory = InMemorySpanExporter()
+    tracer._export.provider.add_span_processor(SimpleSpanProcessor(memory))  # type: ignore[union-attr]
+    trace = tracer.start("add1", "1", "", Origin("HTTP", time.monotonic_ns(), traceparent))
+    assert trace is not None
+    _, trace_id, span_id, _ = json.loads(trace.context())["traceparent"].split("-")
+    tracer.finish(trace)  # nobody writes it: exported now
+    spans = {span.name: span for span in memory.get_finished_spans()}
+    assert sorted(spans) == ["InferRequest", "add1"]
+    model, root = spans["add1"].context, spans["InferRequest"].context
+    assert (f"{model.trace_id:032x}", f"{model.span_id:016x}", root.trace_id) == (trace_id, span_id, model.trace_id)
+    if traceparent == TRACEPARENT:
+        assert trace_id == CLIENT_TRACE
+    tracer.close()
+
+
 def test_a_trace_of_its_own_gives_its_own_ids_to_get_context() -> None:
     """Without a client's trace the trace id is the server's, chosen at the start and kept by the spans."""
     tracer = Tracer(parse_trace_config(["mode=opentelemetry", "level=TIMESTAMPS", "rate=1"]))
@@ -626,8 +659,9 @@ def test_a_clients_unsampled_trace_is_still_continued(traced_server: RunningServ
     assert by_name(collector.trace(trace_id, 3))["InferRequest"][0]["parent"] == CLIENT_SPAN
 
 
-def stream_square(server: RunningServer, n: int, traceparent: str = "") -> list[int]:
-    """``square`` over a gRPC stream: its ``n`` responses (each ``n``), read up to the FINAL flag."""
+def stream_square(server: RunningServer, n: int, traceparent: str = "", empty_final: bool = True) -> list[int]:
+    """``square`` over a gRPC stream: its ``n`` responses (each ``n``), read up to the FINAL flag (or, when
+    the client does not ask for an empty final response, the ``n``-th)."""
     answers: queue.Queue[Any] = queue.Queue()
     with grpcclient.InferenceServerClient(server.url) as client:
         client.start_stream(
@@ -636,9 +670,9 @@ def stream_square(server: RunningServer, n: int, traceparent: str = "") -> list[
         )
         given = grpcclient.InferInput("IN", [1], "INT32")
         given.set_data_from_numpy(np.array([n], dtype=np.int32))
-        client.async_stream_infer("square", [given], request_id="s", enable_empty_final_response=True)
-        got = []
-        while True:
+        client.async_stream_infer("square", [given], request_id="s", enable_empty_final_response=empty_final)
+        got: list[int] = []
+        while len(got) < n or empty_final:
             result, error = answers.get(timeout=60)
             assert error is None, error
             if result.get_response().parameters["triton_final_response"].bool_param:
@@ -668,6 +702,11 @@ def test_a_decoupled_models_request_is_one_trace_as_tritons(traced_server: Runni
     assert compute["events"] == ["COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
     assert model["attributes"]["triton.request_id"] == "s" and model["attributes"]["triton.model_version"] == 1
     assert root["start"] <= model["start"] <= compute["start"] <= compute["end"] <= model["end"] <= root["end"]
+    # tritonclient's default: no empty final response; the FINAL flag's send, not written, once the 3 went out
+    trace_id = secrets.token_hex(16)
+    assert stream_square(traced_server, 3, f"00-{trace_id}-{CLIENT_SPAN}-01", empty_final=False) == [3, 3, 3]
+    root = by_name(collector.trace(trace_id, 3))["InferRequest"][0]
+    assert root["events"][3:] == ["GRPC_SEND_START", "GRPC_SEND_END"] * 3
 
 
 def test_without_a_clients_trace_at_rate_zero_nothing_is_sent(

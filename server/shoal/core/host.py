@@ -228,7 +228,7 @@ class CoreHost:
         """A streaming inference: a Streamed message per response, each outputs in its own block,
         until the final one; an Error instead when the request fails before (or cancelled)."""
         request_id = message.id
-        trace_id = 0
+        trace_id, told = 0, False  # the trace its sends are reported to; the worker was told it (and reports)
         try:
             async for part in self.core.infer_stream(await self._request(message), message.origin):
                 trace_id = part.trace_id
@@ -239,11 +239,12 @@ class CoreHost:
                     names = (response.model_name, response.model_version, response.id)
                     block, out = await self._pack(list(response.outputs))
                 self.send(messages.Streamed(request_id, names, block, out, part.final, part.error, trace_id))
+                told = True
                 if part.final:
                     return
             raise ShoalError(ErrorCode.INTERNAL, "the stream of responses ended without its final response")
         except BaseException as exc:  # noqa: BLE001 - every request gets its one final answer
-            if trace_id:  # its last answer is this error: no send of it will be reported
+            if trace_id and not told:  # the worker cannot report a trace it never heard of
                 self.core.sent(trace_id, 0, 0)
             self._failed(request_id, exc)
             if not isinstance(exc, Exception | asyncio.CancelledError):

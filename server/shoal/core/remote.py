@@ -178,6 +178,8 @@ class RemoteCore:
         block = message.block
         if stream.abandoned:
             self._release(block)
+            if message.trace_id and message.final:  # nobody writes it: its trace need not wait for it
+                self.sent(message.trace_id, 0, 0)
             return
         response = None
         if message.names is not None:
@@ -303,8 +305,10 @@ class RemoteCore:
     def _inferred(self, answer: asyncio.Future[Any], message: messages.Inferred) -> None:
         """The outputs as views of the host's block (BYTES still encoded: no work per element here)."""
         block = message.block
-        if answer.done():  # cancelled meanwhile: nobody reads the outputs
+        if answer.done():  # cancelled meanwhile: nobody reads the outputs, nobody writes them
             self._release(block)
+            if message.trace_id:
+                self.sent(message.trace_id, 0, 0)
             return
         outputs = packing.unpack(self.responses, message.slots, lambda: self._release(block), encoded_bytes=True)
         if message.in_regions:

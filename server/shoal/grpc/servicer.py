@@ -90,6 +90,9 @@ class InferenceServicer:
         )
         async with contextlib.aclosing(stream.answers(requests)) as answers:  # closed with this RPC
             async for answer in answers:
+                if answer.message is None:  # a traced request's last answer, not written: after those before it
+                    self.core.sent(answer.trace_id, 0, 0)
+                    continue
                 if not answer.trace_id:
                     yield answer.message
                     continue
@@ -136,8 +139,8 @@ class InferenceServicer:
             put(Written(pb.ModelStreamInferResponse(error_message=text, infer_response=failed), trace_id))
             last_handed = True
         finally:
-            if trace_id and not last_handed:  # its last answer goes out unwritten (a bare FINAL flag, or none)
-                self.core.sent(trace_id, 0, 0)
+            if trace_id and not last_handed:  # its last answer is not written (a bare FINAL flag, or none)
+                put(Written(None, trace_id))  # said in its place, once the answers queued before it went out
 
     async def _stream_answer(self, request: pb.ModelInferRequest, context: Context) -> Written:
         """One request's answer on a stream; a failure is reported in-stream, as Triton does."""
@@ -221,9 +224,9 @@ class InferenceServicer:
 
 class Written(NamedTuple):
     """One answer on a stream, and the trace its send is reported to (0: none); ``last``: that
-    request's last answer."""
+    request's last answer. ``message`` None: nothing to write, only the trace's last send to report."""
 
-    message: pb.ModelStreamInferResponse
+    message: pb.ModelStreamInferResponse | None
     trace_id: int = 0
     last: bool = True
 

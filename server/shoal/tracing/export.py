@@ -25,11 +25,12 @@ from typing import Any
 
 from shoal.settings import DEFAULT_URL, TraceConfig
 from shoal.tracing.trace import (
-    MAX_TRACESTATE_CHARS,
     RequestTrace,
+    clients_tracestate,
     random_span_id,
     random_trace_id,
     transport_stamps,
+    valid_traceparent,
 )
 
 logger = logging.getLogger(__name__)
@@ -142,12 +143,8 @@ class OpenTelemetrySpans:
             url = f"http://{url}"  # Triton takes host:port/path too
         attributes = {"service.name": "shoal", **dict(config.resource)}
         # The settings decided to trace: the SDK samples every span, a client's unsampled parent (flags 00) too.
-        self._ids = _ChosenIds()
-        self.provider = TracerProvider(
-            resource=Resource.create(attributes),
-            sampler=ALWAYS_ON,
-            id_generator=self._ids,  # type: ignore[arg-type]  # its two methods: the SDK is imported only here
-        )
+        self._ids = _chosen_ids()
+        self.provider = TracerProvider(resource=Resource.create(attributes), sampler=ALWAYS_ON, id_generator=self._ids)
         self.provider.add_span_processor(
             BatchSpanProcessor(
                 OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S),
@@ -165,18 +162,22 @@ class OpenTelemetrySpans:
 
     def __call__(self, trace: RequestTrace) -> None:
         origin = trace.origin
-        carrier = {}
-        if origin is not None and origin.traceparent:
-            carrier["traceparent"] = origin.traceparent
-            if origin.tracestate and len(origin.tracestate) <= MAX_TRACESTATE_CHARS:
-                carrier["tracestate"] = origin.tracestate
-        context = self._propagator.extract(carrier) if carrier else None
-        start = origin.received_ns if origin is not None else trace.stamps[0][1]
+        context = None
+        if origin is not None and valid_traceparent(origin.traceparent):  # as the tracer decided at its start
+            carrier = {"traceparent": origin.traceparent}
+            if tracestate := clients_tracestate(origin.tracestate):
+                carrier["tracestate"] = tracestate
+            context = self._propagator.extract(carrier)
+        start = (origin.started_ns or origin.received_ns) if origin is not None else trace.stamps[0][1]
         end = max(ns for _, ns in trace.stamps)  # a streamed request's first response is not its end
-        if context is None:  # the trace id the trace chose (a client's trace keeps the client's)
-            self._ids.trace_id = trace.otel_trace_id
-        root = self.tracer.start_span("InferRequest", context=context, kind=self._kind, start_time=self._epoch(start))
-        self._ids.trace_id = 0
+        # A client's trace keeps the client's id; else the one the trace chose (its model may have used it).
+        self._ids.trace_id = trace.otel_trace_id if context is None else 0
+        try:
+            root = self.tracer.start_span(
+                "InferRequest", context=context, kind=self._kind, start_time=self._epoch(start)
+            )
+        finally:
+            self._ids.trace_id = 0
         if not trace.timestamps:  # TENSORS alone: Triton exports the bare root (it traces no tensors here)
             root.end(end_time=self._epoch(end))
             return
@@ -201,10 +202,12 @@ class OpenTelemetrySpans:
         start = trace.when("REQUEST_START") or trace.stamps[0][1]
         end = trace.when("REQUEST_END") or trace.stamps[-1][1]
         self._ids.span_id = trace.span_id  # the id get_context gave a Python model while it ran
-        span = self.tracer.start_span(
-            trace.model_name, context=context, kind=self._kind, start_time=self._epoch(start), attributes=attributes
-        )
-        self._ids.span_id = 0
+        try:
+            span = self.tracer.start_span(
+                trace.model_name, context=context, kind=self._kind, start_time=self._epoch(start), attributes=attributes
+            )
+        finally:
+            self._ids.span_id = 0
         for name in ("REQUEST_START", "QUEUE_START", "REQUEST_END"):
             ns = trace.when(name)
             if ns is not None:
@@ -234,18 +237,22 @@ class OpenTelemetrySpans:
         self.provider.shutdown()  # exports what the batch processor still holds
 
 
-class _ChosenIds:
-    """The SDK's id generator (``opentelemetry.sdk.trace.id_generator.IdGenerator``'s two methods): the
-    ids a trace chose at its start when it has them (a Python model may have continued the trace with
-    them: ``RequestTrace.context``), random ones otherwise. Set just before the span that takes them;
-    spans are built on the serving loop only."""
+def _chosen_ids() -> Any:
+    """The SDK's random id generator, but for the ids a trace chose at its start (a Python model may
+    have continued the trace with them: ``RequestTrace.context``), set just before the span that takes
+    them and cleared after; spans are built on the serving loop only. Made here: the SDK is imported
+    only in OpenTelemetry mode."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
-    def __init__(self) -> None:
-        self.trace_id = 0
-        self.span_id = 0
+    class ChosenIds(RandomIdGenerator):
+        def __init__(self) -> None:
+            self.trace_id = 0
+            self.span_id = 0
 
-    def generate_span_id(self) -> int:
-        return self.span_id or random_span_id()
+        def generate_span_id(self) -> int:
+            return self.span_id or random_span_id()
 
-    def generate_trace_id(self) -> int:
-        return self.trace_id or random_trace_id()
+        def generate_trace_id(self) -> int:
+            return self.trace_id or random_trace_id()
+
+    return ChosenIds()

@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -192,13 +193,32 @@ class RequestTrace:
         top = self
         while top.parent is not None:
             top = top.parent
-        if top.origin is not None and top.origin.tracestate and len(top.origin.tracestate) <= MAX_TRACESTATE_CHARS:
-            carrier["tracestate"] = top.origin.tracestate
+        origin = top.origin
+        if origin is not None and valid_traceparent(origin.traceparent) and clients_tracestate(origin.tracestate):
+            carrier["tracestate"] = clients_tracestate(origin.tracestate)
         return json.dumps(carrier, separators=(",", ":"))
 
 
 # W3C's bound on a tracestate header; a longer one is dropped (the trace still continues the client's).
 MAX_TRACESTATE_CHARS = 512
+# W3C trace context: version-traceid-parentid-flags, lower-case hex; all-zero ids are invalid.
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def valid_traceparent(text: str) -> bool:
+    """A client's trace context the spans continue (a malformed one is ignored, as Triton's): the one
+    test that decides it, for sampling, for the ids a trace chooses and for its spans."""
+    return bool(text) and _TRACEPARENT.fullmatch(text) is not None and not text.startswith("ff")
+
+
+def clients_tracestate(tracestate: str) -> str:
+    """The client's ``tracestate`` as the spans carry it: "" when over-long or malformed (the SDK's
+    parse, which drops a malformed one; its warning is silenced in ``export``)."""
+    if not tracestate or len(tracestate) > MAX_TRACESTATE_CHARS:
+        return ""
+    from opentelemetry.trace.span import TraceState  # OpenTelemetry mode only
+
+    return str(TraceState.from_header([tracestate]).to_header())
 
 
 def random_span_id() -> int:

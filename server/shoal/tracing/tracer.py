@@ -4,29 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 
 from shoal.settings import TraceConfig
 from shoal.tracing.export import OpenTelemetrySpans, TraceFile
 from shoal.tracing.settings import TraceSettings
-from shoal.tracing.trace import Origin, RequestTrace, live_trace, random_span_id, random_trace_id
+from shoal.tracing.trace import (
+    Origin,
+    RequestTrace,
+    live_trace,
+    random_span_id,
+    random_trace_id,
+    valid_traceparent,
+)
 
 logger = logging.getLogger(__name__)
-
-# W3C trace context: version-traceid-parentid-flags, lower-case hex; all-zero ids are invalid.
-_TRACEPARENT = re.compile(r"[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 # How long an ended trace waits for its transport to say it sent the last response (``Tracer.sent``):
 # a report that never comes (a front-end worker that died, a stream closed with answers still
 # queued) costs the trace its send stamps, never the trace.
 SEND_WAIT_S = 30.0
-
-
-def valid_traceparent(text: str) -> bool:
-    """A client's trace context the spans can continue (a malformed one is ignored, as Triton's)."""
-    return bool(text) and _TRACEPARENT.fullmatch(text) is not None and not text.startswith("ff")
 
 
 class Tracer:
