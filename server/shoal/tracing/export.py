@@ -29,6 +29,7 @@ from shoal.tracing.trace import (
     clients_tracestate,
     random_span_id,
     random_trace_id,
+    tensor_record,
     transport_stamps,
     valid_traceparent,
 )
@@ -50,14 +51,14 @@ class TraceFile:
     """Triton's trace file: a JSON array of one object per trace (its model) and one per timestamp.
     ``log_frequency()`` (the global setting, read at each trace) 0 writes everything to ``file`` at
     shutdown; N writes every N traces to ``file.0``, ``file.1``, ... (and what is left, at shutdown,
-    to the next one). Files are written by a thread of their own, never on the serving loop; one that
-    cannot be written is logged and its traces dropped (a full disk never slows or fails a request)."""
+    to the next one). Records are made and files written by a thread of their own, never on the
+    serving loop (a traced tensor's text included); a file that cannot be written is logged and its
+    traces dropped (a full disk never slows or fails a request)."""
 
     def __init__(self, file: str, log_frequency: Callable[[], int]) -> None:
         self.file = file
         self.log_frequency = log_frequency
-        self._pending: list[dict[str, Any]] = []
-        self._traces = 0
+        self._pending: list[RequestTrace] = []
         self._index = 0
         self._lock = threading.Lock()
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-trace-file")
@@ -66,9 +67,8 @@ class TraceFile:
     def __call__(self, trace: RequestTrace) -> None:
         frequency = self.log_frequency()
         with self._lock:
-            self._pending += _records(trace)
-            self._traces += 1
-            if frequency and self._traces >= frequency:
+            self._pending.append(trace)
+            if frequency and len(self._pending) >= frequency:
                 self._hand_over(f"{self.file}.{self._index}")
                 self._index += 1
 
@@ -80,11 +80,12 @@ class TraceFile:
         self._writer.shutdown(wait=True)
 
     def _hand_over(self, path: str) -> None:
-        """Lock held: the held records go to ``path`` on the writer thread."""
-        records, self._pending, self._traces = self._pending, [], 0
-        self._writer.submit(self._write, path, records)
+        """Lock held: the held traces go to ``path`` on the writer thread."""
+        traces, self._pending = self._pending, []
+        self._writer.submit(self._write, path, traces)
 
-    def _write(self, path: str, records: list[dict[str, Any]]) -> None:
+    def _write(self, path: str, traces: list[RequestTrace]) -> None:
+        records = [record for trace in traces for record in _records(trace)]
         try:
             Path(path).write_text(json.dumps(records, separators=(",", ":")))
         except OSError as exc:
@@ -110,9 +111,14 @@ def _records(trace: RequestTrace) -> list[dict[str, Any]]:
             model["parent_id"] = trace.parent.id
         records.append(model)
         records += [{"id": trace.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in _all_stamps(trace)]
-    for record in trace.tensors or ():
-        tensor = {"name": record.name, "data": record.data, "shape": record.shape, "dtype": record.dtype}
-        records.append({"id": trace.id, "activity": record.activity, "tensor": tensor})
+    try:
+        texts = [tensor_record(*held) for held in trace.tensors or ()]
+    except Exception:  # noqa: BLE001 - no memory for a tensor's text: the trace is written without its tensors
+        logger.exception("could not write the tensors of trace %d (model %s)", trace.id, trace.model_name)
+        texts = []
+    for text in texts:
+        tensor = {"name": text.name, "data": text.data, "shape": text.shape, "dtype": text.dtype}
+        records.append({"id": trace.id, "activity": text.activity, "tensor": tensor})
     return records
 
 
