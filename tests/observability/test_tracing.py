@@ -863,16 +863,34 @@ def test_a_tensors_text_is_made_by_the_writer_from_a_copy(tmp_path: Path, monkey
         return make_text(*args)
 
     monkeypatch.setattr(export_module, "tensor_record", on_which_thread)
-    writer = TraceFile(str(tmp_path / "t.json"), lambda: 1)
+    writer = TraceFile(str(tmp_path / "t.json"), lambda: 0)  # Triton's default: one file, at shutdown
     trace = RequestTrace("add1", "1", "", Origin("GRPC", time.monotonic_ns()), tensors=[])
     request_memory = np.arange(4, dtype=np.int32)
     trace.queued({"X": request_memory})
     request_memory[:] = -1  # the request's buffer, reused by the next request after the answer
     writer(trace)
+    # Made as the trace comes, not all at shutdown (where it would run past the exit deadline)
+    wait_until(lambda: bool(threads), timeout_s=30, what="the tensor's text made before the file is due")
     writer.close()
     assert threads and all(name.startswith("shoal-trace-file") for name in threads)
-    written = json.loads((tmp_path / "t.json.0").read_text())
+    written = json.loads((tmp_path / "t.json").read_text())
     assert [r["tensor"]["data"] for r in written if "tensor" in r] == ["0,1,2,3"]
+
+
+def test_what_changes_in_a_trace_after_its_export_is_not_written(tmp_path: Path) -> None:
+    """Found by review: a cancelled request's trace is exported at once, and its batch still ends later
+    (its compute stamps and outputs): the file holds the trace as it was exported, whenever it is written."""
+    writer = TraceFile(str(tmp_path / "t.json"), lambda: 0)
+    trace = RequestTrace("add1", "1", "", Origin("GRPC", time.monotonic_ns()), tensors=[])
+    trace.stamp("REQUEST_START")
+    trace.stamp("REQUEST_END")
+    writer(trace)
+    trace.executed(1, 2, Phases(1, 1, 1), {"OUT": np.ones(2, np.float32)})
+    writer.close()
+    written = json.loads((tmp_path / "t.json").read_text())
+    names = [r["timestamps"][0]["name"] for r in written if "timestamps" in r]
+    assert names == ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "REQUEST_START", "REQUEST_END"]
+    assert not [r for r in written if "tensor" in r]
 
 
 def test_the_tensors_level_writes_a_requests_tensors_as_triton_does(tmp_path: Path) -> None:

@@ -17,14 +17,14 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from shoal.settings import DEFAULT_URL, TraceConfig
 from shoal.tracing.trace import (
+    HeldTensor,
     RequestTrace,
     clients_tracestate,
     random_span_id,
@@ -51,41 +51,44 @@ class TraceFile:
     """Triton's trace file: a JSON array of one object per trace (its model) and one per timestamp.
     ``log_frequency()`` (the global setting, read at each trace) 0 writes everything to ``file`` at
     shutdown; N writes every N traces to ``file.0``, ``file.1``, ... (and what is left, at shutdown,
-    to the next one). Records are made and files written by a thread of their own, never on the
-    serving loop (a traced tensor's text included); a file that cannot be written is logged and its
-    traces dropped (a full disk never slows or fails a request)."""
+    to the next one). A trace's records are taken when it is exported (what changes in it later, a
+    cancelled request's batch ending, is not written); a traced tensor's text is made from its copy,
+    and files are written, by a thread of their own as traces come, not on the serving loop's thread
+    (which still shares the interpreter with it: a large tensor's text slows the loop, never stops
+    it). A file that cannot be written is logged and its traces dropped (a full disk never slows or
+    fails a request)."""
 
     def __init__(self, file: str, log_frequency: Callable[[], int]) -> None:
         self.file = file
         self.log_frequency = log_frequency
-        self._pending: list[RequestTrace] = []
+        self._pending: list[dict[str, Any]] = []  # the writer thread's only
+        self._traces = 0
         self._index = 0
-        self._lock = threading.Lock()
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-trace-file")
         self._failed: set[str] = set()  # files already logged as not writable
 
     def __call__(self, trace: RequestTrace) -> None:
-        frequency = self.log_frequency()
-        with self._lock:
-            self._pending.append(trace)
-            if frequency and len(self._pending) >= frequency:
-                self._hand_over(f"{self.file}.{self._index}")
-                self._index += 1
+        self._writer.submit(self._take, _records(trace), self.log_frequency())
 
     def close(self) -> None:
         """Write what is held and wait for the writes (at shutdown)."""
-        with self._lock:
-            if self._pending:
-                self._hand_over(f"{self.file}.{self._index}" if self.log_frequency() else self.file)
+        self._writer.submit(self._last, self.log_frequency())
         self._writer.shutdown(wait=True)
 
-    def _hand_over(self, path: str) -> None:
-        """Lock held: the held traces go to ``path`` on the writer thread."""
-        traces, self._pending = self._pending, []
-        self._writer.submit(self._write, path, traces)
+    def _take(self, records: list[dict[str, Any] | HeldRecord], frequency: int) -> None:
+        """Writer thread: one trace's records, its tensors' text made now; every ``frequency`` traces a file."""
+        self._pending += _with_text(records)
+        self._traces += 1
+        if frequency and self._traces >= frequency:
+            self._write(f"{self.file}.{self._index}")
+            self._index += 1
 
-    def _write(self, path: str, traces: list[RequestTrace]) -> None:
-        records = [record for trace in traces for record in _records(trace)]
+    def _last(self, frequency: int) -> None:
+        if self._pending:
+            self._write(f"{self.file}.{self._index}" if frequency else self.file)
+
+    def _write(self, path: str) -> None:
+        records, self._pending, self._traces = self._pending, [], 0
         try:
             Path(path).write_text(json.dumps(records, separators=(",", ":")))
         except OSError as exc:
@@ -99,9 +102,17 @@ class TraceFile:
                 )
 
 
-def _records(trace: RequestTrace) -> list[dict[str, Any]]:
-    """Children first, as Triton writes them; then the trace's model line and its timestamps (at the
-    TIMESTAMPS level), and its tensors (at the TENSORS level: alone, Triton writes nothing else)."""
+class HeldRecord(NamedTuple):
+    """A tensor record whose text the writer thread makes: the trace's id and its held tensor."""
+
+    trace_id: int
+    tensor: HeldTensor
+
+
+def _records(trace: RequestTrace) -> list[dict[str, Any] | HeldRecord]:
+    """The trace as it is now: children first, as Triton writes them; then the trace's model line and
+    its timestamps (at the TIMESTAMPS level), and its tensors (at the TENSORS level: alone, Triton
+    writes nothing else), their text still to make."""
     records = [record for child in trace.children for record in _records(child)]
     if trace.timestamps:
         model: dict[str, Any] = {"id": trace.id, "model_name": trace.model_name, "model_version": _version(trace)}
@@ -111,15 +122,30 @@ def _records(trace: RequestTrace) -> list[dict[str, Any]]:
             model["parent_id"] = trace.parent.id
         records.append(model)
         records += [{"id": trace.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in _all_stamps(trace)]
-    try:
-        texts = [tensor_record(*held) for held in trace.tensors or ()]
-    except Exception:  # noqa: BLE001 - no memory for a tensor's text: the trace is written without its tensors
-        logger.exception("could not write the tensors of trace %d (model %s)", trace.id, trace.model_name)
-        texts = []
-    for text in texts:
-        tensor = {"name": text.name, "data": text.data, "shape": text.shape, "dtype": text.dtype}
-        records.append({"id": trace.id, "activity": text.activity, "tensor": tensor})
+    records += [HeldRecord(trace.id, held) for held in trace.tensors or ()]
     return records
+
+
+def _with_text(records: list[dict[str, Any] | HeldRecord]) -> list[dict[str, Any]]:
+    """The records with each tensor's text; a tensor whose text cannot be made (no memory) is left out
+    with the rest of its trace's tensors, logged."""
+    written: list[dict[str, Any]] = []
+    failed: set[int] = set()
+    for record in records:
+        if not isinstance(record, HeldRecord):
+            written.append(record)
+            continue
+        if record.trace_id in failed:
+            continue
+        try:
+            text = tensor_record(*record.tensor)
+        except Exception:  # noqa: BLE001 - the trace is written without its tensors
+            failed.add(record.trace_id)
+            logger.exception("could not write the tensors of trace %d", record.trace_id)
+            continue
+        tensor = {"name": text.name, "data": text.data, "shape": text.shape, "dtype": text.dtype}
+        written.append({"id": record.trace_id, "activity": text.activity, "tensor": tensor})
+    return written
 
 
 def _all_stamps(trace: RequestTrace) -> list[tuple[str, int]]:
