@@ -35,7 +35,6 @@ from shoal.protocol import InferenceStub
 from shoal.protocol import service_pb2 as pb
 from shoal.settings import parse_trace_config
 from shoal.statistics import Phases
-from shoal.tracing import export as export_module
 from shoal.tracing import tracer as tracer_module
 from shoal.tracing.export import OpenTelemetrySpans, TraceFile
 from shoal.tracing.settings import TraceSettings, check_start
@@ -851,35 +850,9 @@ def test_a_tensor_that_cannot_be_written_drops_the_traces_tensors_not_the_reques
     assert [(t.activity, t.name) for t in trace.tensors or []] == [("TENSOR_QUEUE_INPUT", "X")]
 
 
-def test_a_tensors_text_is_made_by_the_writer_from_a_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A large tensor's text takes seconds of Python (4M FP32: ~1 s): never on the serving loop, which
-    only copies it; and the copy, not the request's memory, is what gets written (the request's buffer
-    is reused once it is answered)."""
-    threads: list[str] = []
-    make_text = export_module.tensor_record
-
-    def on_which_thread(*args: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return make_text(*args)
-
-    monkeypatch.setattr(export_module, "tensor_record", on_which_thread)
-    writer = TraceFile(str(tmp_path / "t.json"), lambda: 0)  # Triton's default: one file, at shutdown
-    trace = RequestTrace("add1", "1", "", Origin("GRPC", time.monotonic_ns()), tensors=[])
-    request_memory = np.arange(4, dtype=np.int32)
-    trace.queued({"X": request_memory})
-    request_memory[:] = -1  # the request's buffer, reused by the next request after the answer
-    writer(trace)
-    # Made as the trace comes, not all at shutdown (where it would run past the exit deadline)
-    wait_until(lambda: bool(threads), timeout_s=30, what="the tensor's text made before the file is due")
-    writer.close()
-    assert threads and all(name.startswith("shoal-trace-file") for name in threads)
-    written = json.loads((tmp_path / "t.json").read_text())
-    assert [r["tensor"]["data"] for r in written if "tensor" in r] == ["0,1,2,3"]
-
-
 def test_what_changes_in_a_trace_after_its_export_is_not_written(tmp_path: Path) -> None:
-    """Found by review: a cancelled request's trace is exported at once, and its batch still ends later
-    (its compute stamps and outputs): the file holds the trace as it was exported, whenever it is written."""
+    """A cancelled request's trace is exported at once, and its batch still ends later (its compute
+    stamps and outputs): the file holds the trace as it was exported, whenever it is written."""
     writer = TraceFile(str(tmp_path / "t.json"), lambda: 0)
     trace = RequestTrace("add1", "1", "", Origin("GRPC", time.monotonic_ns()), tensors=[])
     trace.stamp("REQUEST_START")

@@ -17,19 +17,18 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from shoal.settings import DEFAULT_URL, TraceConfig
 from shoal.tracing.trace import (
-    HeldTensor,
     RequestTrace,
     clients_tracestate,
     random_span_id,
     random_trace_id,
-    tensor_record,
     transport_stamps,
     valid_traceparent,
 )
@@ -51,44 +50,41 @@ class TraceFile:
     """Triton's trace file: a JSON array of one object per trace (its model) and one per timestamp.
     ``log_frequency()`` (the global setting, read at each trace) 0 writes everything to ``file`` at
     shutdown; N writes every N traces to ``file.0``, ``file.1``, ... (and what is left, at shutdown,
-    to the next one). A trace's records are taken when it is exported (what changes in it later, a
-    cancelled request's batch ending, is not written); a traced tensor's text is made from its copy,
-    and files are written, by a thread of their own as traces come, not on the serving loop's thread
-    (which still shares the interpreter with it: a large tensor's text slows the loop, never stops
-    it). A file that cannot be written is logged and its traces dropped (a full disk never slows or
-    fails a request)."""
+    to the next one). Files are written by a thread of their own, never on the serving loop; one that
+    cannot be written is logged and its traces dropped (a full disk never slows or fails a request)."""
 
     def __init__(self, file: str, log_frequency: Callable[[], int]) -> None:
         self.file = file
         self.log_frequency = log_frequency
-        self._pending: list[dict[str, Any]] = []  # the writer thread's only
+        self._pending: list[dict[str, Any]] = []
         self._traces = 0
         self._index = 0
+        self._lock = threading.Lock()
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-trace-file")
         self._failed: set[str] = set()  # files already logged as not writable
 
     def __call__(self, trace: RequestTrace) -> None:
-        self._writer.submit(self._take, _records(trace), self.log_frequency())
+        frequency = self.log_frequency()
+        with self._lock:
+            self._pending += _records(trace)
+            self._traces += 1
+            if frequency and self._traces >= frequency:
+                self._hand_over(f"{self.file}.{self._index}")
+                self._index += 1
 
     def close(self) -> None:
         """Write what is held and wait for the writes (at shutdown)."""
-        self._writer.submit(self._last, self.log_frequency())
+        with self._lock:
+            if self._pending:
+                self._hand_over(f"{self.file}.{self._index}" if self.log_frequency() else self.file)
         self._writer.shutdown(wait=True)
 
-    def _take(self, records: list[dict[str, Any] | HeldRecord], frequency: int) -> None:
-        """Writer thread: one trace's records, its tensors' text made now; every ``frequency`` traces a file."""
-        self._pending += _with_text(records)
-        self._traces += 1
-        if frequency and self._traces >= frequency:
-            self._write(f"{self.file}.{self._index}")
-            self._index += 1
-
-    def _last(self, frequency: int) -> None:
-        if self._pending:
-            self._write(f"{self.file}.{self._index}" if frequency else self.file)
-
-    def _write(self, path: str) -> None:
+    def _hand_over(self, path: str) -> None:
+        """Lock held: the held records go to ``path`` on the writer thread."""
         records, self._pending, self._traces = self._pending, [], 0
+        self._writer.submit(self._write, path, records)
+
+    def _write(self, path: str, records: list[dict[str, Any]]) -> None:
         try:
             Path(path).write_text(json.dumps(records, separators=(",", ":")))
         except OSError as exc:
@@ -102,17 +98,9 @@ class TraceFile:
                 )
 
 
-class HeldRecord(NamedTuple):
-    """A tensor record whose text the writer thread makes: the trace's id and its held tensor."""
-
-    trace_id: int
-    tensor: HeldTensor
-
-
-def _records(trace: RequestTrace) -> list[dict[str, Any] | HeldRecord]:
-    """The trace as it is now: children first, as Triton writes them; then the trace's model line and
-    its timestamps (at the TIMESTAMPS level), and its tensors (at the TENSORS level: alone, Triton
-    writes nothing else), their text still to make."""
+def _records(trace: RequestTrace) -> list[dict[str, Any]]:
+    """Children first, as Triton writes them; then the trace's model line and its timestamps (at the
+    TIMESTAMPS level), and its tensors (at the TENSORS level: alone, Triton writes nothing else)."""
     records = [record for child in trace.children for record in _records(child)]
     if trace.timestamps:
         model: dict[str, Any] = {"id": trace.id, "model_name": trace.model_name, "model_version": _version(trace)}
@@ -122,30 +110,10 @@ def _records(trace: RequestTrace) -> list[dict[str, Any] | HeldRecord]:
             model["parent_id"] = trace.parent.id
         records.append(model)
         records += [{"id": trace.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in _all_stamps(trace)]
-    records += [HeldRecord(trace.id, held) for held in trace.tensors or ()]
+    for record in trace.tensors or ():
+        tensor = {"name": record.name, "data": record.data, "shape": record.shape, "dtype": record.dtype}
+        records.append({"id": trace.id, "activity": record.activity, "tensor": tensor})
     return records
-
-
-def _with_text(records: list[dict[str, Any] | HeldRecord]) -> list[dict[str, Any]]:
-    """The records with each tensor's text; a tensor whose text cannot be made (no memory) is left out
-    with the rest of its trace's tensors, logged."""
-    written: list[dict[str, Any]] = []
-    failed: set[int] = set()
-    for record in records:
-        if not isinstance(record, HeldRecord):
-            written.append(record)
-            continue
-        if record.trace_id in failed:
-            continue
-        try:
-            text = tensor_record(*record.tensor)
-        except Exception:  # noqa: BLE001 - the trace is written without its tensors
-            failed.add(record.trace_id)
-            logger.exception("could not write the tensors of trace %d", record.trace_id)
-            continue
-        tensor = {"name": text.name, "data": text.data, "shape": text.shape, "dtype": text.dtype}
-        written.append({"id": record.trace_id, "activity": text.activity, "tensor": tensor})
-    return written
 
 
 def _all_stamps(trace: RequestTrace) -> list[tuple[str, int]]:

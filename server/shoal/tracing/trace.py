@@ -75,16 +75,6 @@ class TensorRecord(NamedTuple):
     dtype: str
 
 
-class HeldTensor(NamedTuple):
-    """A traced tensor until its trace is written: a copy (nothing of the trace may refer to the
-    request's memory), whose text the trace file's writer thread makes (``tensor_record``): a large
-    tensor's text takes seconds of Python, which never run on the serving loop."""
-
-    activity: str  # TENSOR_QUEUE_INPUT or TENSOR_BACKEND_OUTPUT
-    name: str
-    array: np.ndarray
-
-
 def tensor_record(activity: str, name: str, array: np.ndarray) -> TensorRecord:
     """``array`` as a trace record: its elements in row-major order, as Triton writes them."""
     datatype = DataType.from_numpy(array.dtype)
@@ -116,7 +106,7 @@ class RequestTrace:
     computed: bool = False  # a batch ran it (an ensemble's own trace has none)
     error: str = ""
     timestamps: bool = True  # the level has TIMESTAMPS (at TENSORS alone Triton writes no timestamps)
-    tensors: list[HeldTensor] | None = None  # the level has TENSORS: the request's tensors
+    tensors: list[TensorRecord] | None = None  # the level has TENSORS: the request's tensors
     _queued: bool = field(default=False, repr=False)  # its inputs were recorded (the first queue only)
     ended: bool = False  # the core is done with it; exported once its transport sent its last response
     # OpenTelemetry mode: the ids its spans will have, chosen at its start so that a Python model can
@@ -129,18 +119,13 @@ class RequestTrace:
         self.stamps.append((name, time.monotonic_ns() if ns is None else ns))
 
     def record_tensors(self, activity: str, arrays: Mapping[str, Any]) -> None:
-        """At the TENSORS level: copies of ``arrays`` (name -> array) as records of ``activity``; else
-        nothing. A tensor that cannot be held (a dtype no request carries, no memory for its copy) drops
-        the trace's tensors and is logged: a trace is never worth its request."""
+        """At the TENSORS level: ``arrays`` (name -> array) as records of ``activity``; else nothing. A
+        tensor that cannot be written (a dtype no request carries, no memory for its text) drops the
+        trace's tensors and is logged: a trace is never worth its request."""
         if self.tensors is None:
             return
         try:
-            held = []
-            for name, given in arrays.items():
-                array = np.array(given, copy=True)
-                DataType.from_numpy(array.dtype)  # one that cannot be written is refused here, not by the writer
-                held.append(HeldTensor(activity, name, array))
-            self.tensors += held
+            self.tensors += [tensor_record(activity, name, np.asarray(array)) for name, array in arrays.items()]
         except Exception:  # noqa: BLE001 - whatever it is, the request goes on
             self.tensors = None
             logger.exception("model %s: could not trace a request's tensors; its trace keeps none", self.model_name)
