@@ -22,6 +22,7 @@ from shoal.core.stream import InferStream, Route
 from shoal.grpc import convert, offload
 from shoal.grpc.status import to_status
 from shoal.protocol import service_pb2 as pb
+from shoal.request_types import InferResponse
 from shoal.tracing.trace import Origin
 
 Context: TypeAlias = grpc.aio.ServicerContext
@@ -57,24 +58,22 @@ class InferenceServicer:
         return convert.model_config(await self.core.model_config(request.name, request.version))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        message, trace_id = await self._infer(request, context)
-        if trace_id:  # traced: its send is reported once the engine wrote it (the RPC's end), however it ends
-            send = _Send(self.core, trace_id)
-            context.add_done_callback(send.ended)
-            send.started_ns = time.monotonic_ns()
+        origin = Origin("GRPC", time.monotonic_ns(), *_trace_context(context))  # ``_response``, inline: per request
+        response = await self.core.infer(await offload.infer_request(request, self.encoded_bytes), origin)
+        if not response.trace_id:
+            return await offload.infer_response(response)
+        # Traced: its send is reported when the RPC ends (the engine wrote it by then), however it ends,
+        # a failure to encode it included (then with no send).
+        send = _Send(self.core, response.trace_id)
+        context.add_done_callback(send.ended)
+        message = await offload.infer_response(response)
+        send.started_ns = time.monotonic_ns()
         return message
 
-    async def _infer(self, request: pb.ModelInferRequest, context: Context) -> tuple[pb.ModelInferResponse, int]:
-        """The response, and the trace its send is reported to (0: none)."""
+    async def _response(self, request: pb.ModelInferRequest, context: Context) -> InferResponse:
+        """The core's answer to one request (a stream's; ModelInfer does the same inline)."""
         origin = Origin("GRPC", time.monotonic_ns(), *_trace_context(context))
-        inference = await offload.infer_request(request, self.encoded_bytes)
-        response = await self.core.infer(inference, origin)
-        try:
-            return await offload.infer_response(response), response.trace_id
-        except BaseException:
-            if response.trace_id:  # no response goes out: the trace ends without a send
-                self.core.sent(response.trace_id, 0, 0)
-            raise
+        return await self.core.infer(await offload.infer_request(request, self.encoded_bytes), origin)
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context
@@ -145,8 +144,14 @@ class InferenceServicer:
     async def _stream_answer(self, request: pb.ModelInferRequest, context: Context) -> Written:
         """One request's answer on a stream; a failure is reported in-stream, as Triton does."""
         try:
-            message, trace_id = await self._infer(request, context)
-            return Written(pb.ModelStreamInferResponse(infer_response=message), trace_id)
+            response = await self._response(request, context)
+            try:
+                message = await offload.infer_response(response)
+            except BaseException:
+                if response.trace_id:  # no response goes out: the trace ends without a send
+                    self.core.sent(response.trace_id, 0, 0)
+                raise
+            return Written(pb.ModelStreamInferResponse(infer_response=message), response.trace_id)
         except Exception as exc:  # noqa: BLE001 - reported in-stream; the stream goes on
             _, text = to_status(exc)
             failed = pb.ModelInferResponse(id=request.id)  # so the client knows which request failed

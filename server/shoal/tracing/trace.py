@@ -108,7 +108,6 @@ class RequestTrace:
     timestamps: bool = True  # the level has TIMESTAMPS (at TENSORS alone Triton writes no timestamps)
     tensors: list[TensorRecord] | None = None  # the level has TENSORS: the request's tensors
     _queued: bool = field(default=False, repr=False)  # its inputs were recorded (the first queue only)
-    ended: bool = False  # the core is done with it; exported once its transport sent its last response
     # OpenTelemetry mode: the ids its spans will have, chosen at its start so that a Python model can
     # continue the trace while it runs (``pb_utils`` ``trace().get_context()``); 0: none chosen.
     otel_trace_id: int = 0
@@ -194,8 +193,9 @@ class RequestTrace:
         while top.parent is not None:
             top = top.parent
         origin = top.origin
-        if origin is not None and valid_traceparent(origin.traceparent) and clients_tracestate(origin.tracestate):
-            carrier["tracestate"] = clients_tracestate(origin.tracestate)
+        if origin is not None and valid_traceparent(origin.traceparent):
+            if tracestate := clients_tracestate(origin.tracestate):
+                carrier["tracestate"] = tracestate
         return json.dumps(carrier, separators=(",", ":"))
 
 

@@ -83,7 +83,6 @@ class Tracer:
         exported then (within ``SEND_WAIT_S``)."""
         trace.stamp("REQUEST_END", ended_ns)
         trace.end()
-        trace.ended = True
         if error:
             trace.error = error
         elif responded:
