@@ -56,37 +56,52 @@ class InstanceThread:
 
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
+        self._stopped = False
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, function: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
         """Queue ``function(*args)``; the future, of the running loop, gets its result or exception."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._calls.put((loop, future, function, args))
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.run_into(future, function, *args)
         return future
 
+    def run_into(self, future: asyncio.Future[Any], function: Callable[..., Any], *args: Any) -> None:
+        """Run ``function(*args)`` here; ``future`` (of the running loop) gets its outcome, unless it
+        was cancelled before the call started. After ``shutdown`` the call runs on a thread of its own:
+        one may hold what only it releases (a worker's conversation taken over from the event loop)."""
+        call = (asyncio.get_running_loop(), future, function, args)
+        if self._stopped:
+            threading.Thread(target=_run_call, args=(call,), name=self._thread.name, daemon=True).start()
+        else:
+            self._calls.put(call)
+
     def shutdown(self, wait: bool = True) -> None:
-        """Finish the calls queued so far, then end the thread."""
+        """Finish the calls queued so far, then end the thread. A later call runs on a thread of its own."""
+        self._stopped = True
         self._calls.put(None)
         if wait and self._thread is not threading.current_thread():
             self._thread.join()
 
     def _work(self) -> None:
         while (call := self._calls.get()) is not None:
-            loop, future, function, args = call
+            _run_call(call)
             del call
-            if future.cancelled():  # its caller gave up before it started
-                continue
-            try:
-                result, error = function(*args), None
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
-                result, error = None, _for_caller(exc)
-            try:
-                loop.call_soon_threadsafe(_resolve, future, result, error)
-            except RuntimeError:  # the loop is closed: nobody waits for the answer
-                pass
-            del loop, future, function, args, result, error
+
+
+def _run_call(call: Call) -> None:
+    loop, future, function, args = call
+    del call
+    if future.cancelled():  # its caller gave up before it started
+        return
+    try:
+        result, error = function(*args), None
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
+        result, error = None, _for_caller(exc)
+    try:
+        loop.call_soon_threadsafe(_resolve, future, result, error)
+    except RuntimeError:  # the loop is closed: nobody waits for the answer
+        pass
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -96,6 +111,17 @@ def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | No
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+class OnLoop:
+    """A request model whose batches the event loop can carry itself (``instances.python_process``):
+    sending a batch to a worker process and reading its answer need no thread of the server, and each
+    thread a batch passes through costs a wake-up of it."""
+
+    def start_on_loop(self, batch: Sequence[QueuedRequest], thread: InstanceThread) -> asyncio.Future[Any] | None:
+        """The batch's outcome to come, its conversation under way; None: run it on ``thread`` as usual
+        (``run_requests``). Whatever part of it needs a thread goes to ``thread``."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -109,12 +135,17 @@ class Instance:
 
     async def execute(self, batch: Sequence[QueuedRequest]) -> Executed:
         """The batch on this instance's thread: as its list of requests to a model that runs them so (the
-        Python backend), else as one feed (``batching.execute_as_one_feed``)."""
+        Python backend), else as one feed (``batching.execute_as_one_feed``). A model in a worker process
+        may hold the batch's conversation on the event loop instead (``OnLoop``), handing it to the
+        thread only when it needs one."""
         model = self.model
         if not model.runs_requests:
             return await execute_as_one_feed(self._run_feed, batch)
         start = time.monotonic_ns()
-        results: list[Outputs | ShoalError] = await self.thread.submit(cast(RequestModel, model).run_requests, batch)
+        running = model.start_on_loop(batch, self.thread) if isinstance(model, OnLoop) else None
+        if running is None:
+            running = self.thread.submit(cast(RequestModel, model).run_requests, batch)
+        results: list[Outputs | ShoalError] = await running
         return Executed(results, Phases(0, time.monotonic_ns() - start, 0))
 
     async def _run_feed(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:

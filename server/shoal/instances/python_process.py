@@ -26,15 +26,18 @@ thread of the model at once: ``python_link`` reads their replies and keeps each 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
+import pickle
 import queue
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from multiprocessing import connection
+from multiprocessing import connection, reduction
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,7 @@ from shoal.dataplane.arena import PoolFull
 from shoal.errors import ErrorCode, ShoalError
 from shoal.instances import process, python_worker
 from shoal.instances.outbox import Outbox
+from shoal.instances.pool import InstanceThread, OnLoop
 from shoal.instances.process import WorkerLimits
 from shoal.instances.worker_pipe import (
     REQUESTS,
@@ -55,12 +59,14 @@ from shoal.instances.worker_pipe import (
     BlsReply,
     CancelRequest,
     Done,
+    FrameReader,
     Grow,
     PipedRequest,
     Response,
     RunRequests,
     aligned,
     as_tensors,
+    framed,
     put,
     take,
     trim,
@@ -70,7 +76,7 @@ from shoal.repository.config import ModelSpec
 logger = logging.getLogger(__name__)
 
 
-class PythonProcessModel(process.ProcessModel):
+class PythonProcessModel(process.ProcessModel, OnLoop):
     """One Python model instance: a worker process running the model's ``execute`` on request lists."""
 
     worker_main = staticmethod(python_worker.worker_main)
@@ -100,6 +106,7 @@ class PythonProcessModel(process.ProcessModel):
         self._batches = itertools.count()  # which batch's arena holds a BLS reply's outputs
         self._batch = -1
         self._outbox: Outbox | None = None  # what the running batch's conversation says to the worker
+        self._loop_socket: socket.socket | None = None  # the pipe as the event loop reads it (FrameReader)
         super().__init__(
             spec, model_file, device, (instance_name, version), 1, limits, ("numpy", "shoal.backends.python.runner")
         )
@@ -118,23 +125,77 @@ class PythonProcessModel(process.ProcessModel):
                     ErrorCode.UNAVAILABLE,
                     f"model '{self._spec.name}': the instance process {self._failure or 'is stopping'}",
                 )
-            self._sinks = [python_backend.sink_of(pending) for pending in batch] if self._decoupled else []
-            self._cancel_sent, self._streams_closed = set(), set()
-            requests, used = self._pack_inputs(batch)
-            self._reply_offset = used  # BLS outputs go after the batch's inputs
-            self._batch = next(self._batches)
-            timeout_s = self._limits.execution_timeout_s
-            deadline = time.monotonic() + timeout_s if timeout_s else None
+            run, deadline = self._begin(batch)
             try:
+                self._conn.send(run)
+            except OSError:
+                pass  # the worker is gone: the wait finds it dead and replaces it
+            return self._finish(deadline, None)
+
+    def start_on_loop(self, batch: Sequence[Any], thread: InstanceThread) -> asyncio.Future[Any] | None:
+        """The batch sent and its answer read by the event loop (``LoopConversation``), when nothing
+        else holds the worker and it is up; None otherwise (``run_requests`` on the thread waits for it,
+        or restarts it). A decoupled model's batch always goes to the thread: its responses stream."""
+        if self._decoupled or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._failure or self._closing.is_set() or self._loop_socket is None:
+                self._lock.release()
+                return None
+            run, deadline = self._begin(batch)
+            message = reduction.ForkingPickler.dumps(run)
+        except BaseException:
+            self._lock.release()
+            raise
+        return LoopConversation(self, self._loop_socket, thread, deadline).start(message)
+
+    def _begin(self, batch: Sequence[Any]) -> tuple[RunRequests, float | None]:
+        """Pack the batch's inputs and make its message (lock held): what the worker is sent, and the
+        execution timeout's deadline."""
+        self._sinks = [python_backend.sink_of(pending) for pending in batch] if self._decoupled else []
+        self._cancel_sent, self._streams_closed = set(), set()
+        requests, used = self._pack_inputs(batch)
+        self._reply_offset = used  # BLS outputs go after the batch's inputs
+        self._batch = next(self._batches)
+        timeout_s = self._limits.execution_timeout_s
+        return RunRequests(requests, self._batch), time.monotonic() + timeout_s if timeout_s else None
+
+    def _finish(self, deadline: float | None, first: Any) -> list[dict[str, Any] | ShoalError]:
+        """The rest of the batch's conversation, from the worker's message ``first`` if one was read
+        already (lock held)."""
+        try:
+            answers = self._conversation(deadline, first)
+            return self._unpack_outputs(answers)
+        finally:
+            self._end_outbox()
+            self._trim_requests()
+
+    def continue_on_thread(self, first: Any, unsent: bytes | None, deadline: float | None) -> Any:
+        """A conversation the event loop began, taken over by the instance's thread: ``unsent``, what
+        the loop could not write of the batch's framed message, then ``first``, the worker's message the
+        loop read that is not the batch's answer (None: none, or the pipe ended); releases the lock."""
+        try:
+            if unsent:
                 try:
-                    self._conn.send(RunRequests(requests, self._batch))
+                    _write_all(self._conn.fileno(), unsent)
                 except OSError:
                     pass  # the worker is gone: the wait finds it dead and replaces it
-                answers = self._conversation(deadline)
-                return self._unpack_outputs(answers)
+            return self._finish(deadline, first)
+        finally:
+            self._lock.release()
+
+    def finish_on_loop(self, done: Done) -> list[dict[str, Any] | ShoalError]:
+        """The batch's outcome from the worker's answer, read by the event loop; releases the lock."""
+        try:
+            return self._unpack_outputs(done.answers)
+        finally:
+            try:
+                self._trim_requests()
             finally:
-                self._end_outbox()
-                trim(self._arenas[REQUESTS], max(used, self._reply_offset))
+                self._lock.release()
+
+    def _trim_requests(self) -> None:
+        trim(self._arenas[REQUESTS], self._reply_offset)  # the batch's inputs, then its BLS calls' outputs
 
     def _pack_inputs(self, batch: Sequence[Any]) -> tuple[list[PipedRequest], int]:
         feeds = [as_tensors(pending.feed) for pending in batch]
@@ -160,13 +221,19 @@ class PythonProcessModel(process.ProcessModel):
             except PoolFull as full:
                 self._grow(REQUESTS, offset + full.wanted)
 
-    def _conversation(self, deadline: float | None) -> list[Answer]:
-        """Serve the worker's BLS calls and arena requests until it answers the batch."""
+    def _conversation(self, deadline: float | None, first: Any = None) -> list[Answer]:
+        """Serve the worker's BLS calls and arena requests until it answers the batch; ``first``: a
+        message of the worker read already, handled before the pipe is read again."""
+        ready: list[Any]
         while True:
-            try:
-                ready = connection.wait([self._conn, self._wake_read], timeout=0.05)
-            except (OSError, ValueError):  # closed under us: _check_running says so
-                ready = []
+            if first is not None:
+                ready, pending, first = [self._conn], first, None
+            else:
+                pending = None
+                try:
+                    ready = connection.wait([self._conn, self._wake_read], timeout=0.05)
+                except (OSError, ValueError):  # closed under us: _check_running says so
+                    ready = []
             if self._wake_read in ready:
                 os.read(self._wake_read, 4096)
             while not self._finished.empty():
@@ -181,7 +248,7 @@ class PythonProcessModel(process.ProcessModel):
                     self._reply(call_id, bls.result_of(done))
             if self._conn in ready:
                 try:
-                    message = self._conn.recv()
+                    message = pending if pending is not None else self._conn.recv()
                 except (EOFError, OSError):
                     message = None
                 match message:
@@ -297,6 +364,16 @@ class PythonProcessModel(process.ProcessModel):
         trim(responses, used)
         return results
 
+    def _start(self) -> None:
+        super()._start()
+        self._loop_socket = socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def _kill(self) -> None:
+        super()._kill()
+        if self._loop_socket is not None:
+            self._loop_socket.close()
+            self._loop_socket = None
+
     def close(self) -> None:
         super().close()
         with self._wake_lock:
@@ -306,3 +383,100 @@ class PythonProcessModel(process.ProcessModel):
                 os.close(fd)
             except OSError:
                 pass
+
+
+class LoopConversation:
+    """One batch of a worker process carried by the event loop: its message written, the worker's
+    answer read when the pipe is readable (``loop.add_reader``, ``FrameReader``) and unpacked there.
+
+    For a batch that is sent and answered, and nothing else, this spares two wake-ups of the
+    instance's thread (from the loop, then back to it) and the thread's own time; any other turn
+    hands the conversation to that thread at the point it reached (``continue_on_thread``), with the
+    message that was read: a BLS call, an arena to grow, a pipe that ended (the worker died), the
+    execution timeout passed, or a message the pipe could not take at once (the rest is the thread's to
+    write: the loop never waits on a worker, which may be stopped). The instance's lock, taken when
+    the batch began, is released by whoever ends the conversation. The caller's giving up (its task
+    cancelled) ends nothing: the conversation goes on to the worker's answer, so that the next batch
+    never reads this one's.
+    """
+
+    def __init__(
+        self, model: PythonProcessModel, sock: socket.socket, thread: InstanceThread, deadline: float | None
+    ) -> None:
+        self._model, self._socket, self._thread, self._deadline = model, sock, thread, deadline
+        self._reader = FrameReader(sock)
+        self._loop = asyncio.get_running_loop()
+        self._outcome: asyncio.Future[Any] = self._loop.create_future()
+        self._timer: asyncio.TimerHandle | None = None
+        self._listening = False
+
+    def start(self, message: Any) -> asyncio.Future[Any]:
+        """Write the batch's pickled ``message`` and listen for the answer."""
+        data = framed(message)
+        try:
+            sent = self._socket.send(data, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._hand_over(None, None)  # the worker is gone: the thread finds it dead and replaces it
+            return self._outcome
+        if sent < len(data):
+            self._hand_over(None, data[sent:])
+            return self._outcome
+        self._loop.add_reader(self._socket.fileno(), self._readable)
+        self._listening = True
+        if self._deadline is not None:
+            self._timer = self._loop.call_later(self._deadline - time.monotonic(), self._hand_over, None, None)
+        return self._outcome
+
+    def _readable(self) -> None:
+        try:
+            data = self._reader.read()
+        except (EOFError, OSError):
+            self._hand_over(None, None)
+            return
+        if data is None:
+            return
+        message = pickle.loads(data)
+        if not isinstance(message, Done):
+            self._hand_over(message, None)
+            return
+        self._stop_listening()
+        try:
+            result, error = self._model.finish_on_loop(message), None
+        except Exception as exc:  # noqa: BLE001 - the batch's failure, given to its caller
+            result, error = None, exc
+        _settle(self._outcome, result, error)
+
+    def _hand_over(self, first: Any, unsent: bytes | None) -> None:
+        self._stop_listening()
+        handed: asyncio.Future[Any] = self._loop.create_future()  # never cancelled: the thread always runs it
+        handed.add_done_callback(self._handed_back)
+        self._thread.run_into(handed, self._model.continue_on_thread, first, unsent, self._deadline)
+
+    def _handed_back(self, handed: asyncio.Future[Any]) -> None:
+        error = handed.exception()
+        _settle(self._outcome, None if error is not None else handed.result(), error)
+
+    def _stop_listening(self) -> None:
+        if self._listening:
+            self._loop.remove_reader(self._socket.fileno())
+            self._listening = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # its caller gave up
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

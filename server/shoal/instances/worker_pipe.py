@@ -23,6 +23,8 @@ A Python model (its batch conversation, BLS calls included, is told in ``instanc
 
 from __future__ import annotations
 
+import socket
+import struct
 from collections.abc import Mapping
 from multiprocessing import reduction
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -225,3 +227,57 @@ def put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[pack
 def take(arena: Arena, slots: list[packing.Slot]) -> dict[str, Any]:
     """Copies of the tensors at ``slots`` (the arena is rewritten by the next batch)."""
     return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in packing.unpack(arena, slots)}
+
+
+def framed(message: bytes | memoryview) -> bytes:
+    """A pickled message as ``Connection.send_bytes`` writes it: its length (4 bytes, big-endian; -1
+    and 8 bytes past 2 GiB), then the message. What ``FrameReader`` and ``Connection.recv`` read."""
+    size = len(message)
+    header = struct.pack("!i", size) if size < 0x7FFFFFFF else struct.pack("!iQ", -1, size)
+    return header + bytes(message)
+
+
+class FrameReader:
+    """A ``multiprocessing`` Connection's messages, read by the event loop without ever blocking it.
+
+    The loop reads a worker's answer when its socket is readable (``loop.add_reader``), on a
+    duplicate of the host's end of the pipe (``socket.fromfd``) with MSG_DONTWAIT, so the
+    Connection's own descriptor stays blocking for the thread that may take the conversation over.
+    It never reads past the message it is reading: whatever follows stays in the pipe, for the
+    next ``read`` or for that thread's ``Connection.recv``. A message arrives in parts when it is
+    large (the writer's two writes past 16 KiB) or when its writer was stopped mid-write; ``read``
+    keeps what it has and answers None until the rest comes. The framing is ``Connection``'s: a
+    4-byte big-endian length, or -1 and an 8-byte one past 2 GiB.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._socket = sock
+        self._buffer = bytearray()
+        self._wanted = 4  # bytes of the header, then of the message
+        self._in_header = True
+
+    def read(self) -> bytes | None:
+        """The next whole message, or None while it is still coming. EOFError: the other end closed."""
+        while True:
+            if len(self._buffer) < self._wanted:
+                try:
+                    chunk = self._socket.recv(self._wanted - len(self._buffer), socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return None
+                if not chunk:
+                    raise EOFError("the worker's end of the pipe closed")
+                self._buffer += chunk
+                continue
+            if not self._in_header:
+                message = bytes(self._buffer)
+                self._buffer.clear()
+                self._wanted, self._in_header = 4, True
+                return message
+            (size,) = struct.unpack("!i", self._buffer[:4])
+            if size == -1:
+                if self._wanted == 4:
+                    self._wanted = 12
+                    continue
+                (size,) = struct.unpack("!Q", self._buffer[4:12])
+            self._buffer.clear()
+            self._wanted, self._in_header = size, False
