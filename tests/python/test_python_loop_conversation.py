@@ -7,14 +7,18 @@ test_python_backend.py and test_process_instances.py."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import multiprocessing
 import os
 import signal
 import socket
 import struct
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -25,7 +29,7 @@ from shoal.configuring.pipeline import configure
 from shoal.errors import ErrorCode, ShoalError
 from shoal.instances.pool import InstanceThread
 from shoal.instances.process import WorkerLimits
-from shoal.instances.python_process import PythonProcessModel
+from shoal.instances.python_process import TIMED_OUT, Handover, PythonProcessModel
 from shoal.instances.worker_pipe import FrameReader
 
 CONFIG = """
@@ -35,10 +39,13 @@ input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
 """
 
-# Y = 2 X. A negative first element: sleep that many seconds first (a batch that takes a while).
+# Y = 2 X, tiled ``repeat`` times (a request parameter; 1 without). A negative first element: sleep that
+# many seconds first (a batch that takes a while).
 MODEL = """
+import json
 import time
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
@@ -49,7 +56,8 @@ class TritonPythonModel:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
             if x.size and x.flat[0] < 0:
                 time.sleep(-float(x.flat[0]))
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)]))
+            y = np.tile(x * 2, json.loads(request.parameters()).get("repeat", 1))
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
         return responses
 """
 
@@ -95,13 +103,16 @@ class CountingThread(InstanceThread):
 def model_of(tmp_path: Path) -> Iterator[Callable[..., PythonProcessModel]]:
     made: list[PythonProcessModel] = []
 
-    def make(limits: WorkerLimits = NO_LIMITS) -> PythonProcessModel:
-        folder = tmp_path / "doubler"
-        (folder / "1").mkdir(parents=True, exist_ok=True)
+    def make(limits: WorkerLimits = NO_LIMITS, source: str = MODEL) -> PythonProcessModel:
+        """A model whose hand-overs are counted (``model._relay.calls``)."""
+        folder = tmp_path / f"model{len(made)}"
+        (folder / "1").mkdir(parents=True)
         (folder / "config.pbtxt").write_text(CONFIG)
-        (folder / "1" / "model.py").write_text(MODEL)
+        (folder / "1" / "model.py").write_text(source)
         spec = configure(folder, strict=False).spec
         model = PythonProcessModel(spec, folder / "1" / "model.py", CPU, "d_0", 1, limits)
+        model._relay.shutdown()
+        model._relay = CountingThread()
         made.append(model)
         return model
 
@@ -112,17 +123,24 @@ def model_of(tmp_path: Path) -> Iterator[Callable[..., PythonProcessModel]]:
 
 async def _run(model: PythonProcessModel, thread: InstanceThread, batch: list[Pending]) -> Any:
     """The batch as ``Instance.execute`` runs it: on the loop when the model takes it, else on the thread."""
-    running = model.start_on_loop(batch, thread)
+    running = model.start_on_loop(batch)
     if running is None:
         running = thread.submit(model.run_requests, batch)
     return await running
+
+
+def _handovers(model: PythonProcessModel) -> int:
+    relay = model._relay
+    assert isinstance(relay, CountingThread)
+    return relay.calls
 
 
 def _doubled(results: list[Any], batch: list[Pending]) -> None:
     assert len(results) == len(batch)
     for result, pending in zip(results, batch, strict=True):
         assert not isinstance(result, ShoalError), result
-        np.testing.assert_array_equal(result["Y"], pending.feed["X"] * 2)
+        repeat = pending.context.parameters.get("repeat", 1) if pending.context is not None else 1
+        np.testing.assert_array_equal(result["Y"], np.tile(pending.feed["X"] * 2, repeat))
 
 
 # -- the frames of the pipe -----------------------------------------------------------------------
@@ -175,37 +193,43 @@ def test_the_frame_reader_keeps_a_message_that_arrives_in_parts(pipe: Any) -> No
         raw.close()
 
 
-# -- the batch on the loop, and what is handed to the thread --------------------------------------
+# -- the batch on the loop, and what is handed to the relay thread --------------------------------
 
 
 @pytest.mark.timeout(120)
-def test_a_plain_batch_is_sent_and_answered_on_the_loop_without_the_thread(model_of: Any) -> None:
+def test_a_plain_batch_is_sent_and_answered_on_the_loop_without_a_thread(model_of: Any) -> None:
     model, thread = model_of(), CountingThread()
     try:
 
         async def scenario() -> None:
             for size in (1, 3, 8):
                 batch = [Pending(np.arange(i, i + 5)) for i in range(size)]
-                assert (running := model.start_on_loop(batch, thread)) is not None
+                assert (running := model.start_on_loop(batch)) is not None
                 _doubled(await running, batch)
 
         asyncio.run(scenario())
-        assert thread.calls == 0
+        assert thread.calls == 0 and _handovers(model) == 0
     finally:
         thread.shutdown()
 
 
 @pytest.mark.timeout(120)
-def test_outputs_past_the_arena_are_handed_to_the_thread_which_grows_it(model_of: Any) -> None:
-    """The worker asks for a bigger arena (Grow): the thread takes over, grows it, reads the answer."""
+def test_large_tensors_are_copied_on_threads_never_on_the_loop(model_of: Any) -> None:
+    """Inputs past off_loop's bound go to the instance's thread; outputs past it (first past the arena,
+    which grows, then within the grown arena) to the relay; small ones stay on the loop."""
     model, thread = model_of(), CountingThread()
     try:
-        batch = [Pending(np.linspace(0, 1, 400_000))]  # 1.6 MB of outputs; the arena starts at 1 MiB
-        _doubled(asyncio.run(_run(model, thread, batch)), batch)
-        assert thread.calls == 1
+        big_inputs = [Pending(np.linspace(0, 1, 400_000))]  # 1.6 MB
+        assert asyncio.run(_start(model, big_inputs)) is None
+        _doubled(asyncio.run(_run(model, thread, big_inputs)), big_inputs)
+        assert thread.calls == 1 and _handovers(model) == 0
+        for repeat in (300_000, 200_000):  # 2.4 MB of outputs: the worker asks for an arena; then 1.6 MB
+            batch = [Pending(np.array([1.0, 2.0]), Context({"repeat": repeat}))]
+            _doubled(asyncio.run(_run(model, thread, batch)), batch)
+        assert thread.calls == 1 and _handovers(model) == 2
         small = [Pending(np.ones(3))]
         _doubled(asyncio.run(_run(model, thread, small)), small)
-        assert thread.calls == 1  # back on the loop
+        assert thread.calls == 1 and _handovers(model) == 2  # back on the loop
     finally:
         thread.shutdown()
 
@@ -225,36 +249,36 @@ class HalfSending:
 
 
 @pytest.mark.timeout(120)
-def test_what_the_pipe_does_not_take_at_once_is_written_by_the_thread(model_of: Any) -> None:
-    """The loop never waits to write: the rest of the batch's message goes to the thread, which writes
-    it and reads the answer."""
-    model, thread = model_of(), CountingThread()
-    try:
-        model._loop_socket = HalfSending(model._loop_socket)
-        batch = [Pending(np.arange(6.0)), Pending(np.ones(4), Context({"note": "x" * 100_000}))]
-        _doubled(asyncio.run(_run(model, thread, batch)), batch)
-        assert thread.calls == 1
-    finally:
-        thread.shutdown()
+def test_what_the_pipe_does_not_take_at_once_is_written_by_the_relay(model_of: Any) -> None:
+    """The loop never waits to write: the rest of the batch's message goes to the relay thread, which
+    writes it and reads the answer."""
+    model = model_of()
+    model._loop_socket = HalfSending(model._loop_socket)
+    batch = [Pending(np.arange(6.0)), Pending(np.ones(4), Context({"note": "x" * 100_000}))]
+    _doubled(asyncio.run(_run(model, InstanceThread("unused"), batch)), batch)
+    assert _handovers(model) == 1
 
 
 @pytest.mark.timeout(120)
 def test_a_caller_that_gives_up_leaves_the_next_batch_its_own_answer(model_of: Any) -> None:
-    """Cancelling the caller ends nothing: the conversation reads its answer, so the next batch,
-    queued meanwhile on the thread, never gets the first one's outputs."""
+    """Cancelling the caller ends nothing: the conversation reads its answer, so the next batch, queued
+    meanwhile on the instance's thread (waiting for the lock), never gets the first one's outputs. The
+    first batch then needs a thread (its outputs outgrow the arena): the relay's, never the instance's,
+    which waits for the lock the first batch holds (a deadlock when they were one thread)."""
     model, thread = model_of(), CountingThread()
     try:
 
         async def scenario() -> None:
-            slow = [Pending(np.array([-0.5, 1.0, 2.0]))]
-            first = model.start_on_loop(slow, thread)
+            slow = [Pending(np.array([-0.5, 1.0, 2.0]), Context({"repeat": 300_000}))]
+            first = model.start_on_loop(slow)
             assert first is not None
             waiting = asyncio.ensure_future(first)
             await asyncio.sleep(0)
             waiting.cancel()
             following = [Pending(np.array([7.0, 8.0, 9.0]))]
-            assert model.start_on_loop(following, thread) is None  # the worker is still busy with the first
-            _doubled(await thread.submit(model.run_requests, following), following)
+            assert model.start_on_loop(following) is None  # the worker is still busy with the first
+            _doubled(await asyncio.wait_for(thread.submit(model.run_requests, following), 60), following)
+            assert _handovers(model) == 1
             again = [Pending(np.array([3.0]))]
             _doubled(await _run(model, thread, again), again)
 
@@ -271,8 +295,7 @@ def test_a_worker_killed_during_a_loop_batch_fails_it_and_is_replaced(model_of: 
         async def scenario() -> None:
             first_pid = model.pid
             assert first_pid is not None
-            slow = [Pending(np.array([-30.0]))]
-            running = model.start_on_loop(slow, thread)
+            running = model.start_on_loop([Pending(np.array([-30.0]))])
             assert running is not None
             os.kill(first_pid, signal.SIGKILL)
             with pytest.raises(ShoalError) as failed:
@@ -283,14 +306,60 @@ def test_a_worker_killed_during_a_loop_batch_fails_it_and_is_replaced(model_of: 
             _doubled(await _run(model, thread, after), after)
 
         asyncio.run(scenario())
-        assert thread.calls == 1  # the end of the pipe was handed over
+        assert thread.calls == 0 and _handovers(model) == 1
     finally:
         thread.shutdown()
 
 
+# execute forks a child that outlives it, holding the worker's end of the pipe (as a helper process the
+# model starts may); a first element of -1 then ends the worker.
+FORKS_A_CHILD = MODEL.replace(
+    "import time\n",
+    "import os\nimport time\n",
+).replace(
+    "            if x.size and x.flat[0] < 0:\n                time.sleep(-float(x.flat[0]))\n",
+    """            if x.size and x.flat[0] == -1:
+                child = os.fork()
+                if child == 0:
+                    time.sleep(60)
+                    os._exit(0)
+                with open(os.path.join(os.path.dirname(__file__), "children"), "a") as pids:
+                    pids.write(f"{child}\\n")
+                os._exit(3)
+""",
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_while_a_child_holds_its_pipe_fails_its_batch(model_of: Any) -> None:
+    """No end of file comes (the child holds the pipe open): the worker's process sentinel says it died."""
+    model, thread = model_of(source=FORKS_A_CHILD), CountingThread()
+    children = model._path.parent / "children"
+    try:
+
+        async def scenario() -> None:
+            running = model.start_on_loop([Pending(np.array([-1.0]))])
+            assert running is not None
+            with pytest.raises(ShoalError) as failed:
+                await asyncio.wait_for(running, 60)
+            assert failed.value.code is ErrorCode.UNAVAILABLE and "died (exit code 3)" in failed.value.message
+            after = [Pending(np.array([4.0]))]
+            _doubled(await _run(model, thread, after), after)
+
+        asyncio.run(scenario())
+        assert children.exists()
+    finally:
+        thread.shutdown()
+        for pid in children.read_text().split() if children.exists() else ():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.mark.timeout(120)
 def test_the_execution_timeout_holds_for_a_batch_on_the_loop(model_of: Any) -> None:
-    """A stopped worker (SIGSTOP) never answers: at the deadline the thread takes over and replaces it."""
+    """A stopped worker (SIGSTOP) never answers: at the deadline the relay takes over and replaces it."""
     model, thread = model_of(WorkerLimits(execution_timeout_s=0.5, liveness_interval_s=0.0)), CountingThread()
     try:
 
@@ -298,7 +367,7 @@ def test_the_execution_timeout_holds_for_a_batch_on_the_loop(model_of: Any) -> N
             first_pid = model.pid
             assert first_pid is not None
             os.kill(first_pid, signal.SIGSTOP)
-            running = model.start_on_loop([Pending(np.ones(2))], thread)
+            running = model.start_on_loop([Pending(np.ones(2))])
             assert running is not None
             with pytest.raises(ShoalError) as failed:
                 await asyncio.wait_for(running, 60)
@@ -313,15 +382,131 @@ def test_the_execution_timeout_holds_for_a_batch_on_the_loop(model_of: Any) -> N
 
 
 @pytest.mark.timeout(120)
-def test_a_conversation_handed_over_after_the_thread_stopped_still_ends(model_of: Any) -> None:
-    """The instance's thread is shut down while a loop batch runs (the pool closing): a hand-over then
-    runs on a thread of its own, so the batch ends and the instance's lock is released."""
-    model, thread = model_of(), CountingThread()
+def test_a_message_half_read_when_the_deadline_passes_is_never_read_as_a_new_one(model_of: Any, pipe: Any) -> None:
+    """The relay, given a reader in the middle of a message at the execution timeout, replaces the
+    worker: reading the pipe then would take the message's middle for a length (it hung so)."""
+    _, writing, sock = pipe
+    model = model_of(WorkerLimits(execution_timeout_s=30.0, liveness_interval_s=0.0))
+    first_pid = model.pid
+    raw = socket.socket(fileno=os.dup(writing.fileno()))
+    try:
+        raw.sendall(struct.pack("!i", 1000) + b"x" * 300)  # a message's header and the start of its body
+        partial = FrameReader(sock)
+        assert partial.read() is None and partial.mid_message
+        assert model._lock.acquire(blocking=False)
+        model._begin([Pending(np.ones(2))])
+        with pytest.raises(ShoalError) as failed:
+            model.continue_on_thread(Handover(partial=partial, ending=TIMED_OUT), time.monotonic() - 1)
+        assert "execution_timeout_ms" in failed.value.message
+        assert not model._lock.locked() and model.pid != first_pid and model.healthy
+    finally:
+        raw.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_deadline_around_a_large_answer_ends_the_batch_and_the_next_gets_its_own(model_of: Any) -> None:
+    """The loop is busy when the deadline passes and a large answer is on its way: whichever comes first
+    (the answer, or the timeout), the batch ends promptly and the pipe stays in step."""
+    slow_error = MODEL.replace(
+        '            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))\n',
+        """            if x.size and x.flat[0] == 0.25:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("e" * 600_000)))
+                continue
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+""",
+    )
+    model, thread = (
+        model_of(WorkerLimits(execution_timeout_s=1.0, liveness_interval_s=0.0), slow_error),
+        CountingThread(),
+    )
+    try:
+
+        async def scenario() -> None:
+            loop = asyncio.get_running_loop()
+            running = model.start_on_loop([Pending(np.array([-0.7])), Pending(np.array([0.25]))])
+            assert running is not None
+            loop.call_later(0.5, time.sleep, 0.7)  # the loop busy from 0.5 s to 1.2 s (the deadline: 1.0 s)
+            try:
+                results = await asyncio.wait_for(running, 30)
+            except ShoalError as failed:
+                assert "execution_timeout_ms" in failed.message
+            else:
+                assert isinstance(results[1], ShoalError) and results[1].message == "e" * 600_000
+            after = [Pending(np.array([6.0, 7.0]))]
+            _doubled(await asyncio.wait_for(_run(model, thread, after), 30), after)
+
+        asyncio.run(scenario())
+    finally:
+        thread.shutdown()
+
+
+# A BLS call made in one batch (on a thread of the model) whose reply the next batch collects.
+BLS_ACROSS_BATCHES = """
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.reply, self.caller = None, None
+
+    def _call(self):
+        call = pb_utils.InferenceRequest(
+            model_name="other", requested_output_names=["Z"], inputs=[pb_utils.Tensor("A", np.ones(3, np.float32))]
+        )
+        self.reply = call.exec()
+
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
+        if x.flat[0] == 1:  # start the call and answer at once
+            self.caller = threading.Thread(target=self._call, daemon=True)
+            self.caller.start()
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)])]
+        self.caller.join(20)  # collect it
+        z = pb_utils.get_output_tensor_by_name(self.reply, "Z").as_numpy() if self.reply is not None else -np.ones(1)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", z.astype(np.float32))])]
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reply_after_s", [0.0, 0.5])
+def test_a_bls_reply_that_outlives_its_batch_reaches_the_next_one(model_of: Any, reply_after_s: float) -> None:
+    """The reply comes before the next batch starts (it then goes to the instance's thread, which
+    forwards it) or while it runs on the loop (the wake-up pipe hands the conversation to the relay)."""
+    model, thread = model_of(source=BLS_ACROSS_BATCHES), CountingThread()
+
+    def host(request: Any, sink: Any, caller: Any = None, trace_id: int = 0) -> concurrent.futures.Future[Any]:
+        reply: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        outputs = SimpleNamespace(outputs=[SimpleNamespace(name="Z", data=np.full(3, 42.0, np.float32))])
+        threading.Timer(0.2, reply.set_result, args=(outputs,)).start()
+        return reply
+
+    model.bind_host(host, None)
+    try:
+
+        async def scenario() -> None:
+            await _run(model, thread, [Pending(np.array([1.0]))])
+            await asyncio.sleep(reply_after_s)
+            (result,) = await asyncio.wait_for(_run(model, thread, [Pending(np.array([2.0]))]), 30)
+            assert result["Y"].tolist() == [42.0, 42.0, 42.0]
+
+        asyncio.run(scenario())
+    finally:
+        thread.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_conversation_handed_over_after_the_relay_stopped_still_ends(model_of: Any) -> None:
+    """The relay is shut down while a loop batch runs (the instance closing): a hand-over then runs on a
+    thread of its own, so the batch ends and the instance's lock is released."""
+    model = model_of()
 
     async def scenario() -> None:
-        running = model.start_on_loop([Pending(np.array([-0.3]))] + [Pending(np.ones(4))], thread)
+        running = model.start_on_loop([Pending(np.array([-0.3])), Pending(np.ones(4))])
         assert running is not None
-        thread.shutdown()
+        model._relay.shutdown()
         pid = model.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
@@ -329,6 +514,10 @@ def test_a_conversation_handed_over_after_the_thread_stopped_still_ends(model_of
             await asyncio.wait_for(running, 60)
 
     asyncio.run(scenario())
-    assert thread.calls == 1
+    assert _handovers(model) == 1
     assert model._lock.acquire(timeout=10)
     model._lock.release()
+
+
+async def _start(model: PythonProcessModel, batch: list[Pending]) -> Any:
+    return model.start_on_loop(batch)

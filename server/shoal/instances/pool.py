@@ -57,6 +57,7 @@ class InstanceThread:
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
         self._stopped = False
+        self._stopping = threading.Lock()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -71,15 +72,17 @@ class InstanceThread:
         was cancelled before the call started. After ``shutdown`` the call runs on a thread of its own:
         one may hold what only it releases (a worker's conversation taken over from the event loop)."""
         call = (asyncio.get_running_loop(), future, function, args)
-        if self._stopped:
-            threading.Thread(target=_run_call, args=(call,), name=self._thread.name, daemon=True).start()
-        else:
-            self._calls.put(call)
+        with self._stopping:  # a call is queued before the end, or runs on a thread of its own: never lost
+            if not self._stopped:
+                self._calls.put(call)
+                return
+        threading.Thread(target=_run_call, args=(call,), name=self._thread.name, daemon=True).start()
 
     def shutdown(self, wait: bool = True) -> None:
         """Finish the calls queued so far, then end the thread. A later call runs on a thread of its own."""
-        self._stopped = True
-        self._calls.put(None)
+        with self._stopping:
+            self._stopped = True
+            self._calls.put(None)
         if wait and self._thread is not threading.current_thread():
             self._thread.join()
 
@@ -118,9 +121,9 @@ class OnLoop:
     sending a batch to a worker process and reading its answer need no thread of the server, and each
     thread a batch passes through costs a wake-up of it."""
 
-    def start_on_loop(self, batch: Sequence[QueuedRequest], thread: InstanceThread) -> asyncio.Future[Any] | None:
-        """The batch's outcome to come, its conversation under way; None: run it on ``thread`` as usual
-        (``run_requests``). Whatever part of it needs a thread goes to ``thread``."""
+    def start_on_loop(self, batch: Sequence[QueuedRequest]) -> asyncio.Future[Any] | None:
+        """The batch's outcome to come, its conversation under way; None: run it on the instance's
+        thread as usual (``run_requests``)."""
         raise NotImplementedError
 
 
@@ -142,7 +145,7 @@ class Instance:
         if not model.runs_requests:
             return await execute_as_one_feed(self._run_feed, batch)
         start = time.monotonic_ns()
-        running = model.start_on_loop(batch, self.thread) if isinstance(model, OnLoop) else None
+        running = model.start_on_loop(batch) if isinstance(model, OnLoop) else None
         if running is None:
             running = self.thread.submit(cast(RequestModel, model).run_requests, batch)
         results: list[Outputs | ShoalError] = await running

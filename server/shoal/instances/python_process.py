@@ -36,12 +36,13 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
-from multiprocessing import connection, reduction
+from dataclasses import dataclass, replace
+from multiprocessing import connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import shoal.backends.python as python_backend
+from shoal import off_loop
 from shoal.backends.devices import Device
 from shoal.backends.python import bls, runner
 from shoal.dataplane import packing
@@ -110,6 +111,9 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         super().__init__(
             spec, model_file, device, (instance_name, version), 1, limits, ("numpy", "shoal.backends.python.runner")
         )
+        # Takes over a conversation the event loop began (LoopConversation). A thread of its own, never
+        # the instance's: that one may be waiting for this instance's lock, which the conversation holds.
+        self._relay = InstanceThread(f"shoal-{spec.name}-{instance_name}-relay")
 
     def bind_host(self, host: bls.HostInfer, caller: Any) -> None:
         """``caller``: this instance's version, named by every BLS call of the worker, from any thread."""
@@ -132,22 +136,26 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 pass  # the worker is gone: the wait finds it dead and replaces it
             return self._finish(deadline, None)
 
-    def start_on_loop(self, batch: Sequence[Any], thread: InstanceThread) -> asyncio.Future[Any] | None:
+    def start_on_loop(self, batch: Sequence[Any]) -> asyncio.Future[Any] | None:
         """The batch sent and its answer read by the event loop (``LoopConversation``), when nothing
         else holds the worker and it is up; None otherwise (``run_requests`` on the thread waits for it,
-        or restarts it). A decoupled model's batch always goes to the thread: its responses stream."""
-        if self._decoupled or not self._lock.acquire(blocking=False):
+        or restarts it). Also None for a decoupled model (its responses stream), for inputs too large
+        to copy on the loop (``off_loop``), and while a BLS call of an earlier batch has ended with
+        nobody yet to forward its reply (the thread's conversation does)."""
+        if self._decoupled or _costly_inputs(batch) or not self._finished.empty():
+            return None
+        if not self._lock.acquire(blocking=False):
             return None
         try:
             if self._failure or self._closing.is_set() or self._loop_socket is None:
                 self._lock.release()
                 return None
             run, deadline = self._begin(batch)
-            message = reduction.ForkingPickler.dumps(run)
+            message = pickle.dumps(run, pickle.HIGHEST_PROTOCOL)  # plain data: no reducer of ForkingPickler's
         except BaseException:
             self._lock.release()
             raise
-        return LoopConversation(self, self._loop_socket, thread, deadline).start(message)
+        return LoopConversation(self, self._loop_socket, deadline).start(message)
 
     def _begin(self, batch: Sequence[Any]) -> tuple[RunRequests, float | None]:
         """Pack the batch's inputs and make its message (lock held): what the worker is sent, and the
@@ -170,19 +178,50 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             self._end_outbox()
             self._trim_requests()
 
-    def continue_on_thread(self, first: Any, unsent: bytes | None, deadline: float | None) -> Any:
-        """A conversation the event loop began, taken over by the instance's thread: ``unsent``, what
-        the loop could not write of the batch's framed message, then ``first``, the worker's message the
-        loop read that is not the batch's answer (None: none, or the pipe ended); releases the lock."""
+    def continue_on_thread(self, handed: Handover, deadline: float | None) -> list[dict[str, Any] | ShoalError]:
+        """A conversation the event loop began, taken over by the relay thread where it stood (see
+        ``Handover``); releases the lock."""
         try:
-            if unsent:
+            if handed.unsent:
                 try:
-                    _write_all(self._conn.fileno(), unsent)
+                    _write_all(self._conn.fileno(), handed.unsent)
                 except OSError:
                     pass  # the worker is gone: the wait finds it dead and replaces it
+            first, ending = handed.first, handed.ending
+            if ending is None and handed.partial is not None:
+                first, ending = self._rest_of_message(handed.partial)
+            if ending is not None:
+                try:
+                    self._fail_conversation(ending, deadline)
+                finally:
+                    self._end_outbox()
+                    self._trim_requests()
             return self._finish(deadline, first)
         finally:
             self._lock.release()
+
+    def _rest_of_message(self, partial: FrameReader) -> tuple[Any, str | None]:
+        """The message the loop began to read, read to its end: the message, or why the pipe cannot go on."""
+        try:
+            return pickle.loads(partial.finish(self._conn.fileno())), None
+        except (EOFError, OSError):
+            return None, ENDED
+        except Exception:  # noqa: BLE001 - whatever unpickling raises: the pipe is out of step
+            return None, UNREADABLE
+
+    def _fail_conversation(self, ending: str, deadline: float | None) -> NoReturn:
+        """The batch cannot go on: its execution timeout passed, the worker's pipe ended, or a message on
+        it could not be read. The worker is replaced (a dead one is reported as such) and the batch fails."""
+        if ending == ENDED:
+            self._process.join(timeout=ENDED_GRACE_S)  # its pipe ended: it is exiting
+        self._check_running(deadline if ending == TIMED_OUT else None)  # raises for a dead or late worker
+        why = "closed its end of the pipe" if ending == ENDED else "sent a message that could not be read"
+        self._replace(why)
+        raise ShoalError(
+            ErrorCode.UNAVAILABLE,
+            f"model '{self._spec.name}': the instance process running this request {why}; "
+            f"{'it has been restarted' if self.healthy else 'it could not be restarted'}",
+        )
 
     def finish_on_loop(self, done: Done) -> list[dict[str, Any] | ShoalError]:
         """The batch's outcome from the worker's answer, read by the event loop; releases the lock."""
@@ -376,6 +415,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
 
     def close(self) -> None:
         super().close()
+        self._relay.shutdown(wait=False)  # a conversation it still runs (close gave up waiting) ends on its own
         with self._wake_lock:
             fds, self._wake_read, self._wake_write = (self._wake_read, self._wake_write), -1, -1
         for fd in fds:
@@ -385,86 +425,150 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 pass
 
 
+ENDED, TIMED_OUT, UNREADABLE = "ended", "timed out", "unreadable"  # why a conversation cannot go on
+ENDED_GRACE_S = 5.0  # a worker whose pipe ended is given this long to exit before it is reported
+
+
+@dataclass(frozen=True)
+class Handover:
+    """Where a conversation on the event loop stood when the relay thread took it over: ``unsent``, what
+    the loop could not write of the batch's framed message; ``first``, a whole message of the worker
+    that is not the batch's answer (or an answer too large to unpack on the loop); ``partial``, the
+    reader of a message only begun (the thread reads its rest before anything else); ``ending``, why
+    the conversation cannot go on (TIMED_OUT, ENDED, UNREADABLE), the batch then failing."""
+
+    first: Any = None
+    partial: FrameReader | None = None
+    unsent: bytes = b""
+    ending: str | None = None
+
+
 class LoopConversation:
     """One batch of a worker process carried by the event loop: its message written, the worker's
     answer read when the pipe is readable (``loop.add_reader``, ``FrameReader``) and unpacked there.
 
-    For a batch that is sent and answered, and nothing else, this spares two wake-ups of the
-    instance's thread (from the loop, then back to it) and the thread's own time; any other turn
-    hands the conversation to that thread at the point it reached (``continue_on_thread``), with the
-    message that was read: a BLS call, an arena to grow, a pipe that ended (the worker died), the
-    execution timeout passed, or a message the pipe could not take at once (the rest is the thread's to
-    write: the loop never waits on a worker, which may be stopped). The instance's lock, taken when
-    the batch began, is released by whoever ends the conversation. The caller's giving up (its task
+    For a batch that is sent and answered, and nothing else, this spares two wake-ups of a server
+    thread (from the loop, then back to it) and that thread's own time. Any other turn hands the
+    conversation to the model's relay thread where it stands (``Handover``, ``continue_on_thread``):
+    a BLS call or an arena to grow; an answer or message too large for the loop (``off_loop``); the
+    worker's exit (its process sentinel: a child of the worker may hold the pipe open, so no end of
+    file comes) or the pipe's end; the execution timeout; a BLS call of an earlier batch that ended
+    (the wake-up pipe: its reply is the thread's to forward); a message the pipe did not take at once
+    (the loop never waits on a worker, which may be stopped). The instance's lock, taken when the
+    batch began, is released by whoever ends the conversation. The caller's giving up (its task
     cancelled) ends nothing: the conversation goes on to the worker's answer, so that the next batch
     never reads this one's.
     """
 
-    def __init__(
-        self, model: PythonProcessModel, sock: socket.socket, thread: InstanceThread, deadline: float | None
-    ) -> None:
-        self._model, self._socket, self._thread, self._deadline = model, sock, thread, deadline
+    def __init__(self, model: PythonProcessModel, sock: socket.socket, deadline: float | None) -> None:
+        self._model, self._socket, self._deadline = model, sock, deadline
         self._reader = FrameReader(sock)
         self._loop = asyncio.get_running_loop()
         self._outcome: asyncio.Future[Any] = self._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
-        self._listening = False
+        self._watched: list[int] = []
 
-    def start(self, message: Any) -> asyncio.Future[Any]:
-        """Write the batch's pickled ``message`` and listen for the answer."""
+    def start(self, message: bytes) -> asyncio.Future[Any]:
+        """Write the batch's pickled ``message``, and watch for what comes back."""
         data = framed(message)
         try:
             sent = self._socket.send(data, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
-            self._hand_over(None, None)  # the worker is gone: the thread finds it dead and replaces it
+            self._hand_over(Handover(ending=ENDED))
             return self._outcome
         if sent < len(data):
-            self._hand_over(None, data[sent:])
+            self._hand_over(Handover(unsent=data[sent:]))
             return self._outcome
-        self._loop.add_reader(self._socket.fileno(), self._readable)
-        self._listening = True
+        model = self._model
+        for fd, callback in (
+            (self._socket.fileno(), self._readable),
+            (model._process.sentinel, self._exited),
+            (model._wake_read, self._woken),
+        ):
+            self._loop.add_reader(fd, callback)
+            self._watched.append(fd)
         if self._deadline is not None:
-            self._timer = self._loop.call_later(self._deadline - time.monotonic(), self._hand_over, None, None)
+            self._timer = self._loop.call_later(self._deadline - time.monotonic(), self._check_deadline)
         return self._outcome
 
     def _readable(self) -> None:
         try:
             data = self._reader.read()
         except (EOFError, OSError):
-            self._hand_over(None, None)
+            self._hand_over(Handover(ending=ENDED))
             return
         if data is None:
+            announced = self._reader.announced
+            if announced is not None and announced > off_loop.OFF_LOOP_BYTES:
+                self._hand_over(Handover(partial=self._reader))  # a large message: read on the thread
             return
-        message = pickle.loads(data)
-        if not isinstance(message, Done):
-            self._hand_over(message, None)
+        try:
+            message = pickle.loads(data)
+        except Exception:  # noqa: BLE001 - whatever unpickling raises: the pipe is out of step
+            self._hand_over(Handover(ending=UNREADABLE))
             return
-        self._stop_listening()
+        if not isinstance(message, Done) or _costly_answers(message.answers):
+            self._hand_over(Handover(first=message))
+            return
+        self._stop_watching()
         try:
             result, error = self._model.finish_on_loop(message), None
         except Exception as exc:  # noqa: BLE001 - the batch's failure, given to its caller
             result, error = None, exc
         _settle(self._outcome, result, error)
 
-    def _hand_over(self, first: Any, unsent: bytes | None) -> None:
-        self._stop_listening()
-        handed: asyncio.Future[Any] = self._loop.create_future()  # never cancelled: the thread always runs it
-        handed.add_done_callback(self._handed_back)
-        self._thread.run_into(handed, self._model.continue_on_thread, first, unsent, self._deadline)
+    def _exited(self) -> None:
+        self._hand_over(Handover(ending=ENDED))
 
-    def _handed_back(self, handed: asyncio.Future[Any]) -> None:
-        error = handed.exception()
-        _settle(self._outcome, None if error is not None else handed.result(), error)
+    def _woken(self) -> None:
+        self._hand_over(Handover(partial=self._reader if self._reader.mid_message else None))
 
-    def _stop_listening(self) -> None:
-        if self._listening:
-            self._loop.remove_reader(self._socket.fileno())
-            self._listening = False
+    def _check_deadline(self) -> None:
+        assert self._deadline is not None
+        left = self._deadline - time.monotonic()
+        if left >= 0:  # the loop's timer may run a hair early: the thread must find the deadline passed
+            self._timer = self._loop.call_later(left, self._check_deadline)
+            return
+        self._timer = None
+        self._hand_over(Handover(ending=TIMED_OUT))
+
+    def _hand_over(self, handed: Handover) -> None:
+        self._stop_watching()
+        relayed: asyncio.Future[Any] = self._loop.create_future()  # never cancelled: the relay always runs it
+        relayed.add_done_callback(self._relayed)
+        self._model._relay.run_into(relayed, self._model.continue_on_thread, handed, self._deadline)
+
+    def _relayed(self, relayed: asyncio.Future[Any]) -> None:
+        error = relayed.exception()
+        _settle(self._outcome, None if error is not None else relayed.result(), error)
+
+    def _stop_watching(self) -> None:
+        for fd in self._watched:
+            self._loop.remove_reader(fd)
+        self._watched.clear()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _costly_inputs(batch: Sequence[Any]) -> bool:
+    """Whether copying the batch's inputs into the arena is work for a thread, not the loop."""
+    data_bytes = elements = 0
+    for pending in batch:
+        for array in pending.feed.values():
+            if array.dtype == object:
+                elements += array.size
+            else:
+                data_bytes += array.nbytes
+    return off_loop.costly(data_bytes, elements)
+
+
+def _costly_answers(answers: Sequence[Answer]) -> bool:
+    """Whether copying the outputs out of the arena is work for a thread, not the loop."""
+    slots = [slot for answer in answers for slot in answer.outputs]
+    return packing.costly(slots) or off_loop.costly(data_bytes=sum(slot[4] for slot in slots))
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -23,9 +23,10 @@ A Python model (its batch conversation, BLS calls included, is told in ``instanc
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing import reduction
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -246,8 +247,9 @@ class FrameReader:
     It never reads past the message it is reading: whatever follows stays in the pipe, for the
     next ``read`` or for that thread's ``Connection.recv``. A message arrives in parts when it is
     large (the writer's two writes past 16 KiB) or when its writer was stopped mid-write; ``read``
-    keeps what it has and answers None until the rest comes. The framing is ``Connection``'s: a
-    4-byte big-endian length, or -1 and an 8-byte one past 2 GiB.
+    keeps what it has and answers None until the rest comes, and a thread given the reader finishes
+    the message (``finish``) before it reads the pipe itself, so the pipe never goes out of step.
+    The framing is ``Connection``'s: a 4-byte big-endian length, or -1 and an 8-byte one past 2 GiB.
     """
 
     def __init__(self, sock: socket.socket) -> None:
@@ -256,13 +258,38 @@ class FrameReader:
         self._wanted = 4  # bytes of the header, then of the message
         self._in_header = True
 
+    @property
+    def mid_message(self) -> bool:
+        """Part of a message was read: the rest must be read before anything else."""
+        return bool(self._buffer) or not self._in_header
+
+    @property
+    def announced(self) -> int | None:
+        """The length of the message being read, once its header is in."""
+        return None if self._in_header else self._wanted
+
     def read(self) -> bytes | None:
         """The next whole message, or None while it is still coming. EOFError: the other end closed."""
+        return self._advance(self._receive_now)
+
+    def finish(self, fd: int) -> bytes:
+        """The message under way, read to its end from ``fd``, a blocking descriptor of the same pipe
+        (the thread's Connection). EOFError: the other end closed first."""
+        message = self._advance(lambda size: os.read(fd, size))
+        assert message is not None  # a blocking read returns bytes or, at the end, b""
+        return message
+
+    def _receive_now(self, size: int) -> bytes | None:
+        try:
+            return self._socket.recv(size, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return None
+
+    def _advance(self, receive: Callable[[int], bytes | None]) -> bytes | None:
         while True:
             if len(self._buffer) < self._wanted:
-                try:
-                    chunk = self._socket.recv(self._wanted - len(self._buffer), socket.MSG_DONTWAIT)
-                except (BlockingIOError, InterruptedError):
+                chunk = receive(self._wanted - len(self._buffer))
+                if chunk is None:
                     return None
                 if not chunk:
                     raise EOFError("the worker's end of the pipe closed")
