@@ -1,6 +1,6 @@
 """A Python process instance's batch carried by the event loop (``python_process.LoopConversation``):
 the worker's answer read from the pipe without a thread, and every other turn of the conversation
-handed to the instance's thread at the point it reached. The model is driven directly (no server),
+handed to the instance's relay thread at the point it reached. The model is driven directly (no server),
 so each test knows which path a batch took; the whole server runs the same code in
 test_python_backend.py and test_process_instances.py."""
 
@@ -495,6 +495,84 @@ def test_a_bls_reply_that_outlives_its_batch_reaches_the_next_one(model_of: Any,
         asyncio.run(scenario())
     finally:
         thread.shutdown()
+
+
+# A first element of 13: the model's own code writes on its worker's pipe (a header announcing a length no
+# message has, or a Done that is no answer), then hangs: bytes from a model, not from Shoal's worker.
+WRITES_ON_ITS_PIPE = """
+import struct
+import sys
+import time
+
+from shoal.instances.worker_pipe import Done
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
+        if x.flat[0] == 13:
+            conn = sys.modules["shoal.backends.python.pb_utils"]._host._conn._conn  # under the worker's lock
+            if x.size > 1:
+                conn.send(Done(["no answer"]))
+            else:
+                conn.send_bytes(b"z" * 64)  # a message, then a header of the form past 2 GiB
+                conn._send(struct.pack("!iQ", -1, 1 << 62) + b"z" * 64)
+            time.sleep(60)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)])]
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("on_loop", [True, False])
+@pytest.mark.parametrize("garbage", [[13.0], [13.0, 1.0]], ids=["a-length-no-message-has", "a-done-that-is-no-answer"])
+def test_bytes_a_model_writes_on_its_pipe_fail_its_own_batch_only(
+    model_of: Any, on_loop: bool, garbage: list[float]
+) -> None:
+    """Once, the loop's reader raised on every iteration (the bytes stayed in the pipe), the lock stayed
+    held and unload waited for good; the thread path left the pipe out of step, so the next batch read
+    the model's late answer to this one as its own (right only because the arena's bytes had been
+    rewritten meanwhile). Now the batch fails, the worker is replaced, and the next batch gets its own
+    answer."""
+    model, thread = model_of(source=WRITES_ON_ITS_PIPE), CountingThread()
+    try:
+
+        async def scenario() -> None:
+            first_pid = model.pid
+            batch = [Pending(np.array(garbage))]
+            running = model.start_on_loop(batch) if on_loop else thread.submit(model.run_requests, batch)
+            assert running is not None
+            with pytest.raises(Exception) as failed:
+                await asyncio.wait_for(running, 60)
+            assert isinstance(failed.value, ShoalError)
+            assert ("answered a batch it was not running" if len(garbage) > 1 else "could not be read") in (
+                failed.value.message
+            )
+            assert model.pid != first_pid and model.healthy and not model._lock.locked()
+            after = [Pending(np.array([2.0, 3.0]))]
+            _doubled(await asyncio.wait_for(_run(model, thread, after), 60), after)
+
+        asyncio.run(scenario())
+    finally:
+        thread.shutdown()
+
+
+def test_bytes_elements_and_parameters_past_the_bound_stay_off_the_loop(model_of: Any) -> None:
+    """Copying them and pickling the batch's message is a thread's work, as a tensor's is."""
+    model = model_of()
+
+    def pending_with(feed: dict[str, np.ndarray], parameters: dict[str, Any]) -> Pending:
+        pending = Pending(np.ones(1), Context(parameters))
+        pending.feed = feed
+        return pending
+
+    async def started(pending: Pending) -> Any:
+        return model.start_on_loop([pending])
+
+    one_element = np.array([b"b" * (2 << 20)], dtype=object)
+    assert asyncio.run(started(pending_with({"X": one_element}, {}))) is None
+    assert asyncio.run(started(pending_with({"X": np.ones(2, np.float32)}, {"note": "p" * (2 << 20)}))) is None
+    assert not model._lock.locked()
 
 
 @pytest.mark.timeout(120)

@@ -150,19 +150,23 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             if self._failure or self._closing.is_set() or self._loop_socket is None:
                 self._lock.release()
                 return None
-            run, deadline = self._begin(batch)
+            run, deadline = self._begin(batch, may_grow=False)
             message = pickle.dumps(run, pickle.HIGHEST_PROTOCOL)  # plain data: no reducer of ForkingPickler's
+        except PoolFull:
+            self._lock.release()
+            return None  # the thread grows the arena
         except BaseException:
             self._lock.release()
             raise
         return LoopConversation(self, self._loop_socket, deadline).start(message)
 
-    def _begin(self, batch: Sequence[Any]) -> tuple[RunRequests, float | None]:
+    def _begin(self, batch: Sequence[Any], may_grow: bool = True) -> tuple[RunRequests, float | None]:
         """Pack the batch's inputs and make its message (lock held): what the worker is sent, and the
-        execution timeout's deadline."""
+        execution timeout's deadline. PoolFull when the inputs need a bigger arena and ``may_grow`` is
+        false (the loop: handing a worker an arena is a blocking write)."""
         self._sinks = [python_backend.sink_of(pending) for pending in batch] if self._decoupled else []
         self._cancel_sent, self._streams_closed = set(), set()
-        requests, used = self._pack_inputs(batch)
+        requests, used = self._pack_inputs(batch, may_grow)
         self._reply_offset = used  # BLS outputs go after the batch's inputs
         self._batch = next(self._batches)
         timeout_s = self._limits.execution_timeout_s
@@ -210,12 +214,13 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             return None, UNREADABLE
 
     def _fail_conversation(self, ending: str, deadline: float | None) -> NoReturn:
-        """The batch cannot go on: its execution timeout passed, the worker's pipe ended, or a message on
-        it could not be read. The worker is replaced (a dead one is reported as such) and the batch fails."""
+        """The batch cannot go on: its execution timeout passed, the worker's pipe ended, a message on it
+        could not be read or answered another batch (the pipe out of step: reading on could give a batch
+        another's answer). The worker is replaced (a dead one is reported as such) and the batch fails."""
         if ending == ENDED:
             self._process.join(timeout=ENDED_GRACE_S)  # its pipe ended: it is exiting
         self._check_running(deadline if ending == TIMED_OUT else None)  # raises for a dead or late worker
-        why = "closed its end of the pipe" if ending == ENDED else "sent a message that could not be read"
+        why = _WHY[ending]
         self._replace(why)
         raise ShoalError(
             ErrorCode.UNAVAILABLE,
@@ -236,7 +241,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
     def _trim_requests(self) -> None:
         trim(self._arenas[REQUESTS], self._reply_offset)  # the batch's inputs, then its BLS calls' outputs
 
-    def _pack_inputs(self, batch: Sequence[Any]) -> tuple[list[PipedRequest], int]:
+    def _pack_inputs(self, batch: Sequence[Any], may_grow: bool = True) -> tuple[list[PipedRequest], int]:
         feeds = [as_tensors(pending.feed) for pending in batch]
         while True:
             offset, requests = 0, []
@@ -258,6 +263,8 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                     )
                 return requests, offset
             except PoolFull as full:
+                if not may_grow:
+                    raise
                 self._grow(REQUESTS, offset + full.wanted)
 
     def _conversation(self, deadline: float | None, first: Any = None) -> list[Answer]:
@@ -290,8 +297,12 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                     message = pending if pending is not None else self._conn.recv()
                 except (EOFError, OSError):
                     message = None
+                except Exception:  # noqa: BLE001 - bytes the model's code wrote: the pipe is out of step
+                    self._fail_conversation(UNREADABLE, deadline)
                 match message:
-                    case Done(answers):
+                    case Done(answers, batch):
+                        if batch != self._batch:
+                            self._fail_conversation(OUT_OF_STEP, deadline)
                         self._flush(deadline)  # the worker reads again; what follows goes on the pipe directly
                         return answers
                     case Grow(needed):
@@ -425,7 +436,13 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 pass
 
 
-ENDED, TIMED_OUT, UNREADABLE = "ended", "timed out", "unreadable"  # why a conversation cannot go on
+# Why a conversation cannot go on, and what the worker did, as its error says.
+ENDED, TIMED_OUT, UNREADABLE, OUT_OF_STEP = "ended", "timed out", "unreadable", "out of step"
+_WHY = {
+    ENDED: "closed its end of the pipe",
+    UNREADABLE: "sent a message that could not be read",
+    OUT_OF_STEP: "answered a batch it was not running",
+}
 ENDED_GRACE_S = 5.0  # a worker whose pipe ended is given this long to exit before it is reported
 
 
@@ -495,19 +512,24 @@ class LoopConversation:
 
     def _readable(self) -> None:
         try:
-            data = self._reader.read()
+            self._read()
+        except Exception:  # noqa: BLE001 - whatever the worker's bytes make fail (a model's code wrote them)
+            if self._watched:
+                self._hand_over(Handover(ending=UNREADABLE))
+
+    def _read(self) -> None:
+        try:
+            data = self._reader.read(stop_past=off_loop.OFF_LOOP_BYTES)
         except (EOFError, OSError):
             self._hand_over(Handover(ending=ENDED))
             return
         if data is None:
-            announced = self._reader.announced
-            if announced is not None and announced > off_loop.OFF_LOOP_BYTES:
-                self._hand_over(Handover(partial=self._reader))  # a large message: read on the thread
+            if self._reader.announced is not None and self._reader.announced > off_loop.OFF_LOOP_BYTES:
+                self._hand_over(Handover(partial=self._reader))  # a large message: read on the relay
             return
-        try:
-            message = pickle.loads(data)
-        except Exception:  # noqa: BLE001 - whatever unpickling raises: the pipe is out of step
-            self._hand_over(Handover(ending=UNREADABLE))
+        message = pickle.loads(data)
+        if isinstance(message, Done) and message.batch != self._model._batch:
+            self._hand_over(Handover(ending=OUT_OF_STEP))
             return
         if not isinstance(message, Done) or _costly_answers(message.answers):
             self._hand_over(Handover(first=message))
@@ -520,7 +542,9 @@ class LoopConversation:
         _settle(self._outcome, result, error)
 
     def _exited(self) -> None:
-        self._hand_over(Handover(ending=ENDED))
+        self._readable()  # an answer the worker wrote before it ended counts (the thread path read it too)
+        if self._watched:
+            self._hand_over(Handover(ending=ENDED))
 
     def _woken(self) -> None:
         self._hand_over(Handover(partial=self._reader if self._reader.mid_message else None))
@@ -554,15 +578,25 @@ class LoopConversation:
 
 
 def _costly_inputs(batch: Sequence[Any]) -> bool:
-    """Whether copying the batch's inputs into the arena is work for a thread, not the loop."""
+    """Whether copying the batch's inputs into the arena and pickling its message is work for a thread,
+    not the loop: its tensors' bytes (BYTES elements counted one by one, up to the bound) and its
+    parameters' text."""
     data_bytes = elements = 0
     for pending in batch:
         for array in pending.feed.values():
-            if array.dtype == object:
-                elements += array.size
-            else:
+            if array.dtype != object:
                 data_bytes += array.nbytes
-    return off_loop.costly(data_bytes, elements)
+                continue
+            elements += array.size
+            if off_loop.costly(elements=elements):
+                return True
+            data_bytes += sum(len(value) if isinstance(value, bytes | str) else 8 for value in array.flat)
+        context = pending.context
+        if context is not None:
+            data_bytes += sum(len(value) for value in context.parameters.values() if isinstance(value, bytes | str))
+        if off_loop.costly(data_bytes, elements):
+            return True
+    return False
 
 
 def _costly_answers(answers: Sequence[Answer]) -> bool:

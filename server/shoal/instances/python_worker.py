@@ -159,7 +159,7 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
                     reply = (run_decoupled if decoupled else run_batch)(model, link, conn, arenas, run)
                     if reply is None:
                         return
-                    conn.send(reply)
+                    conn.send(reply._replace(batch=run.batch))
                 case other:  # a kind this worker does not speak (a feed's Run): answered, never left waiting
                     conn.send(Failed(f"a Python model's worker runs lists of requests, not {type(other).__name__}"))
     except (EOFError, OSError):

@@ -18,7 +18,7 @@ A Python model (its batch conversation, BLS calls included, is told in ``instanc
     host → worker  BlsReply(call id, result, output slots, final, batch)
     worker → host  Response(position, outputs, error, code, final)  a decoupled model's responses
     host → worker  CancelRequest(position, batch)                  a decoupled request's client gave up
-    worker → host  Done(answers)
+    worker → host  Done(answers, batch)
 """
 
 from __future__ import annotations
@@ -158,9 +158,11 @@ class Answer(NamedTuple):
 
 
 class Done(NamedTuple):
-    """worker → host: the batch is over; one answer per request, in order."""
+    """worker → host: batch ``batch`` is over; one answer per request, in order. The host takes it
+    only as the answer of the batch it is running: any other means the pipe is out of step."""
 
     answers: list[Answer]
+    batch: int = -1
 
 
 # Each arena starts this big (its pages are only backed once written) and doubles as batches need.
@@ -238,6 +240,15 @@ def framed(message: bytes | memoryview) -> bytes:
     return header + bytes(message)
 
 
+READ_CHUNK_BYTES = 1 << 20  # the most one read asks for: a message's length is the worker's word, not memory
+# No message of this protocol is longer: tensors past an arena's room travel pickled, at most an arena's worth.
+MAX_MESSAGE_BYTES = 2 * MAX_ARENA_BYTES
+
+
+class FrameError(ValueError):
+    """A message's header announced a length no message of the pipe's protocol has."""
+
+
 class FrameReader:
     """A ``multiprocessing`` Connection's messages, read by the event loop without ever blocking it.
 
@@ -268,14 +279,16 @@ class FrameReader:
         """The length of the message being read, once its header is in."""
         return None if self._in_header else self._wanted
 
-    def read(self) -> bytes | None:
-        """The next whole message, or None while it is still coming. EOFError: the other end closed."""
-        return self._advance(self._receive_now)
+    def read(self, stop_past: int | None = None) -> bytes | None:
+        """The next whole message, or None while it is still coming, or (its header read) when it is
+        longer than ``stop_past`` bytes: its body is left for ``finish``. EOFError: the other end
+        closed; FrameError: a length no message of this protocol has."""
+        return self._advance(self._receive_now, stop_past)
 
     def finish(self, fd: int) -> bytes:
         """The message under way, read to its end from ``fd``, a blocking descriptor of the same pipe
         (the thread's Connection). EOFError: the other end closed first."""
-        message = self._advance(lambda size: os.read(fd, size))
+        message = self._advance(lambda size: os.read(fd, size), None)
         assert message is not None  # a blocking read returns bytes or, at the end, b""
         return message
 
@@ -285,10 +298,12 @@ class FrameReader:
         except (BlockingIOError, InterruptedError):
             return None
 
-    def _advance(self, receive: Callable[[int], bytes | None]) -> bytes | None:
+    def _advance(self, receive: Callable[[int], bytes | None], stop_past: int | None) -> bytes | None:
         while True:
             if len(self._buffer) < self._wanted:
-                chunk = receive(self._wanted - len(self._buffer))
+                if stop_past is not None and not self._in_header and self._wanted > stop_past:
+                    return None
+                chunk = receive(min(self._wanted - len(self._buffer), READ_CHUNK_BYTES))
                 if chunk is None:
                     return None
                 if not chunk:
@@ -306,5 +321,7 @@ class FrameReader:
                     self._wanted = 12
                     continue
                 (size,) = struct.unpack("!Q", self._buffer[4:12])
+            if not 0 <= size <= MAX_MESSAGE_BYTES:
+                raise FrameError(f"a message of {size} bytes announced on the pipe")
             self._buffer.clear()
             self._wanted, self._in_header = size, False
