@@ -29,8 +29,8 @@ from shoal.configuring.pipeline import configure
 from shoal.errors import ErrorCode, ShoalError
 from shoal.instances.pool import InstanceThread
 from shoal.instances.process import WorkerLimits
-from shoal.instances.python_process import TIMED_OUT, Handover, PythonProcessModel
-from shoal.instances.worker_pipe import FrameReader
+from shoal.instances.python_process import TIMED_OUT, Handover, PythonProcessModel, _costly_answers
+from shoal.instances.worker_pipe import Answer, FrameReader
 
 CONFIG = """
 backend: "python"
@@ -235,14 +235,18 @@ def test_large_tensors_are_copied_on_threads_never_on_the_loop(model_of: Any) ->
 
 
 class HalfSending:
-    """The loop's end of the pipe, taking half of what is written at once (a pipe with little room
-    left, or a worker that is not reading)."""
+    """The loop's end of the pipe, taking only half of the first message written (a pipe with little
+    room left, or a worker that is not reading)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._socket = sock
+        self._full = True
 
     def send(self, data: bytes, flags: int = 0) -> int:
-        return self._socket.send(data[: len(data) // 2], flags)
+        if self._full:
+            self._full = False
+            return self._socket.send(data[: len(data) // 2], flags)
+        return self._socket.send(data, flags)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._socket, name)
@@ -490,6 +494,7 @@ def test_a_bls_reply_that_outlives_its_batch_reaches_the_next_one(model_of: Any,
             await _run(model, thread, [Pending(np.array([1.0]))])
             await asyncio.sleep(reply_after_s)
             (result,) = await asyncio.wait_for(_run(model, thread, [Pending(np.array([2.0]))]), 30)
+            assert not isinstance(result, ShoalError), result.message
             assert result["Y"].tolist() == [42.0, 42.0, 42.0]
 
         asyncio.run(scenario())
@@ -555,6 +560,110 @@ def test_bytes_a_model_writes_on_its_pipe_fail_its_own_batch_only(
         asyncio.run(scenario())
     finally:
         thread.shutdown()
+
+
+# More a model's own code may do on its pipe (a first element of 13, then the second says what): send a
+# pickle that ends the process that loads it (1), a Response though it is not decoupled (2), or a message
+# whose header says 4 MiB, 1000 bytes of it, and stop itself (3).
+MISBEHAVES_ON_ITS_PIPE = """
+import os
+import signal
+import struct
+import sys
+
+from shoal.instances.worker_pipe import Response
+import triton_python_backend_utils as pb_utils
+
+
+class EndsItsReader:
+    def __reduce__(self):
+        return (sys.exit, (3,))
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
+        if x.flat[0] == 13:
+            conn = sys.modules["shoal.backends.python.pb_utils"]._host._conn._conn
+            if x.flat[1] == 1:
+                conn.send(EndsItsReader())
+            elif x.flat[1] == 2:
+                conn.send(Response(0, None, "", "", True))
+            else:
+                conn._send(struct.pack("!i", 4 << 20) + b"z" * 1000)
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)])]
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "what", [1.0, 2.0, 3.0], ids=["a-pickle-that-exits", "a-stray-response", "half-a-large-message"]
+)
+def test_what_a_model_does_on_its_pipe_fails_its_batch_never_the_loop(model_of: Any, what: float) -> None:
+    """Once: a SystemExit raised by unpickling on the loop stopped the server; a conversation that failed
+    on the server's side (a stray Response) left the worker mid-batch, so the next batch failed too; the
+    relay reading the rest of a message from a stopped worker waited for good, past the execution
+    timeout. Now the batch fails, the worker is replaced, and the next batch gets its own answer."""
+    limits = WorkerLimits(execution_timeout_s=1.0, liveness_interval_s=0.0)
+    model, thread = model_of(limits, MISBEHAVES_ON_ITS_PIPE), CountingThread()
+    try:
+
+        async def scenario() -> None:
+            first_pid = model.pid
+            running = model.start_on_loop([Pending(np.array([13.0, what]))])
+            assert running is not None
+            with pytest.raises(Exception) as failed:
+                await asyncio.wait_for(running, 60)
+            assert not isinstance(failed.value, asyncio.TimeoutError)
+            if what == 3.0:
+                assert isinstance(failed.value, ShoalError) and "execution_timeout_ms" in failed.value.message
+            assert model.pid != first_pid and model.healthy and not model._lock.locked()
+            after = [Pending(np.array([2.0, 3.0]))]
+            _doubled(await asyncio.wait_for(_run(model, thread, after), 60), after)
+
+        asyncio.run(scenario())
+    finally:
+        thread.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_rest_of_a_batch_message_is_never_written_into_a_stopped_worker_past_the_deadline(
+    model_of: Any,
+) -> None:
+    """The pipe takes only part of the message (a stopped worker reads nothing): the relay writes the
+    rest while it watches the worker, and the execution timeout still holds."""
+    model = model_of(WorkerLimits(execution_timeout_s=1.0, liveness_interval_s=0.0))
+    thread = CountingThread()
+    try:
+
+        async def scenario() -> None:
+            first_pid = model.pid
+            assert first_pid is not None
+            os.kill(first_pid, signal.SIGSTOP)
+            running = model.start_on_loop([Pending(np.ones(2), Context({"note": "x" * 900_000}))])
+            assert running is not None
+            with pytest.raises(ShoalError) as failed:
+                await asyncio.wait_for(running, 60)
+            assert "execution_timeout_ms" in failed.value.message and model.pid != first_pid
+            after = [Pending(np.array([1.0]))]
+            _doubled(await asyncio.wait_for(_run(model, thread, after), 60), after)
+
+        asyncio.run(scenario())
+        assert _handovers(model) == 1
+    finally:
+        thread.shutdown()
+
+
+def test_the_loop_counts_a_done_s_outputs_no_further_than_its_bound() -> None:
+    """A worker's message may name one output many times over (pickle keeps shared references small):
+    the loop hands it over at once instead of walking it (once, 4e10 slots: 20 s of a blocked loop)."""
+    slot = ("Y", "FP32", (1,), 0, 4)
+    answers = [Answer([slot] * 200_000)] * 200_000
+    started = time.monotonic()
+    assert _costly_answers(answers)
+    assert not _costly_answers([Answer([slot])] * 8)
+    assert time.monotonic() - started < 5  # microseconds unbounded, not seconds: a loose bound for a shared machine
 
 
 def test_bytes_elements_and_parameters_past_the_bound_stay_off_the_loop(model_of: Any) -> None:

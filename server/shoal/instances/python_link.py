@@ -41,6 +41,7 @@ from shoal.instances.worker_pipe import (
     BlsReply,
     CancelRequest,
     NewArena,
+    RunRequests,
     put,
     take,
     with_descriptor,
@@ -79,8 +80,9 @@ class PipeLink:
         with self._packing:
             self._offset, self._batch = 0, batch
         with self._filed:
-            self._cancelled.clear()
-            self._cancelling = batch
+            if self._cancelling != batch:  # else counted since its RunRequests was read (cancellations kept)
+                self._cancelled.clear()
+                self._cancelling = batch
 
     def end(self) -> int:
         """After a batch: where in the responses arena its outputs may start (after its calls' inputs).
@@ -191,6 +193,16 @@ class PipeLink:
                 if message.batch == self._cancelling:
                     self._cancelled.add(message.position)
             return
+        if isinstance(message, RunRequests):
+            # The batch counts from here, not from the main loop's ``begin``: the server may follow it at
+            # once with a reply to a call of a thread the model left waiting, which this thread (that
+            # waiting one, perhaps) reads before the main loop begins the batch. Taken then, as the
+            # running batch's; refused once, as an earlier batch's.
+            with self._packing:
+                self._batch = message.batch
+            with self._filed:
+                self._cancelled.clear()
+                self._cancelling = message.batch
         if not isinstance(message, BlsReply):
             with self._filed:
                 self._control.append(message)

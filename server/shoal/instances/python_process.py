@@ -32,6 +32,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import socket
 import threading
 import time
@@ -174,9 +175,17 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
 
     def _finish(self, deadline: float | None, first: Any) -> list[dict[str, Any] | ShoalError]:
         """The rest of the batch's conversation, from the worker's message ``first`` if one was read
-        already (lock held)."""
+        already (lock held). A conversation that fails before the worker answered leaves the worker in
+        the middle of the batch (waiting for an arena, or still running it): it is replaced, or the
+        next batch would read what it says next."""
+        conn = self._conn
         try:
-            answers = self._conversation(deadline, first)
+            try:
+                answers = self._conversation(deadline, first)
+            except BaseException:
+                if self._conn is conn:  # not replaced already (a dead or late worker is)
+                    self._replace("was left in the middle of a batch that failed in the server")
+                raise
             return self._unpack_outputs(answers)
         finally:
             self._end_outbox()
@@ -186,14 +195,11 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         """A conversation the event loop began, taken over by the relay thread where it stood (see
         ``Handover``); releases the lock."""
         try:
-            if handed.unsent:
-                try:
-                    _write_all(self._conn.fileno(), handed.unsent)
-                except OSError:
-                    pass  # the worker is gone: the wait finds it dead and replaces it
             first, ending = handed.first, handed.ending
+            if handed.unsent:
+                ending = self._send_rest(handed.unsent, deadline)
             if ending is None and handed.partial is not None:
-                first, ending = self._rest_of_message(handed.partial)
+                first, ending = self._rest_of_message(handed.partial, deadline)
             if ending is not None:
                 try:
                     self._fail_conversation(ending, deadline)
@@ -204,12 +210,38 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         finally:
             self._lock.release()
 
-    def _rest_of_message(self, partial: FrameReader) -> tuple[Any, str | None]:
-        """The message the loop began to read, read to its end: the message, or why the pipe cannot go on."""
+    def _send_rest(self, data: bytes, deadline: float | None) -> str | None:
+        """Write what the loop could not of the batch's message, watching the worker while the pipe is
+        full (a stopped or dead worker reads nothing): ENDED when the pipe broke, else None."""
+        sock = self._loop_socket
+        assert sock is not None
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[sock.send(view, socket.MSG_DONTWAIT) :]
+            except (BlockingIOError, InterruptedError):
+                select.select([self._process.sentinel], [sock], [], WATCH_TICK_S)
+                self._check_running(deadline)
+            except OSError:
+                return ENDED
+        return None
+
+    def _rest_of_message(self, partial: FrameReader, deadline: float | None) -> tuple[Any, str | None]:
+        """The message the loop began to read, read to its end while the worker is watched (it may have
+        stopped or died mid-write): the message, or why the pipe cannot go on."""
+        while True:
+            try:
+                data = partial.read()
+            except (EOFError, OSError):
+                return None, ENDED
+            except Exception:  # noqa: BLE001 - a length no message has
+                return None, UNREADABLE
+            if data is not None:
+                break
+            select.select([partial.fileno(), self._process.sentinel], [], [], WATCH_TICK_S)
+            self._check_running(deadline)
         try:
-            return pickle.loads(partial.finish(self._conn.fileno())), None
-        except (EOFError, OSError):
-            return None, ENDED
+            return pickle.loads(data), None
         except Exception:  # noqa: BLE001 - whatever unpickling raises: the pipe is out of step
             return None, UNREADABLE
 
@@ -444,6 +476,8 @@ _WHY = {
     OUT_OF_STEP: "answered a batch it was not running",
 }
 ENDED_GRACE_S = 5.0  # a worker whose pipe ended is given this long to exit before it is reported
+WATCH_TICK_S = 0.05  # how often the relay, writing or reading a message, checks that the worker lives
+MAX_LOOP_SLOTS = 4096  # the most output tensors of a batch the loop unpacks
 
 
 @dataclass(frozen=True)
@@ -513,8 +547,8 @@ class LoopConversation:
     def _readable(self) -> None:
         try:
             self._read()
-        except Exception:  # noqa: BLE001 - whatever the worker's bytes make fail (a model's code wrote them)
-            if self._watched:
+        except BaseException:  # noqa: BLE001 - whatever the worker's bytes make raise (SystemExit included)
+            if self._watched:  # the loop goes on; the worker is replaced and the batch fails
                 self._hand_over(Handover(ending=UNREADABLE))
 
     def _read(self) -> None:
@@ -593,22 +627,24 @@ def _costly_inputs(batch: Sequence[Any]) -> bool:
             data_bytes += sum(len(value) if isinstance(value, bytes | str) else 8 for value in array.flat)
         context = pending.context
         if context is not None:
-            data_bytes += sum(len(value) for value in context.parameters.values() if isinstance(value, bytes | str))
+            data_bytes += len(context.id) + sum(
+                len(key) + (len(value) if isinstance(value, bytes | str) else 8)
+                for key, value in context.parameters.items()
+            )
         if off_loop.costly(data_bytes, elements):
             return True
     return False
 
 
 def _costly_answers(answers: Sequence[Answer]) -> bool:
-    """Whether copying the outputs out of the arena is work for a thread, not the loop."""
-    slots = [slot for answer in answers for slot in answer.outputs]
+    """Whether copying the outputs out of the arena is work for a thread, not the loop (outputs past
+    ``MAX_LOOP_SLOTS`` are counted no further: a worker's message may be made to name many)."""
+    slots: list[packing.Slot] = []
+    for answer in answers:
+        if len(slots) + len(answer.outputs) > MAX_LOOP_SLOTS:
+            return True
+        slots += answer.outputs
     return packing.costly(slots) or off_loop.costly(data_bytes=sum(slot[4] for slot in slots))
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -23,10 +23,9 @@ A Python model (its batch conversation, BLS calls included, is told in ``instanc
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from multiprocessing import reduction
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -258,8 +257,8 @@ class FrameReader:
     It never reads past the message it is reading: whatever follows stays in the pipe, for the
     next ``read`` or for that thread's ``Connection.recv``. A message arrives in parts when it is
     large (the writer's two writes past 16 KiB) or when its writer was stopped mid-write; ``read``
-    keeps what it has and answers None until the rest comes, and a thread given the reader finishes
-    the message (``finish``) before it reads the pipe itself, so the pipe never goes out of step.
+    keeps what it has and answers None until the rest comes, and a thread given the reader reads the
+    rest with it before it reads the pipe itself, so the pipe never goes out of step.
     The framing is ``Connection``'s: a 4-byte big-endian length, or -1 and an 8-byte one past 2 GiB.
     """
 
@@ -268,6 +267,9 @@ class FrameReader:
         self._buffer = bytearray()
         self._wanted = 4  # bytes of the header, then of the message
         self._in_header = True
+
+    def fileno(self) -> int:
+        return self._socket.fileno()
 
     @property
     def mid_message(self) -> bool:
@@ -283,14 +285,7 @@ class FrameReader:
         """The next whole message, or None while it is still coming, or (its header read) when it is
         longer than ``stop_past`` bytes: its body is left for ``finish``. EOFError: the other end
         closed; FrameError: a length no message of this protocol has."""
-        return self._advance(self._receive_now, stop_past)
-
-    def finish(self, fd: int) -> bytes:
-        """The message under way, read to its end from ``fd``, a blocking descriptor of the same pipe
-        (the thread's Connection). EOFError: the other end closed first."""
-        message = self._advance(lambda size: os.read(fd, size), None)
-        assert message is not None  # a blocking read returns bytes or, at the end, b""
-        return message
+        return self._advance(stop_past)
 
     def _receive_now(self, size: int) -> bytes | None:
         try:
@@ -298,12 +293,12 @@ class FrameReader:
         except (BlockingIOError, InterruptedError):
             return None
 
-    def _advance(self, receive: Callable[[int], bytes | None], stop_past: int | None) -> bytes | None:
+    def _advance(self, stop_past: int | None) -> bytes | None:
         while True:
             if len(self._buffer) < self._wanted:
                 if stop_past is not None and not self._in_header and self._wanted > stop_past:
                     return None
-                chunk = receive(min(self._wanted - len(self._buffer), READ_CHUNK_BYTES))
+                chunk = self._receive_now(min(self._wanted - len(self._buffer), READ_CHUNK_BYTES))
                 if chunk is None:
                     return None
                 if not chunk:
