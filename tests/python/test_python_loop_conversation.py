@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import os
+import resource
 import signal
 import socket
 import struct
@@ -563,8 +564,8 @@ def test_bytes_a_model_writes_on_its_pipe_fail_its_own_batch_only(
 
 
 # More a model's own code may do on its pipe (a first element of 13, then the second says what): send a
-# pickle that ends the process that loads it (1), a Response though it is not decoupled (2), or a message
-# whose header says 4 MiB, 1000 bytes of it, and stop itself (3).
+# pickle that ends the process that loads it (1; 4: one past the loop's bound), a Response though it is
+# not decoupled (2), or a message whose header says 4 MiB, 1000 bytes of it, and stop itself (3).
 MISBEHAVES_ON_ITS_PIPE = """
 import os
 import signal
@@ -589,6 +590,8 @@ class TritonPythonModel:
                 conn.send(EndsItsReader())
             elif x.flat[1] == 2:
                 conn.send(Response(0, None, "", "", True))
+            elif x.flat[1] == 4:
+                conn.send((EndsItsReader(), b"p" * (2 << 20)))  # read by the relay: past the loop's bound
             else:
                 conn._send(struct.pack("!i", 4 << 20) + b"z" * 1000)
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -598,7 +601,9 @@ class TritonPythonModel:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "what", [1.0, 2.0, 3.0], ids=["a-pickle-that-exits", "a-stray-response", "half-a-large-message"]
+    "what",
+    [1.0, 2.0, 3.0, 4.0],
+    ids=["a-pickle-that-exits", "a-stray-response", "half-a-large-message", "a-large-pickle-that-exits"],
 )
 def test_what_a_model_does_on_its_pipe_fails_its_batch_never_the_loop(model_of: Any, what: float) -> None:
     """Once: a SystemExit raised by unpickling on the loop stopped the server; a conversation that failed
@@ -618,6 +623,8 @@ def test_what_a_model_does_on_its_pipe_fails_its_batch_never_the_loop(model_of: 
             assert not isinstance(failed.value, asyncio.TimeoutError)
             if what == 3.0:
                 assert isinstance(failed.value, ShoalError) and "execution_timeout_ms" in failed.value.message
+            if what in (1.0, 4.0):
+                assert isinstance(failed.value, ShoalError) and "could not be read" in failed.value.message
             assert model.pid != first_pid and model.healthy and not model._lock.locked()
             after = [Pending(np.array([2.0, 3.0]))]
             _doubled(await asyncio.wait_for(_run(model, thread, after), 60), after)
@@ -653,6 +660,38 @@ def test_the_rest_of_a_batch_message_is_never_written_into_a_stopped_worker_past
         assert _handovers(model) == 1
     finally:
         thread.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_relay_watches_descriptors_past_1024(model_of: Any) -> None:
+    """The server raises its descriptor limit (shoal.descriptors), so a worker's pipe may be numbered
+    past select()'s 1024: writing the rest of a batch's message once raised there (ValueError) and left
+    half of it in the pipe, so the next batch hung."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"this machine allows {hard} descriptors a process")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    read_end, write_end = os.pipe()
+    fillers = [os.dup(read_end) for _ in range(1100)]
+    thread = CountingThread()
+    try:
+        model = model_of(WorkerLimits(execution_timeout_s=1.0, liveness_interval_s=0.0))
+        assert model._loop_socket is not None and model._loop_socket.fileno() > 1024
+        batch = [Pending(np.arange(3.0), Context({"note": "x" * 900_000}))]
+        _doubled(asyncio.run(_run(model, thread, batch)), batch)  # the pipe takes ~200 KB at once
+        pid = model.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # the relay then waits for room, polling, until the deadline
+        with pytest.raises(ShoalError) as failed:
+            asyncio.run(_run(model, thread, batch))
+        assert "execution_timeout_ms" in failed.value.message
+        after = [Pending(np.array([1.0]))]
+        _doubled(asyncio.run(_run(model, thread, after)), after)
+    finally:
+        thread.shutdown()
+        for fd in [*fillers, read_end, write_end]:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_the_loop_counts_a_done_s_outputs_no_further_than_its_bound() -> None:

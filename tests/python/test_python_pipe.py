@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import threading
 from collections.abc import Iterator
+from multiprocessing import reduction
 from typing import Any
 
 import numpy as np
@@ -18,7 +20,19 @@ from shoal.dataplane.arena import Arena
 from shoal.instances import python_worker
 from shoal.instances.outbox import Outbox
 from shoal.instances.python_link import PipeLink
-from shoal.instances.worker_pipe import REQUESTS, RESPONSES, Bls, BlsReply, Done, RunRequests, put, take
+from shoal.instances.worker_pipe import (
+    REQUESTS,
+    RESPONSES,
+    Bls,
+    BlsReply,
+    Done,
+    NewArena,
+    RunRequests,
+    map_arena,
+    put,
+    take,
+)
+from tests.polling import wait_until
 
 
 @pytest.fixture
@@ -80,6 +94,64 @@ def test_a_reply_is_taken_from_the_arena_only_while_its_batch_runs(ends: Any) ->
     assert late.has_error() and "came after the batch that made the call had ended" in late.error().message()
     link.end()
     assert reply(7).has_error()  # between batches no arena is any call's
+
+
+def _lingering_calls(
+    link: PipeLink, server: Any, count: int
+) -> tuple[list[threading.Thread], list[int], dict[int, Any]]:
+    """``count`` threads of a model that made a BLS call in a batch now over and wait for its reply: the
+    threads, their calls' ids, and each thread's outcome once it comes (a response, or what it raised)."""
+    threads: list[threading.Thread] = []
+    ids: list[int] = []
+    outcomes: dict[int, Any] = {}
+    for index in range(count):
+
+        def wait(index: int = index) -> None:
+            try:
+                outcomes[index] = link.infer(_call(np.ones(2, np.float32)))
+            except BaseException as exc:  # noqa: BLE001 - the outcome the test looks at
+                outcomes[index] = exc
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        ids.append(server.recv().call_id)  # the call, pickled: no batch runs
+        threads.append(thread)
+    return threads, ids, outcomes
+
+
+@pytest.mark.parametrize("waiting_threads", [1, 2])
+def test_a_reply_read_before_the_worker_maps_a_new_arena_is_refused_never_read_from_the_old(
+    ends: Any, waiting_threads: int
+) -> None:
+    """The server grows the requests arena for the next batch and sends it, the batch, then the reply to
+    a call a thread of the model left waiting (its outputs past the old arena's end). A waiting thread
+    reads all three before the main loop maps the arena: the reply is refused with words (once it was
+    taken from the old mapping: ValueError in whichever thread read it, and with two threads waiting,
+    the caller's reply lost for good)."""
+    server, worker, arenas = ends
+    link = PipeLink(worker, arenas)
+    link.begin(0)
+    link.end()
+    threads, ids, outcomes = _lingering_calls(link, server, waiting_threads)
+    owner = waiting_threads - 1
+    grown = Arena.create("test-pipe-grown", 4 << 20)
+    try:
+        slots, _ = put(grown, 2 << 20, {"Y": np.arange(8, dtype=np.float32)})
+        server.send(NewArena(REQUESTS, grown.size))
+        reduction.send_handle(server, grown.fd, os.getpid())
+        server.send(RunRequests([], 1))
+        server.send(BlsReply(ids[owner], bls.BlsResult(outputs={}), slots, True, 1))
+        wait_until(lambda: owner in outcomes, timeout_s=10, what="the caller's outcome")
+        answered = outcomes[owner]
+        assert isinstance(answered, pb_utils.InferenceResponse) and answered.has_error(), answered
+        assert "came after the batch" in answered.error().message()
+        map_arena(arenas, link.next_message())  # the main loop, at last
+        assert isinstance(link.next_message(), RunRequests)
+    finally:
+        grown.close()
+        server.close()  # a thread still waiting sees the pipe's end
+        for thread in threads:
+            thread.join(10)
 
 
 class _PausingConn:

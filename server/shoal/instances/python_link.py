@@ -198,11 +198,15 @@ class PipeLink:
             # once with a reply to a call of a thread the model left waiting, which this thread (that
             # waiting one, perhaps) reads before the main loop begins the batch. Taken then, as the
             # running batch's; refused once, as an earlier batch's.
-            with self._packing:
-                self._batch = message.batch
+            # Not while an arena the server sent before it waits to be mapped by the main loop: a reply
+            # would be taken from the old one (refused then, as before, until the batch begins).
             with self._filed:
+                arena_pending = any(isinstance(waiting, NewArena) for waiting in self._control)
                 self._cancelled.clear()
                 self._cancelling = message.batch
+            if not arena_pending:
+                with self._packing:
+                    self._batch = message.batch
         if not isinstance(message, BlsReply):
             with self._filed:
                 self._control.append(message)

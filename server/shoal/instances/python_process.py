@@ -183,7 +183,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             try:
                 answers = self._conversation(deadline, first)
             except BaseException:
-                if self._conn is conn:  # not replaced already (a dead or late worker is)
+                if self._conn is conn and not self._closing.is_set():  # not replaced already (a dead or late one is)
                     self._replace("was left in the middle of a batch that failed in the server")
                 raise
             return self._unpack_outputs(answers)
@@ -194,18 +194,22 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
     def continue_on_thread(self, handed: Handover, deadline: float | None) -> list[dict[str, Any] | ShoalError]:
         """A conversation the event loop began, taken over by the relay thread where it stood (see
         ``Handover``); releases the lock."""
+        conn = self._conn
         try:
-            first, ending = handed.first, handed.ending
-            if handed.unsent:
-                ending = self._send_rest(handed.unsent, deadline)
-            if ending is None and handed.partial is not None:
-                first, ending = self._rest_of_message(handed.partial, deadline)
-            if ending is not None:
-                try:
+            try:
+                first, ending = handed.first, handed.ending
+                if handed.unsent:
+                    ending = self._send_rest(handed.unsent, deadline)
+                if ending is None and handed.partial is not None:
+                    first, ending = self._rest_of_message(handed.partial, deadline)
+                if ending is not None:
                     self._fail_conversation(ending, deadline)
-                finally:
-                    self._end_outbox()
-                    self._trim_requests()
+            except BaseException:
+                if self._conn is conn and not self._closing.is_set():  # half a message: out of step
+                    self._replace("was left in the middle of a batch that failed in the server")
+                self._end_outbox()
+                self._trim_requests()
+                raise
             return self._finish(deadline, first)
         finally:
             self._lock.release()
@@ -220,7 +224,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             try:
                 view = view[sock.send(view, socket.MSG_DONTWAIT) :]
             except (BlockingIOError, InterruptedError):
-                select.select([self._process.sentinel], [sock], [], WATCH_TICK_S)
+                _wait_a_tick(readable=self._process.sentinel, writable=sock.fileno())
                 self._check_running(deadline)
             except OSError:
                 return ENDED
@@ -238,11 +242,11 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 return None, UNREADABLE
             if data is not None:
                 break
-            select.select([partial.fileno(), self._process.sentinel], [], [], WATCH_TICK_S)
+            _wait_a_tick(readable=self._process.sentinel, also_readable=partial.fileno())
             self._check_running(deadline)
         try:
             return pickle.loads(data), None
-        except Exception:  # noqa: BLE001 - whatever unpickling raises: the pipe is out of step
+        except BaseException:  # noqa: BLE001 - whatever unpickling raises (SystemExit too): out of step
             return None, UNREADABLE
 
     def _fail_conversation(self, ending: str, deadline: float | None) -> NoReturn:
@@ -329,7 +333,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                     message = pending if pending is not None else self._conn.recv()
                 except (EOFError, OSError):
                     message = None
-                except Exception:  # noqa: BLE001 - bytes the model's code wrote: the pipe is out of step
+                except BaseException:  # noqa: BLE001 - bytes the model's code wrote (SystemExit too): out of step
                     self._fail_conversation(UNREADABLE, deadline)
                 match message:
                     case Done(answers, batch):
@@ -609,6 +613,17 @@ class LoopConversation:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _wait_a_tick(readable: int, also_readable: int = -1, writable: int = -1) -> None:
+    """Until a descriptor is ready or ``WATCH_TICK_S`` passed (poll: a server's descriptors pass 1024)."""
+    poller = select.poll()
+    poller.register(readable, select.POLLIN)
+    if also_readable >= 0:
+        poller.register(also_readable, select.POLLIN)
+    if writable >= 0:
+        poller.register(writable, select.POLLOUT)
+    poller.poll(WATCH_TICK_S * 1000)
 
 
 def _costly_inputs(batch: Sequence[Any]) -> bool:
