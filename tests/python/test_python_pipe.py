@@ -120,38 +120,53 @@ def _lingering_calls(
 
 
 @pytest.mark.parametrize("waiting_threads", [1, 2])
-def test_a_reply_read_before_the_worker_maps_a_new_arena_is_refused_never_read_from_the_old(
-    ends: Any, waiting_threads: int
-) -> None:
+def test_a_reply_read_before_its_batch_begins_waits_for_it_and_its_new_arena(ends: Any, waiting_threads: int) -> None:
     """The server grows the requests arena for the next batch and sends it, the batch, then the reply to
-    a call a thread of the model left waiting (its outputs past the old arena's end). A waiting thread
-    reads all three before the main loop maps the arena: the reply is refused with words (once it was
-    taken from the old mapping: ValueError in whichever thread read it, and with two threads waiting,
-    the caller's reply lost for good)."""
+    a call a thread of the model left waiting, its outputs in the new arena (past the old one's end). A
+    waiting thread reads the reply before the main loop has mapped the arena and begun the batch: the
+    reply waits for the batch to begin, then is taken from the new arena. Once it was taken at once
+    from the old mapping (ValueError in whichever thread read it; with two threads waiting, the
+    caller's reply lost for good), in ~1.6% of natural runs; before that, refused as an earlier
+    batch's. The real order, many times over."""
     server, worker, arenas = ends
     link = PipeLink(worker, arenas)
-    link.begin(0)
-    link.end()
-    threads, ids, outcomes = _lingering_calls(link, server, waiting_threads)
-    owner = waiting_threads - 1
-    grown = Arena.create("test-pipe-grown", 4 << 20)
+    grown: list[Arena] = []
+    threads: list[threading.Thread] = []
     try:
-        slots, _ = put(grown, 2 << 20, {"Y": np.arange(8, dtype=np.float32)})
-        server.send(NewArena(REQUESTS, grown.size))
-        reduction.send_handle(server, grown.fd, os.getpid())
-        server.send(RunRequests([], 1))
-        server.send(BlsReply(ids[owner], bls.BlsResult(outputs={}), slots, True, 1))
-        wait_until(lambda: owner in outcomes, timeout_s=10, what="the caller's outcome")
-        answered = outcomes[owner]
-        assert isinstance(answered, pb_utils.InferenceResponse) and answered.has_error(), answered
-        assert "came after the batch" in answered.error().message()
-        map_arena(arenas, link.next_message())  # the main loop, at last
-        assert isinstance(link.next_message(), RunRequests)
+        for batch in range(1, 31):
+            link.begin(batch - 1)
+            link.end()
+            arenas[REQUESTS].close()
+            arenas[REQUESTS] = Arena.create("test-pipe-requests", 1 << 20)  # the old arena, small again
+            waiting, ids, outcomes = _lingering_calls(link, server, waiting_threads)
+            threads += waiting
+            owner = waiting_threads - 1
+            arena = Arena.create("test-pipe-grown", arenas[REQUESTS].size * 2)
+            grown.append(arena)
+            y = np.arange(8, dtype=np.float32) + batch
+            slots, _ = put(arena, arenas[REQUESTS].size, {"Y": y})  # past the old arena's end
+            server.send(NewArena(REQUESTS, arena.size))
+            reduction.send_handle(server, arena.fd, os.getpid())
+            server.send(RunRequests([], batch))
+            server.send(BlsReply(ids[owner], bls.BlsResult(outputs={}), slots, True, batch))
+            map_arena(arenas, link.next_message())  # the main loop, as worker_main runs it
+            assert isinstance(link.next_message(), RunRequests)
+            link.begin(batch)
+            wait_until(lambda: owner in outcomes, timeout_s=10, what="the caller's reply")  # noqa: B023
+            answered = outcomes[owner]
+            assert isinstance(answered, pb_utils.InferenceResponse) and not answered.has_error(), answered
+            np.testing.assert_array_equal(pb_utils.get_output_tensor_by_name(answered, "Y").as_numpy(), y)
+            link.end()
+            for other in range(owner):  # the other threads' calls: answered pickled, so they end
+                server.send(BlsReply(ids[other], bls.BlsResult(outputs={}), None, True, batch))
+            for thread in waiting:
+                thread.join(10)
     finally:
-        grown.close()
         server.close()  # a thread still waiting sees the pipe's end
         for thread in threads:
             thread.join(10)
+        for arena in grown:
+            arena.close()
 
 
 class _PausingConn:

@@ -48,6 +48,8 @@ from shoal.instances.worker_pipe import (
 )
 
 T = TypeVar("T")
+# How long a reply read before its batch began waits for it (the main loop begins it without reading the pipe).
+BEGIN_WAIT_S = 30.0
 
 
 class Mailbox(collections.deque[tuple[bls.BlsResult, bool]]):
@@ -65,6 +67,8 @@ class PipeLink:
         self._packing = threading.Lock()
         self._offset: int | None = None  # where the next BLS call's inputs go; None between batches
         self._batch: int | None = None  # the running batch's number; None between batches
+        self._announced: int | None = None  # a batch whose RunRequests was read, not yet begun
+        self._begun = threading.Condition(self._packing)  # notified when a batch begins
         self._filed = threading.Condition()  # guards what follows; notified whenever something is filed
         self._reading = False  # a thread is reading the pipe
         # Each call's replies (one, or an exec(decoupled=True)'s stream), held weakly: the box of a call
@@ -76,9 +80,11 @@ class PipeLink:
         self._ended: BaseException | None = None  # the pipe's end (EOF): every waiter sees it
 
     def begin(self, batch: int) -> None:
-        """Batch ``batch`` starts: BLS inputs go from the start of the responses arena again."""
+        """Batch ``batch`` starts (its arenas mapped): BLS inputs go from the start of the responses arena
+        again, and a reply for it read before now may be taken."""
         with self._packing:
-            self._offset, self._batch = 0, batch
+            self._offset, self._batch, self._announced = 0, batch, None
+            self._begun.notify_all()
         with self._filed:
             if self._cancelling != batch:  # else counted since its RunRequests was read (cancellations kept)
                 self._cancelled.clear()
@@ -194,26 +200,32 @@ class PipeLink:
                     self._cancelled.add(message.position)
             return
         if isinstance(message, RunRequests):
-            # The batch counts from here, not from the main loop's ``begin``: the server may follow it at
-            # once with a reply to a call of a thread the model left waiting, which this thread (that
-            # waiting one, perhaps) reads before the main loop begins the batch. Taken then, as the
-            # running batch's; refused once, as an earlier batch's.
-            # Not while an arena the server sent before it waits to be mapped by the main loop: a reply
-            # would be taken from the old one (refused then, as before, until the batch begins).
+            # The server may follow a batch at once with a reply to a call a thread of the model left
+            # waiting, in the batch's arena, and this thread (that waiting one, perhaps) may read it before
+            # the main loop has mapped the batch's arenas and begun it: such a reply waits for ``begin``.
+            # Its cancellations count from here (they are kept by ``begin``).
+            with self._packing:
+                self._announced = message.batch
             with self._filed:
-                arena_pending = any(isinstance(waiting, NewArena) for waiting in self._control)
                 self._cancelled.clear()
                 self._cancelling = message.batch
-            if not arena_pending:
-                with self._packing:
-                    self._batch = message.batch
         if not isinstance(message, BlsReply):
             with self._filed:
                 self._control.append(message)
             return
+        self._file_reply(message)
+
+    def _file_reply(self, message: BlsReply) -> None:
+        """A reply to its call's mailbox, its outputs copied from the arena while their batch runs (a reply
+        for the batch read but not yet begun waits for ``begin``, which maps its arena first); else an
+        error says they are gone."""
         call_id, result, slots, final, batch = message
         if slots is not None:
             with self._packing:
+                if self._batch is None and batch == self._announced:
+                    # This thread is no main loop (which stops reading once it has its RunRequests), and
+                    # the main loop needs no read to begin the batch: this reader waits for it.
+                    self._begun.wait_for(lambda: self._announced != batch, timeout=BEGIN_WAIT_S)
                 if batch == self._batch:
                     result = replace(result, outputs=take(self._arenas[REQUESTS], slots))
                 else:
