@@ -747,3 +747,25 @@ def test_a_conversation_handed_over_after_the_relay_stopped_still_ends(model_of:
 
 async def _start(model: PythonProcessModel, batch: list[Pending]) -> Any:
     return model.start_on_loop(batch)
+
+
+def test_a_failed_load_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    """A model whose initialize raises: the instance's load fails and every descriptor it opened is
+    closed (its wake-up pipe once stayed open, two descriptors a failed load)."""
+    folder = tmp_path / "fails"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(CONFIG)
+    (folder / "1" / "model.py").write_text(
+        "class TritonPythonModel:\n    def initialize(self, args):\n        raise RuntimeError('no')\n"
+    )
+    spec = configure(folder, strict=False).spec
+
+    def load() -> None:
+        with pytest.raises(ShoalError):
+            PythonProcessModel(spec, folder / "1" / "model.py", CPU, "f_0", 1, NO_LIMITS)
+
+    load()  # the first load starts the fork server, whose descriptors stay
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        load()
+    assert len(os.listdir("/proc/self/fd")) == before

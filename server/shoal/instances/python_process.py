@@ -109,9 +109,14 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         self._batch = -1
         self._outbox: Outbox | None = None  # what the running batch's conversation says to the worker
         self._loop_socket: socket.socket | None = None  # the pipe as the event loop reads it (FrameReader)
-        super().__init__(
-            spec, model_file, device, (instance_name, version), 1, limits, ("numpy", "shoal.backends.python.runner")
-        )
+        try:
+            super().__init__(
+                spec, model_file, device, (instance_name, version), 1, limits, ("numpy", "shoal.backends.python.runner")
+            )
+        except BaseException:  # the load failed: nothing will close this instance
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            raise
         # Takes over a conversation the event loop began (LoopConversation). A thread of its own, never
         # the instance's: that one may be waiting for this instance's lock, which the conversation holds.
         self._relay = InstanceThread(f"shoal-{spec.name}-{instance_name}-relay")
