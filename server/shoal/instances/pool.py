@@ -102,13 +102,14 @@ def _run_call(call: Call) -> None:
     except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
         result, error = None, _for_caller(exc)
     try:
-        loop.call_soon_threadsafe(_resolve, future, result, error)
+        loop.call_soon_threadsafe(settle, future, result, error)
     except RuntimeError:  # the loop is closed: nobody waits for the answer
         pass
 
 
-def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():  # cancelled while it ran
+def settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Give ``future`` its outcome, unless its caller gave up on it (cancelled) meanwhile."""
+    if future.done():
         return
     if error is not None:
         future.set_exception(error)

@@ -51,7 +51,7 @@ from shoal.dataplane.arena import PoolFull
 from shoal.errors import ErrorCode, ShoalError
 from shoal.instances import process, python_worker
 from shoal.instances.outbox import Outbox
-from shoal.instances.pool import InstanceThread, OnLoop
+from shoal.instances.pool import InstanceThread, OnLoop, settle
 from shoal.instances.process import WorkerLimits
 from shoal.instances.worker_pipe import (
     REQUESTS,
@@ -582,7 +582,7 @@ class LoopConversation:
             result, error = self._model.finish_on_loop(message), None
         except Exception as exc:  # noqa: BLE001 - the batch's failure, given to its caller
             result, error = None, exc
-        _settle(self._outcome, result, error)
+        settle(self._outcome, result, error)
 
     def _exited(self) -> None:
         self._readable()  # an answer the worker wrote before it ended counts (the thread path read it too)
@@ -609,7 +609,7 @@ class LoopConversation:
 
     def _relayed(self, relayed: asyncio.Future[Any]) -> None:
         error = relayed.exception()
-        _settle(self._outcome, None if error is not None else relayed.result(), error)
+        settle(self._outcome, None if error is not None else relayed.result(), error)
 
     def _stop_watching(self) -> None:
         for fd in self._watched:
@@ -665,12 +665,3 @@ def _costly_answers(answers: Sequence[Answer]) -> bool:
             return True
         slots += answer.outputs
     return packing.costly(slots) or off_loop.costly(data_bytes=sum(slot[4] for slot in slots))
-
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():  # its caller gave up
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
