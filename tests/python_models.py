@@ -9,6 +9,14 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+# One FP32 input X of any length, one output Y, no batching.
+X_TO_Y_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
 ADD_SUB_CONFIG = """
 backend: "python"
 max_batch_size: 8

@@ -32,13 +32,9 @@ from shoal.instances.pool import InstanceThread
 from shoal.instances.process import WorkerLimits
 from shoal.instances.python_process import TIMED_OUT, Handover, PythonProcessModel, _costly_answers
 from shoal.instances.worker_pipe import Answer, FrameReader
+from tests import python_models as pm
 
-CONFIG = """
-backend: "python"
-max_batch_size: 0
-input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
-"""
+CONFIG = pm.X_TO_Y_CONFIG
 
 # Y = 2 X, tiled ``repeat`` times (a request parameter; 1 without). A negative first element: sleep that
 # many seconds first (a batch that takes a while).
@@ -134,6 +130,12 @@ def _handovers(model: PythonProcessModel) -> int:
     relay = model._relay
     assert isinstance(relay, CountingThread)
     return relay.calls
+
+
+async def _next_batch_answered(model: PythonProcessModel, thread: InstanceThread, *x: float) -> None:
+    """The instance's next batch (on whichever path it takes) gets its own answer, in time."""
+    batch = [Pending(np.array(x))]
+    _doubled(await asyncio.wait_for(_run(model, thread, batch), 60), batch)
 
 
 def _doubled(results: list[Any], batch: list[Pending]) -> None:
@@ -284,8 +286,7 @@ def test_a_caller_that_gives_up_leaves_the_next_batch_its_own_answer(model_of: A
             assert model.start_on_loop(following) is None  # the worker is still busy with the first
             _doubled(await asyncio.wait_for(thread.submit(model.run_requests, following), 60), following)
             assert _handovers(model) == 1
-            again = [Pending(np.array([3.0]))]
-            _doubled(await _run(model, thread, again), again)
+            await _next_batch_answered(model, thread, 3.0)
 
         asyncio.run(scenario())
     finally:
@@ -307,8 +308,7 @@ def test_a_worker_killed_during_a_loop_batch_fails_it_and_is_replaced(model_of: 
                 await asyncio.wait_for(running, 60)
             assert failed.value.code is ErrorCode.UNAVAILABLE and "died" in failed.value.message
             assert model.pid != first_pid and model.healthy
-            after = [Pending(np.array([1.0, 2.0]))]
-            _doubled(await _run(model, thread, after), after)
+            await _next_batch_answered(model, thread, 1.0, 2.0)
 
         asyncio.run(scenario())
         assert thread.calls == 0 and _handovers(model) == 1
@@ -348,8 +348,7 @@ def test_a_worker_that_dies_while_a_child_holds_its_pipe_fails_its_batch(model_o
             with pytest.raises(ShoalError) as failed:
                 await asyncio.wait_for(running, 60)
             assert failed.value.code is ErrorCode.UNAVAILABLE and "died (exit code 3)" in failed.value.message
-            after = [Pending(np.array([4.0]))]
-            _doubled(await _run(model, thread, after), after)
+            await _next_batch_answered(model, thread, 4.0)
 
         asyncio.run(scenario())
         assert children.exists()
@@ -378,8 +377,7 @@ def test_the_execution_timeout_holds_for_a_batch_on_the_loop(model_of: Any) -> N
                 await asyncio.wait_for(running, 60)
             assert failed.value.code is ErrorCode.UNAVAILABLE and "execution_timeout_ms" in failed.value.message
             assert model.pid != first_pid and model.healthy  # replaced before the batch failed
-            after = [Pending(np.array([5.0]))]
-            _doubled(await _run(model, thread, after), after)
+            await _next_batch_answered(model, thread, 5.0)
 
         asyncio.run(scenario())
     finally:
@@ -437,8 +435,7 @@ def test_a_deadline_around_a_large_answer_ends_the_batch_and_the_next_gets_its_o
                 assert "execution_timeout_ms" in failed.message
             else:
                 assert isinstance(results[1], ShoalError) and results[1].message == "e" * 600_000
-            after = [Pending(np.array([6.0, 7.0]))]
-            _doubled(await asyncio.wait_for(_run(model, thread, after), 30), after)
+            await _next_batch_answered(model, thread, 6.0, 7.0)
 
         asyncio.run(scenario())
     finally:
@@ -503,76 +500,19 @@ def test_a_bls_reply_that_outlives_its_batch_reaches_the_next_one(model_of: Any,
         thread.shutdown()
 
 
-# A first element of 13: the model's own code writes on its worker's pipe (a header announcing a length no
-# message has, or a Done that is no answer), then hangs: bytes from a model, not from Shoal's worker.
+# A first element of 13: the model's own code writes on its worker's pipe (bytes from a model, not from
+# Shoal's worker), the second saying what: a header announcing a length no message has (0) or a Done that
+# is no answer (5), then it hangs; a pickle that ends the process that loads it (1; 4: one past the
+# loop's bound, read by the relay); a Response though it is not decoupled (2); or a message whose header
+# says 4 MiB, 1000 bytes of it, and it stops itself (3).
 WRITES_ON_ITS_PIPE = """
-import struct
-import sys
-import time
-
-from shoal.instances.worker_pipe import Done
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
-        if x.flat[0] == 13:
-            conn = sys.modules["shoal.backends.python.pb_utils"]._host._conn._conn  # under the worker's lock
-            if x.size > 1:
-                conn.send(Done(["no answer"]))
-            else:
-                conn.send_bytes(b"z" * 64)  # a message, then a header of the form past 2 GiB
-                conn._send(struct.pack("!iQ", -1, 1 << 62) + b"z" * 64)
-            time.sleep(60)
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)])]
-"""
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("on_loop", [True, False])
-@pytest.mark.parametrize("garbage", [[13.0], [13.0, 1.0]], ids=["a-length-no-message-has", "a-done-that-is-no-answer"])
-def test_bytes_a_model_writes_on_its_pipe_fail_its_own_batch_only(
-    model_of: Any, on_loop: bool, garbage: list[float]
-) -> None:
-    """Once, the loop's reader raised on every iteration (the bytes stayed in the pipe), the lock stayed
-    held and unload waited for good; the thread path left the pipe out of step, so the next batch read
-    the model's late answer to this one as its own (right only because the arena's bytes had been
-    rewritten meanwhile). Now the batch fails, the worker is replaced, and the next batch gets its own
-    answer."""
-    model, thread = model_of(source=WRITES_ON_ITS_PIPE), CountingThread()
-    try:
-
-        async def scenario() -> None:
-            first_pid = model.pid
-            batch = [Pending(np.array(garbage))]
-            running = model.start_on_loop(batch) if on_loop else thread.submit(model.run_requests, batch)
-            assert running is not None
-            with pytest.raises(Exception) as failed:
-                await asyncio.wait_for(running, 60)
-            assert isinstance(failed.value, ShoalError)
-            assert ("answered a batch it was not running" if len(garbage) > 1 else "could not be read") in (
-                failed.value.message
-            )
-            assert model.pid != first_pid and model.healthy and not model._lock.locked()
-            after = [Pending(np.array([2.0, 3.0]))]
-            _doubled(await asyncio.wait_for(_run(model, thread, after), 60), after)
-
-        asyncio.run(scenario())
-    finally:
-        thread.shutdown()
-
-
-# More a model's own code may do on its pipe (a first element of 13, then the second says what): send a
-# pickle that ends the process that loads it (1; 4: one past the loop's bound), a Response though it is
-# not decoupled (2), or a message whose header says 4 MiB, 1000 bytes of it, and stop itself (3).
-MISBEHAVES_ON_ITS_PIPE = """
 import os
 import signal
 import struct
 import sys
+import time
 
-from shoal.instances.worker_pipe import Response
+from shoal.instances.worker_pipe import Done, Response
 import triton_python_backend_utils as pb_utils
 
 
@@ -585,13 +525,21 @@ class TritonPythonModel:
     def execute(self, requests):
         x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
         if x.flat[0] == 13:
-            conn = sys.modules["shoal.backends.python.pb_utils"]._host._conn._conn
-            if x.flat[1] == 1:
+            conn = sys.modules["shoal.backends.python.pb_utils"]._host._conn._conn  # under the worker's lock
+            what = x.flat[1]
+            if what == 0:
+                conn.send_bytes(b"z" * 64)  # a message, then a header of the form past 2 GiB
+                conn._send(struct.pack("!iQ", -1, 1 << 62) + b"z" * 64)
+                time.sleep(60)
+            elif what == 5:
+                conn.send(Done(["no answer"]))
+                time.sleep(60)
+            elif what == 1:
                 conn.send(EndsItsReader())
-            elif x.flat[1] == 2:
+            elif what == 4:
+                conn.send((EndsItsReader(), b"p" * (2 << 20)))
+            elif what == 2:
                 conn.send(Response(0, None, "", "", True))
-            elif x.flat[1] == 4:
-                conn.send((EndsItsReader(), b"p" * (2 << 20)))  # read by the relay: past the loop's bound
             else:
                 conn._send(struct.pack("!i", 4 << 20) + b"z" * 1000)
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -601,33 +549,54 @@ class TritonPythonModel:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "what",
-    [1.0, 2.0, 3.0, 4.0],
-    ids=["a-pickle-that-exits", "a-stray-response", "half-a-large-message", "a-large-pickle-that-exits"],
+    ("what", "on_loop", "words"),
+    [
+        (0.0, True, "could not be read"),
+        (0.0, False, "could not be read"),
+        (5.0, True, "answered a batch it was not running"),
+        (5.0, False, "answered a batch it was not running"),
+        (1.0, True, "could not be read"),
+        (4.0, True, "could not be read"),
+        (2.0, True, None),
+        (3.0, True, "execution_timeout_ms"),
+    ],
+    ids=[
+        "a-length-no-message-has",
+        "a-length-no-message-has-on-the-thread",
+        "a-done-that-is-no-answer",
+        "a-done-that-is-no-answer-on-the-thread",
+        "a-pickle-that-exits",
+        "a-large-pickle-that-exits",
+        "a-stray-response",
+        "half-a-large-message",
+    ],
 )
-def test_what_a_model_does_on_its_pipe_fails_its_batch_never_the_loop(model_of: Any, what: float) -> None:
-    """Once: a SystemExit raised by unpickling on the loop stopped the server; a conversation that failed
-    on the server's side (a stray Response) left the worker mid-batch, so the next batch failed too; the
-    relay reading the rest of a message from a stopped worker waited for good, past the execution
+def test_what_a_model_writes_on_its_pipe_fails_its_own_batch_only(
+    model_of: Any, what: float, on_loop: bool, words: str | None
+) -> None:
+    """Once: the loop's reader raised on every iteration (the bytes stayed in the pipe) with the lock
+    held, so unload waited for good; a SystemExit raised by unpickling on the loop stopped the server;
+    the thread path left the pipe out of step, so the next batch read the model's late answer to this
+    one as its own (right only because the arena's bytes had been rewritten meanwhile); a conversation
+    that failed on the server's side (a stray Response) left the worker mid-batch, so the next batch
+    failed too; the relay reading the rest of a message from a stopped worker waited past the execution
     timeout. Now the batch fails, the worker is replaced, and the next batch gets its own answer."""
     limits = WorkerLimits(execution_timeout_s=1.0, liveness_interval_s=0.0)
-    model, thread = model_of(limits, MISBEHAVES_ON_ITS_PIPE), CountingThread()
+    model, thread = model_of(limits, WRITES_ON_ITS_PIPE), CountingThread()
     try:
 
         async def scenario() -> None:
             first_pid = model.pid
-            running = model.start_on_loop([Pending(np.array([13.0, what]))])
+            batch = [Pending(np.array([13.0, what]))]
+            running = model.start_on_loop(batch) if on_loop else thread.submit(model.run_requests, batch)
             assert running is not None
             with pytest.raises(Exception) as failed:
                 await asyncio.wait_for(running, 60)
             assert not isinstance(failed.value, asyncio.TimeoutError)
-            if what == 3.0:
-                assert isinstance(failed.value, ShoalError) and "execution_timeout_ms" in failed.value.message
-            if what in (1.0, 4.0):
-                assert isinstance(failed.value, ShoalError) and "could not be read" in failed.value.message
+            if words is not None:
+                assert isinstance(failed.value, ShoalError) and words in failed.value.message
             assert model.pid != first_pid and model.healthy and not model._lock.locked()
-            after = [Pending(np.array([2.0, 3.0]))]
-            _doubled(await asyncio.wait_for(_run(model, thread, after), 60), after)
+            await _next_batch_answered(model, thread, 2.0, 3.0)
 
         asyncio.run(scenario())
     finally:
@@ -653,8 +622,7 @@ def test_the_rest_of_a_batch_message_is_never_written_into_a_stopped_worker_past
             with pytest.raises(ShoalError) as failed:
                 await asyncio.wait_for(running, 60)
             assert "execution_timeout_ms" in failed.value.message and model.pid != first_pid
-            after = [Pending(np.array([1.0]))]
-            _doubled(await asyncio.wait_for(_run(model, thread, after), 60), after)
+            await _next_batch_answered(model, thread, 1.0)
 
         asyncio.run(scenario())
         assert _handovers(model) == 1

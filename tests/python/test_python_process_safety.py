@@ -15,12 +15,7 @@ from tritonclient.utils import InferenceServerException
 from tests import python_models as pm
 from tests.polling import wait_until
 
-X_CONFIG = """
-backend: "python"
-max_batch_size: 0
-input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
-"""
+X_CONFIG = pm.X_TO_Y_CONFIG
 
 # execute writes entered in its model folder (so the test knows a request is in it), then never returns.
 STUCK_IN_EXECUTE = """

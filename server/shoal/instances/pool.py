@@ -13,6 +13,7 @@ would stop the server's loop, or read as a request the client cancelled.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import queue
 import threading
@@ -117,15 +118,15 @@ def settle(future: asyncio.Future[Any], result: Any, error: BaseException | None
         future.set_result(result)
 
 
-class OnLoop:
+class OnLoop(abc.ABC):
     """A request model whose batches the event loop can carry itself (``instances.python_process``):
     sending a batch to a worker process and reading its answer need no thread of the server, and each
     thread a batch passes through costs a wake-up of it."""
 
+    @abc.abstractmethod
     def start_on_loop(self, batch: Sequence[QueuedRequest]) -> asyncio.Future[Any] | None:
         """The batch's outcome to come, its conversation under way; None: run it on the instance's
         thread as usual (``run_requests``)."""
-        raise NotImplementedError
 
 
 @dataclass
