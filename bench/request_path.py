@@ -6,8 +6,8 @@
 `simple` (the Triton quick-start add/sub model, INT32 [1,16]) with max_batch_size 32, one
 instance, `dynamic_batching { max_queue_delay_microseconds: 200 }` and 2 ONNX Runtime threads,
 as in issue 12. Two copies of it are served side by side, differing only in ONNX Runtime's
-intra-op spinning: `simple` (the default, see docs/benchmarks.md) and `simple_spin` with
-`parameters { key: "allow_spinning" value: { string_value: "true" } }`. For each round, model
+intra-op spinning: `simple` (the default: spinning, see docs/benchmarks.md) and `simple_no_spin` with
+`parameters { key: "allow_spinning" value: { string_value: "false" } }`. For each round, model
 and concurrency: perf_analyzer over gRPC with zero inputs gives throughput and p50; the server
 process's CPU time (utime + stime from /proc/<pid>/stat) over the measurement, divided by the
 requests the model's statistics counted over the same span, gives CPU µs per request. Prints a
@@ -41,7 +41,7 @@ from bench._perf import (  # noqa: E402
 )
 from bench._server import checked_out_server, shoal_server  # noqa: E402
 
-MODELS = {"simple": None, "simple_spin": "true"}  # name -> allow_spinning (None: the default)
+MODELS = {"simple": None, "simple_no_spin": "false"}  # name -> allow_spinning (None: the default)
 
 
 def write_models(repository: Path) -> None:

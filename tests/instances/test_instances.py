@@ -205,14 +205,14 @@ def test_an_instance_thread_answers_each_call_on_the_loop_in_order_and_passes_er
     assert ran == [(i, "m:i_0") for i in range(4)]
 
 
-def test_onnx_runtime_does_not_spin_unless_the_config_allows_it() -> None:
+def test_onnx_runtime_spins_as_its_own_default_unless_the_config_says_not() -> None:
     from shoal.backends.onnxruntime import session_options
 
     def entry(parameters: str) -> str:
         spec = spec_of("onnxruntime", "instance_group [ { count: 1 kind: KIND_CPU } ]" + parameters)
         return session_options(spec, 2).get_session_config_entry("session.intra_op.allow_spinning")
 
-    assert entry("") == "0"
+    assert entry("") == "1"
     assert entry('parameters { key: "allow_spinning" value: { string_value: "true" } }') == "1"
     assert entry('parameters { key: "allow_spinning" value: { string_value: "false" } }') == "0"
     with pytest.raises(ShoalError, match="allow_spinning must be"):

@@ -101,19 +101,22 @@ def load(spec: ModelSpec, model_path: Path, device: Device, threads: int) -> Onn
 
 
 def session_options(spec: ModelSpec, threads: int) -> ort.SessionOptions:
-    """Threads: ``intra_op_thread_count`` or ``threads``. Spinning: off unless ``allow_spinning`` is "true".
+    """Threads: ``intra_op_thread_count`` or ``threads``. Spinning: ONNX Runtime's own default (on), unless
+    ``allow_spinning`` is "false".
 
-    ONNX Runtime's pool threads spin on their core after each parallel section, waiting for more
-    work. The sessions live in the serving process and the executors get every core between them
-    (``build_pool``), so those spins take cores from the event loop that decodes, batches and
-    answers requests; bench/request_path.py measures both settings.
+    ONNX Runtime's pool threads spin a short while on their core after each parallel section,
+    waiting for more work, where without it each section wakes them again (tens of µs a wake-up).
+    Measured (bench/ort_spinning.py, docs/benchmarks.md): on an MLP whose matrix products go
+    parallel, spinning gave 1.12-1.21x the throughput for 1.12-1.54x the CPU per request, the event
+    loop sharing the cores; on a model too small to go parallel it changes nothing. The Triton the
+    benchmarks run beside Shoal keeps the default too. "false": where CPU time counts more than throughput.
     """
     options = ort.SessionOptions()
     configured = spec.parameters.get("intra_op_thread_count", "")
     if configured and not configured.isdigit():
         raise load_failed(f"model '{spec.name}': parameter intra_op_thread_count must be an integer")
     options.intra_op_num_threads = int(configured) if configured else threads
-    spinning = spec.parameters.get("allow_spinning", "false").strip().lower()
+    spinning = spec.parameters.get("allow_spinning", "true").strip().lower()
     if spinning not in ("true", "false"):
         raise load_failed(f'model \'{spec.name}\': parameter allow_spinning must be "true" or "false"')
     for key in ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning"):
