@@ -100,11 +100,11 @@ class CountingThread(InstanceThread):
 def model_of(tmp_path: Path) -> Iterator[Callable[..., PythonProcessModel]]:
     made: list[PythonProcessModel] = []
 
-    def make(limits: WorkerLimits = NO_LIMITS, source: str = MODEL) -> PythonProcessModel:
+    def make(limits: WorkerLimits = NO_LIMITS, source: str = MODEL, config: str = CONFIG) -> PythonProcessModel:
         """A model whose hand-overs are counted (``model._relay.calls``)."""
         folder = tmp_path / f"model{len(made)}"
         (folder / "1").mkdir(parents=True)
-        (folder / "config.pbtxt").write_text(CONFIG)
+        (folder / "config.pbtxt").write_text(config)
         (folder / "1" / "model.py").write_text(source)
         spec = configure(folder, strict=False).spec
         model = PythonProcessModel(spec, folder / "1" / "model.py", CPU, "d_0", 1, limits)
@@ -212,6 +212,80 @@ def test_a_plain_batch_is_sent_and_answered_on_the_loop_without_a_thread(model_o
 
         asyncio.run(scenario())
         assert thread.calls == 0 and _handovers(model) == 0
+    finally:
+        thread.shutdown()
+
+
+TWO_BY_TWO_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "A" data_type: TYPE_FP32 dims: [ -1 ] }, { name: "B" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "SUM" data_type: TYPE_FP32 dims: [ -1 ] }, { name: "TWICE_B" data_type: TYPE_INT32 dims: [ -1 ] } ]
+"""
+# SUM = A + its sum, TWICE_B = 2 B, each request's own lengths; B starting with -7 fails that request alone.
+TWO_BY_TWO_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "A").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "B").as_numpy()
+            if b.size and b[0] == -7:
+                error = pb_utils.TritonError("refused " + request.request_id())
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
+            outputs = [pb_utils.Tensor("SUM", (a + a.sum()).astype(np.float32)), pb_utils.Tensor("TWICE_B", b * 2)]
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses
+"""
+
+
+@pytest.mark.timeout(180)
+def test_every_request_of_a_batch_gets_its_own_outputs_on_both_paths(model_of: Any) -> None:
+    """Batches of requests with their own lengths, some asking for one output of two, some failing:
+    each answer, on the loop and on the thread, is the one computed here for that request (the inputs
+    and outputs of a batch are unpacked for the whole batch at once)."""
+    model, thread = model_of(source=TWO_BY_TWO_MODEL, config=TWO_BY_TWO_CONFIG), InstanceThread("thread-path")
+    rng = np.random.default_rng(7)
+
+    def request(index: int) -> SimpleNamespace:
+        a = rng.standard_normal(int(rng.integers(0, 9))).astype(np.float32)
+        b = rng.integers(-5, 50, int(rng.integers(0, 9))).astype(np.int32)
+        if rng.random() < 0.2:
+            b = np.concatenate([np.array([-7], np.int32), b])
+        outputs = ("SUM", "TWICE_B") if rng.random() < 0.6 else (str(rng.choice(["SUM", "TWICE_B"])),)
+        return SimpleNamespace(feed={"A": a, "B": b}, outputs=outputs, context=Context({}, f"r{index}"), size=1)
+
+    def check(results: list[Any], batch: list[SimpleNamespace]) -> None:
+        assert len(results) == len(batch)
+        for result, pending in zip(results, batch, strict=True):
+            a, b = pending.feed["A"], pending.feed["B"]
+            if b.size and b[0] == -7:
+                assert isinstance(result, ShoalError) and result.message == f"refused {pending.context.id}"
+                continue
+            assert not isinstance(result, ShoalError), result
+            expected = {"SUM": a + a.sum(), "TWICE_B": b * 2}
+            assert sorted(result) == sorted(pending.outputs)
+            for name in pending.outputs:
+                np.testing.assert_array_equal(result[name], expected[name])
+                assert result[name].dtype == expected[name].dtype
+
+    async def scenario() -> None:
+        for round_number in range(40):
+            batch = [request(i) for i in range(int(rng.integers(1, 9)))]
+            if round_number % 2:
+                check(await thread.submit(model.run_requests, batch), batch)
+            else:
+                assert (running := model.start_on_loop(batch)) is not None
+                check(await running, batch)
+
+    try:
+        asyncio.run(scenario())
+        assert _handovers(model) == 0
     finally:
         thread.shutdown()
 

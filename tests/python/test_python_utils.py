@@ -161,6 +161,44 @@ def test_bls_tensors_go_into_the_arena_when_they_fit() -> None:
         arena.close()
 
 
+def test_a_request_the_runner_hands_over_reads_as_one_built_by_the_constructor() -> None:
+    """The runner builds the requests a model receives without the constructor's conversions (per
+    request): every accessor gives what the constructor's request gives, parameters as the same JSON."""
+    inputs = {"X": np.arange(4, dtype=np.float32), "S": np.array([b"a", b"bc"], dtype=np.object_)}
+    parameters = {"k": 1, "s": "v", "b": True}
+    item = runner.RequestData(inputs, ("Y", "Z"), "id-1", 5, parameters, 9, '{"traceparent": "00-a-b-01"}')
+    received = runner.ModelRunner._requests([item])[0]
+    built = pb_utils.InferenceRequest(
+        inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
+        requested_output_names=["Y", "Z"],
+        request_id="id-1",
+        correlation_id=5,
+        parameters=parameters,
+        trace=pb_utils.InferenceTrace(9, '{"traceparent": "00-a-b-01"}'),
+    )
+    for accessor in (
+        "model_name",
+        "model_version",
+        "requested_output_names",
+        "request_id",
+        "correlation_id",
+        "flags",
+        "timeout",
+        "parameters",
+        "is_cancelled",
+    ):
+        assert getattr(received, accessor)() == getattr(built, accessor)(), accessor
+    assert [(t.name(), t.as_numpy().dtype) for t in received.inputs()] == [
+        (t.name(), t.as_numpy().dtype) for t in built.inputs()
+    ]
+    for mine, theirs in zip(received.inputs(), built.inputs(), strict=True):
+        np.testing.assert_array_equal(mine.as_numpy(), theirs.as_numpy())
+    assert (received.trace().trace_id, received.trace().get_context()) == (9, '{"traceparent": "00-a-b-01"}')
+    assert json.loads(received.parameters()) == parameters
+    empty = runner.ModelRunner._requests([runner.RequestData(inputs, ("Y",))])[0]
+    assert empty.parameters() == "{}" and empty.get_response_sender() is empty.get_response_sender()
+
+
 def test_bytes_are_taken_wherever_a_string_is_as_tritons_pybind_layer_does() -> None:
     """Triton's BLS example names the model with ``model_name.as_numpy()[0]``, the bytes of a BYTES
     input: pybind11 turns bytes into the string, so Shoal's classes take them too (issue 23)."""

@@ -73,6 +73,7 @@ from shoal.instances.worker_pipe import (
     take,
     trim,
 )
+from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -297,7 +298,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                             list(data.outputs),
                             data.request_id,
                             data.correlation_id,
-                            dict(data.parameters),
+                            data.parameters,  # the request's own copy (request_data's)
                             data.trace_id,
                             data.trace_context,
                         )
@@ -438,21 +439,23 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         self._post(BlsReply(call_id, result, slots, final, self._batch))
 
     def _unpack_outputs(self, answers: list[Answer]) -> list[dict[str, Any] | ShoalError]:
+        """Each answer's outputs copied out of the RESPONSES arena (unpacked for the whole batch at once:
+        one view of the arena, not one per request), or its error."""
         responses = self._arenas[RESPONSES]
+        slots = [slot for answer in answers if not answer.error for slot in answer.outputs]
+        tensors = iter(packing.unpack(responses, slots))
         results: list[dict[str, Any] | ShoalError] = []
-        used = 0
-        for slots, error, code in answers:
+        for outputs, error, code in answers:
             if error:
                 results.append(ShoalError(ErrorCode(code), error))
                 continue
             results.append(
                 {
-                    t.name: t.data if t.datatype.value == "BYTES" else t.data.copy()
-                    for t in packing.unpack(responses, slots)
+                    t.name: t.data if t.datatype is DataType.BYTES else t.data.copy()
+                    for t in itertools.islice(tensors, len(outputs))
                 }
             )
-            used = max(used, packing.extent(slots))
-        trim(responses, used)
+        trim(responses, packing.extent(slots))
         return results
 
     def _start(self) -> None:

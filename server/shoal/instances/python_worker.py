@@ -4,6 +4,8 @@ to the host through ``python_link``; the host's side is ``instances.python_proce
 
 from __future__ import annotations
 
+import itertools
+import pickle
 import signal
 import threading
 from pathlib import Path
@@ -37,10 +39,12 @@ from shoal.repository.config import ModelSpec
 
 
 def _items(arenas: dict[str, Arena], requests: list[PipedRequest]) -> list[runner.RequestData]:
-    """The batch's requests as the model's ``execute`` reads them, their inputs views of the REQUESTS arena."""
+    """The batch's requests as the model's ``execute`` reads them, their inputs views of the REQUESTS arena
+    (unpacked for the whole batch at once: one view of the arena, not one per request)."""
+    tensors = iter(packing.unpack(arenas[REQUESTS], [s for r in requests for s in r.inputs], writable=True))
     return [
         runner.RequestData(
-            {t.name: t.data for t in packing.unpack(arenas[REQUESTS], request.inputs, writable=True)},
+            {t.name: t.data for t in itertools.islice(tensors, len(request.inputs))},
             tuple(request.outputs),
             request.request_id,
             request.correlation_id,
@@ -87,7 +91,10 @@ def run_batch(
 
 
 class LockedConn:
-    """The worker's pipe end, safe to send on from the model's own threads (a decoupled model's sender)."""
+    """The worker's pipe end, safe to send on from the model's own threads (a decoupled model's sender).
+
+    Messages are pickled with ``pickle`` itself, not the pipe's ``ForkingPickler`` (which copies the
+    whole reducer table for every message): they are plain data, and the server reads either alike."""
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
@@ -95,8 +102,9 @@ class LockedConn:
         self.recv, self.poll, self.fileno = conn.recv, conn.poll, conn.fileno
 
     def send(self, message: Any) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
         with self._lock:
-            self._conn.send(message)
+            self._conn.send_bytes(data)
 
 
 def run_decoupled(

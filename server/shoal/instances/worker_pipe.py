@@ -98,7 +98,7 @@ class PipedRequest(NamedTuple):
     outputs: list[str]
     request_id: str
     correlation_id: Any
-    parameters: dict[str, Any]
+    parameters: Mapping[str, Any]
     trace_id: int  # the request's trace, which its BLS calls name (0: not traced)
     trace_context: str  # its OpenTelemetry context, for ``trace().get_context()`` ("": none)
 

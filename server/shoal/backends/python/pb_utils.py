@@ -154,6 +154,14 @@ class Tensor:
             array = array.astype(np.object_)
         self._name, self._data = _name(name), array
 
+    @classmethod
+    def _received(cls, name: str, array: np.ndarray) -> Tensor:
+        """An input as the server hands it over: a ``str`` name and an array of a Triton datatype
+        already (BYTES as objects), so none of the constructor's conversions apply (per request)."""
+        tensor = cls.__new__(cls)
+        tensor._name, tensor._data = name, array
+        return tensor
+
     def name(self) -> str:
         return self._name
 
@@ -354,7 +362,7 @@ class InferenceRequest:
         self._request_id = _name(request_id)
         self._correlation_id: int | str = _text(correlation_id)
         self._flags, self._timeout = flags, timeout
-        self._parameters = _parameters_text(parameters)
+        self._parameters: str | dict[str, Any] = _parameters_text(parameters)
         self._sender: InferenceResponseSender | None = None
         self._trace = trace if isinstance(trace, InferenceTrace) else InferenceTrace()
 
@@ -385,8 +393,31 @@ class InferenceRequest:
     def timeout(self) -> int:
         return self._timeout
 
+    @classmethod
+    def _received(
+        cls,
+        inputs: list[Tensor],
+        requested_output_names: list[str],
+        request_id: str,
+        correlation_id: int | str,
+        parameters: dict[str, Any],
+        trace: InferenceTrace,
+    ) -> InferenceRequest:
+        """A request the model receives, from values the server checked already: its parameters (a dict
+        of the request's own) become JSON text only if the model asks for them (most never do)."""
+        request = cls.__new__(cls)
+        request._model_name, request._model_version = "", -1
+        request._inputs, request._requested = inputs, requested_output_names
+        request._request_id, request._correlation_id = request_id, correlation_id
+        request._flags, request._timeout = 0, 0
+        request._parameters = parameters if parameters else "{}"
+        request._sender, request._trace = None, trace
+        return request
+
     def parameters(self) -> str:
         """The request's parameters as a JSON string, as Triton gives them."""
+        if not isinstance(self._parameters, str):  # a received request's, made text on first use
+            self._parameters = _parameters_text(self._parameters)
         return self._parameters
 
     def is_cancelled(self) -> bool:

@@ -226,14 +226,15 @@ class ModelRunner:
 
     @staticmethod
     def _requests(items: Sequence[RequestData]) -> list[pb_utils.InferenceRequest]:
+        received, wrapped = pb_utils.InferenceRequest._received, pb_utils.Tensor._received
         return [
-            pb_utils.InferenceRequest(
-                inputs=[pb_utils.Tensor(name, array) for name, array in item.inputs.items()],
-                requested_output_names=item.outputs,
-                request_id=item.request_id,
-                correlation_id=item.correlation_id,
-                parameters=dict(item.parameters),
-                trace=pb_utils.InferenceTrace(item.trace_id, item.trace_context),
+            received(
+                [wrapped(name, array) for name, array in item.inputs.items()],
+                list(item.outputs),
+                item.request_id,
+                item.correlation_id,
+                dict(item.parameters),
+                pb_utils.InferenceTrace(item.trace_id, item.trace_context),
             )
             for item in items
         ]
