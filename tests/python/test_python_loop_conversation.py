@@ -31,7 +31,7 @@ from shoal.errors import ErrorCode, ShoalError
 from shoal.instances.pool import InstanceThread
 from shoal.instances.process import WorkerLimits
 from shoal.instances.python_process import TIMED_OUT, Handover, PythonProcessModel, _costly_answers
-from shoal.instances.worker_pipe import Answer, FrameReader
+from shoal.instances.worker_pipe import INITIAL_ARENA_BYTES, RESPONSES, Answer, FrameReader
 from tests import python_models as pm
 
 CONFIG = pm.X_TO_Y_CONFIG
@@ -246,14 +246,15 @@ class TritonPythonModel:
 
 @pytest.mark.timeout(180)
 def test_every_request_of_a_batch_gets_its_own_outputs_on_both_paths(model_of: Any) -> None:
-    """Batches of requests with their own lengths, some asking for one output of two, some failing:
-    each answer, on the loop and on the thread, is the one computed here for that request (the inputs
-    and outputs of a batch are unpacked for the whole batch at once)."""
+    """Batches of requests with their own lengths, some asking for one output of two, some failing, a few
+    large enough to grow the arenas: each answer, on the loop and on the thread, is the one computed here
+    for that request (a batch's inputs and outputs are packed and unpacked for the whole batch at once)."""
     model, thread = model_of(source=TWO_BY_TWO_MODEL, config=TWO_BY_TWO_CONFIG), InstanceThread("thread-path")
     rng = np.random.default_rng(7)
 
     def request(index: int) -> SimpleNamespace:
-        a = rng.standard_normal(int(rng.integers(0, 9))).astype(np.float32)
+        length = int(rng.integers(0, 9)) if rng.random() < 0.9 else 300_000  # 1.2 MB: an arena to grow
+        a = rng.standard_normal(length).astype(np.float32)
         b = rng.integers(-5, 50, int(rng.integers(0, 9))).astype(np.int32)
         if rng.random() < 0.2:
             b = np.concatenate([np.array([-7], np.int32), b])
@@ -274,18 +275,20 @@ def test_every_request_of_a_batch_gets_its_own_outputs_on_both_paths(model_of: A
                 np.testing.assert_array_equal(result[name], expected[name])
                 assert result[name].dtype == expected[name].dtype
 
+    on_loop = 0
+
     async def scenario() -> None:
+        nonlocal on_loop
         for round_number in range(40):
             batch = [request(i) for i in range(int(rng.integers(1, 9)))]
-            if round_number % 2:
-                check(await thread.submit(model.run_requests, batch), batch)
-            else:
-                assert (running := model.start_on_loop(batch)) is not None
-                check(await running, batch)
+            running = None if round_number % 2 else model.start_on_loop(batch)
+            on_loop += running is not None
+            check(await (running or thread.submit(model.run_requests, batch)), batch)
 
     try:
         asyncio.run(scenario())
-        assert _handovers(model) == 0
+        assert on_loop >= 10  # both paths were taken (large inputs take the thread's)
+        assert model._arenas[RESPONSES].size > INITIAL_ARENA_BYTES  # and the outputs grew their arena
     finally:
         thread.shutdown()
 

@@ -284,30 +284,34 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         trim(self._arenas[REQUESTS], self._reply_offset)  # the batch's inputs, then its BLS calls' outputs
 
     def _pack_inputs(self, batch: Sequence[Any], may_grow: bool = True) -> tuple[list[PipedRequest], int]:
+        """The batch's inputs copied into the REQUESTS arena (in one pass for the whole batch, each tensor
+        aligned), and each request's message; with the bytes they take."""
         feeds = [as_tensors(pending.feed) for pending in batch]
+        tensors = [tensor for feed in feeds for tensor in feed]
         while True:
-            offset, requests = 0, []
             try:
-                for pending, feed in zip(batch, feeds, strict=True):
-                    slots = packing.pack_at(self._arenas[REQUESTS], offset, feed)
-                    offset = aligned(max(offset, packing.extent(slots)))
-                    data = runner.request_data({}, pending.outputs, pending.context, getattr(pending, "traced", None))
-                    requests.append(
-                        PipedRequest(
-                            slots,
-                            list(data.outputs),
-                            data.request_id,
-                            data.correlation_id,
-                            data.parameters,  # the request's own copy (request_data's)
-                            data.trace_id,
-                            data.trace_context,
-                        )
-                    )
-                return requests, offset
+                slots = packing.pack_at(self._arenas[REQUESTS], 0, tensors)
+                break
             except PoolFull as full:
                 if not may_grow:
                     raise
-                self._grow(REQUESTS, offset + full.wanted)
+                self._grow(REQUESTS, full.wanted)
+        laid_out = iter(slots)
+        requests = []
+        for pending, feed in zip(batch, feeds, strict=True):
+            data = runner.request_data({}, pending.outputs, pending.context, getattr(pending, "traced", None))
+            requests.append(
+                PipedRequest(
+                    list(itertools.islice(laid_out, len(feed))),
+                    list(data.outputs),
+                    data.request_id,
+                    data.correlation_id,
+                    data.parameters,  # the request's own copy (request_data's)
+                    data.trace_id,
+                    data.trace_context,
+                )
+            )
+        return requests, aligned(packing.extent(slots))
 
     def _conversation(self, deadline: float | None, first: Any = None) -> list[Answer]:
         """Serve the worker's BLS calls and arena requests until it answers the batch; ``first``: a

@@ -31,7 +31,6 @@ from shoal.instances.worker_pipe import (
     Response,
     RunRequests,
     Stop,
-    aligned,
     as_tensors,
     map_arena,
 )
@@ -67,27 +66,29 @@ def run_batch(
     finally:
         first_free = link.end()  # the outputs go after the BLS calls' inputs, which the server may not have read
     del items
+    try:
+        tensors = [as_tensors(outcome.outputs) if outcome.outputs is not None else [] for outcome in outcomes]
+    except ShoalError as exc:  # an output of no Triton datatype
+        return Done([Answer([], exc.message, "internal") for _ in outcomes])
     while True:
-        answers: list[Answer] = []
-        offset = first_free
-        try:
-            for outcome in outcomes:
-                if outcome.outputs is None:
-                    answers.append(Answer([], outcome.error, outcome.code))
-                    continue
-                slots = packing.pack_at(arenas[RESPONSES], offset, as_tensors(outcome.outputs))
-                offset = aligned(max(offset, packing.extent(slots)))
-                answers.append(Answer(slots))
-            return Done(answers)
-        except (PoolFull, ShoalError) as exc:
-            if isinstance(exc, ShoalError):
-                return Done([Answer([], exc.message, "internal") for _ in outcomes])
-            conn.send(Grow(offset + exc.wanted))
+        try:  # the whole batch's outputs in one pass, each tensor aligned
+            laid_out = iter(packing.pack_at(arenas[RESPONSES], first_free, [t for ts in tensors for t in ts]))
+            break
+        except PoolFull as full:
+            conn.send(Grow(first_free + full.wanted))
             message = link.next_message()
             if not isinstance(message, NewArena):
                 return None
             map_arena(arenas, message)
             first_free = 0  # a new arena: no BLS call's inputs in it (the server read them before Grow)
+    return Done(
+        [
+            Answer(list(itertools.islice(laid_out, len(outputs))))
+            if outcome.outputs is not None
+            else Answer([], outcome.error, outcome.code)
+            for outcome, outputs in zip(outcomes, tensors, strict=True)
+        ]
+    )
 
 
 class LockedConn:
