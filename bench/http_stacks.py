@@ -15,8 +15,11 @@ bench/results/http_stacks.csv.
 
 Candidates (each must run in an existing loop on a given socket, which SO_REUSEPORT needs):
 ``aiohttp`` (web.Application behind AppRunner/SockSite) and ``uvicorn`` with ``httptools`` and a
-raw ASGI app (``uvicorn.Server.startup(sockets=...)``). granian is left out: it runs its own
-Rust runtime and process model, not inside Shoal's loop.
+raw ASGI app (``uvicorn.Server.startup(sockets=...)``). ``--stacks ...,granian`` adds granian's
+embedded server (``granian.server.embed.Server``, an RSGI app; the bench extra installs it): HTTP in
+Rust on a runtime thread of its own, each request handed to the process's asyncio loop. It binds its
+own socket, so it fails the second condition, and is measured for its cost only (it takes the port
+the harness bound and released).
 """
 
 from __future__ import annotations
@@ -101,13 +104,35 @@ async def _serve_uvicorn(sock: socket.socket) -> None:
     await asyncio.Event().wait()
 
 
+async def _serve_granian(sock: socket.socket) -> None:
+    from granian.constants import HTTPModes, Interfaces
+    from granian.server.embed import Server
+
+    async def app(scope: Any, protocol: Any) -> None:
+        answer = _answer(await protocol())
+        protocol.response_bytes(200, [("content-type", "application/json")], answer)
+
+    port = sock.getsockname()[1]
+    sock.close()  # granian binds its own socket
+    server = Server(
+        app,
+        address="127.0.0.1",
+        port=port,
+        interface=Interfaces.RSGI,
+        http=HTTPModes.http1,
+        websockets=False,
+        log_enabled=False,
+    )
+    await server.serve()
+
+
 def serve(stack: str, port_file: Path) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
     port_file.write_text(str(sock.getsockname()[1]))
-    asyncio.run({"aiohttp": _serve_aiohttp, "uvicorn": _serve_uvicorn}[stack](sock))
+    asyncio.run({"aiohttp": _serve_aiohttp, "uvicorn": _serve_uvicorn, "granian": _serve_granian}[stack](sock))
 
 
 async def _client(port: int, stop_at: list[float], counts: list[int], request: bytes) -> None:
@@ -142,6 +167,18 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, in ticks
 
 
+def _wait_listening(port: int, deadline: float) -> None:
+    """Until the server accepts connections (granian binds its port after the harness wrote it)."""
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on port {port}") from None
+            time.sleep(0.05)
+
+
 def measure(stack: str, concurrency: int, seconds: float, work: Path) -> dict[str, Any]:
     port_file = work / f"{stack}.port"
     port_file.unlink(missing_ok=True)
@@ -153,6 +190,7 @@ def measure(stack: str, concurrency: int, seconds: float, work: Path) -> dict[st
                 raise RuntimeError(f"{stack} did not start")
             time.sleep(0.05)
         port = int(port_file.read_text())
+        _wait_listening(port, deadline)
         cpu_before = _cpu_seconds(process.pid)
         started = time.monotonic()
         done = asyncio.run(load(port, concurrency, seconds))
