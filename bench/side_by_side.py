@@ -7,9 +7,10 @@ Workloads: tiny (model_repository/simple: add/sub, INT32 [1,16]) at concurrency 
 4 × 1024², built at run time like bench/throughput.py) at 1 and 16; mlp with `-b 8` at 16 (samples/s). Every server
 gets the same model configuration: max_batch_size 32, one instance, dynamic_batching { max_queue_delay_microseconds:
 200 }, 2 ONNX Runtime intra-op threads (ORT's own default for spinning, on, in every column: Shoal's,
-Triton's onnx_model.py and the in-process loop). Load: perf_analyzer 2.51 over gRPC, --input-data zero; with
---clients K the concurrency is split over K perf_analyzer processes at once (throughputs summed, the worst p50
-kept; each then measures exactly 3 windows so that they overlap). Connections, as measured here: one perf_analyzer opens
+Triton's onnx_model.py and the in-process loop; Shoal's column had it off before session 42). Load:
+perf_analyzer 2.51 over gRPC, --input-data zero; with --clients K the concurrency is split over K perf_analyzer
+processes at once (throughputs summed, the worst p50 kept; each then measures exactly 3 windows so that they
+overlap). Connections, as measured here: one perf_analyzer opens
 ceil((c + 1) / 6) TCP connections (c=1 and 2: 1, c=6 and 7: 2, c=12 to 16: 3), its gRPC client library sharing one
 channel among at most 6 clients (TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT). SO_REUSEPORT spreads connections, not
 requests, over front-end workers, so 3 connections can land unevenly on 2 workers; --channel-share 1 gives every

@@ -60,3 +60,13 @@ def test_views_are_read_only_unless_the_reader_owns_the_bytes(arena: Arena) -> N
     (owned,) = packing.unpack(arena, slots, writable=True)
     owned.data[0] = 42
     assert shared.data[0] == 42  # both views are the arena's bytes, not copies
+
+
+def test_empty_tensors_at_the_arena_s_very_end_unpack(arena: Arena) -> None:
+    """Zero-size tensors placed where the arena ends (a batch whose BLS calls filled it exactly) hold no
+    bytes to view: they unpack empty, writable when asked, instead of failing the whole answer."""
+    slots = [("e", "FP32", (0, 3), arena.size, 0), ("s", "BYTES", (0,), arena.size, 0)]
+    for writable in (False, True):
+        empty, strings = packing.unpack(arena, slots, writable=writable)
+        assert (empty.data.shape, empty.data.dtype, strings.data.shape) == ((0, 3), np.float32, (0,))
+        assert empty.data.flags.writeable == writable

@@ -29,6 +29,15 @@ def test_bytes_round_trip_exactly() -> None:
     assert list(decoded.reshape(-1)) == AWKWARD_BYTES
 
 
+def test_bytes_elements_that_are_no_bytes_are_the_utf8_of_their_str_as_tritons() -> None:
+    """Triton's ``serialize_byte_tensor`` (which its Python backend sends outputs through) encodes an
+    element that is no ``bytes`` as ``str(element).encode("utf-8")``: the number 12 is b"12" (it was
+    ``bytes(12)``, twelve zero bytes), None is b"None"; bytes stay as they are."""
+    array = np.array([12, None, 2.5, "é", b"\x00b", np.int64(7), np.str_("s"), bytearray(b"ba")], dtype=object)
+    expected = [b"12", b"None", b"2.5", "é".encode(), b"\x00b", b"7", b"s", b"ba"]
+    assert list(codec.deserialize_bytes(codec.serialize_bytes(array), len(expected))) == expected
+
+
 @pytest.mark.parametrize(
     ("raw", "phrase"),
     [

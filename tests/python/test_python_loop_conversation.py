@@ -222,7 +222,8 @@ max_batch_size: 0
 input [ { name: "A" data_type: TYPE_FP32 dims: [ -1 ] }, { name: "B" data_type: TYPE_INT32 dims: [ -1 ] } ]
 output [ { name: "SUM" data_type: TYPE_FP32 dims: [ -1 ] }, { name: "TWICE_B" data_type: TYPE_INT32 dims: [ -1 ] } ]
 """
-# SUM = A + its sum, TWICE_B = 2 B, each request's own lengths; B starting with -7 fails that request alone.
+# SUM = A + its sum, TWICE_B = 2 B, each request's own lengths; B starting with -7 fails that request alone;
+# B starting with 99: SUM = the reply of a BLS call ("triple": 3 A, from the test's host) + A's sum.
 TWO_BY_TWO_MODEL = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -238,7 +239,13 @@ class TritonPythonModel:
                 error = pb_utils.TritonError("refused " + request.request_id())
                 responses.append(pb_utils.InferenceResponse(error=error))
                 continue
-            outputs = [pb_utils.Tensor("SUM", (a + a.sum()).astype(np.float32)), pb_utils.Tensor("TWICE_B", b * 2)]
+            base = a
+            if b.size and b[0] == 99:
+                call = pb_utils.InferenceRequest(
+                    model_name="triple", inputs=[pb_utils.Tensor("IN", a)], requested_output_names=["OUT"]
+                )
+                base = pb_utils.get_output_tensor_by_name(call.exec(), "OUT").as_numpy()
+            outputs = [pb_utils.Tensor("SUM", (base + a.sum()).astype(np.float32)), pb_utils.Tensor("TWICE_B", b * 2)]
             responses.append(pb_utils.InferenceResponse(outputs))
         return responses
 """
@@ -246,18 +253,29 @@ class TritonPythonModel:
 
 @pytest.mark.timeout(180)
 def test_every_request_of_a_batch_gets_its_own_outputs_on_both_paths(model_of: Any) -> None:
-    """Batches of requests with their own lengths, some asking for one output of two, some failing, a few
-    large enough to grow the arenas: each answer, on the loop and on the thread, is the one computed here
-    for that request (a batch's inputs and outputs are packed and unpacked for the whole batch at once)."""
+    """Batches of requests with their own lengths, some asking for one output of two, some failing, some
+    calling another model, a few large enough to grow the arenas: each answer, on the loop and on the
+    thread, is the one computed here for that request (a batch's inputs and outputs are packed and
+    unpacked for the whole batch at once; a call's reply lands after the batch's inputs)."""
     model, thread = model_of(source=TWO_BY_TWO_MODEL, config=TWO_BY_TWO_CONFIG), InstanceThread("thread-path")
     rng = np.random.default_rng(7)
+
+    def triple(request: Any, sink: Any, caller: Any = None, trace_id: int = 0) -> concurrent.futures.Future[Any]:
+        (tensor,) = request.inputs
+        reply: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        reply.set_result(SimpleNamespace(outputs=[SimpleNamespace(name="OUT", data=np.array(tensor.data) * 3)]))
+        return reply
+
+    model.bind_host(triple, None)
 
     def request(index: int) -> SimpleNamespace:
         length = int(rng.integers(0, 9)) if rng.random() < 0.9 else 300_000  # 1.2 MB: an arena to grow
         a = rng.standard_normal(length).astype(np.float32)
         b = rng.integers(-5, 50, int(rng.integers(0, 9))).astype(np.int32)
-        if rng.random() < 0.2:
+        if (draw := rng.random()) < 0.2:
             b = np.concatenate([np.array([-7], np.int32), b])
+        elif draw < 0.45:  # its outputs come after a BLS call's reply in the batch's arena
+            b = np.concatenate([np.array([99], np.int32), b])
         outputs = ("SUM", "TWICE_B") if rng.random() < 0.6 else (str(rng.choice(["SUM", "TWICE_B"])),)
         return SimpleNamespace(feed={"A": a, "B": b}, outputs=outputs, context=Context({}, f"r{index}"), size=1)
 
@@ -269,7 +287,7 @@ def test_every_request_of_a_batch_gets_its_own_outputs_on_both_paths(model_of: A
                 assert isinstance(result, ShoalError) and result.message == f"refused {pending.context.id}"
                 continue
             assert not isinstance(result, ShoalError), result
-            expected = {"SUM": a + a.sum(), "TWICE_B": b * 2}
+            expected = {"SUM": (3 * a if b.size and b[0] == 99 else a) + a.sum(), "TWICE_B": b * 2}
             assert sorted(result) == sorted(pending.outputs)
             for name in pending.outputs:
                 np.testing.assert_array_equal(result[name], expected[name])
@@ -289,6 +307,63 @@ def test_every_request_of_a_batch_gets_its_own_outputs_on_both_paths(model_of: A
         asyncio.run(scenario())
         assert on_loop >= 10  # both paths were taken (large inputs take the thread's)
         assert model._arenas[RESPONSES].size > INITIAL_ARENA_BYTES  # and the outputs grew their arena
+    finally:
+        thread.shutdown()
+
+
+STRINGS_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "S" data_type: TYPE_STRING dims: [ -1 ] } ]
+"""
+# S: X's numbers as objects (Triton sends each as the UTF-8 of its str); a negative one, an object whose
+# str raises (that request's output cannot be encoded).
+STRINGS_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            s = np.array([Unprintable() if v < 0 else int(v) for v in x] + [None], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("S", s)]))
+        return responses
+"""
+
+
+@pytest.mark.timeout(120)
+def test_bytes_outputs_are_tritons_and_one_that_cannot_be_encoded_fails_alone(model_of: Any) -> None:
+    """Numbers in a BYTES output are sent as their text (12 was twelve zero bytes), on both paths; a
+    request whose output cannot be encoded fails alone: the batch's other requests are answered and the
+    worker is not replaced (it used to die, failing the whole batch)."""
+    model, thread = model_of(source=STRINGS_MODEL, config=STRINGS_CONFIG), InstanceThread("thread-path")
+
+    def request(values: list[int], name: str) -> SimpleNamespace:
+        feed = {"X": np.array(values, np.int32)}
+        return SimpleNamespace(feed=feed, outputs=("S",), context=Context({}, name), size=1)
+
+    async def scenario() -> None:
+        for on_loop in (True, False):
+            batch = [request([12, 3], "good"), request([-1], "bad"), request([], "empty")]
+            running = model.start_on_loop(batch) if on_loop else thread.submit(model.run_requests, batch)
+            assert running is not None
+            good, bad, empty = await running
+            assert list(good["S"]) == [b"12", b"3", b"None"] and list(empty["S"]) == [b"None"]
+            assert isinstance(bad, ShoalError) and "could not be encoded: no text" in bad.message
+
+    worker = model._process.pid
+    try:
+        asyncio.run(scenario())
+        assert model._process.pid == worker and model.healthy
     finally:
         thread.shutdown()
 

@@ -216,3 +216,17 @@ def test_an_outbox_that_cannot_send_a_message_says_so_and_does_not_hang(ends: An
     outbox.send(("unpicklable", lambda: None))
     assert outbox.wait_sent(10) and outbox.error is not None
     outbox.close()
+
+
+def test_an_array_the_worker_sends_pickled_arrives_writable(ends: Any) -> None:
+    """What the worker pickles (a BLS call's inputs that do not fit the arena, a decoupled model's
+    response) arrives as a writable copy even when the model's array was read-only, as the pipe's
+    own pickling gave it: the model it goes to (a thread instance's) may write into its inputs."""
+    server, worker, _ = ends
+    frozen = np.arange(6, dtype=np.float32)
+    frozen.flags.writeable = False
+    python_worker.LockedConn(worker).send(Bls(1, bls.call_of(_call(frozen), False), None))
+    received = server.recv()
+    arrived = received.call.inputs["X"]
+    np.testing.assert_array_equal(arrived, frozen)
+    assert arrived.flags.writeable

@@ -195,6 +195,7 @@ def test_a_request_the_runner_hands_over_reads_as_one_built_by_the_constructor()
         np.testing.assert_array_equal(mine.as_numpy(), theirs.as_numpy())
     assert (received.trace().trace_id, received.trace().get_context()) == (9, '{"traceparent": "00-a-b-01"}')
     assert json.loads(received.parameters()) == parameters
+    assert vars(received).keys() == vars(built).keys()  # every attribute the constructor sets, set
     empty = runner.ModelRunner._requests([runner.RequestData(inputs, ("Y",))])[0]
     assert empty.parameters() == "{}" and empty.get_response_sender() is empty.get_response_sender()
 

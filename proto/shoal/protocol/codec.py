@@ -87,7 +87,7 @@ def check_shape(datatype: DataType, shape: tuple[int, ...]) -> None:
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:
-    """BYTES elements, row-major; ``str`` elements are UTF-8 encoded.
+    """BYTES elements, row-major; ``str`` elements (and other objects, ``element_bytes``) UTF-8 encoded.
 
     Only the conversion to ``bytes`` runs per element in Python; the length prefixes are written by
     numpy (one small object per element here used to cost ~200 bytes and ~1 µs each). A chunk of
@@ -99,10 +99,21 @@ def serialize_bytes(array: np.ndarray) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def element_bytes(item: Any) -> bytes:
+    """One BYTES element's content as Triton's Python backend gives it (``serialize_byte_tensor``):
+    ``bytes`` as they are, anything else the UTF-8 of its ``str`` (the number 12 is ``b"12"``; ``bytes(12)``
+    would be twelve zero bytes)."""
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, bytearray | memoryview):
+        return bytes(item)
+    return str(item).encode("utf-8")
+
+
 def _frame(items: list[Any]) -> bytes:
     """``items`` each behind its 4-byte length: the content joined, then spread around the prefixes."""
     if set(map(type, items)) - {bytes}:
-        items = [item.encode("utf-8") if isinstance(item, str) else bytes(item) for item in items]
+        items = [element_bytes(item) for item in items]
     lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
     if lengths.size and int(lengths.max()) > _MAX_ELEMENT:
         raise WireFormatError(f"a BYTES element of {int(lengths.max())} bytes does not fit a 4-byte length")

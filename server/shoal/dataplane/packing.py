@@ -56,6 +56,12 @@ def _payload(tensor: Tensor) -> np.ndarray | bytes:
     return np.ascontiguousarray(tensor.data, dtype=tensor.datatype.numpy_dtype)
 
 
+def encoded_bytes(tensors: Sequence[Tensor]) -> int:
+    """The bytes ``tensors`` take in an arena; raises what encoding them raises (a BYTES element too
+    long for its length prefix, one whose ``str`` raises): a check before ``pack_at``."""
+    return _measure(tensors)[2]
+
+
 def _measure(tensors: Sequence[Tensor]) -> tuple[list[np.ndarray | bytes], list[int], int]:
     """Each tensor's bytes, their sizes, and the bytes they take together in an arena (aligned)."""
     payloads = [_payload(t) for t in tensors]
@@ -157,7 +163,12 @@ def unpack(
         return ()
     first = min(s[3] for s in slots)
     end = max(s[3] + s[4] for s in slots)
-    owner = (ctypes.c_char * max(1, end - first)).from_buffer(arena.map, first)
+    if end == first:  # only empty tensors (their offset may be the arena's very end): nothing to view
+        if on_release is not None:
+            on_release()
+        empty = memoryview(bytearray() if writable else b"")
+        return tuple(_tensor(empty, first, slot, encoded_bytes, on_unfit) for slot in slots)
+    owner = (ctypes.c_char * (end - first)).from_buffer(arena.map, first)
     if on_release is not None:
         weakref.finalize(owner, on_release)
     buffer = memoryview(owner).cast("B")

@@ -35,6 +35,7 @@ from shoal.instances.worker_pipe import (
     map_arena,
 )
 from shoal.repository.config import ModelSpec
+from shoal.request_types import Tensor
 
 
 def _items(arenas: dict[str, Arena], requests: list[PipedRequest]) -> list[runner.RequestData]:
@@ -66,29 +67,50 @@ def run_batch(
     finally:
         first_free = link.end()  # the outputs go after the BLS calls' inputs, which the server may not have read
     del items
-    try:
-        tensors = [as_tensors(outcome.outputs) if outcome.outputs is not None else [] for outcome in outcomes]
-    except ShoalError as exc:  # an output of no Triton datatype
-        return Done([Answer([], exc.message, "internal") for _ in outcomes])
+    answers: list[Answer | None] = [None] * len(outcomes)
+    tensors: list[list[Tensor]] = [[] for _ in outcomes]
+    for index, outcome in enumerate(outcomes):
+        if outcome.outputs is None:
+            answers[index] = Answer([], outcome.error, outcome.code)
+            continue
+        try:
+            tensors[index] = as_tensors(outcome.outputs)
+        except ShoalError as exc:  # an output of no Triton datatype
+            answers[index] = Answer([], exc.message, "internal")
     while True:
         try:  # the whole batch's outputs in one pass, each tensor aligned
             laid_out = iter(packing.pack_at(arenas[RESPONSES], first_free, [t for ts in tensors for t in ts]))
             break
         except PoolFull as full:
-            conn.send(Grow(first_free + full.wanted))
+            conn.send(Grow(full.wanted))  # the new arena is written from its start
             message = link.next_message()
             if not isinstance(message, NewArena):
                 return None
             map_arena(arenas, message)
             first_free = 0  # a new arena: no BLS call's inputs in it (the server read them before Grow)
+        except Exception:  # some request's outputs cannot be encoded: those requests alone fail
+            if not _fail_unencodable(model.instance_name, answers, tensors):
+                raise
     return Done(
         [
-            Answer(list(itertools.islice(laid_out, len(outputs))))
-            if outcome.outputs is not None
-            else Answer([], outcome.error, outcome.code)
-            for outcome, outputs in zip(outcomes, tensors, strict=True)
+            answer if answer is not None else Answer(list(itertools.islice(laid_out, len(outputs))))
+            for answer, outputs in zip(answers, tensors, strict=True)
         ]
     )
+
+
+def _fail_unencodable(instance: str, answers: list[Answer | None], tensors: list[list[Tensor]]) -> int:
+    """Each request whose outputs cannot be encoded (a BYTES element past 4 GiB, an object whose ``str``
+    raises) gets its own error, and no outputs to pack; how many did."""
+    failed = 0
+    for index, outputs in enumerate(tensors):
+        try:
+            packing.encoded_bytes(outputs)
+        except Exception as exc:  # noqa: BLE001 - whatever encoding the model's objects raises
+            answers[index] = Answer([], f"model '{instance}': an output could not be encoded: {exc}", "internal")
+            tensors[index] = []
+            failed += 1
+    return failed
 
 
 class LockedConn:
@@ -103,7 +125,9 @@ class LockedConn:
         self.recv, self.poll, self.fileno = conn.recv, conn.poll, conn.fileno
 
     def send(self, message: Any) -> None:
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        # Protocol 4 (the pipe's own default): 5 would keep an array the model made read-only read-only
+        # on the server, where a BLS call's inputs may be written in place by the model they go to.
+        data = pickle.dumps(message, 4)
         with self._lock:
             self._conn.send_bytes(data)
 

@@ -31,6 +31,7 @@ from typing import Any
 import httptools
 import numpy as np
 
+from shoal.protocol import codec
 from shoal.protocol.types import DataType, ModelMetadata, ServerMetadata, TensorMetadata
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -242,11 +243,7 @@ def infer_request(model: str, version: str, inputs: Mapping[str, np.ndarray]) ->
 def _tensor_bytes(datatype: DataType, array: np.ndarray) -> bytes:
     if datatype is not DataType.BYTES:
         return np.ascontiguousarray(array).tobytes()
-    parts = []
-    for item in array.reshape(-1):
-        value = item.encode() if isinstance(item, str) else bytes(item)
-        parts.append(len(value).to_bytes(4, "little") + value)
-    return b"".join(parts)
+    return codec.serialize_bytes(array)
 
 
 class HttpControl:

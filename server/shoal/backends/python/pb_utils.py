@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from shoal.protocol import codec
 from shoal.protocol.types import DataType
 
 logger = logging.getLogger("triton_python_backend_utils")
@@ -76,12 +77,9 @@ def numpy_to_triton_type(data_type: Any) -> int | None:
 
 
 def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray:
-    """BYTES elements as Triton lays them out: each a 4-byte little-endian length, then the bytes."""
-    parts = []
-    for item in np.asarray(input_tensor).flatten(order="C"):
-        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
-        parts.append(len(data).to_bytes(4, "little") + data)
-    return np.frombuffer(b"".join(parts), dtype=np.uint8)
+    """BYTES elements as Triton lays them out: each a 4-byte little-endian length, then the bytes (an
+    element that is no ``bytes`` as the UTF-8 of its ``str``, as Triton's)."""
+    return np.frombuffer(codec.serialize_bytes(np.asarray(input_tensor)), dtype=np.uint8)
 
 
 def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
