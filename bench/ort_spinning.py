@@ -6,7 +6,8 @@ The models and configuration of bench/side_by_side.py (tiny: add/sub INT32 [1,16
 max_batch_size 32, one instance, dynamic_batching { max_queue_delay_microseconds: 200 }, 2 intra-op
 threads), served twice: once with ``parameters { key: "allow_spinning" value: { string_value: "true" } }``
 (ONNX Runtime's own default, which Triton's ONNX model and in-process ORT keep) and once with "false". Load:
-perf_analyzer 2.51 over gRPC, zero inputs: mlp at c=16, c=1 and ``-b 8`` c=16, tiny at c=16. Each round
+perf_analyzer 2.51 over gRPC, zero inputs: mlp at c=16, c=1 and ``-b 8`` c=16, mlp with two instances
+(``mlp_x2``: 4 intra-op threads on these 2 cores) at c=16, tiny at c=16. Each round
 starts both servers in turn (every other round in the reverse order). Per cell: throughput (inferences/s),
 p50, and CPU per request (the server's process tree, utime + stime from /proc, over the perf_analyzer run,
 divided by the requests its statistics counted). Prints the medians over rounds with spin / no-spin ratios,
@@ -37,7 +38,8 @@ from bench._perf import (  # noqa: E402
 from bench.side_by_side import write_models  # noqa: E402
 from shoal.tools import local_server  # noqa: E402
 
-LOADS = (("mlp", 1, 16), ("mlp", 1, 1), ("mlp", 8, 16), ("tiny", 1, 16))  # model, batch (-b), concurrency
+# model, batch (-b), concurrency; mlp_x2: mlp with two instances, 2 intra-op threads each (4 on these 2 cores)
+LOADS = (("mlp", 1, 16), ("mlp", 1, 1), ("mlp", 8, 16), ("mlp_x2", 1, 16), ("tiny", 1, 16))
 SETTINGS = ("true", "false")
 
 
@@ -48,7 +50,10 @@ def write_repositories(folder: Path) -> dict[str, Path]:
     for setting in SETTINGS:
         repository = folder / f"spinning_{setting}"
         shutil.copytree(base, repository)
-        for model in ("tiny", "mlp"):
+        shutil.copytree(repository / "mlp", repository / "mlp_x2")
+        config = repository / "mlp_x2" / "config.pbtxt"
+        config.write_text(config.read_text().replace("count: 1,", "count: 2,"))
+        for model in ("tiny", "mlp", "mlp_x2"):
             config = repository / model / "config.pbtxt"
             config.write_text(
                 config.read_text()

@@ -107,9 +107,10 @@ def session_options(spec: ModelSpec, threads: int) -> ort.SessionOptions:
     ONNX Runtime's pool threads spin a short while on their core after each parallel section,
     waiting for more work, where without it each section wakes them again (tens of µs a wake-up).
     Measured (bench/ort_spinning.py, docs/benchmarks.md): on an MLP whose matrix products go
-    parallel, spinning gave 1.12-1.21x the throughput for 1.12-1.54x the CPU per request, the event
-    loop sharing the cores; on a model too small to go parallel it changes nothing. The Triton the
-    benchmarks run beside Shoal keeps the default too. "false": where CPU time counts more than throughput.
+    parallel, spinning gave 1.11-1.26x the throughput for 1.12-1.54x the CPU per request, the event
+    loop sharing the cores (two instances' pool threads outnumbering them too); on a model too small
+    to go parallel it changes nothing. The Triton the benchmarks run beside Shoal keeps the default
+    too. "false": where CPU time counts more than throughput.
     """
     options = ort.SessionOptions()
     configured = spec.parameters.get("intra_op_thread_count", "")
