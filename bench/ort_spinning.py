@@ -52,6 +52,7 @@ def write_repositories(folder: Path) -> dict[str, Path]:
         shutil.copytree(base, repository)
         shutil.copytree(repository / "mlp", repository / "mlp_x2")
         config = repository / "mlp_x2" / "config.pbtxt"
+        assert "count: 1," in config.read_text(), "bench/side_by_side.py's ONE_INSTANCE changed"
         config.write_text(config.read_text().replace("count: 1,", "count: 2,"))
         for model in ("tiny", "mlp", "mlp_x2"):
             config = repository / model / "config.pbtxt"

@@ -346,3 +346,10 @@ def test_scalar_request_parameters_are_accepted(example_server: RunningServer) -
 )
 def test_accept_encoding_follows_the_client_s_weights(accept: str, chosen: str | None) -> None:
     assert http_app._accepted_encoding(accept) == chosen
+
+
+def test_bytes_elements_read_the_same_as_json_as_in_binary_answers() -> None:
+    """A BYTES output's elements that are no ``bytes`` (a thread instance's own objects) are written as
+    JSON strings of what the binary and gRPC answers carry for them (codec.element_bytes)."""
+    values = [b"a", "\u00e9", 12, None, bytearray(b"ba"), memoryview(b"mv")]
+    assert infer_body._json_strings("S", values) == ["a", "\u00e9", "12", "None", "ba", "mv"]

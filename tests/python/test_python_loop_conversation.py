@@ -317,8 +317,9 @@ max_batch_size: 0
 input [ { name: "X" data_type: TYPE_INT32 dims: [ -1 ] } ]
 output [ { name: "S" data_type: TYPE_STRING dims: [ -1 ] } ]
 """
-# S: X's numbers as objects (Triton sends each as the UTF-8 of its str); a negative one, an object whose
-# str raises (that request's output cannot be encoded).
+# S: X's numbers as objects (Triton sends each as the UTF-8 of its str), written into one buffer the model
+# reuses for every response; a negative number, an object whose str raises (pb_utils.Tensor encodes the
+# elements when it is built, as Triton's does: execute raises, and its batch fails).
 STRINGS_MODEL = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -330,35 +331,45 @@ class Unprintable:
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        self.buffer = np.empty(0, dtype=np.object_)
+
     def execute(self, requests):
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
-            s = np.array([Unprintable() if v < 0 else int(v) for v in x] + [None], dtype=np.object_)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("S", s)]))
+            if self.buffer.size != x.size + 1:
+                self.buffer = np.empty(x.size + 1, dtype=np.object_)
+            self.buffer[:] = [Unprintable() if v < 0 else int(v) for v in x] + [None]
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("S", self.buffer)]))
         return responses
 """
 
 
 @pytest.mark.timeout(120)
-def test_bytes_outputs_are_tritons_and_one_that_cannot_be_encoded_fails_alone(model_of: Any) -> None:
-    """Numbers in a BYTES output are sent as their text (12 was twelve zero bytes), on both paths; a
-    request whose output cannot be encoded fails alone: the batch's other requests are answered and the
-    worker is not replaced (it used to die, failing the whole batch)."""
+def test_bytes_outputs_are_the_text_of_their_elements_when_the_tensor_was_built(model_of: Any) -> None:
+    """Numbers in a BYTES output are sent as their text (12 was twelve zero bytes), each response with the
+    content its tensor had when built though the model reuses one array (every response once carried the
+    last request's strings), on both paths; an element that has no text fails its batch (as Triton's
+    execute would), and the worker goes on."""
     model, thread = model_of(source=STRINGS_MODEL, config=STRINGS_CONFIG), InstanceThread("thread-path")
 
     def request(values: list[int], name: str) -> SimpleNamespace:
         feed = {"X": np.array(values, np.int32)}
         return SimpleNamespace(feed=feed, outputs=("S",), context=Context({}, name), size=1)
 
+    def run(batch: list[SimpleNamespace], on_loop: bool) -> Any:
+        running = model.start_on_loop(batch) if on_loop else thread.submit(model.run_requests, batch)
+        assert running is not None
+        return running
+
     async def scenario() -> None:
         for on_loop in (True, False):
-            batch = [request([12, 3], "good"), request([-1], "bad"), request([], "empty")]
-            running = model.start_on_loop(batch) if on_loop else thread.submit(model.run_requests, batch)
-            assert running is not None
-            good, bad, empty = await running
-            assert list(good["S"]) == [b"12", b"3", b"None"] and list(empty["S"]) == [b"None"]
-            assert isinstance(bad, ShoalError) and "could not be encoded: no text" in bad.message
+            answers = await run([request([12, 3], "a"), request([4, 5], "b"), request([], "c")], on_loop)
+            expected = [[b"12", b"3", b"None"], [b"4", b"5", b"None"], [b"None"]]  # a and b: one array, reused
+            assert [list(answer["S"]) for answer in answers] == expected
+            failed = await run([request([7], "good"), request([-1], "bad")], on_loop)
+            assert all(isinstance(r, ShoalError) and "RuntimeError: no text" in r.message for r in failed)
 
     worker = model._process.pid
     try:

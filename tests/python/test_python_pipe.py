@@ -218,15 +218,25 @@ def test_an_outbox_that_cannot_send_a_message_says_so_and_does_not_hang(ends: An
     outbox.close()
 
 
-def test_an_array_the_worker_sends_pickled_arrives_writable(ends: Any) -> None:
+def test_an_array_either_side_sends_pickled_arrives_writable(ends: Any) -> None:
     """What the worker pickles (a BLS call's inputs that do not fit the arena, a decoupled model's
-    response) arrives as a writable copy even when the model's array was read-only, as the pipe's
-    own pickling gave it: the model it goes to (a thread instance's) may write into its inputs."""
+    response) and what the server's outbox does (a BLS reply too big for the arena) arrives as a
+    writable copy even when the array was read-only, as protocol 4 gives it (protocol 5 keeps it
+    read-only; the worker once used it, and Python 3.14's pipes default to it): the model it goes to
+    may write into it."""
     server, worker, _ = ends
     frozen = np.arange(6, dtype=np.float32)
     frozen.flags.writeable = False
     python_worker.LockedConn(worker).send(Bls(1, bls.call_of(_call(frozen), False), None))
-    received = server.recv()
-    arrived = received.call.inputs["X"]
+    arrived = server.recv().call.inputs["X"]
     np.testing.assert_array_equal(arrived, frozen)
     assert arrived.flags.writeable
+    outbox = Outbox(server, "test-outbox")
+    try:
+        outbox.send(BlsReply(1, bls.BlsResult(outputs={"Y": frozen}), None, True, 0))
+        assert outbox.wait_sent(10)
+        replied = worker.recv().result.outputs["Y"]
+        np.testing.assert_array_equal(replied, frozen)
+        assert replied.flags.writeable
+    finally:
+        outbox.close()

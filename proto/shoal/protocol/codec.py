@@ -102,7 +102,8 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 def element_bytes(item: Any) -> bytes:
     """One BYTES element's content as Triton's Python backend gives it (``serialize_byte_tensor``):
     ``bytes`` as they are, anything else the UTF-8 of its ``str`` (the number 12 is ``b"12"``; ``bytes(12)``
-    would be twelve zero bytes)."""
+    would be twelve zero bytes). A ``bytearray`` or ``memoryview`` gives its bytes (Triton's rule would
+    send the text of its repr)."""
     if isinstance(item, bytes):
         return item
     if isinstance(item, bytearray | memoryview):
@@ -112,7 +113,10 @@ def element_bytes(item: Any) -> bytes:
 
 def _frame(items: list[Any]) -> bytes:
     """``items`` each behind its 4-byte length: the content joined, then spread around the prefixes."""
-    if set(map(type, items)) - {bytes}:
+    types = set(map(type, items))
+    if types == {str}:
+        items = [item.encode("utf-8") for item in items]
+    elif types - {bytes}:
         items = [element_bytes(item) for item in items]
     lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
     if lengths.size and int(lengths.max()) > _MAX_ELEMENT:

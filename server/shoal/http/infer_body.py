@@ -451,9 +451,10 @@ def _json_strings(name: str, values: list[Any]) -> list[str]:
     rather than changed (Triton writes them raw, which makes the body invalid JSON)."""
     strings = []
     for index, value in enumerate(values):
-        if not isinstance(value, bytes):
-            strings.append(str(value))
+        if isinstance(value, str):
+            strings.append(value)
             continue
+        value = codec.element_bytes(value)  # what the binary and gRPC answers carry for it
         try:
             strings.append(value.decode("utf-8"))
         except UnicodeDecodeError:

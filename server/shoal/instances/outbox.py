@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import os
+import pickle
 import threading
 from multiprocessing import connection
 from typing import Any
@@ -64,7 +65,9 @@ class Outbox:
                     return
                 try:
                     if not broken:
-                        self._conn.send(message)
+                        # Protocol 4 (Python 3.11's default; 3.14's is 5, which keeps a read-only array
+                        # read-only in the worker, where a model may write into a reply's outputs).
+                        self._conn.send_bytes(pickle.dumps(message, 4))
                 except OSError:  # the worker is gone: whoever waits on it finds it dead
                     broken = True
                 except BaseException as exc:  # noqa: BLE001 - e.g. MemoryError pickling a reply: the owner decides

@@ -88,9 +88,12 @@ def run_batch(
                 return None
             map_arena(arenas, message)
             first_free = 0  # a new arena: no BLS call's inputs in it (the server read them before Grow)
-        except Exception:  # some request's outputs cannot be encoded: those requests alone fail
-            if not _fail_unencodable(model.instance_name, answers, tensors):
-                raise
+        except Exception as exc:  # noqa: BLE001 - some request's outputs cannot be encoded: those requests alone fail
+            if not _fail_unencodable(model.instance_name, answers, tensors):  # none alone: then every one
+                for index in range(len(tensors)):
+                    if answers[index] is None:
+                        answers[index] = Answer([], f"the batch's outputs could not be encoded: {exc}", "internal")
+                    tensors[index] = []
     return Done(
         [
             answer if answer is not None else Answer(list(itertools.islice(laid_out, len(outputs))))
@@ -100,8 +103,8 @@ def run_batch(
 
 
 def _fail_unencodable(instance: str, answers: list[Answer | None], tensors: list[list[Tensor]]) -> int:
-    """Each request whose outputs cannot be encoded (a BYTES element past 4 GiB, an object whose ``str``
-    raises) gets its own error, and no outputs to pack; how many did."""
+    """Each request whose outputs cannot be encoded (a BYTES element past 4 GiB: ``pb_utils.Tensor``
+    encoded the elements already) gets its own error, and no outputs to pack; how many did."""
     failed = 0
     for index, outputs in enumerate(tensors):
         try:
@@ -125,8 +128,8 @@ class LockedConn:
         self.recv, self.poll, self.fileno = conn.recv, conn.poll, conn.fileno
 
     def send(self, message: Any) -> None:
-        # Protocol 4 (the pipe's own default): 5 would keep an array the model made read-only read-only
-        # on the server, where a BLS call's inputs may be written in place by the model they go to.
+        # Protocol 4 (the pipe's own default on Python 3.11, 5 from 3.14): 5 would keep an array the model
+        # made read-only read-only on the server, where a BLS call's inputs may be written in place.
         data = pickle.dumps(message, 4)
         with self._lock:
             self._conn.send_bytes(data)

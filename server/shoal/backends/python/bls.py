@@ -122,7 +122,7 @@ def call_of(request: pb_utils.InferenceRequest, decoupled: bool = False) -> BlsC
         request.model_name(),
         "" if version < 0 else str(version),
         request.request_id(),
-        {tensor.name(): tensor.as_numpy() for tensor in request.inputs()},
+        {tensor.name(): tensor._wire_data() for tensor in request.inputs()},
         tuple(request.requested_output_names()),
         parameters,
         decoupled,

@@ -113,6 +113,13 @@ def _parameters_text(parameters: dict[str, Any] | str | bytes | None) -> str:
     return json.dumps(parameters) if parameters else "{}"
 
 
+def _encoded_now(array: np.ndarray) -> np.ndarray:
+    """A BYTES array's elements as the ``bytes`` they are sent as, in an array of their own."""
+    encoded = np.empty(array.shape, dtype=np.object_)
+    encoded.reshape(-1)[:] = [codec.element_bytes(item) for item in array.reshape(-1).tolist()]
+    return encoded
+
+
 def _name(value: str | bytes) -> str:
     """A name or id given as ``str`` or ``bytes`` (``_text``), as a ``str``."""
     return str(_text(value))
@@ -144,21 +151,33 @@ class TritonModelException(Exception):
 
 
 class Tensor:
-    """A named tensor: numpy data on the CPU."""
+    """A named tensor: numpy data on the CPU.
+
+    A BYTES tensor is encoded when it is built, as Triton's is (its ``PbTensor`` runs
+    ``serialize_byte_tensor`` in the constructor): what a response or a BLS call carries is the
+    content the elements had then (each ``bytes`` as it is, anything else the UTF-8 of its ``str``),
+    even if the model goes on to reuse the array for the next response. ``as_numpy`` gives the
+    array the model passed, as Triton's does.
+    """
 
     def __init__(self, name: str | bytes, data: Any, dtype: Any = None) -> None:
         array = np.asarray(data) if dtype is None else np.asarray(data, dtype=dtype)
         if array.dtype.kind in "SU":  # Triton keeps strings as BYTES objects
             array = array.astype(np.object_)
         self._name, self._data = _name(name), array
+        self._sent = _encoded_now(array) if array.dtype == np.object_ else array
 
     @classmethod
     def _received(cls, name: str, array: np.ndarray) -> Tensor:
         """An input as the server hands it over: a ``str`` name and an array of a Triton datatype
-        already (BYTES as objects), so none of the constructor's conversions apply (per request)."""
+        already (BYTES as ``bytes`` objects), so none of the constructor's conversions apply (per request)."""
         tensor = cls.__new__(cls)
-        tensor._name, tensor._data = name, array
+        tensor._name, tensor._data, tensor._sent = name, array, array
         return tensor
+
+    def _wire_data(self) -> np.ndarray:
+        """What a response or a BLS call carries: the array, BYTES as encoded when the tensor was built."""
+        return self._sent
 
     def name(self) -> str:
         return self._name

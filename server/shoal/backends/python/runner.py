@@ -359,7 +359,7 @@ class ModelRunner:
         error = response.error()
         if error is not None:
             return Outcome(error=error.message(), code=_ERROR_CODES.get(error.code(), "internal"))
-        given = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+        given = {tensor.name(): tensor._wire_data() for tensor in response.output_tensors()}
         outputs = {}
         for name in item.outputs:
             if name not in given:
