@@ -379,6 +379,41 @@ def test_bytes_outputs_are_the_text_of_their_elements_when_the_tensor_was_built(
         thread.shutdown()
 
 
+# MODEL, in a worker whose arenas may hold at most 2 MiB each way (the bound patched in the worker itself).
+SMALL_ARENAS_MODEL = MODEL.replace(
+    "class TritonPythonModel:\n",
+    "class TritonPythonModel:\n"
+    "    def initialize(self, args):\n"
+    "        import shoal.instances.worker_pipe as pipe\n"
+    "        pipe.MAX_ARENA_BYTES = 2 << 20\n\n",
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_response_past_the_arena_bound_fails_alone(model_of: Any) -> None:
+    """A response whose outputs no arena can hold fails with its own error; the batch's other requests
+    are answered and the worker is not replaced (the whole batch failed and the worker was replaced)."""
+    model, thread = model_of(source=SMALL_ARENAS_MODEL), InstanceThread("thread-path")
+    assert SMALL_ARENAS_MODEL != MODEL
+
+    async def scenario() -> None:
+        for on_loop in (True, False):
+            huge = Pending(np.ones(4), Context({"repeat": 200_000}))  # 3.2 MB of outputs
+            batch = [Pending(np.arange(3.0)), huge, Pending(np.ones(2), Context({"repeat": 100_000}))]
+            running = model.start_on_loop(batch) if on_loop else thread.submit(model.run_requests, batch)
+            assert running is not None
+            small, refused, middle = await running
+            _doubled([small, middle], [batch[0], batch[2]])
+            assert isinstance(refused, ShoalError) and "at most 2 MiB each way" in refused.message
+
+    worker = model._process.pid
+    try:
+        asyncio.run(scenario())
+        assert model._process.pid == worker and model.healthy
+    finally:
+        thread.shutdown()
+
+
 @pytest.mark.timeout(120)
 def test_large_tensors_are_copied_on_threads_never_on_the_loop(model_of: Any) -> None:
     """Inputs past off_loop's bound go to the instance's thread; outputs past it (first past the arena,

@@ -16,6 +16,7 @@ from shoal.backends.python import pb_utils, runner
 from shoal.dataplane import packing
 from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ShoalError
+from shoal.instances import worker_pipe
 from shoal.instances.python_link import PipeLink
 from shoal.instances.worker_pipe import (
     REQUESTS,
@@ -82,6 +83,9 @@ def run_batch(
             laid_out = iter(packing.pack_at(arenas[RESPONSES], first_free, [t for ts in tensors for t in ts]))
             break
         except PoolFull as full:
+            if full.wanted > worker_pipe.MAX_ARENA_BYTES:  # no arena holds them: the largest fail, the rest go
+                _fail_largest(answers, tensors, worker_pipe.MAX_ARENA_BYTES)
+                continue
             conn.send(Grow(full.wanted))  # the new arena is written from its start
             message = link.next_message()
             if not isinstance(message, NewArena):
@@ -100,6 +104,24 @@ def run_batch(
             for answer, outputs in zip(answers, tensors, strict=True)
         ]
     )
+
+
+def _fail_largest(answers: list[Answer | None], tensors: list[list[Tensor]], bound: int) -> None:
+    """Fail the requests with the largest outputs until the others fit ``bound`` bytes (one arena's most),
+    each with its own error: one oversized response no longer fails its whole batch and its worker."""
+    sizes = {index: packing.encoded_bytes(outputs) for index, outputs in enumerate(tensors) if outputs}
+    total = sum(sizes.values())
+    for index in sorted(sizes, key=sizes.__getitem__, reverse=True):
+        if total <= bound:
+            return
+        total -= sizes[index]
+        answers[index] = Answer(
+            [],
+            f"the response's outputs need {sizes[index]} bytes of shared memory with the rest of its batch's; "
+            f"a process instance moves at most {bound >> 20} MiB each way per batch",
+            "internal",
+        )
+        tensors[index] = []
 
 
 def _fail_unencodable(instance: str, answers: list[Answer | None], tensors: list[list[Tensor]]) -> int:
