@@ -392,7 +392,8 @@ SMALL_ARENAS_MODEL = MODEL.replace(
 @pytest.mark.timeout(120)
 def test_a_response_past_the_arena_bound_fails_alone(model_of: Any) -> None:
     """A response whose outputs no arena can hold fails with its own error; the batch's other requests
-    are answered and the worker is not replaced (the whole batch failed and the worker was replaced)."""
+    are answered and the worker is not replaced (the whole batch failed and the worker was replaced).
+    Two that fit alone but not together: one is answered (an arena carries one batch's answers)."""
     model, thread = model_of(source=SMALL_ARENAS_MODEL), InstanceThread("thread-path")
     assert SMALL_ARENAS_MODEL != MODEL
 
@@ -405,6 +406,13 @@ def test_a_response_past_the_arena_bound_fails_alone(model_of: Any) -> None:
             small, refused, middle = await running
             _doubled([small, middle], [batch[0], batch[2]])
             assert isinstance(refused, ShoalError) and "at most 2 MiB each way" in refused.message
+            assert "with the other responses" not in refused.message  # past the bound on its own
+            pair = [Pending(np.ones(2), Context({"repeat": 150_000})) for _ in range(2)]  # 1.2 MB each
+            running = model.start_on_loop(pair) if on_loop else thread.submit(model.run_requests, pair)
+            assert running is not None
+            answered = [r for r in await running if not isinstance(r, ShoalError)]
+            assert len(answered) == 1  # each fits alone, not both: one is answered, one fails
+            _doubled(answered, pair[:1])
 
     worker = model._process.pid
     try:

@@ -97,6 +97,65 @@ def test_runner_answers_each_request(tmp_path: Path) -> None:
     model.finalize()
 
 
+# One reused FP32 buffer for every response: sent through each request's response sender (decoupled or
+# not), or (STRIDED) returned as a strided view of it. Y = 2 X.
+REUSED_BUFFER = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.how = args["model_name"]
+        self.buffer = np.zeros((2, 2), np.float32)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            self.buffer[:, 0] = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()[0] * 2
+            if self.how == "strided":  # a column: not contiguous
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", self.buffer[:, 0])]))
+                continue
+            sender = request.get_response_sender()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", self.buffer[0, :1])]))
+            if self.how == "decoupled":
+                self.buffer[0, 0] = -1.0  # the response above is sent: this write is not in it
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return responses or None
+"""
+
+
+@pytest.mark.parametrize("how", ["sender", "decoupled", "strided"])
+def test_a_reused_buffer_gives_each_response_what_it_held_when_sent(tmp_path: Path, how: str) -> None:
+    """Triton copies a tensor that is not contiguous when it is built, and a response's tensors when a
+    response sender sends it: a model reusing one buffer gets each request's own answer (every one
+    carried the last request's values, on both instance kinds: the runner is theirs)."""
+    model_file = tmp_path / how / "1" / "model.py"
+    model_file.parent.mkdir(parents=True)
+    model_file.write_text(REUSED_BUFFER)
+    config = {"name": how, "output": [{"name": "Y", "data_type": "TYPE_FP32"}]}
+    model = runner.ModelRunner(config, model_file, runner.model_args(config, model_file, f"{how}_0", "CPU", 0, 1))
+    items = [runner.RequestData({"X": np.array([float(k)], np.float32)}, ("Y",)) for k in (1, 2, 3)]
+    try:
+        if how == "decoupled":
+            sent: list[list[float]] = [[], [], []]
+
+            def emit(index: int, outcome: runner.Outcome | None, final: bool) -> None:
+                if outcome is not None:
+                    sent[index].append(outcome.result()["Y"])  # type: ignore[index]
+
+            model.execute_decoupled(items, emit)
+            assert [[array.tolist() for array in arrays] for arrays in sent] == [[[2.0]], [[4.0]], [[6.0]]]
+        else:
+            outcomes = model.execute(items)
+            expected = [[2.0] * 2, [4.0] * 2, [6.0] * 2] if how == "strided" else [[2.0], [4.0], [6.0]]
+            assert [outcome.result()["Y"].tolist() for outcome in outcomes] == expected  # type: ignore[index]
+    finally:
+        model.finalize()
+
+
 def test_auto_complete_runs_in_a_child_process(tmp_path: Path) -> None:
     folder = pm.write_model(tmp_path, "auto", pm.AUTO_CONFIG, pm.AUTO)
     done = subprocess.run(

@@ -83,21 +83,23 @@ def run_batch(
             laid_out = iter(packing.pack_at(arenas[RESPONSES], first_free, [t for ts in tensors for t in ts]))
             break
         except PoolFull as full:
-            if full.wanted > worker_pipe.MAX_ARENA_BYTES:  # no arena holds them: the largest fail, the rest go
-                _fail_largest(answers, tensors, worker_pipe.MAX_ARENA_BYTES)
-                continue
-            conn.send(Grow(full.wanted))  # the new arena is written from its start
-            message = link.next_message()
-            if not isinstance(message, NewArena):
-                return None
-            map_arena(arenas, message)
-            first_free = 0  # a new arena: no BLS call's inputs in it (the server read them before Grow)
+            wanted = full.wanted
         except Exception as exc:  # noqa: BLE001 - some request's outputs cannot be encoded: those requests alone fail
             if not _fail_unencodable(model.instance_name, answers, tensors):  # none alone: then every one
                 for index in range(len(tensors)):
                     if answers[index] is None:
                         answers[index] = Answer([], f"the batch's outputs could not be encoded: {exc}", "internal")
                     tensors[index] = []
+            continue
+        if wanted > worker_pipe.MAX_ARENA_BYTES:  # no arena holds them all: some fail, the rest go
+            _fail_past_bound(answers, tensors, worker_pipe.MAX_ARENA_BYTES)
+            continue
+        conn.send(Grow(wanted))  # the new arena is written from its start
+        message = link.next_message()
+        if not isinstance(message, NewArena):
+            return None
+        map_arena(arenas, message)
+        first_free = 0  # a new arena: no BLS call's inputs in it (the server read them before Grow)
     return Done(
         [
             answer if answer is not None else Answer(list(itertools.islice(laid_out, len(outputs))))
@@ -106,19 +108,21 @@ def run_batch(
     )
 
 
-def _fail_largest(answers: list[Answer | None], tensors: list[list[Tensor]], bound: int) -> None:
-    """Fail the requests with the largest outputs until the others fit ``bound`` bytes (one arena's most),
-    each with its own error: one oversized response no longer fails its whole batch and its worker."""
+def _fail_past_bound(answers: list[Answer | None], tensors: list[list[Tensor]], bound: int) -> None:
+    """The batch's outputs need more than one arena's ``bound``: each response past it on its own fails,
+    then, while the rest still do not fit together, the largest (an arena carries one batch's answers,
+    so a batch of two responses that fit alone but not together loses one). Each gets its own error."""
     sizes = {index: packing.encoded_bytes(outputs) for index, outputs in enumerate(tensors) if outputs}
     total = sum(sizes.values())
     for index in sorted(sizes, key=sizes.__getitem__, reverse=True):
-        if total <= bound:
+        if sizes[index] <= bound and total <= bound:
             return
         total -= sizes[index]
+        alone = "" if sizes[index] > bound else " with the other responses of its batch"
         answers[index] = Answer(
             [],
-            f"the response's outputs need {sizes[index]} bytes of shared memory with the rest of its batch's; "
-            f"a process instance moves at most {bound >> 20} MiB each way per batch",
+            f"the response's outputs need {sizes[index]} bytes of shared memory{alone}; a process "
+            f"instance moves at most {bound >> 20} MiB each way per batch",
             "internal",
         )
         tensors[index] = []

@@ -159,7 +159,9 @@ def result_of(future: concurrent.futures.Future[InferResponse]) -> BlsResult:
 def response_of(result: BlsResult) -> pb_utils.InferenceResponse:
     if result.outputs is None:
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(result.error))
-    return pb_utils.InferenceResponse([pb_utils.Tensor(name, data) for name, data in result.outputs.items()])
+    return pb_utils.InferenceResponse(
+        [pb_utils.Tensor._received(name, np.asarray(data)) for name, data in result.outputs.items()]
+    )
 
 
 def start(

@@ -115,9 +115,29 @@ def _parameters_text(parameters: dict[str, Any] | str | bytes | None) -> str:
 
 def _encoded_now(array: np.ndarray) -> np.ndarray:
     """A BYTES array's elements as the ``bytes`` they are sent as, in an array of their own."""
+    items = array.reshape(-1).tolist()
+    types = set(map(type, items))
+    if types <= {bytes}:
+        return array.copy()  # the same immutable elements, in an array the model does not hold
     encoded = np.empty(array.shape, dtype=np.object_)
-    encoded.reshape(-1)[:] = [codec.element_bytes(item) for item in array.reshape(-1).tolist()]
+    if types == {str}:
+        encoded.reshape(-1)[:] = [item.encode("utf-8") for item in items]
+    else:
+        encoded.reshape(-1)[:] = [codec.element_bytes(item) for item in items]
     return encoded
+
+
+def _as_sent(response: Any) -> Any:
+    """A response as it stands when it is sent: Triton's ``send`` copies its tensors (into shared memory)
+    there, so the model may reuse its arrays at once (a response not built right is left for the runner
+    to report)."""
+    if not isinstance(response, InferenceResponse) or response.has_error():
+        return response
+    tensors = [
+        Tensor._received(t.name(), np.array(t._wire_data(), copy=True)) if isinstance(t, Tensor) else t
+        for t in response.output_tensors()
+    ]
+    return InferenceResponse(tensors, parameters=response.parameters())
 
 
 def _name(value: str | bytes) -> str:
@@ -157,13 +177,18 @@ class Tensor:
     ``serialize_byte_tensor`` in the constructor): what a response or a BLS call carries is the
     content the elements had then (each ``bytes`` as it is, anything else the UTF-8 of its ``str``),
     even if the model goes on to reuse the array for the next response. ``as_numpy`` gives the
-    array the model passed, as Triton's does.
+    array the model passed, as Triton's does (a copy when it was not contiguous, as Triton's).
+    A numeric tensor refers to the model's array, as Triton's: a response returned from ``execute``
+    carries what the array holds when ``execute`` returns, one sent through a response sender what
+    it held at ``send`` (``InferenceResponseSender`` copies it then, as Triton's does).
     """
 
     def __init__(self, name: str | bytes, data: Any, dtype: Any = None) -> None:
         array = np.asarray(data) if dtype is None else np.asarray(data, dtype=dtype)
         if array.dtype.kind in "SU":  # Triton keeps strings as BYTES objects
             array = array.astype(np.object_)
+        if not array.flags.c_contiguous:  # a copy now, as Triton's PbTensor takes one (not a view read later)
+            array = np.ascontiguousarray(array)
         self._name, self._data = _name(name), array
         self._sent = _encoded_now(array) if array.dtype == np.object_ else array
 
@@ -320,6 +345,7 @@ class InferenceResponseSender:
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        response = _as_sent(response)
         with self._lock:  # one sender may be used from several threads; FINAL closes it once
             if self.final:
                 raise TritonModelException("Unable to send response. Response sender has been closed.")
