@@ -30,7 +30,8 @@ from tests.instances.test_pytorch import Linear, _config  # noqa: E402 - after t
 
 
 class Heavy(torch.nn.Module):
-    """About 0.3 s of matrix products per call on this machine: long enough to kill a worker mid-request."""
+    """About 1 s of matrix products per call on this machine: long enough to kill a worker mid-request
+    even while the test's own polling waits for a core."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,7 +39,7 @@ class Heavy(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weight
-        for _ in range(150):
+        for _ in range(500):
             y = torch.mm(self.weight, y)
         return x * 2.0 + y[0, 0] * 0.0
 
@@ -84,6 +85,22 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+def _computing_worker(workers: list[int], before: dict[int, int]) -> int:
+    """A worker computing a request now: its CPU time grew since ``before`` and since the last look (one
+    that grew since ``before`` only may have finished its request while this test waited for a core)."""
+    last = dict(before)
+    found: list[int] = []
+
+    def computing() -> bool:
+        now = {pid: _cpu_ticks(pid) for pid in workers}
+        found[:] = [pid for pid in workers if now[pid] > before[pid] + 2 and now[pid] > last[pid]]
+        last.update(now)
+        return bool(found)
+
+    wait_until(computing, timeout_s=10, what="a worker computing a request")
+    return found[0]
+
+
 def test_process_instances_give_the_same_outputs_as_threads(tmp_path: Path, server_factory) -> None:
     repo = tmp_path / "repo"
     _process_repo(repo)
@@ -114,14 +131,8 @@ def test_a_killed_worker_fails_only_its_request_and_is_restarted(tmp_path: Path,
     with ThreadPoolExecutor(2) as pool:
         before = {pid: _cpu_ticks(pid) for pid in workers}
         running = [pool.submit(heavy, 1.0), pool.submit(heavy, 2.0)]
-        busy: list[int] = []
-
-        def computing() -> bool:  # a worker that is computing a request
-            busy[:] = [pid for pid in workers if _cpu_ticks(pid) > before[pid] + 2]
-            return bool(busy)
-
-        wait_until(computing, timeout_s=10, what="a worker computing a request")
-        os.kill(busy[0], signal.SIGKILL)
+        killed = _computing_worker(workers, before)
+        os.kill(killed, signal.SIGKILL)
         results = [f.result(timeout=120) for f in running]
     failures = [r for r in results if isinstance(r, ClientError)]
     assert len(failures) == 1 and failures[0].status == grpc.StatusCode.UNAVAILABLE
@@ -130,7 +141,7 @@ def test_a_killed_worker_fails_only_its_request_and_is_restarted(tmp_path: Path,
     with InferenceClient(server.url, timeout_s=60) as client:  # restarted: the model serves again
         assert [float(client.infer("heavy", {"x": np.full(4, 3.0, np.float32)})["y"][0]) for _ in range(4)] == [6.0] * 4
     live = _worker_pids(server.pid)
-    assert len(live) == 2 and busy[0] not in live
+    assert len(live) == 2 and killed not in live
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -183,18 +194,12 @@ def test_a_worker_killed_mid_request_leaves_nothing_in_dev_shm(tmp_path: Path, s
     with ThreadPoolExecutor(1) as pool:
         before = {pid: _cpu_ticks(pid) for pid in workers}
         running = pool.submit(heavy)
-        busy: list[int] = []
-
-        def computing() -> bool:
-            busy[:] = [pid for pid in workers if _cpu_ticks(pid) > before[pid] + 2]
-            return bool(busy)
-
-        wait_until(computing, timeout_s=10, what="a worker computing a request")
+        busy = _computing_worker(workers, before)
         # Mid-request: the tensors sit in the worker's memfd arenas, nothing with a name in /dev/shm.
         assert not _held_shm_files(_process_tree(server.pid))
-        maps = Path(f"/proc/{busy[0]}/maps").read_text()
+        maps = Path(f"/proc/{busy}/maps").read_text()
         assert "/memfd:shoal-instance-requests" in maps and "/memfd:shoal-instance-responses" in maps
-        os.kill(busy[0], signal.SIGKILL)
+        os.kill(busy, signal.SIGKILL)
         result = running.result(timeout=120)
     assert isinstance(result, ClientError) and result.status == grpc.StatusCode.UNAVAILABLE, result
     with InferenceClient(server.url, timeout_s=60) as client:  # the replacement serves over the same arenas
