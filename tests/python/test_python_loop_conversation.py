@@ -216,6 +216,16 @@ def test_a_plain_batch_is_sent_and_answered_on_the_loop_without_a_thread(model_o
         thread.shutdown()
 
 
+def _run_keeping_its_worker(model: PythonProcessModel, thread: InstanceThread, scenario: Callable[[], Any]) -> None:
+    """Run the coroutine function ``scenario``; the model's worker is the same one afterwards, and healthy."""
+    worker = model._process.pid
+    try:
+        asyncio.run(scenario())
+        assert model._process.pid == worker and model.healthy
+    finally:
+        thread.shutdown()
+
+
 TWO_BY_TWO_CONFIG = """
 backend: "python"
 max_batch_size: 0
@@ -371,12 +381,7 @@ def test_bytes_outputs_are_the_text_of_their_elements_when_the_tensor_was_built(
             failed = await run([request([7], "good"), request([-1], "bad")], on_loop)
             assert all(isinstance(r, ShoalError) and "RuntimeError: no text" in r.message for r in failed)
 
-    worker = model._process.pid
-    try:
-        asyncio.run(scenario())
-        assert model._process.pid == worker and model.healthy
-    finally:
-        thread.shutdown()
+    _run_keeping_its_worker(model, thread, scenario)
 
 
 # MODEL, in a worker whose arenas may hold at most 2 MiB each way (the bound patched in the worker itself).
@@ -414,12 +419,7 @@ def test_a_response_past_the_arena_bound_fails_alone(model_of: Any) -> None:
             assert len(answered) == 1  # each fits alone, not both: one is answered, one fails
             _doubled(answered, pair[:1])
 
-    worker = model._process.pid
-    try:
-        asyncio.run(scenario())
-        assert model._process.pid == worker and model.healthy
-    finally:
-        thread.shutdown()
+    _run_keeping_its_worker(model, thread, scenario)
 
 
 @pytest.mark.timeout(120)
