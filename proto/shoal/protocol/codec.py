@@ -111,13 +111,20 @@ def element_bytes(item: Any) -> bytes:
     return str(item).encode("utf-8")
 
 
+def elements_bytes(items: list[Any]) -> list[bytes]:
+    """Each element's ``element_bytes``: ``items`` itself when all are ``bytes``, and ``str`` alone without a
+    call per element."""
+    types = set(map(type, items))
+    if types <= {bytes}:
+        return items
+    if types == {str}:
+        return [item.encode("utf-8") for item in items]
+    return [element_bytes(item) for item in items]
+
+
 def _frame(items: list[Any]) -> bytes:
     """``items`` each behind its 4-byte length: the content joined, then spread around the prefixes."""
-    types = set(map(type, items))
-    if types == {str}:
-        items = [item.encode("utf-8") for item in items]
-    elif types - {bytes}:
-        items = [element_bytes(item) for item in items]
+    items = elements_bytes(items)
     lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
     if lengths.size and int(lengths.max()) > _MAX_ELEMENT:
         raise WireFormatError(f"a BYTES element of {int(lengths.max())} bytes does not fit a 4-byte length")

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import collections
 import os
-import pickle
 import threading
 from multiprocessing import connection
 from typing import Any
+
+from shoal.instances.worker_pipe import pickled
 
 _CLOSE = object()
 
@@ -65,9 +66,7 @@ class Outbox:
                     return
                 try:
                     if not broken:
-                        # Protocol 4 (Python 3.11's default; 3.14's is 5, which keeps a read-only array
-                        # read-only in the worker, where a model may write into a reply's outputs).
-                        self._conn.send_bytes(pickle.dumps(message, 4))
+                        self._conn.send_bytes(pickled(message))
                 except OSError:  # the worker is gone: whoever waits on it finds it dead
                     broken = True
                 except BaseException as exc:  # noqa: BLE001 - e.g. MemoryError pickling a reply: the owner decides

@@ -69,6 +69,7 @@ from shoal.instances.worker_pipe import (
     aligned,
     as_tensors,
     framed,
+    pickled,
     put,
     take,
     trim,
@@ -158,7 +159,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 self._lock.release()
                 return None
             run, deadline = self._begin(batch, may_grow=False)
-            message = pickle.dumps(run, pickle.HIGHEST_PROTOCOL)  # plain data: no reducer of ForkingPickler's
+            message = pickled(run)
         except PoolFull:
             self._lock.release()
             return None  # the thread grows the arena

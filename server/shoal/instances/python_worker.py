@@ -5,7 +5,6 @@ to the host through ``python_link``; the host's side is ``instances.python_proce
 from __future__ import annotations
 
 import itertools
-import pickle
 import signal
 import threading
 from pathlib import Path
@@ -143,10 +142,8 @@ def _fail_unencodable(instance: str, answers: list[Answer | None], tensors: list
 
 
 class LockedConn:
-    """The worker's pipe end, safe to send on from the model's own threads (a decoupled model's sender).
-
-    Messages are pickled with ``pickle`` itself, not the pipe's ``ForkingPickler`` (which copies the
-    whole reducer table for every message): they are plain data, and the server reads either alike."""
+    """The worker's pipe end, safe to send on from the model's own threads (a decoupled model's sender);
+    messages pickled as ``worker_pipe.pickled`` says."""
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
@@ -154,9 +151,7 @@ class LockedConn:
         self.recv, self.poll, self.fileno = conn.recv, conn.poll, conn.fileno
 
     def send(self, message: Any) -> None:
-        # Protocol 4 (the pipe's own default on Python 3.11, 5 from 3.14): 5 would keep an array the model
-        # made read-only read-only on the server, where a BLS call's inputs may be written in place.
-        data = pickle.dumps(message, 4)
+        data = worker_pipe.pickled(message)
         with self._lock:
             self._conn.send_bytes(data)
 

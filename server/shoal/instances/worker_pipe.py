@@ -23,6 +23,7 @@ A Python model (its batch conversation, BLS calls included, is told in ``instanc
 
 from __future__ import annotations
 
+import pickle
 import socket
 import struct
 from collections.abc import Mapping
@@ -229,6 +230,14 @@ def put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[pack
 def take(arena: Arena, slots: list[packing.Slot]) -> dict[str, Any]:
     """Copies of the tensors at ``slots`` (the arena is rewritten by the next batch)."""
     return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in packing.unpack(arena, slots)}
+
+
+def pickled(message: Any) -> bytes:
+    """A message as either side writes it on the pipe (``send_bytes``): pickled with protocol 4 by
+    ``pickle`` itself, not the pipe's ``ForkingPickler`` (which copies its reducer table per message;
+    the messages are plain data). Protocol 5 (the pipe's default from Python 3.14) would keep an array
+    that was read-only on one side read-only on the other, where a model may write into it."""
+    return pickle.dumps(message, 4)
 
 
 def framed(message: bytes | memoryview) -> bytes:

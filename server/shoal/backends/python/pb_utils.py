@@ -116,14 +116,11 @@ def _parameters_text(parameters: dict[str, Any] | str | bytes | None) -> str:
 def _encoded_now(array: np.ndarray) -> np.ndarray:
     """A BYTES array's elements as the ``bytes`` they are sent as, in an array of their own."""
     items = array.reshape(-1).tolist()
-    types = set(map(type, items))
-    if types <= {bytes}:
-        return array.copy()  # the same immutable elements, in an array the model does not hold
+    encoded_items = codec.elements_bytes(items)
+    if encoded_items is items:  # all bytes already: the same immutable elements, in an array of their own
+        return array.copy()
     encoded = np.empty(array.shape, dtype=np.object_)
-    if types == {str}:
-        encoded.reshape(-1)[:] = [item.encode("utf-8") for item in items]
-    else:
-        encoded.reshape(-1)[:] = [codec.element_bytes(item) for item in items]
+    encoded.reshape(-1)[:] = encoded_items
     return encoded
 
 
