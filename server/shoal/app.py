@@ -96,6 +96,7 @@ async def serve(settings: ServerSettings) -> int:
             "--exit-on-error=false serves the others)"
         )
     logger.info("Front-end layout: %s", settings.grpc_workers_choice or f"{settings.grpc_workers} front-end workers")
+    logger.info("Event loop: %s", settings.event_loop)
     front = WorkerFrontEnd(core, settings) if settings.grpc_workers else InProcessFrontEnd(core, settings)
     try:
         port, http_port = await front.start()

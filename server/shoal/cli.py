@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import math
 import sys
@@ -12,9 +11,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from shoal import logs
+from shoal import event_loops, logs
 from shoal.descriptors import raise_open_file_limit
-from shoal.errors import ShoalError
+from shoal.errors import ShoalError, StartupError
 from shoal.frontend.worker_count import AUTO, RULE, resolve
 from shoal.lifecycle.response_cache import parse_cache_config
 from shoal.logs import FORMATS, LogSettings
@@ -311,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
         "grpc.aio (TLS); auto (default) = native unless TLS is on or it does not import here",
     )
     serve.add_argument(
+        "--event-loop",
+        choices=event_loops.CHOICES,
+        default="auto",
+        help="the asyncio event loop of every serving process: auto (default) = uvloop where it is "
+        "installed (less CPU per request, bench/event_loops.py), else asyncio's own",
+    )
+    serve.add_argument(
         "--grpc-io-threads",
         type=_count,
         default=0,
@@ -574,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     except ShoalError as exc:
         parser.error(f"--trace-config: {exc.message}")
+    try:
+        loop = event_loops.resolve(args.event_loop)
+    except StartupError as exc:
+        parser.error(str(exc))
     if declared and args.rate_limit == "off":
         parser.error("--rate-limit-resource needs --rate-limit execution_count")
     if args.load_model and args.model_control_mode != "explicit":
@@ -639,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_worker_liveness_s=args.grpc_worker_liveness_secs,
         allow_http=args.allow_http,
         http=_http_settings(parser, args),
+        event_loop=loop,
         grpc=GrpcLimits(
             max_message_bytes=min(2**31 - 1, int(args.grpc_max_message_mb * 2**20)),
             max_concurrent_streams=args.grpc_max_concurrent_streams,
@@ -648,12 +659,11 @@ def main(argv: list[str] | None = None) -> int:
             io_threads=args.grpc_io_threads,
         ),
     )
-    return asyncio.run(_serve(settings))
+    return event_loops.run(_serve(settings), settings.event_loop)
 
 
 def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from shoal.configuring import commands as config_commands
-    from shoal.errors import ShoalError
 
     try:
         if args.action == "check":
@@ -685,7 +695,6 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 async def _serve(settings: ServerSettings) -> int:
     from shoal.app import serve  # imported late so --help stays fast
-    from shoal.errors import StartupError
 
     try:
         return await serve(settings)

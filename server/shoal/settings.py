@@ -264,6 +264,7 @@ class ServerSettings:
     shared_memory_max_regions: int = 4096  # system and CUDA regions registered at once
     allow_http: bool = True
     http: HttpSettings = HttpSettings()
+    event_loop: str = "asyncio"  # what --event-loop resolved to here: uvloop | asyncio (shoal.event_loops)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "repository": 2,
     "dataplane": 2,
     "logs": 2,
+    "event_loops": 2,  # which asyncio loop a serving process runs
     "tracing": 2,  # logs: what every process reads to log by
     "settings": 1,
     "statistics": 1,

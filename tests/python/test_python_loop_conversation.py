@@ -216,6 +216,34 @@ def test_a_plain_batch_is_sent_and_answered_on_the_loop_without_a_thread(model_o
         thread.shutdown()
 
 
+def test_a_batch_on_uvloop_leaves_the_pipe_blocking_for_the_relay_and_the_outbox(model_of: Any) -> None:
+    """uvloop's add_reader (libuv's uv_poll) makes a descriptor non-blocking, and the flag is the pipe's,
+    shared with the relay thread and the outbox, which write large messages blocking: on the worker
+    layout a 6 MB BLS reply then failed half-written and the worker waited for its rest for good. The
+    loop watches the pipe through a descriptor of its own: the pipe stays blocking, and a batch too
+    large for the arenas still crosses it after loop batches."""
+    uvloop = pytest.importorskip("uvloop")
+    model, thread = model_of(), CountingThread()
+    try:
+
+        async def scenario() -> None:
+            assert model._loop_socket is not None
+            pipe, wake = model._loop_socket.fileno(), model._wake_read
+            blocking = (os.get_blocking(pipe), os.get_blocking(wake))
+            for size in (1, 3):
+                batch = [Pending(np.arange(i, i + 5)) for i in range(size)]
+                assert (running := model.start_on_loop(batch)) is not None
+                _doubled(await running, batch)
+            assert (os.get_blocking(pipe), os.get_blocking(wake)) == blocking
+            large = [Pending(np.arange(2_000_000, dtype=np.float32))]  # 8 MB: on the pipe, by the thread
+            _doubled(await asyncio.wait_for(_run(model, thread, large), 60), large)
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(scenario())
+    finally:
+        thread.shutdown()
+
+
 def _run_keeping_its_worker(model: PythonProcessModel, thread: InstanceThread, scenario: Callable[[], Any]) -> None:
     """Run the coroutine function ``scenario``; the model's worker is the same one afterwards, and healthy."""
     worker = model._process.pid

@@ -19,7 +19,7 @@ import pickle
 import socket
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 logger = logging.getLogger(__name__)
 _HEADER = struct.Struct("<I")
@@ -57,8 +57,7 @@ class Channel(asyncio.Protocol):
         return channel
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
 
     def data_received(self, data: bytes) -> None:
         received = self._received

@@ -146,6 +146,7 @@ class WorkerSupervisor:
             log_fd=log_share.fd,
             log_file=log_share.log_file,
             http=replace(self.settings.http, port=self.http_port) if self.settings.allow_http else None,
+            event_loop=self.settings.event_loop,
         )
         host = CoreHost(self.core, requests, responses)
         try:

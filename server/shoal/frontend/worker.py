@@ -20,7 +20,7 @@ import struct
 import sys
 from dataclasses import dataclass
 
-from shoal import logs
+from shoal import event_loops, logs
 from shoal.core.remote import RemoteCore
 from shoal.dataplane.arena import Arena
 from shoal.descriptors import AcceptFailureLog, raise_open_file_limit
@@ -52,6 +52,7 @@ class WorkerConfig:
     log_fd: int  # the log settings' page (shoal.logs)
     log_file: str
     http: HttpSettings | None = None  # None: no HTTP endpoint; its port is shared with the other workers
+    event_loop: str = "asyncio"  # the host's (shoal.event_loops)
 
 
 def send_config(sock: socket.socket, config: WorkerConfig) -> None:
@@ -130,7 +131,14 @@ async def serve(sock: socket.socket, config: WorkerConfig) -> int:
         core.started(str(exc))
         return 1
     await server.start()
-    logger.info("front-end worker %d serves gRPC on %s:%d (%s)", config.index, config.address, port, engine.describe())
+    logger.info(
+        "front-end worker %d serves gRPC on %s:%d (%s); event loop %s",
+        config.index,
+        config.address,
+        port,
+        engine.describe(),
+        config.event_loop,
+    )
     core.started((port, http_port))
     host_gone = asyncio.create_task(core.closed.wait())
     stopping = asyncio.create_task(stop.wait())
@@ -161,4 +169,4 @@ def main() -> int:
         logs.LOG_LINE.replace("%(name)s", f"worker{config.index} %(name)s"),
     )
     raise_open_file_limit(logging.DEBUG)  # the host raised it already; a worker started otherwise raises its own
-    return asyncio.run(serve(sock, config))
+    return event_loops.run(serve(sock, config), config.event_loop)

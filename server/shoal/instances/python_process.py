@@ -33,6 +33,7 @@ import os
 import pickle
 import queue
 import select
+import selectors
 import socket
 import threading
 import time
@@ -534,7 +535,12 @@ class LoopConversation:
         self._loop = asyncio.get_running_loop()
         self._outcome: asyncio.Future[Any] = self._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
-        self._watched: list[int] = []
+        # The pipe, the worker's sentinel and the wake-up pipe, watched through an epoll (kqueue)
+        # descriptor of their own that the loop watches: a loop's add_reader may change a descriptor
+        # (uvloop's, libuv's uv_poll, makes it non-blocking, and the flag is the pipe's, shared with
+        # the relay thread and the outbox, which read and write it blocking: a large message then
+        # failed half-written, and the worker waited for its rest for good).
+        self._watch: selectors.DefaultSelector | None = None
 
     def start(self, message: bytes) -> asyncio.Future[Any]:
         """Write the batch's pickled ``message``, and watch for what comes back."""
@@ -550,22 +556,33 @@ class LoopConversation:
             self._hand_over(Handover(unsent=data[sent:]))
             return self._outcome
         model = self._model
+        self._watch = watch = selectors.DefaultSelector()
         for fd, callback in (
             (self._socket.fileno(), self._readable),
             (model._process.sentinel, self._exited),
             (model._wake_read, self._woken),
         ):
-            self._loop.add_reader(fd, callback)
-            self._watched.append(fd)
+            watch.register(fd, selectors.EVENT_READ, callback)
+        self._loop.add_reader(watch.fileno(), self._ready)
         if self._deadline is not None:
             self._timer = self._loop.call_later(self._deadline - time.monotonic(), self._check_deadline)
         return self._outcome
+
+    def _ready(self) -> None:
+        """Something watched is readable: the pipe first, then the sentinel, then the wake-up pipe,
+        while the conversation is still the loop's."""
+        if self._watch is None:
+            return  # handed over or ended since the loop saw it ready
+        ready = {key.data for key, _ in self._watch.select(0)}
+        for callback in (self._readable, self._exited, self._woken):
+            if callback in ready and self._watch is not None:
+                callback()
 
     def _readable(self) -> None:
         try:
             self._read()
         except BaseException:  # noqa: BLE001 - whatever the worker's bytes make raise (SystemExit included)
-            if self._watched:  # the loop goes on; the worker is replaced and the batch fails
+            if self._watch is not None:  # the loop goes on; the worker is replaced and the batch fails
                 self._hand_over(Handover(ending=UNREADABLE))
 
     def _read(self) -> None:
@@ -594,7 +611,7 @@ class LoopConversation:
 
     def _exited(self) -> None:
         self._readable()  # an answer the worker wrote before it ended counts (the thread path read it too)
-        if self._watched:
+        if self._watch is not None:
             self._hand_over(Handover(ending=ENDED))
 
     def _woken(self) -> None:
@@ -620,9 +637,10 @@ class LoopConversation:
         settle(self._outcome, None if error is not None else relayed.result(), error)
 
     def _stop_watching(self) -> None:
-        for fd in self._watched:
-            self._loop.remove_reader(fd)
-        self._watched.clear()
+        if self._watch is not None:
+            self._loop.remove_reader(self._watch.fileno())
+            self._watch.close()
+            self._watch = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
