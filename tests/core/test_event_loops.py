@@ -3,6 +3,7 @@ asyncio's on request), says so in its log, and answers right on either, in both 
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import tritonclient.http as httpclient
 from shoal import cli, event_loops
 from shoal.errors import StartupError
 from tests import models
+from tests.conftest import start_server
+from tests.grpc_api.test_transport_abuse import children
 
 REQUESTS = 32
 
@@ -75,3 +78,34 @@ def test_without_uvloop_auto_is_asyncio_and_uvloop_is_refused(
         cli.main(["serve", "--model-repository", str(repo), "--event-loop", "uvloop"])
     assert exited.value.code == 2
     assert "--event-loop uvloop: uvloop does not import here" in capsys.readouterr().err
+
+
+def test_front_end_workers_keep_the_signals_their_host_ignores(tmp_path: Path) -> None:
+    """Started under ``nohup`` (SIGHUP ignored), a SIGHUP to the process group must not end the workers
+    and the requests they hold: each worker ignores what its host ignores, on either loop. uvloop's
+    own spawn reset every signal to its default."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what the server inherits, as from nohup
+    try:
+        (tmp_path / "server").mkdir()
+        server = start_server(models.repository(tmp_path, "simple"), tmp_path / "server", "--grpc-workers", "2")
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    try:
+        workers = [pid for pid in children(server.pid) if b"shoal.frontend" in _cmdline(pid)]
+        assert len(workers) == 2, workers
+        for pid in (server.pid, *workers):
+            assert _ignored(pid) & (1 << (signal.SIGHUP - 1)), f"process {pid} does not ignore SIGHUP"
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def _ignored(pid: int) -> int:
+    """The process's mask of ignored signals (SigIgn in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no SigIgn for {pid}")

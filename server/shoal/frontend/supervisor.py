@@ -24,8 +24,10 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -45,10 +47,54 @@ RESTART_BACKOFF_S = 1.0  # a worker that dies this soon after starting is starte
 MISSED_PINGS = 3  # liveness checks a worker may leave unanswered before it is replaced
 
 
+class WorkerProcess:
+    """A front-end worker's process, started with ``subprocess.Popen`` and awaited through a thread of its own.
+
+    Not ``asyncio.create_subprocess_exec``: on uvloop that spawns through libuv, which resets every
+    signal the host ignores to its default (under ``nohup`` a SIGHUP to the process group then
+    killed the workers and the requests they held) and closes no inherited descriptor (uvloop has no
+    ``close_fds``). ``Popen`` keeps POSIX's rules on either loop: ignored signals stay ignored, only
+    ``pass_fds`` cross. The thread only waits for the exit (the default executor's few threads are
+    for work, not for waiting on processes that live as long as the server).
+    """
+
+    def __init__(self, args: list[str], pass_fds: tuple[int, ...], env: dict[str, str]) -> None:
+        self._popen = subprocess.Popen(args, pass_fds=pass_fds, env=env)
+        loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = loop.create_future()
+        threading.Thread(target=self._reap, args=(loop,), name=f"shoal-reap-{self.pid}", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    def kill(self) -> None:
+        """SIGKILL, unless it was reaped already (its pid may be another process's by now)."""
+        self._popen.kill()
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def _reap(self, loop: asyncio.AbstractEventLoop) -> None:
+        code = self._popen.wait()
+        try:
+            loop.call_soon_threadsafe(self._settle, code)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    def _settle(self, code: int) -> None:
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+
 @dataclass
 class Worker:
     index: int
-    process: asyncio.subprocess.Process
+    process: WorkerProcess
     host: CoreHost
     scratch: str  # the worker's TMPDIR, removed once it has exited
     started_at: float = field(default_factory=time.monotonic)
@@ -119,13 +165,9 @@ class WorkerSupervisor:
         log_share = logs.current()
         host_end, worker_end = socket.socketpair()
         try:
-            process = await asyncio.create_subprocess_exec(
+            process = WorkerProcess(
                 # -P: no working directory on sys.path (a stray ssl.py there must not shadow a module)
-                sys.executable,
-                "-P",
-                "-m",
-                "shoal.frontend",
-                str(worker_end.fileno()),
+                [sys.executable, "-P", "-m", "shoal.frontend", str(worker_end.fileno())],
                 pass_fds=(worker_end.fileno(), requests.fd, responses.fd, log_share.fd),
                 env={**os.environ, "TMPDIR": scratch},
             )
