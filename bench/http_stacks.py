@@ -14,8 +14,11 @@ CPU time per request (user + system, from /proc), the figure that decides; write
 bench/results/http_stacks.csv.
 
 Candidates (each must run in an existing loop on a given socket, which SO_REUSEPORT needs):
-``aiohttp`` (web.Application behind AppRunner/SockSite) and ``uvicorn`` with ``httptools`` and a
-raw ASGI app (``uvicorn.Server.startup(sockets=...)``). ``--stacks ...,granian`` adds granian's
+``shoal``, Shoal's own HTTP/1.1 protocol (``shoal.http.connection``: httptools, no ASGI) under an
+application that answers the route directly; ``aiohttp`` (web.Application behind AppRunner/SockSite)
+and ``uvicorn`` with ``httptools`` and a raw ASGI app (``uvicorn.Server.startup(sockets=...)``),
+which served Shoal's HTTP until session 43. Every stack runs on the event loop Shoal would take
+(``--event-loop``, default ``auto``: uvloop where it imports). ``--stacks ...,granian`` adds granian's
 embedded server (``granian.server.embed.Server``, an RSGI app; the bench extra installs it): HTTP in
 Rust on a runtime thread of its own, each request handed to the process's asyncio loop. It binds its
 own socket, so it fails the second condition, and is measured for its cost only (it takes the port
@@ -38,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import save_results  # noqa: E402
+from shoal import event_loops  # noqa: E402
 
 BODY = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}]})
 REQUEST = (
@@ -104,6 +108,30 @@ async def _serve_uvicorn(sock: socket.socket) -> None:
     await asyncio.Event().wait()
 
 
+async def _serve_shoal(sock: socket.socket) -> None:
+    from shoal.http.app import Answer
+    from shoal.http.connection import ConnectionGuard, HttpConnection
+    from shoal.settings import HttpSettings
+
+    class App:
+        """What HttpConnection asks of shoal.http.app.HttpApp, answering the route here."""
+
+        max_body_bytes = 64 << 20
+
+        async def respond(self, method: str, path: str, headers: dict[str, str], body: bytes, started: int) -> Answer:
+            return Answer(200, "application/json", (), _answer(body))
+
+        def sent(self, answer: Answer, sent_ns: int) -> None:
+            pass
+
+    app, guard = App(), ConnectionGuard(HttpSettings(), 4096)
+    await asyncio.get_running_loop().create_server(
+        lambda: HttpConnection(app, guard),  # type: ignore[arg-type]
+        sock=sock,
+    )
+    await asyncio.Event().wait()
+
+
 async def _serve_granian(sock: socket.socket) -> None:
     from granian.constants import HTTPModes, Interfaces
     from granian.server.embed import Server
@@ -126,13 +154,16 @@ async def _serve_granian(sock: socket.socket) -> None:
     await server.serve()
 
 
-def serve(stack: str, port_file: Path) -> None:
+STACKS = {"shoal": _serve_shoal, "aiohttp": _serve_aiohttp, "uvicorn": _serve_uvicorn, "granian": _serve_granian}
+
+
+def serve(stack: str, port_file: Path, loop: str) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
     port_file.write_text(str(sock.getsockname()[1]))
-    asyncio.run({"aiohttp": _serve_aiohttp, "uvicorn": _serve_uvicorn, "granian": _serve_granian}[stack](sock))
+    event_loops.run(STACKS[stack](sock), event_loops.resolve(loop))
 
 
 async def _client(port: int, stop_at: list[float], counts: list[int], request: bytes) -> None:
@@ -179,10 +210,10 @@ def _wait_listening(port: int, deadline: float) -> None:
             time.sleep(0.05)
 
 
-def measure(stack: str, concurrency: int, seconds: float, work: Path) -> dict[str, Any]:
+def measure(stack: str, concurrency: int, seconds: float, work: Path, loop: str = "auto") -> dict[str, Any]:
     port_file = work / f"{stack}.port"
     port_file.unlink(missing_ok=True)
-    process = subprocess.Popen([sys.executable, __file__, "--serve", stack, str(port_file)])
+    process = subprocess.Popen([sys.executable, __file__, "--serve", stack, str(port_file), loop])
     try:
         deadline = time.monotonic() + 30
         while not port_file.exists() or not port_file.read_text():
@@ -261,10 +292,11 @@ def measure_shoal(seconds: float, repeats: int) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--serve", nargs=2, metavar=("STACK", "PORT_FILE"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=3, metavar=("STACK", "PORT_FILE", "LOOP"), help=argparse.SUPPRESS)
+    parser.add_argument("--event-loop", choices=event_loops.CHOICES, default="auto")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--stacks", default="aiohttp,uvicorn")
+    parser.add_argument("--stacks", default="shoal,uvicorn")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--shoal",
@@ -274,7 +306,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve[0], Path(args.serve[1]))
+        serve(args.serve[0], Path(args.serve[1]), args.serve[2])
         return
     import tempfile
 
@@ -284,7 +316,7 @@ def main() -> None:
             runs: dict[str, list[dict[str, Any]]] = {stack: [] for stack in args.stacks.split(",")}
             for _ in range(args.repeats):
                 for stack, done in runs.items():
-                    done.append(measure(stack, concurrency, args.seconds, Path(folder)))
+                    done.append(measure(stack, concurrency, args.seconds, Path(folder), args.event_loop))
             for stack, done in runs.items():
                 row = {**done[0], "repeats": len(done)}
                 for key in ("requests_per_s", "server_cpu_us_per_request"):

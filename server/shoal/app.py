@@ -204,7 +204,7 @@ class InProcessFrontEnd:
         http_port = 0
         if self.settings.allow_http:
             http = self.settings.http
-            app = HttpApp(self.core, http.max_input_bytes, http.restrictions, http.max_pending_body_bytes)
+            app = HttpApp(self.core, http.max_input_bytes, http.restrictions)
             self.http = HttpServer(app, http)
             http_port = await self.http.start()
             logger.info("Started HTTPService at %s:%d", http.address, http_port)

@@ -86,9 +86,9 @@ with InferenceClient(sys.argv[2], timeout_s=30) as client:
 
 def test_the_client_serves_a_call_without_any_of_the_servers_modules(example_server: RunningServer) -> None:
     """Every module of shoal.clients and shoal.protocol imports, and a call is answered, while importing any
-    module only the server's distribution brings (onnxruntime, uvicorn, OpenTelemetry, shoal.core...) fails."""
+    module only the server's distribution brings (onnxruntime, uvloop, OpenTelemetry, shoal.core...) fails."""
     server_only = _server_only_modules()
-    assert {"onnxruntime", "uvicorn", "opentelemetry"} <= set(server_only), server_only
+    assert {"onnxruntime", "uvloop", "opentelemetry"} <= set(server_only), server_only
     done = subprocess.run(
         [sys.executable, "-c", REFUSING, json.dumps(server_only), example_server.url],
         capture_output=True,

@@ -301,7 +301,7 @@ def test_sigterm_drains_http_requests_and_readiness_turns_false(tmp_path: Path, 
     from tests.polling import metric, wait_until
 
     repo = models.repository(tmp_path)
-    models.add_delayed_identity(repo, "slow", delay_ms=1500)
+    models.add_delayed_identity(repo, "slow", delay_ms=1000)
     server = server_factory(repo)
     outcome: list[object] = []
 
@@ -311,19 +311,20 @@ def test_sigterm_drains_http_requests_and_readiness_turns_false(tmp_path: Path, 
             tensor.set_data_from_numpy(np.array([[7, 8]], dtype=np.int64), binary_data=False)
             outcome.append(client.infer("slow", [tensor]).as_numpy("OUT").tolist())
 
-    thread = threading.Thread(target=slow)
-    thread.start()
+    # Two requests on the one instance: one waits while the other runs, so both are in flight once one
+    # is seen pending (the one running is not counted: the first alone could be answered before a look).
+    threads = [threading.Thread(target=slow) for _ in range(2)]
+    for thread in threads:
+        thread.start()
     wait_until(
-        lambda: (
-            metric(server, "nv_inference_pending_request_count", "slow") >= 1
-            or metric(server, "nv_inference_exec_count", "slow") >= 1
-        ),
-        what="the request to reach the model",
+        lambda: metric(server, "nv_inference_pending_request_count", "slow") >= 1,
+        what="a request waiting for the model while the other runs",
     )
     server.process.send_signal(signal.SIGTERM)
     wait_until(lambda: call(server, "GET", "/v2/health/ready")[0] == 400, what="readiness to turn false")
-    thread.join(timeout=30)
-    assert outcome == [[[7, 8]]]
+    for thread in threads:
+        thread.join(timeout=30)
+    assert outcome == [[[7, 8]], [[7, 8]]]
     assert server.process.wait(timeout=30) == 0, server.log()
 
 

@@ -59,24 +59,9 @@ def _concrete(pattern: re.Pattern[str]) -> str:
 def _request(
     app: HttpApp, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
 ) -> tuple[int, dict[str, Any]]:
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "headers": [(k.encode(), v.encode()) for k, v in (headers or {}).items()],
-    }
-    asyncio.run(app(scope, receive, send))
-    start, content = sent
-    assert dict(start["headers"])[b"content-type"] == b"application/json"
-    return start["status"], json.loads(content["body"])
+    answer = asyncio.run(app.respond(method, path, {k.lower(): v for k, v in (headers or {}).items()}, body, 0))
+    assert answer.content_type == "application/json"
+    return answer.status, json.loads(answer.body)
 
 
 CASES = [(pattern, method) for pattern, methods, _, _ in ROUTES for method in methods.split("|")]

@@ -21,8 +21,8 @@ import pytest
 from shoal.http import app as http_app
 from shoal.http import handlers, infer_body
 from shoal.http.app import HttpApp
+from shoal.http.connection import MAX_HEAD_BYTES
 from shoal.http.handlers import Reply, Request
-from shoal.http.server import MAX_HEAD_BYTES
 from shoal.protocol.types import DataType
 from shoal.request_types import InferRequest, InferResponse, Tensor
 from tests.conftest import RunningServer
@@ -182,10 +182,7 @@ def test_a_small_compressed_body_that_inflates_a_lot_is_decompressed_off_the_loo
     assert len(compressed) < 2**20  # under the threshold for the raw body
 
     async def read(body: bytes) -> tuple[bytes, int]:
-        async def receive() -> dict[str, object]:
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        data = await app._read_body(receive, {"content-encoding": "gzip"})
+        data = await app._decoded(body, {"content-encoding": "gzip"})
         return data, threading.get_ident()
 
     data, loop_thread = asyncio.run(read(compressed))
@@ -207,20 +204,18 @@ def test_answers_are_compressed_off_the_loop_at_zlib_s_default_level(
         return real(body, chosen)
 
     monkeypatch.setattr(http_app, "_compress", recording)
-    sent: list[dict[str, object]] = []
-
-    async def send(message: dict[str, object]) -> None:
-        sent.append(message)
+    sent: list[bytes] = []
 
     async def answer(body: bytes) -> int:
-        await http_app._send(send, Reply(body=body, compressible=True), encoding)  # an inference answer
+        encoded = await http_app._encoded(Reply(body=body, compressible=True), encoding, 0)  # an inference answer
+        assert ("content-encoding", encoding) in encoded.headers
+        sent.append(encoded.body)
         return threading.get_ident()
 
     body = json.dumps(list(range(100_000))).encode()
     loop_thread = asyncio.run(answer(body))
     assert threads[-1] != loop_thread
-    compressed = sent[-1]["body"]
-    assert isinstance(compressed, bytes)
+    compressed = sent[-1]
     assert (gzip.decompress(compressed) if encoding == "gzip" else zlib.decompress(compressed)) == body
     if encoding == "gzip":  # past the 10-byte header (its time stamp): the deflate stream of level 6
         assert compressed[10:] == gzip.compress(body, 6, mtime=0)[10:]

@@ -31,10 +31,11 @@ from tritonclient.utils import InferenceServerException
 
 from shoal.dataplane.regions import OPEN_SEGMENTS, RegionRegistry
 from shoal.descriptors import ACCEPT_FAILED, AcceptFailureLog
-from shoal.errors import ErrorCode, ShoalError
+from shoal.errors import ShoalError
 from shoal.http import server as server_module
 from shoal.http.app import HttpApp
 from shoal.protocol import InferenceStub, service_pb2
+from shoal.settings import HttpSettings
 from tests import models
 from tests.conftest import RunningServer
 from tests.grpc_api.test_transport_abuse import children
@@ -301,30 +302,54 @@ def test_failed_accepts_are_logged_once_per_interval(caplog: pytest.LogCaptureFi
 
 def test_bodies_being_received_are_bounded_in_all() -> None:
     """Slow uploads on many connections could each hold up to --http-max-input-size; in all they hold at most
-    --http-max-pending-body-mb, and what a finished or failed upload held is released."""
-    app = HttpApp(core=None, max_body_bytes=1 << 20, max_pending_body_bytes=100)  # type: ignore[arg-type]
+    --http-max-pending-body-mb (503 past it, counted from Content-Length or, when chunked, as the bytes come),
+    and what a finished or failed upload held is released. An endpoint in this process, over raw sockets."""
+    app = HttpApp(core=None, max_body_bytes=1 << 20)  # type: ignore[arg-type]  # every path here is 404
 
     async def scenario() -> None:
-        stalled = asyncio.Event()
+        endpoint = server_module.HttpServer(app, HttpSettings(address="127.0.0.1", port=0, max_pending_body_bytes=100))
+        port = await endpoint.start()
 
-        async def slow() -> dict[str, object]:
-            await stalled.wait()
-            return {"type": "http.request", "body": b"x" * 80, "more_body": False}
+        async def send(head: bytes, body: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head + body)
+            await writer.drain()
+            return reader, writer
 
-        async def chunked() -> dict[str, object]:
-            return {"type": "http.request", "body": b"y" * 80, "more_body": False}
+        async def status(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            return int(head.split()[1]), await reader.readexactly(length)
 
-        first = asyncio.create_task(app._read_body(slow, {"content-length": "80"}))
-        await asyncio.sleep(0)  # the first upload is being received
-        with pytest.raises(ShoalError, match="--http-max-pending-body-mb") as refused:
-            await app._read_body(chunked, {"content-length": "80"})
-        assert refused.value.code is ErrorCode.UNAVAILABLE
-        with pytest.raises(ShoalError, match="--http-max-pending-body-mb"):
-            await app._read_body(chunked, {})  # no Content-Length: counted as it comes
-        stalled.set()
-        assert await first == b"x" * 80
-        assert await app._read_body(chunked, {"content-length": "80"}) == b"y" * 80  # released
-        assert await app._read_body(chunked, {}) == b"y" * 80
+        declared = b"POST /nowhere HTTP/1.1\r\nhost: x\r\ncontent-length: 80\r\n\r\n"
+        chunked = b"POST /nowhere HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        slow_reader, slow_writer = await send(declared, b"x" * 10)  # 80 declared, 10 sent: being received
+        try:
+            reader, writer = await send(declared, b"y" * 80)
+            refused = await status(reader)
+            writer.close()
+            assert refused[0] == 503 and b"--http-max-pending-body-mb" in refused[1], refused
+            reader, writer = await send(chunked, b"50\r\n" + b"y" * 80 + b"\r\n0\r\n\r\n")  # counted as it comes
+            assert (await status(reader))[0] == 503
+            writer.close()
+            slow_writer.write(b"x" * 70)  # the slow upload ends: answered (404), and its 80 bytes released
+            assert (await status(slow_reader))[0] == 404
+            for head, body in ((declared, b"y" * 80), (chunked, b"50\r\n" + b"y" * 80 + b"\r\n0\r\n\r\n")):
+                reader, writer = await send(head, body)
+                assert (await status(reader))[0] == 404
+                writer.close()
+            cut_reader, cut_writer = await send(declared, b"x" * 10)  # an upload cut off midway is released too
+            cut_writer.close()
+            for _ in range(200):
+                if not endpoint._guard or endpoint._guard.pending_body_bytes == 0:  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.01)
+            reader, writer = await send(declared, b"y" * 80)
+            assert (await status(reader))[0] == 404
+            writer.close()
+        finally:
+            slow_writer.close()
+            await endpoint.stop(0.1)
 
     asyncio.run(scenario())
 

@@ -120,7 +120,6 @@ async def serve(sock: socket.socket, config: WorkerConfig) -> int:
                     core,
                     config.http.max_input_bytes,
                     config.http.restrictions,
-                    config.http.max_pending_body_bytes,
                     encoded_bytes=True,
                 ),
                 config.http,

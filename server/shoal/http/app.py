@@ -1,14 +1,12 @@
-"""The ASGI application: route, check the restriction, read the body, one handler, answer.
+"""The HTTP application: route, check the restriction, decompress the body, one handler, answer.
 
-Everything a handler needs is done here once for every endpoint: the path and method are matched
-(404 and 405 otherwise, in Triton's words), ``--http-restricted-api`` is enforced (403), the body
-is read up to ``max_body_bytes`` (413 past it, checked against Content-Length before reading) and
-decompressed (``Content-Encoding`` gzip or deflate, bounded the same way; others 501, as Triton),
-the bodies being received at once are bounded by ``max_pending_body_bytes`` (503 past it: without
-it, slow uploads on many connections could hold up to 64 MiB each),
-and a successful inference answer is compressed when its request accepts it (``Accept-Encoding``),
-as Triton's is; no other answer ever is. Every failure,
-expected or not, becomes Triton's ``{"error": "..."}`` with the status from ``http.status``.
+``http.connection`` reads a request (its body bounded by ``max_body_bytes`` there) and hands it to
+``HttpApp.respond``. Everything a handler needs is done here once for every endpoint: the path and
+method are matched (404 and 405 otherwise, in Triton's words), ``--http-restricted-api`` is
+enforced (403), the body is decompressed (``Content-Encoding`` gzip or deflate, bounded by
+``max_body_bytes`` too; others 501, as Triton), and a successful inference answer is compressed
+when its request accepts it (``Accept-Encoding``), as Triton's is; no other answer ever is. Every
+failure, expected or not, becomes Triton's ``{"error": "..."}`` with the status from ``http.status``.
 """
 
 from __future__ import annotations
@@ -17,25 +15,32 @@ import asyncio
 import gzip
 import time
 import zlib
-from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
 
 from shoal.core import Core
 from shoal.errors import ErrorCode, ShoalError
 from shoal.http.handlers import ROUTES, Handler, Reply, Request
 from shoal.http.status import HttpError, error_body, to_http
 from shoal.off_loop import OFF_LOOP_BYTES, OFF_LOOP_COMPRESS_BYTES
-from shoal.settings import HttpSettings, Restriction
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+from shoal.settings import Restriction
 
 _WBITS = {"gzip": 31, "deflate": 15, "x-gzip": 31}  # zlib's window bits: 31 reads the gzip wrapper, 15 zlib's
 # Compressing costs ~65 ms per MiB at level 6: past 16 KiB (~1 ms, off_loop.OFF_LOOP_COMPRESS_BYTES) it
 # runs on a worker thread.
 COMPRESS_LEVEL = 6
 _MAX_INFLATION = 1032  # deflate's largest ratio: what a compressed body can grow to, at most
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What ``respond`` answers: the connection writes it as one HTTP/1.1 response."""
+
+    status: int
+    content_type: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    trace_id: int = 0  # a traced inference's: ``sent`` reports its send to the core
+    sending_ns: int = 0  # when its encoding began (a traced answer's HTTP_SEND_START)
 
 
 class HttpApp:
@@ -46,67 +51,44 @@ class HttpApp:
         core: Core,
         max_body_bytes: int,
         restrictions: tuple[Restriction, ...] = (),
-        max_pending_body_bytes: int = HttpSettings.max_pending_body_bytes,
         encoded_bytes: bool = False,
     ) -> None:
         self.core = core
         self.encoded_bytes = encoded_bytes  # see handlers.Request
         self.max_body_bytes = max_body_bytes
         self.restrictions = restrictions
-        self.max_pending_body_bytes = max_pending_body_bytes
-        self._pending_body_bytes = 0  # of the bodies being received now: their Content-Length, or what came
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return  # lifespan is off; websockets are not served
-        started_ns = time.monotonic_ns()  # the head was parsed: a traced request's HTTP_RECV_START
-        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+    async def respond(self, method: str, path: str, headers: dict[str, str], body: bytes, started_ns: int) -> Answer:
+        """The answer to one request (``headers``' names in lower case; ``started_ns``: when its head was read)."""
         try:
-            handler, path, category = route(scope["method"], scope["path"])
+            handler, parts, category = route(method, path)
             self._check_restriction(category, headers)
-            body = await self._read_body(receive, headers)
-            reply = await handler(self.core, Request(path, headers, body, self.encoded_bytes, started_ns))
+            body = await self._decoded(body, headers)
+            reply = await handler(self.core, Request(parts, headers, body, self.encoded_bytes, started_ns))
         except Exception as exc:  # noqa: BLE001 - every failure becomes Triton's error body
             status, message = to_http(exc)
             reply = Reply(status=status, body=error_body(message))
-        if not reply.trace_id:
-            await _send(send, reply, headers.get("accept-encoding", ""))
-            return
-        sending_ns, sent_ns = time.monotonic_ns(), 0  # a traced answer: its send is reported, however it ends
+        sending_ns = time.monotonic_ns() if reply.trace_id else 0
         try:
-            await _send(send, reply, headers.get("accept-encoding", ""))
-            sent_ns = time.monotonic_ns()
-        finally:
-            self.core.sent(reply.trace_id, sending_ns, sent_ns)
+            return await _encoded(reply, headers.get("accept-encoding", ""), sending_ns)
+        except BaseException as exc:
+            if reply.trace_id:  # its answer is lost: the trace ends without the response's send
+                self.core.sent(reply.trace_id, sending_ns, 0)
+            if not isinstance(exc, Exception):
+                raise
+            status, message = to_http(exc)
+            return Answer(status, "application/json", (), error_body(message))
+
+    def sent(self, answer: Answer, sent_ns: int) -> None:
+        """A traced answer was written (``sent_ns``), or could not be (0): its trace ends."""
+        self.core.sent(answer.trace_id, answer.sending_ns, sent_ns)
 
     def _check_restriction(self, category: str, headers: dict[str, str]) -> None:
         for rule in self.restrictions:
             if category in rule.categories and headers.get(rule.key) != rule.value:
                 raise ShoalError(ErrorCode.PERMISSION_DENIED, f"This API is restricted, expecting header '{rule.key}'")
 
-    async def _read_body(self, receive: Receive, headers: dict[str, str]) -> bytes:
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self._too_large(int(declared))
-        reserved = self._reserve(int(declared) if declared.isdigit() else 0)
-        try:
-            chunks, size = [], 0
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise HttpError(400, "the client closed the connection before sending the whole request")
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    raise self._too_large(size)
-                if size > reserved:  # no Content-Length (chunked), or more than it said
-                    reserved += self._reserve(size - reserved)
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-        finally:
-            self._pending_body_bytes -= reserved
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    async def _decoded(self, body: bytes, headers: dict[str, str]) -> bytes:
         encoding = headers.get("content-encoding", "identity").strip().lower()
         if encoding == "identity" or not body:
             return body
@@ -116,21 +98,6 @@ class HttpApp:
             return await asyncio.to_thread(self._decompress, body, encoding)
         return self._decompress(body, encoding)
 
-    def _reserve(self, size: int) -> int:
-        """Count ``size`` more bytes of bodies being received; 503 past the bound, unless nothing else
-        is being received (one body up to ``max_body_bytes`` is always taken)."""
-        if self._pending_body_bytes and self._pending_body_bytes + size > self.max_pending_body_bytes:
-            raise ShoalError(
-                ErrorCode.UNAVAILABLE,
-                (
-                    f"the server is receiving {self._pending_body_bytes} bytes of request bodies already, and "
-                    f"{size} more would pass its limit of {self.max_pending_body_bytes} "
-                    "(--http-max-pending-body-mb); try again later"
-                ),
-            )
-        self._pending_body_bytes += size
-        return size
-
     def _decompress(self, body: bytes, encoding: str) -> bytes:
         """At most ``max_body_bytes`` out, so a small compressed body cannot take the server's memory."""
         decompressor = zlib.decompressobj(_WBITS[encoding])
@@ -139,7 +106,7 @@ class HttpApp:
         except zlib.error as exc:
             raise HttpError(400, f"the request body is not valid {encoding} data: {exc}") from None
         if len(data) > self.max_body_bytes:
-            raise self._too_large(len(data), decompressed=True)
+            raise HttpError(413, too_large(len(data), self.max_body_bytes, decompressed=True))
         if not decompressor.eof:
             raise HttpError(400, f"the request body is not valid {encoding} data: it ends early")
         if decompressor.unused_data:  # Triton ignores them; they could be a second body, or data lost
@@ -150,13 +117,14 @@ class HttpApp:
             )
         return data
 
-    def _too_large(self, size: int, decompressed: bool = False) -> HttpError:
-        what = "decompressed request body" if decompressed else "request body"
-        return HttpError(
-            413,
-            f"the {what} of {size} bytes or more exceeds the maximum allowed value of "
-            f"{self.max_body_bytes} bytes; use --http-max-input-size to increase the limit",
-        )
+
+def too_large(size: int, bound: int, decompressed: bool = False) -> str:
+    """413's message, in Triton's words."""
+    what = "decompressed request body" if decompressed else "request body"
+    return (
+        f"the {what} of {size} bytes or more exceeds the maximum allowed value of "
+        f"{bound} bytes; use --http-max-input-size to increase the limit"
+    )
 
 
 def route(method: str, path: str) -> tuple[Handler, dict[str, str], str]:
@@ -197,17 +165,15 @@ def _compress(body: bytes, encoding: str) -> bytes:
     return zlib.compress(body, COMPRESS_LEVEL)
 
 
-async def _send(send: Send, reply: Reply, accept: str) -> None:
+async def _encoded(reply: Reply, accept: str, sending_ns: int) -> Answer:
+    """``reply`` as written: compressed when the request accepts it and the reply may be."""
     body = reply.body
-    headers = [(b"content-type", reply.content_type.encode())]
-    headers += [(name.encode(), value.encode()) for name, value in reply.headers.items()]
+    headers = tuple(reply.headers.items())
     encoding = _accepted_encoding(accept) if accept and body and reply.compressible else None
     if encoding is not None:
         if len(body) > OFF_LOOP_COMPRESS_BYTES:
             body = await asyncio.to_thread(_compress, body, encoding)
         else:
             body = _compress(body, encoding)
-        headers.append((b"content-encoding", encoding.encode()))
-    headers.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        headers += (("content-encoding", encoding),)
+    return Answer(reply.status, reply.content_type, headers, body, reply.trace_id, sending_ns)

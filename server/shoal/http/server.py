@@ -1,245 +1,31 @@
-"""Serve ``http.app`` with uvicorn (httptools) inside the event loop the process already runs.
+"""Serve ``http.app`` over ``http.connection``'s HTTP/1.1 protocol in the event loop the process already runs.
 
-Chosen by measuring (bench/http_stacks.py, docs/http.md): uvicorn's httptools protocol with
-a raw ASGI application costs less server CPU per request than aiohttp's server here. The socket is
-bound here, not by uvicorn: a port in use is a ``StartupError`` at once, port 0 gives the port the
+The socket is bound here: a port in use is a ``StartupError`` at once, port 0 gives the port the
 kernel chose, and front-end workers share one port with SO_REUSEPORT. It is created with
 IPPROTO_TCP, because asyncio sets TCP_NODELAY only on such sockets (without it, a keep-alive
-client waits 40 ms on each answer sent in two writes). Signals stay with Shoal's loop: the server
-is stopped by ``stop``, after the core has drained.
-
-uvicorn bounds only the idle time between requests; ``_Guarded`` bounds reading a request the way
-a reverse proxy in front of it would (defaults in ``HttpSettings``, each a ``--http-*`` option):
-the line and headers within 30 s of the first byte or the accept (nginx's client_header_timeout
-is 60 s, Apache's mod_reqtimeout 20-40 s, HAProxy's usual ``timeout http-request`` 10 s: headers
-are a few hundred bytes); the body with no byte for 60 s (nginx's client_body_timeout, which is
-also counted between reads) and whole within 300 s (Node.js's requestTimeout: 64 MiB at 220 kB/s);
-an idle kept-alive connection 75 s (nginx's keepalive_timeout, longer than load balancers' usual
-60 s so that the balancer closes first); and 4,096 open connections per process (nginx's
-worker_connections is 512 per worker; past the bound a 503 at once). Without them, 3,000
-connections that sent half a request stayed open, and 1,100 took every descriptor of a process at
-a soft limit of 1,024. With TLS, asyncio bounds the handshake (60 s) before any of this starts.
+client waits 40 ms on each answer sent in two writes; uvloop sets it on every TCP socket). Signals
+stay with Shoal's loop: the server is stopped by ``stop``, after the core has drained. The bounds
+on reading a request and on connections are ``http.connection``'s. With TLS, the loop bounds the
+handshake (60 s) before any of them starts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http
 import logging
 import socket
 import ssl
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, cast
-
-import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from shoal.descriptors import open_file_limit
 from shoal.errors import StartupError
 from shoal.http.app import HttpApp
-from shoal.http.status import error_body
-from shoal.settings import HttpSettings
+from shoal.http.connection import ConnectionGuard, HttpConnection
+from shoal.settings import HttpSettings, TlsSettings
 
 logger = logging.getLogger(__name__)
 
 BACKLOG = 2048
-START_TIMEOUT_S = 10.0
-# A request's line and headers, at most: httptools keeps a header it is still reading in memory
-# whole, so without a bound one endless header line grows the server until it runs out of memory.
-MAX_HEAD_BYTES = 2**20
-REFUSED_LINGER_S = 2.0  # a refused connection reads (and drops) what its client still sends, this long
-MAX_LINGERING = 256  # refused connections lingering at once; past it one is closed at once (its answer may be lost)
-REFUSALS_LOG_INTERVAL_S = 60.0
 DESCRIPTOR_SHARE = 2  # HTTP connections take at most 1/2 of the process's descriptors, whatever the option says
-
-
-@dataclass
-class _Guard:
-    """What the connections of one server share: its limits, how many refused ones still linger,
-    and the refusals not yet reported (at most one line per ``REFUSALS_LOG_INTERVAL_S``)."""
-
-    settings: HttpSettings
-    max_connections: int
-    lingering: int = 0
-    unreported: int = 0
-    reported_at: float = -REFUSALS_LOG_INTERVAL_S
-
-    def count_refusal(self, now: float) -> None:
-        self.unreported += 1
-        if now - self.reported_at < REFUSALS_LOG_INTERVAL_S:
-            return
-        logger.warning(
-            "refused %d HTTP connection(s) since the last report: %d are open, the most "
-            "--http-max-connections allows here (reported at most every %.0f s)",
-            self.unreported,
-            self.max_connections,
-            REFUSALS_LOG_INTERVAL_S,
-        )
-        self.unreported, self.reported_at = 0, now
-
-
-class _GuardedConfig(uvicorn.Config):
-    """uvicorn's configuration, carrying the ``_Guard`` to each connection's protocol."""
-
-    def __init__(self, app: HttpApp, guard: _Guard, **options: Any) -> None:
-        super().__init__(app, **options)
-        self.guard = guard
-
-
-class _Guarded(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the bounds a reverse proxy would put in front of it.
-
-    uvicorn bounds only the idle time between requests (``timeout_keep_alive``, armed once an
-    answer is sent). This adds: the number of open connections (503 at once past it, before the
-    client sends anything, so no handler ever runs); the time to send a request's line and headers
-    and their size (408, 431); and the time to send its body, both without a byte and in all (408).
-    Refusals are Triton's ``{"error": ...}`` bodies, sent with ``connection: close``.
-    """
-
-    _in_head = True  # reading a request's line and headers (or waiting for the next request's)
-    _head_bytes = 0
-    _refused = False
-    _lingering = False
-    _timer: asyncio.TimerHandle | None = None
-    _body_started = 0.0  # loop time when the headers were complete
-    _last_read = 0.0  # loop time of the last bytes received
-
-    @property
-    def _guard(self) -> _Guard:
-        return cast(_GuardedConfig, self.config).guard
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        guard = self._guard
-        if len(self.connections) >= guard.max_connections:
-            self.transport = transport  # uvicorn's state stays unset: this connection is never served
-            guard.count_refusal(self.loop.time())
-            self._refuse(
-                503,
-                f"the server has {guard.max_connections} open HTTP connections, the most it serves "
-                "(--http-max-connections); try again later",
-            )
-            return
-        super().connection_made(transport)
-        self._arm(guard.settings.header_timeout_s, self._head_timed_out)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        if self._lingering:
-            self._lingering = False
-            self._guard.lingering -= 1
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return  # what the client still sends after a refusal is dropped
-        self._last_read = self.loop.time()
-        if self._in_head:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse(431, f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
-                return
-        super().data_received(data)
-        if self._timer is None and not self._refused and not self.transport.is_closing():
-            self._arm_for_the_rest()
-
-    def _arm_for_the_rest(self) -> None:
-        """A deadline for what this request has still to send, if anything: most requests come whole in
-        one read, and arm no timer at all."""
-        if not self._in_head:
-            self._arm(self._body_check_delay(), self._check_body)
-        elif self._head_bytes:  # part of the next request's head, on a kept-alive connection
-            self._arm(self._guard.settings.header_timeout_s, self._head_timed_out)
-
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._disarm()
-        self._body_started = self.loop.time()
-        super().on_headers_complete()
-
-    def on_message_complete(self) -> None:
-        self._in_head, self._head_bytes = True, 0  # the next request's head, on a kept-alive connection
-        self._disarm()
-        super().on_message_complete()
-
-    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(delay_s, callback)
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _head_timed_out(self) -> None:
-        self._timer = None
-        if self.cycle is not None and not self.cycle.response_complete:  # the next request, pipelined
-            self._arm(self._guard.settings.header_timeout_s, self._head_timed_out)  # waits for this answer
-            return
-        if self._head_bytes == 0:  # nothing sent: closed quietly, as an idle keep-alive connection is
-            self._refused = True
-            self.transport.close()
-            return
-        self._refuse(
-            408,
-            f"the request line and headers did not arrive within "
-            f"{self._guard.settings.header_timeout_s:g} s (--http-header-timeout-secs)",
-        )
-
-    def _body_check_delay(self) -> float:
-        """Seconds until the body's next deadline: its idle time or its whole time, whichever comes first."""
-        settings = self._guard.settings
-        idle_end = self._last_read + settings.body_idle_timeout_s
-        return max(0.0, min(idle_end, self._body_started + settings.body_timeout_s) - self.loop.time())
-
-    def _check_body(self) -> None:
-        self._timer = None
-        settings, now = self._guard.settings, self.loop.time()
-        if self.flow.read_paused:
-            self._last_read = now  # the application has not taken what was read: the client is not idle
-        if now >= self._body_started + settings.body_timeout_s:
-            self._refuse(
-                408, f"the request body did not arrive within {settings.body_timeout_s:g} s (--http-body-timeout-secs)"
-            )
-        elif now >= self._last_read + settings.body_idle_timeout_s:
-            self._refuse(
-                408,
-                f"no byte of the request body arrived for {settings.body_idle_timeout_s:g} s "
-                "(--http-body-idle-timeout-secs)",
-            )
-        else:
-            self._arm(self._body_check_delay(), self._check_body)
-
-    def _refuse(self, status: int, message: str) -> None:
-        """Answer ``status`` (unless another answer is being written), then close only the sending
-        side for a while: closing a socket that still has unread bytes resets the connection, and the
-        client would lose the answer."""
-        self._refused = True
-        self._disarm()
-        if self.cycle is None or not self.cycle.response_started or self.cycle.response_complete:
-            body = error_body(message)
-            self.transport.write(
-                f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode()
-                + b"content-type: application/json\r\nconnection: close\r\ncontent-length: "
-                + str(len(body)).encode()
-                + b"\r\n\r\n"
-                + body
-            )
-        guard = self._guard
-        if self.transport.can_write_eof() and guard.lingering < MAX_LINGERING:
-            guard.lingering += 1
-            self._lingering = True
-            self.transport.write_eof()
-            self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
-        else:
-            self.transport.close()
-
-
-class _EmbeddedServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # SIGINT and SIGTERM belong to Shoal's loop (app.serve), which stops this server itself
 
 
 def bind(address: str, port: int, reuse_port: bool) -> socket.socket:
@@ -280,6 +66,16 @@ def connection_bound(wanted: int) -> int:
     return bound
 
 
+def tls_context(tls: TlsSettings) -> ssl.SSLContext:
+    """The server's TLS: its certificate and key; with ``mutual``, clients must present one signed by ``root_cert``."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(tls.server_cert), str(tls.server_key))
+    if tls.root_cert:
+        context.load_verify_locations(str(tls.root_cert))
+    context.verify_mode = ssl.CERT_REQUIRED if tls.mutual else ssl.CERT_NONE
+    return context
+
+
 class HttpServer:
     """The HTTP endpoint over one ``HttpApp``: ``start`` binds and serves, ``stop`` ends it."""
 
@@ -287,54 +83,40 @@ class HttpServer:
         self.app = app
         self.settings = settings
         self.reuse_port = settings.reuse_port if reuse_port is None else reuse_port
-        self._server: _EmbeddedServer | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._server: asyncio.Server | None = None
+        self._guard: ConnectionGuard | None = None
 
     async def start(self) -> int:
         """The bound port, once the server accepts connections."""
         sock = bind(self.settings.address, self.settings.port, self.reuse_port)
         port: int = sock.getsockname()[1]
-        tls = self.settings.tls
-        config = _GuardedConfig(
-            self.app,
-            _Guard(self.settings, connection_bound(self.settings.max_connections)),
-            http=_Guarded,
-            ws="none",
-            lifespan="off",
-            interface="asgi3",
-            access_log=False,
-            log_config=None,
-            server_header=False,
-            proxy_headers=False,
-            backlog=BACKLOG,
-            ssl_certfile=tls.server_cert if tls else None,
-            ssl_keyfile=tls.server_key if tls else None,
-            ssl_ca_certs=str(tls.root_cert) if tls and tls.root_cert else None,
-            ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.mutual else ssl.CERT_NONE,
-        )
-        config.timeout_keep_alive = self.settings.keep_alive_timeout_s  # type: ignore[assignment]  # call_later's
-        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its start and stop lines: ours say it
-        self._server = _EmbeddedServer(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
-        while not self._server.started:
-            if self._task.done() or asyncio.get_running_loop().time() > deadline:
-                sock.close()
-                failed = self._task.done() and not self._task.cancelled() and self._task.exception()
-                why = f"{type(failed).__name__}: {failed}" if failed else "the server did not start"
-                self._task.cancel()
-                self._server = self._task = None  # nothing to stop
-                raise StartupError(f"cannot serve HTTP on {self.settings.address}:{port}: {why}")
-            await asyncio.sleep(0.005)
+        guard = ConnectionGuard(self.settings, connection_bound(self.settings.max_connections))
+        try:
+            context = tls_context(self.settings.tls) if self.settings.tls else None
+            self._server = await asyncio.get_running_loop().create_server(
+                lambda: HttpConnection(self.app, guard), sock=sock, backlog=BACKLOG, ssl=context
+            )
+        except (OSError, ssl.SSLError) as exc:  # SSLError is an OSError; named for the reader
+            sock.close()
+            why = f"{type(exc).__name__}: {exc}"
+            raise StartupError(f"cannot serve HTTP on {self.settings.address}:{port}: {why}") from None
+        self._guard = guard
         return port
 
     async def stop(self, grace_s: float) -> None:
-        """Close the listener and idle connections; answers being written get ``grace_s``."""
-        if self._server is None or self._task is None:
+        """Close the listener and idle connections; answers being computed get ``grace_s``, then the
+        connections still open are cut."""
+        if self._server is None or self._guard is None:
             return
-        self._server.config.timeout_graceful_shutdown = max(0.1, grace_s)  # type: ignore[assignment]
-        self._server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout=grace_s + 1.0)
-        except TimeoutError:
-            self._task.cancel()
+        self._server.close()
+        connections = self._guard.connections
+        for connection in list(connections):
+            connection.shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.1, grace_s)
+        while connections and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for connection in list(connections):
+            if connection.transport is not None:
+                connection.transport.abort()
+        self._server = None

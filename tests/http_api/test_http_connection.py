@@ -1,0 +1,204 @@
+"""HTTP/1.1 on the wire (``shoal.http.connection``), against a real server in both layouts: requests
+pipelined on one connection answered in order, each with its own answer; ``Expect: 100-continue``;
+chunked bodies, counted against the bound as they come; HTTP/1.0 and ``Connection: close``; a
+percent-encoded path; a body too large refused from its Content-Length before it is sent; an answer
+larger than the socket's buffers to a client that reads it late; a request httptools cannot parse."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import models
+from tests.conftest import RunningServer
+
+TIMEOUT_S = 30.0
+MAX_INPUT = 16 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, server_factory_module) -> RunningServer:
+    repo = models.repository(tmp_path_factory.mktemp("repo"), "simple")
+    models.add_identity(repo, "identity_fp32", "FP32")
+    return server_factory_module(repo, "--http-max-input-size", str(MAX_INPUT))
+
+
+@pytest.fixture(scope="module")
+def server_factory_module(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) -> Iterator:
+    from tests.conftest import start_server
+
+    started: list[RunningServer] = []
+
+    def factory(repository: Path, *extra_args: str) -> RunningServer:
+        started.append(start_server(repository, tmp_path_factory.mktemp("server"), *layout, *extra_args))
+        return started[-1]
+
+    yield factory
+    for running in started:
+        assert running.stop() == 0, running.log()
+
+
+def _connect(server: RunningServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.http_port), timeout=TIMEOUT_S)
+
+
+def _read_answer(sock: socket.socket, pending: bytearray) -> tuple[int, dict[str, str], bytes]:
+    """One answer from ``sock`` (``pending``: bytes read past the previous answer), by its Content-Length."""
+    while b"\r\n\r\n" not in pending:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection; read {bytes(pending)!r}"
+        pending += chunk
+    head, _, rest = bytes(pending).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    body = bytearray(rest)
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-answer"
+        body += chunk
+    pending[:] = body[length:]
+    return status, headers, bytes(body[:length])
+
+
+def _infer_body(a: np.ndarray, b: np.ndarray) -> bytes:
+    inputs = [
+        {"name": name, "shape": [1, 16], "datatype": "INT32", "data": data.ravel().tolist()}
+        for name, data in (("INPUT0", a), ("INPUT1", b))
+    ]
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def _post(path: str, body: bytes, extra: str = "") -> bytes:
+    return f"POST {path} HTTP/1.1\r\nhost: shoal\r\ncontent-length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+def test_pipelined_requests_are_answered_in_order_each_with_its_own_answer(server: RunningServer) -> None:
+    rng = np.random.default_rng(3)
+    pairs = [(rng.integers(-99, 99, 16, dtype=np.int32), rng.integers(-99, 99, 16, dtype=np.int32)) for _ in range(12)]
+    wire = b"".join(_post("/v2/models/simple/infer", _infer_body(a, b)) for a, b in pairs)
+    wire += b"GET /v2/health/ready HTTP/1.1\r\nhost: shoal\r\n\r\n"
+    with _connect(server) as sock:
+        sock.sendall(wire)  # every request in one go: the server reads them all before answering any
+        pending = bytearray()
+        for a, b in pairs:
+            status, _, body = _read_answer(sock, pending)
+            outputs = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
+            assert status == 200 and outputs == {"OUTPUT0": (a + b).tolist(), "OUTPUT1": (a - b).tolist()}
+        assert _read_answer(sock, pending)[0] == 200
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: shoal\r\n\r\n")  # still kept alive
+        assert _read_answer(sock, pending)[0] == 200
+
+
+def test_expect_100_continue_gets_100_before_the_body_is_sent(server: RunningServer) -> None:
+    a = np.arange(16, dtype=np.int32)
+    body = _infer_body(a, a)
+    with _connect(server) as sock:
+        head = f"POST /v2/models/simple/infer HTTP/1.1\r\nhost: shoal\r\ncontent-length: {len(body)}\r\n"
+        sock.sendall(head.encode() + b"expect: 100-continue\r\n\r\n")
+        interim = sock.recv(65536)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n", interim
+        sock.sendall(body)
+        status, _, answer = _read_answer(sock, bytearray())
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == (2 * a).tolist()
+
+
+def test_a_chunked_body_is_read_whole(server: RunningServer) -> None:
+    a = np.arange(16, dtype=np.int32)
+    body = _infer_body(a, -a)
+    chunks = b"".join(f"{len(part):x}\r\n".encode() + part + b"\r\n" for part in (body[:7], body[7:40], body[40:]))
+    with _connect(server) as sock:
+        sock.sendall(
+            b"POST /v2/models/simple/infer HTTP/1.1\r\nhost: shoal\r\ntransfer-encoding: chunked\r\n\r\n"
+            + chunks
+            + b"0\r\n\r\n"
+        )
+        status, _, answer = _read_answer(sock, bytearray())
+    outputs = {o["name"]: o["data"] for o in json.loads(answer)["outputs"]}
+    assert status == 200 and outputs == {"OUTPUT0": [0] * 16, "OUTPUT1": (2 * a).tolist()}
+
+
+def test_a_chunked_body_past_the_bound_is_413_and_the_connection_closed(server: RunningServer) -> None:
+    chunk = b"x" * (1 << 20)
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v2/models/simple/infer HTTP/1.1\r\nhost: shoal\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(MAX_INPUT // len(chunk) + 1):  # past --http-max-input-size by one chunk
+            sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        status, headers, body = _read_answer(sock, bytearray())
+    assert status == 413 and headers["connection"] == "close", (status, headers)
+    assert f"exceeds the maximum allowed value of {MAX_INPUT} bytes" in json.loads(body)["error"]
+
+
+def test_a_declared_body_past_the_bound_is_refused_before_it_is_sent(server: RunningServer) -> None:
+    with _connect(server) as sock:
+        sock.sendall(
+            f"POST /v2/models/simple/infer HTTP/1.1\r\nhost: shoal\r\ncontent-length: {MAX_INPUT + 1}\r\n\r\n".encode()
+        )
+        status, headers, body = _read_answer(sock, bytearray())  # no byte of the body was sent
+    assert status == 413 and headers["connection"] == "close"
+    assert f"request body of {MAX_INPUT + 1} bytes or more exceeds" in json.loads(body)["error"]
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [b"GET /v2/health/live HTTP/1.0\r\n\r\n", b"GET /v2/health/live HTTP/1.1\r\nconnection: close\r\n\r\n"],
+)
+def test_http_1_0_and_connection_close_are_answered_then_closed(server: RunningServer, request_line: bytes) -> None:
+    with _connect(server) as sock:
+        sock.sendall(request_line)
+        pending = bytearray()
+        status, headers, _ = _read_answer(sock, pending)
+        assert status == 200 and headers.get("connection") == "close"
+        assert sock.recv(1) == b"" and not pending  # closed after the answer
+
+
+def test_a_percent_encoded_path_is_decoded(server: RunningServer) -> None:
+    with _connect(server) as sock:
+        sock.sendall(b"GET /v2/models/%73imple/ready HTTP/1.1\r\nhost: shoal\r\n\r\n")
+        assert _read_answer(sock, bytearray())[0] == 200
+
+
+def test_a_request_that_does_not_parse_is_400_and_the_server_serves_on(server: RunningServer) -> None:
+    with _connect(server) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nbad header line\r\n\r\n")
+        status, headers, body = _read_answer(sock, bytearray())
+    assert status == 400 and headers["connection"] == "close" and "error" in json.loads(body)
+    with _connect(server) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: shoal\r\n\r\n")
+        assert _read_answer(sock, bytearray())[0] == 200
+
+
+def test_a_large_answer_reaches_a_client_that_reads_it_late(server: RunningServer) -> None:
+    """8 MiB of FP32 as binary data: more than the socket's buffers hold, so the server's writing
+    pauses until the client reads; the next request on the connection is answered after it."""
+    values = np.random.default_rng(5).standard_normal((1, 2 * 2**20)).astype(np.float32)
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "IN",
+                    "shape": list(values.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": values.nbytes},
+                }
+            ],
+            "outputs": [{"name": "OUT", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    body = header + values.tobytes()
+    big = _post("/v2/models/identity_fp32/infer", body, f"inference-header-content-length: {len(header)}\r\n")
+    with _connect(server) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(big + b"GET /v2/health/live HTTP/1.1\r\nhost: shoal\r\n\r\n")
+        pending = bytearray()
+        status, headers, answer = _read_answer(sock, pending)
+        assert status == 200, answer[:300]
+        json_length = int(headers["inference-header-content-length"])
+        assert np.array_equal(np.frombuffer(answer[json_length:], dtype=np.float32), values.ravel())
+        assert _read_answer(sock, pending)[0] == 200
