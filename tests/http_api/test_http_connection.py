@@ -194,7 +194,7 @@ def test_a_large_answer_reaches_a_client_that_reads_it_late(server: RunningServe
     body = header + values.tobytes()
     big = _post("/v2/models/identity_fp32/infer", body, f"inference-header-content-length: {len(header)}\r\n")
     with _connect(server) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.sendall(big + b"GET /v2/health/live HTTP/1.1\r\nhost: shoal\r\n\r\n")
         pending = bytearray()
         status, headers, answer = _read_answer(sock, pending)
@@ -202,3 +202,101 @@ def test_a_large_answer_reaches_a_client_that_reads_it_late(server: RunningServe
         json_length = int(headers["inference-header-content-length"])
         assert np.array_equal(np.frombuffer(answer[json_length:], dtype=np.float32), values.ravel())
         assert _read_answer(sock, pending)[0] == 200
+
+
+def test_head_is_answered_without_a_body_and_the_next_answer_is_intact(server: RunningServer) -> None:
+    with _connect(server) as sock:
+        sock.sendall(
+            b"HEAD /v2/health/ready HTTP/1.1\r\nhost: shoal\r\n\r\n"
+            b"GET /v2/models/simple/ready HTTP/1.1\r\nhost: shoal\r\n\r\n"
+        )
+        pending = bytearray()
+        while pending.count(b"\r\n\r\n") < 2:
+            chunk = sock.recv(65536)
+            assert chunk, bytes(pending)
+            pending += chunk
+        head, _, rest = bytes(pending).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 405 ") and b"content-length: " in head, head
+        assert rest.startswith(b"HTTP/1.1 200 "), rest[:80]  # no body between the two
+
+
+def test_requests_read_whole_before_a_refusal_are_answered_before_it_in_order(server: RunningServer) -> None:
+    a, b = np.arange(16, dtype=np.int32), np.full(16, 5, dtype=np.int32)
+    with _connect(server) as sock:
+        sock.sendall(
+            _post("/v2/models/simple/infer", _infer_body(a, a))
+            + _post("/v2/models/simple/infer", _infer_body(b, b))
+            + b"GARBAGE\x01 / HTTP/1.1\r\n\r\n"
+        )
+        pending = bytearray()
+        answers = [_read_answer(sock, pending) for _ in range(3)]
+        assert sock.recv(1) == b""  # closed after the refusal
+    assert [status for status, _, _ in answers] == [200, 200, 400]
+    assert json.loads(answers[0][2])["outputs"][0]["data"] == (2 * a).tolist()
+    assert json.loads(answers[1][2])["outputs"][0]["data"] == (2 * b).tolist()
+
+
+def test_a_refusal_while_a_large_answer_waits_for_a_slow_reader_follows_it(server: RunningServer) -> None:
+    """The refusal (a request that does not parse, sent while the 8 MiB answer before it is still being
+    taken) is written after that answer, then the connection closes: it used to stay open for good."""
+    values = np.zeros((1, 2 * 2**20), dtype=np.float32)
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "IN",
+                    "shape": list(values.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": values.nbytes},
+                }
+            ],
+            "outputs": [{"name": "OUT", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    big = _post(
+        "/v2/models/identity_fp32/infer",
+        header + values.tobytes(),
+        f"inference-header-content-length: {len(header)}\r\n",
+    )
+    with _connect(server) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.sendall(big)
+        first = sock.recv(4096)  # the answer has begun: the rest waits for this client to read it
+        assert first.startswith(b"HTTP/1.1 200 "), first[:80]
+        sock.sendall(b"GARBAGE\x01 / HTTP/1.1\r\n\r\n")
+        pending = bytearray(first)
+        status, _, answer = _read_answer(sock, pending)
+        assert status == 200 and len(answer) > values.nbytes
+        assert _read_answer(sock, pending)[0] == 400
+        assert sock.recv(1) == b""
+
+
+def test_an_upgrade_with_a_body_is_refused_and_one_without_is_answered_in_turn(server: RunningServer) -> None:
+    a = np.arange(16, dtype=np.int32)
+    body = _infer_body(a, a)
+    with _connect(server) as sock:
+        sock.sendall(_post("/v2/models/simple/infer", body, "connection: upgrade\r\nupgrade: h2c\r\n"))
+        status, headers, _ = _read_answer(sock, bytearray())
+        assert status == 400 and headers["connection"] == "close"
+    with _connect(server) as sock:
+        sock.sendall(
+            _post("/v2/models/simple/infer", body)
+            + b"GET /v2/health/ready HTTP/1.1\r\nhost: shoal\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n"
+        )
+        pending = bytearray()
+        assert _read_answer(sock, pending)[0] == 200
+        status, headers, _ = _read_answer(sock, pending)  # answered as HTTP/1.1, then the connection closes
+        assert status == 200 and headers.get("connection") == "close"
+
+
+def test_a_chunked_body_s_trailer_is_not_a_header_of_the_request(tmp_path: Path, server_factory) -> None:
+    """A trailer named as the restriction's header does not open a restricted API."""
+    server = server_factory(
+        models.repository(tmp_path, "simple"), "--http-restricted-api", "model-repository:admin-key=secret"
+    )
+    with _connect(server) as sock:
+        sock.sendall(
+            b"POST /v2/repository/index HTTP/1.1\r\nhost: shoal\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"2\r\n{}\r\n0\r\nadmin-key: secret\r\n\r\n"
+        )
+        assert _read_answer(sock, bytearray())[0] == 403

@@ -200,13 +200,17 @@ class HttpConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            # An Upgrade (h2c, websocket) or a CONNECT is not served: the request is answered as
-            # HTTP/1.1 with what was read of it, and the connection closes after it (the parser
-            # reads nothing past an upgrade).
-            for request in (self._parsing, *self._queue):
-                if request is not None:
-                    request.keep_alive = False
+            # An Upgrade (h2c, websocket) or a CONNECT is not served: the parser reads nothing past
+            # its head, so the request is answered as HTTP/1.1 if it has no body (and refused if it
+            # has one: it was not read), and the connection closes after it.
+            upgrade = self._parsing if self._parsing is not None else (self._queue[-1] if self._queue else None)
+            if upgrade is not None:
+                upgrade.keep_alive = False
             if self._parsing is not None and self._parsing in self._queue:
+                headers = self._parsing.headers
+                if headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in headers:
+                    self._parsing.refusal = (400, "a request that asks for an Upgrade may not have a body here")
+                    self._release(self._parsing)
                 self.on_message_complete()
         except httptools.HttpParserError:
             self._refuse(400, "Invalid HTTP request received.")
@@ -225,6 +229,8 @@ class HttpConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self._parsing is not None
+        if not self._in_head:
+            return  # a chunked body's trailer: never a header of the request (a restriction's key, say)
         # llhttp keeps trailing whitespace, which RFC 9110 (5.5) excludes from the value.
         self._parsing.headers[name.decode("latin-1").lower()] = value.rstrip(b" \t").decode("latin-1")
 
@@ -315,30 +321,31 @@ class HttpConnection(asyncio.Protocol):
         sent_ns = 0
         if not self._gone():
             assert self.transport is not None
-            self.transport.write(_serialised(answer, close))
+            self.transport.write(_serialised(answer, close, with_body=request.method != "HEAD"))
             sent_ns = time.monotonic_ns()
         if answer.trace_id:
             self.app.sent(answer, sent_ns)
         self._queue.popleft()
-        if self._refusal_after is not None:  # a request after this one was refused meanwhile
-            self._answering = False
-            if self._gone():
-                return
-            if close:
-                self.transport.close()  # type: ignore[union-attr]
-            else:
-                self._write_refusal(*self._refusal_after)
-            return
         if close:
             if not self._gone():
                 self.transport.close()  # type: ignore[union-attr]
             return
-        if self._writing_paused and not self._closed():  # the client is not reading: wait before the next
+        if self._writing_paused and not self._gone():  # the client is not reading: wait before the next
             self._drained = self.loop.create_future()
             await self._drained
             self._drained = None
         self._answering = False
-        if self._closed():
+        if self._gone():
+            return
+        if self._refusal_after is not None:  # the connection was refused while this was answered
+            following = self._queue[0] if self._queue else None
+            if following is not None and following.complete and following.refusal is None:
+                self._answering = True  # parsed whole before the refusal: answered first, in order
+                self.loop.create_task(self._answer(following))
+            else:
+                self._write_refusal(*(following.refusal if following and following.refusal else self._refusal_after))
+            return
+        if self._refused:
             return
         if self._reading_paused and len(self._queue) <= 1:
             self._reading_paused = False
@@ -389,7 +396,7 @@ class HttpConnection(asyncio.Protocol):
         one read, and arm no timer at all."""
         if not self._in_head:
             self._arm(self._body_check_delay(), self._check_body)
-        elif self._head_bytes:  # part of the next request's head, on a kept-alive connection
+        elif self._head_bytes or self._parsing is not None:  # part of the next request's head
             self._arm(self.guard.settings.header_timeout_s, self._head_timed_out)
 
     def _arm(self, delay_s: float, callback: collections.abc.Callable[[], None]) -> None:
@@ -491,8 +498,9 @@ class HttpConnection(asyncio.Protocol):
             transport.close()
 
 
-def _serialised(answer: Answer, close: bool) -> bytes:
-    """The status line, the headers and the body: one write."""
+def _serialised(answer: Answer, close: bool, with_body: bool = True) -> bytes:
+    """The status line, the headers and the body (not for HEAD, whose Content-Length is the body's a
+    GET would get): one write."""
     head = [
         _STATUS_LINES.get(answer.status) or f"HTTP/1.1 {answer.status} \r\n".encode(),
         b"content-type: ",
@@ -504,5 +512,7 @@ def _serialised(answer: Answer, close: bool) -> bytes:
     head += (b"content-length: ", str(len(answer.body)).encode(), b"\r\n")
     if close:
         head.append(b"connection: close\r\n")
-    head += (b"\r\n", answer.body)
+    head.append(b"\r\n")
+    if with_body:
+        head.append(answer.body)
     return b"".join(head)
