@@ -79,6 +79,25 @@ def _post(path: str, body: bytes, extra: str = "") -> bytes:
     return f"POST {path} HTTP/1.1\r\nhost: shoal\r\ncontent-length: {len(body)}\r\n{extra}\r\n".encode() + body
 
 
+def _identity_request(values: np.ndarray) -> bytes:
+    """An identity_fp32 inference of ``values`` sent and answered as binary data."""
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "IN",
+                    "shape": list(values.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": values.nbytes},
+                }
+            ],
+            "outputs": [{"name": "OUT", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    extra = f"inference-header-content-length: {len(header)}\r\n"
+    return _post("/v2/models/identity_fp32/infer", header + values.tobytes(), extra)
+
+
 def test_pipelined_requests_are_answered_in_order_each_with_its_own_answer(server: RunningServer) -> None:
     rng = np.random.default_rng(3)
     pairs = [(rng.integers(-99, 99, 16, dtype=np.int32), rng.integers(-99, 99, 16, dtype=np.int32)) for _ in range(12)]
@@ -178,21 +197,7 @@ def test_a_large_answer_reaches_a_client_that_reads_it_late(server: RunningServe
     """8 MiB of FP32 as binary data: more than the socket's buffers hold, so the server's writing
     pauses until the client reads; the next request on the connection is answered after it."""
     values = np.random.default_rng(5).standard_normal((1, 2 * 2**20)).astype(np.float32)
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "IN",
-                    "shape": list(values.shape),
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": values.nbytes},
-                }
-            ],
-            "outputs": [{"name": "OUT", "parameters": {"binary_data": True}}],
-        }
-    ).encode()
-    body = header + values.tobytes()
-    big = _post("/v2/models/identity_fp32/infer", body, f"inference-header-content-length: {len(header)}\r\n")
+    big = _identity_request(values)
     with _connect(server) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.sendall(big + b"GET /v2/health/live HTTP/1.1\r\nhost: shoal\r\n\r\n")
@@ -240,24 +245,7 @@ def test_a_refusal_while_a_large_answer_waits_for_a_slow_reader_follows_it(serve
     """The refusal (a request that does not parse, sent while the 8 MiB answer before it is still being
     taken) is written after that answer, then the connection closes: it used to stay open for good."""
     values = np.zeros((1, 2 * 2**20), dtype=np.float32)
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "IN",
-                    "shape": list(values.shape),
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": values.nbytes},
-                }
-            ],
-            "outputs": [{"name": "OUT", "parameters": {"binary_data": True}}],
-        }
-    ).encode()
-    big = _post(
-        "/v2/models/identity_fp32/infer",
-        header + values.tobytes(),
-        f"inference-header-content-length: {len(header)}\r\n",
-    )
+    big = _identity_request(values)
     with _connect(server) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.sendall(big)
