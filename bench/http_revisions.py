@@ -6,8 +6,8 @@ bench/side_by_side.py's models (tiny, mlp; max_batch_size 32, one instance, 200 
 ONNX Runtime threads), served by Shoal as it was at REV (``bench._server.checked_out_server``) and by
 this checkout, taking turns (every other round in the reverse order). perf_analyzer 2.51 over HTTP
 (``-i http``, zero inputs, three 2 s windows after a warm-up). Prints each round, then the medians and
-this checkout's ratios to REV: throughput and server CPU per request (the server process's utime +
-stime from /proc over the run, divided by the requests its statistics counted). Writes
+this checkout's ratios to REV: throughput and server CPU per request (the server's process tree's
+utime + stime from /proc over the run, divided by the requests its statistics counted). Writes
 bench/results/http_revisions.csv.
 """
 
@@ -21,20 +21,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._perf import ANY_SPREAD, cpu_seconds, install_perf_analyzer, perf_analyzer, requests_served, save_results  # noqa: E402
+from bench._perf import ANY_SPREAD, install_perf_analyzer, perf_analyzer, save_results  # noqa: E402
 from bench._server import checked_out_server  # noqa: E402
+from bench.event_loops import measure as measure_load  # noqa: E402
 from bench.side_by_side import write_models  # noqa: E402
 from shoal.tools import local_server  # noqa: E402
 
 
 def measure(server: local_server.LocalServer, model: str, concurrency: int) -> dict[str, float]:
+    """After a warm-up, as bench/event_loops.py measures: throughput, latencies, server CPU per request."""
     perf_analyzer(server.http_url, model, concurrency, 500, max_trials=3, stability_percent=ANY_SPREAD, protocol="http")
-    requests_before, cpu_before = requests_served(server.url, model), cpu_seconds(server.pid)
-    figures = perf_analyzer(
-        server.http_url, model, concurrency, 2000, max_trials=3, stability_percent=ANY_SPREAD, protocol="http"
-    )
-    requests = max(1, requests_served(server.url, model) - requests_before)
-    return {**figures, "cpu_us_per_request": 1e6 * (cpu_seconds(server.pid) - cpu_before) / requests}
+    return measure_load(server.url, server.http_url, server.pid, model, "http", concurrency, 2000)
 
 
 def main() -> None:

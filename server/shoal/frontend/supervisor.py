@@ -19,6 +19,7 @@ restart would pile up in /tmp for as long as the server runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -81,10 +82,9 @@ class WorkerProcess:
 
     def _reap(self, loop: asyncio.AbstractEventLoop) -> None:
         code = self._popen.wait()
-        try:
-            loop.call_soon_threadsafe(self._settle, code)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits any more
+        if not loop.is_closed():  # closed: the server has ended, and nobody waits any more
+            with contextlib.suppress(RuntimeError):  # it closed just now
+                loop.call_soon_threadsafe(self._settle, code)
 
     def _settle(self, code: int) -> None:
         if not self._exited.done():
