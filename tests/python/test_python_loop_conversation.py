@@ -216,6 +216,68 @@ def test_a_plain_batch_is_sent_and_answered_on_the_loop_without_a_thread(model_o
         thread.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_the_loop_watches_a_worker_once_not_once_a_batch(model_of: Any) -> None:
+    """Setting the watch up and tearing it down cost some twenty system calls a batch: the loop registers
+    the worker's watch with its first batch and keeps it between batches (nothing is readable then)."""
+    model, thread = model_of(), CountingThread()
+    try:
+
+        async def scenario() -> list[int]:
+            loop = asyncio.get_running_loop()
+            registered: list[int] = []
+            add_reader = loop.add_reader
+
+            def counted(fd: int, callback: Callable[..., Any], *args: Any) -> None:
+                registered.append(fd)
+                add_reader(fd, callback, *args)
+
+            loop.add_reader = counted  # type: ignore[method-assign]
+            for value in range(6):
+                batch = [Pending(np.array([float(value)]))]
+                assert (running := model.start_on_loop(batch)) is not None
+                _doubled(await running, batch)
+            return registered
+
+        registered = asyncio.run(scenario())
+        assert len(registered) == 1, registered
+        assert thread.calls == 0 and _handovers(model) == 0
+    finally:
+        thread.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_loop_stops_watching_a_pipe_the_relay_reads_and_a_replaced_worker_gets_a_new_watch(
+    model_of: Any,
+) -> None:
+    """A batch handed to the relay thread (here: its worker dies) leaves the loop watching nothing of
+    it, so the loop never wakes for what the thread reads; the next worker is watched afresh, and its
+    batches are answered on the loop again."""
+    model, thread = model_of(), CountingThread()
+    try:
+
+        async def scenario() -> None:
+            await _next_batch_answered(model, thread, 1.0)
+            first = model._loop_watch
+            assert first is not None and first._watching
+            running = model.start_on_loop([Pending(np.array([-30.0]))])
+            assert running is not None
+            assert model.pid is not None
+            os.kill(model.pid, signal.SIGKILL)
+            with pytest.raises(ShoalError):
+                await asyncio.wait_for(running, 60)
+            assert not first._watching and first.conversation is None
+            await _next_batch_answered(model, thread, 2.0, 3.0)
+            second = model._loop_watch
+            assert second is not first and second is not None and second._watching
+            assert first._selector.get_map() is None  # closed: its descriptor is given back
+
+        asyncio.run(scenario())
+        assert thread.calls == 0 and _handovers(model) == 1
+    finally:
+        thread.shutdown()
+
+
 def test_a_batch_on_uvloop_leaves_the_pipe_blocking_for_the_relay_and_the_outbox(model_of: Any) -> None:
     """uvloop's add_reader (libuv's uv_poll) makes a descriptor non-blocking, and the flag is the pipe's,
     shared with the relay thread and the outbox, which write large messages blocking: on the worker

@@ -37,7 +37,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing import connection
 from pathlib import Path
@@ -112,6 +112,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         self._batch = -1
         self._outbox: Outbox | None = None  # what the running batch's conversation says to the worker
         self._loop_socket: socket.socket | None = None  # the pipe as the event loop reads it (FrameReader)
+        self._loop_watch: LoopWatch | None = None  # the loop's eye on this worker (made by the first loop batch)
         try:
             super().__init__(
                 spec, model_file, device, (instance_name, version), 1, limits, ("numpy", "shoal.backends.python.runner")
@@ -167,7 +168,19 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         except BaseException:
             self._lock.release()
             raise
-        return LoopConversation(self, self._loop_socket, deadline).start(message)
+        return LoopConversation(self, self._watch_on_loop(self._loop_socket), deadline).start(message)
+
+    def _watch_on_loop(self, sock: socket.socket) -> LoopWatch:
+        """The running loop's watch on the current worker (on the loop, lock held): one per worker and
+        loop, made by its first batch there; a replaced worker's is closed here."""
+        loop = asyncio.get_running_loop()
+        watch = self._loop_watch
+        if watch is not None and (watch.socket is not sock or watch.loop is not loop):
+            watch.close_soon()
+            watch = None
+        if watch is None:
+            watch = self._loop_watch = LoopWatch(loop, sock, self._process.sentinel, self._wake_read)
+        return watch
 
     def _begin(self, batch: Sequence[Any], may_grow: bool = True) -> tuple[RunRequests, float | None]:
         """Pack the batch's inputs and make its message (lock held): what the worker is sent, and the
@@ -477,6 +490,9 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
     def close(self) -> None:
         super().close()
         self._relay.shutdown(wait=False)  # a conversation it still runs (close gave up waiting) ends on its own
+        watch, self._loop_watch = self._loop_watch, None
+        if watch is not None:
+            watch.close_soon()
         with self._wake_lock:
             fds, self._wake_read, self._wake_write = (self._wake_read, self._wake_write), -1, -1
         for fd in fds:
@@ -512,9 +528,95 @@ class Handover:
     ending: str | None = None
 
 
+# What a worker's watch found readable: its pipe, its sentinel (it exited), the wake-up pipe of finished BLS calls.
+PIPE, EXITED, WOKEN = "pipe", "exited", "woken"
+
+
+class LoopWatch:
+    """The event loop's eye on one worker process: its pipe, its sentinel and the model's wake-up pipe,
+    through an epoll (kqueue) descriptor of their own that the loop watches (``loop.add_reader``).
+
+    Why a descriptor of their own: a loop's add_reader may change a descriptor (uvloop's, libuv's
+    uv_poll, makes it non-blocking, and the flag is the pipe's, shared with the relay thread and the
+    outbox, which read and write it blocking: a large message then failed half-written, and the
+    worker waited for its rest for good). Why one per worker, not one per batch: setting it up and
+    tearing it down took some twenty system calls a batch (epoll_create, three registrations, the
+    loop's own epoll_ctl, fstat and ioctl calls, close), a quarter of the host's cost of a small batch
+    (``bench/python_backend.py``). The loop keeps watching between batches, when nothing of the
+    worker is readable; whenever it finds something readable with no conversation of its own under
+    way (the relay thread has the pipe, the worker died between batches), it stops watching until
+    the next batch begins on the loop, so it never spins on what another thread reads.
+    Used on the loop's thread only, but for ``close_soon``.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, sentinel: int, wake_read: int) -> None:
+        self.loop, self.socket = loop, sock
+        self._selector = selectors.DefaultSelector()
+        for fd, what in ((sock.fileno(), PIPE), (sentinel, EXITED), (wake_read, WOKEN)):
+            self._selector.register(fd, selectors.EVENT_READ, what)
+        self._watching = False
+        self._closing = False
+        self.conversation: LoopConversation | None = None
+
+    def follow(self, conversation: LoopConversation) -> None:
+        """``conversation`` hears what becomes readable, until ``release``."""
+        self.conversation = conversation
+        if not self._watching:
+            self.loop.add_reader(self._selector.fileno(), self._ready)
+            self._watching = True
+
+    def release(self, keep_watching: bool) -> None:
+        """The conversation ended: with ``keep_watching`` the loop goes on watching (it answered, and the
+        next batch will likely come here too), else the pipe is the relay thread's now."""
+        self.conversation = None
+        if self._closing:
+            self._close()
+        elif not keep_watching:
+            self._unwatch()
+
+    def _ready(self) -> None:
+        conversation = self.conversation
+        if conversation is None:  # another thread's to read, or the worker's end: not the loop's business
+            self._unwatch()
+            return
+        conversation.on_ready(self._readable)
+
+    def _readable(self) -> set[str]:
+        return {key.data for key, _ in self._selector.select(0)}
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._watching = False
+            self.loop.remove_reader(self._selector.fileno())
+
+    def _close(self) -> None:
+        self._closing = True
+        if self.conversation is not None:
+            return  # closed when it ends (release): it still needs to hear its worker
+        self._unwatch()
+        self._selector.close()
+
+    def close_soon(self) -> None:
+        """Close it from any thread: on its loop, once no conversation needs it (at once when the loop is gone)."""
+        if self.loop.is_closed():
+            self._selector.close()
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            self._close()
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._close)
+        except RuntimeError:  # the loop closed meanwhile: nothing watches any more
+            self._selector.close()
+
+
 class LoopConversation:
     """One batch of a worker process carried by the event loop: its message written, the worker's
-    answer read when the pipe is readable (``loop.add_reader``, ``FrameReader``) and unpacked there.
+    answer read when the pipe is readable (its ``LoopWatch``, ``FrameReader``) and unpacked there.
 
     For a batch that is sent and answered, and nothing else, this spares two wake-ups of a server
     thread (from the loop, then back to it) and that thread's own time. Any other turn hands the
@@ -529,18 +631,14 @@ class LoopConversation:
     never reads this one's.
     """
 
-    def __init__(self, model: PythonProcessModel, sock: socket.socket, deadline: float | None) -> None:
-        self._model, self._socket, self._deadline = model, sock, deadline
-        self._reader = FrameReader(sock)
-        self._loop = asyncio.get_running_loop()
+    def __init__(self, model: PythonProcessModel, watch: LoopWatch, deadline: float | None) -> None:
+        self._model, self._watch, self._deadline = model, watch, deadline
+        self._socket = watch.socket
+        self._reader = FrameReader(watch.socket)
+        self._loop = watch.loop
         self._outcome: asyncio.Future[Any] = self._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
-        # The pipe, the worker's sentinel and the wake-up pipe, watched through an epoll (kqueue)
-        # descriptor of their own that the loop watches: a loop's add_reader may change a descriptor
-        # (uvloop's, libuv's uv_poll, makes it non-blocking, and the flag is the pipe's, shared with
-        # the relay thread and the outbox, which read and write it blocking: a large message then
-        # failed half-written, and the worker waited for its rest for good).
-        self._watch: selectors.DefaultSelector | None = None
+        self._following = False  # the watch tells this conversation what becomes readable
 
     def start(self, message: bytes) -> asyncio.Future[Any]:
         """Write the batch's pickled ``message``, and watch for what comes back."""
@@ -555,34 +653,30 @@ class LoopConversation:
         if sent < len(data):
             self._hand_over(Handover(unsent=data[sent:]))
             return self._outcome
-        model = self._model
-        self._watch = watch = selectors.DefaultSelector()
-        for fd, callback in (
-            (self._socket.fileno(), self._readable),
-            (model._process.sentinel, self._exited),
-            (model._wake_read, self._woken),
-        ):
-            watch.register(fd, selectors.EVENT_READ, callback)
-        self._loop.add_reader(watch.fileno(), self._ready)
+        self._watch.follow(self)
+        self._following = True
         if self._deadline is not None:
             self._timer = self._loop.call_later(self._deadline - time.monotonic(), self._check_deadline)
         return self._outcome
 
-    def _ready(self) -> None:
+    def on_ready(self, readable: Callable[[], set[str]]) -> None:
         """Something watched is readable: the pipe first, then the sentinel, then the wake-up pipe,
-        while the conversation is still the loop's."""
-        if self._watch is None:
-            return  # handed over or ended since the loop saw it ready
-        ready = {key.data for key, _ in self._watch.select(0)}
-        for callback in (self._readable, self._exited, self._woken):
-            if callback in ready and self._watch is not None:
-                callback()
+        while the conversation is still the loop's. The pipe is read before asking ``readable()``
+        which: most often it holds the answer, and the conversation ends there."""
+        self._readable()
+        if not self._following:
+            return
+        ready = readable()
+        if EXITED in ready and self._following:
+            self._exited()
+        if WOKEN in ready and self._following:
+            self._woken()
 
     def _readable(self) -> None:
         try:
             self._read()
         except BaseException:  # noqa: BLE001 - whatever the worker's bytes make raise (SystemExit included)
-            if self._watch is not None:  # the loop goes on; the worker is replaced and the batch fails
+            if self._following:  # the loop goes on; the worker is replaced and the batch fails
                 self._hand_over(Handover(ending=UNREADABLE))
 
     def _read(self) -> None:
@@ -602,7 +696,7 @@ class LoopConversation:
         if not isinstance(message, Done) or _costly_answers(message.answers):
             self._hand_over(Handover(first=message))
             return
-        self._stop_watching()
+        self._stop_following(keep_watching=True)
         try:
             result, error = self._model.finish_on_loop(message), None
         except Exception as exc:  # noqa: BLE001 - the batch's failure, given to its caller
@@ -611,7 +705,7 @@ class LoopConversation:
 
     def _exited(self) -> None:
         self._readable()  # an answer the worker wrote before it ended counts (the thread path read it too)
-        if self._watch is not None:
+        if self._following:
             self._hand_over(Handover(ending=ENDED))
 
     def _woken(self) -> None:
@@ -627,7 +721,7 @@ class LoopConversation:
         self._hand_over(Handover(ending=TIMED_OUT))
 
     def _hand_over(self, handed: Handover) -> None:
-        self._stop_watching()
+        self._stop_following(keep_watching=False)
         relayed: asyncio.Future[Any] = self._loop.create_future()  # never cancelled: the relay always runs it
         relayed.add_done_callback(self._relayed)
         self._model._relay.run_into(relayed, self._model.continue_on_thread, handed, self._deadline)
@@ -636,11 +730,10 @@ class LoopConversation:
         error = relayed.exception()
         settle(self._outcome, None if error is not None else relayed.result(), error)
 
-    def _stop_watching(self) -> None:
-        if self._watch is not None:
-            self._loop.remove_reader(self._watch.fileno())
-            self._watch.close()
-            self._watch = None
+    def _stop_following(self, keep_watching: bool) -> None:
+        if self._following:
+            self._following = False
+            self._watch.release(keep_watching)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
