@@ -249,6 +249,13 @@ def test_a_number_past_a_double_is_refused_not_infinity(server: RunningServer) -
     body = b'{"inputs":[{"name":"IN","datatype":"FP32","shape":[1],"data":[1]}],"parameters":{"p":1e999}}'
     status, message = error(server, "POST", _infer_path("fp32"), body)
     assert status == 400 and "too big to be stored in double" in message, message
+    # The word only in a string (the request's id, a parameter's text): numbers are judged as without it.
+    for extra in (b'"id":"Infinity"', b'"parameters":{"note":"-Infinity"}'):
+        data = b'{"inputs":[{"name":"IN","datatype":"FP32","shape":[1],"data":[%s]}],%s}'
+        status, message = error(server, "POST", _infer_path("fp32"), data % (b"1e400", extra))
+        assert status == 400 and "too big to be stored in double" in message, message
+        status, _, answer = call(server, "POST", _infer_path("fp32"), data % (b"2.5", extra))
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [2.5], answer
 
 
 def test_integers_past_64_bits_are_read_as_doubles_for_float_types(server: RunningServer) -> None:

@@ -88,6 +88,8 @@ _NUMPY: dict[DataType, np.dtype[Any]] = {
     DataType.BF16: np.dtype(ml_dtypes.bfloat16),
 }
 _FROM_NUMPY: dict[np.dtype[Any], DataType] = {dtype: datatype for datatype, dtype in _NUMPY.items()}
+# Each datatype by its protocol name: a dict lookup, where ``DataType(name)`` runs Enum's Python code per call.
+BY_NAME: dict[str, DataType] = {datatype.value: datatype for datatype in DataType}
 
 
 @dataclass(frozen=True)

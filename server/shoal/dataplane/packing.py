@@ -26,7 +26,7 @@ import numpy as np
 from shoal import off_loop
 from shoal.dataplane.arena import ALIGNMENT, Arena, BlockAllocator, PoolFull
 from shoal.protocol import codec
-from shoal.protocol.types import DataType
+from shoal.protocol.types import BY_NAME, DataType
 from shoal.request_types import EncodedTensor, Tensor
 
 Slot: TypeAlias = tuple[str, str, tuple[int, ...], int, int]
@@ -177,9 +177,6 @@ def unpack(
     return tuple(_tensor(buffer, first, slot, encoded_bytes, on_unfit) for slot in slots)
 
 
-_DATATYPES = {datatype.value: datatype for datatype in DataType}
-
-
 def _tensor(
     buffer: memoryview,
     base: int,
@@ -188,7 +185,7 @@ def _tensor(
     on_unfit: Callable[[str, codec.WireFormatError], None] | None,
 ) -> Tensor:
     name, datatype_name, shape, offset, nbytes = slot
-    datatype = _DATATYPES[datatype_name]
+    datatype = BY_NAME[datatype_name]
     count = math.prod(shape)
     start = offset - base
     if datatype is DataType.BYTES:

@@ -27,7 +27,7 @@ from shoal.core.wire import UnfitContents, refuse_model_files, region_slice
 from shoal.errors import ShoalError, invalid, shown
 from shoal.logs import NO_VALUE
 from shoal.protocol import codec, config_pb2, service_pb2
-from shoal.protocol.types import DataType
+from shoal.protocol.types import BY_NAME, DataType
 from shoal.request_types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 from shoal.statistics import INFER_DURATIONS, Duration
 
@@ -184,7 +184,6 @@ def parameter_value(param: Any) -> Any:
 # One input as the message declares it, read once: (message entry, name, datatype name, shape,
 # parameters or None, whether its parameters name a shared-memory region). Nothing checked yet.
 DeclaredInput: TypeAlias = tuple[Any, str, str, tuple[int, ...], Any, bool]
-_DATATYPES = {datatype.value: datatype for datatype in DataType}
 _BYTES = DataType.BYTES.value
 _ITEM_SIZES = {datatype.value: datatype.item_size for datatype in DataType}
 
@@ -323,7 +322,7 @@ def _requested_outputs(outputs: Any) -> tuple[tuple[str, ...] | None, dict[str, 
 
 
 def _declared(name: str, datatype_name: str, shape: tuple[int, ...]) -> DataType:
-    datatype = _DATATYPES.get(datatype_name)
+    datatype = BY_NAME.get(datatype_name)
     if datatype is None:
         raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'")
     try:

@@ -7,7 +7,6 @@ which ``--http-restricted-api`` category it is in. ``http.app`` runs each under 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -50,7 +49,7 @@ class Reply:
 
 
 def _json(document: Any) -> Reply:
-    return Reply(body=json.dumps(document, separators=(",", ":")).encode())
+    return Reply(body=infer_body.COMPACT_JSON.encode(document).encode())
 
 
 def _flag(value: bool, message: str) -> Reply:

@@ -24,11 +24,16 @@ import numpy as np
 from shoal.core.wire import UnfitContents, region_slice
 from shoal.errors import ShoalError, invalid, shown
 from shoal.protocol import codec
-from shoal.protocol.types import DataType
+from shoal.protocol.types import BY_NAME, DataType
 from shoal.request_types import EncodedTensor, InferRequest, InferResponse, RegionInput, RegionSlice, Tensor
 
 HEADER_LENGTH = "inference-header-content-length"
+# JSON as every answer writes it, without spaces: one encoder for all (``json.dumps`` with any argument
+# makes a new one per call, which cost more than encoding a small answer).
+COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
 _DATA_FIELDS = "'data', 'binary_data_size' in 'parameters', 'shared_memory_region' in 'parameters'"
+_REGION_KEYS = frozenset(("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"))
+_INTEGER = {int}
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
@@ -143,22 +148,17 @@ def _is_uint64(value: Any) -> bool:
 
 
 def _parse_header(header: bytes) -> tuple[Any, bool]:
-    """The JSON header, and whether it writes ``Infinity`` or ``-Infinity`` (``NaN`` and both infinities
-    are read, as Triton's rapidjson reads them). A number past a double's range is refused, as
-    rapidjson refuses it, where Python would read it as infinity: without an infinity written, every
-    infinite value is such a number (``json_data`` refuses it); with one, the header is read again
-    checking each number, a cost (about 1.5x the parse) only such requests pay."""
-    written = False
-
-    def constant(name: str) -> float:
-        nonlocal written
-        written = written or name != "NaN"
-        return float(name)
-
+    """The JSON header, and whether it may write ``Infinity`` or ``-Infinity`` (``NaN`` and both
+    infinities are read, as Triton's rapidjson reads them). A number past a double's range is refused,
+    as rapidjson refuses it, where Python would read it as infinity: without an infinity written, every
+    infinite value is such a number (``json_data`` refuses it); with the word anywhere in the header
+    (a string's text included), it is read again checking each number, a cost (about 1.5x the parse)
+    only such requests pay, and every number past a double's range is refused there. The usual header
+    is read by ``json``'s shared decoder: one made per call (any argument to ``json.loads``) cost more
+    than a small header's parse."""
+    written = (b"Infinity" if isinstance(header, bytes | bytearray) else "Infinity") in header
     try:
-        document = json.loads(header, parse_constant=constant)
-        if written:
-            document = json.loads(header, parse_float=_double)
+        document = json.loads(header, parse_float=_double) if written else json.loads(header)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
         raise invalid(f"failed to parse the request JSON buffer: {exc}") from None
     return document, written
@@ -219,16 +219,15 @@ def _input(
         not isinstance(name, str)
         or not isinstance(datatype_name, str)
         or not isinstance(shape, list)
-        or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+        or not set(map(type, shape)) <= _INTEGER  # JSON's integers, not its booleans
     ):
         raise invalid(
             "Unable to parse 'inputs': each input needs 'name' and 'datatype' (strings) and 'shape' "
             "(a list of integers)"
         )
-    try:
-        datatype = DataType(datatype_name)
-    except ValueError:
-        raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'") from None
+    datatype = BY_NAME.get(datatype_name)
+    if datatype is None:
+        raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'")
     dims = tuple(shape)
     try:
         codec.check_shape(datatype, dims)
@@ -236,12 +235,9 @@ def _input(
         raise invalid(f"input '{shown(name)}': {exc}") from None
     parameters = _object(entry.get("parameters", {}), "parameters")
     region = shared_memory_slice(name, parameters)
-    sources = {
-        "data": "data" in entry,
-        "binary_data_size": "binary_data_size" in parameters,
-        "shared_memory_region": region is not None,
-    }
-    if sum(sources.values()) != 1:
+    in_data, in_binary = "data" in entry, "binary_data_size" in parameters
+    if in_data + in_binary + (region is not None) != 1:
+        sources = {"data": in_data, "binary_data_size": in_binary, "shared_memory_region": region is not None}
         which = (
             "no field is set"
             if not any(sources.values())
@@ -250,7 +246,7 @@ def _input(
         raise invalid(f"Input must set only one of the following fields: {_DATA_FIELDS}. But {which}")
     if region is not None:
         return RegionInput(name, datatype, dims, region), 0
-    if "data" in entry:
+    if in_data:
         return Tensor(name, datatype, dims, json_data(name, datatype, dims, entry["data"], infinity_written)), 0
     size = parameters["binary_data_size"]
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -355,6 +351,8 @@ def _kind_name(kind: str) -> str:
 def shared_memory_slice(name: str, parameters: dict[str, Any]) -> RegionSlice | None:
     """Where a tensor's shared-memory parameters place it, checked as Triton's front end does; None
     when it is not in shared memory."""
+    if _REGION_KEYS.isdisjoint(parameters):
+        return None  # the usual tensor: nothing of shared memory to check
     located = region_slice(
         name,
         parameters.get("shared_memory_region"),
@@ -431,7 +429,7 @@ def infer_response(response: InferResponse, binary_outputs: dict[str, bool]) -> 
         outputs.append(entry)
     document: dict[str, Any] = {"id": response.id} if response.id else {}
     document.update(model_name=response.model_name, model_version=response.model_version, outputs=outputs)
-    header = json.dumps(document, separators=(",", ":")).encode()
+    header = COMPACT_JSON.encode(document).encode()
     if not chunks:
         return header, None
     return b"".join((header, *chunks)), len(header)
