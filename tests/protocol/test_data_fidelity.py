@@ -253,9 +253,17 @@ def test_a_number_past_a_double_is_refused_not_infinity(server: RunningServer) -
     for extra in (b'"id":"Infinity"', b'"parameters":{"note":"-Infinity"}'):
         data = b'{"inputs":[{"name":"IN","datatype":"FP32","shape":[1],"data":[%s]}],%s}'
         status, message = error(server, "POST", _infer_path("fp32"), data % (b"1e400", extra))
-        assert status == 400 and "too big to be stored in double" in message, message
+        assert status == 400 and "too big to be stored in double: a value of input 'IN'" in message, message
         status, _, answer = call(server, "POST", _infer_path("fp32"), data % (b"2.5", extra))
         assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [2.5], answer
+
+
+def test_infinity_is_read_in_every_encoding_json_reads(server: RunningServer) -> None:
+    """A JSON body in UTF-16 or UTF-32 (which Python's json reads) writes its infinities as any other."""
+    text = '{"inputs":[{"name":"IN","datatype":"FP32","shape":[2],"data":[Infinity,1.5]}]}'
+    for encoding in ("utf-8", "utf-16", "utf-32"):
+        status, _, answer = call(server, "POST", _infer_path("fp32"), text.encode(encoding))
+        assert status == 200 and b'"data":[Infinity,1.5]' in answer, (encoding, answer)
 
 
 def test_integers_past_64_bits_are_read_as_doubles_for_float_types(server: RunningServer) -> None:

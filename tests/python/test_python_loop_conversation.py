@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import multiprocessing
 import os
 import resource
@@ -28,6 +29,7 @@ import pytest
 from shoal.backends.devices import CPU
 from shoal.configuring.pipeline import configure
 from shoal.errors import ErrorCode, ShoalError
+from shoal.instances import python_process
 from shoal.instances.pool import InstanceThread
 from shoal.instances.process import WorkerLimits
 from shoal.instances.python_process import TIMED_OUT, Handover, PythonProcessModel, _costly_answers
@@ -274,6 +276,34 @@ def test_the_loop_stops_watching_a_pipe_the_relay_reads_and_a_replaced_worker_ge
 
         asyncio.run(scenario())
         assert thread.calls == 0 and _handovers(model) == 1
+    finally:
+        thread.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_no_descriptor_for_the_watch_leaves_the_batch_to_the_thread_and_the_instance_free(
+    model_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of descriptors (EMFILE) when the watch is made, the batch takes the thread's path, which needs
+    none; the instance's lock was held for good before (every later batch waited for it)."""
+    model, thread = model_of(), CountingThread()
+
+    def no_descriptor(*args: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    try:
+
+        async def scenario() -> None:
+            with monkeypatch.context() as patched:
+                patched.setattr(python_process, "LoopWatch", no_descriptor)
+                assert model.start_on_loop([Pending(np.array([1.0]))]) is None
+                await _next_batch_answered(model, thread, 2.0)
+            batch = [Pending(np.array([3.0]))]
+            assert (running := model.start_on_loop(batch)) is not None  # descriptors again: the loop's
+            _doubled(await running, batch)
+
+        asyncio.run(scenario())
+        assert thread.calls == 1
     finally:
         thread.shutdown()
 

@@ -147,20 +147,35 @@ def _is_uint64(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**64  # not a bool, not 5.0
 
 
-def _parse_header(header: bytes) -> tuple[Any, bool]:
-    """The JSON header, and whether it may write ``Infinity`` or ``-Infinity`` (``NaN`` and both
-    infinities are read, as Triton's rapidjson reads them). A number past a double's range is refused,
-    as rapidjson refuses it, where Python would read it as infinity: without an infinity written, every
-    infinite value is such a number (``json_data`` refuses it); with the word anywhere in the header
-    (a string's text included), it is read again checking each number, a cost (about 1.5x the parse)
-    only such requests pay, and every number past a double's range is refused there. The usual header
-    is read by ``json``'s shared decoder: one made per call (any argument to ``json.loads``) cost more
-    than a small header's parse."""
-    written = (b"Infinity" if isinstance(header, bytes | bytearray) else "Infinity") in header
+def _parse_header(header: bytes | str) -> tuple[Any, bool]:
+    """The JSON header, and whether it writes ``Infinity`` or ``-Infinity`` (``NaN`` and both infinities
+    are read, as Triton's rapidjson reads them). A number past a double's range is refused, as
+    rapidjson refuses it, where Python would read it as infinity: without an infinity written, every
+    infinite value is such a number (``json_data`` refuses it); with one, the header is read again
+    checking each number, a cost (about 1.5x the parse) only such requests pay. A header without the
+    word ``Infinity`` anywhere (the usual one) is read by ``json``'s shared decoder: one made per call
+    (any argument to ``json.loads``) cost more than a small header's parse."""
     try:
-        document = json.loads(header, parse_float=_double) if written else json.loads(header)
+        # As json.loads reads bytes (UTF-8, -16 or -32), decoded once here to look for the word.
+        text = header if isinstance(header, str) else header.decode(json.detect_encoding(header), "surrogatepass")
+        if "Infinity" not in text:
+            return json.loads(text), False
+        return _parse_with_infinities(text)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
         raise invalid(f"failed to parse the request JSON buffer: {exc}") from None
+
+
+def _parse_with_infinities(text: str) -> tuple[Any, bool]:
+    written = False
+
+    def constant(name: str) -> float:
+        nonlocal written
+        written = written or name != "NaN"
+        return float(name)
+
+    document = json.loads(text, parse_constant=constant)
+    if written:
+        document = json.loads(text, parse_float=_double)
     return document, written
 
 

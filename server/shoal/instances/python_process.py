@@ -160,6 +160,11 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             if self._failure or self._closing.is_set() or self._loop_socket is None:
                 self._lock.release()
                 return None
+            try:
+                watch = self._watch_on_loop(self._loop_socket)
+            except OSError:  # no descriptor left for a watch (EMFILE): the thread's conversation needs none
+                self._lock.release()
+                return None
             run, deadline = self._begin(batch, may_grow=False)
             message = pickled(run)
         except PoolFull:
@@ -168,7 +173,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         except BaseException:
             self._lock.release()
             raise
-        return LoopConversation(self, self._watch_on_loop(self._loop_socket), deadline).start(message)
+        return LoopConversation(self, watch, deadline).start(message)
 
     def _watch_on_loop(self, sock: socket.socket) -> LoopWatch:
         """The running loop's watch on the current worker (on the loop, lock held): one per worker and
