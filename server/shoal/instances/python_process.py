@@ -545,9 +545,9 @@ class LoopWatch:
     uv_poll, makes it non-blocking, and the flag is the pipe's, shared with the relay thread and the
     outbox, which read and write it blocking: a large message then failed half-written, and the
     worker waited for its rest for good). Why one per worker, not one per batch: setting it up and
-    tearing it down took some twenty system calls a batch (epoll_create, three registrations, the
-    loop's own epoll_ctl, fstat and ioctl calls, close), a quarter of the host's cost of a small batch
-    (``bench/python_backend.py``). The loop keeps watching between batches, when nothing of the
+    tearing it down took ~14 system calls a batch (epoll_create, nine epoll_ctl between it and the
+    loop's, uvloop's ioctl and io_uring_enter, close), a seventh of the loop's CPU for a small batch
+    (``bench/python_conversation.py``). The loop keeps watching between batches, when nothing of the
     worker is readable; whenever it finds something readable with no conversation of its own under
     way (the relay thread has the pipe, the worker died between batches), it stops watching until
     the next batch begins on the loop, so it never spins on what another thread reads.
