@@ -885,6 +885,7 @@ class TritonPythonModel:
         (4.0, True, "could not be read"),
         (2.0, True, None),
         (3.0, True, "execution_timeout_ms"),
+        (3.0, False, "execution_timeout_ms"),
     ],
     ids=[
         "a-length-no-message-has",
@@ -895,6 +896,7 @@ class TritonPythonModel:
         "a-large-pickle-that-exits",
         "a-stray-response",
         "half-a-large-message",
+        "half-a-large-message-on-the-thread",
     ],
 )
 def test_what_a_model_writes_on_its_pipe_fails_its_own_batch_only(
@@ -930,11 +932,13 @@ def test_what_a_model_writes_on_its_pipe_fails_its_own_batch_only(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("on_loop", [True, False], ids=["begun-on-the-loop", "on-the-thread"])
 def test_the_rest_of_a_batch_message_is_never_written_into_a_stopped_worker_past_the_deadline(
-    model_of: Any,
+    model_of: Any, on_loop: bool
 ) -> None:
-    """The pipe takes only part of the message (a stopped worker reads nothing): the relay writes the
-    rest while it watches the worker, and the execution timeout still holds."""
+    """The pipe takes only part of the message (a stopped worker reads nothing): the relay (or the
+    instance's thread, which once blocked in the Connection's send for good) writes the rest while it
+    watches the worker, and the execution timeout still holds."""
     model = model_of(WorkerLimits(execution_timeout_s=1.0, liveness_interval_s=0.0))
     thread = CountingThread()
     try:
@@ -943,7 +947,8 @@ def test_the_rest_of_a_batch_message_is_never_written_into_a_stopped_worker_past
             first_pid = model.pid
             assert first_pid is not None
             os.kill(first_pid, signal.SIGSTOP)
-            running = model.start_on_loop([Pending(np.ones(2), Context({"note": "x" * 900_000}))])
+            batch = [Pending(np.ones(2), Context({"note": "x" * 900_000}))]
+            running = model.start_on_loop(batch) if on_loop else thread.submit(model.run_requests, batch)
             assert running is not None
             with pytest.raises(ShoalError) as failed:
                 await asyncio.wait_for(running, 60)
@@ -951,7 +956,7 @@ def test_the_rest_of_a_batch_message_is_never_written_into_a_stopped_worker_past
             await _next_batch_answered(model, thread, 1.0)
 
         asyncio.run(scenario())
-        assert _handovers(model) == 1
+        assert _handovers(model) == (1 if on_loop else 0)
     finally:
         thread.shutdown()
 

@@ -141,9 +141,12 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 )
             run, deadline = self._begin(batch)
             try:
-                self._conn.send(run)
-            except OSError:
-                pass  # the worker is gone: the wait finds it dead and replaces it
+                # Written as the loop writes it, never blocking past a tick: a stopped worker whose pipe is
+                # full is replaced at the deadline. A broken pipe: the wait finds the worker dead.
+                self._send_rest(framed(pickled(run)), deadline)
+            except BaseException:  # the worker was replaced (dead or late): this batch's inputs go
+                self._trim_requests()
+                raise
             return self._finish(deadline, None)
 
     def start_on_loop(self, batch: Sequence[Any]) -> asyncio.Future[Any] | None:
@@ -359,12 +362,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 elif call_id not in self._streams_closed:  # ended: its one answer, or the end of a stream
                     self._reply(call_id, bls.result_of(done))
             if self._conn in ready:
-                try:
-                    message = pending if pending is not None else self._conn.recv()
-                except (EOFError, OSError):
-                    message = None
-                except BaseException:  # noqa: BLE001 - bytes the model's code wrote (SystemExit too): out of step
-                    self._fail_conversation(UNREADABLE, deadline)
+                message = pending if pending is not None else self._receive(deadline)
                 match message:
                     case Done(answers, batch):
                         if batch != self._batch:
@@ -383,6 +381,19 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             self._send_cancellations()
             self._check_outbox()
             self._check_running(deadline)
+
+    def _receive(self, deadline: float | None) -> Any:
+        """The worker's next message, read as the loop reads it (``FrameReader``), watching the worker
+        while it comes: one that stopped or died mid-message fails the batch at its deadline or death
+        (the Connection's blocking read waited for the rest for good); a pipe that ended, or bytes that
+        are no message (the model's own code may write on it), fail it and replace the worker."""
+        sock = self._loop_socket
+        if sock is None:  # closed under us
+            self._fail_conversation(ENDED, deadline)
+        message, ending = self._rest_of_message(FrameReader(sock), deadline)
+        if ending is not None:
+            self._fail_conversation(ending, deadline)
+        return message
 
     def _post(self, message: Any) -> None:
         """Say ``message`` to the worker during the batch, without ever blocking the reading thread."""
