@@ -834,6 +834,7 @@ def test_a_bls_reply_that_outlives_its_batch_reaches_the_next_one(model_of: Any,
 WRITES_ON_ITS_PIPE = """
 import os
 import signal
+import socket
 import struct
 import sys
 import time
@@ -866,6 +867,9 @@ class TritonPythonModel:
                 conn.send((EndsItsReader(), b"p" * (2 << 20)))
             elif what == 2:
                 conn.send(Response(0, None, "", "", True))
+            elif what == 6:  # its end of the pipe shut for writing, the process alive
+                socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_WR)
+                time.sleep(60)
             else:
                 conn._send(struct.pack("!i", 4 << 20) + b"z" * 1000)
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -925,6 +929,35 @@ def test_what_a_model_writes_on_its_pipe_fails_its_own_batch_only(
                 assert isinstance(failed.value, ShoalError) and words in failed.value.message
             assert model.pid != first_pid and model.healthy and not model._lock.locked()
             await _next_batch_answered(model, thread, 2.0, 3.0)
+
+        asyncio.run(scenario())
+    finally:
+        thread.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("on_loop", [True, False], ids=["begun-on-the-loop", "on-the-thread"])
+def test_a_worker_that_shuts_its_pipe_fails_its_batch_within_the_execution_timeout(
+    model_of: Any, on_loop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipe that ended is given a grace for its worker to exit (then it is reported dead, not
+    replaced); the grace never runs past the batch's execution timeout (a minute's grace here: the
+    batch waited it out before)."""
+    monkeypatch.setattr(python_process, "ENDED_GRACE_S", 60.0)
+    model = model_of(WorkerLimits(execution_timeout_s=1.0, liveness_interval_s=0.0), WRITES_ON_ITS_PIPE)
+    thread = CountingThread()
+    try:
+
+        async def scenario() -> None:
+            first_pid = model.pid
+            batch = [Pending(np.array([13.0, 6.0]))]
+            running = model.start_on_loop(batch) if on_loop else thread.submit(model.run_requests, batch)
+            assert running is not None
+            with pytest.raises(ShoalError) as failed:
+                await asyncio.wait_for(running, 30)
+            assert "closed its end of the pipe" in failed.value.message, failed.value.message
+            assert model.pid != first_pid and model.healthy
+            await _next_batch_answered(model, thread, 1.0)
 
         asyncio.run(scenario())
     finally:

@@ -140,11 +140,18 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                     f"model '{self._spec.name}': the instance process {self._failure or 'is stopping'}",
                 )
             run, deadline = self._begin(batch)
+            conn = self._conn
             try:
-                # Written as the loop writes it, never blocking past a tick: a stopped worker whose pipe is
-                # full is replaced at the deadline. A broken pipe: the wait finds the worker dead.
-                self._send_rest(framed(pickled(run)), deadline)
-            except BaseException:  # the worker was replaced (dead or late): this batch's inputs go
+                message = framed(pickled(run))
+                try:
+                    # Written as the loop writes it, never blocking past a tick: a stopped worker whose pipe
+                    # is full is replaced at the deadline. A broken pipe: the wait finds the worker dead.
+                    self._send_rest(message, deadline)
+                except BaseException:
+                    if self._conn is conn and not self._closing.is_set():  # not replaced: maybe half sent
+                        self._replace("was left with half of a batch's message")
+                    raise
+            except BaseException:
                 self._trim_requests()
                 raise
             return self._finish(deadline, None)
@@ -282,8 +289,9 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         """The batch cannot go on: its execution timeout passed, the worker's pipe ended, a message on it
         could not be read or answered another batch (the pipe out of step: reading on could give a batch
         another's answer). The worker is replaced (a dead one is reported as such) and the batch fails."""
-        if ending == ENDED:
-            self._process.join(timeout=ENDED_GRACE_S)  # its pipe ended: it is exiting
+        if ending == ENDED:  # its pipe ended: it is exiting (given no longer than its deadline leaves)
+            grace_s = ENDED_GRACE_S if deadline is None else min(ENDED_GRACE_S, max(0.0, deadline - time.monotonic()))
+            self._process.join(timeout=grace_s)
         self._check_running(deadline if ending == TIMED_OUT else None)  # raises for a dead or late worker
         why = _WHY[ending]
         self._replace(why)

@@ -290,7 +290,7 @@ class FrameReader:
         """The length of the message being read, once its header is in."""
         return None if self._in_header else self._wanted
 
-    def read(self, stop_past: int | None = None) -> bytes | None:
+    def read(self, stop_past: int | None = None) -> bytearray | None:
         """The next whole message, or None while it is still coming, or (its header read) when it is
         longer than ``stop_past`` bytes: its body is left for ``finish``. EOFError: the other end
         closed; FrameError: a length no message of this protocol has."""
@@ -302,7 +302,7 @@ class FrameReader:
         except (BlockingIOError, InterruptedError):
             return None
 
-    def _advance(self, stop_past: int | None) -> bytes | None:
+    def _advance(self, stop_past: int | None) -> bytearray | None:
         while True:
             if len(self._buffer) < self._wanted:
                 if stop_past is not None and not self._in_header and self._wanted > stop_past:
@@ -315,8 +315,7 @@ class FrameReader:
                 self._buffer += chunk
                 continue
             if not self._in_header:
-                message = bytes(self._buffer)
-                self._buffer.clear()
+                message, self._buffer = self._buffer, bytearray()  # the caller's now: not copied again
                 self._wanted, self._in_header = 4, True
                 return message
             (size,) = struct.unpack("!i", self._buffer[:4])
