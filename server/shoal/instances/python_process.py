@@ -237,7 +237,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 if handed.unsent:
                     ending = self._send_rest(handed.unsent, deadline)
                 if ending is None and handed.partial is not None:
-                    first, ending = self._rest_of_message(handed.partial, deadline)
+                    first, ending = self._read_message(handed.partial, deadline)
                 if ending is not None:
                     self._fail_conversation(ending, deadline)
             except BaseException:
@@ -266,9 +266,10 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 return ENDED
         return None
 
-    def _rest_of_message(self, partial: FrameReader, deadline: float | None) -> tuple[Any, str | None]:
-        """The message the loop began to read, read to its end while the worker is watched (it may have
-        stopped or died mid-write): the message, or why the pipe cannot go on."""
+    def _read_message(self, partial: FrameReader, deadline: float | None) -> tuple[Any, str | None]:
+        """The worker's next message, or the one ``partial`` began to read (the loop's), read to its end
+        while the worker is watched (it may have stopped or died mid-write): the message, or why the
+        pipe cannot go on."""
         while True:
             try:
                 data = partial.read()
@@ -398,7 +399,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         sock = self._loop_socket
         if sock is None:  # closed under us
             self._fail_conversation(ENDED, deadline)
-        message, ending = self._rest_of_message(FrameReader(sock), deadline)
+        message, ending = self._read_message(FrameReader(sock), deadline)
         if ending is not None:
             self._fail_conversation(ending, deadline)
         return message
@@ -662,7 +663,6 @@ class LoopConversation:
         self._loop = watch.loop
         self._outcome: asyncio.Future[Any] = self._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
-        self._following = False  # the watch tells this conversation what becomes readable
 
     def start(self, message: bytes) -> asyncio.Future[Any]:
         """Write the batch's pickled ``message``, and watch for what comes back."""
@@ -678,7 +678,6 @@ class LoopConversation:
             self._hand_over(Handover(unsent=data[sent:]))
             return self._outcome
         self._watch.follow(self)
-        self._following = True
         if self._deadline is not None:
             self._timer = self._loop.call_later(self._deadline - time.monotonic(), self._check_deadline)
         return self._outcome
@@ -754,9 +753,13 @@ class LoopConversation:
         error = relayed.exception()
         settle(self._outcome, None if error is not None else relayed.result(), error)
 
+    @property
+    def _following(self) -> bool:
+        """The watch tells this conversation what becomes readable (from ``start`` until it ends)."""
+        return self._watch.conversation is self
+
     def _stop_following(self, keep_watching: bool) -> None:
         if self._following:
-            self._following = False
             self._watch.release(keep_watching)
         if self._timer is not None:
             self._timer.cancel()
