@@ -207,7 +207,7 @@ def test_answers_are_compressed_off_the_loop_at_zlib_s_default_level(
     sent: list[bytes] = []
 
     async def answer(body: bytes) -> int:
-        encoded = await http_app._encoded(Reply(body=body, compressible=True), encoding, 0)  # an inference answer
+        encoded = await http_app._compressed(Reply(body=body, compressible=True), encoding, 0)  # an inference answer
         assert ("content-encoding", encoding) in encoded.headers
         sent.append(encoded.body)
         return threading.get_ident()

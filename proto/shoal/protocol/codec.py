@@ -202,9 +202,13 @@ def _scan_items(raw: bytes, count: int) -> list[bytes]:
     return items
 
 
-def from_raw(datatype: DataType, shape: tuple[int, ...], raw: bytes | memoryview) -> np.ndarray:
-    """Decode raw content; the array has the datatype's native numpy dtype and ``shape``."""
-    check_shape(datatype, shape)
+def from_raw(
+    datatype: DataType, shape: tuple[int, ...], raw: bytes | memoryview, shape_checked: bool = False
+) -> np.ndarray:
+    """Decode raw content; the array has the datatype's native numpy dtype and ``shape``
+    (``shape_checked``: the caller's ``check_shape`` passed, so it is not run twice)."""
+    if not shape_checked:
+        check_shape(datatype, shape)
     count = math.prod(shape)
     if datatype is DataType.BYTES:
         return deserialize_bytes(bytes(raw), count).reshape(shape)  # no copy when ``raw`` is bytes already

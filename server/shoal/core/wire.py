@@ -36,10 +36,18 @@ class UnfitContents:
         # hold the request's payload, in a cycle through this object (freed only by the cyclic collector).
         self._refusal = ""
 
-    def decode(self, name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes | memoryview) -> np.ndarray:
-        """Raw content as an array; when it does not fit, noted, and an empty stand-in returned."""
+    def decode(
+        self,
+        name: str,
+        datatype: DataType,
+        shape: tuple[int, ...],
+        raw: bytes | memoryview,
+        shape_checked: bool = False,
+    ) -> np.ndarray:
+        """Raw content as an array; when it does not fit, noted, and an empty stand-in returned
+        (``shape_checked``: see ``codec.from_raw``)."""
         try:
-            return codec.from_raw(datatype, shape, raw)
+            return codec.from_raw(datatype, shape, raw, shape_checked)
         except codec.WireFormatError as exc:
             self.note(name, exc)
             return np.empty(0, dtype=datatype.numpy_dtype)

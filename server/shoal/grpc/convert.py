@@ -262,7 +262,7 @@ def infer_request(
             if encoded_bytes and datatype_name == _BYTES:
                 inputs.append(EncodedTensor(name, datatype, shape, np.frombuffer(raw[len(inputs)], np.uint8)))
                 continue
-            data = unfit.decode(name, datatype, shape, raw[len(inputs)])
+            data = unfit.decode(name, datatype, shape, raw[len(inputs)], shape_checked=True)  # by _declared
         elif tensor.HasField("contents"):
             data = decode_contents(name, datatype, shape, tensor.contents, unfit)
         else:

@@ -63,14 +63,21 @@ class HttpApp:
         try:
             handler, parts, category = route(method, path)
             self._check_restriction(category, headers)
-            body = await self._decoded(body, headers)
+            if body and "content-encoding" in headers:
+                body = await self._decoded(body, headers)
             reply = await handler(self.core, Request(parts, headers, body, self.encoded_bytes, started_ns))
         except Exception as exc:  # noqa: BLE001 - every failure becomes Triton's error body
             status, message = to_http(exc)
             reply = Reply(status=status, body=error_body(message))
         sending_ns = time.monotonic_ns() if reply.trace_id else 0
+        accept = headers.get("accept-encoding", "")
+        encoding = _accepted_encoding(accept) if accept and reply.body and reply.compressible else None
+        if encoding is None:  # the usual answer: written as the handler made it
+            return Answer(
+                reply.status, reply.content_type, tuple(reply.headers.items()), reply.body, reply.trace_id, sending_ns
+            )
         try:
-            return await _encoded(reply, headers.get("accept-encoding", ""), sending_ns)
+            return await _compressed(reply, encoding, sending_ns)
         except BaseException as exc:
             if reply.trace_id:  # its answer is lost: the trace ends without the response's send
                 self.core.sent(reply.trace_id, sending_ns, 0)
@@ -89,8 +96,8 @@ class HttpApp:
                 raise ShoalError(ErrorCode.PERMISSION_DENIED, f"This API is restricted, expecting header '{rule.key}'")
 
     async def _decoded(self, body: bytes, headers: dict[str, str]) -> bytes:
-        encoding = headers.get("content-encoding", "identity").strip().lower()
-        if encoding == "identity" or not body:
+        encoding = headers["content-encoding"].strip().lower()
+        if encoding == "identity":
             return body
         if encoding not in _WBITS:
             raise HttpError(501, "Unsupported compression type")
@@ -165,15 +172,12 @@ def _compress(body: bytes, encoding: str) -> bytes:
     return zlib.compress(body, COMPRESS_LEVEL)
 
 
-async def _encoded(reply: Reply, accept: str, sending_ns: int) -> Answer:
-    """``reply`` as written: compressed when the request accepts it and the reply may be."""
+async def _compressed(reply: Reply, encoding: str, sending_ns: int) -> Answer:
+    """``reply`` compressed as its request accepts (``encoding``: gzip or deflate)."""
     body = reply.body
-    headers = tuple(reply.headers.items())
-    encoding = _accepted_encoding(accept) if accept and body and reply.compressible else None
-    if encoding is not None:
-        if len(body) > OFF_LOOP_COMPRESS_BYTES:
-            body = await asyncio.to_thread(_compress, body, encoding)
-        else:
-            body = _compress(body, encoding)
-        headers += (("content-encoding", encoding),)
+    if len(body) > OFF_LOOP_COMPRESS_BYTES:
+        body = await asyncio.to_thread(_compress, body, encoding)
+    else:
+        body = _compress(body, encoding)
+    headers = (*reply.headers.items(), ("content-encoding", encoding))
     return Answer(reply.status, reply.content_type, headers, body, reply.trace_id, sending_ns)

@@ -49,6 +49,10 @@ REFUSED_LINGER_S = 2.0  # a refused connection reads (and drops) what its client
 MAX_LINGERING = 256  # refused connections lingering at once; past it one is closed at once (its answer may be lost)
 REFUSALS_LOG_INTERVAL_S = 60.0
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Header names as they were sent -> as requests carry them (lower case): the same few names come
+# with every request. Bounded: a client sending a new name each time would otherwise grow it forever.
+_HEADER_NAMES: dict[bytes, str] = {}
+MAX_HEADER_NAMES_KEPT = 512
 _STATUS_LINES = {status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode() for status in http.HTTPStatus}
 
 
@@ -231,8 +235,13 @@ class HttpConnection(asyncio.Protocol):
         assert self._parsing is not None
         if not self._in_head:
             return  # a chunked body's trailer: never a header of the request (a restriction's key, say)
+        key = _HEADER_NAMES.get(name)
+        if key is None:
+            key = name.decode("latin-1").lower()
+            if len(_HEADER_NAMES) < MAX_HEADER_NAMES_KEPT:
+                _HEADER_NAMES[name] = key
         # llhttp keeps trailing whitespace, which RFC 9110 (5.5) excludes from the value.
-        self._parsing.headers[name.decode("latin-1").lower()] = value.rstrip(b" \t").decode("latin-1")
+        self._parsing.headers[key] = value.rstrip(b" \t").decode("latin-1")
 
     def on_headers_complete(self) -> None:
         request = self._parsing
@@ -322,7 +331,8 @@ class HttpConnection(asyncio.Protocol):
         if not self._gone():
             assert self.transport is not None
             self.transport.write(_serialised(answer, close, with_body=request.method != "HEAD"))
-            sent_ns = time.monotonic_ns()
+            if answer.trace_id:
+                sent_ns = time.monotonic_ns()
         if answer.trace_id:
             self.app.sent(answer, sent_ns)
         self._queue.popleft()

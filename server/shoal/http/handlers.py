@@ -101,14 +101,19 @@ async def infer(core: Core, request: Request) -> Reply:
     header, binary = infer_body.split_body(request.body, request.headers.get(infer_body.HEADER_LENGTH))
     costly = off_loop.costly(len(request.body))
     convert_request = infer_body.infer_request_encoded if request.encoded_bytes else infer_body.infer_request
-    inference, binary_outputs = await _run(costly, convert_request, *_model(request), header, binary)
+    if costly:
+        inference, binary_outputs = await asyncio.to_thread(convert_request, *_model(request), header, binary)
+    else:  # called here, not through a coroutine: the usual request pays for none
+        inference, binary_outputs = convert_request(*_model(request), header, binary)
     try:
         response = await core.infer(inference, origin)
     except DecoupledRefused:  # in Triton's HTTP words (http_server.cc)
         raise DecoupledRefused("HTTP end point doesn't support models with decoupled transaction policy") from None
     try:
-        costly = costly or _costly_answer(response, binary_outputs)
-        body, header_length = await _run(costly, infer_body.infer_response, response, binary_outputs)
+        if costly or _costly_answer(response, binary_outputs):
+            body, header_length = await asyncio.to_thread(infer_body.infer_response, response, binary_outputs)
+        else:
+            body, header_length = infer_body.infer_response(response, binary_outputs)
     except BaseException:
         if response.trace_id:  # its answer is an error now: the trace ends without the response's send
             core.sent(response.trace_id, 0, 0)
@@ -134,11 +139,6 @@ def _costly_answer(response: InferResponse, binary_outputs: dict[str, bool]) -> 
         or (t.datatype is DataType.BYTES and not isinstance(t, EncodedTensor))
     )
     return off_loop.costly(sum(t.data.nbytes for t in response.outputs), per_element)
-
-
-async def _run(off_loop: bool, function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)``, on a worker thread when ``off_loop`` (a thread hop costs tens of µs)."""
-    return await asyncio.to_thread(function, *args) if off_loop else function(*args)
 
 
 async def repository_index(core: Core, request: Request) -> Reply:
