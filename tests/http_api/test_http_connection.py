@@ -288,3 +288,31 @@ def test_a_chunked_body_s_trailer_is_not_a_header_of_the_request(tmp_path: Path,
             b"2\r\n{}\r\n0\r\nadmin-key: secret\r\n\r\n"
         )
         assert _read_answer(sock, bytearray())[0] == 403
+
+
+def test_only_short_header_names_are_kept_decoded() -> None:
+    """The names kept across requests are bounded in length too: a head may be 1 MiB, and one long
+    name per request would otherwise stay in every serving process for good (~2 MiB each)."""
+    import asyncio
+
+    from shoal.http import connection
+    from shoal.http.app import HttpApp
+    from shoal.settings import HttpSettings
+
+    long_name = b"X-Long-" + b"a" * 100_000
+    before = len(connection._HEADER_NAMES)
+
+    async def read_head() -> dict[str, str]:
+        guard = connection.ConnectionGuard(HttpSettings(), 16)
+        reader = connection.HttpConnection(HttpApp(None, MAX_INPUT), guard)  # type: ignore[arg-type]
+        reader.on_message_begin()
+        reader.on_header(long_name, b"1")
+        reader.on_header(b"X-Short-Name-Kept", b"2")
+        assert reader._parsing is not None
+        return reader._parsing.headers
+
+    headers = asyncio.run(read_head())
+    assert headers == {long_name.decode().lower(): "1", "x-short-name-kept": "2"}  # read as ever
+    assert long_name not in connection._HEADER_NAMES
+    assert connection._HEADER_NAMES.get(b"X-Short-Name-Kept") == "x-short-name-kept"
+    assert len(connection._HEADER_NAMES) <= max(before + 1, connection.MAX_HEADER_NAMES_KEPT)

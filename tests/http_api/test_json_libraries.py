@@ -2,9 +2,9 @@
 
 The reference is ``json``'s reading and writing, which the endpoint used alone before: a header given
 as ``str`` takes that path (decoded as ``json`` decodes bytes), the same header as ``bytes`` the
-orjson one. Whatever the document, both
-must give the same values (or the same refusal), and an answer orjson writes must read back as the
-one ``json`` writes.
+orjson one. Whatever the document, both must give the same values (or the same refusal; the one
+exception, nesting between json's recursion limit and orjson's 1,024 levels, is read now), and an
+answer orjson writes must read back as the one ``json`` writes.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_any_bytes_read_or_refused_the_same(raw: bytes) -> None:
         '{"x":"\\ud800"}',
         "\ufeff{}",
         '{"a":1,"a":2}',
-        "[" * 1100 + "]" * 1100,
+        "[" * 1100 + "]" * 1100,  # past orjson's 1,024 levels and json's recursion: refused by json
         '{"x":0.1000000000000000055511151231257827}',
     ],
 )
@@ -109,3 +109,16 @@ def test_floats_are_written_by_json_as_triton_writes_them() -> None:
     assert infer_body._response_json(document, floats_written=True) == (
         b'{"outputs":[{"data":[NaN,Infinity,-Infinity,1e+16,0.1]}]}'
     )
+
+
+def test_nesting_within_orjson_s_limit_is_read_where_json_s_recursion_gave_up() -> None:
+    """The one reading that differs: json gave up (RecursionError) a few levels under orjson's 1,024,
+    where the interpreter's stack ends; such a header is read now, as Triton's rapidjson, which has no
+    limit of its own, reads it. Past 1,024 both refuse."""
+    document, _ = infer_body._parse_header(b'{"x":' + b"[" * 1020 + b"]" * 1020 + b"}")
+    depth, inner = 0, document["x"]
+    while inner:
+        depth, inner = depth + 1, inner[0]
+    assert depth == 1019
+    refused = _reading(b'{"x":' + b"[" * 1100 + b"]" * 1100 + b"}")
+    assert refused[0] == "refused" and refused[1].startswith("failed to parse the request JSON buffer")

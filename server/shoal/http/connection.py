@@ -50,9 +50,11 @@ MAX_LINGERING = 256  # refused connections lingering at once; past it one is clo
 REFUSALS_LOG_INTERVAL_S = 60.0
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # Header names as they were sent -> as requests carry them (lower case): the same few names come
-# with every request. Bounded: a client sending a new name each time would otherwise grow it forever.
+# with every request. Bounded in count and in each name's length: a client sending new names, or names
+# as long as a head may be (MAX_HEAD_BYTES), would otherwise make the server keep them for good.
 _HEADER_NAMES: dict[bytes, str] = {}
 MAX_HEADER_NAMES_KEPT = 512
+MAX_HEADER_NAME_KEPT_BYTES = 64
 _STATUS_LINES = {status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode() for status in http.HTTPStatus}
 
 
@@ -238,7 +240,7 @@ class HttpConnection(asyncio.Protocol):
         key = _HEADER_NAMES.get(name)
         if key is None:
             key = name.decode("latin-1").lower()
-            if len(_HEADER_NAMES) < MAX_HEADER_NAMES_KEPT:
+            if len(name) <= MAX_HEADER_NAME_KEPT_BYTES and len(_HEADER_NAMES) < MAX_HEADER_NAMES_KEPT:
                 _HEADER_NAMES[name] = key
         # llhttp keeps trailing whitespace, which RFC 9110 (5.5) excludes from the value.
         self._parsing.headers[key] = value.rstrip(b" \t").decode("latin-1")

@@ -173,7 +173,8 @@ def _parse_header(header: bytes | str) -> tuple[Any, bool]:
 
     The usual header (UTF-8, no 19-digit run) is read by orjson, which refuses everything it does not
     read as ``json`` does (``NaN``, a number past a double's range, a lone surrogate, a byte order mark,
-    nesting past 1,024): those are read again by ``json``, whose reading is the reference. A header
+    nesting past 1,024): those are read again by ``json``, whose reading is the reference. (Nesting
+    just under 1,024 levels, where json's recursion ran out, is read now, as rapidjson reads it.) A header
     without the word ``Infinity`` goes to ``json``'s shared decoder: one made per call (any argument to
     ``json.loads``) cost more than a small header's parse."""
     if type(header) is bytes and _NINETEEN_DIGITS not in header.translate(_DIGITS_AS_ZEROS):
