@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,3 +56,18 @@ def checked_out_server(revision: str) -> Iterator[Path]:
         for generated in (REPO_ROOT / "proto" / "shoal" / "protocol").glob("*_pb2.py"):
             shutil.copy(generated, package / "protocol" / generated.name)
         yield Path(folder)
+
+
+def child_figures(script: Path, arguments: list[str], python_path: Path | None = None) -> dict[str, float]:
+    """Run a benchmark's child process (``python script *arguments``) and return the figures it prints
+    as its last line (JSON); ``python_path``: a folder holding another revision's ``shoal``
+    (``checked_out_server``) for the child to import instead of this checkout's."""
+    environment = dict(os.environ)
+    if python_path is not None:
+        environment["PYTHONPATH"] = str(python_path)
+    command = [sys.executable, str(script), *arguments]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"the measurement failed:\n{done.stderr[-4000:]}")
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures

@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,8 +38,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._models import write_tiny  # noqa: E402
 from bench._perf import save_results  # noqa: E402
-from bench._server import REPO_ROOT, checked_out_server  # noqa: E402
+from bench._server import checked_out_server, child_figures  # noqa: E402
 
+SCRIPT = Path(__file__).resolve()
 WARM_UP_REQUESTS = 1000
 PIECE_CALLS = 20_000
 PIECES = ("infer_request_us", "infer_response_us", "json_read_us", "orjson_read_us", "json_write_us", "orjson_write_us")
@@ -192,18 +191,6 @@ def pieces_here() -> dict[str, float]:
     }
 
 
-def child(arguments: list[str], python_path: Path | None) -> dict[str, float]:
-    environment = dict(os.environ)
-    if python_path is not None:
-        environment["PYTHONPATH"] = str(python_path)
-    command = [sys.executable, str(Path(__file__).resolve()), *arguments]
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
-    if done.returncode != 0:
-        raise RuntimeError(f"the measurement failed:\n{done.stderr[-4000:]}")
-    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return figures
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=6000, help="requests measured per child")
@@ -228,14 +215,16 @@ def main() -> None:
         for round_number in range(args.rounds):
             for name, python_path in sides if round_number % 2 == 0 else sides[::-1]:
                 for core_kind in ("local", "stub"):
-                    figures = child(["--child", core_kind, str(args.concurrency), str(args.requests)], python_path)
+                    figures = child_figures(
+                        SCRIPT, ["--child", core_kind, str(args.concurrency), str(args.requests)], python_path
+                    )
                     rows.append({"round": round_number, "shoal": name, "core": core_kind} | figures)
                     print(
                         f"round {round_number} {name} core {core_kind}: loop CPU {figures['loop_cpu_us']:.1f} µs, "
                         f"wall {figures['wall_us']:.1f} µs per request",
                         flush=True,
                     )
-                pieces = child(["--pieces-child"], python_path)
+                pieces = child_figures(SCRIPT, ["--pieces-child"], python_path)
                 rows.append({"round": round_number, "shoal": name, "core": "pieces"} | pieces)
     print(f"\nMedians of {args.rounds} round(s), µs per request (c={args.concurrency}).")
     print("| shoal | core | loop thread CPU | wall |")

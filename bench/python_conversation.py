@@ -28,7 +28,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -39,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import CLOCK_TICKS, save_results  # noqa: E402
-from bench._server import REPO_ROOT, checked_out_server  # noqa: E402
+from bench._server import checked_out_server, child_figures  # noqa: E402
 from bench.python_backend import CONFIG, MODEL, MODEL_PY  # noqa: E402
 
 WARM_UP_BATCHES = 300
@@ -138,15 +137,7 @@ def round_trip_floor(round_trips: int, pinned: bool) -> dict[str, float]:
 
 def measure(batch_size: int, batches: int, python_path: Path | None) -> dict[str, float]:
     """One child process's figures (``python_path``: a folder holding another revision's ``shoal``)."""
-    environment = dict(os.environ)
-    if python_path is not None:
-        environment["PYTHONPATH"] = str(python_path)
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", str(batch_size), str(batches)]
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
-    if done.returncode != 0:
-        raise RuntimeError(f"the measurement failed:\n{done.stderr[-4000:]}")
-    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return figures
+    return child_figures(Path(__file__).resolve(), ["--child", str(batch_size), str(batches)], python_path)
 
 
 def main() -> None:
@@ -185,14 +176,7 @@ def main() -> None:
                     )
     if args.floor:
         for placement in ("free", "pinned"):
-            done = subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), "--floor-child", placement],
-                capture_output=True,
-                text=True,
-                timeout=600,
-                check=True,
-            )
-            floor = json.loads(done.stdout.strip().splitlines()[-1])
+            floor = child_figures(Path(__file__).resolve(), ["--floor-child", placement])
             rows.append({"shoal": f"round trip, {placement}"} | floor)
             print(
                 f"a bare process round trip, {placement}: {floor['wall_us']:.1f} µs wall, "
