@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from shoal.tools import local_server
@@ -71,3 +71,17 @@ def child_figures(script: Path, arguments: list[str], python_path: Path | None =
         raise RuntimeError(f"the measurement failed:\n{done.stderr[-4000:]}")
     figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return figures
+
+
+def revisions(stack: ExitStack, before: str) -> list[tuple[str, Path | None]]:
+    """The Shoals a ``--before REV`` benchmark measures: ("this checkout", None), and with ``before``
+    (before, the folder ``checked_out_server`` made of it, kept until ``stack`` closes)."""
+    sides: list[tuple[str, Path | None]] = [("this checkout", None)]
+    if before:
+        sides.append((before, stack.enter_context(checked_out_server(before))))
+    return sides
+
+
+def in_turn(sides: list[tuple[str, Path | None]], round_number: int) -> list[tuple[str, Path | None]]:
+    """``sides`` in a round's order: every other round reversed, so neither always goes first."""
+    return sides if round_number % 2 == 0 else sides[::-1]

@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._models import write_tiny  # noqa: E402
 from bench._perf import save_results  # noqa: E402
-from bench._server import checked_out_server, child_figures  # noqa: E402
+from bench._server import child_figures, in_turn, revisions  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 WARM_UP_REQUESTS = 1000
@@ -209,11 +209,9 @@ def main() -> None:
         return
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
-        sides: list[tuple[str, Path | None]] = [("this checkout", None)]
-        if args.before:
-            sides.append((args.before, stack.enter_context(checked_out_server(args.before))))
+        sides = revisions(stack, args.before)
         for round_number in range(args.rounds):
-            for name, python_path in sides if round_number % 2 == 0 else sides[::-1]:
+            for name, python_path in in_turn(sides, round_number):
                 for core_kind in ("local", "stub"):
                     figures = child_figures(
                         SCRIPT, ["--child", core_kind, str(args.concurrency), str(args.requests)], python_path

@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import CLOCK_TICKS, save_results  # noqa: E402
-from bench._server import checked_out_server, child_figures  # noqa: E402
+from bench._server import child_figures, in_turn, revisions  # noqa: E402
 from bench.python_backend import CONFIG, MODEL, MODEL_PY  # noqa: E402
 
 WARM_UP_BATCHES = 300
@@ -161,11 +161,9 @@ def main() -> None:
         return
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
-        sides: list[tuple[str, Path | None]] = [("this checkout", None)]
-        if args.before:
-            sides.append((args.before, stack.enter_context(checked_out_server(args.before))))
+        sides = revisions(stack, args.before)
         for round_number in range(args.rounds):
-            for name, python_path in sides if round_number % 2 == 0 else sides[::-1]:
+            for name, python_path in in_turn(sides, round_number):
                 for batch_size in args.batch:
                     figures = measure(batch_size, args.batches, python_path)
                     rows.append({"round": round_number, "shoal": name, "batch": batch_size} | figures)
