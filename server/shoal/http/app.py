@@ -31,9 +31,10 @@ COMPRESS_LEVEL = 6
 _MAX_INFLATION = 1032  # deflate's largest ratio: what a compressed body can grow to, at most
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Answer:
-    """What ``respond`` answers: the connection writes it as one HTTP/1.1 response."""
+    """What ``respond`` answers: the connection writes it as one HTTP/1.1 response (one request's, never
+    shared: see ``http.handlers.Request``)."""
 
     status: int
     content_type: str
@@ -141,7 +142,7 @@ def route(method: str, path: str) -> tuple[Handler, dict[str, str], str]:
         found = pattern.fullmatch(path)
         if found is None:
             continue
-        if method in methods.split("|"):
+        if method in methods:
             return handler, {k: v for k, v in found.groupdict().items() if v is not None}, category
         allowed = True
     if allowed:

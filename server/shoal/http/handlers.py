@@ -24,9 +24,13 @@ from shoal.tracing.trace import Origin
 
 # Past off_loop's thresholds (body bytes, or answer elements that cost Python work each: BYTES, JSON
 # values), decoding and encoding run on a worker thread, off the event loop.
+#
+# Request and Reply (and http.app's Answer) live for one request on the loop and are never shared:
+# plain slotted classes, made in 0.35 µs where a frozen dataclass took 0.9 (``object.__setattr__``
+# per field), three per request.
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Request:
     path: dict[str, str]  # the path's named parts: model, version, region
     headers: dict[str, str]  # lower-case names
@@ -36,7 +40,7 @@ class Request:
     started_ns: int = 0  # time.monotonic_ns() when its head was read: a trace's HTTP_RECV_START
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Reply:
     status: int = 200
     body: bytes = b""
@@ -218,9 +222,9 @@ Handler = Callable[[Core, Request], Awaitable[Reply]]
 _MODEL = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
 _REGION = r"(?:/region/(?P<region>[^/]+))?"
 
-# (pattern, methods, handler, restriction category), matched in order; methods separated by |.
-ROUTES: list[tuple[re.Pattern[str], str, Handler, str]] = [
-    (re.compile(pattern), method, handler, category)
+# (pattern, methods, handler, restriction category), matched in order; methods written separated by |.
+ROUTES: list[tuple[re.Pattern[str], frozenset[str], Handler, str]] = [
+    (re.compile(pattern), frozenset(method.split("|")), handler, category)
     for pattern, method, handler, category in (
         # First: every request walks the list until its pattern matches (no two patterns match one path).
         (_MODEL + "/infer", "POST", infer, "inference"),
