@@ -82,6 +82,9 @@ def revisions(stack: ExitStack, before: str) -> list[tuple[str, Path | None]]:
     return sides
 
 
-def in_turn(sides: list[tuple[str, Path | None]], round_number: int) -> list[tuple[str, Path | None]]:
-    """``sides`` in a round's order: every other round reversed, so neither always goes first."""
-    return sides if round_number % 2 == 0 else sides[::-1]
+def rounds_of(sides: list[tuple[str, Path | None]], rounds: int) -> Iterator[tuple[int, str, Path | None]]:
+    """(round, name, python_path) for each of ``sides`` in each round, every other round in the reverse
+    order, so neither always goes first."""
+    for round_number in range(rounds):
+        for name, python_path in sides if round_number % 2 == 0 else sides[::-1]:
+            yield round_number, name, python_path

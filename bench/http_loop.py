@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._models import write_tiny  # noqa: E402
 from bench._perf import save_results  # noqa: E402
-from bench._server import child_figures, in_turn, revisions  # noqa: E402
+from bench._server import child_figures, revisions, rounds_of  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 WARM_UP_REQUESTS = 1000
@@ -210,20 +210,19 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         sides = revisions(stack, args.before)
-        for round_number in range(args.rounds):
-            for name, python_path in in_turn(sides, round_number):
-                for core_kind in ("local", "stub"):
-                    figures = child_figures(
-                        SCRIPT, ["--child", core_kind, str(args.concurrency), str(args.requests)], python_path
-                    )
-                    rows.append({"round": round_number, "shoal": name, "core": core_kind} | figures)
-                    print(
-                        f"round {round_number} {name} core {core_kind}: loop CPU {figures['loop_cpu_us']:.1f} µs, "
-                        f"wall {figures['wall_us']:.1f} µs per request",
-                        flush=True,
-                    )
-                pieces = child_figures(SCRIPT, ["--pieces-child"], python_path)
-                rows.append({"round": round_number, "shoal": name, "core": "pieces"} | pieces)
+        for round_number, name, python_path in rounds_of(sides, args.rounds):
+            for core_kind in ("local", "stub"):
+                figures = child_figures(
+                    SCRIPT, ["--child", core_kind, str(args.concurrency), str(args.requests)], python_path
+                )
+                rows.append({"round": round_number, "shoal": name, "core": core_kind} | figures)
+                print(
+                    f"round {round_number} {name} core {core_kind}: loop CPU {figures['loop_cpu_us']:.1f} µs, "
+                    f"wall {figures['wall_us']:.1f} µs per request",
+                    flush=True,
+                )
+            pieces = child_figures(SCRIPT, ["--pieces-child"], python_path)
+            rows.append({"round": round_number, "shoal": name, "core": "pieces"} | pieces)
     print(f"\nMedians of {args.rounds} round(s), µs per request (c={args.concurrency}).")
     print("| shoal | core | loop thread CPU | wall |")
     print("|---|---|---|---|")

@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._perf import CLOCK_TICKS, save_results  # noqa: E402
-from bench._server import child_figures, in_turn, revisions  # noqa: E402
+from bench._server import child_figures, revisions, rounds_of  # noqa: E402
 from bench.python_backend import CONFIG, MODEL, MODEL_PY  # noqa: E402
 
 WARM_UP_BATCHES = 300
@@ -162,16 +162,15 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         sides = revisions(stack, args.before)
-        for round_number in range(args.rounds):
-            for name, python_path in in_turn(sides, round_number):
-                for batch_size in args.batch:
-                    figures = measure(batch_size, args.batches, python_path)
-                    rows.append({"round": round_number, "shoal": name, "batch": batch_size} | figures)
-                    print(
-                        f"round {round_number} {name} batch {batch_size}: "
-                        + ", ".join(f"{key} {value:.1f}" for key, value in figures.items()),
-                        flush=True,
-                    )
+        for round_number, name, python_path in rounds_of(sides, args.rounds):
+            for batch_size in args.batch:
+                figures = measure(batch_size, args.batches, python_path)
+                rows.append({"round": round_number, "shoal": name, "batch": batch_size} | figures)
+                print(
+                    f"round {round_number} {name} batch {batch_size}: "
+                    + ", ".join(f"{key} {value:.1f}" for key, value in figures.items()),
+                    flush=True,
+                )
     if args.floor:
         for placement in ("free", "pinned"):
             floor = child_figures(Path(__file__).resolve(), ["--floor-child", placement])
