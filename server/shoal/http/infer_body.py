@@ -46,7 +46,6 @@ _BYTES = DataType.BYTES.value
 # Found by turning every digit into 0 (a regular expression took 3 µs for a usual header, this 0.4).
 _DIGITS_AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
 _NINETEEN_DIGITS = b"0" * 19
-_FLOATS = frozenset((DataType.FP16, DataType.FP32, DataType.FP64, DataType.BF16))
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
@@ -181,7 +180,12 @@ def _parse_header(header: bytes | str) -> tuple[Any, bool]:
         try:
             return orjson.loads(header), False
         except orjson.JSONDecodeError:
-            pass  # read by json below: its document, or its refusal in its words
+            return _parse_with_json(header)  # its document, or its refusal in its words
+    return _parse_with_json(header)
+
+
+def _parse_with_json(header: bytes | str) -> tuple[Any, bool]:
+    """``_parse_header`` by ``json`` alone: the reference reading."""
     try:
         # As json.loads reads bytes (UTF-8, -16 or -32), decoded once here to look for the word.
         text = header if isinstance(header, str) else header.decode(json.detect_encoding(header), "surrogatepass")
@@ -276,7 +280,7 @@ def _input(
     except codec.WireFormatError as exc:
         raise invalid(f"input '{shown(name)}': {exc}") from None
     parameters = _object(entry.get("parameters", {}), "parameters")
-    region = None if _REGION_KEYS.isdisjoint(parameters) else shared_memory_slice(name, parameters)
+    region = shared_memory_slice(name, parameters)
     in_data, in_binary = "data" in entry, "binary_data_size" in parameters
     if in_data + in_binary + (region is not None) != 1:
         sources = {"data": in_data, "binary_data_size": in_binary, "shared_memory_region": region is not None}
@@ -448,7 +452,7 @@ def _outputs(
                     f"output '{shown(name)}': invalid value for 'classification' parameter, expected > 0, got {count}"
                 )
             counts[name] = count
-        if not _REGION_KEYS.isdisjoint(parameters) and (where := shared_memory_slice(name, parameters)) is not None:
+        if (where := shared_memory_slice(name, parameters)) is not None:
             regions[name] = where
     return tuple(names), counts, regions, binary
 
@@ -469,7 +473,7 @@ def infer_response(response: InferResponse, binary_outputs: dict[str, bool]) -> 
             chunks.append(raw)
         else:
             entry["data"] = _json_values(tensor.decoded() if isinstance(tensor, EncodedTensor) else tensor)
-            floats_written = floats_written or tensor.datatype in _FLOATS
+            floats_written = floats_written or tensor.datatype.numpy_dtype.kind in "fV"  # V: bfloat16
         outputs.append(entry)
     document: dict[str, Any] = {"id": response.id} if response.id else {}
     document.update(model_name=response.model_name, model_version=response.model_version, outputs=outputs)
@@ -484,12 +488,12 @@ def _response_json(document: dict[str, Any], floats_written: bool) -> bytes:
     strings), ``json``'s where floats are written (orjson writes ``NaN`` and the infinities as
     ``null``; Triton and ``json`` write them as such) or orjson refuses (an integer past 64 bits, a
     lone surrogate in an id)."""
-    if not floats_written:
-        try:
-            return orjson.dumps(document)
-        except orjson.JSONEncodeError:
-            pass
-    return COMPACT_JSON.encode(document).encode()
+    if floats_written:
+        return COMPACT_JSON.encode(document).encode()
+    try:
+        return orjson.dumps(document)
+    except orjson.JSONEncodeError:  # an integer past 64 bits, a lone surrogate in an id: as json writes them
+        return COMPACT_JSON.encode(document).encode()
 
 
 def _json_values(tensor: Tensor) -> list[Any]:
