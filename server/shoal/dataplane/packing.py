@@ -18,7 +18,7 @@ import asyncio
 import ctypes
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeAlias
 
 import numpy as np
@@ -116,6 +116,54 @@ def pack_at(arena: Arena, offset: int, tensors: Sequence[Tensor]) -> list[Slot]:
     return _write(arena, offset, tensors, payloads, sizes)
 
 
+def pack_feeds_at(arena: Arena, offset: int, feeds: Sequence[Mapping[str, np.ndarray]]) -> list[list[Slot]] | None:
+    """Several feeds' tensors copied into the arena from ``offset`` on, grouped by name: each name's
+    tensors back to back, in one copy for all the feeds (``np.concatenate``), not one per tensor; per
+    feed its slots, as ``pack_at`` gives them. For a batch's requests, which the batcher made alike.
+
+    None when the feeds are not alike as this needs (names in another order, a BYTES or object array,
+    a dtype of no Triton datatype, dtypes differing between feeds): ``pack_at`` packs those tensor by
+    tensor. Each name's group starts aligned, so each view is aligned to its item size. Raises
+    ``PoolFull`` as ``pack_at`` does, nothing written. bench/python_conversation.py: a batch of 8
+    small inputs 4x faster to pack than tensor by tensor."""
+    if not feeds:
+        return []
+    names = tuple(feeds[0])
+    groups = []
+    end = offset
+    for name in names:
+        arrays = []
+        for feed in feeds:
+            array = feed.get(name)
+            if not isinstance(array, np.ndarray):
+                return None
+            arrays.append(array)
+        dtype = arrays[0].dtype
+        if dtype.hasobject or any(array.dtype != dtype for array in arrays):
+            return None
+        try:
+            datatype = DataType.from_numpy(dtype)
+        except ValueError:
+            return None
+        groups.append((name, datatype, arrays, end))
+        end += -(-sum(array.nbytes for array in arrays) // ALIGNMENT) * ALIGNMENT
+    if any(tuple(feed) != names for feed in feeds[1:]):
+        return None
+    if end > arena.size:
+        raise PoolFull(end - offset, max(0, arena.size - offset), arena.size)
+    slots: list[list[Slot]] = [[] for _ in feeds]
+    for name, datatype, arrays, start in groups:
+        position = start
+        for feed_slots, array in zip(slots, arrays, strict=True):
+            feed_slots.append((name, datatype.value, array.shape, position, array.nbytes))
+            position += array.nbytes
+        if position > start:
+            dtype = datatype.numpy_dtype
+            into = np.frombuffer(arena.map, dtype, (position - start) // dtype.itemsize, start)
+            np.concatenate([array.reshape(-1) for array in arrays], out=into)
+    return slots
+
+
 def _write(
     arena: Arena, start: int, tensors: Sequence[Tensor], payloads: list[np.ndarray | bytes], sizes: list[int]
 ) -> list[Slot]:
@@ -175,6 +223,28 @@ def unpack(
     if not writable:
         buffer = buffer.toreadonly()  # the arrays are read-only, as decoded ones are
     return tuple(_tensor(buffer, first, slot, encoded_bytes, on_unfit) for slot in slots)
+
+
+def unpack_copies(arena: Arena, slots: Sequence[Slot]) -> list[np.ndarray]:
+    """The slots' tensors as arrays of their own (writable; the arena is rewritten by the next message).
+
+    Numeric tensors are made from one copy of the bytes the slots span, not one copy each (a batch's
+    outputs lie back to back), when the span holds little else: bench/python_conversation.py. BYTES
+    are decoded (``unpack``)."""
+    if not slots:
+        return []
+    first = min(slot[3] for slot in slots)
+    end = max(slot[3] + slot[4] for slot in slots)
+    numeric = all(slot[1] != DataType.BYTES.value for slot in slots)
+    if not numeric or end - first > 2 * sum(slot[4] for slot in slots) + ALIGNMENT * len(slots):
+        return [t.data if t.datatype is DataType.BYTES else t.data.copy() for t in unpack(arena, slots)]
+    copy = np.frombuffer(arena.map, np.uint8, end - first, first).copy()
+    arrays = []
+    for _, datatype_name, shape, offset, _ in slots:
+        count = math.prod(shape)
+        dtype = BY_NAME[datatype_name].numpy_dtype
+        arrays.append(np.frombuffer(copy, dtype, count, offset - first if count else 0).reshape(shape))
+    return arrays
 
 
 def _tensor(

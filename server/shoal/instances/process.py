@@ -67,7 +67,6 @@ from shoal.instances.worker_pipe import (
     as_tensors,
     trim,
 )
-from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -299,8 +298,8 @@ class ProcessModel:
                     raise RuntimeError(reply.message if isinstance(reply, Failed) else f"the worker answered {reply!r}")
                 responses = self._arenas[RESPONSES]
                 results = {
-                    t.name: t.data if t.datatype is DataType.BYTES else t.data.copy()
-                    for t in packing.unpack(responses, reply.outputs)
+                    slot[0]: array
+                    for slot, array in zip(reply.outputs, packing.unpack_copies(responses, reply.outputs), strict=True)
                 }
                 trim(responses, packing.extent(reply.outputs))
                 return results

@@ -75,7 +75,6 @@ from shoal.instances.worker_pipe import (
     take,
     trim,
 )
-from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -316,25 +315,23 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         trim(self._arenas[REQUESTS], self._reply_offset)  # the batch's inputs, then its BLS calls' outputs
 
     def _pack_inputs(self, batch: Sequence[Any], may_grow: bool = True) -> tuple[list[PipedRequest], int]:
-        """The batch's inputs copied into the REQUESTS arena (in one pass for the whole batch, each tensor
-        aligned), and each request's message; with the bytes they take."""
-        feeds = [as_tensors(pending.feed) for pending in batch]
-        tensors = [tensor for feed in feeds for tensor in feed]
+        """The batch's inputs copied into the REQUESTS arena (grouped by name, one copy per input for
+        the whole batch, ``packing.pack_feeds_at``; tensor by tensor where the requests differ), and
+        each request's message; with the bytes they take."""
         while True:
             try:
-                slots = packing.pack_at(self._arenas[REQUESTS], 0, tensors)
+                laid_out = self._lay_out([pending.feed for pending in batch])
                 break
             except PoolFull as full:
                 if not may_grow:
                     raise
                 self._grow(REQUESTS, full.wanted)
-        laid_out = iter(slots)
         requests = []
-        for pending, feed in zip(batch, feeds, strict=True):
+        for pending, slots in zip(batch, laid_out, strict=True):
             data = runner.request_data({}, pending.outputs, pending.context, getattr(pending, "traced", None))
             requests.append(
                 PipedRequest(
-                    list(itertools.islice(laid_out, len(feed))),
+                    slots,
                     list(data.outputs),
                     data.request_id,
                     data.correlation_id,
@@ -343,7 +340,17 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                     data.trace_context,
                 )
             )
-        return requests, aligned(packing.extent(slots))
+        return requests, aligned(max((packing.extent(slots) for slots in laid_out), default=0))
+
+    def _lay_out(self, feeds: list[Any]) -> list[list[packing.Slot]]:
+        """Each feed's slots in the REQUESTS arena, written from its start (PoolFull when they do not fit)."""
+        arena = self._arenas[REQUESTS]
+        grouped = packing.pack_feeds_at(arena, 0, feeds)
+        if grouped is not None:
+            return grouped
+        tensors = [as_tensors(feed) for feed in feeds]
+        slots = iter(packing.pack_at(arena, 0, [tensor for feed in tensors for tensor in feed]))
+        return [list(itertools.islice(slots, len(feed))) for feed in tensors]
 
     def _conversation(self, deadline: float | None, first: Any = None) -> list[Answer]:
         """Serve the worker's BLS calls and arena requests until it answers the batch; ``first``: a
@@ -483,22 +490,17 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         self._post(BlsReply(call_id, result, slots, final, self._batch))
 
     def _unpack_outputs(self, answers: list[Answer]) -> list[dict[str, Any] | ShoalError]:
-        """Each answer's outputs copied out of the RESPONSES arena (unpacked for the whole batch at once:
-        one view of the arena, not one per request), or its error."""
+        """Each answer's outputs copied out of the RESPONSES arena (for the whole batch at once:
+        ``packing.unpack_copies``), or its error."""
         responses = self._arenas[RESPONSES]
         slots = [slot for answer in answers if not answer.error for slot in answer.outputs]
-        tensors = iter(packing.unpack(responses, slots))
+        arrays = iter(packing.unpack_copies(responses, slots))
         results: list[dict[str, Any] | ShoalError] = []
         for outputs, error, code in answers:
             if error:
                 results.append(ShoalError(ErrorCode(code), error))
                 continue
-            results.append(
-                {
-                    t.name: t.data if t.datatype is DataType.BYTES else t.data.copy()
-                    for t in itertools.islice(tensors, len(outputs))
-                }
-            )
+            results.append({slot[0]: next(arrays) for slot in outputs})
         trim(responses, packing.extent(slots))
         return results
 

@@ -229,7 +229,7 @@ def put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[pack
 
 def take(arena: Arena, slots: list[packing.Slot]) -> dict[str, Any]:
     """Copies of the tensors at ``slots`` (the arena is rewritten by the next batch)."""
-    return {t.name: t.data if t.datatype.value == "BYTES" else t.data.copy() for t in packing.unpack(arena, slots)}
+    return {slot[0]: array for slot, array in zip(slots, packing.unpack_copies(arena, slots), strict=True)}
 
 
 def pickled(message: Any) -> bytes:
