@@ -114,6 +114,8 @@ def test_alike_feeds_pack_grouped_by_name_and_each_unpacks_as_its_own(arena: Are
         {"a": np.zeros(2, np.float32)},  # a name missing
         {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.int32), "c": np.zeros(1, np.int8)},  # one more
         {"a": np.zeros(2, np.float32), "b": np.array([b"x", b"y"], dtype=object)},  # BYTES
+        {"a": np.zeros(2, np.float32), "b": np.array([b"x", b"y"])},  # BYTES as numpy bytes (S1)
+        {"a": np.zeros(2, np.float32), "b": np.array(["x", "y"])},  # BYTES as numpy str (U1)
         {"a": np.zeros(2, np.float32), "b": [0, 0]},  # not an array
     ],
 )
@@ -122,6 +124,39 @@ def test_feeds_that_are_not_alike_are_left_to_pack_at_with_nothing_written(arena
     first = {"a": np.ones(2, np.float32), "b": np.ones(2, np.int32)}
     assert packing.pack_feeds_at(arena, 0, [first, second]) is None
     assert arena.map[:8] == b"untouchd"
+
+
+@pytest.mark.parametrize("strings", [np.array([b"x", b"yz"]), np.array(["x", "yz"])])
+def test_numpy_strings_are_bytes_and_left_to_pack_at(arena: Arena, strings: np.ndarray) -> None:
+    """``S`` and ``U`` arrays are BYTES (encoded element by element): alike as they are, never grouped
+    (grouping them raised, in review)."""
+    assert packing.pack_feeds_at(arena, 0, [{"s": strings}, {"s": strings}]) is None
+
+
+def test_copies_share_no_bytes_and_keep_little_of_each_other_alive() -> None:
+    """Copies made in one piece never overlap (slots that do are copied one by one), and a batch's
+    large tensors are copied one by one: an output kept alive keeps at most ONE_COPY_BYTES of the
+    others (one copy of a batch of 8 MB outputs kept all of them alive for any one, in review)."""
+    created = Arena.create("shoal-test-copies", 1 << 20)
+    try:
+        small = [np.arange(16, dtype=np.int32) + k for k in range(4)]
+        large = [np.full(48 << 10, k, dtype=np.uint8) for k in range(4)]  # 4 x 48 KiB: past one copy's span
+        for arrays in (small, large):
+            slots = packing.pack_feeds_at(created, 0, [{"x": array} for array in arrays])
+            assert slots is not None
+            copies = packing.unpack_copies(created, [feed_slots[0] for feed_slots in slots])
+            for index, (sent, copy) in enumerate(zip(arrays, copies, strict=True)):
+                assert np.array_equal(sent, copy) and copy.flags.writeable
+                kept = copy if copy.base is None else copy.base
+                assert kept.nbytes <= max(copy.nbytes, packing.ONE_COPY_BYTES)
+                assert not any(np.shares_memory(copy, other) for other in copies[index + 1 :])
+        packing.pack_feeds_at(created, 0, [{"x": small[0]}])
+        overlapping = [("a", "INT32", (4,), 0, 16), ("b", "INT32", (4,), 8, 16)]
+        first, second = packing.unpack_copies(created, overlapping)
+        first[:] = -1
+        assert second.tolist() == small[0][2:6].tolist()
+    finally:
+        created.close()
 
 
 def test_feeds_that_do_not_fit_write_nothing_and_say_what_they_need(arena: Arena) -> None:

@@ -31,6 +31,7 @@ from shoal.request_types import EncodedTensor, Tensor
 
 Slot: TypeAlias = tuple[str, str, tuple[int, ...], int, int]
 NO_BLOCK = -1  # a message whose tensors hold no bytes at all needs no block
+ONE_COPY_BYTES = 64 << 10  # unpack_copies copies a batch's small tensors at once, up to this span
 # Past off_loop.OFF_LOOP_ELEMENTS BYTES elements, packing or unpacking a message is Python work per
 # element (ms): callers do it on a worker thread, off their event loop (``costly``).
 
@@ -121,9 +122,10 @@ def pack_feeds_at(arena: Arena, offset: int, feeds: Sequence[Mapping[str, np.nda
     tensors back to back, in one copy for all the feeds (``np.concatenate``), not one per tensor; per
     feed its slots, as ``pack_at`` gives them. For a batch's requests, which the batcher made alike.
 
-    None when the feeds are not alike as this needs (names in another order, a BYTES or object array,
-    a dtype of no Triton datatype, dtypes differing between feeds): ``pack_at`` packs those tensor by
-    tensor. Each name's group starts aligned, so each view is aligned to its item size. Raises
+    None when the feeds are not alike as this needs (names in another order, BYTES: an object, bytes
+    or str array, a dtype of no Triton datatype, dtypes differing between feeds): ``pack_at`` packs
+    those tensor by tensor. The first group starts at ``offset`` (both callers pass an aligned one),
+    each later one on an ``ALIGNMENT`` boundary, so each view is aligned to its item size. Raises
     ``PoolFull`` as ``pack_at`` does, nothing written. bench/python_conversation.py: a batch of 8
     small inputs 4x faster to pack than tensor by tensor."""
     if not feeds:
@@ -139,11 +141,13 @@ def pack_feeds_at(arena: Arena, offset: int, feeds: Sequence[Mapping[str, np.nda
                 return None
             arrays.append(array)
         dtype = arrays[0].dtype
-        if dtype.hasobject or any(array.dtype != dtype for array in arrays):
+        if any(array.dtype != dtype for array in arrays):
             return None
         try:
             datatype = DataType.from_numpy(dtype)
         except ValueError:
+            return None
+        if datatype is DataType.BYTES:  # encoded element by element (pack_at)
             return None
         groups.append((name, datatype, arrays, end))
         end += -(-sum(array.nbytes for array in arrays) // ALIGNMENT) * ALIGNMENT
@@ -228,23 +232,47 @@ def unpack(
 def unpack_copies(arena: Arena, slots: Sequence[Slot]) -> list[np.ndarray]:
     """The slots' tensors as arrays of their own (writable; the arena is rewritten by the next message).
 
-    Numeric tensors are made from one copy of the bytes the slots span, not one copy each (a batch's
-    outputs lie back to back), when the span holds little else: bench/python_conversation.py. BYTES
-    are decoded (``unpack``)."""
-    if not slots:
-        return []
-    first = min(slot[3] for slot in slots)
-    end = max(slot[3] + slot[4] for slot in slots)
-    numeric = all(slot[1] != DataType.BYTES.value for slot in slots)
-    if not numeric or end - first > 2 * sum(slot[4] for slot in slots) + ALIGNMENT * len(slots):
+    Small numeric tensors lying back to back (a batch's outputs) are made from one copy of the bytes
+    they span, not one copy each (bench/python_conversation.py); they then share that copy, which is
+    why it is only taken up to ``ONE_COPY_BYTES`` (an output kept keeps at most that much of its
+    batch's others alive) and only for slots whose bytes do not overlap (no two tensors share bytes).
+    Else each is copied on its own, BYTES decoded (``unpack``)."""
+    laid_out = _back_to_back(slots)
+    if laid_out is None:
         return [t.data if t.datatype is DataType.BYTES else t.data.copy() for t in unpack(arena, slots)]
+    if not laid_out:
+        return []
+    first = min(offset for _, _, _, offset, _ in laid_out)
+    end = max(offset + nbytes for _, _, _, offset, nbytes in laid_out)
     copy = np.frombuffer(arena.map, np.uint8, end - first, first).copy()
-    arrays = []
-    for _, datatype_name, shape, offset, _ in slots:
+    return [
+        np.frombuffer(copy, dtype, count, offset - first if count else 0).reshape(shape)
+        for dtype, count, shape, offset, _ in laid_out
+    ]
+
+
+def _back_to_back(slots: Sequence[Slot]) -> list[tuple[np.dtype, int, tuple[int, ...], int, int]] | None:
+    """Each slot's (dtype, elements, shape, offset, bytes) when one copy serves them all (see
+    ``unpack_copies``): numeric, bytes as their shape says, none overlapping, spanning at most
+    ``ONE_COPY_BYTES`` and little else; else None."""
+    laid_out = []
+    for _, datatype_name, shape, offset, nbytes in slots:
+        datatype = BY_NAME.get(datatype_name)
+        if datatype is None or datatype is DataType.BYTES:
+            return None
+        dtype = datatype.numpy_dtype
         count = math.prod(shape)
-        dtype = BY_NAME[datatype_name].numpy_dtype
-        arrays.append(np.frombuffer(copy, dtype, count, offset - first if count else 0).reshape(shape))
-    return arrays
+        if nbytes != count * dtype.itemsize or nbytes > ONE_COPY_BYTES:
+            return None
+        laid_out.append((dtype, count, tuple(shape), offset, nbytes))
+    ordered = sorted((offset, offset + nbytes) for _, _, _, offset, nbytes in laid_out)
+    if any(after < before for (_, before), (after, _) in zip(ordered, ordered[1:], strict=False)):
+        return None
+    if ordered and ordered[-1][1] - ordered[0][0] > min(
+        ONE_COPY_BYTES, 2 * sum(n for *_, n in laid_out) + ALIGNMENT * len(laid_out)
+    ):
+        return None
+    return laid_out
 
 
 def _tensor(
