@@ -126,8 +126,8 @@ def pack_feeds_at(arena: Arena, offset: int, feeds: Sequence[Mapping[str, np.nda
     or str array, a dtype of no Triton datatype, dtypes differing between feeds): ``pack_at`` packs
     those tensor by tensor. The first group starts at ``offset`` (both callers pass an aligned one),
     each later one on an ``ALIGNMENT`` boundary, so each view is aligned to its item size. Raises
-    ``PoolFull`` as ``pack_at`` does, nothing written. bench/python_conversation.py: a batch of 8
-    small inputs 4x faster to pack than tensor by tensor."""
+    ``PoolFull`` as ``pack_at`` does, nothing written. What it spares a process instance's batch:
+    bench/python_conversation.py."""
     if not feeds:
         return []
     names = tuple(feeds[0])
