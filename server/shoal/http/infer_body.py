@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,10 @@ _BYTES = DataType.BYTES.value
 # Found by turning every digit into 0 (a regular expression took 3 µs for a usual header, this 0.4).
 _DIGITS_AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
 _NINETEEN_DIGITS = b"0" * 19
+# Where json reads a header, a number past a double's range has an exponent of 100 or more or 100
+# digits in a row (one of 309 with no exponent; one of 209 with an exponent under 100): a header
+# with neither holds no such number and is read as it is; one with either is read checking each number.
+_MAYBE_PAST_A_DOUBLE = re.compile(r"[eE]\+?0*[1-9]\d\d|\d{100}")
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
@@ -83,7 +88,7 @@ def infer_request(
 ) -> tuple[InferRequest, dict[str, bool]]:
     """The core's request, and for each requested output whether it goes back as binary data.
     ``encoded_bytes``: binary BYTES inputs are left as the wire carries them, unchecked."""
-    document, infinity_written = _parse_header(header)
+    document = _parse_header(header)
     if not isinstance(document, dict):
         raise invalid("Unable to parse 'inputs': the inference request must be a JSON object")
     inputs_json = document.get("inputs")
@@ -99,15 +104,13 @@ def infer_request(
                 raise invalid(
                     f"parameter '{shown(key)}' has invalid type. It should be either 'int', 'bool', or 'string'."
                 )
-            if isinstance(value, float) and math.isinf(value) and not infinity_written:
-                raise _too_big(f"the value of parameter '{shown(key)}'")
     _check_bytes_cost(model, inputs_json)
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
     offset = 0
     unfit = UnfitContents(model)
     for entry in inputs_json:
-        tensor, used = _input(unfit, _object(entry, "inputs"), binary[offset:], infinity_written, encoded_bytes)
+        tensor, used = _input(unfit, _object(entry, "inputs"), binary[offset:], encoded_bytes)
         offset += used
         if isinstance(tensor, RegionInput):
             region_inputs.append(tensor)
@@ -163,57 +166,52 @@ def _is_uint64(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**64  # not a bool, not 5.0
 
 
-def _parse_header(header: bytes | str) -> tuple[Any, bool]:
-    """The JSON header, and whether it writes ``Infinity`` or ``-Infinity`` (``NaN`` and both infinities
-    are read, as Triton's rapidjson reads them). A number past a double's range is refused, as
-    rapidjson refuses it, where Python would read it as infinity: without an infinity written, every
-    infinite value is such a number (``json_data`` refuses it); with one, the header is read again
-    checking each number, a cost (about 1.5x the parse) only such requests pay.
+def _parse_header(header: bytes | str) -> Any:
+    """The JSON header, read as Triton's rapidjson reads it: ``NaN`` and both infinities are read, and
+    a number past a double's range is refused (where Python would read it as infinity), wherever it
+    is in the document, read or not.
 
     The usual header (UTF-8, no 19-digit run) is read by orjson, which refuses everything it does not
     read as ``json`` does (``NaN``, a number past a double's range, a lone surrogate, a byte order mark,
     nesting past 1,024): those are read again by ``json``, whose reading is the reference. (Nesting
-    just under 1,024 levels, where json's recursion ran out, is read now, as rapidjson reads it.) A header
-    without the word ``Infinity`` goes to ``json``'s shared decoder: one made per call (any argument to
-    ``json.loads``) cost more than a small header's parse."""
+    just under 1,024 levels, where json's recursion ran out, is read now, as rapidjson reads it.)"""
     if type(header) is bytes and _NINETEEN_DIGITS not in header.translate(_DIGITS_AS_ZEROS):
         try:
-            return orjson.loads(header), False
+            return orjson.loads(header)
         except orjson.JSONDecodeError:
             return _parse_with_json(header)  # its document, or its refusal in its words
     return _parse_with_json(header)
 
 
-def _parse_with_json(header: bytes | str) -> tuple[Any, bool]:
-    """``_parse_header`` by ``json`` alone: the reference reading."""
+def _parse_with_json(header: bytes | str) -> Any:
+    """``_parse_header`` by ``json`` alone: the reference reading. Each number is checked only in a
+    header that may hold one past a double's range (``_MAYBE_PAST_A_DOUBLE``): any argument to
+    ``json.loads`` makes a decoder per call, which costs more than a small header's parse."""
     try:
-        # As json.loads reads bytes (UTF-8, -16 or -32), decoded once here to look for the word.
+        # As json.loads reads bytes (UTF-8, -16 or -32), decoded once here to look for such numbers.
         text = header if isinstance(header, str) else header.decode(json.detect_encoding(header), "surrogatepass")
-        if "Infinity" not in text:
-            return json.loads(text), False
-        return _parse_with_infinities(text)
+        if _MAYBE_PAST_A_DOUBLE.search(text) is None:
+            return json.loads(text)
+        return json.loads(text, parse_float=_double, parse_int=_integer)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
         raise invalid(f"failed to parse the request JSON buffer: {exc}") from None
-
-
-def _parse_with_infinities(text: str) -> tuple[Any, bool]:
-    written = False
-
-    def constant(name: str) -> float:
-        nonlocal written
-        written = written or name != "NaN"
-        return float(name)
-
-    document = json.loads(text, parse_constant=constant)
-    if written:
-        document = json.loads(text, parse_float=_double)
-    return document, written
 
 
 def _double(text: str) -> float:
     value = float(text)
     if math.isinf(value):
         raise _too_big(text)
+    return value
+
+
+def _integer(text: str) -> int:
+    """An integer, refused past a double's range (rapidjson reads one past 64 bits as a double)."""
+    value = int(text)
+    if len(text) > 308:  # 1e308 and up; a double ends at ~1.8e308
+        try:
+            float(value)
+        except OverflowError:
+            raise _too_big(text) from None
     return value
 
 
@@ -255,11 +253,10 @@ def _object(value: Any, what: str) -> dict[str, Any]:
 
 
 def _input(
-    unfit: UnfitContents, entry: dict[str, Any], binary: memoryview, infinity_written: bool, encoded_bytes: bool = False
+    unfit: UnfitContents, entry: dict[str, Any], binary: memoryview, encoded_bytes: bool = False
 ) -> tuple[Tensor | RegionInput, int]:
     """One input and the binary bytes it took (binary content that does not fit its shape is noted
-    in ``unfit``, binary BYTES left encoded with ``encoded_bytes``); ``infinity_written``: see
-    ``_parse_header``."""
+    in ``unfit``, binary BYTES left encoded with ``encoded_bytes``)."""
     name, datatype_name, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
     if (
         not isinstance(name, str)
@@ -293,7 +290,7 @@ def _input(
     if region is not None:
         return RegionInput(name, datatype, dims, region), 0
     if in_data:
-        return Tensor(name, datatype, dims, json_data(name, datatype, dims, entry["data"], infinity_written)), 0
+        return Tensor(name, datatype, dims, json_data(name, datatype, dims, entry["data"])), 0
     size = parameters["binary_data_size"]
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise invalid(f"input '{shown(name)}': 'binary_data_size' must be a non-negative integer")
@@ -308,10 +305,10 @@ def _input(
 _KINDS_ACCEPTED = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "V": "iuf"}  # V: ml_dtypes' bfloat16
 
 
-def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any, infinity_written: bool) -> np.ndarray:
+def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) -> np.ndarray:
     """``data``, flat or nested, as an array of ``shape``; values of the wrong kind are refused
-    (a float for an integer type, a number for BYTES), never silently converted. Without
-    ``infinity_written`` an infinite value was a number past a double's range (``_parse_header``)."""
+    (a float for an integer type, a number for BYTES), never silently converted. An infinite value
+    was written so (``_parse_header`` refuses a number past a double's range)."""
     try:
         values = np.asarray(data)
     except ValueError:
@@ -348,8 +345,6 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any, 
         converted = flat.astype(target)
     if kind in "iu" and target.kind in "iu" and not np.array_equal(converted, flat):
         raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
-    if kind == "f" and not infinity_written and np.isinf(flat).any():
-        raise _too_big(f"a value of input '{shown(name)}'")
     if (
         target.kind in "fV"
         and flat.size
@@ -375,17 +370,14 @@ def _large_integers(name: str, datatype: DataType, shape: tuple[int, ...], data:
 
 def _integers_as_doubles(name: str, datatype: DataType, flat: np.ndarray) -> np.ndarray:
     """Numbers for a float type among which numpy found integers past 64 bits (it keeps them as
-    objects): read as doubles, as Triton reads them; one past a double's range is refused."""
+    objects): read as doubles, as Triton reads them (none is past a double's range: ``_parse_header``)."""
     items = flat.tolist()
     if not all(type(item) in (int, float) for item in items):  # not a bool, a string or a list
         raise invalid(
             f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, "
             "got values of mixed types"
         )
-    try:
-        return np.array([float(item) for item in items])
-    except OverflowError:
-        raise _too_big(f"a value of input '{shown(name)}'") from None
+    return np.array([float(item) for item in items])
 
 
 def _kind_name(kind: str) -> str:
