@@ -50,7 +50,9 @@ _NINETEEN_DIGITS = b"0" * 19
 # Where json reads a header, a number past a double's range has an exponent of 100 or more or 100
 # digits in a row (one of 309 with no exponent; one of 209 with an exponent under 100): a header
 # with neither holds no such number and is read as it is; one with either is read checking each number.
-_MAYBE_PAST_A_DOUBLE = re.compile(r"[eE]\+?0*[1-9]\d\d|\d{100}")
+# Two scans of the UTF-8 bytes (one regular expression with both took ten times a 4 MB header's parse).
+_BIG_EXPONENT = re.compile(rb"[eE]\+?0*[1-9][0-9][0-9]")
+_HUNDRED_DIGITS = b"0" * 100
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
@@ -185,12 +187,17 @@ def _parse_header(header: bytes | str) -> Any:
 
 def _parse_with_json(header: bytes | str) -> Any:
     """``_parse_header`` by ``json`` alone: the reference reading. Each number is checked only in a
-    header that may hold one past a double's range (``_MAYBE_PAST_A_DOUBLE``): any argument to
-    ``json.loads`` makes a decoder per call, which costs more than a small header's parse."""
+    header that may hold one past a double's range (``_BIG_EXPONENT``, ``_HUNDRED_DIGITS``): any
+    argument to ``json.loads`` makes a decoder per call, which costs more than a small header's parse."""
     try:
-        # As json.loads reads bytes (UTF-8, -16 or -32), decoded once here to look for such numbers.
-        text = header if isinstance(header, str) else header.decode(json.detect_encoding(header), "surrogatepass")
-        if _MAYBE_PAST_A_DOUBLE.search(text) is None:
+        # As json.loads reads bytes (UTF-8, -16 or -32), decoded once here; looked at as UTF-8.
+        if isinstance(header, str):
+            text, utf8 = header, header.encode("utf-8", "surrogatepass")
+        else:
+            encoding = json.detect_encoding(header)
+            text = header.decode(encoding, "surrogatepass")
+            utf8 = header if encoding == "utf-8" else text.encode("utf-8", "surrogatepass")
+        if _BIG_EXPONENT.search(utf8) is None and _HUNDRED_DIGITS not in utf8.translate(_DIGITS_AS_ZEROS):
             return json.loads(text)
         return json.loads(text, parse_float=_double, parse_int=_integer)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
@@ -206,12 +213,13 @@ def _double(text: str) -> float:
 
 def _integer(text: str) -> int:
     """An integer, refused past a double's range (rapidjson reads one past 64 bits as a double)."""
-    value = int(text)
-    if len(text) > 308:  # 1e308 and up; a double ends at ~1.8e308
-        try:
-            float(value)
-        except OverflowError:
-            raise _too_big(text) from None
+    if len(text) <= 308:  # under 1e308 (a double ends at ~1.8e308)
+        return int(text)
+    try:
+        value = int(text)  # past 4,300 digits Python refuses to read it (ValueError): far past a double
+        float(value)
+    except (ValueError, OverflowError):
+        raise _too_big(text) from None
     return value
 
 
