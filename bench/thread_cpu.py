@@ -10,6 +10,13 @@ row. Threads are named by their Python names when ``py-spy`` is installed (``py-
 event loop is ``MainThread``, the model's thread ``<model>:<instance>``, pygrpc-native's hand-over
 thread ``pygrpc-native-dispatch``), else by the kernel's (``grpc-native-io`` is pygrpc-native's
 HTTP/2 thread, in Rust). Prints a markdown table and writes bench/results/thread_cpu.csv.
+
+A second table says how the instance's time went, from the model's statistics over the same run
+(``batch_stats``): requests per batch, the time a batch spent in the instance (its ``compute_infer``:
+from the executor's start to its answer, the hops and the worker's pipe included), and the share of
+the run the instance was so busy (that time x batches per second, batches per second being
+perf_analyzer's throughput over requests per batch). An instance busy well under 100% while 16
+clients wait is a server whose requests wait elsewhere: in the event loop, on the way in and out.
 """
 
 from __future__ import annotations
@@ -65,13 +72,34 @@ def python_thread_names(pid: int) -> dict[int, str]:
     return {int(m[1]): m[2] for line in dump.splitlines() if (m := _PY_SPY_THREAD.match(line))}
 
 
+def batches_so_far(url: str) -> tuple[int, int, int]:
+    """The model's (requests, batches, ns its batches spent in the instance), summed over batch sizes."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(url) as client:  # closed again: no connection left during a run
+        stats = client.get_inference_statistics(model_name=MODEL).model_stats
+    sizes = [row for model in stats for row in model.batch_stats]
+    return (
+        sum(row.batch_size * row.compute_infer.count for row in sizes),
+        sum(row.compute_infer.count for row in sizes),
+        sum(row.compute_infer.ns for row in sizes),
+    )
+
+
 def measure(url: str, pid: int, concurrency: int, window_ms: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
-    """perf_analyzer's figures, and (thread or worker process, CPU µs per request) over its run."""
+    """perf_analyzer's figures with the batches' (``batch_*``), and (thread or worker process, CPU µs
+    per request) over its run."""
     workers = descendants(pid)
     threads_before, workers_before = thread_cpu_seconds(pid), {w: cpu_seconds(w) for w in workers}
-    requests_before = requests_served(url, MODEL)
+    requests_before, batches_before = requests_served(url, MODEL), batches_so_far(url)
     figures = perf_analyzer(url, MODEL, concurrency, window_ms, max_trials=3, stability_percent=ANY_SPREAD)
     requests = max(1, requests_served(url, MODEL) - requests_before)
+    after = batches_so_far(url)
+    batched, batches, in_instance_ns = (now - then for now, then in zip(after, batches_before, strict=True))
+    per_batch = batched / max(1, batches)
+    figures["batch_requests"] = per_batch
+    figures["batch_in_instance_us"] = in_instance_ns / max(1, batches) / 1e3
+    figures["batch_busy"] = figures["batch_in_instance_us"] / 1e6 * figures["throughput"] / max(per_batch, 1e-9)
     names = python_thread_names(pid)
     rows = []
     for tid, (kernel_name, seconds) in thread_cpu_seconds(pid).items():
@@ -95,6 +123,10 @@ def main() -> None:
     install_perf_analyzer()
     results: list[dict[str, Any]] = []
     lines = ["| instance | c | infer/s | thread | CPU µs per request |", "|---|---|---|---|---|"]
+    batch_lines = [
+        "| instance | c | infer/s | requests per batch | µs per batch in the instance | instance busy |",
+        "|---|---|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory() as folder:
         for instance in args.instances:
             repo = Path(folder) / instance
@@ -105,6 +137,10 @@ def main() -> None:
                 for concurrency in args.concurrency:
                     figures, rows = measure(url, pid, concurrency, args.window_ms)
                     total = sum(cpu for _, cpu in rows)
+                    batch_lines.append(
+                        f"| {instance} | {concurrency} | {figures['throughput']:.0f} | {figures['batch_requests']:.1f} "
+                        f"| {figures['batch_in_instance_us']:.0f} | {figures['batch_busy']:.0%} |"
+                    )
                     for thread, cpu in [*rows, ("all", total)]:
                         if cpu >= 1.0 or thread == "all":
                             results.append(
@@ -116,6 +152,8 @@ def main() -> None:
                             )
                     print(lines[-1], flush=True)
     print("\n".join(lines))
+    print()
+    print("\n".join(batch_lines))
     save_results(results, "thread_cpu.csv")
 
 
