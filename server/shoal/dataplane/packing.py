@@ -237,13 +237,12 @@ def unpack_copies(arena: Arena, slots: Sequence[Slot]) -> list[np.ndarray]:
     why it is only taken up to ``ONE_COPY_BYTES`` (an output kept keeps at most that much of its
     batch's others alive) and only for slots whose bytes do not overlap (no two tensors share bytes).
     Else each is copied on its own, BYTES decoded (``unpack``)."""
-    laid_out = _back_to_back(slots)
-    if laid_out is None:
+    found = _back_to_back(slots)
+    if found is None:
         return [t.data if t.datatype is DataType.BYTES else t.data.copy() for t in unpack(arena, slots)]
+    laid_out, first, end = found
     if not laid_out:
         return []
-    first = min(offset for _, _, _, offset, _ in laid_out)
-    end = max(offset + nbytes for _, _, _, offset, nbytes in laid_out)
     copy = np.frombuffer(arena.map, np.uint8, end - first, first).copy()
     return [
         np.frombuffer(copy, dtype, count, offset - first if count else 0).reshape(shape)
@@ -251,10 +250,12 @@ def unpack_copies(arena: Arena, slots: Sequence[Slot]) -> list[np.ndarray]:
     ]
 
 
-def _back_to_back(slots: Sequence[Slot]) -> list[tuple[np.dtype, int, tuple[int, ...], int, int]] | None:
-    """Each slot's (dtype, elements, shape, offset, bytes) when one copy serves them all (see
-    ``unpack_copies``): numeric, bytes as their shape says, none overlapping, spanning at most
-    ``ONE_COPY_BYTES`` and little else; else None."""
+def _back_to_back(
+    slots: Sequence[Slot],
+) -> tuple[list[tuple[np.dtype, int, tuple[int, ...], int, int]], int, int] | None:
+    """Each slot's (dtype, elements, shape, offset, bytes), and where their span starts and ends, when
+    one copy serves them all (see ``unpack_copies``): numeric, bytes as their shape says, none
+    overlapping, spanning at most ``ONE_COPY_BYTES`` and little else; else None."""
     laid_out = []
     for _, datatype_name, shape, offset, nbytes in slots:
         datatype = BY_NAME.get(datatype_name)
@@ -268,11 +269,12 @@ def _back_to_back(slots: Sequence[Slot]) -> list[tuple[np.dtype, int, tuple[int,
     ordered = sorted((offset, offset + nbytes) for _, _, _, offset, nbytes in laid_out)
     if any(after < before for (_, before), (after, _) in zip(ordered, ordered[1:], strict=False)):
         return None
-    if ordered and ordered[-1][1] - ordered[0][0] > min(
-        ONE_COPY_BYTES, 2 * sum(n for *_, n in laid_out) + ALIGNMENT * len(laid_out)
-    ):
+    if not ordered:
+        return laid_out, 0, 0
+    first, end = ordered[0][0], ordered[-1][1]  # apart and in order: the last ends last
+    if end - first > min(ONE_COPY_BYTES, 2 * sum(n for *_, n in laid_out) + ALIGNMENT * len(laid_out)):
         return None
-    return laid_out
+    return laid_out, first, end
 
 
 def _tensor(

@@ -177,18 +177,22 @@ def _parse_header(header: bytes | str) -> Any:
     read as ``json`` does (``NaN``, a number past a double's range, a lone surrogate, a byte order mark,
     nesting past 1,024): those are read again by ``json``, whose reading is the reference. (Nesting
     just under 1,024 levels, where json's recursion ran out, is read now, as rapidjson reads it.)"""
-    if type(header) is bytes and _NINETEEN_DIGITS not in header.translate(_DIGITS_AS_ZEROS):
+    if type(header) is not bytes:
+        return _parse_with_json(header)
+    digits_as_zeros = header.translate(_DIGITS_AS_ZEROS)
+    if _NINETEEN_DIGITS not in digits_as_zeros:
         try:
             return orjson.loads(header)
         except orjson.JSONDecodeError:
-            return _parse_with_json(header)  # its document, or its refusal in its words
-    return _parse_with_json(header)
+            pass  # read by json: its document, or its refusal in its words
+    return _parse_with_json(header, digits_as_zeros)
 
 
-def _parse_with_json(header: bytes | str) -> Any:
+def _parse_with_json(header: bytes | str, digits_as_zeros: bytes | None = None) -> Any:
     """``_parse_header`` by ``json`` alone: the reference reading. Each number is checked only in a
     header that may hold one past a double's range (``_BIG_EXPONENT``, ``_HUNDRED_DIGITS``): any
-    argument to ``json.loads`` makes a decoder per call, which costs more than a small header's parse."""
+    argument to ``json.loads`` makes a decoder per call, which costs more than a small header's parse.
+    ``digits_as_zeros``: the bytes ``header``'s translation, when ``_parse_header`` made it already."""
     try:
         # As json.loads reads bytes (UTF-8, -16 or -32), decoded once here; looked at as UTF-8.
         if isinstance(header, str):
@@ -197,7 +201,9 @@ def _parse_with_json(header: bytes | str) -> Any:
             encoding = json.detect_encoding(header)
             text = header.decode(encoding, "surrogatepass")
             utf8 = header if encoding == "utf-8" else text.encode("utf-8", "surrogatepass")
-        if _BIG_EXPONENT.search(utf8) is None and _HUNDRED_DIGITS not in utf8.translate(_DIGITS_AS_ZEROS):
+        if utf8 is not header or digits_as_zeros is None:
+            digits_as_zeros = utf8.translate(_DIGITS_AS_ZEROS)
+        if _BIG_EXPONENT.search(utf8) is None and _HUNDRED_DIGITS not in digits_as_zeros:
             return json.loads(text)
         return json.loads(text, parse_float=_double, parse_int=_integer)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
