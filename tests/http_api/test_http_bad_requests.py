@@ -18,6 +18,7 @@ import zlib
 import numpy as np
 import pytest
 
+from shoal.errors import ShoalError
 from shoal.http import app as http_app
 from shoal.http import handlers, infer_body
 from shoal.http.app import HttpApp
@@ -83,6 +84,37 @@ def test_a_float_too_large_for_its_type_is_refused_not_made_infinite(example_ser
     status, headers, content = call(example_server, "POST", FP32_INFER, json.dumps(infinite))
     assert status == 200 and json.loads(content)["outputs"][0]["data"] == [float("inf")], content
     assert "RuntimeWarning" not in example_server.log()
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data"),
+    [
+        (DataType.INT32, [1, True]),
+        (DataType.UINT8, [True, 3]),
+        (DataType.FP32, [True, 2.5]),
+        (DataType.FP64, [[1.5, 2.0], [0.5, False]]),
+        (DataType.INT64, [[1, 2], [3, True]]),
+    ],
+)
+def test_a_boolean_among_numbers_is_refused_not_read_as_one(datatype: DataType, data: list[object]) -> None:
+    """numpy reads [1, true] as [1, 1]: docs/http.md promises a value of the wrong kind is refused
+    (booleans alone always were); found by the review of session 47."""
+    shape = np.asarray(data).shape
+    with pytest.raises(ShoalError) as raised:
+        infer_body.json_data("IN", datatype, shape, data)
+    expected = f"Unable to parse 'data' of input 'IN': expected {datatype.value} values, got booleans"
+    assert raised.value.message == expected
+    numbers = json.loads(json.dumps(data).replace("true", "1").replace("false", "0"))
+    assert infer_body.json_data("IN", datatype, shape, numbers).tolist() == numbers
+
+
+def test_a_boolean_among_numbers_is_400_over_http(example_server: RunningServer) -> None:
+    mixed = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 2], "data": [True, 2.5]}]}
+    assert error(example_server, "POST", FP32_INFER, mixed) == (
+        400,
+        "Unable to parse 'data' of input 'IN': expected FP32 values, got booleans",
+    )
+    _no_traceback(example_server)
 
 
 def test_binary_data_flags_must_be_booleans(example_server: RunningServer) -> None:

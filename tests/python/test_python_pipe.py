@@ -26,6 +26,7 @@ from shoal.instances.worker_pipe import (
     Bls,
     BlsReply,
     Done,
+    InputViews,
     NewArena,
     RunRequests,
     map_arena,
@@ -63,7 +64,7 @@ def test_a_batch_s_outputs_never_overwrite_the_inputs_of_a_call_the_server_has_n
             link.infer_async(_call(x)).close()  # sent, never awaited
             return [runner.Outcome({"Y": np.full(4000, -1.0, np.float32)})]
 
-    done = python_worker.run_batch(FireAndForget(), link, worker, arenas, RunRequests([], 0))
+    done = python_worker.run_batch(FireAndForget(), link, worker, arenas, RunRequests([], 0), InputViews())
     call = server.recv()  # the server reads the call only now, after the outputs were packed
     assert isinstance(call, Bls) and isinstance(done, Done) and call.call.model_name == "m"
     np.testing.assert_array_equal(take(arenas[RESPONSES], call.inputs)["X"], x)
@@ -199,7 +200,7 @@ def test_a_call_with_inputs_in_the_arena_is_on_the_pipe_before_its_batch_ends(en
             reserved.wait(10)
             return [runner.Outcome({"Y": np.zeros(4, np.float32)})]
 
-    done = python_worker.run_batch(LeavesACallBehind(), link, worker, arenas, RunRequests([], 0))
+    done = python_worker.run_batch(LeavesACallBehind(), link, worker, arenas, RunRequests([], 0), InputViews())
     worker.send(done)
     call = server.recv()
     assert isinstance(call, Bls) and call.inputs is not None

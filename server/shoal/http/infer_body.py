@@ -351,6 +351,8 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
         return _large_integers(name, datatype, shape, data)
     if target.kind in "fV" and kind == "O" and flat.size:
         flat, kind = _integers_as_doubles(name, datatype, flat), "f"
+    if flat.size and target.kind != "b" and kind in "iuf" and _has_booleans(data):
+        kind = "b"  # numpy reads true and false among numbers as 1 and 0: refused as booleans alone are
     if flat.size and kind not in _KINDS_ACCEPTED[target.kind]:
         raise invalid(
             f"Unable to parse 'data' of input '{shown(name)}': expected {datatype.value} values, got {_kind_name(kind)}"
@@ -366,6 +368,15 @@ def json_data(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) 
     ):
         raise invalid(f"input '{shown(name)}': a value does not fit {datatype.value}")
     return converted.reshape(shape)
+
+
+def _has_booleans(data: Any) -> bool:
+    """Whether JSON ``data``, flat or nested, holds a true or false (one scan of each innermost list)."""
+    if isinstance(data, list):
+        if data and isinstance(data[0], list):
+            return any(_has_booleans(item) for item in data)
+        return bool in set(map(type, data))
+    return type(data) is bool
 
 
 def _large_integers(name: str, datatype: DataType, shape: tuple[int, ...], data: Any) -> np.ndarray:

@@ -228,11 +228,27 @@ class ProcessModel:
     def _grow(self, which: str, needed: int) -> None:
         """Replace an arena by one of at least ``needed`` bytes and hand it to the worker. Lock held."""
         size = arena_bytes(needed, "inputs" if which == REQUESTS else "outputs")
+        self._new_arena(which, size)
+        logger.info("model %s: a process instance's %s arena grows to %d MiB", self._spec.name, which, size >> 20)
+
+    def _new_arena(self, which: str, size: int) -> None:
+        """Write no more into the arena ``which``: hand the worker a new one of ``size`` bytes in its
+        place (the worker's mapping of the old one lasts while its views do). Lock held."""
         old = self._arenas[which]
         self._arenas[which] = Arena.create(f"shoal-instance-{which}", size)
         old.close()
-        logger.info("model %s: a process instance's %s arena grows to %d MiB", self._spec.name, which, size >> 20)
         self._send_arena(which)
+
+    def _leave_inputs_to_worker(self) -> None:
+        """The model kept views of a batch's inputs past the batch (``worker_pipe.InputViews``): the
+        next batch goes to a new REQUESTS arena, and the worker copies its inputs from now on. Lock held."""
+        self._new_arena(REQUESTS, self._arenas[REQUESTS].size)
+        logger.warning(
+            "model %s: the model kept an input past its request; the inputs it kept stay as they were "
+            "(in a shared-memory arena of %d MiB of their own), and its instance process now copies its inputs",
+            self._spec.name,
+            self._arenas[REQUESTS].size >> 20,
+        )
 
     def _close_arenas(self) -> None:
         for arena in self._arenas.values():
@@ -289,6 +305,7 @@ class ProcessModel:
                 self._conn.send(Run(slots, list(outputs)))
             except OSError:
                 pass  # the worker is gone: the wait finds it dead and replaces it
+            reply = None
             try:
                 reply = self._wait(deadline)
                 while isinstance(reply, Grow):  # the outputs do not fit: a bigger arena, then the reply
@@ -304,7 +321,10 @@ class ProcessModel:
                 trim(responses, packing.extent(reply.outputs))
                 return results
             finally:
-                trim(self._arenas[REQUESTS], packing.extent(slots))
+                if isinstance(reply, (Ran, Failed)) and reply.inputs_kept:
+                    self._leave_inputs_to_worker()
+                else:
+                    trim(self._arenas[REQUESTS], packing.extent(slots))
 
     def _wait(self, deadline: float | None) -> Any:
         """The worker's reply; if it dies or passes the execution timeout, replace it and fail this request."""

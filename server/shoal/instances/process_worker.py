@@ -23,6 +23,7 @@ from shoal.instances.worker_pipe import (
     RESPONSES,
     Failed,
     Grow,
+    InputViews,
     NewArena,
     Ping,
     Ran,
@@ -39,10 +40,10 @@ from shoal.repository.config import ModelSpec
 logger = logging.getLogger(__name__)
 
 
-def execute(model: Any, conn: Any, arenas: dict[str, Arena], run: Run) -> Ran | Failed | None:
+def execute(model: Any, conn: Any, arenas: dict[str, Arena], run: Run, views: InputViews) -> Ran | Failed | None:
     """Run one batch in a worker; the reply, or None when the server went away while it grew an arena."""
     try:
-        inputs = {t.name: t.data for t in packing.unpack(arenas[REQUESTS], run.inputs, writable=True)}
+        inputs = dict(views.unpack(arenas[REQUESTS], run.inputs))
         results = as_tensors(model.run(inputs, run.outputs))
         del inputs
     except Exception as exc:  # noqa: BLE001 - reported to the server, the worker goes on
@@ -72,6 +73,7 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
         return
     conn.send(Ready())
     arenas: dict[str, Arena] = {}
+    views = InputViews()
     while True:
         try:
             match conn.recv():
@@ -82,10 +84,10 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
                 case NewArena() as message:
                     map_arena(arenas, with_descriptor(conn, message))
                 case Run() as run:
-                    reply = execute(model, conn, arenas, run)
+                    reply = execute(model, conn, arenas, run, views)
                     if reply is None:
                         return
-                    conn.send(reply)
+                    conn.send(reply._replace(inputs_kept=views.kept()))
                 case other:  # a kind this worker does not speak (a Python model's batch): answered, never left waiting
                     conn.send(Failed(f"a feed model's worker runs feeds, not {type(other).__name__}"))
         except (EOFError, OSError):

@@ -112,6 +112,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         self._outbox: Outbox | None = None  # what the running batch's conversation says to the worker
         self._loop_socket: socket.socket | None = None  # the pipe as the event loop reads it (FrameReader)
         self._loop_watch: LoopWatch | None = None  # the loop's eye on this worker (made by the first loop batch)
+        self._inputs_kept = False  # the model holds views of the REQUESTS arena: the next batch goes to a new one
         try:
             super().__init__(
                 spec, model_file, device, (instance_name, version), 1, limits, ("numpy", "shoal.backends.python.runner")
@@ -166,8 +167,8 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            if self._failure or self._closing.is_set() or self._loop_socket is None:
-                self._lock.release()
+            if self._failure or self._closing.is_set() or self._loop_socket is None or self._inputs_kept:
+                self._lock.release()  # the thread hands the worker a new arena (a blocking write) first
                 return None
             try:
                 watch = self._watch_on_loop(self._loop_socket)
@@ -200,6 +201,9 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         """Pack the batch's inputs and make its message (lock held): what the worker is sent, and the
         execution timeout's deadline. PoolFull when the inputs need a bigger arena and ``may_grow`` is
         false (the loop: handing a worker an arena is a blocking write)."""
+        if self._inputs_kept:
+            self._leave_inputs_to_worker()
+            self._inputs_kept = False
         self._sinks = [python_backend.sink_of(pending) for pending in batch] if self._decoupled else []
         self._cancel_sent, self._streams_closed = set(), set()
         requests, used = self._pack_inputs(batch, may_grow)
@@ -303,6 +307,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
 
     def finish_on_loop(self, done: Done) -> list[dict[str, Any] | ShoalError]:
         """The batch's outcome from the worker's answer, read by the event loop; releases the lock."""
+        self._inputs_kept = done.inputs_kept
         try:
             return self._unpack_outputs(done.answers)
         finally:
@@ -312,7 +317,8 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 self._lock.release()
 
     def _trim_requests(self) -> None:
-        trim(self._arenas[REQUESTS], self._reply_offset)  # the batch's inputs, then its BLS calls' outputs
+        if not self._inputs_kept:  # else the arena is the model's views' now: its pages stay as they are
+            trim(self._arenas[REQUESTS], self._reply_offset)  # the batch's inputs, then its BLS calls' outputs
 
     def _pack_inputs(self, batch: Sequence[Any], may_grow: bool = True) -> tuple[list[PipedRequest], int]:
         """The batch's inputs copied into the REQUESTS arena (grouped by name, one copy per input for
@@ -380,11 +386,12 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             if self._conn in ready:
                 message = pending if pending is not None else self._receive(deadline)
                 match message:
-                    case Done(answers, batch):
-                        if batch != self._batch:
+                    case Done() as done:
+                        if done.batch != self._batch:
                             self._fail_conversation(OUT_OF_STEP, deadline)
+                        self._inputs_kept = done.inputs_kept
                         self._flush(deadline)  # the worker reads again; what follows goes on the pipe directly
-                        return answers
+                        return done.answers
                     case Grow(needed):
                         self._flush(deadline)
                         self._grow(RESPONSES, needed)

@@ -24,6 +24,7 @@ from shoal.instances.worker_pipe import (
     Done,
     Failed,
     Grow,
+    InputViews,
     NewArena,
     Ping,
     PipedRequest,
@@ -38,13 +39,14 @@ from shoal.repository.config import ModelSpec
 from shoal.request_types import Tensor
 
 
-def _items(arenas: dict[str, Arena], requests: list[PipedRequest]) -> list[runner.RequestData]:
+def _items(arenas: dict[str, Arena], requests: list[PipedRequest], views: InputViews) -> list[runner.RequestData]:
     """The batch's requests as the model's ``execute`` reads them, their inputs views of the REQUESTS arena
-    (unpacked for the whole batch at once: one view of the arena, not one per request)."""
-    tensors = iter(packing.unpack(arenas[REQUESTS], [s for r in requests for s in r.inputs], writable=True))
+    (unpacked for the whole batch at once: one view of the arena, not one per request), or copies once
+    the model kept some (``InputViews``)."""
+    tensors = iter(views.unpack(arenas[REQUESTS], [s for r in requests for s in r.inputs]))
     return [
         runner.RequestData(
-            {t.name: t.data for t in itertools.islice(tensors, len(request.inputs))},
+            dict(itertools.islice(tensors, len(request.inputs))),
             tuple(request.outputs),
             request.request_id,
             request.correlation_id,
@@ -57,10 +59,10 @@ def _items(arenas: dict[str, Arena], requests: list[PipedRequest]) -> list[runne
 
 
 def run_batch(
-    model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena], run: RunRequests
+    model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena], run: RunRequests, views: InputViews
 ) -> Done | None:
     """A batch's outcomes, packed after its BLS calls' inputs; None when the server went away while an arena grew."""
-    items = _items(arenas, run.requests)
+    items = _items(arenas, run.requests, views)
     link.begin(run.batch)
     try:
         outcomes = model.execute(items)
@@ -165,10 +167,10 @@ class LockedConn:
 
 
 def run_decoupled(
-    model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena], run: RunRequests
+    model: runner.ModelRunner, link: PipeLink, conn: Any, arenas: dict[str, Arena], run: RunRequests, views: InputViews
 ) -> Done:
     """A decoupled model's batch: responses go to the server as they are sent, Done once all are FINAL."""
-    items = _items(arenas, run.requests)
+    items = _items(arenas, run.requests, views)
     lock = threading.Lock()
     batch_open = [True]  # a response sent after Done (by a cancelled request's thread) is dropped
 
@@ -195,6 +197,7 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
     """The worker process: initialize the model, then run batches from the pipe until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the host's to handle; it stops us
     arenas: dict[str, Arena] = {}
+    views = InputViews()
     conn = LockedConn(conn)
     decoupled = spec.decoupled
     link = PipeLink(conn, arenas)
@@ -221,10 +224,10 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
                 case NewArena() as message:
                     map_arena(arenas, message)
                 case RunRequests() as run:
-                    reply = (run_decoupled if decoupled else run_batch)(model, link, conn, arenas, run)
+                    reply = (run_decoupled if decoupled else run_batch)(model, link, conn, arenas, run, views)
                     if reply is None:
                         return
-                    conn.send(reply._replace(batch=run.batch))
+                    conn.send(reply._replace(batch=run.batch, inputs_kept=views.kept()))
                 case other:  # a kind this worker does not speak (a feed's Run): answered, never left waiting
                     conn.send(Failed(f"a Python model's worker runs lists of requests, not {type(other).__name__}"))
     except (EOFError, OSError):

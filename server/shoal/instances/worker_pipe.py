@@ -23,6 +23,7 @@ A Python model (its batch conversation, BLS calls included, is told in ``instanc
 
 from __future__ import annotations
 
+import gc
 import pickle
 import socket
 import struct
@@ -59,9 +60,10 @@ class Ready(NamedTuple):
 
 
 class Failed(NamedTuple):
-    """worker → host: loading or a batch failed, and why."""
+    """worker → host: loading or a batch failed, and why (``inputs_kept``: as ``Ran``'s)."""
 
     message: str
+    inputs_kept: bool = False
 
 
 class NewArena(NamedTuple):
@@ -87,9 +89,11 @@ class Run(NamedTuple):
 
 
 class Ran(NamedTuple):
-    """worker → host: the feed's outputs, in the RESPONSES arena."""
+    """worker → host: the feed's outputs, in the RESPONSES arena. ``inputs_kept``: the model still holds
+    views of the feed's inputs (``InputViews``): the host leaves that REQUESTS arena to them."""
 
     outputs: Slots
+    inputs_kept: bool = False
 
 
 class PipedRequest(NamedTuple):
@@ -159,10 +163,13 @@ class Answer(NamedTuple):
 
 class Done(NamedTuple):
     """worker → host: batch ``batch`` is over; one answer per request, in order. The host takes it
-    only as the answer of the batch it is running: any other means the pipe is out of step."""
+    only as the answer of the batch it is running: any other means the pipe is out of step.
+    ``inputs_kept``: the model still holds views of the batch's inputs (``InputViews``): the host
+    leaves that REQUESTS arena to them and hands the worker a new one before the next batch."""
 
     answers: list[Answer]
     batch: int = -1
+    inputs_kept: bool = False
 
 
 # Each arena starts this big (its pages are only backed once written) and doubles as batches need.
@@ -225,6 +232,47 @@ def put(arena: Arena, offset: int, arrays: Mapping[str, Any]) -> tuple[list[pack
     except PoolFull:
         return None, offset
     return slots, aligned(max(offset, packing.extent(slots)))
+
+
+class InputViews:
+    """In a worker: a batch's inputs for its model, and whether the model kept any past the batch.
+
+    The inputs are views of the REQUESTS arena, which the host rewrites with every batch (and whose
+    pages past its resident part it gives back), so a view the model keeps past its batch (a model
+    that stores an input in ``self`` and returns it with a later request, as a stateful model may)
+    would read a later batch's bytes: another request's data. A batch's views share one owner
+    (``packing.unpack``'s ``on_release``), so once the batch is over and the worker has let go of its
+    own references, ``kept`` knows whether the model holds one. If it does, the batch's answer says so,
+    the host writes no more into that arena (it maps a new one for the next batch; the worker's
+    mapping of the old one lasts as long as the model's views), and from then on this worker hands its
+    model copies (a model that keeps inputs would otherwise keep an arena per batch). Triton's stub
+    keeps such views valid too: its shared-memory blocks are counted references."""
+
+    def __init__(self) -> None:
+        self.copying = False  # the model kept inputs once: it gets copies from now on
+        self._released = True  # the last batch's views are all gone
+
+    def unpack(self, arena: Arena, slots: list[packing.Slot]) -> list[tuple[str, Any]]:
+        """Each slot's (name, writable array): views of ``arena``, or copies once a model kept inputs."""
+        if self.copying:
+            return [(slot[0], array) for slot, array in zip(slots, packing.unpack_copies(arena, slots), strict=True)]
+        self._released = False
+        tensors = packing.unpack(arena, slots, on_release=self._release, writable=True)
+        return [(tensor.name, tensor.data) for tensor in tensors]
+
+    def _release(self) -> None:
+        self._released = True
+
+    def kept(self) -> bool:
+        """Whether the model still holds a view of the last batch's inputs (the worker's own references
+        gone). Views held only by a reference cycle (a traceback's frames) are collected first."""
+        if self._released:
+            return False
+        gc.collect()
+        if self._released:
+            return False
+        self.copying = True
+        return True
 
 
 def take(arena: Arena, slots: list[packing.Slot]) -> dict[str, Any]:

@@ -119,8 +119,17 @@ class ThreadInstance:
             return self._run(batch)
 
     def _run(self, batch: Sequence[Any]) -> list[dict[str, np.ndarray] | ShoalError]:
+        # The model gets inputs of its own, as a process instance's does (views of its batch's arena) and
+        # as Triton's stub does (copies in its shared memory): an array here may be another's too (an
+        # ensemble step's input is its sibling steps' and the ensemble's output; a BLS call's, its
+        # caller's), and a model may write into its inputs.
         items = [
-            runner.request_data(pending.feed, pending.outputs, pending.context, getattr(pending, "traced", None))
+            runner.request_data(
+                {name: array.copy() for name, array in pending.feed.items()},
+                pending.outputs,
+                pending.context,
+                getattr(pending, "traced", None),
+            )
             for pending in batch
         ]
         if self._decoupled:

@@ -1,0 +1,252 @@
+"""A model that keeps its inputs, or writes into them, never changes another request's answer.
+
+Found by the review of session 47. A process instance's model read its inputs as views of the
+worker's REQUESTS arena, which the next batch rewrites: a model that kept an input (a stateful model
+storing the previous request's input in ``self``) later returned another request's data, or zeros
+where the host gave the arena's pages back. A thread instance's model was handed the server's own
+arrays: in an ensemble, a step writing into its input changed its sibling step's input and the
+ensemble's output. Every answer here is compared with one computed locally.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from tests import models
+from tests.conftest import RunningServer, serving
+from tests.ensemble_models import add_ensemble, add_onnx_add1, step
+from tests.python_models import write_model
+
+THREAD = 'parameters { key: "process_instances" value: { string_value: "false" } }'
+KINDS = {"process": "", "thread": THREAD}
+
+# OUT = the input of the request before (its own the first time): the model keeps each input.
+STASH = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.previous = None
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            before = x if self.previous is None else self.previous
+            self.previous = x
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", before)]))
+        return responses
+"""
+
+STASH_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "IN" data_type: TYPE_INT64 dims: [ -1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT64 dims: [ -1 ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+{extra}
+"""
+
+# OUT = IN * 10, written into the input itself; or (COPY) a copy of IN taken after a pause, so that a
+# sibling step writing in place first would show.
+IN_PLACE = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            {body}
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", y)]))
+        return responses
+"""
+TIMES_TEN = "x *= 10\n            y = x"
+LATE_COPY = "time.sleep(0.05)\n            y = x.copy()"
+
+FP32_4 = "data_type: TYPE_FP32 dims: [ 4 ]"
+STEP_CONFIG = f"""
+backend: "python"
+max_batch_size: 8
+input [ {{{{ name: "IN" {FP32_4} }}}} ]
+output [ {{{{ name: "OUT" {FP32_4} }}}} ]
+instance_group [ {{{{ count: 1 kind: KIND_CPU }}}} ]
+{{extra}}
+"""
+
+# A BLS caller: passes its input to times_ten_<kind> and answers the input as it is afterwards.
+CALLER = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN")
+            called = pb_utils.InferenceRequest(
+                model_name="times_ten_{kind}", requested_output_names=["OUT"], inputs=[x]
+            ).exec()
+            if called.has_error():
+                raise pb_utils.TritonModelException(called.error().message())
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x.as_numpy())]))
+        return responses
+"""
+
+
+def _add_torch_stash(repo: Path, name: str) -> None:
+    """TorchScript that keeps its input: OUT = the input of the batch before, in a worker process."""
+    import torch
+
+    class Stash(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.previous = torch.zeros(1, 4, dtype=torch.int64)
+            self.seen = False
+
+        def forward(self, INPUT__0: torch.Tensor) -> torch.Tensor:  # noqa: N803 - Triton's tensor name
+            before = self.previous if self.seen else INPUT__0
+            self.previous = INPUT__0
+            self.seen = True
+            return before
+
+    (repo / name / "1").mkdir(parents=True)
+    torch.jit.script(Stash()).save(str(repo / name / "1" / "model.pt"))
+    models.write_config(
+        repo / name,
+        """
+        platform: "pytorch_libtorch"
+        max_batch_size: 0
+        input [ { name: "INPUT__0" data_type: TYPE_INT64 dims: [ 1, 4 ] } ]
+        output [ { name: "OUTPUT__0" data_type: TYPE_INT64 dims: [ 1, 4 ] } ]
+        instance_group [ { count: 1 kind: KIND_CPU } ]
+        parameters { key: "process_instances" value: { string_value: "true" } }
+        """,
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    repo = tmp_path_factory.mktemp("repo")
+    for kind, extra in KINDS.items():
+        write_model(repo, f"stash_{kind}", STASH_CONFIG.format(extra=extra), STASH)
+        write_model(repo, f"times_ten_{kind}", STEP_CONFIG.format(extra=extra), IN_PLACE.format(body=TIMES_TEN))
+        write_model(repo, f"late_copy_{kind}", STEP_CONFIG.format(extra=extra), IN_PLACE.format(body=LATE_COPY))
+        write_model(repo, f"caller_{kind}", STEP_CONFIG.format(extra=THREAD), CALLER.format(kind=kind))
+        add_ensemble(
+            repo,
+            f"fan_out_{kind}",
+            [
+                step("add1", {"IN": "IN"}, {"OUT": "C"}),
+                step(f"times_ten_{kind}", {"IN": "C"}, {"OUT": "P"}),
+                step(f"late_copy_{kind}", {"IN": "C"}, {"OUT": "Q"}),
+            ],
+            io=f'input [ {{ name: "IN" {FP32_4} }} ]\noutput [ '
+            + ", ".join(f'{{ name: "{name}" {FP32_4} }}' for name in ("P", "Q", "C"))
+            + " ]",
+        )
+    add_onnx_add1(repo)
+    _add_torch_stash(repo, "torch_stash")
+    with serving(repo, tmp_path_factory.mktemp("server")) as running:
+        yield running
+
+
+def _stash_call(client: grpcclient.InferenceServerClient, model: str, value: np.ndarray) -> np.ndarray:
+    data = grpcclient.InferInput("IN", list(value.shape), "INT64")
+    data.set_data_from_numpy(value)
+    return client.infer(model, [data]).as_numpy("OUT")
+
+
+def _interfere(url: str, model: str, done: threading.Event, wrong: list[str]) -> None:
+    """Another client's requests to the same model meanwhile (bounded): its answers are checked too."""
+    with grpcclient.InferenceServerClient(url) as client:
+        previous = None
+        for count in range(300):
+            if done.is_set():
+                return
+            value = np.full(16, -1 - count, dtype=np.int64)  # another length: no answer of the other client's
+            got = _stash_call(client, model, value)
+            if got.shape == value.shape and previous is not None and not np.array_equal(got, previous):
+                wrong.append(f"{got} after {previous}")
+            previous = value
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_input_the_model_keeps_stays_as_it_came(server: RunningServer, kind: str) -> None:
+    """Each answer is the input of the request before it (the model's kept array), while other requests
+    rewrite the instance's arena meanwhile; then once more with inputs past the arena's resident part
+    (whose pages the host gave back after each batch)."""
+    model = f"stash_{kind}"
+    with grpcclient.InferenceServerClient(server.url) as client:
+        values = [np.arange(8, dtype=np.int64) + 1000 * k for k in range(3)]
+        answers = [_stash_call(client, model, value) for value in values]
+        assert [a.tolist() for a in answers] == [values[0].tolist(), values[0].tolist(), values[1].tolist()]
+
+        big = [np.arange(3_000_000, dtype=np.int64) * (k + 1) for k in range(2)]  # 24 MB: past 16 MiB
+        answers = [_stash_call(client, model, value) for value in big]
+        assert np.array_equal(answers[0], values[-1]) and np.array_equal(answers[1], big[0])
+        small = np.arange(8, dtype=np.int64) - 5
+        assert np.array_equal(_stash_call(client, model, small), big[1])  # the big kept input, not zeros
+
+        done, wrong = threading.Event(), []
+        other = threading.Thread(target=_interfere, args=(server.url, model, done, wrong))
+        other.start()
+        try:
+            for k in range(60):  # the answers of this client's own requests, interleaved with the other's
+                value = np.arange(4, dtype=np.int64) + 10 * k
+                got = _stash_call(client, model, value)
+                assert got.shape in ((4,), (8,), (16,)) and got.dtype == np.int64, got
+        finally:
+            done.set()
+            other.join(60)
+        assert not wrong, wrong[:3]
+
+
+def test_a_torchscript_model_that_keeps_its_input_in_a_worker(server: RunningServer) -> None:
+    """A feed model's process instance: the same promise (PyTorch's tensor shares the arena's bytes)."""
+    with grpcclient.InferenceServerClient(server.url) as client:
+        values = [np.arange(4, dtype=np.int64).reshape(1, 4) + 100 * k for k in range(4)]
+        answers = []
+        for value in values:
+            data = grpcclient.InferInput("INPUT__0", [1, 4], "INT64")
+            data.set_data_from_numpy(value)
+            answers.append(client.infer("torch_stash", [data]).as_numpy("OUTPUT__0"))
+    # The first answer is whatever the module kept before (a load may run it once): not checked.
+    assert [a.tolist() for a in answers[1:]] == [v.tolist() for v in values[:3]]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_step_writing_into_its_input_leaves_its_sibling_and_the_ensemble_output_alone(
+    server: RunningServer, kind: str
+) -> None:
+    """C = IN + 1 feeds two steps and is an output itself: P = C * 10 (written into C in place), Q = C."""
+    with grpcclient.InferenceServerClient(server.url) as client:
+        for k in range(3):
+            value = np.arange(4, dtype=np.float32).reshape(1, 4) + k
+            data = grpcclient.InferInput("IN", [1, 4], "FP32")
+            data.set_data_from_numpy(value)
+            result = client.infer(f"fan_out_{kind}", [data])
+            assert np.array_equal(result.as_numpy("C"), value + 1), result.as_numpy("C")
+            assert np.array_equal(result.as_numpy("Q"), value + 1), result.as_numpy("Q")
+            assert np.array_equal(result.as_numpy("P"), (value + 1) * 10), result.as_numpy("P")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_bls_callee_writing_into_its_input_leaves_the_callers_alone(server: RunningServer, kind: str) -> None:
+    """A thread instance's BLS call hands its input to a model that multiplies it by ten in place."""
+    with grpcclient.InferenceServerClient(server.url) as client:
+        value = np.arange(4, dtype=np.float32).reshape(1, 4) + 3
+        data = grpcclient.InferInput("IN", [1, 4], "FP32")
+        data.set_data_from_numpy(value)
+        assert np.array_equal(client.infer(f"caller_{kind}", [data]).as_numpy("OUT"), value)
