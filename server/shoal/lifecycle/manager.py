@@ -37,7 +37,7 @@ from typing import Any
 
 from shoal.configuring.pipeline import ConfigOverride, configure, model_file
 from shoal.errors import ErrorCode, ShoalError, load_failed, poll_failed, shown, unknown_model
-from shoal.lifecycle import ensemble, warmup
+from shoal.lifecycle import ensemble, model_work, warmup
 from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
 from shoal.lifecycle.fingerprint import fingerprint_or_none
 from shoal.lifecycle.model import ModelVersion, placements
@@ -135,7 +135,11 @@ class ModelManager:
         return failures
 
     async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None:
-        """Load or reload ``name``; ``config_override`` is a ModelConfig as a JSON object (RepositoryModelLoad)."""
+        """Load or reload ``name``; ``config_override`` is a ModelConfig as a JSON object (RepositoryModelLoad).
+        Runs to its end if the caller stops waiting (``model_work.to_the_end``)."""
+        await model_work.to_the_end(self._load(name, config_override), f"the load of model '{shown(name)}'")
+
+    async def _load(self, name: str, config_override: dict[str, Any] | None) -> None:
         self._loop = asyncio.get_running_loop()  # where BLS requests from models run (host_infer)
         folder = scanner.model_dir(self.repository, name)
         if not folder.is_dir():
@@ -149,7 +153,7 @@ class ModelManager:
             if old is None or not old.ready_versions():  # nothing serving: the index shows LOADING
                 self._models[name] = entry
             try:
-                reason, reserved, kept = await asyncio.to_thread(self._build, entry, folder, override, old)
+                reason, reserved, kept = await model_work.in_thread(self._build, entry, folder, override, old)
             except BaseException:
                 if old is not None:
                     self._models[name] = old
@@ -181,8 +185,12 @@ class ModelManager:
         """Stop routing to ``name``, let its queued and running requests finish, free the weights.
 
         ``unload_dependents`` (Triton's flag of that name): an ensemble's composing models are unloaded
-        after it, each with its own, except those another loaded ensemble still uses.
+        after it, each with its own, except those another loaded ensemble still uses. Runs to its end
+        if the caller stops waiting (``model_work.to_the_end``).
         """
+        await model_work.to_the_end(self._unload(name, unload_dependents), f"the unload of model '{shown(name)}'")
+
+    async def _unload(self, name: str, unload_dependents: bool) -> None:
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.get(name)
             if entry is None or entry.spec is None and not entry.versions:
@@ -202,7 +210,7 @@ class ModelManager:
         await self._dependents.retire(name)
         for model in composing:
             if self._loaded(model) and not self._used_by_a_loaded_ensemble(model):
-                await self.unload(model, unload_dependents=True)
+                await self._unload(model, unload_dependents=True)
 
     def _loaded(self, name: str) -> bool:
         entry = self._models.get(name)

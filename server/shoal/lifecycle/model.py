@@ -24,7 +24,7 @@ from shoal.backends.devices import CPU, Device, cuda_device_count
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import strategy
 from shoal.instances.pool import Instance, InstancePool, Placement, instance_name
-from shoal.lifecycle import request_checks, warmup
+from shoal.lifecycle import model_work, request_checks, warmup
 from shoal.lifecycle.response_cache import ResponseCache, VersionCache
 from shoal.repository.config import InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
@@ -273,6 +273,6 @@ class ModelVersion:
         """Finish queued and running requests, then release the instances and the weights."""
         await self.scheduler.stop()
         self._forget_cached_answers()
-        await asyncio.to_thread(self.pool.close)
+        await model_work.in_thread(self.pool.close)  # the model's finalize: a model thread, not asyncio's
         if self.admission is not None:
             self.admission.limiter.unregister(self.admission)

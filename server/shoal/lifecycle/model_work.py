@@ -1,0 +1,63 @@
+"""Where loads and unloads run: on threads of their own, and to their end whoever gave up waiting.
+
+A model's ``initialize`` and ``finalize`` (and a backend's load) are the model's code: they may take
+as long as they like, or never end. Two rules keep that from reaching anything else:
+
+- **Threads of their own** (``in_thread``). asyncio's default executor (cores + 4 threads) also
+  converts large requests and responses, reads clients' shared memory and the response cache: with
+  a few models stuck in ``initialize`` or ``finalize`` holding its threads, every large request of
+  every model waited behind them (found by the review of session 47).
+- **Run to the end** (``to_the_end``). A client's deadline cancels its RPC's handler; a load or
+  unload cancelled with it let go of its model's lock while its thread went on building, so a
+  retry built the model again beside it, and what the abandoned build made was never served nor
+  closed: instances and worker processes leaked for good. Triton finishes a load or unload whose
+  client left; so does Shoal: the caller's wait is cancelled, not the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import logging
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# One thread per model being loaded or unloaded at once (made as needed): past this many stuck
+# models, further loads wait, and requests never do.
+MODEL_THREADS = 64
+_threads = ThreadPoolExecutor(max_workers=MODEL_THREADS, thread_name_prefix="shoal-model")
+_unattended: set[asyncio.Task[Any]] = set()  # work whose caller gave up, held until it ends
+
+
+async def in_thread(function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)`` on a model thread, in this context's variables (as ``asyncio.to_thread``)."""
+    context = contextvars.copy_context()
+    call = functools.partial(context.run, function, *args)
+    return await asyncio.get_running_loop().run_in_executor(_threads, call)
+
+
+async def to_the_end(work: Coroutine[Any, Any, T], what: str) -> T:
+    """``work``'s result; if the caller is cancelled meanwhile, ``work`` goes on to its end anyway
+    (``what`` names it in the log if it then fails)."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        _unattended.add(task)
+        task.add_done_callback(functools.partial(_ended_unattended, what))
+        raise
+
+
+def _ended_unattended(what: str, task: asyncio.Task[Any]) -> None:
+    _unattended.discard(task)
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is not None:
+        logger.warning("%s, whose caller stopped waiting, failed: %s", what, getattr(error, "message", error))

@@ -1,0 +1,101 @@
+"""A load whose client gives up runs to its end, on a thread that no request needs (review of session 47).
+
+A client's deadline cancels its RPC's handler. A load cancelled with it let go of its model's lock
+while its thread went on in the model's ``initialize``, so each retry started another build: the
+builds held asyncio's default threads, which also convert large requests, so every model's large
+requests stalled behind a model stuck in ``initialize``, and what the abandoned builds made was
+never served nor closed (instances leaked for good).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.models import add_identity
+from tests.polling import wait_until
+from tests.python_models import write_model
+
+RETRIES = 8  # past asyncio's default threads here (cores + 4)
+
+# initialize waits for the test's word (a file), bounded; each instance alive is a file of its own.
+SLOW_START = """
+import os
+import time
+import uuid
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+FOLDER = Path({folder!r})
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.mark = FOLDER / "alive" / uuid.uuid4().hex
+        self.mark.write_text(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while not (FOLDER / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
+            for r in requests
+        ]
+
+    def finalize(self):
+        self.mark.unlink()
+"""
+
+CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+parameters { key: "process_instances" value: { string_value: "false" } }
+"""
+
+
+def _large_request(grpc_url: str, http_url: str) -> None:
+    """A 4 MB request to another model, over gRPC and HTTP: both convert it off the event loop."""
+    value = np.arange(1 << 20, dtype=np.float32)
+    data = grpcclient.InferInput("IN", [1 << 20], "FP32")
+    data.set_data_from_numpy(value)
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        assert np.array_equal(client.infer("big", [data], client_timeout=30).as_numpy("OUT"), value)
+    data = httpclient.InferInput("IN", [1 << 20], "FP32")
+    data.set_data_from_numpy(value)
+    with httpclient.InferenceServerClient(http_url, network_timeout=30) as client:
+        assert np.array_equal(client.infer("big", [data]).as_numpy("OUT"), value)
+
+
+def test_loads_the_client_gave_up_on_finish_and_stall_nothing_else(tmp_path: Path, server_factory: Any) -> None:
+    marks = tmp_path / "marks"
+    (marks / "alive").mkdir(parents=True)
+    repo = tmp_path / "repo"
+    write_model(repo, "slow_start", CONFIG, SLOW_START.format(folder=str(marks)))
+    add_identity(repo, "big", "FP32", max_batch_size=0)
+    server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "big")
+    with grpcclient.InferenceServerClient(server.url) as client:
+        for _ in range(RETRIES):
+            with pytest.raises(InferenceServerException) as gave_up:
+                client.load_model("slow_start", client_timeout=0.3)
+            assert gave_up.value.status() == "StatusCode.DEADLINE_EXCEEDED", gave_up.value
+        wait_until(lambda: any((marks / "alive").iterdir()), 30, "the model's initialize to start")
+        _large_request(server.url, server.http_url)  # while initialize still waits: it stalled here
+
+        (marks / "go").touch()
+        client.load_model("slow_start", client_timeout=120)  # after every load queued before it
+        assert client.is_model_ready("slow_start")
+        alive = list((marks / "alive").iterdir())
+        assert len(alive) == 1, f"{len(alive)} instances alive, one served"
+        client.unload_model("slow_start", client_timeout=60)
+        wait_until(lambda: not any((marks / "alive").iterdir()), 30, "the served instance to be finalized")
