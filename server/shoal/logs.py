@@ -113,10 +113,10 @@ class LogShare:
     """The shared page of log settings. The host creates it; a child gets it through its start
     arguments (it pickles as a descriptor multiprocessing duplicates into the child) and maps it."""
 
-    def __init__(self, fd: int, log_file: str) -> None:
+    def __init__(self, fd: int, log_file: str, writable: bool = True) -> None:
         self.fd = fd
         self.log_file = log_file
-        self._map = mmap.mmap(fd, _PAGE_BYTES)
+        self._map = mmap.mmap(fd, _PAGE_BYTES, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
         self._lock = threading.Lock()  # one writer at a time in the host
 
     @classmethod
@@ -168,9 +168,17 @@ class LogShare:
 
     @classmethod
     def attach(cls, fd: int, log_file: str) -> LogShare:
-        """In a child: map the page the host handed over as ``fd``, which is closed (the mapping keeps it)."""
-        share = cls(fd, log_file)
+        """In a child: map the page the host handed over as ``fd`` read-only, through a read-only
+        descriptor of its own, and close ``fd``. Only the host writes the page (a child's settings
+        changes go to it). Why read-only: ``mmap`` keeps a duplicate of the descriptor it maps, and a
+        model's stray write to that one (a process instance runs the model's code) changed every
+        process's settings, turning the server's logging off (review of session 47)."""
+        readonly = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         os.close(fd)
+        try:
+            share = cls(readonly, log_file, writable=False)
+        finally:
+            os.close(readonly)
         share.fd = -1
         return share
 

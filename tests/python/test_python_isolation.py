@@ -505,3 +505,45 @@ def test_a_thread_model_that_forks_does_not_stop_the_server(tmp_path: Path, serv
             assert client.infer("double", [tensor], client_timeout=TIMEOUT_S).as_numpy("Y").tolist() == (x * 2).tolist()
         assert client.is_server_live()
     assert "shutting down" not in server.log()
+
+
+# Writes over the log-settings page through every descriptor of it the worker holds; OUT = how many took.
+LOG_PAGE_WRITER = """
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        written = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if "shoal-log-settings" in os.readlink(f"/proc/self/fd/{fd}"):
+                    written += os.pwrite(int(fd), bytes([255]) * 32, 0) > 0
+            except OSError:
+                pass
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([written], np.int32))]) for _ in requests]
+"""
+
+LOG_PAGE_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+
+def test_a_worker_cannot_write_the_servers_log_settings(tmp_path: Path, server_factory: Any) -> None:
+    """Review of session 47: a process instance's worker held a writable descriptor of the page every
+    process reads its log settings from; a model's stray write there turned the server's logging off
+    and broke the logging endpoints. A worker now holds a read-only mapping and descriptor."""
+    pm.write_model(tmp_path, "log_page_writer", LOG_PAGE_CONFIG, LOG_PAGE_WRITER)
+    server = server_factory(tmp_path)
+    with grpcclient.InferenceServerClient(server.url) as client:
+        before = client.get_log_settings(as_json=True)
+        data = grpcclient.InferInput("IN", [1], "INT32")
+        data.set_data_from_numpy(np.zeros(1, np.int32))
+        assert client.infer("log_page_writer", [data]).as_numpy("OUT").tolist() == [0]
+        assert client.get_log_settings(as_json=True) == before
