@@ -547,3 +547,58 @@ def test_a_worker_cannot_write_the_servers_log_settings(tmp_path: Path, server_f
         data.set_data_from_numpy(np.zeros(1, np.int32))
         assert client.infer("log_page_writer", [data]).as_numpy("OUT").tolist() == [0]
         assert client.get_log_settings(as_json=True) == before
+
+
+# Starts a process of its own (subprocess) and forks another, both sleeping; OUT = their pids.
+STARTS_PROCESSES = """
+import os
+import subprocess
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        helper = subprocess.Popen(["sleep", "300"])
+        child = os.fork()
+        if child == 0:
+            time.sleep(300)
+            os._exit(0)
+        pids = np.array([helper.pid, child], np.int32)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pids)]) for _ in requests]
+"""
+
+STARTS_PROCESSES_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 2 ] } ]
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_processes_a_worker_model_started_end_with_its_unload(tmp_path: Path, server_factory: Any) -> None:
+    """Review of session 47: they outlived the worker, the unload and the server, holding its arenas."""
+    pm.write_model(tmp_path, "starts_processes", STARTS_PROCESSES_CONFIG, STARTS_PROCESSES)
+    server = server_factory(tmp_path, "--model-control-mode", "explicit", "--load-model", "starts_processes")
+    with grpcclient.InferenceServerClient(server.url) as client:
+        data = grpcclient.InferInput("IN", [1], "INT32")
+        data.set_data_from_numpy(np.zeros(1, np.int32))
+        pids = client.infer("starts_processes", [data]).as_numpy("OUT").tolist()
+        try:
+            assert all(_running(pid) for pid in pids)
+            client.unload_model("starts_processes")
+            wait_until(lambda: not any(_running(pid) for pid in pids), TIMEOUT_S, "the model's processes to end")
+        finally:
+            for pid in pids:
+                if _running(pid):
+                    os.kill(pid, 9)

@@ -17,6 +17,13 @@ Once the fork server and the workers are gone, the resource tracker reads EOF an
 A worker also watches its pipe from a thread (``watch_host``): when the host's end closes, it
 kills itself. That covers the moments before PDEATHSIG is set (a host that dies while a worker
 starts) and a fork server not started by ``launch``.
+
+What a worker's model starts itself (``subprocess.Popen``, ``os.fork``) is not Shoal's, and no
+PDEATHSIG reaches it; left alone it outlived the worker, its unload and the server, holding the
+worker's arenas (review of session 47). So a worker leads a process group of its own (``guard_worker``),
+which those processes join unless they leave it, and the host kills the group with the worker
+(``kill_group``): on unload, on a restart, at shutdown. A host that dies by SIGKILL takes its workers
+with it but not their processes.
 """
 
 from __future__ import annotations
@@ -64,9 +71,24 @@ def guard_forkserver() -> None:
 
 
 def guard_worker(conn: Any) -> None:
-    """In a worker, first thing: die with the fork server (the kernel), and with the host's end of ``conn``."""
+    """In a worker, first thing: die with the fork server (the kernel), and with the host's end of
+    ``conn``; lead a process group of its own, for what the model starts (``kill_group``)."""
     die_with_parent(os.getppid())
+    os.setpgid(0, 0)
     watch_host(conn)
+
+
+def kill_group(worker_pid: int | None) -> None:
+    """In the host, once a worker is killed: SIGKILL what is left of its process group (the processes
+    its model started). While any of them lives, the kernel gives the group's number (the worker's
+    pid) to no new process; once none does, there is no group to kill, unless that number went to a
+    new group's leader meanwhile (killing by group always has that caveat)."""
+    if worker_pid is None:
+        return
+    try:
+        os.killpg(worker_pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # none left (or the worker never led one)
+        pass
 
 
 def watch_host(conn: Any) -> None:

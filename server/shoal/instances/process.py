@@ -258,6 +258,7 @@ class ProcessModel:
         if self._process.is_alive():
             self._process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
         self._process.join(timeout=KILL_TIMEOUT_S)
+        lifeline.kill_group(self._process.pid)  # what the model started (lifeline's docstring)
         self._conn.close()
 
     def _replace(self, why: str | None) -> None:
