@@ -20,26 +20,46 @@ import asyncio
 import contextvars
 import functools
 import logging
+import threading
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# One thread per model being loaded or unloaded at once (made as needed): past this many stuck
-# models, further loads wait, and requests never do.
-MODEL_THREADS = 64
-_threads = ThreadPoolExecutor(max_workers=MODEL_THREADS, thread_name_prefix="shoal-model")
 _unattended: set[asyncio.Task[Any]] = set()  # work whose caller gave up, held until it ends
 
 
 async def in_thread(function: Callable[..., T], *args: Any) -> T:
-    """``function(*args)`` on a model thread, in this context's variables (as ``asyncio.to_thread``)."""
+    """``function(*args)`` on a thread of its own, in this context's variables (as ``asyncio.to_thread``).
+    A daemon thread, made per call (loads are few): a model stuck in ``initialize`` or ``finalize``
+    never holds another load, a request, or the server's exit (an executor's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
     context = contextvars.copy_context()
-    call = functools.partial(context.run, function, *args)
-    return await asyncio.get_running_loop().run_in_executor(_threads, call)
+
+    def run() -> None:
+        try:
+            result, error = context.run(function, *args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the loop is closed (the server stopped): nobody waits for it
+            pass
+
+    threading.Thread(target=run, name=f"shoal-model-{getattr(function, '__name__', 'work')}", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # its caller gave up
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 async def to_the_end(work: Coroutine[Any, Any, T], what: str) -> T:
