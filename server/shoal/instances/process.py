@@ -244,8 +244,9 @@ class ProcessModel:
         next batch goes to a new REQUESTS arena, and the worker copies its inputs from now on. Lock held."""
         self._new_arena(REQUESTS, self._arenas[REQUESTS].size)
         logger.warning(
-            "model %s: the model kept an input past its request; the inputs it kept stay as they were "
-            "(in a shared-memory arena of %d MiB of their own), and its instance process now copies its inputs",
+            "model %s: an input outlived its batch in the instance process (the model kept it, or a thread "
+            "of the model still held it as the batch ended); it stays as it was, in a shared-memory arena of "
+            "%d MiB of its own, and the instance process copies its inputs from now on",
             self._spec.name,
             self._arenas[REQUESTS].size >> 20,
         )
