@@ -9,6 +9,7 @@ never served nor closed (instances leaked for good).
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.ensemble_models import add_ensemble, step
 from tests.models import add_identity
 from tests.polling import wait_until
 from tests.python_models import write_model
@@ -99,3 +101,34 @@ def test_loads_the_client_gave_up_on_finish_and_stall_nothing_else(tmp_path: Pat
         assert len(alive) == 1, f"{len(alive)} instances alive, one served"
         client.unload_model("slow_start", client_timeout=60)
         wait_until(lambda: not any((marks / "alive").iterdir()), 30, "the served instance to be finalized")
+
+
+def test_an_unload_waits_for_the_load_its_client_gave_up_on(tmp_path: Path, server_factory: Any) -> None:
+    """An ensemble's load given up while its composing model loaded, then its unload: the unload comes
+    after the load, as Triton orders them (the unload found nothing loaded, and the load then ended
+    with the ensemble served)."""
+    marks = tmp_path / "marks"
+    (marks / "alive").mkdir(parents=True)
+    repo = tmp_path / "repo"
+    write_model(repo, "slow_start", CONFIG, SLOW_START.format(folder=str(marks)))
+    four = "data_type: TYPE_FP32 dims: [ 4 ]"
+    add_ensemble(
+        repo,
+        "slow_ensemble",
+        [step("slow_start", {"IN": "IN"}, {"OUT": "OUT"})],
+        io=f'input [ {{ name: "IN" {four} }} ]\noutput [ {{ name: "OUT" {four} }} ]',
+        max_batch_size=0,
+    )
+    server = server_factory(repo, "--model-control-mode", "explicit")
+    with grpcclient.InferenceServerClient(server.url) as client:
+        with pytest.raises(InferenceServerException) as gave_up:
+            client.load_model("slow_ensemble", client_timeout=0.3)
+        assert gave_up.value.status() == "StatusCode.DEADLINE_EXCEEDED", gave_up.value
+        go = threading.Timer(1.0, (marks / "go").touch)  # the load ends a moment after the unload is asked for
+        go.start()
+        try:
+            client.unload_model("slow_ensemble", client_timeout=120)
+        finally:
+            go.join()
+        assert not client.is_model_ready("slow_ensemble")
+        assert client.is_model_ready("slow_start")  # its composing model stays (no unload_dependents)

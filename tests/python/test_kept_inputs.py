@@ -10,6 +10,7 @@ ensemble's output. Every answer here is compared with one computed locally.
 
 from __future__ import annotations
 
+import resource
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from tests import models
 from tests.conftest import RunningServer, serving
@@ -52,6 +54,58 @@ input [ {{ name: "IN" data_type: TYPE_INT64 dims: [ -1 ] }} ]
 output [ {{ name: "OUT" data_type: TYPE_INT64 dims: [ -1 ] }} ]
 instance_group [ {{ count: 1 kind: KIND_CPU }} ]
 {extra}
+"""
+
+# OUT = the first request's input, every time: the model keeps that one only.
+KEEPS_FIRST = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.first = None
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            if self.first is None:
+                self.first = x
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", self.first)]))
+        return responses
+"""
+
+# OUT = a table of the model's own (its BLS callers write into what they get: it must not change).
+TABLE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.table = np.array([[0, 100, 200, 300]], np.float32)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", self.table)]) for _ in requests]
+"""
+
+# OUT = table's answer + IN, added into that answer in place.
+TABLE_CALLER = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN")
+            called = pb_utils.InferenceRequest(
+                model_name="table_{kind}", requested_output_names=["OUT"], inputs=[x]
+            ).exec()
+            y = called.output_tensors()[0].as_numpy()
+            y += x.as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", y)]))
+        return responses
 """
 
 # OUT = IN * 10, written into the input itself; or (COPY) a copy of IN taken after a pause, so that a
@@ -136,6 +190,28 @@ def _add_torch_stash(repo: Path, name: str) -> None:
     )
 
 
+def _add_torch_keep_42(repo: Path, name: str) -> None:
+    """TorchScript that keeps an input whose first value is 42 (a load's zero-filled probe is not) and
+    answers what it kept since, else its input, in a worker process."""
+    import torch
+
+    class Keep42(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept = torch.zeros(1, 4, dtype=torch.int64)
+            self.keeping = False
+
+        def forward(self, INPUT__0: torch.Tensor) -> torch.Tensor:  # noqa: N803 - Triton's tensor name
+            if bool(INPUT__0[0, 0] == 42):
+                self.kept = INPUT__0
+                self.keeping = True
+            return self.kept + 0 if self.keeping else INPUT__0 + 0
+
+    (repo / name / "1").mkdir(parents=True)
+    torch.jit.script(Keep42()).save(str(repo / name / "1" / "model.pt"))
+    (repo / name / "config.pbtxt").write_text((repo / "torch_stash" / "config.pbtxt").read_text())
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo = tmp_path_factory.mktemp("repo")
@@ -144,6 +220,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         write_model(repo, f"times_ten_{kind}", STEP_CONFIG.format(extra=extra), IN_PLACE.format(body=TIMES_TEN))
         write_model(repo, f"late_copy_{kind}", STEP_CONFIG.format(extra=extra), IN_PLACE.format(body=LATE_COPY))
         write_model(repo, f"caller_{kind}", STEP_CONFIG.format(extra=THREAD), CALLER.format(kind=kind))
+        write_model(repo, f"keeps_first_{kind}", STASH_CONFIG.format(extra=extra), KEEPS_FIRST)
+        write_model(repo, f"table_{kind}", STEP_CONFIG.format(extra=extra), TABLE)
+        write_model(repo, f"table_caller_{kind}", STEP_CONFIG.format(extra=THREAD), TABLE_CALLER.format(kind=kind))
         add_ensemble(
             repo,
             f"fan_out_{kind}",
@@ -158,6 +237,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         )
     add_onnx_add1(repo)
     _add_torch_stash(repo, "torch_stash")
+    _add_torch_keep_42(repo, "torch_keep_42")
     with serving(repo, tmp_path_factory.mktemp("server")) as running:
         yield running
 
@@ -250,3 +330,63 @@ def test_a_bls_callee_writing_into_its_input_leaves_the_callers_alone(server: Ru
         data = grpcclient.InferInput("IN", [1, 4], "FP32")
         data.set_data_from_numpy(value)
         assert np.array_equal(client.infer(f"caller_{kind}", [data]).as_numpy("OUT"), value)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_model_that_kept_one_input_costs_one_new_arena_not_one_a_batch(server: RunningServer, kind: str) -> None:
+    """Once a process instance's model kept an input, its worker copies: later batches are not taken
+    for kept ones too (each would cost a new arena, a collection and a warning: 25x slower)."""
+    model = f"keeps_first_{kind}"
+    with grpcclient.InferenceServerClient(server.url) as client:
+        first = np.arange(8, dtype=np.int64) + 77
+        answers = [_stash_call(client, model, first if k == 0 else first * 0 + k) for k in range(20)]
+    assert all(np.array_equal(answer, first) for answer in answers), answers
+    warnings = server.log().count(f"model {model}: an input outlived its batch")
+    assert warnings == (1 if kind == "process" else 0), server.log()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_bls_caller_writing_into_its_answer_leaves_the_callees_array_alone(server: RunningServer, kind: str) -> None:
+    """A thread instance's caller got the callee's own array (its table) and changed it for every client."""
+    with grpcclient.InferenceServerClient(server.url) as client:
+        for k in range(3):
+            value = np.full((1, 4), k + 1, dtype=np.float32)
+            data = grpcclient.InferInput("IN", [1, 4], "FP32")
+            data.set_data_from_numpy(value)
+            got = client.infer(f"table_caller_{kind}", [data]).as_numpy("OUT")
+            assert np.array_equal(got, np.array([[0, 100, 200, 300]], np.float32) + value), got
+
+
+def test_a_kept_arena_is_never_written_when_no_new_one_can_be_made(server: RunningServer) -> None:
+    """The host cannot make the new arena (no descriptor left): a batch fails, and none is ever packed
+    into the arena the model reads (the feed path packed the next one there, the model then answering
+    another request's bytes)."""
+    limits = Path(f"/proc/{server.pid}/limits").read_text().splitlines()
+    soft, hard = (
+        int(v) if v.isdigit() else resource.RLIM_INFINITY
+        for v in next(line for line in limits if line.startswith("Max open files")).split()[3:5]
+    )
+
+    def call(client: grpcclient.InferenceServerClient, value: np.ndarray) -> np.ndarray | str:
+        data = grpcclient.InferInput("INPUT__0", [1, 4], "INT64")
+        data.set_data_from_numpy(value)
+        try:
+            return client.infer("torch_keep_42", [data]).as_numpy("OUTPUT__0")
+        except InferenceServerException as exc:
+            return str(exc)
+
+    values = [np.arange(4, dtype=np.int64).reshape(1, 4) + 10 * k for k in range(3)]
+    values[0][0, 0] = 42  # the one the module keeps
+    with grpcclient.InferenceServerClient(server.url) as client:
+        assert client.is_server_live()  # connected before the limit: accepting a connection needs a descriptor
+        # No new descriptor from here (fewer allowed than are open): no new arena can be made.
+        resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (16, hard))
+        try:
+            kept = call(client, values[0])  # answered; the module keeps this input
+            refused = call(client, values[1])  # needs a new arena first: none can be made
+        finally:
+            resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        after = call(client, values[2])
+    assert isinstance(kept, np.ndarray) and np.array_equal(kept, values[0]), kept
+    assert isinstance(refused, str) and "Too many open files" in refused, refused
+    assert isinstance(after, np.ndarray) and np.array_equal(after, values[0]), after

@@ -281,7 +281,7 @@ class LocalCore:
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._require_explicit()
-        await self.manager.unload(name, unload_dependents)
+        await self.manager.unload(name, unload_dependents, after_loads=True)
 
     async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self.regions.register(name, key, offset, byte_size)

@@ -22,8 +22,8 @@ What a worker's model starts itself (``subprocess.Popen``, ``os.fork``) is not S
 PDEATHSIG reaches it; left alone it outlived the worker, its unload and the server, holding the
 worker's arenas (review of session 47). So a worker leads a process group of its own (``guard_worker``),
 which those processes join unless they leave it, and the host kills the group with the worker
-(``kill_group``): on unload, on a restart, at shutdown. A host that dies by SIGKILL takes its workers
-with it but not their processes.
+(``kill_group``, which checks that the number is still the worker's group's): on unload, on a
+restart, at shutdown. A host that dies by SIGKILL takes its workers with it but not their processes.
 """
 
 from __future__ import annotations
@@ -78,12 +78,26 @@ def guard_worker(conn: Any) -> None:
     watch_host(conn)
 
 
-def kill_group(worker_pid: int | None) -> None:
-    """In the host, once a worker is killed: SIGKILL what is left of its process group (the processes
-    its model started). While any of them lives, the kernel gives the group's number (the worker's
-    pid) to no new process; once none does, there is no group to kill, unless that number went to a
-    new group's leader meanwhile (killing by group always has that caveat)."""
-    if worker_pid is None:
+def start_time(pid: int | None) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc), or None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
+def kill_group(worker_pid: int | None, started: int | None) -> None:
+    """In the host, to end a worker: SIGKILL its process group (the worker, if alive, and the
+    processes its model started). The group's number is the worker's pid, which the kernel gives to
+    no new process while the group has a member. So: when a process with that pid started at another
+    time than the worker (``started``), the number was given again, so no member of the worker's group
+    was left, and nothing is sent (a pid reused by another model's worker, which leads a group of
+    that number: review of session 47)."""
+    if worker_pid is None or started is None:
+        return
+    now = start_time(worker_pid)
+    if now is not None and now != started:
         return
     try:
         os.killpg(worker_pid, signal.SIGKILL)

@@ -144,6 +144,8 @@ class ProcessModel:
         self._closing = threading.Event()
         self._failure = ""  # why no worker is running; "" while one is
         self._cause = ""  # what happened to the last worker replaced
+        self._inputs_kept = False  # the model holds views of the REQUESTS arena: the next batch goes to a new one
+        self._worker_started: int | None = None  # the worker's start time (lifeline.kill_group)
         # Inputs go into one, outputs come back in the other; a restarted worker gets the same two.
         self._arenas = {
             which: Arena.create(f"shoal-instance-{which}", INITIAL_ARENA_BYTES) for which in (REQUESTS, RESPONSES)
@@ -185,6 +187,7 @@ class ProcessModel:
             name=f"shoal-{self._spec.name}-worker",
         )
         lifeline.launch(self._process)
+        self._worker_started = lifeline.start_time(self._process.pid)
         child.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         reply: Any = None
@@ -240,9 +243,12 @@ class ProcessModel:
         self._send_arena(which)
 
     def _leave_inputs_to_worker(self) -> None:
-        """The model kept views of a batch's inputs past the batch (``worker_pipe.InputViews``): the
-        next batch goes to a new REQUESTS arena, and the worker copies its inputs from now on. Lock held."""
+        """The model kept views of a batch's inputs past the batch (``worker_pipe.InputViews``): before
+        the next batch, a new REQUESTS arena (the worker copies its inputs from now on). Lock held. If
+        no arena can be made (no descriptor left), the batch fails and the next one tries again: no
+        batch is ever written into the arena the model reads."""
         self._new_arena(REQUESTS, self._arenas[REQUESTS].size)
+        self._inputs_kept = False
         logger.warning(
             "model %s: an input outlived its batch in the instance process (the model kept it, or a thread "
             "of the model still held it as the batch ended); it stays as it was, in a shared-memory arena of "
@@ -256,10 +262,10 @@ class ProcessModel:
             arena.close()
 
     def _kill(self) -> None:
+        lifeline.kill_group(self._process.pid, self._worker_started)  # what the model started, the worker too
         if self._process.is_alive():
             self._process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
         self._process.join(timeout=KILL_TIMEOUT_S)
-        lifeline.kill_group(self._process.pid)  # what the model started (lifeline's docstring)
         self._conn.close()
 
     def _replace(self, why: str | None) -> None:
@@ -295,6 +301,8 @@ class ProcessModel:
                     ErrorCode.UNAVAILABLE,
                     f"model '{self._spec.name}': the instance process {self._failure or 'is stopping'}",
                 )
+            if self._inputs_kept:  # the last feed's inputs are the model's: a new arena first
+                self._leave_inputs_to_worker()
             feed = as_tensors(inputs)
             try:
                 slots = packing.pack_at(self._arenas[REQUESTS], 0, feed)
@@ -324,7 +332,7 @@ class ProcessModel:
                 return results
             finally:
                 if isinstance(reply, (Ran, Failed)) and reply.inputs_kept:
-                    self._leave_inputs_to_worker()
+                    self._inputs_kept = True  # the next feed goes to a new arena (``_leave_inputs_to_worker``)
                 else:
                     trim(self._arenas[REQUESTS], packing.extent(slots))
 

@@ -112,7 +112,6 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         self._outbox: Outbox | None = None  # what the running batch's conversation says to the worker
         self._loop_socket: socket.socket | None = None  # the pipe as the event loop reads it (FrameReader)
         self._loop_watch: LoopWatch | None = None  # the loop's eye on this worker (made by the first loop batch)
-        self._inputs_kept = False  # the model holds views of the REQUESTS arena: the next batch goes to a new one
         try:
             super().__init__(
                 spec, model_file, device, (instance_name, version), 1, limits, ("numpy", "shoal.backends.python.runner")
@@ -203,7 +202,6 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         false (the loop: handing a worker an arena is a blocking write)."""
         if self._inputs_kept:
             self._leave_inputs_to_worker()
-            self._inputs_kept = False
         self._sinks = [python_backend.sink_of(pending) for pending in batch] if self._decoupled else []
         self._cancel_sent, self._streams_closed = set(), set()
         requests, used = self._pack_inputs(batch, may_grow)

@@ -265,8 +265,9 @@ class InputViews:
 
     def kept(self) -> bool:
         """Whether the model still holds a view of the last batch's inputs (the worker's own references
-        gone). Views held only by a reference cycle (a traceback's frames) are collected first."""
-        if self._released:
+        gone). Views held only by a reference cycle (a traceback's frames) are collected first. Once
+        copying, never: copies are the model's own (the views it kept first are in the arena it was left)."""
+        if self.copying or self._released:
             return False
         gc.collect()
         if self._released:

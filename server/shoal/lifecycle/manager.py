@@ -108,6 +108,7 @@ class ModelManager:
         self.summary_latencies = summary_latencies  # --metrics-config summary_latencies=true
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._loading: dict[str, set[asyncio.Future[None]]] = {}  # loads under way (an unload waits for them)
         self._dependents = ensemble.Dependents(self)  # ensembles follow the models they use
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -137,7 +138,11 @@ class ModelManager:
     async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None:
         """Load or reload ``name``; ``config_override`` is a ModelConfig as a JSON object (RepositoryModelLoad).
         Runs to its end if the caller stops waiting (``model_work.to_the_end``)."""
-        await model_work.to_the_end(self._load(name, config_override), f"the load of model '{shown(name)}'")
+        work = asyncio.ensure_future(self._load(name, config_override))
+        loading = self._loading.setdefault(name, set())
+        loading.add(work)
+        work.add_done_callback(loading.discard)
+        await model_work.to_the_end(work, f"the load of model '{shown(name)}'")
 
     async def _load(self, name: str, config_override: dict[str, Any] | None) -> None:
         self._loop = asyncio.get_running_loop()  # where BLS requests from models run (host_infer)
@@ -181,16 +186,24 @@ class ModelManager:
         await self._dependents.retire(name, only_unfit=True)
         await self._dependents.wake()
 
-    async def unload(self, name: str, unload_dependents: bool = False) -> None:
+    async def unload(self, name: str, unload_dependents: bool = False, after_loads: bool = False) -> None:
         """Stop routing to ``name``, let its queued and running requests finish, free the weights.
 
         ``unload_dependents`` (Triton's flag of that name): an ensemble's composing models are unloaded
-        after it, each with its own, except those another loaded ensemble still uses. Runs to its end
-        if the caller stops waiting (``model_work.to_the_end``).
+        after it, each with its own, except those another loaded ensemble still uses. ``after_loads``
+        (a client's RepositoryModelUnload): first wait for the loads of ``name`` asked for before, as
+        Triton orders them (not for the server's own unloads: an ensemble's load waits on its composing
+        models' loads, which may unload it). Runs to its end if the caller stops waiting
+        (``model_work.to_the_end``).
         """
-        await model_work.to_the_end(self._unload(name, unload_dependents), f"the unload of model '{shown(name)}'")
+        await model_work.to_the_end(
+            self._unload(name, unload_dependents, after_loads), f"the unload of model '{shown(name)}'"
+        )
 
-    async def _unload(self, name: str, unload_dependents: bool) -> None:
+    async def _unload(self, name: str, unload_dependents: bool, after_loads: bool = False) -> None:
+        loading = self._loading.get(name)
+        if after_loads and loading:  # a load asked for before (perhaps by a client that stopped waiting) first
+            await asyncio.wait(list(loading))
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.get(name)
             if entry is None or entry.spec is None and not entry.versions:

@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from shoal.errors import ShoalError
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -62,9 +64,10 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
 
 
-async def to_the_end(work: Coroutine[Any, Any, T], what: str) -> T:
+async def to_the_end(work: Coroutine[Any, Any, T] | asyncio.Future[T], what: str) -> T:
     """``work``'s result; if the caller is cancelled meanwhile, ``work`` goes on to its end anyway
-    (``what`` names it in the log if it then fails)."""
+    (``what`` names it in the log if it then fails unexpectedly: a load's refusal is logged where it
+    is made)."""
     task = asyncio.ensure_future(work)
     try:
         return await asyncio.shield(task)
@@ -79,5 +82,5 @@ def _ended_unattended(what: str, task: asyncio.Task[Any]) -> None:
     if task.cancelled():
         return
     error = task.exception()
-    if error is not None:
-        logger.warning("%s, whose caller stopped waiting, failed: %s", what, getattr(error, "message", error))
+    if error is not None and not isinstance(error, ShoalError):
+        logger.warning("%s, whose caller stopped waiting, failed: %s: %s", what, type(error).__name__, error)

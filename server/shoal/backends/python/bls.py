@@ -156,6 +156,13 @@ def result_of(future: concurrent.futures.Future[InferResponse]) -> BlsResult:
     return BlsResult({tensor.name: tensor.data for tensor in response.outputs})
 
 
+def _copied(result: BlsResult) -> BlsResult:
+    """``result`` with outputs of its own (a thread-mode caller's)."""
+    if not result.outputs:
+        return result
+    return BlsResult({name: np.array(data, copy=True) for name, data in result.outputs.items()})
+
+
 def response_of(result: BlsResult) -> pb_utils.InferenceResponse:
     if result.outputs is None:
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(result.error))
@@ -194,23 +201,25 @@ def running_as(caller: Any) -> Iterator[None]:
 
 
 class ThreadLink:
-    """In thread mode: BLS calls go straight to the host from the calling thread."""
+    """In thread mode: BLS calls go straight to the host from the calling thread. The caller gets
+    copies of the outputs, as a process instance's caller does (read from the arena) and as Triton's
+    stub does: the callee's arrays may be its own (a table it returns) or another request's."""
 
     def __init__(self, host: HostInfer | None) -> None:
         self.host = host
 
     def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        return response_of(result_of(start(self.host, call_of(request), caller=_caller_here())))
+        return response_of(_copied(result_of(start(self.host, call_of(request), caller=_caller_here()))))
 
     def infer_stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
         parts = streamed(self.host, call_of(request, decoupled=True), _caller_here())
-        return (response_of(result) for result, _ in parts)
+        return (response_of(_copied(result)) for result, _ in parts)
 
     def infer_async(self, request: pb_utils.InferenceRequest) -> Awaitable[pb_utils.InferenceResponse]:
         future = start(self.host, call_of(request), caller=_caller_here())
 
         async def wait() -> pb_utils.InferenceResponse:
             await asyncio.wait([asyncio.wrap_future(future)])  # a failure is read below, not raised
-            return response_of(result_of(future))
+            return response_of(_copied(result_of(future)))
 
         return wait()
