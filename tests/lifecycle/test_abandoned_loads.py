@@ -9,6 +9,7 @@ never served nor closed (instances leaked for good).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from shoal.errors import ShoalError
+from shoal.lifecycle.manager import ModelManager
 from tests.ensemble_models import add_ensemble, step
 from tests.models import add_identity
 from tests.polling import wait_until
@@ -54,6 +57,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.mark.unlink()
+        (FOLDER / "finalized" / self.mark.name).touch()
 """
 
 CONFIG = """
@@ -82,6 +86,7 @@ def _large_request(grpc_url: str, http_url: str) -> None:
 def test_loads_the_client_gave_up_on_finish_and_stall_nothing_else(tmp_path: Path, server_factory: Any) -> None:
     marks = tmp_path / "marks"
     (marks / "alive").mkdir(parents=True)
+    (marks / "finalized").mkdir()
     repo = tmp_path / "repo"
     write_model(repo, "slow_start", CONFIG, SLOW_START.format(folder=str(marks)))
     add_identity(repo, "big", "FP32", max_batch_size=0)
@@ -109,6 +114,7 @@ def test_an_unload_waits_for_the_load_its_client_gave_up_on(tmp_path: Path, serv
     with the ensemble served)."""
     marks = tmp_path / "marks"
     (marks / "alive").mkdir(parents=True)
+    (marks / "finalized").mkdir()
     repo = tmp_path / "repo"
     write_model(repo, "slow_start", CONFIG, SLOW_START.format(folder=str(marks)))
     four = "data_type: TYPE_FP32 dims: [ 4 ]"
@@ -132,3 +138,38 @@ def test_an_unload_waits_for_the_load_its_client_gave_up_on(tmp_path: Path, serv
             go.join()
         assert not client.is_model_ready("slow_ensemble")
         assert client.is_model_ready("slow_start")  # its composing model stays (no unload_dependents)
+
+
+def test_clients_loads_and_unloads_of_a_model_run_in_the_order_asked(tmp_path: Path, server_factory: Any) -> None:
+    """Load, unload, load, each given up by its client while the first load waits in initialize: they
+    run in that order and the model ends loaded (the second load ran before the unload once)."""
+    marks = tmp_path / "marks"
+    (marks / "alive").mkdir(parents=True)
+    (marks / "finalized").mkdir()
+    repo = tmp_path / "repo"
+    write_model(repo, "slow_start", CONFIG, SLOW_START.format(folder=str(marks)))
+    server = server_factory(repo, "--model-control-mode", "explicit")
+    with grpcclient.InferenceServerClient(server.url) as client:
+        for call in (client.load_model, client.unload_model, client.load_model):
+            with pytest.raises(InferenceServerException):
+                call("slow_start", client_timeout=0.3)
+        (marks / "go").touch()
+        wait_until(lambda: any((marks / "finalized").iterdir()), 60, "the unload to finalize the first instance")
+        wait_until(lambda: client.is_model_ready("slow_start"), 60, "the last load to serve the model again")
+        assert len(list((marks / "alive").iterdir())) == 1
+
+
+def test_calls_about_made_up_names_leave_nothing_behind(tmp_path: Path) -> None:
+    """Review of session 47: each load of a name with no folder kept an entry for good (a client could
+    grow the server's memory with made-up names); so did each unload."""
+    manager = ModelManager(tmp_path, control_mode="explicit")
+
+    async def calls() -> None:
+        for index in range(50):
+            with pytest.raises(ShoalError):
+                await manager.load(f"made_up_{index}", client=True)
+            with pytest.raises(ShoalError):
+                await manager.unload(f"made_up_{index}", client=True)
+
+    asyncio.run(calls())
+    assert not manager._client_order and not manager._locks  # noqa: SLF001 - what the server keeps per name

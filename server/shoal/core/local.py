@@ -277,11 +277,11 @@ class LocalCore:
 
     async def load_model(self, name: str, config_override: dict[str, Any] | None) -> None:
         self._require_explicit()
-        await self.manager.load(name, config_override)
+        await self.manager.load(name, config_override, client=True)
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._require_explicit()
-        await self.manager.unload(name, unload_dependents, after_loads=True)
+        await self.manager.unload(name, unload_dependents, client=True)
 
     async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self.regions.register(name, key, offset, byte_size)

@@ -30,7 +30,7 @@ import concurrent.futures
 import logging
 import re
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Coroutine, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -108,7 +108,7 @@ class ModelManager:
         self.summary_latencies = summary_latencies  # --metrics-config summary_latencies=true
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._loading: dict[str, set[asyncio.Future[None]]] = {}  # loads under way (an unload waits for them)
+        self._client_order: dict[str, _InOrder] = {}  # per model: clients' loads and unloads, one at a time
         self._dependents = ensemble.Dependents(self)  # ensembles follow the models they use
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -135,14 +135,32 @@ class ModelManager:
                 failures[name] = exc.message
         return failures
 
-    async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None:
+    async def load(self, name: str, config_override: dict[str, Any] | None = None, client: bool = False) -> None:
         """Load or reload ``name``; ``config_override`` is a ModelConfig as a JSON object (RepositoryModelLoad).
-        Runs to its end if the caller stops waiting (``model_work.to_the_end``)."""
-        work = asyncio.ensure_future(self._load(name, config_override))
-        loading = self._loading.setdefault(name, set())
-        loading.add(work)
-        work.add_done_callback(loading.discard)
+        Runs to its end if the caller stops waiting (``model_work.to_the_end``). ``client``: a client's
+        call, run after the clients' loads and unloads of ``name`` asked for before it (``_in_order``)."""
+        work = self._in_order(name, self._load(name, config_override)) if client else self._load(name, config_override)
         await model_work.to_the_end(work, f"the load of model '{shown(name)}'")
+
+    async def _in_order(self, name: str, work: Coroutine[Any, Any, None]) -> None:
+        """``work`` once the clients' loads and unloads of ``name`` asked for before it are done, as
+        Triton handles repository calls one at a time: a load, an unload, a load leave the model
+        loaded, whatever their clients stopped waiting for. A model's lock cannot give that order: an
+        ensemble's load takes its lock only after loading its composing models (whose loads may unload
+        it, the server's own unload, which waits for no client's). Only clients' calls take this
+        order, so none of the server's own waits on it."""
+        order = self._client_order.get(name)
+        if order is None:
+            order = self._client_order[name] = _InOrder()
+        order.users += 1
+        try:
+            async with order.lock:
+                await work
+        finally:
+            work.close()  # never started (cancelled while waiting, at shutdown): no "never awaited" warning
+            order.users -= 1
+            if not order.users:  # nothing kept for a name no call is about (made-up names included)
+                del self._client_order[name]
 
     async def _load(self, name: str, config_override: dict[str, Any] | None) -> None:
         self._loop = asyncio.get_running_loop()  # where BLS requests from models run (host_infer)
@@ -186,28 +204,25 @@ class ModelManager:
         await self._dependents.retire(name, only_unfit=True)
         await self._dependents.wake()
 
-    async def unload(self, name: str, unload_dependents: bool = False, after_loads: bool = False) -> None:
+    async def unload(self, name: str, unload_dependents: bool = False, client: bool = False) -> None:
         """Stop routing to ``name``, let its queued and running requests finish, free the weights.
 
         ``unload_dependents`` (Triton's flag of that name): an ensemble's composing models are unloaded
-        after it, each with its own, except those another loaded ensemble still uses. ``after_loads``
-        (a client's RepositoryModelUnload): first wait for the loads of ``name`` asked for before, as
-        Triton orders them (not for the server's own unloads: an ensemble's load waits on its composing
-        models' loads, which may unload it). Runs to its end if the caller stops waiting
-        (``model_work.to_the_end``).
+        after it, each with its own, except those another loaded ensemble still uses. Runs to its end
+        if the caller stops waiting (``model_work.to_the_end``); ``client``: as ``load``'s.
         """
+        work = self._unload(name, unload_dependents)
         await model_work.to_the_end(
-            self._unload(name, unload_dependents, after_loads), f"the unload of model '{shown(name)}'"
+            self._in_order(name, work) if client else work, f"the unload of model '{shown(name)}'"
         )
 
-    async def _unload(self, name: str, unload_dependents: bool, after_loads: bool = False) -> None:
-        loading = self._loading.get(name)
-        if after_loads and loading:  # a load asked for before (perhaps by a client that stopped waiting) first
-            await asyncio.wait(list(loading))
+    async def _unload(self, name: str, unload_dependents: bool) -> None:
+        if name not in self._models:  # before a lock is made for it: a made-up name keeps nothing
+            raise _not_loaded(name)
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.get(name)
             if entry is None or entry.spec is None and not entry.versions:
-                raise ShoalError(ErrorCode.UNAVAILABLE, f"failed to unload '{shown(name)}': the model is not loaded")
+                raise _not_loaded(name)
             composing = (
                 entry.spec.ensemble.composing_models
                 if unload_dependents and entry.spec is not None and entry.spec.ensemble is not None
@@ -509,6 +524,19 @@ class ModelManager:
         """Drain and unload everything (shutdown)."""
         for entry in list(self._models.values()):
             await self._retire(entry)
+
+
+def _not_loaded(name: str) -> ShoalError:
+    return ShoalError(ErrorCode.UNAVAILABLE, f"failed to unload '{shown(name)}': the model is not loaded")
+
+
+class _InOrder:
+    """One model's clients' loads and unloads, one at a time in the order asked (an asyncio lock
+    wakes its waiters first come, first served), and how many calls hold or wait for it."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
 
 
 def _load_refusal(entry: ModelEntry) -> ShoalError:
