@@ -28,24 +28,27 @@ from tests.python_models import write_model
 THREAD = 'parameters { key: "process_instances" value: { string_value: "false" } }'
 KINDS = {"process": "", "thread": THREAD}
 
-# OUT = the input of the request before (its own the first time): the model keeps each input.
-STASH = """
+# A model that keeps inputs in ``self.kept`` (None at first): ``{keep}`` sets OUT (``answer``) and keeps.
+KEEPING = """
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.previous = None
+        self.kept = None
 
     def execute(self, requests):
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
-            before = x if self.previous is None else self.previous
-            self.previous = x
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", before)]))
+            {keep}
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", answer)]))
         return responses
 """
+# OUT = the input of the request before (its own the first time): the model keeps each input.
+STASH = KEEPING.format(keep="answer = x if self.kept is None else self.kept\n            self.kept = x")
+# OUT = the first request's input, every time: the model keeps that one only.
+KEEPS_FIRST = KEEPING.format(keep="self.kept = x if self.kept is None else self.kept\n            answer = self.kept")
 
 STASH_CONFIG = """
 backend: "python"
@@ -56,24 +59,6 @@ instance_group [ {{ count: 1 kind: KIND_CPU }} ]
 {extra}
 """
 
-# OUT = the first request's input, every time: the model keeps that one only.
-KEEPS_FIRST = """
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.first = None
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
-            if self.first is None:
-                self.first = x
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", self.first)]))
-        return responses
-"""
 
 # OUT = a table of the model's own (its BLS callers write into what they get: it must not change).
 TABLE = """

@@ -20,6 +20,7 @@ mark, UTF-16), so whatever orjson refuses, or could read or write otherwise, goe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -181,10 +182,8 @@ def _parse_header(header: bytes | str) -> Any:
         return _parse_with_json(header)
     digits_as_zeros = header.translate(_DIGITS_AS_ZEROS)
     if _NINETEEN_DIGITS not in digits_as_zeros:
-        try:
+        with contextlib.suppress(orjson.JSONDecodeError):  # else json reads it: its document, or its refusal
             return orjson.loads(header)
-        except orjson.JSONDecodeError:
-            pass  # read by json: its document, or its refusal in its words
     return _parse_with_json(header, digits_as_zeros)
 
 

@@ -17,6 +17,7 @@ as long as they like, or never end. Two rules keep that from reaching anything e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import logging
@@ -25,6 +26,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from shoal.errors import ShoalError
+from shoal.instances.pool import settle
 
 logger = logging.getLogger(__name__)
 
@@ -46,22 +48,11 @@ async def in_thread(function: Callable[..., T], *args: Any) -> T:
             result, error = context.run(function, *args), None
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, as an executor does
             result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(_settle, future, result, error)
-        except RuntimeError:  # the loop is closed (the server stopped): nobody waits for it
-            pass
+        with contextlib.suppress(RuntimeError):  # the loop is closed (the server stopped): nobody waits for it
+            loop.call_soon_threadsafe(settle, future, result, error)
 
     threading.Thread(target=run, name=f"shoal-model-{getattr(function, '__name__', 'work')}", daemon=True).start()
     return await future
-
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():  # its caller gave up
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 async def to_the_end(work: Coroutine[Any, Any, T] | asyncio.Future[T], what: str) -> T:
