@@ -17,6 +17,8 @@ CONTROLS = """
     { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] } ] },
     { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
   ]"""
+# The CORRID control's type in the config and the ONNX graph's element type for it.
+CORRID_TYPES = {"TYPE_UINT64": TensorProto.UINT64, "TYPE_STRING": TensorProto.STRING}
 PROCESSES = """
 parameters { key: "process_instances" value: { string_value: "true" } }"""
 STATE = """
@@ -24,10 +26,17 @@ STATE = """
 
 
 def add_accumulator(
-    repo: Path, name: str, strategy: str = "direct { }", max_batch_size: int = 8, instances: int = 1, idle_us: int = 0
+    repo: Path,
+    name: str,
+    strategy: str = "direct { }",
+    max_batch_size: int = 8,
+    instances: int = 1,
+    idle_us: int = 0,
+    corrid_type: str = "TYPE_UINT64",
 ) -> None:
     """ONNX, with control inputs and implicit state: OUTPUT = (START ? 0 : STATE_IN) + INPUT; the state
-    moves on only where READY (a null row keeps its state); CORRID_OUT echoes the correlation id."""
+    moves on only where READY (a null row keeps its state); CORRID_OUT echoes the correlation id
+    (``corrid_type``: TYPE_UINT64, or TYPE_STRING for string ids)."""
 
     def batch(name: str, elem: int) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, elem, ["batch", 1])
@@ -49,12 +58,12 @@ def add_accumulator(
             batch("INPUT", TensorProto.FLOAT),
             batch("START", TensorProto.INT32),
             batch("READY", TensorProto.FLOAT),
-            batch("CORRID", TensorProto.UINT64),
+            batch("CORRID", CORRID_TYPES[corrid_type]),
             batch("STATE_IN", TensorProto.FLOAT),
         ],
         [
             batch("OUTPUT", TensorProto.FLOAT),
-            batch("CORRID_OUT", TensorProto.UINT64),
+            batch("CORRID_OUT", CORRID_TYPES[corrid_type]),
             batch("STATE_OUT", TensorProto.FLOAT),
         ],
         initializer=[helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])],
@@ -69,10 +78,10 @@ platform: "onnxruntime_onnx"
 max_batch_size: {max_batch_size}
 input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
 output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] }},
-         {{ name: "CORRID_OUT" data_type: TYPE_UINT64 dims: [ 1 ] }} ]
+         {{ name: "CORRID_OUT" data_type: {corrid_type} dims: [ 1 ] }} ]
 instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
 sequence_batching {{
-  {strategy}{idle}{CONTROLS}{STATE}
+  {strategy}{idle}{CONTROLS.replace("TYPE_UINT64", corrid_type)}{STATE}
 }}
 """,
     )

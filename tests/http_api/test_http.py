@@ -379,16 +379,17 @@ def test_sequences_over_http(tmp_path: Path, server_factory) -> None:
 
     repo = tmp_path / "repo"
     add_accumulator(repo, "acc")
+    add_accumulator(repo, "acc_text", corrid_type="TYPE_STRING")  # string ids
     server = server_factory(repo)
     with httpclient.InferenceServerClient(server.http_url) as client:
         sums = {}
-        for cid in (7, "text-id"):
+        for model, cid in (("acc", 7), ("acc_text", "text-id")):
             sums[cid] = []
             for index, value in enumerate((1.0, 2.0, 4.0)):
                 data = httpclient.InferInput("INPUT", [1, 1], "FP32")
                 data.set_data_from_numpy(np.full((1, 1), value, dtype=np.float32), binary_data=index % 2 == 0)
                 result = client.infer(
-                    "acc", [data], sequence_id=cid, sequence_start=index == 0, sequence_end=index == 2
+                    model, [data], sequence_id=cid, sequence_start=index == 0, sequence_end=index == 2
                 )
                 sums[cid].append(float(result.as_numpy("OUTPUT").item()))
         assert sums == {7: [1.0, 3.0, 7.0], "text-id": [1.0, 3.0, 7.0]}

@@ -31,6 +31,19 @@ class Linear(torch.nn.Module):
         return torch.relu(self.layer(x))
 
 
+class Refills(torch.nn.Module):
+    """OUTPUT__0 = INPUT__0, answered in a buffer of the module's own that every batch refills."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("kept", torch.zeros(8, 4, dtype=torch.int32))
+
+    def forward(self, INPUT__0: torch.Tensor) -> torch.Tensor:  # noqa: N803 - Triton's tensor name
+        rows = INPUT__0.shape[0]
+        self.kept[:rows].copy_(INPUT__0)
+        return self.kept[:rows]
+
+
 # Most tests here are about loading and serving, not placement: they pin the CPU, so that a GPU host
 # (where KIND_AUTO puts a PyTorch model on the GPU) runs them as written. GPU paths: tests/instances/test_gpu.py.
 ON_CPU = "instance_group [ { count: 1 kind: KIND_CPU } ]"
@@ -228,3 +241,26 @@ def test_generate_a_torchscript_config_from_input_shapes(tmp_path: Path) -> None
         [*command, "--input", "INPUT__0:INT32:4", "--force"], capture_output=True, text=True, timeout=120
     )
     assert wrong.returncode == 1 and "does not run on zeros" in wrong.stderr
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")  # loaded here, not in a server
+def test_an_output_in_the_modules_own_buffer_is_the_batchs_own(tmp_path: Path) -> None:
+    """Found by the review of session 48: the instance's next batch rewrote an earlier batch's outputs
+    (``.numpy()`` shares the module's buffer) while their responses were still to be encoded."""
+    from shoal.backends import pytorch
+    from shoal.backends.devices import CPU
+    from shoal.configuring.pipeline import configure
+
+    folder = tmp_path / "refills"
+    (folder / "1").mkdir(parents=True)
+    torch.jit.script(Refills()).save(str(folder / "1" / "model.pt"))
+    (folder / "config.pbtxt").write_text(_config("refills", INDEXED_IN[:1], INDEXED_OUT[:1], ON_CPU))
+    spec = configure(folder, strict=False).spec
+    model = pytorch.load(spec, folder / "1" / "model.pt", CPU, 1)
+    try:
+        first = np.arange(8, dtype=np.int32).reshape(2, 4)
+        answer = model.run({"INPUT__0": first}, ["OUTPUT__0"])
+        model.run({"INPUT__0": np.full((2, 4), -1, np.int32)}, ["OUTPUT__0"])
+    finally:
+        model.close()
+    assert answer["OUTPUT__0"].tolist() == first.tolist()

@@ -336,8 +336,12 @@ def test_sequence_id_out_of_range_is_refused_not_wrapped(server: RunningServer) 
         assert status == 200, body
         outputs = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
         assert outputs["CORRID_OUT"] == [sequence_id], outputs
-    status, _, body = call(server, "POST", _infer_path("accumulator"), _sequence_request({"sequence_id": "5"}))
-    assert status == 200, body
+    status, message = error(server, "POST", _infer_path("accumulator"), _sequence_request({"sequence_id": "5"}))
+    assert (status, message) == (  # a string id for an integer CORRID, in the words of Triton from 25.01
+        400,
+        "[request id: <id_unknown>] sequence batching control 'CORRID' data-type is 'BYTES', but model "
+        "'accumulator' expects 'UINT64'",
+    )
 
 
 def test_flags_priority_and_timeout_are_checked_in_tritons_words(server: RunningServer) -> None:
@@ -367,14 +371,14 @@ def test_flags_priority_and_timeout_are_checked_in_tritons_words(server: Running
         assert status == 200, (key, value, body)
 
 
-def test_grpc_string_and_integer_sequence_ids_are_different_sequences(server: RunningServer) -> None:
+def test_grpc_a_string_id_is_not_the_integer_sequence_of_the_same_digits(server: RunningServer) -> None:
     with grpcclient.InferenceServerClient(server.url) as client:
         tensor = grpcclient.InferInput("INPUT", [1, 1], "FP32")
         tensor.set_data_from_numpy(np.ones((1, 1), dtype=np.float32))
         start = client.infer("accumulator", [tensor], sequence_id=5, sequence_start=True)
         assert start.as_numpy("OUTPUT").tolist() == [[1.0]]
-        with pytest.raises(InferenceServerException, match="must specify the START flag"):
-            client.infer("accumulator", [tensor], sequence_id="5")  # a string id is a sequence of its own
+        with pytest.raises(InferenceServerException, match="data-type is 'BYTES', but model 'accumulator'"):
+            client.infer("accumulator", [tensor], sequence_id="5")  # of another kind than the CORRID control's
         end = client.infer("accumulator", [tensor], sequence_id=5, sequence_end=True)
         assert end.as_numpy("OUTPUT").tolist() == [[2.0]]
 

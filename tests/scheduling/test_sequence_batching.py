@@ -31,6 +31,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, layout: tuple[str, ...]) ->
     )
     add_accumulator(repo, "acc_one_slot", max_batch_size=1, idle_us=300_000)
     add_accumulator(repo, "acc_stats", max_batch_size=2)
+    add_accumulator(repo, "acc_text", corrid_type="TYPE_STRING")
     add_state_only(repo, "from_hundred", 100.0)
     add_torch_accumulator(repo, "torch_acc")
     add_torch_accumulator(repo, "torch_acc_processes", processes=True)
@@ -52,8 +53,8 @@ def run_sequence(url: str, model: str, cid: int | str, values: list[float]) -> l
             out = infer(
                 client, model, value, sequence_id=cid, sequence_start=index == 0, sequence_end=index == len(values) - 1
             )
-            if "CORRID_OUT" in out and isinstance(cid, int):
-                assert int(out["CORRID_OUT"].item()) == cid
+            if "CORRID_OUT" in out:
+                assert out["CORRID_OUT"].item() == (cid if isinstance(cid, int) else cid.encode())
             sums.append(float(out["OUTPUT"].item()))
         return sums
 
@@ -118,12 +119,26 @@ def test_errors_use_tritons_words(server: RunningServer) -> None:
 
 
 def test_string_and_large_ids_and_a_restart_after_end(server: RunningServer) -> None:
-    assert run_sequence(server.url, "acc_direct", "session-α", [1.0, 2.0, 3.0]) == [1.0, 3.0, 6.0]
+    assert run_sequence(server.url, "acc_text", "session-α", [1.0, 2.0, 3.0]) == [1.0, 3.0, 6.0]
     big = 2**63 - 7
     assert run_sequence(server.url, "acc_direct", big, [5.0, 5.0]) == [5.0, 10.0]
     assert run_sequence(server.url, "acc_direct", big, [2.0, 2.0]) == [2.0, 4.0]  # restarted from zero
     with grpcclient.InferenceServerClient(server.url) as client, pytest.raises(InferenceServerException):
-        infer(client, "acc_direct", 1.0, sequence_id="session-α")  # ended
+        infer(client, "acc_text", 1.0, sequence_id="session-α")  # ended
+
+
+def test_an_id_of_the_other_kind_than_the_corrid_control_is_refused(server: RunningServer) -> None:
+    """As Triton from 25.01: the model would have been fed the string id as 0 (every string id's value)."""
+    with grpcclient.InferenceServerClient(server.url) as client:
+        with pytest.raises(InferenceServerException) as text_id:
+            infer(client, "acc_direct", 1.0, sequence_id="7", sequence_start=True, request_id="r7")
+        assert text_id.value.message() == (
+            "[request id: r7] sequence batching control 'CORRID' data-type is 'BYTES', but model 'acc_direct' "
+            "expects 'UINT64'"
+        )
+        assert "INVALID_ARGUMENT" in str(text_id.value.status())
+        with pytest.raises(InferenceServerException, match="data-type is 'UINT64', but model 'acc_text' expects"):
+            infer(client, "acc_text", 1.0, sequence_id=7, sequence_start=True)
 
 
 def test_initial_state_from_a_data_file_without_batching(server: RunningServer) -> None:

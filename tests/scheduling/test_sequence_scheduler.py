@@ -48,10 +48,17 @@ class Instances:
         self.instances = [Accumulator(self.log, index) for index in range(count)]
 
 
+# The same controls for string correlation ids (a TYPE_STRING CORRID).
+TEXT_CONTROLS = (*CONTROLS[:2], Control(ControlKind.CORRID, "CORRID", DataType.BYTES))
+
+
 def scheduler(instances: int = 1, max_batch_size: int = 2, **options: Any) -> tuple[SequenceScheduler, Instances]:
     runner = Instances(instances)
     batching = SequenceBatching(
-        strategy=options.pop("strategy", "direct"), controls=CONTROLS, states=(STATE,), **options
+        strategy=options.pop("strategy", "direct"),
+        controls=options.pop("controls", CONTROLS),
+        states=(STATE,),
+        **options,
     )
     return SequenceScheduler(runner, ModelStatistics(), max_batch_size, batching, "acc"), runner
 
@@ -113,14 +120,41 @@ def test_errors_use_tritons_words() -> None:
 
 def test_string_and_wrapped_uint64_ids_restart_after_end() -> None:
     async def main() -> None:
-        sched, runner = scheduler(max_batch_size=1)
+        sched, runner = scheduler(max_batch_size=1, controls=TEXT_CONTROLS)
         assert await step(sched, "alpha", 2.0, start=True) == 2.0
         assert await step(sched, "alpha", 3.0, end=True) == 5.0
+        assert runner.log[-1][1]["CORRID"].tolist() == [[b"alpha"]]
         with pytest.raises(ShoalError, match="sequence alpha"):
             await step(sched, "alpha", 1.0)
         assert await step(sched, "alpha", 4.0, start=True, end=True) == 4.0  # restarted: state from zero
+        sched, runner = scheduler(max_batch_size=1)
         assert await step(sched, -1, 1.0, start=True, end=True) == 1.0
         assert runner.log[-1][1]["CORRID"].tolist() == [[2**64 - 1]]
+
+    asyncio.run(main())
+
+
+def test_an_id_of_the_other_kind_than_the_corrid_control_is_refused_in_tritons_words() -> None:
+    """Found by the review of session 48: a string id was fed to an integer CORRID as 0 (the null row's
+    value, and every other string id's). Refused as Triton refuses it from 25.01 (2.51 fed raw bytes)."""
+
+    async def main() -> None:
+        numbers, runner = scheduler(max_batch_size=1)
+        with pytest.raises(ShoalError) as text_id:
+            await step(numbers, "7", 1.0, start=True)
+        assert text_id.value.message == (
+            "[request id: <id_unknown>] sequence batching control 'CORRID' data-type is 'BYTES', "
+            "but model 'acc' expects 'UINT64'"
+        )
+        texts, text_runner = scheduler(max_batch_size=1, controls=TEXT_CONTROLS)
+        with pytest.raises(ShoalError, match="data-type is 'UINT64', but model 'acc' expects 'BYTES'"):
+            await step(texts, 7, 1.0, start=True)
+        assert runner.log == text_runner.log == []  # neither model ran
+        assert numbers.statistics.fail.count == texts.statistics.fail.count == 1
+        without = SequenceScheduler(
+            Instances(1), ModelStatistics(), 1, SequenceBatching("direct", states=(STATE,)), "acc"
+        )
+        assert await step(without, "7", 1.0, start=True, end=True) == 1.0  # no CORRID: any id
 
     asyncio.run(main())
 

@@ -83,7 +83,7 @@ class TorchModel:
                 stream.synchronize()
             else:
                 values = self._outputs(self._module(*self._arguments(inputs)))
-        return {name: _to_numpy(values[name]) for name in outputs}
+        return {name: _to_numpy(values[name], own=True) for name in outputs}
 
     def _arguments(self, inputs: Mapping[str, np.ndarray]) -> list[torch.Tensor]:
         return [_to_torch(name, inputs[name]).to(self._device, non_blocking=True) for name in self._input_order]
@@ -278,11 +278,18 @@ def _to_torch(name: str, array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _to_numpy(value: torch.Tensor) -> np.ndarray:
+def _to_numpy(value: torch.Tensor, own: bool = False) -> np.ndarray:
+    """The tensor's values as numpy; with ``own``, in memory of their own: ``.cpu()`` copies a device's
+    tensor, and a CPU tensor is copied here, as Triton's backend copies every output into its response.
+    A module may answer in a tensor it keeps (a buffer it refills every batch, or an input it stored),
+    which its next batch rewrites while this batch's responses are still being encoded."""
+    copied = value.device.type != "cpu"
     value = value.detach().cpu()
     if value.dtype == torch.bfloat16:
-        return value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return value.numpy()
+        array = value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        array = value.numpy()
+    return np.array(array, copy=True) if own and not copied else array
 
 
 def _tensors_of(module: Any) -> list[torch.Tensor]:

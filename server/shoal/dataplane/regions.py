@@ -115,7 +115,8 @@ class RegionRegistry:
         self.max_total_bytes = max_total_bytes
         self.max_regions = max_regions
         self._regions: dict[str, _Region | CudaRegion] = {}
-        self._open: OrderedDict[str, io.FileIO] = OrderedDict()  # by region name, the last used at the end
+        # By region name, the last used at the end: the registration each descriptor was opened for, and it.
+        self._open: OrderedDict[str, tuple[_Region, io.FileIO]] = OrderedDict()
         self._open_lock = threading.Lock()  # windows are located on the loop and on worker threads
 
     @property
@@ -223,18 +224,27 @@ class RegionRegistry:
         return Window(name, self._segment(region), region.status.offset + offset, byte_size)
 
     def _segment(self, region: _Region) -> io.FileIO:
-        """The region's segment, open: kept from a recent request, or opened again (and kept)."""
+        """The region's segment, open: kept from a recent request, or opened again (and kept).
+
+        What is kept belongs to one registration, not to its name: a request may locate a region on a
+        worker thread while the loop unregisters it and registers the name again on another segment.
+        Its descriptor (the old segment, which that request may still use) is then kept only if its
+        registration is still the name's when the open is done, and a kept one serves only its own
+        registration: else every later request on the name read and wrote the old segment, another
+        client's memory."""
         name = region.status.name
         with self._open_lock:
-            file = self._open.get(name)
-            if file is not None:
+            kept = self._open.get(name)
+            if kept is not None and kept[0] is region:
                 self._open.move_to_end(name)
-                return file
+                return kept[1]
         file = _reopen(region)
         with self._open_lock:
-            self._open[name] = file
-            if len(self._open) > OPEN_SEGMENTS:
-                self._open.popitem(last=False)  # closed once no request holds a window of it
+            if self._regions.get(name) is region:
+                self._open[name] = (region, file)
+                self._open.move_to_end(name)
+                if len(self._open) > OPEN_SEGMENTS:
+                    self._open.popitem(last=False)  # closed once no request holds a window of it
         return file
 
     def on_device(self, name: str) -> bool:

@@ -40,7 +40,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from shoal.errors import ErrorCode, ShoalError, invalid
-from shoal.repository.sequence_config import SequenceBatching
+from shoal.protocol.types import DataType
+from shoal.repository.sequence_config import ControlKind, SequenceBatching
 from shoal.scheduling.base import Executor, OutputCheck
 from shoal.scheduling.rate_limiter import Admission
 from shoal.scheduling.sequence_lanes import Lane, make_lane
@@ -124,6 +125,7 @@ class SequenceScheduler:
                     "requirements of sequence batcher"
                 )
             flags = self._flags(parameters)
+            self._check_id_kind(flags.correlation_id, context)
             self._check_started(flags)
         except ShoalError as exc:
             reason = FailureReason.REJECTED if exc.code is ErrorCode.UNAVAILABLE else FailureReason.OTHER
@@ -174,6 +176,23 @@ class SequenceScheduler:
         if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
             raise invalid(f"request parameter 'timeout' must be a non-negative integer (µs), got {timeout!r}")
         return Flags(correlation_id, flags[0], flags[1], timeout)
+
+    def _check_id_kind(self, correlation_id: CorrelationId, context: Any) -> None:
+        """A string id for a model whose CORRID control takes integers, or an integer id for a TYPE_STRING
+        one, is refused in the words of Triton from 25.01 (core's ``ValidateCorrelationId``). Triton 2.51
+        fed the id's raw bytes instead; Shoal fed a string id as 0, so a model keying its own data on
+        CORRID mixed every string-id sequence with the others (and a null row)."""
+        control = self.batching.control(ControlKind.CORRID)
+        if control is None:
+            return
+        given = "BYTES" if isinstance(correlation_id, str) else "UINT64"
+        if (given == "BYTES") == (control.datatype is DataType.BYTES):
+            return
+        request_id = getattr(context, "id", "") or "<id_unknown>"
+        raise invalid(
+            f"[request id: {request_id}] sequence batching control '{control.name}' data-type is '{given}', "
+            f"but model '{self.model_name}' expects '{control.datatype.value}'"
+        )
 
     def _check_started(self, flags: Flags) -> None:
         cid = flags.correlation_id

@@ -74,10 +74,9 @@ def make_lane(owner: Owner, executor: Executor, slots: list[Slot]) -> Lane:
 
 def _control_value(control: Control, request: SequenceRequest | None) -> object:
     if control.kind is ControlKind.CORRID:
+        # The id's kind is the control's (the scheduler refuses the other: _check_id_kind); 0 for a null row.
         cid = 0 if request is None else request.correlation_id
-        if control.datatype.value == "BYTES":
-            return cid.encode() if isinstance(cid, str) else str(cid).encode()
-        return 0 if isinstance(cid, str) else cid
+        return str(cid).encode() if control.datatype.value == "BYTES" else cid
     if request is None:  # a null row: not ready, neither start nor end
         return control.false_value
     on = {ControlKind.START: request.start, ControlKind.END: request.end, ControlKind.READY: True}[control.kind]

@@ -136,11 +136,22 @@ class ThreadInstance:
             sinks = [sink_of(pending) for pending in batch]
 
             def emit(index: int, outcome: runner.Outcome | None, final: bool) -> None:
-                sinks[index].put(None if outcome is None else outcome.result(), final)
+                sinks[index].put(None if outcome is None else outcome.result(), final)  # copied as sent
 
             self._runner.execute_decoupled(items, emit, lambda index: sinks[index].cancelled)
             return [{} for _ in batch]  # the responses went through the sinks
-        return [outcome.result() for outcome in self._runner.execute(items)]
+        return [_owned(outcome.result()) for outcome in self._runner.execute(items)]
 
     def close(self) -> None:
         self._runner.finalize()
+
+
+def _owned(result: dict[str, np.ndarray] | ShoalError) -> dict[str, np.ndarray] | ShoalError:
+    """A returned response's outputs copied once ``execute`` returns, as Triton's stub copies them into
+    its shared memory then (and a process instance into its arena): an array the model returns may be
+    its own (one buffer it fills for every request), which its next batch rewrites while this response
+    is still being encoded, waits for an ensemble's next step, or goes into the response cache. (A
+    response sent through a sender is copied as it is sent: ``pb_utils._as_sent``.)"""
+    if isinstance(result, ShoalError):
+        return result
+    return {name: np.array(array, copy=True) for name, array in result.items()}

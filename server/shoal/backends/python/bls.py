@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -163,6 +163,14 @@ def _copied(result: BlsResult) -> BlsResult:
     return BlsResult({name: np.array(data, copy=True) for name, data in result.outputs.items()})
 
 
+def _own_call(request: pb_utils.InferenceRequest, decoupled: bool = False) -> BlsCall:
+    """A thread-mode call with inputs of its own, copied when it is made, as a process instance's
+    call is packed into its arena then and Triton's stub copies it into its shared memory: the
+    caller may fill the same array again while its ``async_exec`` call is still queued."""
+    call = call_of(request, decoupled)
+    return replace(call, inputs={name: np.array(data, copy=True) for name, data in call.inputs.items()})
+
+
 def response_of(result: BlsResult) -> pb_utils.InferenceResponse:
     if result.outputs is None:
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(result.error))
@@ -209,14 +217,14 @@ class ThreadLink:
         self.host = host
 
     def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        return response_of(_copied(result_of(start(self.host, call_of(request), caller=_caller_here()))))
+        return response_of(_copied(result_of(start(self.host, _own_call(request), caller=_caller_here()))))
 
     def infer_stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
-        parts = streamed(self.host, call_of(request, decoupled=True), _caller_here())
+        parts = streamed(self.host, _own_call(request, decoupled=True), _caller_here())
         return (response_of(_copied(result)) for result, _ in parts)
 
     def infer_async(self, request: pb_utils.InferenceRequest) -> Awaitable[pb_utils.InferenceResponse]:
-        future = start(self.host, call_of(request), caller=_caller_here())
+        future = start(self.host, _own_call(request), caller=_caller_here())
 
         async def wait() -> pb_utils.InferenceResponse:
             await asyncio.wait([asyncio.wrap_future(future)])  # a failure is read below, not raised
