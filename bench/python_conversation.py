@@ -1,7 +1,7 @@
 """What one batch of a Python process instance costs each side of the pipe, without a server around it.
 
     python bench/python_conversation.py [--batch 1 8] [--batches 3000] [--rounds 2] [--before REV] [--floor]
-                                        [--label NAME]
+                                        [--placements free together apart] [--label NAME]
 
 bench/python_backend.py's ``model.py`` and config (``OUTPUT0 = tanh(INPUT0) * 2 + 1`` on FP32 [256]) in
 a ``PythonProcessModel`` driven directly, as ``Instance.execute`` drives it: each batch started on a
@@ -14,6 +14,9 @@ server adds the request path and the wake-ups of its other threads (bench/thread
 
 ``--floor`` adds a bare round trip between two processes over a socket pair (the floor of any
 process instance's batch), with the kernel free to place them and with both pinned to one CPU.
+``--placements`` measures the batch with the kernel free to place the loop's thread and the worker
+(``free``, the default and what a server does), both pinned to one CPU (``together``), or each to a
+CPU of its own (``apart``): what a wake-up across CPUs costs each side on this machine.
 
 Each measurement is a child process (so ``--before REV`` can run Shoal as it was at git revision REV,
 ``bench._server.checked_out_server``, beside this checkout; REV must construct ``PythonProcessModel`` as
@@ -50,7 +53,20 @@ def _worker_cpu(pid: int) -> tuple[float, float]:
     return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
-def measure_here(batch_size: int, batches: int) -> dict[str, float]:
+def _place(worker_pid: int, placement: str) -> None:
+    """Pin this process and the worker as ``placement`` says (``free``: as the kernel likes)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if placement == "together":
+        os.sched_setaffinity(0, cpus[:1])
+        os.sched_setaffinity(worker_pid, cpus[:1])
+    elif placement == "apart":
+        if len(cpus) < 2:
+            raise SystemExit("--placements apart needs two CPUs")
+        os.sched_setaffinity(0, cpus[:1])
+        os.sched_setaffinity(worker_pid, cpus[1:2])
+
+
+def measure_here(batch_size: int, batches: int, placement: str = "free") -> dict[str, float]:
     """In a child: the model served by whichever ``shoal`` this process imports; per-batch figures in µs."""
     import numpy as np
     import uvloop
@@ -87,8 +103,9 @@ def measure_here(batch_size: int, batches: int) -> dict[str, float]:
 
         try:
             loop = uvloop.new_event_loop()
-            loop.run_until_complete(run(WARM_UP_BATCHES))
             assert model.pid is not None
+            _place(model.pid, placement)
+            loop.run_until_complete(run(WARM_UP_BATCHES))
             user, system = _worker_cpu(model.pid)
             wall, host = time.perf_counter(), time.thread_time()
             loop.run_until_complete(run(batches))
@@ -135,9 +152,9 @@ def round_trip_floor(round_trips: int, pinned: bool) -> dict[str, float]:
     return {"wall_us": wall / round_trips * 1e6, "cpu_us_one_side": cpu / round_trips * 1e6}
 
 
-def measure(batch_size: int, batches: int, python_path: Path | None) -> dict[str, float]:
+def measure(batch_size: int, batches: int, placement: str, python_path: Path | None) -> dict[str, float]:
     """One child process's figures (``python_path``: a folder holding another revision's ``shoal``)."""
-    return child_figures(Path(__file__).resolve(), ["--child", str(batch_size), str(batches)], python_path)
+    return child_figures(Path(__file__).resolve(), ["--child", str(batch_size), str(batches), placement], python_path)
 
 
 def main() -> None:
@@ -150,11 +167,19 @@ def main() -> None:
     parser.add_argument(
         "--floor", action="store_true", help="also a bare process round trip over a socket pair, free and pinned"
     )
-    parser.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--placements",
+        nargs="+",
+        choices=("free", "together", "apart"),
+        default=["free"],
+        help="where the loop's thread and the worker run: as the kernel likes, on one CPU, on two",
+    )
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--floor-child", choices=("free", "pinned"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure_here(*args.child)))
+        batch_size, batches, placement = args.child
+        print(json.dumps(measure_here(int(batch_size), int(batches), placement)))
         return
     if args.floor_child:
         print(json.dumps(round_trip_floor(20_000, pinned=args.floor_child == "pinned")))
@@ -163,14 +188,16 @@ def main() -> None:
     with ExitStack() as stack:
         sides = revisions(stack, args.before)
         for round_number, name, python_path in rounds_of(sides, args.rounds):
-            for batch_size in args.batch:
-                figures = measure(batch_size, args.batches, python_path)
-                rows.append({"round": round_number, "shoal": name, "batch": batch_size} | figures)
-                print(
-                    f"round {round_number} {name} batch {batch_size}: "
-                    + ", ".join(f"{key} {value:.1f}" for key, value in figures.items()),
-                    flush=True,
-                )
+            for placement in args.placements:
+                for batch_size in args.batch:
+                    figures = measure(batch_size, args.batches, placement, python_path)
+                    row = {"round": round_number, "shoal": name, "batch": batch_size, "placement": placement}
+                    rows.append(row | figures)
+                    print(
+                        f"round {round_number} {name} batch {batch_size} {placement}: "
+                        + ", ".join(f"{key} {value:.1f}" for key, value in figures.items()),
+                        flush=True,
+                    )
     if args.floor:
         for placement in ("free", "pinned"):
             floor = child_figures(Path(__file__).resolve(), ["--floor-child", placement])
@@ -180,23 +207,25 @@ def main() -> None:
                 f"{floor['cpu_us_one_side']:.1f} µs CPU on one side"
             )
     print(f"\nMedians of {args.rounds} round(s), µs per batch.")
-    print("| shoal | batch | wall | loop thread CPU | worker user | worker system |")
-    print("|---|---|---|---|---|---|")
-    medians: dict[tuple[str, int], dict[str, float]] = {}
-    for name, batch_size in dict.fromkeys((row["shoal"], row["batch"]) for row in rows if "batch" in row):
-        mine = [row for row in rows if row["shoal"] == name and row["batch"] == batch_size]
-        medians[name, batch_size] = {
-            key: statistics.median(row[key] for row in mine)
-            for key in ("wall_us", "host_cpu_us", "worker_user_us", "worker_system_us")
+    print("| shoal | batch | placement | wall | loop thread CPU | worker user | worker system |")
+    print("|---|---|---|---|---|---|---|")
+    medians: dict[tuple[str, int, str], dict[str, float]] = {}
+    measured = [row for row in rows if "batch" in row]
+    for key in dict.fromkeys((row["shoal"], row["batch"], row["placement"]) for row in measured):
+        mine = [row for row in measured if (row["shoal"], row["batch"], row["placement"]) == key]
+        medians[key] = {
+            figure: statistics.median(row[figure] for row in mine)
+            for figure in ("wall_us", "host_cpu_us", "worker_user_us", "worker_system_us")
         }
-        m = medians[name, batch_size]
+        m = medians[key]
         print(
-            f"| {name} | {batch_size} | {m['wall_us']:.0f} | {m['host_cpu_us']:.0f} | "
+            f"| {key[0]} | {key[1]} | {key[2]} | {m['wall_us']:.0f} | {m['host_cpu_us']:.0f} | "
             f"{m['worker_user_us']:.0f} | {m['worker_system_us']:.0f} |"
         )
     if args.before:
         for batch_size in args.batch:
-            now, then = medians["this checkout", batch_size], medians[args.before, batch_size]
+            placement = args.placements[0]
+            now, then = medians["this checkout", batch_size, placement], medians[args.before, batch_size, placement]
             worker_now = now["worker_user_us"] + now["worker_system_us"]
             worker_then = then["worker_user_us"] + then["worker_system_us"]
             print(
