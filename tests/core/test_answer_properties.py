@@ -1,17 +1,17 @@
 """Every answer is the one computed here: random requests through every process layout (issue 22).
 
-Wrong answers came from memory a request owned being read after it was reused (a front-end
-worker's arena, a model's buffers) and from models reading each other's state. Such defects show
-only under a mix: other clients' requests in flight through the same worker, batches that join
-requests, states kept between steps. So, for each layout (one process; one front-end worker, where
-every client shares one arena; two workers), client threads send a seeded random mix of requests
-— ONNX, PyTorch and identity models in thread and process instances, Python models in thread and
-process instances, BLS, an ensemble, two sequence models with implicit state (one whose state is
-its input passed through), models answered from a small response cache (an identity model, whose
-answer may be a view of the request's own memory, an ensemble and a Python model, asked from a small
-set of values so that answers are served from the cache and evicted from it), inputs and outputs
-inline, over HTTP and in system shared memory — and every answer is compared with the value this test
-computes for it. The seed is printed on failure
+Wrong answers came from memory a request owned being read after it was reused (a front-end worker's
+arena, a model's buffers) and from models reading each other's state. Such defects show only under a
+mix: other clients' requests in flight through the same worker, batches that join requests, states
+kept between steps. So, for each layout (one process; one front-end worker, where every client
+shares one arena; two workers), client threads send a seeded random mix of requests — ONNX, PyTorch
+and identity models in thread and process instances, Python models in thread and process instances
+(one answering in a buffer it refills for every request), BLS, ensembles, two sequence models with
+implicit state (one whose state is its input passed through), models answered from a small response
+cache (an identity model, whose answer may be a view of the request's own memory, an ensemble and a
+Python model, asked from a small set of values so that answers are served from the cache and evicted
+from it), inputs and outputs inline, over HTTP and in system shared memory — and every answer is
+compared with the value this test computes for it. The seed is printed on failure
 (``SHOAL_PROPERTY_SEED`` replays one). Counts are bounded, and so is the time.
 """
 
@@ -63,7 +63,33 @@ VECTOR_MODELS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "py_bls_threads": lambda x: x * 8,  # x to py_double twice over: 2x, then 4x + 4x
     "py_bls_processes": lambda x: x * 8,
     "py_double_cached": lambda x: x * 2,
+    "py_triple_reused_threads": lambda x: x * 3,  # answered in one buffer the model refills every request
+    "py_triple_reused_processes": lambda x: x * 3,
+    "py_reused_then_double": lambda x: x * 6,  # that buffer's answer waits for the ensemble's next step
 }
+# Y = X * 3 in a buffer of the model's own that every request refills (Triton's stub copies a returned
+# response's outputs when execute returns: a model may).
+TRIPLE_REUSED = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.buf = np.zeros(8, np.float32)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            self.buf[: x.size] = x * 3
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", self.buf[: x.size])]))
+        return responses
+"""
+VECTOR_IO = (
+    'input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+    'output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]'
+)
 REGION_BYTES = 64  # the largest tensor sent: 4 rows of 4 FP32, or 8 FP32
 
 
@@ -99,6 +125,20 @@ def build_repository(repo: Path) -> None:
     python_models.write_model(repo, "py_bls_threads", python_models.DOUBLE_CONFIG + THREADS, bls)
     python_models.write_model(
         repo, "py_bls_processes", python_models.DOUBLE_CONFIG, bls.replace("py_double_threads", "py_double_processes")
+    )
+    for suffix, extra in (("threads", THREADS), ("processes", "")):
+        python_models.write_model(
+            repo, f"py_triple_reused_{suffix}", python_models.DOUBLE_CONFIG + extra, TRIPLE_REUSED
+        )
+    ensemble_models.add_ensemble(
+        repo,
+        "py_reused_then_double",
+        [
+            ensemble_models.step("py_triple_reused_threads", {"X": "X"}, {"Y": "tripled"}),
+            ensemble_models.step("py_double_threads", {"X": "tripled"}, {"Y": "Y"}),
+        ],
+        io=VECTOR_IO,
+        max_batch_size=0,
     )
     add_accumulator(repo, "acc", "direct { max_queue_delay_microseconds: 2000 }", instances=2)
     add_torch_passthrough_state(repo, "pass")
