@@ -7,6 +7,9 @@ next step or went into the response cache (359 of 360 answers wrong through an e
 for a BLS call's inputs, which the caller may fill again while its ``async_exec`` call is still
 queued. A process instance copies these (its arenas); Triton's stub copies them into its shared
 memory. A response sent through a sender (a decoupled model's) was copied as sent already: kept so.
+And a thread instance's ``exec(decoupled=True)`` call starts when it is made, as a process
+instance's and Triton's do (found by the review of the fixes): it started when its responses were
+first read, so two calls of one sequence read in reverse reached the model in reverse.
 """
 
 from __future__ import annotations
@@ -150,3 +153,28 @@ def test_a_bls_calls_inputs_are_taken_when_the_call_is_made() -> None:
 
 async def _wait(waiting: Any) -> None:
     await waiting
+
+
+def test_a_streamed_bls_call_starts_when_it_is_made() -> None:
+    started: list[str] = []
+
+    def host(request: InferRequest, sink: Any, caller: Any = None, trace_id: int = 0) -> Any:
+        started.append(request.id)
+        future: concurrent.futures.Future[InferResponse] = concurrent.futures.Future()
+        future.set_result(InferResponse("callee", "1", request.id, ()))
+        return future
+
+    link = bls.ThreadLink(host)
+    calls = [
+        pb_utils.InferenceRequest(
+            model_name="callee",
+            request_id=name,
+            requested_output_names=["OUT"],
+            inputs=[pb_utils.Tensor("IN", np.zeros(1, np.int64))],
+        )
+        for name in ("first", "second")
+    ]
+    streams = [link.infer_stream(call) for call in calls]
+    assert started == ["first", "second"]  # before either is read
+    for stream in reversed(streams):
+        assert [response.has_error() for response in stream] == [False]

@@ -134,6 +134,22 @@ def test_string_and_wrapped_uint64_ids_restart_after_end() -> None:
     asyncio.run(main())
 
 
+def test_a_null_rows_string_corrid_is_no_sequences_id() -> None:
+    """Found by the review of session 48: a null row's TYPE_STRING CORRID was "0", which a sequence's id
+    may be. It is the empty string, as Triton copies its null request's id 0 there (length 0)."""
+
+    async def main() -> None:
+        sched, runner = scheduler(controls=TEXT_CONTROLS)
+        await asyncio.gather(step(sched, "a", 1.0, start=True), step(sched, "0", 2.0, start=True))
+        await step(sched, "a", 1.0, end=True)
+        assert await step(sched, "0", 3.0, end=True) == 5.0  # alone in its batch: row 0 is a null row
+        _, lone = runner.log[-1]
+        assert lone["READY"].tolist() == [[0.0], [1.0]]
+        assert lone["CORRID"].tolist() == [[b""], [b"0"]]
+
+    asyncio.run(main())
+
+
 def test_an_id_of_the_other_kind_than_the_corrid_control_is_refused_in_tritons_words() -> None:
     """Found by the review of session 48: a string id was fed to an integer CORRID as 0 (the null row's
     value, and every other string id's). Refused as Triton refuses it from 25.01 (2.51 fed raw bytes)."""

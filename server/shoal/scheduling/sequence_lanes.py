@@ -74,8 +74,12 @@ def make_lane(owner: Owner, executor: Executor, slots: list[Slot]) -> Lane:
 
 def _control_value(control: Control, request: SequenceRequest | None) -> object:
     if control.kind is ControlKind.CORRID:
-        # The id's kind is the control's (the scheduler refuses the other: _check_id_kind); 0 for a null row.
-        cid = 0 if request is None else request.correlation_id
+        # The id's kind is the control's (the scheduler refuses the other: _check_id_kind). A null row's is
+        # the one value no sequence has: 0, or for TYPE_STRING the empty string (Triton copies id 0 there
+        # as a string of length 0), never "0", which a sequence may be.
+        if request is None:
+            return b"" if control.datatype.value == "BYTES" else 0
+        cid = request.correlation_id
         return str(cid).encode() if control.datatype.value == "BYTES" else cid
     if request is None:  # a null row: not ready, neither start nor end
         return control.false_value

@@ -89,12 +89,21 @@ def part_result(item: Mapping[str, np.ndarray] | ShoalError | None) -> BlsResult
 def streamed(host: HostInfer | None, call: BlsCall, caller: Any = None) -> Iterator[tuple[BlsResult, bool]]:
     """A decoupled call's responses as they come, in the calling thread; the last one is final.
 
+    The call starts here, when it is made, as Triton's does (and a process instance's, sent at once):
+    not when its responses are first read, or calls of one sequence read in another order than made
+    would reach the model in that order, and a call never read would never run.
     A model that is not decoupled gives its one response; a failure (or an execution that ended
     without FINAL) ends the iteration with an error or empty final response.
     """
     items: queue.SimpleQueue[tuple[Any, bool]] = queue.SimpleQueue()
     future = start(host, call, CallbackSink(lambda result, final: items.put((result, final))), caller)
     future.add_done_callback(lambda _: items.put((_ENDED, True)))
+    return _responses(items, future)
+
+
+def _responses(
+    items: queue.SimpleQueue[tuple[Any, bool]], future: concurrent.futures.Future[InferResponse]
+) -> Iterator[tuple[BlsResult, bool]]:
     while True:
         result, final = items.get()
         if result is _ENDED:
