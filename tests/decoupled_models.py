@@ -161,6 +161,79 @@ class TritonPythonModel:
 """
 
 
+# Batched (requests wait 300 ms for company): OUT = IN * 2, one response with FINAL per request.
+BATCHED_CONFIG = """
+backend: "python"
+max_batch_size: 8
+model_transaction_policy { decoupled: true }
+dynamic_batching { max_queue_delay_microseconds: 300000 }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+DOUBLES = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            request.get_response_sender().send(
+                pb_utils.InferenceResponse([pb_utils.Tensor("OUT", value * 2)]),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
+        return None
+"""
+# A model that is not decoupled calling TARGET (decoupled) with exec(): refused, as Triton refuses it.
+PLAIN_CALLER_CONFIG = BATCHED_CONFIG.replace("model_transaction_policy { decoupled: true }\n", "").replace(
+    "dynamic_batching { max_queue_delay_microseconds: 300000 }\n", ""
+)
+PLAIN_CALLER = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            called = pb_utils.InferenceRequest(
+                model_name="TARGET", requested_output_names=["OUT"],
+                inputs=[pb_utils.get_input_tensor_by_name(request, "IN")]).exec()
+            if called.has_error():
+                responses.append(pb_utils.InferenceResponse(error=called.error()))
+            else:
+                responses.append(pb_utils.InferenceResponse(called.output_tensors()))
+        return responses
+"""
+# Streams a response every 20 ms from a thread of its own until its request is cancelled (at most 20 s),
+# as Triton's cancellation example does, and logs that it saw the cancellation.
+UNTIL_CANCELLED = """
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self._stream, args=(request,), daemon=True).start()
+        return None
+
+    def _stream(self, request):
+        sender = request.get_response_sender()
+        deadline = time.monotonic() + 20
+        while not request.is_cancelled() and time.monotonic() < deadline:
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], np.int32))]))
+            time.sleep(0.02)
+        if request.is_cancelled():
+            pb_utils.Logger.log_info(f"request {request.request_id()} saw its cancellation")
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+
 def add_models(repo: Path) -> None:
     """repeat (process instances, as shipped, and thread instances), square, and the faulty models."""
     models.copy_example(repo, "repeat")
@@ -176,3 +249,23 @@ def add_models(repo: Path) -> None:
     one_instance = SQUARE_CONFIG.replace("count: 2", "count: 1")
     python_models.write_model(repo, "never_final", one_instance + EXECUTION_TIMEOUT, NEVER_FINAL)
     python_models.write_model(repo, "lingers", one_instance, LINGERS)
+    for suffix, extra in (("", ""), ("_thread", THREADS)):
+        python_models.write_model(repo, f"doubles{suffix}", BATCHED_CONFIG + extra, DOUBLES)
+        python_models.write_model(
+            repo, f"plain_caller{suffix}", PLAIN_CALLER_CONFIG, PLAIN_CALLER.replace("TARGET", f"doubles{suffix}")
+        )
+        models.write_config(
+            repo / f"doubles_step{suffix}",
+            f"""
+            platform: "ensemble"
+            max_batch_size: 8
+            input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+            output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+            ensemble_scheduling {{ step [ {{ model_name: "doubles{suffix}" model_version: -1
+              input_map {{ key: "IN" value: "IN" }} output_map {{ key: "OUT" value: "OUT" }} }} ] }}
+            """,
+        )
+        (repo / f"doubles_step{suffix}" / "1").mkdir()
+        python_models.write_model(
+            repo, f"until_cancelled{suffix}", SQUARE_CONFIG.replace("count: 2", "count: 1") + extra, UNTIL_CANCELLED
+        )

@@ -8,6 +8,7 @@ instances, and called through tritonclient's ``start_stream`` / ``async_stream_i
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests import decoupled_models
 from tests.conftest import RunningServer, serving
+from tests.polling import wait_until
 
 TAKE_TIMEOUT_S = 30.0
 Item = tuple[Any, Any]  # (InferResult | None, InferenceServerException | None), as the callback gets them
@@ -231,3 +233,99 @@ def test_a_stream_cancelled_mid_request_frees_the_instance(server: RunningServer
         assert error is None and int(result.as_numpy("OUT")[0]) == 5
         assert time.monotonic() - started < 5.0
         second.stop_stream()
+
+
+@pytest.mark.parametrize("suffix", ["", "_thread"])
+@pytest.mark.parametrize("other", ["plain_caller", "doubles_step"])
+def test_a_refused_call_batched_with_a_stream_request_fails_alone(
+    server: RunningServer, suffix: str, other: str
+) -> None:
+    """Found by the review of session 48: a BLS exec() or an ensemble step into a decoupled model (no
+    stream to answer on) was refused only once batched, and failed the stream request batched with it."""
+    refused: list[str] = []
+
+    def other_call() -> None:
+        with grpcclient.InferenceServerClient(server.url) as client:
+            tensor = grpcclient.InferInput("IN", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.array([[5]], dtype=np.int32))
+            try:
+                client.infer(f"{other}{suffix}", [tensor])
+            except InferenceServerException as exc:
+                refused.append(exc.message())
+
+    with grpcclient.InferenceServerClient(server.url) as client:
+        stream = Stream(client)
+        caller = threading.Thread(target=other_call)
+        caller.start()  # both wait in the model's queue for company (300 ms)
+        tensor = grpcclient.InferInput("IN", [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.array([[7]], dtype=np.int32))
+        client.async_stream_infer(f"doubles{suffix}", [tensor], request_id="victim")
+        ((result, error),) = stream.take(1)
+        caller.join(TAKE_TIMEOUT_S)
+        client.stop_stream()
+    assert error is None, error
+    assert result.as_numpy("OUT").tolist() == [[14]]
+    assert len(refused) == 1 and "decoupled transaction policy" in refused[0], refused
+
+
+@pytest.mark.parametrize("model", ["until_cancelled", "until_cancelled_thread"])
+def test_a_model_streaming_until_its_request_is_cancelled_sees_the_cancellation(
+    server: RunningServer, model: str
+) -> None:
+    """Found by the review of session 48: ``request.is_cancelled()`` never turned true once the batch was
+    over (the runner let go of the sender that held the flag), so the model's thread went on for good."""
+    request_id = f"leaves-{model}"
+    with grpcclient.InferenceServerClient(server.url) as client:
+        stream = Stream(client)
+        stream.send(model, request_id, IN=np.array([1], dtype=np.int32))
+        stream.take(3)  # streaming
+        client.stop_stream(cancel_requests=True)
+    wait_until(lambda: f"request {request_id} saw its cancellation" in server.log(), timeout_s=15)
+
+
+# Each request waits on a thread of its own until it is cancelled (at most 20 s), then records it.
+WAITS_FOR_CANCELLATION = """
+import threading
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.seen = []
+
+    def execute(self, requests):
+        for index, request in enumerate(requests):
+            threading.Thread(target=self._wait, args=(index, request), daemon=True).start()
+
+    def _wait(self, index, request):
+        sender = request.get_response_sender()
+        deadline = time.monotonic() + 20
+        while not request.is_cancelled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.seen.append(index if request.is_cancelled() else -1)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+
+def test_a_later_requests_cancellation_is_passed_on_while_an_earlier_one_is_open(tmp_path: Path) -> None:
+    """The batch waited on its requests one by one and passed on only the awaited one's cancellation:
+    the second request's client left first, and its model thread heard of it only after the first's
+    FINAL. Here the first is cancelled only once the second saw its cancellation."""
+    from shoal.backends.python import runner
+    from tests.python_models import write_model
+
+    folder = write_model(tmp_path, "waits", decoupled_models.SQUARE_CONFIG, WAITS_FOR_CANCELLATION)
+    config = {"name": "waits", "max_batch_size": 0}
+    model_file = folder / "1" / "model.py"
+    model = runner.ModelRunner(config, model_file, runner.model_args(config, model_file, "waits_0", "CPU", 0, 1))
+    items = [runner.RequestData({}, ("OUT",)), runner.RequestData({}, ("OUT",))]
+    try:
+        model.execute_decoupled(
+            items, lambda index, outcome, final: None, lambda index: index == 1 or 1 in model.model.seen
+        )
+        wait_until(lambda: len(model.model.seen) == 2, timeout_s=30)  # the first's thread records it next
+    finally:
+        model.finalize()
+    assert model.model.seen == [1, 0]

@@ -32,7 +32,7 @@ from shoal.core import (
 )
 from shoal.dataplane import cuda
 from shoal.dataplane.regions import RegionRegistry
-from shoal.errors import DecoupledRefused, ErrorCode, ShoalError, internal_error, shown
+from shoal.errors import ErrorCode, ShoalError, internal_error, shown
 from shoal.lifecycle import request_checks
 from shoal.lifecycle.manager import ModelManager
 from shoal.lifecycle.model import ModelVersion
@@ -158,8 +158,6 @@ class LocalCore:
         self._idle.clear()
         try:
             served = self.manager.resolve(request.model_name, request.model_version)
-            if served.spec.decoupled and request.sink is None:
-                raise DecoupledRefused()
             if request.region_inputs:
                 if shared_memory.costly(self.regions, request):
                     request = await asyncio.to_thread(shared_memory.with_region_inputs, self.regions, request)

@@ -21,7 +21,7 @@ import numpy as np
 
 from shoal.backends.base import Backend, FeedModel, RequestModel, backend_for, resolve_kind
 from shoal.backends.devices import CPU, Device, cuda_device_count
-from shoal.errors import ErrorCode, ShoalError, load_failed
+from shoal.errors import DecoupledRefused, ErrorCode, ShoalError, load_failed
 from shoal.instances import strategy
 from shoal.instances.pool import Instance, InstancePool, Placement, instance_name
 from shoal.lifecycle import model_work, request_checks, warmup
@@ -231,6 +231,10 @@ class ModelVersion:
         return lambda: admission.limiter.holding(claim)
 
     async def infer(self, request: InferRequest) -> InferResponse:
+        if self.spec.decoupled and request.sink is None:
+            # Refused before it is queued, whoever sends it (a client's ModelInfer, a BLS exec(), an
+            # ensemble's step): in a batch, it failed every other request of the batch with it.
+            raise DecoupledRefused()
         arrival_ns = time.monotonic_ns()
         try:
             prepared = request_checks.prepare(self.spec, request)

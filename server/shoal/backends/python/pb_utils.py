@@ -358,8 +358,11 @@ class InferenceResponseSender:
         return self.cancelled
 
     def cancel(self) -> None:
-        """The client is gone: ``is_cancelled`` says so, and nobody waits for FINAL any longer."""
+        """The client is gone: ``is_cancelled`` says so (the request's too, for good: the runner lets go
+        of the sender once the batch is over, while the model's threads may still ask), and nobody waits
+        for FINAL any longer."""
         self.cancelled = True
+        self._request._cancelled = True
         self.closed.set()
 
 
@@ -404,6 +407,7 @@ class InferenceRequest:
         self._flags, self._timeout = flags, timeout
         self._parameters: str | dict[str, Any] = _parameters_text(parameters)
         self._sender: InferenceResponseSender | None = None
+        self._cancelled = False
         self._trace = trace if isinstance(trace, InferenceTrace) else InferenceTrace()
 
     def model_name(self) -> str:
@@ -451,7 +455,7 @@ class InferenceRequest:
         request._request_id, request._correlation_id = request_id, correlation_id
         request._flags, request._timeout = 0, 0
         request._parameters = parameters if parameters else "{}"
-        request._sender, request._trace = None, trace
+        request._sender, request._cancelled, request._trace = None, False, trace
         return request
 
     def parameters(self) -> str:
@@ -461,7 +465,7 @@ class InferenceRequest:
         return self._parameters
 
     def is_cancelled(self) -> bool:
-        return self._sender is not None and self._sender.cancelled
+        return self._cancelled
 
     def set_release_flags(self, flags: int) -> None:
         """Accepted for compatibility: Shoal releases every request when its responses are in."""

@@ -283,10 +283,15 @@ class ModelRunner:
                 f"Python model '{self.instance_name}' is using the decoupled mode "
                 "and the execute function must return None.",
             )
-        for index, sender in enumerate(senders):
-            while not sender.closed.wait(CANCEL_POLL_S):
-                if is_cancelled(index):
+        # Until every request is FINAL or cancelled; each tick passes on every open request's
+        # cancellation, not only the one waited on (a later request's client may leave first).
+        open_senders = list(enumerate(senders))
+        while open_senders:
+            open_senders[0][1].closed.wait(CANCEL_POLL_S)
+            for index, sender in open_senders:
+                if not sender.closed.is_set() and is_cancelled(index):
                     sender.cancel()
+            open_senders = [(index, sender) for index, sender in open_senders if not sender.closed.is_set()]
 
     def _forward(self, emit: Emit, index: int, item: RequestData, response: Any, final: bool) -> None:
         emit(index, None if response is None else self._outcome(item, response), final)
