@@ -206,8 +206,9 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(called.output_tensors()))
         return responses
 """
-# Streams a response every 20 ms from a thread of its own until its request is cancelled (at most 20 s),
-# as Triton's cancellation example does, and logs that it saw the cancellation.
+# Streams a response every 20 ms until its request is cancelled (at most 20 s), as Triton's cancellation
+# example does, and logs that it saw the cancellation: from a thread of its own or within execute, asking
+# the request or (looked up each time, as a model's helper may) its sender.
 UNTIL_CANCELLED = """
 import threading
 import time
@@ -219,19 +220,27 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
-            threading.Thread(target=self._stream, args=(request,), daemon=True).start()
+            if WITHIN_EXECUTE:
+                self._stream(request)
+            else:
+                threading.Thread(target=self._stream, args=(request,), daemon=True).start()
         return None
 
     def _stream(self, request):
-        sender = request.get_response_sender()
         deadline = time.monotonic() + 20
-        while not request.is_cancelled() and time.monotonic() < deadline:
-            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], np.int32))]))
+        while not CANCELLED and time.monotonic() < deadline:
+            request.get_response_sender().send(
+                pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], np.int32))]))
             time.sleep(0.02)
-        if request.is_cancelled():
+        if CANCELLED:
             pb_utils.Logger.log_info(f"request {request.request_id()} saw its cancellation")
-        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        request.get_response_sender().send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 """
+UNTIL_CANCELLED_KINDS = {
+    "until_cancelled": ("False", "request.is_cancelled()"),
+    "until_cancelled_in_execute": ("True", "request.is_cancelled()"),
+    "until_sender_cancelled": ("False", "request.get_response_sender().is_cancelled()"),
+}
 
 
 def add_models(repo: Path) -> None:
@@ -266,6 +275,8 @@ def add_models(repo: Path) -> None:
             """,
         )
         (repo / f"doubles_step{suffix}" / "1").mkdir()
-        python_models.write_model(
-            repo, f"until_cancelled{suffix}", SQUARE_CONFIG.replace("count: 2", "count: 1") + extra, UNTIL_CANCELLED
-        )
+        for name, (within, cancelled) in UNTIL_CANCELLED_KINDS.items():
+            source = UNTIL_CANCELLED.replace("WITHIN_EXECUTE", within).replace("CANCELLED", cancelled)
+            python_models.write_model(
+                repo, f"{name}{suffix}", SQUARE_CONFIG.replace("count: 2", "count: 1") + extra, source
+            )

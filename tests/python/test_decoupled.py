@@ -207,10 +207,13 @@ def test_model_infer_on_a_decoupled_model_is_refused(
 ) -> None:
     tensor = grpcclient.InferInput("IN", [1], "INT32")
     tensor.set_data_from_numpy(np.array([1], dtype=np.int32))
-    with pytest.raises(InferenceServerException) as caught:
-        client.infer("square", [tensor])
-    assert caught.value.message() == "ModelInfer RPC doesn't support models with decoupled transaction policy"
-    assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
+    in_a_region = grpcclient.InferInput("IN", [1], "INT32")
+    in_a_region.set_shared_memory("no_such_region", 4)  # refused first, as Triton: its shared memory unread
+    for inputs in ([tensor], [in_a_region]):
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("square", inputs)
+        assert caught.value.message() == "ModelInfer RPC doesn't support models with decoupled transaction policy"
+        assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
     with httpclient.InferenceServerClient(server.http_url) as http:
         http_tensor = httpclient.InferInput("IN", [1], "INT32")
         http_tensor.set_data_from_numpy(np.array([1], dtype=np.int32))
@@ -268,12 +271,16 @@ def test_a_refused_call_batched_with_a_stream_request_fails_alone(
     assert len(refused) == 1 and "decoupled transaction policy" in refused[0], refused
 
 
-@pytest.mark.parametrize("model", ["until_cancelled", "until_cancelled_thread"])
+@pytest.mark.parametrize("suffix", ["", "_thread"])
+@pytest.mark.parametrize("kind", list(decoupled_models.UNTIL_CANCELLED_KINDS))
 def test_a_model_streaming_until_its_request_is_cancelled_sees_the_cancellation(
-    server: RunningServer, model: str
+    server: RunningServer, kind: str, suffix: str
 ) -> None:
-    """Found by the review of session 48: ``request.is_cancelled()`` never turned true once the batch was
-    over (the runner let go of the sender that held the flag), so the model's thread went on for good."""
+    """Found by the reviews of session 48: ``request.is_cancelled()`` never turned true once the batch was
+    over (the runner let go of the sender that held the flag), so the model's thread went on for good;
+    nor within ``execute`` (only the wait after it asked the server); and a sender looked up after the
+    batch was a fresh one, never cancelled, that piled the responses up."""
+    model = f"{kind}{suffix}"
     request_id = f"leaves-{model}"
     with grpcclient.InferenceServerClient(server.url) as client:
         stream = Stream(client)

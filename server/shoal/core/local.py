@@ -35,7 +35,7 @@ from shoal.dataplane.regions import RegionRegistry
 from shoal.errors import ErrorCode, ShoalError, internal_error, shown
 from shoal.lifecycle import request_checks
 from shoal.lifecycle.manager import ModelManager
-from shoal.lifecycle.model import ModelVersion
+from shoal.lifecycle.model import ModelVersion, refuse_unstreamed
 from shoal.lifecycle.streaming import ENDED, ResponseSink
 from shoal.request_types import InferRequest, InferResponse
 from shoal.settings import ServerSettings, TraceConfig
@@ -158,6 +158,7 @@ class LocalCore:
         self._idle.clear()
         try:
             served = self.manager.resolve(request.model_name, request.model_version)
+            refuse_unstreamed(served.spec, request)  # before its shared memory is read, as Triton
             if request.region_inputs:
                 if shared_memory.costly(self.regions, request):
                     request = await asyncio.to_thread(shared_memory.with_region_inputs, self.regions, request)

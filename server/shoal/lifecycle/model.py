@@ -231,10 +231,7 @@ class ModelVersion:
         return lambda: admission.limiter.holding(claim)
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        if self.spec.decoupled and request.sink is None:
-            # Refused before it is queued, whoever sends it (a client's ModelInfer, a BLS exec(), an
-            # ensemble's step): in a batch, it failed every other request of the batch with it.
-            raise DecoupledRefused()
+        refuse_unstreamed(self.spec, request)  # whoever sends it: a client, a BLS exec(), an ensemble's step
         arrival_ns = time.monotonic_ns()
         try:
             prepared = request_checks.prepare(self.spec, request)
@@ -280,3 +277,11 @@ class ModelVersion:
         await model_work.in_thread(self.pool.close)  # the model's finalize: a model thread, not asyncio's
         if self.admission is not None:
             self.admission.limiter.unregister(self.admission)
+
+
+def refuse_unstreamed(spec: ModelSpec, request: InferRequest) -> None:
+    """A request that wants one response (no sink to stream into) to a decoupled model is refused, before
+    it is queued (in a batch, it failed every request batched with it) and, for a client's, before its
+    shared memory is read (Triton refuses it first: its clients see these words whatever else is wrong)."""
+    if spec.decoupled and request.sink is None:
+        raise DecoupledRefused()

@@ -332,13 +332,14 @@ class InferenceResponseSender:
     def __init__(
         self, request: InferenceRequest, on_send: Callable[[InferenceResponse | None, bool], None] | None = None
     ) -> None:
-        self._request = request
+        self._request: InferenceRequest | None = request
         self._on_send = on_send
         self._lock = threading.Lock()
         self.responses: list[InferenceResponse] = []
         self.final = False
         self.closed = threading.Event()  # set with the FINAL flag, or when the client is gone
         self.cancelled = False
+        self._detached = False  # the batch is over: what is sent goes nowhere
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -349,21 +350,32 @@ class InferenceResponseSender:
             self.final = final
             if self._on_send is not None:
                 self._on_send(response, final)
-            elif response is not None:
+            elif response is not None and not self._detached:
                 self.responses.append(response)
         if final:
             self.closed.set()
 
     def is_cancelled(self) -> bool:
-        return self.cancelled
+        """The request's word while its batch runs (``InferenceRequest.is_cancelled``), then the last one."""
+        request = self._request
+        return self.cancelled or (request is not None and request.is_cancelled())
 
     def cancel(self) -> None:
-        """The client is gone: ``is_cancelled`` says so (the request's too, for good: the runner lets go
-        of the sender once the batch is over, while the model's threads may still ask), and nobody waits
-        for FINAL any longer."""
+        """The client is gone: ``is_cancelled`` says so (the request's too, for good), and nobody waits for
+        FINAL any longer."""
         self.cancelled = True
-        self._request._cancelled = True
+        request = self._request
+        if request is not None:
+            request._cancelled = True
         self.closed.set()
+
+    def _detach(self) -> None:
+        """The batch is over: the sender lets go of its request and of where responses went (they refer
+        to the request's inputs, views of memory the request owned, which would otherwise wait for a full
+        collection), and keeps what it says: a model thread asking for it later gets this one, closed
+        (FINAL: a send raises; cancelled: a send goes nowhere), never a fresh one that piles responses up."""
+        with self._lock:
+            self._request, self._on_send, self._detached = None, None, True
 
 
 class InferenceTrace:
@@ -408,6 +420,7 @@ class InferenceRequest:
         self._parameters: str | dict[str, Any] = _parameters_text(parameters)
         self._sender: InferenceResponseSender | None = None
         self._cancelled = False
+        self._probe: Callable[[], bool] | None = None  # while a decoupled batch runs: has the client left?
         self._trace = trace if isinstance(trace, InferenceTrace) else InferenceTrace()
 
     def model_name(self) -> str:
@@ -455,7 +468,7 @@ class InferenceRequest:
         request._request_id, request._correlation_id = request_id, correlation_id
         request._flags, request._timeout = 0, 0
         request._parameters = parameters if parameters else "{}"
-        request._sender, request._cancelled, request._trace = None, False, trace
+        request._sender, request._cancelled, request._probe, request._trace = None, False, None, trace
         return request
 
     def parameters(self) -> str:
@@ -465,6 +478,10 @@ class InferenceRequest:
         return self._parameters
 
     def is_cancelled(self) -> bool:
+        """Whether the request's client left: asked of the server while its decoupled batch runs (during
+        ``execute`` too, where a model streams until it is cancelled), and true for good once it was."""
+        if not self._cancelled and self._probe is not None and self._probe():
+            self._cancelled = True
         return self._cancelled
 
     def set_release_flags(self, flags: int) -> None:

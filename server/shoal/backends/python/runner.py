@@ -256,6 +256,7 @@ class ModelRunner:
         for index, (item, request) in enumerate(zip(items, requests, strict=True)):
             sender = pb_utils.InferenceResponseSender(request, functools.partial(self._forward, emit, index, item))
             request._sender = sender
+            request._probe = functools.partial(is_cancelled, index)
             senders.append(sender)
         try:
             self._run_decoupled(requests, senders, is_cancelled)
@@ -263,8 +264,7 @@ class ModelRunner:
             # A request and its sender refer to each other: without this, the request's inputs (views of
             # memory the request owned, such as a front-end worker's arena) would wait for a full
             # garbage collection after the stream ended, not go with the last reference.
-            for request in requests:
-                request._sender = None
+            _batch_over(requests)
 
     def _run_decoupled(
         self,
@@ -312,8 +312,7 @@ class ModelRunner:
         try:
             return self._execute(items, requests)
         finally:
-            for request in requests:  # a sender the model asked for refers back to its request: a cycle
-                request._sender = None
+            _batch_over(requests)  # a sender the model asked for refers back to its request: a cycle
 
     def _execute(self, items: Sequence[RequestData], requests: list[pb_utils.InferenceRequest]) -> list[Outcome]:
         try:
@@ -406,3 +405,12 @@ class ModelRunner:
         if self._imports is not None:
             self._imports.close()
             self._imports = None
+
+
+def _batch_over(requests: Sequence[pb_utils.InferenceRequest]) -> None:
+    """The batch is over: no more asking the server whether a client left, and each sender lets go of
+    its request (``InferenceResponseSender._detach``) while the request keeps it, closed."""
+    for request in requests:
+        request._probe = None
+        if request._sender is not None:
+            request._sender._detach()
