@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,55 @@ def test_poll_mode_serves_the_new_target_of_a_retargeted_link(tmp_path: Path) ->
             )
     finally:
         server.stop()
+
+
+def test_a_model_file_replaced_by_one_of_the_same_size_and_mtime_is_reloaded(tmp_path: Path) -> None:
+    """Found by the review of session 48: ``cp -p``, ``rsync -a`` or a reproducible archive put new
+    weights in place with the old size and mtime; the reload kept the old version serving them."""
+    repo = tmp_path / "repo"
+    _add_model(repo / "add", 1.0)
+    _add_model(tmp_path / "next", 2.0)  # the same size and mtime
+    server = start_server(repo, tmp_path, "--model-control-mode", "explicit", "--load-model", "add")
+    x = np.zeros(4, dtype=np.float32)
+    try:
+        with InferenceClient(server.url, timeout_s=60) as client:
+            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 1)
+            before = fingerprint_of(scanner.model_dir(repo, "add"))
+            os.replace(tmp_path / "next" / "1" / "model.onnx", repo / "add" / "1" / "model.onnx")
+            assert (repo / "add" / "1" / "model.onnx").stat().st_mtime_ns == MTIME_NS
+            client.load_model("add")
+            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 2)
+            assert fingerprint_of(scanner.model_dir(repo, "add")).version(1) != before.version(1)
+    finally:
+        server.stop()
+
+
+def test_another_file_of_the_model_folder_reloads_every_version(tmp_path: Path) -> None:
+    """Found by the review of session 48: a sequence model's ``initial_state/`` data changed, and the
+    reload kept serving the old state (the fingerprint saw only config.pbtxt and the version folders)."""
+    from tests.sequence_models import add_state_only
+
+    repo = tmp_path / "repo"
+    add_state_only(repo, "seq", 10.0)
+    server = start_server(repo, tmp_path, "--model-control-mode", "explicit", "--load-model", "seq")
+    one = np.ones(1, dtype=np.float32)
+    try:
+        with InferenceClient(server.url, timeout_s=60) as client:
+            first = client.infer("seq", {"INPUT": one}, parameters=_whole_sequence(1))
+            assert first["OUTPUT"].tolist() == [11.0]
+            before = fingerprint_of(scanner.model_dir(repo, "seq"))
+            (repo / "seq" / "initial_state" / "start.bin").write_bytes(struct.pack("<f", 100.0))
+            client.load_model("seq")
+            again = client.infer("seq", {"INPUT": one}, parameters=_whole_sequence(2))
+            assert again["OUTPUT"].tolist() == [101.0]
+            after = fingerprint_of(scanner.model_dir(repo, "seq"))
+            assert after.versions == before.versions  # the version folder alone did not change
+    finally:
+        server.stop()
+
+
+def _whole_sequence(sequence_id: int) -> dict[str, bool | int | float | str]:
+    return {"sequence_id": sequence_id, "sequence_start": True, "sequence_end": True}
 
 
 @pytest.mark.parametrize(

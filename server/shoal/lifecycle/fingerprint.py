@@ -6,18 +6,25 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path, PurePath
+from typing import Any
 
 from shoal.errors import ShoalError
 from shoal.repository import scanner
 from shoal.repository.config import CONFIG_FILENAME
 
+# Folders of a model that its versions never read: Python's bytecode caches, `shoal config tune`'s output.
+NOT_READ = frozenset({"__pycache__", "tuning"})
+
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """Digests of config.pbtxt and of each version folder (its real path, its files' names, sizes and mtimes)."""
+    """Digests of config.pbtxt, of each version folder (its real path, its files' names and what their
+    status says of their contents), and of the model folder's other files (``initial_state/``,
+    ``warmup/``...), which every version reads."""
 
     config: str
     versions: tuple[tuple[int, str], ...]
+    others: str = ""
 
     def version(self, number: int) -> str | None:
         """The digest of version folder ``number``; None where there is no such folder."""
@@ -25,32 +32,57 @@ class Fingerprint:
 
 
 def fingerprint_of(folder: Path) -> Fingerprint:
-    """Changes when config.pbtxt, a version folder or a file in one changes (poll mode).
+    """Changes when config.pbtxt, a version folder or a file in one, or another file of the model
+    folder changes (poll mode; a reload keeps a version only if its folder and the others are the same).
 
     Every path is checked first; a file whose real path is outside the repository counts by name only.
     A version folder's digest holds its own real path and its files': a link retargeted to another
     folder is a change even where that folder's files have the same names, sizes and mtimes (an
-    image or archive that normalizes timestamps).
+    image or archive that normalizes timestamps). A file counts by its device, inode and change time
+    besides its size and mtime: a file replaced by another of the same size and mtime (``cp -p``,
+    ``rsync -a``, a reproducible archive) is a change (it kept the old weights serving), and no
+    ``utime`` sets a change time back.
     """
     repository = folder.parent
     config = scanner.checked_path(repository, PurePath(folder.name, CONFIG_FILENAME))
     config_digest = hashlib.sha256(config.read_bytes() if config.is_file() else b"").hexdigest()
     versions = []
-    for version in scanner.list_versions(folder, warn=False) if folder.is_dir() else []:
+    numbers = scanner.list_versions(folder, warn=False) if folder.is_dir() else []
+    for version in numbers:
         digest = hashlib.sha256()
         version_dir = scanner.checked_path(repository, PurePath(folder.name, str(version)))
         digest.update(str(version_dir).encode())
-        for path in sorted(version_dir.rglob("*")):
-            relative = path.relative_to(version_dir)
-            try:
-                real = scanner.checked_path(repository, PurePath(folder.name, str(version), relative))
-            except ShoalError:
-                digest.update(f"|{relative}:outside".encode())
-                continue
-            stat = real.stat()
-            digest.update(f"|{relative}:{real}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        _digest_files(
+            digest, repository, PurePath(folder.name, str(version)), sorted(version_dir.rglob("*")), version_dir
+        )
         versions.append((version, digest.hexdigest()))
-    return Fingerprint(config_digest, tuple(versions))
+    others = hashlib.sha256()
+    skipped = {CONFIG_FILENAME, *NOT_READ, *(str(number) for number in numbers)}
+    if folder.is_dir():
+        for entry in sorted(folder.iterdir()):
+            if entry.name in skipped:
+                continue
+            inside = sorted(entry.rglob("*")) if entry.is_dir() and not entry.is_symlink() else []
+            _digest_files(others, repository, PurePath(folder.name), [entry, *inside], folder)
+    return Fingerprint(config_digest, tuple(versions), others.hexdigest())
+
+
+def _digest_files(digest: Any, repository: Path, under: PurePath, paths: list[Path], root: Path) -> None:
+    """Each path's name (relative to ``root``, the folder ``under`` names in the repository) and status."""
+    for path in paths:
+        relative = path.relative_to(root)
+        if NOT_READ.intersection(relative.parts):
+            continue
+        try:
+            real = scanner.checked_path(repository, under / relative)
+        except ShoalError:
+            digest.update(f"|{relative}:outside".encode())
+            continue
+        found = real.stat()
+        digest.update(
+            f"|{relative}:{real}:{found.st_size}:{found.st_mtime_ns}:{found.st_ctime_ns}:"
+            f"{found.st_dev}:{found.st_ino}".encode()
+        )
 
 
 def fingerprint_or_none(folder: Path) -> Fingerprint | None:

@@ -561,8 +561,8 @@ def _unchanged_versions(old: ModelEntry | None, new: ModelEntry, chosen: list[in
     ``ConfigChangeRequiresReload``, which ignores ``version_policy`` and ``instance_group``)."""
     if old is None or old.spec is None or new.spec is None or old.fingerprint is None or new.fingerprint is None:
         return {}
-    if _apart_from_policy(old.spec) != _apart_from_policy(new.spec):
-        return {}
+    if _apart_from_policy(old.spec) != _apart_from_policy(new.spec) or old.fingerprint.others != new.fingerprint.others:
+        return {}  # the others: files every version reads (initial_state/, warmup/)
     return {
         number: version
         for number, version in old.versions.items()
