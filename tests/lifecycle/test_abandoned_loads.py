@@ -173,3 +173,97 @@ def test_calls_about_made_up_names_leave_nothing_behind(tmp_path: Path) -> None:
 
     asyncio.run(calls())
     assert not manager._client_order and not manager._locks  # noqa: SLF001 - what the server keeps per name
+
+
+def test_a_request_that_waits_before_its_queue_is_served_through_a_reload(tmp_path: Path) -> None:
+    """Found by the review of session 48: a request chose its version, then waited before it was queued
+    (a large request's cache lookup runs on a thread; a shared-memory read, in the core); a reload
+    retiring that version meanwhile stopped its queue, and the request failed as "the model is
+    unloading" while the new version served. The retired version now serves what it took in."""
+    from shoal.lifecycle.response_cache import ResponseCache
+    from shoal.protocol.types import DataType
+    from shoal.request_types import InferRequest, Tensor
+
+    add_identity(tmp_path, "echo", "INT32")
+    config = tmp_path / "echo" / "config.pbtxt"
+    config.write_text(config.read_text() + "response_cache { enable: true }\n")
+    manager = ModelManager(tmp_path, control_mode="explicit", response_cache=ResponseCache(1 << 20))
+    value = np.arange(4, dtype=np.int32).reshape(1, 4)
+    request = InferRequest("echo", "", "held", (Tensor("IN", DataType.INT32, (1, 4), value),))
+
+    async def main() -> None:
+        await manager.load("echo")
+        chosen = manager.resolve("echo", "")
+        assert chosen.cache is not None
+        looked_up = chosen.cache.look_up
+        waiting, go = asyncio.Event(), asyncio.Event()
+
+        async def held(*args: Any) -> Any:
+            waiting.set()
+            await go.wait()  # as a thread's lookup of a large request takes its time
+            return await looked_up(*args)
+
+        chosen.cache.look_up = held  # type: ignore[method-assign]
+        asked = asyncio.create_task(chosen.infer(request))
+        await waiting.wait()
+        config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: 4"))  # rebuilt
+        reload = asyncio.create_task(manager.load("echo"))
+        while manager.resolve("echo", "") is chosen:  # polled: the reload builds on a thread
+            await asyncio.sleep(0.01)
+        go.set()
+        response = await asked
+        await reload
+        assert response.outputs[0].data.tolist() == value.tolist()
+        await manager.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_reading_shared_memory_through_a_reload_is_served_by_the_new_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same, in the core: a request chose its version, then read its large shared-memory inputs on a
+    thread; a reload retired that version meanwhile. The version is chosen again after the read."""
+    from dataclasses import replace
+
+    from shoal.core import local, shared_memory
+    from shoal.protocol.types import DataType
+    from shoal.request_types import InferRequest, RegionInput, RegionSlice, Tensor
+
+    add_identity(tmp_path, "echo", "INT32")
+    config = tmp_path / "echo" / "config.pbtxt"
+    manager = ModelManager(tmp_path, control_mode="explicit")
+    value = np.arange(4, dtype=np.int32).reshape(1, 4)
+    reading, read = threading.Event(), threading.Event()
+
+    def slow_read(regions: Any, request: InferRequest) -> InferRequest:
+        reading.set()
+        read.wait(60)  # as a large region's read takes its time
+        return replace(request, inputs=(Tensor("IN", DataType.INT32, (1, 4), value),), region_inputs=())
+
+    monkeypatch.setattr(shared_memory, "costly", lambda regions, request: True)
+    monkeypatch.setattr(shared_memory, "with_region_inputs", slow_read)
+    request = InferRequest(
+        "echo",
+        "",
+        "from-a-region",
+        (),
+        region_inputs=(RegionInput("IN", DataType.INT32, (1, 4), RegionSlice("r", 0, 16)),),
+    )
+
+    async def main() -> None:
+        await manager.load("echo")
+        core = local.LocalCore(manager)
+        chosen = manager.resolve("echo", "")
+        asked = asyncio.create_task(core.infer(request))
+        while not reading.is_set():  # polled: the read runs on a thread
+            await asyncio.sleep(0.01)
+        config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: 4"))  # rebuilt
+        await manager.load("echo")  # the chosen version is retired: nothing of it was queued yet
+        assert manager.resolve("echo", "") is not chosen
+        read.set()
+        response = await asked
+        assert response.outputs[0].data.tolist() == value.tolist()
+        await manager.close()
+
+    asyncio.run(main())

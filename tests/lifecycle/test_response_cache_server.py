@@ -8,6 +8,7 @@ and every answer, under concurrent clients and constant eviction, equals the one
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import tritonclient.http as httpclient
 
 from tests import ensemble_models, models, python_models
 from tests.conftest import RunningServer, serving
-from tests.polling import metric
+from tests.polling import metric, wait_until
 from tests.prometheus_text import parse, scrape
 
 CACHE = "response_cache { enable: true }"
@@ -322,3 +323,102 @@ def test_the_cache_families_sit_where_triton_writes_them(server: RunningServer) 
         "nv_cache_miss_duration_per_model",
         "nv_inference_pending_request_count",
     ]
+
+
+# OUT = IN, once the test says go (a file): the ensemble's request waits in this step meanwhile.
+WAITS_FOR_GO = """
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        open({started!r}, "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists({go!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
+            for r in requests
+        ]
+"""
+
+
+def _add_constant(path: Path, constant: float) -> None:
+    """An ONNX model file: OUT = IN + constant, rows of 4 FP32."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["IN", "K"], ["OUT"])],
+        "add",
+        [value("IN", TensorProto.FLOAT, [None, 4])],
+        [value("OUT", TensorProto.FLOAT, [None, 4])],
+        [numpy_helper.from_array(np.array([constant], np.float32), "K")],
+    )
+    models.save_onnx(graph, path)
+
+
+def test_an_ensembles_answer_computed_across_a_steps_version_change_is_not_cached(
+    tmp_path: Path, server_factory
+) -> None:
+    """Found by the review of session 48: the answer was filed under the step versions of its lookup, but
+    its step ran on the version newest when the step started. That version came and went (a canary
+    rolled back) and the ensemble went on answering its output from the cache."""
+    repo = tmp_path / "repo"
+    started, go = tmp_path / "started", tmp_path / "go"
+    python_models.write_model(
+        repo, "gate", OFFSET_CONFIG.replace(CACHE, ""), WAITS_FOR_GO.format(started=str(started), go=str(go))
+    )
+    _add_constant(repo / "adds" / "1" / "model.onnx", 100.0)
+    _add_constant(repo / "adds" / "2" / "model.onnx", 200.0)
+    adds = {  # config.pbtxt and the overrides alike but for version_policy: version 1 is kept serving
+        "platform": "onnxruntime_onnx",
+        "max_batch_size": 8,
+        "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [4]}],
+        "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]}],
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+    }
+    models.write_config(
+        repo / "adds",
+        'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+        'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
+        "version_policy { specific { versions: [ 1 ] } }\n",
+    )
+    ensemble_models.add_ensemble(
+        repo,
+        "gated",
+        [
+            ensemble_models.step("gate", {"IN": "IN"}, {"OUT": "mid"}),
+            ensemble_models.step("adds", {"IN": "mid"}, {"OUT": "OUT"}),
+        ],
+        extra=CACHE,
+    )
+    server = server_factory(
+        repo, "--cache-config", "local,size=1000000", "--model-control-mode", "explicit", "--load-model", "gated"
+    )
+    x = row([1, 2, 3, 4])
+    first: list[np.ndarray | Exception] = []
+
+    def ask() -> None:
+        try:
+            first.append(grpc_infer(server, "gated", x))
+        except Exception as exc:  # noqa: BLE001 - shown by the assertion below
+            first.append(exc)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    wait_until(started.exists, timeout_s=60, what="the ensemble's request in its first step")
+    with grpcclient.InferenceServerClient(server.url) as client:
+        both = {**adds, "version_policy": {"specific": {"versions": [1, 2]}}}
+        client.load_model("adds", config=json.dumps(both))  # version 2 is the newest now
+        go.touch()
+        asking.join(60)
+        assert len(first) == 1 and isinstance(first[0], np.ndarray), first
+        np.testing.assert_array_equal(first[0], x + 200)  # the step ran on version 2
+        client.load_model("adds", config=json.dumps({**adds, "version_policy": {"specific": {"versions": [1]}}}))
+    np.testing.assert_array_equal(grpc_infer(server, "gated", x), x + 100)  # version 1's, not version 2's

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from shoal.cli import build_parser
-from shoal.clients import InferenceClient
+from shoal.clients import ClientError, InferenceClient
 from shoal.errors import ShoalError
 from shoal.lifecycle.fingerprint import fingerprint_of
 from shoal.repository import scanner
@@ -31,7 +31,7 @@ instance_group [ { kind: KIND_CPU count: 1 } ]
 MTIME_NS = 1_700_000_000_000_000_000  # what an image or archive that normalizes timestamps gives every file
 
 
-def _add_model(folder: Path, addend: float) -> None:
+def _add_model(folder: Path, addend: float, version: int = 1) -> None:
     """OUT = IN + addend, its model file as long as any other addend's, its mtime fixed."""
     models.write_config(folder, ADD_CONFIG)
     weight = numpy_helper.from_array(np.full(4, addend, dtype=np.float32), "W")
@@ -42,8 +42,8 @@ def _add_model(folder: Path, addend: float) -> None:
         [helper.make_tensor_value_info("OUT", TensorProto.FLOAT, [4])],
         [weight],
     )
-    models.save_onnx(graph, folder / "1" / "model.onnx")
-    for path in (folder / "config.pbtxt", folder / "1" / "model.onnx"):
+    models.save_onnx(graph, folder / str(version) / "model.onnx")
+    for path in (folder / "config.pbtxt", folder / str(version) / "model.onnx"):
         os.utime(path, ns=(MTIME_NS, MTIME_NS))
 
 
@@ -199,3 +199,36 @@ def test_a_file_behind_a_symlinked_subfolder_is_checked_too(tmp_path: Path) -> N
     (repo / "m" / "data" / "w.bin").write_bytes(b"fine")
     (repo / "m" / "data" / "loop").symlink_to(Path("..") / "1", target_is_directory=True)  # a loop: it ends
     assert scanner.checked_version_dir(repo / "m", 1) == (repo / "m" / "1").resolve()
+
+
+def test_a_config_giving_only_the_platform_is_completed_from_the_model_file(tmp_path: Path) -> None:
+    """Found while writing a test in session 48: ``platform: "onnxruntime_onnx"`` with no inputs listed
+    failed to load ("no platform or backend set"), where Triton completes it from the model file."""
+    from shoal.configuring.pipeline import configure
+
+    folder = tmp_path / "repo" / "add"
+    _add_model(folder, 1.0)
+    models.write_config(folder, 'platform: "onnxruntime_onnx"\nmax_batch_size: 0\n')
+    spec = configure(folder, strict=False).spec
+    assert [tensor.name for tensor in spec.inputs] == ["IN"] and [tensor.name for tensor in spec.outputs] == ["OUT"]
+
+
+def test_a_reload_in_which_a_version_fails_fails_whole_and_every_version_serves_on(tmp_path: Path) -> None:
+    """Found by the review of session 48: with version 2 broken, the reload answered OK, dropped version 2's
+    serving copy, and requests naming no version moved to version 1. Triton fails such a load whole."""
+    repo = tmp_path / "repo"
+    _add_model(repo / "add", 100.0, version=1)
+    _add_model(repo / "add", 200.0, version=2)
+    (repo / "add" / "config.pbtxt").write_text(ADD_CONFIG + "version_policy { all { } }\n")
+    server = start_server(repo, tmp_path, "--model-control-mode", "explicit", "--load-model", "add")
+    x = np.zeros(4, dtype=np.float32)
+    try:
+        with InferenceClient(server.url, timeout_s=60) as client:
+            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 200)
+            (repo / "add" / "2" / "model.onnx").write_bytes(b"not a model")
+            with pytest.raises(ClientError, match="load failed for model .add.: version 2 is at UNAVAILABLE state"):
+                client.load_model("add")
+            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 200)
+            np.testing.assert_array_equal(client.infer("add", {"IN": x}, version="1")["OUT"], x + 100)
+    finally:
+        server.stop()

@@ -162,6 +162,9 @@ class LocalCore:
             if request.region_inputs:
                 if shared_memory.costly(self.regions, request):
                     request = await asyncio.to_thread(shared_memory.with_region_inputs, self.regions, request)
+                    # The version is chosen again: a reload may have retired the one chosen before the read
+                    # (it then refused the request as unloading, while the new one served).
+                    served = self.manager.resolve(request.model_name, request.model_version)
                 else:
                     request = shared_memory.with_region_inputs(self.regions, request)
             if not request.output_regions:

@@ -55,6 +55,7 @@ class Registry(Protocol):
     """What an ensemble needs of the model manager."""
 
     repository: Path
+    changes: int  # grows with every change of what is served
 
     def entry(self, name: str) -> ModelEntry: ...
 
@@ -129,6 +130,7 @@ class EnsembleVersion(ModelVersion):
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
             raise
         lookup = None
+        changes = self._registry.changes
         if self.cache is not None:
             try:
                 composition = self.composition()
@@ -169,7 +171,9 @@ class EnsembleVersion(ModelVersion):
         self.statistics.record_success(time.monotonic_ns() - arrival_ns, started_ns - arrival_ns, phases)
         if outer is not None:
             outer.add(phases)
-        if self.cache is not None and lookup is not None:
+        # Filed under the versions the steps resolve to now, so only if none changed meanwhile: a step may
+        # have run on a version that came and went (its answer under the key of the one before it).
+        if self.cache is not None and lookup is not None and self._registry.changes == changes:
             await self.cache.insert(lookup, outputs)
         return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=outputs)
 

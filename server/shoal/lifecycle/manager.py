@@ -107,6 +107,9 @@ class ModelManager:
         self.response_cache = response_cache  # --cache-config local,size=BYTES: one for the models that enable it
         self.summary_latencies = summary_latencies  # --metrics-config summary_latencies=true
         self._models: dict[str, ModelEntry] = {}
+        # How many times what the registry serves changed: an ensemble caches an answer only if nothing
+        # changed while it was computed (its steps resolve their versions as they start).
+        self.changes = 0
         self._locks: dict[str, asyncio.Lock] = {}
         self._client_order: dict[str, _InOrder] = {}  # per model: clients' loads and unloads, one at a time
         self._dependents = ensemble.Dependents(self)  # ensembles follow the models they use
@@ -183,7 +186,14 @@ class ModelManager:
                 else:
                     self._models.pop(name, None)
                 raise
-            if not entry.ready_versions():
+            serving = old is not None and bool(old.ready_versions())
+            if entry.ready_versions() and serving and reason:
+                # A reload in which a version failed fails whole, as Triton's (model_lifecycle.cc
+                # OnLoadFinal): what serves goes on serving, every version of it; the versions built
+                # for it are let go. (It swapped: the failed version's serving copy went, and requests
+                # naming no version moved to an older one.)
+                await release(v for v in entry.versions.values() if v.served is not None and v not in kept)
+            if not entry.ready_versions() or (serving and reason):
                 self._ledger.release(reserved)
                 entry.transition(ModelState.UNAVAILABLE, reason)
                 if old is not None and old.ready_versions():
@@ -382,6 +392,7 @@ class ModelManager:
         logger.info("model %s: drained and unloaded", entry.name)
 
     def _changed(self) -> None:
+        self.changes += 1
         if self.on_change is not None:
             self.on_change()
 

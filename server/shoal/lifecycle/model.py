@@ -110,6 +110,8 @@ class ModelVersion:
         self.admission = admission  # its instances' claims on the rate limiter, when it is on
         self.load_number = next_load_number()
         self.cache: VersionCache | None = None  # use_cache: the server's response cache, when both enable it
+        self._entered = 0  # requests in infer, queued or not yet
+        self._none_entered: asyncio.Event | None = None  # close() waits on it for the entered ones
         self._cache_holding_number: ResponseCache | None = None  # use_cache: forget this version's number at close
         self.scheduler: ModelScheduler
         if spec.sequence_batching is not None:
@@ -232,6 +234,17 @@ class ModelVersion:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         refuse_unstreamed(self.spec, request)  # whoever sends it: a client, a BLS exec(), an ensemble's step
+        # Counted from here: a request may wait (a large one's cache lookup runs on a thread) before it is
+        # queued, and a reload retiring this version meanwhile must still serve it (close waits for it).
+        self._entered += 1
+        try:
+            return await self._infer(request)
+        finally:
+            self._entered -= 1
+            if not self._entered and self._none_entered is not None:
+                self._none_entered.set()
+
+    async def _infer(self, request: InferRequest) -> InferResponse:
         arrival_ns = time.monotonic_ns()
         try:
             prepared = request_checks.prepare(self.spec, request)
@@ -271,7 +284,10 @@ class ModelVersion:
         return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=outputs)
 
     async def close(self) -> None:
-        """Finish queued and running requests, then release the instances and the weights."""
+        """Finish entered, queued and running requests, then release the instances and the weights."""
+        if self._entered:
+            self._none_entered = asyncio.Event()
+            await self._none_entered.wait()
         await self.scheduler.stop()
         self._forget_cached_answers()
         await model_work.in_thread(self.pool.close)  # the model's finalize: a model thread, not asyncio's

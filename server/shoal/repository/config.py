@@ -479,8 +479,12 @@ def _rate_limiter(limiter: config_pb2.ModelRateLimiter) -> RateLimiterSpec:
 
 
 def detect_backend(config: config_pb2.ModelConfig, version_dirs: list[Path]) -> None:
-    """Triton's auto-complete of backend fields: with neither platform nor backend set, the
-    model file in the newest version folder decides (model.onnx → onnxruntime, model.pt → pytorch)."""
+    """Triton's auto-complete of backend fields: a platform names its backend (so that a config giving
+    only ``platform: "onnxruntime_onnx"`` is completed from its model file as Triton completes it); with
+    neither set, the model file in the newest version folder decides (model.onnx → onnxruntime,
+    model.pt → pytorch)."""
+    if config.platform in PLATFORM_BACKENDS and not config.backend:
+        config.backend = PLATFORM_BACKENDS[config.platform]
     if config.platform or config.backend:
         return
     by_file = {filename: backend for backend, filename in DEFAULT_MODEL_FILENAMES.items()}
