@@ -35,7 +35,7 @@ from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle import request_checks
 from shoal.lifecycle.model import ModelVersion, next_load_number
 from shoal.lifecycle.response_cache import ResponseCache, VersionCache
-from shoal.lifecycle.state import ModelEntry, ModelState, VersionEntry
+from shoal.lifecycle.state import InFlight, ModelEntry, ModelState, VersionEntry
 from shoal.protocol import config_pb2
 from shoal.protocol.types import DataType
 from shoal.repository import ensemble_composing, ensemble_config, scanner
@@ -88,9 +88,8 @@ class EnsembleVersion(ModelVersion):
         self._registry = registry
         self._steps = spec.ensemble.steps
         self._plans: dict[tuple[str, ...], tuple[EnsembleStep, ...]] = {}
-        self._in_flight = 0
+        self._in_flight = InFlight()  # close() lets the running requests finish (their steps hold models)
         self._closing = False
-        self._idle: asyncio.Event | None = None
 
     @property
     def queued(self) -> int:
@@ -114,13 +113,8 @@ class EnsembleVersion(ModelVersion):
     async def infer(self, request: InferRequest) -> InferResponse:
         if self._closing:
             raise ShoalError(ErrorCode.UNAVAILABLE, "the model is unloading")
-        self._in_flight += 1
-        try:
+        with self._in_flight.one():
             return await self._infer(request)
-        finally:
-            self._in_flight -= 1
-            if not self._in_flight and self._idle is not None:
-                self._idle.set()
 
     async def _infer(self, request: InferRequest) -> InferResponse:
         arrival_ns = time.monotonic_ns()
@@ -281,9 +275,7 @@ class EnsembleVersion(ModelVersion):
     async def close(self) -> None:
         """Refuse new requests; let the running ones finish (their steps hold the composing models)."""
         self._closing = True
-        if self._in_flight:
-            self._idle = asyncio.Event()
-            await self._idle.wait()
+        await self._in_flight.drained()
         self._forget_cached_answers()
 
 

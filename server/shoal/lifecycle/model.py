@@ -26,6 +26,7 @@ from shoal.instances import strategy
 from shoal.instances.pool import Instance, InstancePool, Placement, instance_name
 from shoal.lifecycle import model_work, request_checks, warmup
 from shoal.lifecycle.response_cache import ResponseCache, VersionCache
+from shoal.lifecycle.state import InFlight
 from shoal.repository.config import InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
 from shoal.repository.sequence_spec import backend_spec
@@ -110,8 +111,7 @@ class ModelVersion:
         self.admission = admission  # its instances' claims on the rate limiter, when it is on
         self.load_number = next_load_number()
         self.cache: VersionCache | None = None  # use_cache: the server's response cache, when both enable it
-        self._entered = 0  # requests in infer, queued or not yet
-        self._none_entered: asyncio.Event | None = None  # close() waits on it for the entered ones
+        self._in_flight = InFlight()  # close() serves what entered infer, queued or not yet
         self._cache_holding_number: ResponseCache | None = None  # use_cache: forget this version's number at close
         self.scheduler: ModelScheduler
         if spec.sequence_batching is not None:
@@ -236,13 +236,8 @@ class ModelVersion:
         refuse_unstreamed(self.spec, request)  # whoever sends it: a client, a BLS exec(), an ensemble's step
         # Counted from here: a request may wait (a large one's cache lookup runs on a thread) before it is
         # queued, and a reload retiring this version meanwhile must still serve it (close waits for it).
-        self._entered += 1
-        try:
+        with self._in_flight.one():
             return await self._infer(request)
-        finally:
-            self._entered -= 1
-            if not self._entered and self._none_entered is not None:
-                self._none_entered.set()
 
     async def _infer(self, request: InferRequest) -> InferResponse:
         arrival_ns = time.monotonic_ns()
@@ -285,9 +280,7 @@ class ModelVersion:
 
     async def close(self) -> None:
         """Finish entered, queued and running requests, then release the instances and the weights."""
-        if self._entered:
-            self._none_entered = asyncio.Event()
-            await self._none_entered.wait()
+        await self._in_flight.drained()
         await self.scheduler.stop()
         self._forget_cached_answers()
         await model_work.in_thread(self.pool.close)  # the model's finalize: a model thread, not asyncio's
