@@ -232,3 +232,79 @@ def test_a_reload_in_which_a_version_fails_fails_whole_and_every_version_serves_
             np.testing.assert_array_equal(client.infer("add", {"IN": x}, version="1")["OUT"], x + 100)
     finally:
         server.stop()
+
+
+def test_a_dangling_link_or_a_hard_link_or_a_chmod_in_a_model_folder_changes_nothing(tmp_path: Path) -> None:
+    """Found by the review of the fingerprint's fix: an editor's lock file (a dangling link) beside
+    config.pbtxt stopped the server at start; a hard link (``shoal config tune`` links the model's files)
+    or a chmod moved the change time the fingerprint then read, and poll mode rebuilt every version."""
+    repo = tmp_path / "repo"
+    _add_model(repo / "add", 1.0)
+    (repo / "add" / ".#config.pbtxt").symlink_to("user@host.4242:1765000000")  # dangling, as Emacs leaves it
+    before = fingerprint_of(scanner.model_dir(repo, "add"))
+    model_file = repo / "add" / "1" / "model.onnx"
+    os.link(model_file, tmp_path / "linked.onnx")
+    model_file.chmod(0o600)
+    (repo / "add" / "config.tuned.pbtxt").write_text("tuned")  # `shoal config tune`'s output, never read
+    assert fingerprint_of(scanner.model_dir(repo, "add")) == before
+    (tmp_path / "linked.onnx").unlink()
+    assert fingerprint_of(scanner.model_dir(repo, "add")) == before
+
+
+def test_poll_mode_does_not_retry_a_reload_that_failed_until_the_folder_changes(tmp_path: Path) -> None:
+    """Found by the same review: a reload failing whole kept the old fingerprint, so every poll built,
+    warmed and let go the good versions again."""
+    import asyncio
+
+    from shoal.lifecycle.manager import ModelManager
+
+    repo = tmp_path / "repo"
+    _add_model(repo / "add", 100.0, version=1)
+    _add_model(repo / "add", 200.0, version=2)
+    (repo / "add" / "config.pbtxt").write_text(ADD_CONFIG + "version_policy { all { } }\n")
+    manager = ModelManager(repo, control_mode="poll")
+    builds: list[str] = []
+    build = manager._build
+
+    def counted(*args: object) -> object:
+        builds.append("built")
+        return build(*args)  # type: ignore[arg-type]
+
+    manager._build = counted  # type: ignore[method-assign]
+
+    async def main() -> None:
+        await manager.poll_once()
+        (repo / "add" / "2" / "model.onnx").write_bytes(b"not a model")
+        await manager.poll_once()  # fails whole: version 2 served
+        await manager.poll_once()
+        await manager.poll_once()
+        assert manager.resolve("add", "").version == 2  # the old entry serves on
+        _add_model(repo / "add", 300.0, version=2)  # changed again: tried again
+        await manager.poll_once()
+        assert manager.resolve("add", "").version == 2
+        await manager.close()
+
+    asyncio.run(main())
+    assert builds == ["built"] * 3
+
+
+def test_a_broken_version_new_to_a_reload_fails_alone_and_a_changed_one_beside_it_loads(tmp_path: Path) -> None:
+    """A version that never served may fail alone, as at a first load; it must not hold back the others'
+    changes (every reload would fail on it)."""
+    repo = tmp_path / "repo"
+    _add_model(repo / "add", 100.0, version=1)
+    (repo / "add" / "config.pbtxt").write_text(ADD_CONFIG + "version_policy { all { } }\n")
+    server = start_server(repo, tmp_path, "--model-control-mode", "explicit", "--load-model", "add")
+    x = np.zeros(4, dtype=np.float32)
+    try:
+        with InferenceClient(server.url, timeout_s=60) as client:
+            (repo / "add" / "2").mkdir()
+            (repo / "add" / "2" / "model.onnx").write_bytes(b"not a model")
+            client.load_model("add")
+            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 100)
+            _add_model(tmp_path / "next", 150.0)
+            os.replace(tmp_path / "next" / "1" / "model.onnx", repo / "add" / "1" / "model.onnx")
+            client.load_model("add")
+            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 150)
+    finally:
+        server.stop()

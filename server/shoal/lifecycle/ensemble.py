@@ -33,9 +33,10 @@ from typing import Any, Protocol
 from shoal.backends.devices import Device
 from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle import request_checks
+from shoal.lifecycle.in_flight import InFlight
 from shoal.lifecycle.model import ModelVersion, next_load_number
 from shoal.lifecycle.response_cache import ResponseCache, VersionCache
-from shoal.lifecycle.state import InFlight, ModelEntry, ModelState, VersionEntry
+from shoal.lifecycle.state import ModelEntry, ModelState, VersionEntry
 from shoal.protocol import config_pb2
 from shoal.protocol.types import DataType
 from shoal.repository import ensemble_composing, ensemble_config, scanner

@@ -4,6 +4,7 @@ folder, digested apart, so that a version whose own files did not change can kee
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
@@ -12,8 +13,10 @@ from shoal.errors import ShoalError
 from shoal.repository import scanner
 from shoal.repository.config import CONFIG_FILENAME
 
-# Folders of a model that its versions never read: Python's bytecode caches, `shoal config tune`'s output.
-NOT_READ = frozenset({"__pycache__", "tuning"})
+# What a model's versions never read: Python's bytecode caches (at any depth), and at the model folder's
+# top `shoal config tune`'s output (its candidates' folder, its tuned config).
+BYTECODE = "__pycache__"
+NOT_READ = frozenset({BYTECODE, "tuning", "config.tuned.pbtxt"})
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,13 @@ def fingerprint_of(folder: Path) -> Fingerprint:
     Every path is checked first; a file whose real path is outside the repository counts by name only.
     A version folder's digest holds its own real path and its files': a link retargeted to another
     folder is a change even where that folder's files have the same names, sizes and mtimes (an
-    image or archive that normalizes timestamps). A file counts by its device, inode and change time
-    besides its size and mtime: a file replaced by another of the same size and mtime (``cp -p``,
-    ``rsync -a``, a reproducible archive) is a change (it kept the old weights serving), and no
-    ``utime`` sets a change time back.
+    image or archive that normalizes timestamps). A file counts by its device and inode besides its
+    size and mtime: a file replaced by another of the same size and mtime (``rsync -a``, ``mv``, a
+    reproducible archive unpacked) is a change (it kept the old weights serving). Not its change time,
+    which a ``chmod`` or a hard link (``shoal config tune`` links the model's files) moves with nothing
+    changed; so a file overwritten in place with the same size and mtime is not seen, as in Triton,
+    which reads mtimes only. A file that vanished or a dangling link (an editor's lock file) counts as
+    missing, never as an error (it stopped the server at start).
     """
     repository = folder.parent
     config = scanner.checked_path(repository, PurePath(folder.name, CONFIG_FILENAME))
@@ -52,9 +58,7 @@ def fingerprint_of(folder: Path) -> Fingerprint:
         digest = hashlib.sha256()
         version_dir = scanner.checked_path(repository, PurePath(folder.name, str(version)))
         digest.update(str(version_dir).encode())
-        _digest_files(
-            digest, repository, PurePath(folder.name, str(version)), sorted(version_dir.rglob("*")), version_dir
-        )
+        _digest_files(digest, repository, PurePath(folder.name, str(version)), _tree(version_dir), version_dir)
         versions.append((version, digest.hexdigest()))
     others = hashlib.sha256()
     skipped = {CONFIG_FILENAME, *NOT_READ, *(str(number) for number in numbers)}
@@ -62,32 +66,37 @@ def fingerprint_of(folder: Path) -> Fingerprint:
         for entry in sorted(folder.iterdir()):
             if entry.name in skipped:
                 continue
-            inside = sorted(entry.rglob("*")) if entry.is_dir() and not entry.is_symlink() else []
+            inside = _tree(entry) if entry.is_dir() and not entry.is_symlink() else []
             _digest_files(others, repository, PurePath(folder.name), [entry, *inside], folder)
     return Fingerprint(config_digest, tuple(versions), others.hexdigest())
+
+
+def _tree(folder: Path) -> list[Path]:
+    """Every path under ``folder``, sorted, bytecode caches left out."""
+    return sorted(path for path in folder.rglob("*") if BYTECODE not in path.relative_to(folder).parts)
 
 
 def _digest_files(digest: Any, repository: Path, under: PurePath, paths: list[Path], root: Path) -> None:
     """Each path's name (relative to ``root``, the folder ``under`` names in the repository) and status."""
     for path in paths:
         relative = path.relative_to(root)
-        if NOT_READ.intersection(relative.parts):
-            continue
         try:
             real = scanner.checked_path(repository, under / relative)
         except ShoalError:
             digest.update(f"|{relative}:outside".encode())
             continue
-        found = real.stat()
-        digest.update(
-            f"|{relative}:{real}:{found.st_size}:{found.st_mtime_ns}:{found.st_ctime_ns}:"
-            f"{found.st_dev}:{found.st_ino}".encode()
-        )
+        try:
+            found = os.stat(real)
+        except OSError:  # gone since it was listed, or a dangling link
+            digest.update(f"|{relative}:missing".encode())
+            continue
+        digest.update(f"|{relative}:{real}:{found.st_size}:{found.st_mtime_ns}:{found.st_dev}:{found.st_ino}".encode())
 
 
 def fingerprint_or_none(folder: Path) -> Fingerprint | None:
-    """The fingerprint, or None where a path leads outside the repository (the load says which)."""
+    """The fingerprint, or None where a path leads outside the repository (the load says which) or the
+    folder changed under the walk (the next poll looks again)."""
     try:
         return fingerprint_of(folder)
-    except ShoalError:
+    except (ShoalError, OSError):
         return None

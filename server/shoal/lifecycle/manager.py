@@ -186,18 +186,25 @@ class ModelManager:
                 else:
                     self._models.pop(name, None)
                 raise
-            serving = old is not None and bool(old.ready_versions())
-            if entry.ready_versions() and serving and reason:
-                # A reload in which a version failed fails whole, as Triton's (model_lifecycle.cc
-                # OnLoadFinal): what serves goes on serving, every version of it; the versions built
-                # for it are let go. (It swapped: the failed version's serving copy went, and requests
-                # naming no version moved to an older one.)
+            # A version that served and fails in a reload fails the reload whole (as Triton fails any load
+            # with a failed version: model_lifecycle.cc OnLoadFinal): the entry serving goes on, every
+            # version of it, and the versions built for the reload are let go. (It swapped: the failed
+            # version's serving copy went, and requests naming no version moved to an older one.) A version
+            # new to this load may fail alone, as at a first load, beside the ones that load.
+            serving = set(old.ready_versions()) if old is not None else set()
+            lost = [
+                number
+                for number, version in entry.versions.items()
+                if number in serving and version.state is not ModelState.READY
+            ]
+            if entry.ready_versions() and lost:
                 await release(v for v in entry.versions.values() if v.served is not None and v not in kept)
-            if not entry.ready_versions() or (serving and reason):
+            if not entry.ready_versions() or lost:
                 self._ledger.release(reserved)
                 entry.transition(ModelState.UNAVAILABLE, reason)
                 if old is not None and old.ready_versions():
                     old.reason = f"reload failed, previous version kept serving: {entry.reason}"
+                    old.failed_fingerprint = entry.fingerprint
                     self._changed()
                     raise _load_refusal(entry)
                 self._models[name] = entry
@@ -403,7 +410,11 @@ class ModelManager:
         present = set(scanner.list_models(self.repository, warn=False))
         for name in sorted(present):
             entry = self._models.get(name)
-            changed = entry is None or fingerprint_or_none(self.repository / name) != entry.fingerprint
+            found = fingerprint_or_none(self.repository / name)
+            # Not again what a reload failed on (its good versions were built, warmed and let go each poll).
+            changed = entry is None or (
+                found != entry.fingerprint and (found is None or found != entry.failed_fingerprint)
+            )
             if changed:
                 logger.info("model %s: %s, loading", name, "new" if entry is None else "changed")
                 try:

@@ -25,8 +25,8 @@ from shoal.errors import DecoupledRefused, ErrorCode, ShoalError, load_failed
 from shoal.instances import strategy
 from shoal.instances.pool import Instance, InstancePool, Placement, instance_name
 from shoal.lifecycle import model_work, request_checks, warmup
+from shoal.lifecycle.in_flight import InFlight
 from shoal.lifecycle.response_cache import ResponseCache, VersionCache
-from shoal.lifecycle.state import InFlight
 from shoal.repository.config import InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
 from shoal.repository.sequence_spec import backend_spec

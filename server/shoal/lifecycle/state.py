@@ -15,10 +15,7 @@ lifecycle does, so nothing ever moves out of UNAVAILABLE. A READY version holds 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import enum
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -114,6 +111,8 @@ class ModelEntry(Lifecycle):
         self.spec: ModelSpec | None = None
         self.versions: dict[int, VersionEntry] = {}
         self.fingerprint: Fingerprint | None = None  # the folder as this load read it (poll, reload)
+        # The folder as a reload that failed read it, this entry serving on: polls leave it be until it changes.
+        self.failed_fingerprint: Fingerprint | None = None
         self.unloaded = False  # unloaded on purpose: strict readiness no longer waits for it
 
     def ready_versions(self) -> list[int]:
@@ -130,28 +129,3 @@ class IndexEntry:
     version: str
     state: ModelState  # UNKNOWN: in the repository, never loaded (Triton's name-only row)
     reason: str
-
-
-class InFlight:
-    """The requests inside a served version, from the start of its ``infer`` (some wait before they are
-    queued: a large request's cache lookup, an ensemble's steps). A closing version waits until none is
-    left (``drained``) before it stops: what entered it is served."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._none_left: asyncio.Event | None = None
-
-    @contextlib.contextmanager
-    def one(self) -> Iterator[None]:
-        self.count += 1
-        try:
-            yield
-        finally:
-            self.count -= 1
-            if not self.count and self._none_left is not None:
-                self._none_left.set()
-
-    async def drained(self) -> None:
-        if self.count:
-            self._none_left = asyncio.Event()
-            await self._none_left.wait()
