@@ -114,7 +114,7 @@ class EnsembleVersion(ModelVersion):
     async def infer(self, request: InferRequest) -> InferResponse:
         if self._closing:
             raise ShoalError(ErrorCode.UNAVAILABLE, "the model is unloading")
-        with self._in_flight.one():
+        with self._in_flight:
             return await self._infer(request)
 
     async def _infer(self, request: InferRequest) -> InferResponse:

@@ -236,47 +236,57 @@ class ModelVersion:
         refuse_unstreamed(self.spec, request)  # whoever sends it: a client, a BLS exec(), an ensemble's step
         # Counted from here: a request may wait (a large one's cache lookup runs on a thread) before it is
         # queued, and a reload retiring this version meanwhile must still serve it (close waits for it).
-        with self._in_flight.one():
-            return await self._infer(request)
-
-    async def _infer(self, request: InferRequest) -> InferResponse:
-        arrival_ns = time.monotonic_ns()
-        try:
-            prepared = request_checks.prepare(self.spec, request)
-            if self._backend is not None:
-                self._backend.validate_request(self.spec, prepared.feed)
-        except ShoalError:  # rejected for bad input: still a failed request of this version
-            self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
-            raise
-        cache = self.cache
-        if cache is not None:  # never a decoupled or sequence model: their loads refuse the cache
-            lookup = await cache.look_up(prepared, request.parameters, self.composition(), arrival_ns)
-            if lookup.outputs is not None:
-                return InferResponse(
-                    model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=lookup.outputs
+        # (In this one coroutine: a request is one await here, on every model's hot path.)
+        with self._in_flight:
+            arrival_ns = time.monotonic_ns()
+            try:
+                prepared = request_checks.prepare(self.spec, request)
+                if self._backend is not None:
+                    self._backend.validate_request(self.spec, prepared.feed)
+            except ShoalError:  # rejected for bad input: still a failed request of this version
+                self.statistics.record_failure(time.monotonic_ns() - arrival_ns, FailureReason.OTHER)
+                raise
+            cache = self.cache
+            if cache is not None:  # never a decoupled or sequence model: their loads refuse the cache
+                lookup = await cache.look_up(prepared, request.parameters, self.composition(), arrival_ns)
+                if lookup.outputs is not None:
+                    return InferResponse(
+                        model_name=self.spec.name,
+                        model_version=str(self.version),
+                        id=request.id,
+                        outputs=lookup.outputs,
+                    )
+            try:
+                # A decoupled model's responses are checked as they go into the sink; its answer has no outputs.
+                streamed = request.sink is not None and self.spec.decoupled
+                check = None if streamed else request_checks.output_check(self.spec, prepared)
+                results = await self.scheduler.submit(
+                    prepared.feed,
+                    prepared.outputs,
+                    prepared.batch_size,
+                    request.parameters,
+                    context=request,
+                    check=check,
                 )
-        try:
-            # A decoupled model's responses are checked as they go into the sink; its answer has no outputs.
-            streamed = request.sink is not None and self.spec.decoupled
-            check = None if streamed else request_checks.output_check(self.spec, prepared)
-            results = await self.scheduler.submit(
-                prepared.feed, prepared.outputs, prepared.batch_size, request.parameters, context=request, check=check
+            except ShoalError:
+                raise
+            except Exception as exc:  # logged once per batch by the scheduler
+                raise ShoalError(
+                    ErrorCode.INTERNAL, f"model '{self.spec.name}' version {self.version} failed: {exc}"
+                ) from exc
+            if streamed:  # outputs: in the sink
+                return InferResponse(
+                    model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=()
+                )
+            if request_checks.finish_is_costly(prepared, results):  # a wide classification: off the event loop
+                outputs = await asyncio.to_thread(request_checks.respond, self.spec, prepared, results)
+            else:
+                outputs = request_checks.respond(self.spec, prepared, results)
+            if cache is not None:
+                await cache.insert(lookup, outputs)
+            return InferResponse(
+                model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=outputs
             )
-        except ShoalError:
-            raise
-        except Exception as exc:  # logged once per batch by the scheduler
-            raise ShoalError(
-                ErrorCode.INTERNAL, f"model '{self.spec.name}' version {self.version} failed: {exc}"
-            ) from exc
-        if streamed:  # outputs: in the sink
-            return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=())
-        if request_checks.finish_is_costly(prepared, results):  # a wide classification: off the event loop
-            outputs = await asyncio.to_thread(request_checks.respond, self.spec, prepared, results)
-        else:
-            outputs = request_checks.respond(self.spec, prepared, results)
-        if cache is not None:
-            await cache.insert(lookup, outputs)
-        return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=outputs)
 
     async def close(self) -> None:
         """Finish entered, queued and running requests, then release the instances and the weights."""

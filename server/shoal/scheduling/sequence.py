@@ -84,6 +84,7 @@ class SequenceScheduler:
         self.statistics = statistics
         self.max_batch_size = max_batch_size
         self.batching = batching
+        self._corrid = batching.control(ControlKind.CORRID)  # looked up once: every request checks its id's kind
         self.model_name = model_name
         self.slots_per_instance = batching.slots_per_instance(max_batch_size)
         self._active: dict[CorrelationId, Slot] = {}
@@ -182,7 +183,7 @@ class SequenceScheduler:
         one, is refused in the words of Triton from 25.01 (core's ``ValidateCorrelationId``). Triton 2.51
         fed the id's raw bytes instead; Shoal fed a string id as 0, so a model keying its own data on
         CORRID mixed every string-id sequence with the others (and a null row)."""
-        control = self.batching.control(ControlKind.CORRID)
+        control = self._corrid
         if control is None:
             return
         given = "BYTES" if isinstance(correlation_id, str) else "UINT64"
