@@ -67,25 +67,6 @@ VECTOR_MODELS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "py_triple_reused_processes": lambda x: x * 3,
     "py_reused_then_double": lambda x: x * 6,  # that buffer's answer waits for the ensemble's next step
 }
-# Y = X * 3 in a buffer of the model's own that every request refills (Triton's stub copies a returned
-# response's outputs when execute returns: a model may).
-TRIPLE_REUSED = """
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.buf = np.zeros(8, np.float32)
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
-            self.buf[: x.size] = x * 3
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", self.buf[: x.size])]))
-        return responses
-"""
 VECTOR_IO = (
     'input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
     'output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]'
@@ -128,7 +109,10 @@ def build_repository(repo: Path) -> None:
     )
     for suffix, extra in (("threads", THREADS), ("processes", "")):
         python_models.write_model(
-            repo, f"py_triple_reused_{suffix}", python_models.DOUBLE_CONFIG + extra, TRIPLE_REUSED
+            repo,
+            f"py_triple_reused_{suffix}",
+            python_models.DOUBLE_CONFIG + extra,
+            python_models.reuses_buffer("X", "Y", 3),
         )
     ensemble_models.add_ensemble(
         repo,

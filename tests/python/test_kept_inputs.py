@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 from tests import models
 from tests.conftest import RunningServer, serving
 from tests.ensemble_models import add_ensemble, add_onnx_add1, step
-from tests.python_models import write_model
+from tests.python_models import reuses_buffer, write_model
 
 THREAD = 'parameters { key: "process_instances" value: { string_value: "false" } }'
 KINDS = {"process": "", "thread": THREAD}
@@ -74,25 +74,6 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", self.table)]) for _ in requests]
 """
 
-# OUT = table's answer + IN, added into that answer in place.
-TABLE_CALLER = """
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "IN")
-            called = pb_utils.InferenceRequest(
-                model_name="table_{kind}", requested_output_names=["OUT"], inputs=[x]
-            ).exec()
-            y = called.output_tensors()[0].as_numpy()
-            y += x.as_numpy()
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", y)]))
-        return responses
-"""
-
 # OUT = IN * 10, written into the input itself; or (COPY) a copy of IN taken after a pause, so that a
 # sibling step writing in place first would show.
 IN_PLACE = """
@@ -124,26 +105,9 @@ instance_group [ {{{{ count: 1 kind: KIND_CPU }}}} ]
 {{extra}}
 """
 
-# OUT = IN, returned in one buffer of the model's own that every request refills (Triton's stub copies a
-# returned response's outputs when execute returns: the model may).
-REUSES_BUFFER = """
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.buf = np.zeros((1, 4), np.float32)
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            self.buf[...] = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", self.buf)]))
-        return responses
-"""
-
-# A BLS caller: passes its input to times_ten_<kind> and answers the input as it is afterwards.
+# A BLS caller: passes its input to {callee}, then answers what ``{answer}`` says: its input as it is
+# afterwards (the callee writes into its input), or the callee's answer with the input added into it
+# in place (the callee answered a table of its own).
 CALLER = """
 import triton_python_backend_utils as pb_utils
 
@@ -154,13 +118,16 @@ class TritonPythonModel:
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "IN")
             called = pb_utils.InferenceRequest(
-                model_name="times_ten_{kind}", requested_output_names=["OUT"], inputs=[x]
+                model_name="{callee}", requested_output_names=["OUT"], inputs=[x]
             ).exec()
             if called.has_error():
                 raise pb_utils.TritonModelException(called.error().message())
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x.as_numpy())]))
+            {answer}
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", y)]))
         return responses
 """
+INPUT_AFTERWARDS = "y = x.as_numpy()"
+ANSWER_PLUS_INPUT = "y = called.output_tensors()[0].as_numpy()\n            y += x.as_numpy()"
 
 
 def _add_torch_stash(repo: Path, name: str) -> None:
@@ -223,11 +190,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         write_model(repo, f"stash_{kind}", STASH_CONFIG.format(extra=extra), STASH)
         write_model(repo, f"times_ten_{kind}", STEP_CONFIG.format(extra=extra), IN_PLACE.format(body=TIMES_TEN))
         write_model(repo, f"late_copy_{kind}", STEP_CONFIG.format(extra=extra), IN_PLACE.format(body=LATE_COPY))
-        write_model(repo, f"caller_{kind}", STEP_CONFIG.format(extra=THREAD), CALLER.format(kind=kind))
+        write_model(
+            repo,
+            f"caller_{kind}",
+            STEP_CONFIG.format(extra=THREAD),
+            CALLER.format(callee=f"times_ten_{kind}", answer=INPUT_AFTERWARDS),
+        )
         write_model(repo, f"keeps_first_{kind}", STASH_CONFIG.format(extra=extra), KEEPS_FIRST)
         write_model(repo, f"table_{kind}", STEP_CONFIG.format(extra=extra), TABLE)
-        write_model(repo, f"table_caller_{kind}", STEP_CONFIG.format(extra=THREAD), TABLE_CALLER.format(kind=kind))
-        write_model(repo, f"reuses_buffer_{kind}", STEP_CONFIG.format(extra=extra), REUSES_BUFFER)
+        write_model(
+            repo,
+            f"table_caller_{kind}",
+            STEP_CONFIG.format(extra=THREAD),
+            CALLER.format(callee=f"table_{kind}", answer=ANSWER_PLUS_INPUT),
+        )
+        write_model(repo, f"reuses_buffer_{kind}", STEP_CONFIG.format(extra=extra), reuses_buffer())
         add_ensemble(  # the reused buffer's answer waits for the slow step while the next request refills it
             repo,
             f"reuse_then_wait_{kind}",

@@ -26,7 +26,7 @@ from shoal.backends.devices import CPU
 from shoal.backends.python import ThreadInstance, bls, pb_utils
 from shoal.configuring.pipeline import configure
 from shoal.request_types import InferRequest, InferResponse
-from tests.python_models import write_model
+from tests.python_models import reuses_buffer, write_model
 
 CONFIG = """
 backend: "python"
@@ -36,23 +36,6 @@ output [ {{ name: "OUT" data_type: TYPE_INT64 dims: [ 4 ] }} ]
 instance_group [ {{ count: 1 kind: KIND_CPU }} ]
 parameters {{ key: "process_instances" value: {{ string_value: "false" }} }}
 {extra}
-"""
-# OUT = IN, returned in one buffer of the model's own that every request refills.
-REUSES_BUFFER = """
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.buf = np.zeros(4, np.int64)
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            self.buf[:] = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", self.buf)]))
-        return responses
 """
 # Decoupled: two responses per request from the same buffer, IN then IN + 1.
 SENDS_FROM_ONE_BUFFER = """
@@ -102,7 +85,7 @@ def _pending(value: np.ndarray, sink: _Sink | None = None) -> SimpleNamespace:
 
 
 def test_an_answer_is_not_rewritten_by_the_models_next_batch(tmp_path: Path) -> None:
-    instance = _instance(tmp_path, REUSES_BUFFER)
+    instance = _instance(tmp_path, reuses_buffer())
     try:
         first, second = np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64) + 100
         (answer,) = instance.run_requests([_pending(first)])
