@@ -8,6 +8,7 @@ import os
 import struct
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -288,9 +289,10 @@ def test_poll_mode_does_not_retry_a_reload_that_failed_until_the_folder_changes(
     assert builds == ["built"] * 3
 
 
-def test_a_broken_version_new_to_a_reload_fails_alone_and_a_changed_one_beside_it_loads(tmp_path: Path) -> None:
-    """A version that never served may fail alone, as at a first load; it must not hold back the others'
-    changes (every reload would fail on it)."""
+def test_a_load_with_a_broken_version_fails_whole_and_the_serving_versions_go_on(tmp_path: Path) -> None:
+    """Triton fails a load in which any version fails (model_lifecycle.cc OnLoadComplete): a reload
+    that adds a broken version, or changes another beside it, is refused whole, naming the broken
+    version, and every version that served goes on serving as it was, until the broken one is mended."""
     repo = tmp_path / "repo"
     _add_model(repo / "add", 100.0, version=1)
     (repo / "add" / "config.pbtxt").write_text(ADD_CONFIG + "version_policy { all { } }\n")
@@ -300,11 +302,45 @@ def test_a_broken_version_new_to_a_reload_fails_alone_and_a_changed_one_beside_i
         with InferenceClient(server.url, timeout_s=60) as client:
             (repo / "add" / "2").mkdir()
             (repo / "add" / "2" / "model.onnx").write_bytes(b"not a model")
-            client.load_model("add")
-            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 100)
+            with pytest.raises(ClientError, match="version 2 is at UNAVAILABLE state: ") as refused:
+                client.load_model("add")
+            assert refused.value.status == grpc.StatusCode.INVALID_ARGUMENT and "version 1" not in refused.value.message
             _add_model(tmp_path / "next", 150.0)
             os.replace(tmp_path / "next" / "1" / "model.onnx", repo / "add" / "1" / "model.onnx")
+            with pytest.raises(ClientError, match="version 2 is at UNAVAILABLE state: "):
+                client.load_model("add")
+            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 100)  # as it was
+            assert not client.is_model_ready("add", "2")
+            _add_model(repo / "add", 200.0, version=2)  # mended
+            (repo / "add" / "config.pbtxt").write_text(ADD_CONFIG + "version_policy { all { } }\n")
             client.load_model("add")
-            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 150)
+            np.testing.assert_array_equal(client.infer("add", {"IN": x}, version="1")["OUT"], x + 150)
+            np.testing.assert_array_equal(client.infer("add", {"IN": x})["OUT"], x + 200)
     finally:
         server.stop()
+
+
+def test_a_first_load_with_a_broken_version_serves_none_of_its_versions(tmp_path: Path) -> None:
+    """At a first load too, one broken version fails the model whole (Triton unloads the versions that
+    loaded beside it): none serves, the index says why for each version, and the log says which failed."""
+    repo = tmp_path / "repo"
+    _add_model(repo / "add", 100.0, version=1)
+    (repo / "add" / "2").mkdir()
+    (repo / "add" / "2" / "model.onnx").write_bytes(b"not a model")
+    (repo / "add" / "config.pbtxt").write_text(ADD_CONFIG + "version_policy { all { } }\n")
+    _add_model(repo / "other", 7.0)
+    server = start_server(repo, tmp_path, "--exit-on-error", "false", "--strict-readiness", "false")
+    x = np.zeros(4, dtype=np.float32)
+    try:
+        with InferenceClient(server.url, timeout_s=60) as client:
+            assert not client.is_model_ready("add") and not client.is_model_ready("add", "1")
+            with pytest.raises(ClientError) as refused:
+                client.infer("add", {"IN": x}, version="1")
+            assert refused.value.status == grpc.StatusCode.UNAVAILABLE
+            rows = {(row.name, row.version): row for row in client.repository_index()}
+            assert rows["add", "1"].state == "UNAVAILABLE" and rows["add", "1"].reason == "unloaded"
+            assert rows["add", "2"].state == "UNAVAILABLE" and "ONNX Runtime cannot load" in rows["add", "2"].reason
+            np.testing.assert_array_equal(client.infer("other", {"IN": x})["OUT"], x + 7)  # the others serve
+    finally:
+        server.stop()
+    assert "load failed for model 'add': version 2 is at UNAVAILABLE state: " in (tmp_path / "server.log").read_text()

@@ -186,32 +186,25 @@ class ModelManager:
                 else:
                     self._models.pop(name, None)
                 raise
-            # A version that served and fails in a reload fails the reload whole (as Triton fails any load
-            # with a failed version: model_lifecycle.cc OnLoadFinal): the entry serving goes on, every
-            # version of it, and the versions built for the reload are let go. (It swapped: the failed
-            # version's serving copy went, and requests naming no version moved to an older one.) A version
-            # new to this load may fail alone, as at a first load, beside the ones that load.
-            serving = set(old.ready_versions()) if old is not None else set()
-            lost = [
-                number
-                for number, version in entry.versions.items()
-                if number in serving and version.state is not ModelState.READY
-            ]
-            if entry.ready_versions() and lost:
-                await release(v for v in entry.versions.values() if v.served is not None and v not in kept)
-            if not entry.ready_versions() or lost:
-                self._ledger.release(reserved)
+            # A load with a failed version fails whole, as Triton's (model_lifecycle.cc OnLoadComplete: "if
+            # any of the versions fails to load, abort the load and unload all newly loaded versions"): the
+            # versions built for it are let go (UNAVAILABLE, "unloaded") and, on a reload, the entry serving
+            # goes on, every version of it. The refusal names the failed versions, before the others go.
+            if any(version.state is not ModelState.READY for version in entry.versions.values()) or not entry.versions:
                 entry.transition(ModelState.UNAVAILABLE, reason)
+                refusal = _load_refusal(entry)
+                await release(v for v in entry.versions.values() if v.served is not None and v not in kept)
+                self._ledger.release(reserved)
                 if old is not None and old.ready_versions():
                     old.reason = f"reload failed, previous version kept serving: {entry.reason}"
                     old.failed_fingerprint = entry.fingerprint
                     self._changed()
-                    raise _load_refusal(entry)
+                    raise refusal
                 self._models[name] = entry
                 self._changed()
                 if old is not None:
                     await self._retire(old)
-                raise _load_refusal(entry)
+                raise refusal
             entry.transition(ModelState.READY)
             with self._ledger.settling(reserved):  # the entry's bytes now count as in use, not reserved
                 self._models[name] = entry  # the switch: one assignment on the event loop
