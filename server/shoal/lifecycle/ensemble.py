@@ -432,8 +432,12 @@ class Dependents:
     async def wake(self) -> None:
         """Load the ensembles whose steps fit their models now: those ``retire`` unloaded, and those whose
         load failed for their steps (a composing model missing or not loaded then), as Triton's dependency
-        graph loads a model once the models it waits for are there."""
+        graph loads a model once the models it waits for are there. Each is loaded as its client loaded
+        it (its config override kept), and only while it still waits: a client may unload it while an
+        earlier one loads."""
         for name in sorted(self._dormant | self._failed_for_steps()):
+            if name not in self._dormant and name not in self._failed_for_steps():
+                continue  # unloaded by a client (``forget``) or loaded while an earlier one loaded
             try:
                 entry: ModelEntry | None = self._manager.entry(name)
             except ShoalError:  # its folder was removed meanwhile
@@ -445,7 +449,7 @@ class Dependents:
             elif not unfit(entry.spec, self._manager):
                 self._dormant.discard(name)
                 try:
-                    await self._manager.load(name)
+                    await self._manager.load(name, entry.config_override)
                 except ShoalError as exc:
                     logger.error("ensemble %s: %s", name, exc.message)
 

@@ -175,6 +175,7 @@ class ModelManager:
         async with self._locks.setdefault(name, asyncio.Lock()):
             old = self._models.get(name)
             entry = ModelEntry(name)
+            entry.config_override = config_override
             entry.transition(ModelState.LOADING)
             if old is None or not old.ready_versions():  # nothing serving: the index shows LOADING
                 self._models[name] = entry

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from shoal.lifecycle.fingerprint import Fingerprint
@@ -114,6 +114,9 @@ class ModelEntry(Lifecycle):
         # The folder as a reload that failed read it, this entry serving on: polls leave it be until it changes.
         self.failed_fingerprint: Fingerprint | None = None
         self.unloaded = False  # unloaded on purpose: strict readiness no longer waits for it
+        # The client's config override this load used (RepositoryModelLoad's ``config``), which the
+        # server's own reloads of it (an ensemble woken once its steps fit again) use too, as Triton's.
+        self.config_override: dict[str, Any] | None = None
 
     def ready_versions(self) -> list[int]:
         return sorted(v for v, e in self.versions.items() if e.state is ModelState.READY)
