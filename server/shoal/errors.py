@@ -6,7 +6,7 @@ Exception tree::
       raised with an ErrorCode:
         INVALID_ARGUMENT   bad request: shape, datatype, missing/extra tensor, bad sizes
         NOT_FOUND          unknown requested output and other missing named things
-        MODEL_NOT_FOUND    unknown model or version (Triton's wording; gRPC UNAVAILABLE, HTTP 404)
+        MODEL_NOT_FOUND    unknown model or version, or none ready (Triton's wording; gRPC NOT_FOUND, HTTP 404)
         UNAVAILABLE        a model that is not ready, unloading, or a server shutting down
         UNSUPPORTED        a feature Shoal does not implement
         ALREADY_EXISTS     a name that is taken
@@ -142,7 +142,7 @@ def unsupported(what: str) -> ShoalError:
 
 
 def unknown_model(name: str, version: str = "") -> ShoalError:
-    """Triton's wording, which tritonclient users match on (UNAVAILABLE over gRPC, 404 over HTTP, as Triton)."""
+    """Triton's wording, which tritonclient users match on (NOT_FOUND over gRPC, 404 over HTTP, as Triton 2.51)."""
     name, version = shown(name), shown(version)
     if version:
         return ShoalError(

@@ -66,7 +66,7 @@ def test_every_datatype_round_trips(client: InferenceClient, datatype: str) -> N
 def test_errors_carry_the_grpc_status(client: InferenceClient) -> None:
     with pytest.raises(ClientError) as caught:
         client.infer("nope", {"INPUT0": A})
-    assert caught.value.status == grpc.StatusCode.UNAVAILABLE
+    assert caught.value.status == grpc.StatusCode.NOT_FOUND
     assert "Request for unknown model: 'nope'" in caught.value.message
     with pytest.raises(ClientError) as caught:
         client.infer("simple", {"INPUT0": A.astype(np.float32), "INPUT1": A})
@@ -91,7 +91,7 @@ def test_async_client(example_server: RunningServer) -> None:
             assert (await client.model_metadata("mlp")).inputs[0].shape == (-1, 256)
             with pytest.raises(ClientError) as caught:
                 await client.model_config("nope")
-            assert caught.value.status == grpc.StatusCode.UNAVAILABLE
+            assert caught.value.status == grpc.StatusCode.NOT_FOUND
 
     asyncio.run(scenario())
 

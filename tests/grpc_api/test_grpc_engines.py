@@ -91,7 +91,7 @@ def test_tritonclient_sync(engine_server: RunningServer) -> None:
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), A - B)
         with pytest.raises(triton.InferenceServerException) as caught:
             client.infer("nope", _inputs(triton))
-        assert caught.value.status() == "StatusCode.UNAVAILABLE"
+        assert caught.value.status() == "StatusCode.NOT_FOUND"
         assert client.get_inference_statistics("simple").model_stats[0].inference_count >= 1
 
 

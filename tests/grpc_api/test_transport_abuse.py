@@ -75,10 +75,15 @@ def test_long_client_input_is_shortened_in_errors(tmp_path: Path, server_factory
     with open_channel(server.url) as channel:
         stub = InferenceStub(channel)
         with pytest.raises(grpc.RpcError) as caught:
-            stub.ModelMetadata(pb.ModelMetadataRequest(name=long_name, version="9" * 50_000))
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            stub.ModelMetadata(pb.ModelMetadataRequest(name=long_name))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
         assert caught.value.details().startswith("Request for unknown model: 'mmmm")
-        assert len(caught.value.details()) < 1000  # the name shortened, the version too
+        assert len(caught.value.details()) < 1000  # the name shortened
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelMetadata(pb.ModelMetadataRequest(name=long_name, version="9" * 50_000))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # no version number: refused first
+        assert caught.value.details().startswith("failed to get model version from specified version string '9999")
+        assert len(caught.value.details()) < 1000  # the version shortened
         request = pb.ModelInferRequest(model_name="simple")
         request.inputs.add(name="é" * 100_000, datatype="INT32", shape=[1, 16])
         request.raw_input_contents.append(bytes(64))

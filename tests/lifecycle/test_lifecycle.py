@@ -60,7 +60,7 @@ def test_explicit_mode_load_unload_and_config_override(tmp_path: Path, server_fa
         assert unloaded.state == "UNAVAILABLE" and unloaded.reason == "unloaded"
         for name, config, phrase in [
             ("nope", None, "no such model folder"),
-            ("../simple", None, "Request for unknown model"),
+            ("../simple", None, "failed to load '../simple', failed to poll from model repository"),
             ("simple", {"name": "other"}, "names model 'other'"),
             ("simple", {"max_batch_size": "many"}, "not a valid ModelConfig"),
             (
@@ -74,6 +74,18 @@ def test_explicit_mode_load_unload_and_config_override(tmp_path: Path, server_fa
             assert phrase in caught.value.message, caught.value.message
         assert client.is_model_ready("simple")  # failed loads left the serving model alone
         np.testing.assert_array_equal(client.infer("simple", {"INPUT0": A, "INPUT1": A})["OUTPUT0"], 2 * A)
+        # Unloading what is not loaded is done already, as Triton 2.51 answers (run here); statistics of it
+        # are refused in its words; and so is inference, as of a model it does not know.
+        for name in ("mlp", "nope", "../simple"):
+            client.unload_model(name)
+            with pytest.raises(ClientError) as caught:
+                client.statistics(name)
+            assert caught.value.status == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.message == f"requested model '{name}' is not available"
+        with pytest.raises(ClientError) as caught:
+            client.infer("mlp", {"INPUT0": np.zeros((1, 256), np.float32)})
+        assert caught.value.status == grpc.StatusCode.NOT_FOUND
+        assert caught.value.message == "Request for unknown model: 'mlp' has no available versions"
 
 
 def test_poll_mode_follows_the_repository(tmp_path: Path, server_factory) -> None:

@@ -58,12 +58,12 @@ def _raw_count(r: pb.ModelInferRequest) -> None:
 CASES = {
     "unknown model": (
         lambda r: setattr(r, "model_name", "nope"),
-        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.NOT_FOUND,
         "Request for unknown model: 'nope' is not found",
     ),
     "unknown version": (
         lambda r: setattr(r, "model_version", "9"),
-        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.NOT_FOUND,
         "'simple' version 9 is not found",
     ),
     "wrong datatype": (

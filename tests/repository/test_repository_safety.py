@@ -3,6 +3,7 @@ repositories get a clean status: through a real server, real clients and the com
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -197,14 +198,16 @@ def test_reasons_and_errors_name_files_relative_to_the_repository(tmp_path: Path
     assert "corrupt_file/1/model.onnx" in index["corrupt_file"][1], index["corrupt_file"]
     messages = [reason for _, reason in index.values()]
     with InferenceClient(server.url, timeout_s=60) as client:
-        codes = grpc.StatusCode  # a load that fails: Triton's INVALID_ARGUMENT; no such folder: its INTERNAL
+        # A load that fails: Triton's INVALID_ARGUMENT; a name that is no model folder's (missing, too
+        # long, with a slash): its INTERNAL "failed to poll from model repository" (2.51, run here).
+        codes = grpc.StatusCode
         for name, status in (
             ("bad_syntax", codes.INVALID_ARGUMENT),
             ("corrupt_file", codes.INVALID_ARGUMENT),
             ("no_file", codes.INVALID_ARGUMENT),
-            ("a" * 10_000, codes.UNAVAILABLE),
+            ("a" * 10_000, codes.INTERNAL),
             ("a" * 255, codes.INTERNAL),
-            ("b" * 255 + "/x", codes.UNAVAILABLE),
+            ("b" * 255 + "/x", codes.INTERNAL),
         ):
             with pytest.raises(ClientError) as caught:
                 client.load_model(name)
@@ -213,30 +216,45 @@ def test_reasons_and_errors_name_files_relative_to_the_repository(tmp_path: Path
     for message in messages:
         assert str(repo) not in message and str(repo.resolve()) not in message, message
         assert len(message) < 1000  # far below gRPC's 8 KB metadata limit
-    assert all("Request for unknown model" in m or "no such model folder" in m for m in messages[-3:])
+    assert all("failed to poll from model repository: no such model folder" in m for m in messages[-3:])
     assert_no_traceback(server.log())
 
 
 # -- item 3: client mistakes answered with a clean status ---------------------------------------------
 
 
-def test_non_ascii_digit_version_is_an_unknown_version(tmp_path: Path, server_factory) -> None:
-    """'²' is a digit to str.isdigit but no integer: ready=false and UNAVAILABLE, as for 'abc'."""
+def test_a_version_string_that_is_no_number_is_refused(tmp_path: Path, server_factory) -> None:
+    """'²' is a digit to str.isdigit but no integer: refused as 'abc' is, INVALID_ARGUMENT in Triton 2.51's
+    words (run here), by ModelReady too; '01' is version 1, as to Triton."""
     repo = models.repository(tmp_path, "simple")
     server = server_factory(repo)
     client = triton.InferenceServerClient(server.url)
     try:
-        assert client.is_model_ready("simple", "1")
-        for version in ("²", "١", "abc"):
-            assert not client.is_model_ready("simple", version)
-            data = np.zeros((1, 16), dtype=np.int32)
-            inputs = [triton.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
-            for tensor in inputs:
-                tensor.set_data_from_numpy(data)
-            with pytest.raises(InferenceServerException) as caught:
-                client.infer("simple", inputs, model_version=version)
-            assert caught.value.status() == "StatusCode.UNAVAILABLE", caught.value
-            assert "Request for unknown model: 'simple' version" in caught.value.message()
+        assert client.is_model_ready("simple", "1") and client.is_model_ready("simple", "01")
+        assert not client.is_model_ready("simple", "9")
+        data = np.zeros((1, 16), dtype=np.int32)
+        inputs = [triton.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+        for tensor in inputs:
+            tensor.set_data_from_numpy(data)
+        for version, words in (
+            ("²", "failed to get model version from specified version string '²' (details: stol), version should"),
+            ("١", "failed to get model version from specified version string '١' (details: stol)"),
+            ("abc", "failed to get model version from specified version string 'abc' (details: stol)"),
+            ("-1", "invalid model version specified '-1' , version should be an integral value > 0"),
+            ("0", "invalid model version specified '0' , version should be an integral value > 0"),
+        ):
+            for call in (
+                functools.partial(client.infer, "simple", inputs, model_version=version),
+                functools.partial(client.is_model_ready, "simple", version),
+            ):
+                with pytest.raises(InferenceServerException) as caught:
+                    call()
+                assert caught.value.status() == "StatusCode.INVALID_ARGUMENT", caught.value
+                assert words in caught.value.message()
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("simple", inputs, model_version="9")
+        assert caught.value.status() == "StatusCode.NOT_FOUND"
+        assert caught.value.message() == "Request for unknown model: 'simple' version 9 is not found"
     finally:
         client.close()
     assert_no_traceback(server.log())
@@ -269,7 +287,8 @@ def test_reshape_must_hold_as_many_elements_as_dims(tmp_path: Path, server_facto
         np.testing.assert_array_equal(client.infer("good_variable", {"IN": x})["OUT"], x)
         with pytest.raises(ClientError) as caught:
             client.infer("bad_count", {"IN": np.zeros((1, 4), dtype=np.float32)})
-        assert caught.value.status == grpc.StatusCode.UNAVAILABLE
+        assert caught.value.status == grpc.StatusCode.NOT_FOUND  # no version loaded: unknown to Triton
+        assert caught.value.message == "Request for unknown model: 'bad_count' has no available versions"
     assert_no_traceback(server.log())
 
 

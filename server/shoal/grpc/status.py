@@ -20,7 +20,7 @@ STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.MODEL_NOT_FOUND: grpc.StatusCode.UNAVAILABLE,  # as Triton's gRPC answers an unknown model
+    ErrorCode.MODEL_NOT_FOUND: grpc.StatusCode.NOT_FOUND,  # as Triton 2.51's gRPC answers an unknown model
     ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
     ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,

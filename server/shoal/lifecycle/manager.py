@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.configuring.pipeline import ConfigOverride, configure, model_file
-from shoal.errors import ErrorCode, ShoalError, load_failed, poll_failed, shown, unknown_model
+from shoal.errors import ErrorCode, ShoalError, invalid, load_failed, poll_failed, shown, unknown_model
 from shoal.lifecycle import ensemble, model_work, warmup
 from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
 from shoal.lifecycle.fingerprint import fingerprint_or_none
@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 CONTROL_MODES = ("none", "poll", "explicit")
 # A requested version: ASCII digits only ('²' is a digit to str.isdigit, not to int).
 _VERSION = re.compile(r"^[0-9]{1,18}$")
+_NEGATIVE_VERSION = re.compile(r"^-[0-9]{1,18}$")
 
 __all__ = ["CONTROL_MODES", "IndexEntry", "ModelEntry", "ModelManager", "release"]
 
@@ -167,8 +168,11 @@ class ModelManager:
 
     async def _load(self, name: str, config_override: dict[str, Any] | None) -> None:
         self._loop = asyncio.get_running_loop()  # where BLS requests from models run (host_infer)
-        folder = scanner.model_dir(self.repository, name)
-        if not folder.is_dir():
+        try:
+            folder: Path | None = scanner.model_dir(self.repository, name)
+        except ShoalError:  # a name that cannot be a model folder's: to Triton, one it cannot poll either
+            folder = None
+        if folder is None or not folder.is_dir():
             raise poll_failed(name, "no such model folder in the repository")
         override = ConfigOverride.parse(name, config_override) if config_override is not None else None
         await self._dependents.load_composing(name, override.config if override else None)
@@ -228,12 +232,14 @@ class ModelManager:
         )
 
     async def _unload(self, name: str, unload_dependents: bool) -> None:
+        # A model that is not loaded (never was, or no such model) is unloaded already: OK, as Triton's
+        # answer (model_repository_manager.cc ``LoadUnloadModels`` ignores ``AsyncUnload``'s "not served").
         if name not in self._models:  # before a lock is made for it: a made-up name keeps nothing
-            raise _not_loaded(name)
+            return
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.get(name)
             if entry is None or entry.spec is None and not entry.versions:
-                raise _not_loaded(name)
+                return
             composing = (
                 entry.spec.ensemble.composing_models
                 if unload_dependents and entry.spec is not None and entry.spec.ensemble is not None
@@ -475,30 +481,38 @@ class ModelManager:
         return model
 
     def resolve(self, name: str, version: str) -> ModelVersion:
-        """The version to serve: ``""`` means the highest READY one, as Triton."""
+        """The version to serve: ``""`` means the highest READY one, as Triton. The errors are Triton 2.51's
+        (core model_lifecycle.cc ``GetModel``): a model with no ready version is as unknown as one never
+        loaded (NOT_FOUND), a named version that is not ready is UNAVAILABLE; the index says why."""
+        number = _version_number(version) if version else None
         model = self.entry(name)
-        if not version:
+        if number is None:
             newest = model.newest_ready()
             if newest is None:
-                why = model.reason or model.state.value
-                raise ShoalError(ErrorCode.UNAVAILABLE, f"model '{shown(name)}' has no available versions: {why}")
+                raise ShoalError(
+                    ErrorCode.MODEL_NOT_FOUND, f"Request for unknown model: '{shown(name)}' has no available versions"
+                )
             chosen = model.versions[newest]
         else:
-            number = int(version) if _VERSION.match(version) else None
-            found = model.versions.get(number) if number is not None else None
+            found = model.versions.get(number)
             if found is None:
                 raise unknown_model(name, version)
             chosen = found
         if chosen.served is None:
             raise ShoalError(
-                ErrorCode.UNAVAILABLE, f"model '{shown(name)}' version {chosen.version} is not ready: {chosen.reason}"
+                ErrorCode.UNAVAILABLE,
+                f"Request for unknown model: '{shown(name)}' version {chosen.version} is not at ready state",
             )
         return chosen.served
 
     def is_ready(self, name: str, version: str) -> bool:
+        """False for a model or version that is unknown or not ready; a version string that is no
+        version number is refused (INVALID_ARGUMENT), as Triton's ModelReady refuses it."""
         try:
             served = self.resolve(name, version)
-        except ShoalError:
+        except ShoalError as exc:
+            if exc.code is ErrorCode.INVALID_ARGUMENT:
+                raise
             return False
         return served.can_serve()
 
@@ -533,17 +547,16 @@ class ModelManager:
             return [e.served for m in self._models.values() for e in m.versions.values() if e.served]
         if version:
             return [self.resolve(name, version)]
-        model = self.entry(name)
-        return [e.served for e in model.versions.values() if e.served]
+        model = self._models.get(name)
+        served = [e.served for e in model.versions.values() if e.served] if model is not None else []
+        if not served:  # unknown, or no version loaded: Triton 2.51's answer (run here)
+            raise invalid(f"requested model '{shown(name)}' is not available")
+        return served
 
     async def close(self) -> None:
         """Drain and unload everything (shutdown)."""
         for entry in list(self._models.values()):
             await self._retire(entry)
-
-
-def _not_loaded(name: str) -> ShoalError:
-    return ShoalError(ErrorCode.UNAVAILABLE, f"failed to unload '{shown(name)}': the model is not loaded")
 
 
 class _InOrder:
@@ -553,6 +566,21 @@ class _InOrder:
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self.users = 0
+
+
+def _version_number(version: str) -> int:
+    """A request's version string as a number, or Triton 2.51's refusal (its front end parses it with
+    ``std::stol`` before it looks the model up): INVALID_ARGUMENT, in its words."""
+    if _VERSION.match(version):
+        number = int(version)
+        if number > 0:
+            return number
+    elif not _NEGATIVE_VERSION.match(version):
+        raise invalid(
+            f"failed to get model version from specified version string '{shown(version)}' (details: stol), "
+            "version should be an integral value > 0"
+        )
+    raise invalid(f"invalid model version specified '{shown(version)}' , version should be an integral value > 0")
 
 
 def _load_refusal(entry: ModelEntry) -> ShoalError:
