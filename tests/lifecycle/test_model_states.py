@@ -190,7 +190,7 @@ def test_states_through_load_unload_and_shutdown(tmp_path: Path, closes: list[st
         await manager.unload("a")
         assert _rows(manager, "a") == [("1", S.UNAVAILABLE, UNLOADED)] and manager.all_ready()
         assert manager.entry("a").state is S.UNAVAILABLE and closes == ["a"]
-        with pytest.raises(ShoalError, match="not ready: unloaded"):
+        with pytest.raises(ShoalError, match="version 1 is not at ready state"):
             manager.resolve("a", "1")
         await manager.load("a")
         override = {**manager.resolve("a", "").spec.config_json, "max_batch_size": 4}
