@@ -135,6 +135,23 @@ def test_binary_data_flags_must_be_booleans(example_server: RunningServer) -> No
     assert status == 200 and json.loads(content)["outputs"][0]["data"] == [1.0], content
 
 
+def test_binary_data_output_is_for_the_outputs_not_listed(example_server: RunningServer) -> None:
+    """Triton's CheckBinaryOutputData: an output listed without ``binary_data`` is JSON, whatever
+    ``binary_data_output`` says (run beside Triton 2.51); with no outputs listed, every one is binary."""
+    one = [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1]}]
+    for outputs in ([{"name": "OUT"}], [{"name": "OUT", "parameters": {}}]):
+        listed = {"inputs": one, "outputs": outputs, "parameters": {"binary_data_output": True}}
+        status, headers, content = call(example_server, "POST", FP32_INFER, json.dumps(listed))
+        assert status == 200 and "inference-header-content-length" not in headers, headers
+        assert json.loads(content)["outputs"][0]["data"] == [1.0], content
+    unlisted = {"inputs": one, "parameters": {"binary_data_output": True}}
+    status, headers, content = call(example_server, "POST", FP32_INFER, json.dumps(unlisted))
+    header_length = int(headers["inference-header-content-length"])
+    output = json.loads(content[:header_length])["outputs"][0]
+    assert status == 200 and "data" not in output and output["parameters"]["binary_data_size"] == 4
+    assert np.frombuffer(content[header_length:], dtype="<f4").tolist() == [1.0]
+
+
 def test_an_output_in_shared_memory_takes_no_classification_or_binary_data(example_server: RunningServer) -> None:
     """Triton's HTTP front end refuses both (ValidateOutputParameter): classification results are not
     written to shared memory, and an output cannot come back both in a region and as binary data."""

@@ -8,6 +8,7 @@ the others READY); good samples (zero, random and file data) leave it READY and 
 
 from __future__ import annotations
 
+import struct
 import time
 from pathlib import Path
 
@@ -76,7 +77,8 @@ FAILING = {  # model → the reason its load fails with
     "out_of_range": "version 1: failed to run warmup sample 'bad': ",  # Triton 2.51's words
     "missing_file": "cannot read missing_file/warmup/absent.bin",
     "outside": "outside",
-    "short_file": "input 'INDEX' needs 32 bytes, but its input_data_file holds 8",
+    "short_file": "input 'INDEX' needs 16 bytes, but its input_data_file holds 8",  # one sample: 2 INT64
+    "bytes_count": "input 'INDEX': BYTES content holds 1 elements, the shape needs 2",
     "wrong_dims": "unexpected shape for input 'INDEX' for model 'wrong_dims'",
     "unknown_input": "unexpected inference input 'OTHER' for model 'unknown_input'",
     "random_indices": "failed to run warmup sample 'r': ",  # random int64 indices fall outside the 4-element table
@@ -105,6 +107,18 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         "model_warmup [ {} ]".format(sample("s", 'input_data_file: "in.bin"')),
         {"in.bin": in_range[:8]},
     )
+    write_gather(  # a file of one element where the sample's dims want two: the load fails, not the server
+        repo,
+        "bytes_count",
+        "model_warmup [ {} ]".format(sample("c", 'input_data_file: "in.bin"', datatype="TYPE_STRING")),
+        {"in.bin": struct.pack("<I", 2) + b"ab"},
+    )
+    write_gather(  # the file is one sample: each of the batch's two rows is the file's (as Triton reads it)
+        repo,
+        "one_sample_two_rows",
+        "model_warmup [ {} ]".format(sample("t", 'input_data_file: "in.bin"', batch=2)),
+        {"in.bin": in_range},
+    )
     write_gather(repo, "wrong_dims", "model_warmup [ {} ]".format(sample("d", "zero_data: true", dims="[ 3 ]")))
     write_gather(repo, "unknown_input", "model_warmup [ {} ]".format(sample("u", "zero_data: true", key="OTHER")))
     write_gather(repo, "random_indices", "model_warmup [ {} ]".format(sample("r", "random_data: true")))
@@ -122,7 +136,7 @@ def test_good_samples_leave_the_model_ready_and_answering(server) -> None:
     client = grpcclient.InferenceServerClient(server.url)
     index = grpcclient.InferInput("INDEX", [1, 2], "INT64")
     index.set_data_from_numpy(np.array([[2, 0]], dtype=np.int64))
-    for model in ("good", "plain"):
+    for model in ("good", "plain", "one_sample_two_rows"):
         assert client.is_model_ready(model)
         np.testing.assert_array_equal(client.infer(model, [index]).as_numpy("VALUE"), [[30.0, 10.0]])
     client.close()

@@ -48,6 +48,18 @@ def test_equal_requests_meet_on_one_key_whatever_the_memory_layout() -> None:
     assert key(parameters={"a": 1, "b": "x"}) == key(parameters={"b": "x", "a": 1})
 
 
+def test_a_bfloat16_feed_has_a_key_of_its_own() -> None:
+    """numpy exports no buffer of ml_dtypes' bfloat16: every BF16 request to a cached model failed
+    INTERNAL. Its key reads the bytes, and tells it from FP16 and from raw two-byte records."""
+    bf16 = DataType.BF16.numpy_dtype
+    values = np.array([[1.5, -2.0, 0.25, 8.0]], dtype=bf16)
+    assert key(feed={"IN": values}) == key(feed={"IN": values.copy()})
+    assert key(feed={"IN": values}) != key(feed={"IN": np.array([[1.5, -2.0, 0.25, 9.0]], dtype=bf16)})
+    assert key(feed={"IN": values}) != key(feed={"IN": values.view(np.float16)})
+    assert key(feed={"IN": values}) != key(feed={"IN": values.view("V2")})
+    assert key(feed={"IN": np.array(1.5, dtype=bf16)}) != key(feed={"IN": np.array(2.5, dtype=bf16)})  # 0-d
+
+
 def test_bytes_elements_are_delimited() -> None:
     """["ab", "c"] and ["a", "bc"] hold the same bytes in a row: their keys must differ."""
     first = {"IN": np.array([b"ab", b"c"], dtype=object)}

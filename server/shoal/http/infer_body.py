@@ -4,7 +4,7 @@ Triton's binary tensor data extension: a request body is ``Inference-Header-Cont
 bytes of JSON, then the binary data of the inputs that declare ``binary_data_size``, one after
 another in input order (each in the raw wire format: little-endian, BYTES as 4-byte length
 prefixed elements). A response does the same for the outputs asked for with ``binary_data``
-(or all of them with the request parameter ``binary_data_output``); the others carry ``data``,
+(and those not listed, with the request parameter ``binary_data_output``); the others carry ``data``,
 a flat JSON list (BYTES as strings). A request's ``data`` may be flat or nested.
 
 JSON as Triton's rapidjson reads and writes it: ``NaN``, ``Infinity`` and ``-Infinity`` are read
@@ -452,7 +452,9 @@ def _outputs(
             raise invalid("Unable to parse 'outputs': each output needs a 'name' (a string)")
         parameters = _object(entry.get("parameters", {}), "parameters")
         names.append(name)
-        binary[name] = _boolean(parameters.get("binary_data", binary_default), "binary_data")
+        # A listed output is JSON unless it asks for binary itself: ``binary_data_output`` is for the
+        # outputs not listed (Triton's http_server.cc: CheckBinaryOutputData defaults a listed one to false).
+        binary[name] = _boolean(parameters.get("binary_data", False), "binary_data")
         if "shared_memory_region" in parameters:  # as Triton's ValidateOutputParameter
             for conflict in ("classification", "binary_data"):
                 if parameters.get(conflict, False) is not False:
@@ -536,6 +538,6 @@ def _json_strings(name: str, values: list[Any]) -> list[str]:
             raise invalid(
                 f"output '{shown(name)}' holds bytes that are not valid UTF-8 (element {index}), which a JSON "
                 'string cannot carry unchanged; ask for it as binary data: "binary_data": true in the '
-                "output's parameters, or \"binary_data_output\": true in the request's"
+                "output's parameters (for an output not listed: \"binary_data_output\": true in the request's)"
             ) from None
     return strings

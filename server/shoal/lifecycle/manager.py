@@ -646,7 +646,13 @@ def _load_and_warm(
     It runs on a load thread, where no cancellation of the event loop's arrives: a BaseException
     that is no Exception was raised by the model's code and fails this load only.
     """
-    samples = warmup.samples(spec, model_folder)  # before loading: a bad sample costs no load
+    try:
+        samples = warmup.samples(spec, model_folder)  # before loading: a bad sample costs no load
+    except ShoalError:
+        raise
+    except Exception as exc:  # a bug reading one model's samples fails that model's load, not the server
+        logger.exception("model %s version %d: unexpected failure reading its warm-up samples", spec.name, version)
+        raise load_failed(f"model '{spec.name}' version {version}: its warm-up samples: {exc}") from exc
     try:
         served = ModelVersion.load(spec, version, folder, limiter)
     except ShoalError as exc:

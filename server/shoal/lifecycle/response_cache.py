@@ -58,7 +58,7 @@ def request_key(
     for name in sorted(feed):
         array = feed[name]
         put(name.encode())
-        put(array.dtype.str.encode())
+        put(f"{array.dtype.str}:{array.dtype.name}".encode())  # bfloat16's str is a bare '<V2'; its name says it
         put(repr(array.shape).encode())
         if array.dtype == object:
             for element in array.reshape(-1):
@@ -67,7 +67,8 @@ def request_key(
             contiguous = np.ascontiguousarray(array)
             digest.update(contiguous.nbytes.to_bytes(8, "little"))
             if contiguous.nbytes:
-                digest.update(contiguous.data.cast("B"))  # the buffer itself: no copy
+                # The buffer itself, as bytes (no copy): a bfloat16 array exports no buffer of its own type.
+                digest.update(contiguous.reshape(-1).view(np.uint8).data)
     put(repr(None if outputs is None else tuple(outputs)).encode())
     put(repr(sorted(class_counts.items())).encode())
     put(repr(sorted((str(k), repr(v)) for k, v in parameters.items())).encode())

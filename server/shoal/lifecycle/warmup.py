@@ -7,8 +7,9 @@ same checks, the same reshape into the backend's shapes), so a sample a client c
 the load with the words a client would get. Data: ``zero_data`` (zeros; empty strings for BYTES),
 ``random_data`` (uniform random values; BYTES get zeros, as Triton), ``input_data_file`` (the raw
 bytes of a file in the model's ``warmup/`` folder, read through the repository's path checks; BYTES
-as length-prefixed elements). A sample runs ``count`` times (0: once), batch size 0 is skipped, as
-Triton does.
+as length-prefixed elements): one sample, each row of a ``batch_size`` batch, as Triton's core reads
+it (backend_model_instance.cc: ``batch_size`` requests of batch 1, each given the file). A sample
+runs ``count`` times (0: once), batch size 0 is skipped, as Triton does.
 
 Python models run each sample as one queued request (``run_on_requests``), as a client's would reach
 ``execute``: its BLS calls go to the serving loop, and a decoupled model's responses go to a sink that
@@ -31,7 +32,7 @@ from google.protobuf import json_format
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.lifecycle import request_checks
 from shoal.protocol import config_pb2
-from shoal.protocol.codec import deserialize_bytes
+from shoal.protocol.codec import WireFormatError, deserialize_bytes
 from shoal.protocol.types import DataType
 from shoal.repository import scanner
 from shoal.repository.config import ModelSpec
@@ -91,9 +92,10 @@ def _tensor(
     shape = ((batch_size,) if spec.max_batch_size > 0 else ()) + tuple(value.dims)
     count = math.prod(shape)
     kind = value.WhichOneof("input_data_type")
-    if kind == "input_data_file":
+    if kind == "input_data_file":  # one sample, as Triton reads it: each of the batch's rows is the file's
         raw = _read_file(where, name, value.input_data_file, model_folder)
-        data = _from_bytes(where, name, raw, datatype, count)
+        sample = _from_bytes(where, name, raw, datatype, math.prod(value.dims))
+        data = np.tile(sample, count // max(1, sample.size)) if sample.size else sample
     elif datatype is DataType.BYTES:  # zero or random: empty strings, as Triton
         data = np.empty(count, dtype=object)
         data[:] = [b""] * count
@@ -116,11 +118,13 @@ def _read_file(where: str, name: str, filename: str, model_folder: Path) -> byte
 
 
 def _from_bytes(where: str, name: str, raw: bytes, datatype: DataType, count: int) -> np.ndarray:
+    """``count`` elements from a warm-up file: the whole file for BYTES (length-prefixed elements, as
+    Triton reads it), the first ``count`` elements' bytes for the others (more is ignored, as Triton)."""
     if datatype is DataType.BYTES:
         try:
             return deserialize_bytes(raw, count)
-        except ShoalError as exc:
-            raise load_failed(f"{where}: input '{name}': {exc.message}") from None
+        except WireFormatError as exc:  # the model's file: its load fails, nothing else
+            raise load_failed(f"{where}: input '{name}': {exc}") from None
     needed = count * datatype.item_size
     if len(raw) < needed:
         raise load_failed(f"{where}: input '{name}' needs {needed} bytes, but its input_data_file holds {len(raw)}")
