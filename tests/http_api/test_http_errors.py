@@ -95,6 +95,8 @@ def test_unknown_and_unready_models(example_server: RunningServer) -> None:
     )
     assert error(example_server, "POST", "/v2/models/nope/infer", ONE_INPUT)[0] == 404
     assert error(example_server, "GET", "/v2/models/nope/ready") == (400, "Model version not ready")
+    for path in ("/v2/models/simple/versions/abc/ready", "/v2/models/simple/versions/-1/infer"):
+        assert error(example_server, "GET", path) == (404, "Not Found")  # no route, as Triton's
     assert error(example_server, "GET", "/v2/models/nope/stats") == (400, "requested model 'nope' is not available")
 
 

@@ -86,6 +86,11 @@ def test_explicit_mode_load_unload_and_config_override(tmp_path: Path, server_fa
             client.infer("mlp", {"INPUT0": np.zeros((1, 256), np.float32)})
         assert caught.value.status == grpc.StatusCode.NOT_FOUND
         assert caught.value.message == "Request for unknown model: 'mlp' has no available versions"
+        with pytest.raises(ClientError) as caught:
+            client.statistics("simple", "3")
+        assert caught.value.status == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.message == "requested model version is not available for model 'simple'"
+        assert client.statistics("simple", "1")[0]["version"] == "1"
 
 
 def test_poll_mode_follows_the_repository(tmp_path: Path, server_factory) -> None:

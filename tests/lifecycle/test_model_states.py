@@ -9,6 +9,7 @@ import ast
 import asyncio
 import inspect
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -286,3 +287,63 @@ def test_the_manager_touches_no_protobuf() -> None:
         node.module or "" for node in ast.walk(ast.parse(source.read_text())) if isinstance(node, ast.ImportFrom)
     }
     assert not {m for m in imported if m.startswith(("shoal.protocol", "google.protobuf"))}, imported
+
+
+def test_unloading_a_model_whose_config_failed_gives_readiness_back(tmp_path: Path) -> None:
+    """A client's load of a model whose config.pbtxt does not parse leaves no version (and no spec)
+    behind; the server is not ready while it waits for it. Its unload answers OK and readiness comes
+    back (the unload answered OK and left the server not ready for good)."""
+    repo = tmp_path / "repo"
+    _identity(repo, "a")
+    models.write_config(repo / "bad", "max_batch_size: [ broken")
+    (repo / "bad" / "1").mkdir()
+
+    async def scenario() -> None:
+        manager = ModelManager(repo, control_mode="explicit")
+        await manager.start(("a",))
+        with pytest.raises(ShoalError):
+            await manager.load("bad")
+        assert not manager.all_ready()
+        await manager.unload("bad")
+        assert manager.all_ready() and _rows(manager, "bad") == [("", S.UNAVAILABLE, UNLOADED)]
+        await manager.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_version_still_loading_is_not_ready_rather_than_unknown(tmp_path: Path, monkeypatch) -> None:
+    """While a reload builds version 2, a request naming it is told UNAVAILABLE "is not at ready state",
+    as Triton 2.51 answers (it lists the version LOADING); a version no load chooses stays NOT_FOUND."""
+    repo = tmp_path / "repo"
+    _identity(repo, "m")
+    entered, release = threading.Event(), threading.Event()
+    real = ModelManager._load_within_budget
+
+    def held(spec: Any, folder: Path, version: int, *args: Any) -> Any:
+        if version == 2:
+            entered.set()
+            release.wait(60)
+        return real(spec, folder, version, *args)
+
+    async def scenario() -> None:
+        manager = ModelManager(repo, control_mode="explicit")
+        await manager.start(("m",))
+        (repo / "m" / "2").mkdir()
+        monkeypatch.setattr(ModelManager, "_load_within_budget", staticmethod(held))
+        loading = asyncio.ensure_future(manager.load("m"))
+        try:
+            assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
+            with pytest.raises(ShoalError) as caught:
+                manager.resolve("m", "2")
+            assert caught.value.code is ErrorCode.UNAVAILABLE
+            assert caught.value.message == "Request for unknown model: 'm' version 2 is not at ready state"
+            with pytest.raises(ShoalError) as caught:
+                manager.resolve("m", "3")
+            assert caught.value.code is ErrorCode.MODEL_NOT_FOUND
+        finally:
+            release.set()
+            await loading
+        assert manager.resolve("m", "2").version == 2
+        await manager.close()
+
+    asyncio.run(scenario())

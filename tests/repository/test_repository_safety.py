@@ -225,13 +225,15 @@ def test_reasons_and_errors_name_files_relative_to_the_repository(tmp_path: Path
 
 def test_a_version_string_that_is_no_number_is_refused(tmp_path: Path, server_factory) -> None:
     """'²' is a digit to str.isdigit but no integer: refused as 'abc' is, INVALID_ARGUMENT in Triton 2.51's
-    words (run here), by ModelReady too; '01' is version 1, as to Triton."""
+    words (run here), by ModelReady too; the rest as std::stol reads it: '01', ' 1' and '1abc' are version 1,
+    '0' a version no model has."""
     repo = models.repository(tmp_path, "simple")
     server = server_factory(repo)
     client = triton.InferenceServerClient(server.url)
     try:
-        assert client.is_model_ready("simple", "1") and client.is_model_ready("simple", "01")
-        assert not client.is_model_ready("simple", "9")
+        for version in ("1", "01", " 1", "+1", "1abc"):
+            assert client.is_model_ready("simple", version), version
+        assert not client.is_model_ready("simple", "9") and not client.is_model_ready("simple", "0")
         data = np.zeros((1, 16), dtype=np.int32)
         inputs = [triton.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
         for tensor in inputs:
@@ -241,7 +243,7 @@ def test_a_version_string_that_is_no_number_is_refused(tmp_path: Path, server_fa
             ("١", "failed to get model version from specified version string '١' (details: stol)"),
             ("abc", "failed to get model version from specified version string 'abc' (details: stol)"),
             ("-1", "invalid model version specified '-1' , version should be an integral value > 0"),
-            ("0", "invalid model version specified '0' , version should be an integral value > 0"),
+            ("9" * 19, "(details: stol)"),  # past 64 bits
         ):
             for call in (
                 functools.partial(client.infer, "simple", inputs, model_version=version),
@@ -251,10 +253,12 @@ def test_a_version_string_that_is_no_number_is_refused(tmp_path: Path, server_fa
                     call()
                 assert caught.value.status() == "StatusCode.INVALID_ARGUMENT", caught.value
                 assert words in caught.value.message()
-        with pytest.raises(InferenceServerException) as caught:
-            client.infer("simple", inputs, model_version="9")
-        assert caught.value.status() == "StatusCode.NOT_FOUND"
-        assert caught.value.message() == "Request for unknown model: 'simple' version 9 is not found"
+        for version, shown in (("9", "9"), ("0", "0"), ("00", "0")):
+            with pytest.raises(InferenceServerException) as caught:
+                client.infer("simple", inputs, model_version=version)
+            assert caught.value.status() == "StatusCode.NOT_FOUND"
+            assert caught.value.message() == f"Request for unknown model: 'simple' version {shown} is not found"
+        assert client.infer("simple", inputs, model_version="1abc").as_numpy("OUTPUT0") is not None
     finally:
         client.close()
     assert_no_traceback(server.log())

@@ -219,7 +219,8 @@ async def update_log_settings(core: Core, request: Request) -> Reply:
 
 
 Handler = Callable[[Core, Request], Awaitable[Reply]]
-_MODEL = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+# A version is digits, as in Triton's routes: /versions/abc/ready is no route (404 "Not Found").
+_MODEL = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[0-9]+))?"
 _REGION = r"(?:/region/(?P<region>[^/]+))?"
 
 # (pattern, methods, handler, restriction category), matched in order; methods written separated by |.

@@ -54,8 +54,7 @@ logger = logging.getLogger(__name__)
 
 CONTROL_MODES = ("none", "poll", "explicit")
 # A requested version: ASCII digits only ('²' is a digit to str.isdigit, not to int).
-_VERSION = re.compile(r"^[0-9]{1,18}$")
-_NEGATIVE_VERSION = re.compile(r"^-[0-9]{1,18}$")
+_STOL = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")  # what std::stol reads of a version string
 
 __all__ = ["CONTROL_MODES", "IndexEntry", "ModelEntry", "ModelManager", "release"]
 
@@ -113,6 +112,7 @@ class ModelManager:
         self.changes = 0
         self._locks: dict[str, asyncio.Lock] = {}
         self._client_order: dict[str, _InOrder] = {}  # per model: clients' loads and unloads, one at a time
+        self._loading: dict[str, ModelEntry] = {}  # per model: the load under way (its versions, once chosen)
         self._dependents = ensemble.Dependents(self)  # ensembles follow the models they use
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -183,6 +183,7 @@ class ModelManager:
             entry.transition(ModelState.LOADING)
             if old is None or not old.ready_versions():  # nothing serving: the index shows LOADING
                 self._models[name] = entry
+            self._loading[name] = entry
             try:
                 reason, reserved, kept = await model_work.in_thread(self._build, entry, folder, override, old)
             except BaseException:
@@ -191,6 +192,8 @@ class ModelManager:
                 else:
                     self._models.pop(name, None)
                 raise
+            finally:
+                del self._loading[name]
             # A load with a failed version fails whole, as Triton's (model_lifecycle.cc OnLoadComplete: "if
             # any of the versions fails to load, abort the load and unload all newly loaded versions"): the
             # versions built for it are let go (UNAVAILABLE, "unloaded") and, on a reload, the entry serving
@@ -238,7 +241,7 @@ class ModelManager:
             return
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.get(name)
-            if entry is None or entry.spec is None and not entry.versions:
+            if entry is None:
                 return
             composing = (
                 entry.spec.ensemble.composing_models
@@ -311,6 +314,7 @@ class ModelManager:
                 entry.name,
             )
         chosen = spec.version_policy.select(available)
+        entry.chosen = frozenset(chosen)  # a request naming one of them is told it is not ready yet
         if not chosen:
             return f"model '{entry.name}': no version folder matches the version policy (found {available})", {}, []
         if spec.ensemble is not None:  # no weights: its steps are checked against the composing models as loaded
@@ -496,7 +500,13 @@ class ModelManager:
         else:
             found = model.versions.get(number)
             if found is None:
-                raise unknown_model(name, version)
+                loading = self._loading.get(name)
+                if loading is not None and number in loading.chosen:  # Triton lists it LOADING already
+                    raise ShoalError(
+                        ErrorCode.UNAVAILABLE,
+                        f"Request for unknown model: '{shown(name)}' version {number} is not at ready state",
+                    )
+                raise unknown_model(name, str(number))
             chosen = found
         if chosen.served is None:
             raise ShoalError(
@@ -545,13 +555,17 @@ class ModelManager:
         """Versions to report: every ready version of every model for name ``""``, as Triton."""
         if not name:
             return [e.served for m in self._models.values() for e in m.versions.values() if e.served]
-        if version:
-            return [self.resolve(name, version)]
         model = self._models.get(name)
         served = [e.served for e in model.versions.values() if e.served] if model is not None else []
-        if not served:  # unknown, or no version loaded: Triton 2.51's answer (run here)
+        if not served:  # unknown, or no version loaded: Triton 2.51's answers (run here)
             raise invalid(f"requested model '{shown(name)}' is not available")
-        return served
+        if not version:
+            return served
+        number = _version_number(version)
+        chosen = [s for s in served if s.version == number]
+        if not chosen:
+            raise invalid(f"requested model version is not available for model '{shown(name)}'")
+        return chosen
 
     async def close(self) -> None:
         """Drain and unload everything (shutdown)."""
@@ -569,18 +583,20 @@ class _InOrder:
 
 
 def _version_number(version: str) -> int:
-    """A request's version string as a number, or Triton 2.51's refusal (its front end parses it with
-    ``std::stol`` before it looks the model up): INVALID_ARGUMENT, in its words."""
-    if _VERSION.match(version):
-        number = int(version)
-        if number > 0:
-            return number
-    elif not _NEGATIVE_VERSION.match(version):
+    """A request's version string as Triton 2.51's front end reads it, with ``std::stol`` before it looks
+    the model up: leading blanks, a sign and ASCII digits, the rest ignored (``1abc`` is 1); no number, or
+    one past 64 bits, and a negative one are refused INVALID_ARGUMENT in its words. 0 is a version no
+    model has (NOT_FOUND, ModelReady false), as to Triton."""
+    parsed = _STOL.match(version)
+    number = int(parsed.group(1)) if parsed else None
+    if number is None or not -(2**63) <= number < 2**63:
         raise invalid(
             f"failed to get model version from specified version string '{shown(version)}' (details: stol), "
             "version should be an integral value > 0"
         )
-    raise invalid(f"invalid model version specified '{shown(version)}' , version should be an integral value > 0")
+    if number < 0:
+        raise invalid(f"invalid model version specified '{shown(version)}' , version should be an integral value > 0")
+    return number
 
 
 def _load_refusal(entry: ModelEntry) -> ShoalError:

@@ -110,6 +110,7 @@ class ModelEntry(Lifecycle):
         self.name = name
         self.spec: ModelSpec | None = None
         self.versions: dict[int, VersionEntry] = {}
+        self.chosen: frozenset[int] = frozenset()  # the versions this load builds, known before they are built
         self.fingerprint: Fingerprint | None = None  # the folder as this load read it (poll, reload)
         # The folder as a reload that failed read it, this entry serving on: polls leave it be until it changes.
         self.failed_fingerprint: Fingerprint | None = None
