@@ -246,11 +246,12 @@ def python_server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_python_model_runs_its_samples_through_execute_before_it_is_ready(python_server, kind: str) -> None:
-    """Three runs of a two-row sample of 7s, on the model's one instance, before the first client's request."""
+    """Three runs of a two-row sample of 7s, on the model's one instance, before the first client's request;
+    each run two requests of one row in one ``execute``, as Triton's core sends a sample (six requests)."""
     client = grpcclient.InferenceServerClient(python_server.url)
     tensor = grpcclient.InferInput("IN", [1, 1], "INT64")
     tensor.set_data_from_numpy(np.array([[5]], dtype=np.int64))
-    assert client.infer(f"tally_{kind}", [tensor]).as_numpy("SEEN").tolist() == [[3 * 1000 + 3 * 14]]
+    assert client.infer(f"tally_{kind}", [tensor]).as_numpy("SEEN").tolist() == [[6 * 1000 + 3 * 14]]
     assert client.is_model_ready(f"stream_{kind}")
     client.close()
     for model in (f"tally_{kind}", f"stream_{kind}"):

@@ -204,7 +204,7 @@ class ModelVersion:
             if model.runs_requests:  # a Python model: it runs lists of requests, not feeds
                 for sample in samples if configured else ():  # its execute is the user's: no zeros of ours
                     try:
-                        warmup.run_on_requests(model, sample, decoupled, admitted)
+                        warmup.run_on_requests(model, sample, decoupled, spec.max_batch_size > 0, admitted)
                     except BaseException as exc:  # noqa: BLE001 - the model's own code: named with its sample
                         raise warmup.SampleFailed(sample.name, exc) from exc
                 continue

@@ -11,9 +11,10 @@ as length-prefixed elements): one sample, each row of a ``batch_size`` batch, as
 it (backend_model_instance.cc: ``batch_size`` requests of batch 1, each given the file). A sample
 runs ``count`` times (0: once), batch size 0 is skipped, as Triton does.
 
-Python models run each sample as one queued request (``run_on_requests``), as a client's would reach
-``execute``: its BLS calls go to the serving loop, and a decoupled model's responses go to a sink that
-keeps the first error and waits (``STREAM_TIMEOUT_S`` at most) for the FINAL flag.
+Python models run each sample as queued requests (``run_on_requests``: one per row of a batching
+model's sample, as Triton's core sends them), as a client's would reach ``execute``: its BLS calls
+go to the serving loop, and a decoupled model's responses go to a sink that keeps the first error
+and waits (``STREAM_TIMEOUT_S`` at most) for the FINAL flag.
 """
 
 from __future__ import annotations
@@ -186,23 +187,39 @@ class _StreamSink:
 
 
 def run_on_requests(
-    model: Any, sample: Sample, decoupled: bool, admitted: Callable[[], AbstractContextManager[None]] = nullcontext
+    model: Any,
+    sample: Sample,
+    decoupled: bool,
+    batching: bool,
+    admitted: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> None:
     """Run ``sample`` ``runs`` times on a model that takes queued requests (a Python model's
     ``run_requests``), each run inside ``admitted()`` (the rate limiter's hold); ShoalError with the
-    model's own words if an execution failed."""
+    model's own words if an execution failed. A batching model's sample of ``batch_size`` rows is that
+    many requests of one row in one call of ``execute``, as Triton's core sends it
+    (backend_model_instance.cc)."""
+    feeds = [sample.feed]
+    if batching and sample.feed:
+        rows = next(iter(sample.feed.values())).shape[0]
+        feeds = [{name: array[row : row + 1] for name, array in sample.feed.items()} for row in range(rows)]
     for _ in range(sample.runs):
-        sink = _StreamSink() if decoupled else None
-        queued = _Queued(sample.feed, sample.outputs, _WarmupRequest(f"warmup:{sample.name}", sink=sink))
+        sinks = [_StreamSink() if decoupled else None for _ in feeds]
+        queued = [
+            _Queued(feed, sample.outputs, _WarmupRequest(f"warmup:{sample.name}", sink=sink))
+            for feed, sink in zip(feeds, sinks, strict=True)
+        ]
         with admitted():
-            [outcome] = model.run_requests([queued])
-        if isinstance(outcome, ShoalError):
-            raise outcome
-        if sink is None:
-            continue
-        if not sink.final.wait(STREAM_TIMEOUT_S):
-            raise ShoalError(
-                ErrorCode.INTERNAL, f"the model sent no response with the FINAL flag within {STREAM_TIMEOUT_S:.0f} s"
-            )
-        if sink.error is not None:
-            raise sink.error
+            outcomes = model.run_requests(queued)
+        for outcome in outcomes:
+            if isinstance(outcome, ShoalError):
+                raise outcome
+        for sink in sinks:
+            if sink is None:
+                continue
+            if not sink.final.wait(STREAM_TIMEOUT_S):
+                raise ShoalError(
+                    ErrorCode.INTERNAL,
+                    f"the model sent no response with the FINAL flag within {STREAM_TIMEOUT_S:.0f} s",
+                )
+            if sink.error is not None:
+                raise sink.error
