@@ -91,6 +91,13 @@ def test_explicit_mode_load_unload_and_config_override(tmp_path: Path, server_fa
         assert caught.value.status == grpc.StatusCode.INVALID_ARGUMENT
         assert caught.value.message == "requested model version is not available for model 'simple'"
         assert client.statistics("simple", "1")[0]["version"] == "1"
+        for name, version, words in (
+            ("", "abc", "(details: stol)"),  # the version is read first, as Triton reads it
+            ("nope", "-1", "invalid model version specified '-1'"),
+        ):
+            with pytest.raises(ClientError) as caught:
+                client.statistics(name, version)
+            assert caught.value.status == grpc.StatusCode.INVALID_ARGUMENT and words in caught.value.message
 
 
 def test_poll_mode_follows_the_repository(tmp_path: Path, server_factory) -> None:

@@ -231,8 +231,9 @@ def test_a_version_string_that_is_no_number_is_refused(tmp_path: Path, server_fa
     server = server_factory(repo)
     client = triton.InferenceServerClient(server.url)
     try:
-        for version in ("1", "01", " 1", "+1", "1abc"):
+        for version in ("1", "01", " 1", "+1", "1abc", "0" * 5000 + "1"):
             assert client.is_model_ready("simple", version), version
+            assert client.get_model_metadata("simple", version).versions == ["1"]  # the number, as Triton
         assert not client.is_model_ready("simple", "9") and not client.is_model_ready("simple", "0")
         data = np.zeros((1, 16), dtype=np.int32)
         inputs = [triton.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
@@ -244,6 +245,7 @@ def test_a_version_string_that_is_no_number_is_refused(tmp_path: Path, server_fa
             ("abc", "failed to get model version from specified version string 'abc' (details: stol)"),
             ("-1", "invalid model version specified '-1' , version should be an integral value > 0"),
             ("9" * 19, "(details: stol)"),  # past 64 bits
+            ("9" * 5000, "(details: stol)"),  # past what Python's int() reads: no INTERNAL
         ):
             for call in (
                 functools.partial(client.infer, "simple", inputs, model_version=version),

@@ -106,7 +106,9 @@ class LocalCore:
         served = self.manager.resolve(name, version)
         spec = served.spec
         batch = (-1,) if spec.max_batch_size > 0 else ()
-        versions = tuple(str(v) for v in self.manager.entry(name).ready_versions()) if not version else (version,)
+        versions = (
+            tuple(str(v) for v in self.manager.entry(name).ready_versions()) if not version else (str(served.version),)
+        )  # the number as read ('01', ' 2', '2abc' are versions 1 and 2), as Triton answers it
         return ModelMetadata(
             name=spec.name,
             versions=versions,

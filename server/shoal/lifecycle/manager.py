@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 CONTROL_MODES = ("none", "poll", "explicit")
 # A requested version: ASCII digits only ('²' is a digit to str.isdigit, not to int).
-_STOL = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")  # what std::stol reads of a version string
+_STOL = re.compile(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)")  # what std::stol reads of a version string
 
 __all__ = ["CONTROL_MODES", "IndexEntry", "ModelEntry", "ModelManager", "release"]
 
@@ -552,16 +552,17 @@ class ModelManager:
         return [r for r in rows if not ready_only or r.state is ModelState.READY]
 
     def statistics(self, name: str, version: str) -> list[ModelVersion]:
-        """Versions to report: every ready version of every model for name ``""``, as Triton."""
+        """Versions to report: every ready version of every model for name ``""`` (whatever a valid
+        version says), as Triton; Triton 2.51's refusals, in its order: the version string first."""
+        number = _version_number(version) if version else None
         if not name:
             return [e.served for m in self._models.values() for e in m.versions.values() if e.served]
         model = self._models.get(name)
         served = [e.served for e in model.versions.values() if e.served] if model is not None else []
         if not served:  # unknown, or no version loaded: Triton 2.51's answers (run here)
             raise invalid(f"requested model '{shown(name)}' is not available")
-        if not version:
+        if number is None:
             return served
-        number = _version_number(version)
         chosen = [s for s in served if s.version == number]
         if not chosen:
             raise invalid(f"requested model version is not available for model '{shown(name)}'")
@@ -588,7 +589,9 @@ def _version_number(version: str) -> int:
     one past 64 bits, and a negative one are refused INVALID_ARGUMENT in its words. 0 is a version no
     model has (NOT_FOUND, ModelReady false), as to Triton."""
     parsed = _STOL.match(version)
-    number = int(parsed.group(1)) if parsed else None
+    sign, digits = (parsed.group(1), parsed.group(2).lstrip("0") or "0") if parsed else ("", "")
+    # Past 19 digits no number fits 64 bits (and Python refuses int() of over 4300 digits): out of range.
+    number = int(sign + digits) if parsed and len(digits) <= 19 else None
     if number is None or not -(2**63) <= number < 2**63:
         raise invalid(
             f"failed to get model version from specified version string '{shown(version)}' (details: stol), "
