@@ -49,7 +49,7 @@ class FailingCore:
 
 def _concrete(pattern: re.Pattern[str]) -> str:
     """A path the pattern matches, every named part filled in."""
-    path = re.sub(r"\(\?:/versions/\(\?P<version>\[\^/\]\+\)\)\?", "/versions/1", pattern.pattern)
+    path = re.sub(r"\(\?:/versions/\(\?P<version>\[0-9\]\+\)\)\?", "/versions/1", pattern.pattern)
     path = re.sub(r"\(\?:/region/\(\?P<region>\[\^/\]\+\)\)\?", "/region/r", path)
     path = re.sub(r"\(\?P<(\w+)>\[\^/\]\+\)", lambda m: m[1], path)
     assert pattern.fullmatch(path), (pattern.pattern, path)

@@ -161,15 +161,14 @@ def test_clients_loads_and_unloads_of_a_model_run_in_the_order_asked(tmp_path: P
 
 def test_calls_about_made_up_names_leave_nothing_behind(tmp_path: Path) -> None:
     """Review of session 47: each load of a name with no folder kept an entry for good (a client could
-    grow the server's memory with made-up names); so did each unload."""
+    grow the server's memory with made-up names); so did each unload (which answers OK, as Triton's)."""
     manager = ModelManager(tmp_path, control_mode="explicit")
 
     async def calls() -> None:
         for index in range(50):
             with pytest.raises(ShoalError):
                 await manager.load(f"made_up_{index}", client=True)
-            with pytest.raises(ShoalError):
-                await manager.unload(f"made_up_{index}", client=True)
+            await manager.unload(f"made_up_{index}", client=True)
 
     asyncio.run(calls())
     assert not manager._client_order and not manager._locks  # noqa: SLF001 - what the server keeps per name

@@ -53,7 +53,7 @@ from shoal.tracing.trace import live_trace
 logger = logging.getLogger(__name__)
 
 CONTROL_MODES = ("none", "poll", "explicit")
-# A requested version: ASCII digits only ('²' is a digit to str.isdigit, not to int).
+# A requested version, as std::stol reads it: ASCII digits ('²' is a digit to str.isdigit, not to stol).
 _STOL = re.compile(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)")  # what std::stol reads of a version string
 
 __all__ = ["CONTROL_MODES", "IndexEntry", "ModelEntry", "ModelManager", "release"]
