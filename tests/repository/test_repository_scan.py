@@ -19,7 +19,7 @@ from shoal.errors import ShoalError
 from shoal.lifecycle.fingerprint import fingerprint_of
 from shoal.repository import scanner
 from tests import models
-from tests.conftest import start_server
+from tests.conftest import RunningServer, start_server
 from tests.polling import wait_until
 
 ADD_CONFIG = """
@@ -214,14 +214,19 @@ def test_a_config_giving_only_the_platform_is_completed_from_the_model_file(tmp_
     assert [tensor.name for tensor in spec.inputs] == ["IN"] and [tensor.name for tensor in spec.outputs] == ["OUT"]
 
 
+def _serving_every_version(repo: Path, tmp_path: Path, addends: dict[int, float]) -> RunningServer:
+    """Model ``add`` with a version per addend (OUT = IN + addend), every version served (explicit mode)."""
+    for version, addend in addends.items():
+        _add_model(repo / "add", addend, version=version)
+    (repo / "add" / "config.pbtxt").write_text(ADD_CONFIG + "version_policy { all { } }\n")
+    return start_server(repo, tmp_path, "--model-control-mode", "explicit", "--load-model", "add")
+
+
 def test_a_reload_in_which_a_version_fails_fails_whole_and_every_version_serves_on(tmp_path: Path) -> None:
     """Found by the review of session 48: with version 2 broken, the reload answered OK, dropped version 2's
     serving copy, and requests naming no version moved to version 1. Triton fails such a load whole."""
     repo = tmp_path / "repo"
-    _add_model(repo / "add", 100.0, version=1)
-    _add_model(repo / "add", 200.0, version=2)
-    (repo / "add" / "config.pbtxt").write_text(ADD_CONFIG + "version_policy { all { } }\n")
-    server = start_server(repo, tmp_path, "--model-control-mode", "explicit", "--load-model", "add")
+    server = _serving_every_version(repo, tmp_path, {1: 100.0, 2: 200.0})
     x = np.zeros(4, dtype=np.float32)
     try:
         with InferenceClient(server.url, timeout_s=60) as client:
@@ -294,9 +299,7 @@ def test_a_load_with_a_broken_version_fails_whole_and_the_serving_versions_go_on
     that adds a broken version, or changes another beside it, is refused whole, naming the broken
     version, and every version that served goes on serving as it was, until the broken one is mended."""
     repo = tmp_path / "repo"
-    _add_model(repo / "add", 100.0, version=1)
-    (repo / "add" / "config.pbtxt").write_text(ADD_CONFIG + "version_policy { all { } }\n")
-    server = start_server(repo, tmp_path, "--model-control-mode", "explicit", "--load-model", "add")
+    server = _serving_every_version(repo, tmp_path, {1: 100.0})
     x = np.zeros(4, dtype=np.float32)
     try:
         with InferenceClient(server.url, timeout_s=60) as client:

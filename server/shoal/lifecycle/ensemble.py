@@ -134,12 +134,7 @@ class EnsembleVersion(ModelVersion):
             if composition is not None:
                 lookup = await self.cache.look_up(prepared, request.parameters, composition, arrival_ns)
                 if lookup.outputs is not None:
-                    return InferResponse(
-                        model_name=self.spec.name,
-                        model_version=str(self.version),
-                        id=request.id,
-                        outputs=lookup.outputs,
-                    )
+                    return self._answer(request, lookup.outputs)
         pool = {name: Tensor(name, self._datatype(name), array.shape, array) for name, array in prepared.feed.items()}
         outer = ALSO_COUNT_PHASES.get()  # an ensemble that has this one as a step
         steps_phases = PhaseTotals()
@@ -170,7 +165,7 @@ class EnsembleVersion(ModelVersion):
         # have run on a version that came and went (its answer under the key of the one before it).
         if self.cache is not None and lookup is not None and self._registry.changes == changes:
             await self.cache.insert(lookup, outputs)
-        return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=outputs)
+        return self._answer(request, outputs)
 
     def _datatype(self, name: str) -> DataType:
         tensor = self.spec.input(name)

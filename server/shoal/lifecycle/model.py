@@ -30,7 +30,7 @@ from shoal.lifecycle.response_cache import ResponseCache, VersionCache
 from shoal.repository.config import InstanceKind, ModelSpec
 from shoal.repository.sequence_config import read_initial_states
 from shoal.repository.sequence_spec import backend_spec
-from shoal.request_types import InferRequest, InferResponse
+from shoal.request_types import InferRequest, InferResponse, Tensor
 from shoal.scheduling.base import ModelScheduler
 from shoal.scheduling.dynamic import Scheduler
 from shoal.scheduling.rate_limiter import Admission, Claim, RateLimiter, claim_for
@@ -250,12 +250,7 @@ class ModelVersion:
             if cache is not None:  # never a decoupled or sequence model: their loads refuse the cache
                 lookup = await cache.look_up(prepared, request.parameters, self.composition(), arrival_ns)
                 if lookup.outputs is not None:
-                    return InferResponse(
-                        model_name=self.spec.name,
-                        model_version=str(self.version),
-                        id=request.id,
-                        outputs=lookup.outputs,
-                    )
+                    return self._answer(request, lookup.outputs)
             try:
                 # A decoupled model's responses are checked as they go into the sink; its answer has no outputs.
                 streamed = request.sink is not None and self.spec.decoupled
@@ -275,18 +270,18 @@ class ModelVersion:
                     ErrorCode.INTERNAL, f"model '{self.spec.name}' version {self.version} failed: {exc}"
                 ) from exc
             if streamed:  # outputs: in the sink
-                return InferResponse(
-                    model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=()
-                )
+                return self._answer(request, ())
             if request_checks.finish_is_costly(prepared, results):  # a wide classification: off the event loop
                 outputs = await asyncio.to_thread(request_checks.respond, self.spec, prepared, results)
             else:
                 outputs = request_checks.respond(self.spec, prepared, results)
             if cache is not None:
                 await cache.insert(lookup, outputs)
-            return InferResponse(
-                model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=outputs
-            )
+            return self._answer(request, outputs)
+
+    def _answer(self, request: InferRequest, outputs: tuple[Tensor, ...]) -> InferResponse:
+        """This version's response to ``request`` (its id, this version's name and number) with ``outputs``."""
+        return InferResponse(model_name=self.spec.name, model_version=str(self.version), id=request.id, outputs=outputs)
 
     async def close(self) -> None:
         """Finish entered, queued and running requests, then release the instances and the weights."""
