@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from shoal.errors import ShoalError
+from shoal.errors import ErrorCode, ShoalError
 from shoal.lifecycle.manager import ModelManager
 from tests.ensemble_models import add_ensemble, step
 from tests.models import add_identity
@@ -266,3 +266,35 @@ def test_a_request_reading_shared_memory_through_a_reload_is_served_by_the_new_v
         await manager.close()
 
     asyncio.run(main())
+
+
+def test_a_load_under_way_at_shutdown_installs_nothing_and_finalizes_what_it_built(tmp_path: Path) -> None:
+    """Found by the review of session 49: a load still in ``initialize`` when ``close()`` began finished
+    after it and installed its model, which nothing then unloaded (its ``finalize`` never ran, its
+    instances outlived the server's own shutdown). ``close()`` now waits for it; it installs nothing,
+    lets its instance go, and its client hears UNAVAILABLE; a load asked for after ``close()`` is refused."""
+    marks = tmp_path / "marks"
+    (marks / "alive").mkdir(parents=True)
+    (marks / "finalized").mkdir()
+    write_model(tmp_path / "repo", "slow_start", CONFIG, SLOW_START.format(folder=str(marks)))
+    manager = ModelManager(tmp_path / "repo", control_mode="explicit")
+
+    async def main() -> None:
+        loading = asyncio.create_task(manager.load("slow_start", client=True))
+        while not any((marks / "alive").iterdir()):  # polled: initialize runs on a thread
+            await asyncio.sleep(0.01)
+        closing = asyncio.create_task(manager.close())
+        await asyncio.sleep(0)  # close() has begun
+        (marks / "go").touch()
+        with pytest.raises(ShoalError) as refused:
+            await loading
+        assert refused.value.code is ErrorCode.UNAVAILABLE and "shutting down" in refused.value.message
+        await closing
+        assert manager.names() == [] and not manager.is_ready("slow_start", "")
+        with pytest.raises(ShoalError) as late:
+            await manager.load("slow_start", client=True)
+        assert late.value.code is ErrorCode.UNAVAILABLE
+
+    asyncio.run(main())
+    assert not any((marks / "alive").iterdir()), "the instance built during the shutdown was not finalized"
+    assert len(list((marks / "finalized").iterdir())) == 1

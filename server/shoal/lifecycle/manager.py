@@ -115,6 +115,7 @@ class ModelManager:
         self._loading: dict[str, ModelEntry] = {}  # per model: the load under way (its versions, once chosen)
         self._dependents = ensemble.Dependents(self)  # ensembles follow the models they use
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False  # close() began: no load installs a model any more
 
     # -- loading -------------------------------------------------------------------------------------
 
@@ -167,6 +168,8 @@ class ModelManager:
                 del self._client_order[name]
 
     async def _load(self, name: str, config_override: dict[str, Any] | None) -> None:
+        if self._closed:
+            raise shutting_down(name)
         self._loop = asyncio.get_running_loop()  # where BLS requests from models run (host_infer)
         try:
             folder: Path | None = scanner.model_dir(self.repository, name)
@@ -177,6 +180,8 @@ class ModelManager:
         override = ConfigOverride.parse(name, config_override) if config_override is not None else None
         await self._dependents.load_composing(name, override.config if override else None)
         async with self._locks.setdefault(name, asyncio.Lock()):
+            if self._closed:  # close() took this lock before this load did
+                raise shutting_down(name)
             old = self._models.get(name)
             entry = ModelEntry(name)
             entry.config_override = config_override
@@ -194,6 +199,14 @@ class ModelManager:
                 raise
             finally:
                 del self._loading[name]
+            if self._closed:  # close() went by while this load built: what it built goes, nothing installs
+                await release(v for v in entry.versions.values() if v.served is not None and v not in kept)
+                self._ledger.release(reserved)
+                if old is not None:
+                    self._models[name] = old
+                else:
+                    self._models.pop(name, None)
+                raise shutting_down(name)
             # A load with a failed version fails whole, as Triton's (model_lifecycle.cc OnLoadComplete: "if
             # any of the versions fails to load, abort the load and unload all newly loaded versions"): the
             # versions built for it are let go (UNAVAILABLE, "unloaded") and, on a reload, the entry serving
@@ -569,7 +582,14 @@ class ModelManager:
         return chosen
 
     async def close(self) -> None:
-        """Drain and unload everything (shutdown)."""
+        """Drain and unload everything (shutdown). A load under way ends first, without installing what it
+        built (its client hears UNAVAILABLE), and none begins after: a model installed past this point
+        would never be unloaded, nor its ``finalize`` run. The load of a model stuck in ``initialize``
+        holds the stop until ``--exit-timeout-secs`` ends it."""
+        self._closed = True
+        for lock in list(self._locks.values()):
+            async with lock:  # the load holding it, if any, has ended
+                pass
         for entry in list(self._models.values()):
             await self._retire(entry)
 
@@ -581,6 +601,10 @@ class _InOrder:
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self.users = 0
+
+
+def shutting_down(name: str) -> ShoalError:
+    return ShoalError(ErrorCode.UNAVAILABLE, f"failed to load '{shown(name)}': the server is shutting down")
 
 
 def _version_number(version: str) -> int:
