@@ -37,6 +37,7 @@ from shoal.protocol import service_pb2
 from shoal.protocol.types import DataType
 from shoal.request_types import InferRequest, Tensor
 from tests import models
+from tests.python_models import ADD_SUB, ADD_SUB_CONFIG, write_model
 
 S = ModelState
 # How each state is reached from UNKNOWN through allowed moves only.
@@ -344,6 +345,56 @@ def test_a_version_still_loading_is_not_ready_rather_than_unknown(tmp_path: Path
             release.set()
             await loading
         assert manager.resolve("m", "2").version == 2
+        await manager.close()
+
+    asyncio.run(scenario())
+
+
+FAILING_INITIALIZE = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("version two cannot start")
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_a_version_a_failed_reload_tried_is_shown_unavailable_beside_the_served_one(tmp_path: Path) -> None:
+    """Review of session 49: after a reload whose new version failed, Triton 2.51 lists that version
+    UNAVAILABLE with its error beside the one still served (reason ""), and a request naming it is
+    UNAVAILABLE "not at ready state". Shoal listed only the served version, with the failure as its
+    reason, and answered the named version NOT_FOUND. A later good reload lists what it serves."""
+    repo = tmp_path / "repo"
+    folder = write_model(
+        repo, "m", ADD_SUB_CONFIG.format(delay_us=0, count=1, extra="version_policy: { all { } }"), ADD_SUB
+    )
+
+    async def scenario() -> None:
+        manager = ModelManager(repo, control_mode="explicit")
+        await manager.load("m")
+        (folder / "2").mkdir()
+        (folder / "2" / "model.py").write_text(FAILING_INITIALIZE)
+        with pytest.raises(ShoalError) as refused:
+            await manager.load("m")
+        assert refused.value.code is ErrorCode.INVALID_ARGUMENT and "version 2" in refused.value.message
+        rows = [(row.version, row.state, row.reason) for row in manager.index()]
+        assert rows[0] == ("1", S.READY, "")
+        assert rows[1][:2] == ("2", S.UNAVAILABLE) and "version two cannot start" in rows[1][2]
+        with pytest.raises(ShoalError) as named:
+            manager.resolve("m", "2")
+        assert named.value.code is ErrorCode.UNAVAILABLE
+        assert named.value.message == "Request for unknown model: 'm' version 2 is not at ready state"
+        assert manager.resolve("m", "").version == 1 and manager.all_ready()
+        assert [served.version for served in manager.statistics("m", "")] == [1]
+
+        (folder / "2" / "model.py").unlink()
+        (folder / "2").rmdir()
+        await manager.load("m")
+        assert [(row.version, row.state) for row in manager.index()] == [("1", S.READY)]
         await manager.close()
 
     asyncio.run(scenario())

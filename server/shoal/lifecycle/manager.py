@@ -217,7 +217,7 @@ class ModelManager:
                 await release(v for v in entry.versions.values() if v.served is not None and v not in kept)
                 self._ledger.release(reserved)
                 if old is not None and old.ready_versions():
-                    old.reason = f"reload failed, previous version kept serving: {entry.reason}"
+                    _show_failed_versions(old, entry)
                     old.failed_fingerprint = entry.fingerprint
                     self._changed()
                     raise refusal
@@ -639,6 +639,22 @@ def _load_refusal(entry: ModelEntry) -> ShoalError:
     return ShoalError(
         ErrorCode.INVALID_ARGUMENT, f"load failed for model '{shown(entry.name)}': {failed or entry.reason}"
     )
+
+
+def _show_failed_versions(serving: ModelEntry, failed: ModelEntry) -> None:
+    """After a reload that failed, the versions it tried that ``serving`` has no READY one of are shown
+    beside those it serves, UNAVAILABLE with why (the index; a request naming one is told it is not
+    ready), as Triton 2.51 shows them. A reload that failed before any version (its config) leaves its
+    reason on the serving entry's rows instead: Triton's index would show no sign of it."""
+    tried = {
+        number: version
+        for number, version in failed.versions.items()
+        if number not in serving.versions or serving.versions[number].state is not ModelState.READY
+    }
+    if tried:
+        serving.versions = {**serving.versions, **tried}  # one assignment: index() never sees the dict change
+    else:
+        serving.reason = f"reload failed, previous version kept serving: {failed.reason}"
 
 
 def _unchanged_versions(old: ModelEntry | None, new: ModelEntry, chosen: list[int]) -> dict[int, VersionEntry]:
