@@ -103,6 +103,12 @@ def shown(text: str) -> str:
     return f"{text[:MAX_ECHO_CHARS]}...({len(text)} characters)"
 
 
+def request_label(request_id: str) -> str:
+    """How Triton's core begins its refusals of a request's inputs (``InferenceRequest::LogRequest``, run
+    here on Triton 2.51: every check of its ``Normalize``), so a client or a log reader sees which request."""
+    return f"[request id: {shown(request_id) if request_id else '<id_unknown>'}] "
+
+
 def bounded(message: str) -> str:
     """``message`` cut to ``MAX_MESSAGE_BYTES`` of UTF-8, saying so."""
     encoded = message.encode("utf-8", errors="replace")

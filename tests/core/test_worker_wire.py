@@ -86,9 +86,10 @@ def _refusal(stub: service_pb2_grpc.GRPCInferenceServiceStub, request: service_p
 
 
 GOOD_A, GOOD_B, GOOD_C = _strings(*VALUES), np.array([1, 2], dtype="<i4").tobytes(), _strings(b"c", b"")
-A_SHORT = "expected 3 string elements for inference input 'A' for model 'mixed', got 2"
-B_SHORT = "input byte size mismatch for input 'B' for model 'mixed'. Expected 8, got 4"
-C_LONG = "unexpected number of string elements 3 for inference input 'C' for model 'mixed', expecting 2"
+CORE = "[request id: <id_unknown>] "  # Triton core's label of a request without an id
+A_SHORT = CORE + "expected 3 string elements for inference input 'A' for model 'mixed', got 2"
+B_SHORT = CORE + "input byte size mismatch for input 'B' for model 'mixed'. Expected 8, got 4"
+C_LONG = CORE + "unexpected number of string elements 3 for inference input 'C' for model 'mixed', expecting 2"
 
 
 def test_bytes_cross_unchanged(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:

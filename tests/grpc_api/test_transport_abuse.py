@@ -93,7 +93,7 @@ def test_long_client_input_is_shortened_in_errors(tmp_path: Path, server_factory
         # The name shortened, the message whole: it still says what is wrong.
         assert len(caught.value.details().encode()) < MAX_MESSAGE_BYTES / 2
         assert caught.value.details().startswith(
-            "expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['éé"
+            "[request id: <id_unknown>] expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['éé"
         )
         assert caught.value.details().endswith(
             "...(100000 characters)'], but missing required input(s) "

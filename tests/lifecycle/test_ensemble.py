@@ -140,7 +140,8 @@ def test_a_failing_step_fails_the_ensemble_request(client: grpcclient.InferenceS
         client.infer("wide_chain", [_input(np.ones((1, 3), np.float32))])
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert caught.value.message().startswith(
-        "in ensemble 'wide_chain', unexpected shape for input 'IN' for model 'add1'. Expected [-1,4], got [1,3]."
+        "in ensemble 'wide_chain', [request id: <id_unknown>] unexpected shape for input 'IN' for model 'add1'. "
+        "Expected [-1,4], got [1,3]."
     )
     assert _count(_stats(client, "wide_chain"), "inference_stats", "fail", "count") == failed_before + 1
     with pytest.raises(InferenceServerException) as caught:  # fails inside ONNX Runtime

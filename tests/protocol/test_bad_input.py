@@ -95,7 +95,8 @@ CASES = {
     "raw byte size": (
         lambda r: r.raw_input_contents.__setitem__(1, b"\x00" * 63),
         grpc.StatusCode.INVALID_ARGUMENT,
-        "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 63",
+        "[request id: <id_unknown>] input byte size mismatch for input 'INPUT1' for model 'simple'. "
+        "Expected 64, got 63",
     ),
     "raw entry count": (
         _raw_count,
@@ -120,7 +121,7 @@ CASES = {
     "negative dim": (
         lambda r: r.inputs[0].shape.__setitem__(0, -1),
         grpc.StatusCode.INVALID_ARGUMENT,
-        "negative dimension",
+        "All input dimensions should be specified for input 'INPUT0'",
     ),
 }
 

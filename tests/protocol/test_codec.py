@@ -47,7 +47,10 @@ def test_bytes_elements_that_are_no_bytes_are_the_utf8_of_their_str_as_tritons()
             "but only 2 bytes available",
         ),
         (struct.pack("<I", 9) + b"abc", "runs past the content"),
-        (struct.pack("<I", 1) + b"a", "expected 2 string elements for inference input 'x' for model 'm', got 1"),
+        (
+            struct.pack("<I", 1) + b"a",
+            ("[request id: <id_unknown>] expected 2 string elements for inference input 'x' for model 'm', got 1"),
+        ),
     ],
 )
 def test_malformed_bytes_are_invalid(raw: bytes, phrase: str) -> None:
@@ -76,7 +79,9 @@ def test_bf16_wire_format_is_upper_half_of_fp32() -> None:
 def test_raw_size_mismatch_names_tensor_and_sizes() -> None:
     with pytest.raises(ShoalError) as caught:
         wire.decode_raw("INPUT0", DataType.INT32, (1, 16), b"\x00" * 60, "m")
-    assert caught.value.message == "input byte size mismatch for input 'INPUT0' for model 'm'. Expected 64, got 60"
+    assert caught.value.message == (
+        "[request id: <id_unknown>] input byte size mismatch for input 'INPUT0' for model 'm'. Expected 64, got 60"
+    )
 
 
 def test_typed_contents_decode() -> None:
@@ -213,4 +218,6 @@ def test_a_shape_that_claims_more_than_the_content_holds_keeps_tritons_words() -
     request.inputs[0].shape[:] = [2**40]
     with pytest.raises(ShoalError) as caught:
         convert.infer_request(request)
-    assert caught.value.message == f"expected {2**40} string elements for inference input 's' for model 'm', got 2"
+    assert caught.value.message == (
+        f"[request id: <id_unknown>] expected {2**40} string elements for inference input 's' for model 'm', got 2"
+    )

@@ -5,9 +5,10 @@ Each expected text is copied from Triton's source, named in the test: core ``src
 ``src/model.cc`` (``GetInput``, ``GetOutput``) and server ``src/grpc/infer_handler.cc``
 (``InferGRPCToInput``); Triton's own tests assert the same texts (server
 ``qa/L0_input_validation/input_validation_test.py``, core ``src/test/input_byte_size_test.cc``).
-Triton puts ``[request id: …] `` before core messages; Shoal does not, so each check is on the
-message Triton builds after that prefix. Malformed payloads that tritonclient refuses to build go
-through tritonclient's own generated stub, so they still cross the real wire.
+Triton begins its core's messages with the request's label, ``[request id: <id_unknown>] `` for a
+request without an id (``CORE``); so does Shoal, and not the front end's messages, as Triton.
+Malformed payloads that tritonclient refuses to build go through tritonclient's own generated
+stub, so they still cross the real wire.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -26,6 +28,7 @@ from tests import models
 from tests.conftest import RunningServer, serving
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
+CORE = "[request id: <id_unknown>] "  # infer_request.cc LogRequest(), for a request without an id
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,7 @@ def test_missing_input(client: triton.InferenceServerClient) -> None:
     """infer_request.cc ValidateRequestInputs, the message for a model without optional inputs."""
     message = _error(client, "simple", [_input("INPUT0", A)])
     assert message == (
-        "expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['INPUT0'], "
+        CORE + "expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['INPUT0'], "
         "but missing required input(s) ['INPUT1']. Please provide all required input(s)."
     )
 
@@ -105,7 +108,7 @@ def test_no_inputs(client: triton.InferenceServerClient) -> None:
     """infer_request.cc ValidateRequestInputs: no inputs print as ``[]``."""
     message = _error(client, "simple", [])
     assert message == (
-        "expected 2 inputs but got 0 inputs for model 'simple'. Got input(s) [], "
+        CORE + "expected 2 inputs but got 0 inputs for model 'simple'. Got input(s) [], "
         "but missing required input(s) ['INPUT0','INPUT1']. Please provide all required input(s)."
     )
 
@@ -126,19 +129,19 @@ def test_batch_too_large(client: triton.InferenceServerClient) -> None:
     """infer_request.cc Normalize: the batch size against max_batch_size, nothing appended."""
     big = np.zeros((9, 16), dtype=np.int32)
     message = _error(client, "simple", [_input("INPUT0", big), _input("INPUT1", big)])
-    assert message == "inference request batch-size must be <= 8 for 'simple'"
+    assert message == CORE + "inference request batch-size must be <= 8 for 'simple'"
 
 
 def test_batch_sizes_differ(client: triton.InferenceServerClient) -> None:
     """infer_request.cc Normalize: every input's first dimension is the batch size."""
     message = _error(client, "simple", [_input("INPUT0", A), _input("INPUT1", np.zeros((2, 16), np.int32))])
-    assert message == "input 'INPUT1' batch size does not match other inputs for 'simple'"
+    assert message == CORE + "input 'INPUT1' batch size does not match other inputs for 'simple'"
 
 
 def test_wrong_datatype(client: triton.InferenceServerClient) -> None:
     """infer_request.cc Normalize: the request's datatype against the config's."""
     message = _error(client, "simple", [_input("INPUT0", A.astype(np.float32), "FP32"), _input("INPUT1", A)])
-    assert message == "inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'"
+    assert message == CORE + "inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'"
 
 
 def test_wrong_shape_with_batching(client: triton.InferenceServerClient) -> None:
@@ -146,7 +149,7 @@ def test_wrong_shape_with_batching(client: triton.InferenceServerClient) -> None
     batching model's message ends with Triton's note on the implicit batch dimension."""
     message = _error(client, "simple", [_input("INPUT0", A), _input("INPUT1", A.reshape(1, 2, 8))])
     assert message == (
-        "unexpected shape for input 'INPUT1' for model 'simple'. Expected [-1,16], got [1,2,8]. "
+        CORE + "unexpected shape for input 'INPUT1' for model 'simple'. Expected [-1,16], got [1,2,8]. "
         "NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
         "prepended to each input shape. If you want to specify the full shape including the batch dim in "
         "your input dims config, try setting max_batch_size to zero. See the model configuration docs for "
@@ -158,7 +161,7 @@ def test_wrong_shape_without_batching(client: triton.InferenceServerClient) -> N
     """infer_request.cc Normalize: without batching the note is empty, so the text ends in ``". "``."""
     strings = np.array([[b"a", b"b"], [b"c", b"d"]], dtype=object)
     message = _error(client, "strings", [_input("IN", strings, "BYTES")])
-    assert message == "unexpected shape for input 'IN' for model 'strings'. Expected [-1], got [2,2]. "
+    assert message == CORE + "unexpected shape for input 'IN' for model 'strings'. Expected [-1], got [2,2]. "
 
 
 def test_raw_byte_size_mismatch(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
@@ -166,7 +169,7 @@ def test_raw_byte_size_mismatch(stub: service_pb2_grpc.GRPCInferenceServiceStub)
     request = _simple_request([1, 16], [1, 16])
     request.raw_input_contents.extend([A.tobytes(), A.tobytes()[:60]])
     assert _raw_error(stub, request) == (
-        "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60"
+        CORE + "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60"
     )
 
 
@@ -177,20 +180,22 @@ def test_typed_contents_count_mismatch(stub: service_pb2_grpc.GRPCInferenceServi
     request.inputs[0].contents.int_contents.extend(range(16))
     request.inputs[1].contents.int_contents.extend(range(15))
     assert _raw_error(stub, request) == (
-        "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60"
+        CORE + "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60"
     )
 
 
 def test_bytes_fewer_elements_than_the_shape(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
     """infer_request.cc ValidateBytesInputs, the issue's case: shape [3], two strings sent."""
     message = _raw_error(stub, _strings_request([3], _strings(b"ab", b"c")))
-    assert message == "expected 3 string elements for inference input 'IN' for model 'strings', got 2"
+    assert message == CORE + "expected 3 string elements for inference input 'IN' for model 'strings', got 2"
 
 
 def test_bytes_more_elements_than_the_shape(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
     """infer_request.cc ValidateBytesInputs stops at the first element past the shape's count."""
     message = _raw_error(stub, _strings_request([1], _strings(b"ab", b"c", b"d")))
-    assert message == "unexpected number of string elements 2 for inference input 'IN' for model 'strings', expecting 1"
+    assert message == (
+        CORE + "unexpected number of string elements 2 for inference input 'IN' for model 'strings', expecting 1"
+    )
 
 
 def test_bytes_more_typed_elements_than_the_shape(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
@@ -198,14 +203,16 @@ def test_bytes_more_typed_elements_than_the_shape(stub: service_pb2_grpc.GRPCInf
     request = service_pb2.ModelInferRequest(model_name="strings")
     request.inputs.add(name="IN", datatype="BYTES", shape=[2]).contents.bytes_contents.extend([b"a", b"b", b"c"])
     message = _raw_error(stub, request)
-    assert message == "unexpected number of string elements 3 for inference input 'IN' for model 'strings', expecting 2"
+    assert message == (
+        CORE + "unexpected number of string elements 3 for inference input 'IN' for model 'strings', expecting 2"
+    )
 
 
 def test_bytes_cut_inside_a_length_prefix(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
     """infer_request.cc ValidateBytesInputs: fewer than 4 bytes left where a length should start."""
     message = _raw_error(stub, _strings_request([2], _strings(b"ab") + b"\x01\x00"))
     assert message == (
-        "incomplete string length indicator for inference input 'IN' for model 'strings', expecting 4 bytes "
+        CORE + "incomplete string length indicator for inference input 'IN' for model 'strings', expecting 4 bytes "
         "but only 2 bytes available. Please make sure the string length indicator is in one buffer."
     )
 
@@ -215,7 +222,7 @@ def test_input_listed_twice(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> 
     request = _simple_request([1, 16], [1, 16])
     request.inputs[1].name = "INPUT0"
     request.raw_input_contents.extend([A.tobytes(), A.tobytes()])
-    assert _raw_error(stub, request) == "input 'INPUT0' already exists in request"
+    assert _raw_error(stub, request) == CORE + "input 'INPUT0' already exists in request"
 
 
 def test_input_without_data(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
@@ -261,3 +268,43 @@ def test_contents_in_two_fields(stub: service_pb2_grpc.GRPCInferenceServiceStub)
 def test_the_server_still_serves(client: triton.InferenceServerClient) -> None:
     result = client.infer("simple", [_input("INPUT0", A), _input("INPUT1", A)])
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + A)
+
+
+def test_the_label_names_the_request_id_over_both_transports(
+    client: triton.InferenceServerClient, server: RunningServer
+) -> None:
+    """infer_request.cc LogRequest: a request with an id is labelled with it (run on Triton 2.51:
+    ``[request id: r-7] unexpected shape ...`` over gRPC, ``[request id: abc] inference input ...``
+    over HTTP); the front end's own messages carry no label."""
+    wrong = [_input("INPUT0", A), _input("INPUT1", A.reshape(1, 2, 8))]
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("simple", wrong, request_id="r-7")
+    assert str(caught.value.message()).startswith("[request id: r-7] unexpected shape for input 'INPUT1'")
+    with httpclient.InferenceServerClient(server.http_url) as http:
+        typed = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+        typed.set_data_from_numpy(A.astype(np.float32))
+        other = httpclient.InferInput("INPUT1", [1, 16], "INT32")
+        other.set_data_from_numpy(A)
+        with pytest.raises(InferenceServerException) as refused:
+            http.infer("simple", [typed, other], request_id="abc")
+        assert refused.value.message() == (
+            "[request id: abc] inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'"
+        )
+        with pytest.raises(InferenceServerException) as unknown:
+            http.infer("simple", [_http_input("INPUT0"), _http_input("INPUT9")], request_id="abc")
+        assert unknown.value.message() == "unexpected inference input 'INPUT9' for model 'simple'"
+
+
+def test_a_negative_dimension_in_tritons_words(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+    """infer_request.cc Normalize, over gRPC (whose shapes are signed): run on Triton 2.51."""
+    request = _simple_request([-1, 16], [1, 16])
+    request.raw_input_contents.extend([A.tobytes(), A.tobytes()])
+    assert _raw_error(stub, request) == (
+        CORE + "All input dimensions should be specified for input 'INPUT0' for model 'simple', got [-1,16]"
+    )
+
+
+def _http_input(name: str) -> httpclient.InferInput:
+    tensor = httpclient.InferInput(name, [1, 16], "INT32")
+    tensor.set_data_from_numpy(A)
+    return tensor

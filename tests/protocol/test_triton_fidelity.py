@@ -41,6 +41,7 @@ from tests.conftest import RunningServer, serving
 from tests.http_api.test_http_errors import call, error
 
 A = np.arange(16, dtype=np.int32)
+CORE = "[request id: <id_unknown>] "  # Triton core's label of a request without an id (infer_request.cc LogRequest)
 TWO_STRINGS = """
 backend: "identity"
 max_batch_size: 0
@@ -299,20 +300,20 @@ def test_a_file_name_past_name_max_is_internal(server: RunningServer) -> None:
 
 # (counts of INPUT0 and INPUT1, the order they are sent in) -> Triton 2.51's message
 BYTES_CASES = [
-    ((16, 14), (0, 1), "expected 16 string elements for inference input 'INPUT1' for model 'strs', got 14"),
+    ((16, 14), (0, 1), CORE + "expected 16 string elements for inference input 'INPUT1' for model 'strs', got 14"),
     (
         (16, 17),
         (0, 1),
-        "unexpected number of string elements 17 for inference input 'INPUT1' for model 'strs', expecting 16",
+        CORE + "unexpected number of string elements 17 for inference input 'INPUT1' for model 'strs', expecting 16",
     ),
-    ((14, 15), (0, 1), "expected 16 string elements for inference input 'INPUT1' for model 'strs', got 15"),
-    ((14, 15), (1, 0), "expected 16 string elements for inference input 'INPUT0' for model 'strs', got 14"),
+    ((14, 15), (0, 1), CORE + "expected 16 string elements for inference input 'INPUT1' for model 'strs', got 15"),
+    ((14, 15), (1, 0), CORE + "expected 16 string elements for inference input 'INPUT0' for model 'strs', got 14"),
     (
         (14, 17),
         (0, 1),
-        "unexpected number of string elements 17 for inference input 'INPUT1' for model 'strs', expecting 16",
+        CORE + "unexpected number of string elements 17 for inference input 'INPUT1' for model 'strs', expecting 16",
     ),
-    ((14, 17), (1, 0), "expected 16 string elements for inference input 'INPUT0' for model 'strs', got 14"),
+    ((14, 17), (1, 0), CORE + "expected 16 string elements for inference input 'INPUT0' for model 'strs', got 14"),
 ]
 
 
@@ -371,7 +372,9 @@ def test_typed_bytes_contents_name_the_last_unfit_input(server: RunningServer) -
     request.inputs.add(name="INPUT1", datatype="BYTES", shape=[16]).contents.bytes_contents.extend([b"a"] * 15)
     with grpc.insecure_channel(server.url) as channel, pytest.raises(grpc.RpcError) as caught:
         service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
-    assert caught.value.details() == "expected 16 string elements for inference input 'INPUT1' for model 'strs', got 15"
+    assert caught.value.details() == (
+        CORE + "expected 16 string elements for inference input 'INPUT1' for model 'strs', got 15"
+    )
 
 
 def _int_input() -> httpclient.InferInput:

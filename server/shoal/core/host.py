@@ -134,9 +134,11 @@ class CoreHost:
         release = self._releases[message.id]
         release.handed_out = True
         if packing.costly(message.slots):  # many BYTES to decode: off the loop
-            inputs = await asyncio.to_thread(self._unpack, message.model_name, message.slots, release)
+            inputs = await asyncio.to_thread(
+                self._unpack, message.model_name, message.request_id, message.slots, release
+            )
         else:
-            inputs = self._unpack(message.model_name, message.slots, release)
+            inputs = self._unpack(message.model_name, message.request_id, message.slots, release)
         return InferRequest(
             message.model_name,
             message.model_version,
@@ -149,10 +151,12 @@ class CoreHost:
             message.output_regions,
         )
 
-    def _unpack(self, model: str, slots: list[packing.Slot], release: InputRelease) -> tuple[Tensor, ...]:
+    def _unpack(
+        self, model: str, request_id: str, slots: list[packing.Slot], release: InputRelease
+    ) -> tuple[Tensor, ...]:
         """The inputs; BYTES that do not fit their shape refused as the one-process transport refuses them
         (every input read first, the last unfit one named: ``UnfitContents``)."""
-        unfit = UnfitContents(model)
+        unfit = UnfitContents(model, request_id)
         try:
             inputs = packing.unpack(self.requests, slots, release, on_unfit=unfit.note)
             try:

@@ -33,7 +33,9 @@ def with_region_inputs(registry: RegionRegistry, request: InferRequest) -> Infer
     read = []
     for source in request.region_inputs:
         window = registry.window(source.where.region, source.where.offset, source.where.byte_size)
-        data = decode_raw(source.name, source.datatype, source.shape, window.read().data, request.model_name)
+        data = decode_raw(
+            source.name, source.datatype, source.shape, window.read().data, request.model_name, request.id
+        )
         read.append(Tensor(source.name, source.datatype, source.shape, data))
     return dataclasses.replace(request, inputs=(*request.inputs, *read), region_inputs=())
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shoal.errors import invalid, poll_failed, shown
+from shoal.errors import invalid, poll_failed, request_label, shown
 from shoal.protocol import codec
 from shoal.protocol.types import DataType
 from shoal.repository.scanner import MAX_NAME_BYTES
@@ -14,10 +14,15 @@ from shoal.request_types import RegionSlice
 
 
 def decode_raw(
-    name: str, datatype: DataType, shape: tuple[int, ...], raw: bytes | memoryview, model: str = ""
+    name: str,
+    datatype: DataType,
+    shape: tuple[int, ...],
+    raw: bytes | memoryview,
+    model: str = "",
+    request_id: str = "",
 ) -> np.ndarray:
     """Raw content as an array; a size that does not fit the shape is refused in Triton's words."""
-    unfit = UnfitContents(model)
+    unfit = UnfitContents(model, request_id)
     data = unfit.decode(name, datatype, shape, raw)
     unfit.check()
     return data
@@ -30,8 +35,8 @@ class UnfitContents:
     the reverse of the request's in every order of two to four inputs tried on Triton 2.51: so the
     last unfit input noted is the one refused."""
 
-    def __init__(self, model: str) -> None:
-        self.model = model
+    def __init__(self, model: str, request_id: str = "") -> None:
+        self.model, self.request_id = model, request_id
         # The message, not an exception: one kept here would hold its context's traceback, whose frames
         # hold the request's payload, in a cycle through this object (freed only by the cyclic collector).
         self._refusal = ""
@@ -53,7 +58,7 @@ class UnfitContents:
             return np.empty(0, dtype=datatype.numpy_dtype)
 
     def note(self, name: str, exc: codec.WireFormatError) -> None:
-        self._refusal = content_error(name, self.model, exc)
+        self._refusal = content_error(name, self.model, exc, self.request_id)
 
     def check(self) -> None:
         """Refuse the request if any of its contents did not fit."""
@@ -76,23 +81,25 @@ def refuse_model_files(model: str, keys: list[str]) -> None:
         raise invalid(f"loading model files sent with the request ({shown(files[0])}) is not supported")
 
 
-def content_error(name: str, model: str, exc: codec.WireFormatError) -> str:
+def content_error(name: str, model: str, exc: codec.WireFormatError, request_id: str = "") -> str:
     """Triton's message for tensor content that does not fit its shape (core infer_request.cc
-    ``Normalize`` and ``ValidateBytesInputs``); Shoal's own for the cases Triton has none."""
-    name, model = shown(name), shown(model)
+    ``Normalize`` and ``ValidateBytesInputs``, led by the request's label); Shoal's own for the cases
+    Triton has none."""
+    name, model, label = shown(name), shown(model), request_label(request_id)
     where = f"for inference input '{name}' for model '{model}'"
     if isinstance(exc, codec.ByteSizeMismatch):
         return (
-            f"input byte size mismatch for input '{name}' for model '{model}'. Expected {exc.expected}, got {exc.got}"
+            f"{label}input byte size mismatch for input '{name}' for model '{model}'. "
+            f"Expected {exc.expected}, got {exc.got}"
         )
     if isinstance(exc, codec.StringCountMismatch):
         if exc.too_many:
-            return f"unexpected number of string elements {exc.got} {where}, expecting {exc.expected}"
-        return f"expected {exc.expected} string elements {where}, got {exc.got}"
+            return f"{label}unexpected number of string elements {exc.got} {where}, expecting {exc.expected}"
+        return f"{label}expected {exc.expected} string elements {where}, got {exc.got}"
     if isinstance(exc, codec.IncompleteLengthPrefix):
         return (
-            f"incomplete string length indicator {where}, expecting 4 bytes but only {exc.available} bytes "
-            "available. Please make sure the string length indicator is in one buffer."
+            f"{label}incomplete string length indicator {where}, expecting 4 bytes but only {exc.available} "
+            "bytes available. Please make sure the string length indicator is in one buffer."
         )
     return f"input '{name}' for model '{model}': {exc}"
 

@@ -24,7 +24,7 @@ from shoal.core import (
     StatisticsRow,
 )
 from shoal.core.wire import UnfitContents, refuse_model_files, region_slice
-from shoal.errors import ShoalError, invalid, shown
+from shoal.errors import ShoalError, invalid, request_label, shown
 from shoal.logs import NO_VALUE
 from shoal.protocol import codec, config_pb2, service_pb2
 from shoal.protocol.types import BY_NAME, DataType
@@ -240,9 +240,9 @@ def infer_request(
     check_bytes_cost(declared, raw)
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
-    unfit = UnfitContents(model)
+    unfit = UnfitContents(model, message.id)
     for tensor, name, datatype_name, shape, parameters, _ in declared.entries:
-        datatype = _declared(name, datatype_name, shape)
+        datatype = _declared(name, datatype_name, shape, model, message.id)
         where = shared_memory_slice(name, parameters) if parameters is not None else None
         if where is not None:
             if tensor.HasField("contents"):
@@ -321,10 +321,15 @@ def _requested_outputs(outputs: Any) -> tuple[tuple[str, ...] | None, dict[str, 
     return tuple(names), regions, class_counts(with_parameters)
 
 
-def _declared(name: str, datatype_name: str, shape: tuple[int, ...]) -> DataType:
+def _declared(name: str, datatype_name: str, shape: tuple[int, ...], model: str, request_id: str) -> DataType:
     datatype = BY_NAME.get(datatype_name)
     if datatype is None:
         raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'")
+    if shape and len(shape) <= codec.MAX_DIMS and min(shape) < 0:  # in the words of Triton's core (Normalize)
+        raise invalid(
+            f"{request_label(request_id)}All input dimensions should be specified for input '{shown(name)}' "
+            f"for model '{shown(model)}', got [{','.join(map(str, shape))}]"
+        )
     try:
         codec.check_shape(datatype, shape)
     except codec.WireFormatError as exc:

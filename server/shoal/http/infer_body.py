@@ -111,7 +111,8 @@ def infer_request(
     inputs: list[Tensor] = []
     region_inputs: list[RegionInput] = []
     offset = 0
-    unfit = UnfitContents(model)
+    labelled = document.get("id", "")  # the request's label in refusals (checked below, in Triton's order)
+    unfit = UnfitContents(model, labelled if isinstance(labelled, str) else "")
     for entry in inputs_json:
         tensor, used = _input(unfit, _object(entry, "inputs"), binary[offset:], encoded_bytes)
         offset += used

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shoal import off_loop
-from shoal.errors import ErrorCode, ShoalError, invalid, shown
+from shoal.errors import ErrorCode, ShoalError, invalid, request_label, shown
 from shoal.lifecycle import classification
 from shoal.protocol.types import DataType
 from shoal.repository.config import ModelSpec, TensorSpec
@@ -43,23 +43,24 @@ class Prepared:
 def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
     """Check a request in Triton's order, with its words (core infer_request.cc ``Normalize``,
     ``ValidateRequestInputs``; model.cc ``GetInput``, ``GetOutput``): requested outputs, the
-    number of inputs, unknown inputs, batch sizes, then each input's datatype and shape."""
+    number of inputs, unknown inputs, batch sizes, then each input's datatype and shape. The core's
+    refusals begin with the request's label (``request_label``), as Triton's; the others do not."""
     given = {}
     for tensor in request.inputs:
         if tensor.name in given:  # Triton: InferenceRequest::AddOriginalInput
-            raise invalid(f"input '{shown(tensor.name)}' already exists in request")
+            raise invalid(f"{request_label(request.id)}input '{shown(tensor.name)}' already exists in request")
         given[tensor.name] = tensor
     outputs = _requested_outputs(spec, request)
-    _check_input_count(spec, given)
+    _check_input_count(spec, given, request.id)
     unexpected = [name for name in given if spec.input(name) is None]
     if unexpected:
         raise invalid(f"unexpected inference input '{shown(unexpected[0])}' for model '{spec.name}'")
-    batch_size = _batch_size(spec, list(given.values()))
+    batch_size = _batch_size(spec, list(given.values()), request.id)
     feed = {}
     for tensor in given.values():
         tensor_spec = spec.input(tensor.name)
         assert tensor_spec is not None
-        _check_input(spec, tensor_spec, tensor)
+        _check_input(spec, tensor_spec, tensor, request.id)
         data = tensor.data
         if tensor_spec.reshape is not None:
             lead = list(tensor.shape[:1]) if spec.max_batch_size > 0 else []
@@ -75,7 +76,7 @@ def prepare(spec: ModelSpec, request: InferRequest) -> Prepared:
     return Prepared(feed, outputs, batch_size, request.class_counts)
 
 
-def _check_input_count(spec: ModelSpec, given: Mapping[str, Tensor]) -> None:
+def _check_input_count(spec: ModelSpec, given: Mapping[str, Tensor], request_id: str) -> None:
     """Triton's ValidateRequestInputs: more inputs than the config lists, or fewer than it requires.
     Lists print as Triton prints them: ``['A','B']``."""
     required = [t for t in spec.inputs if not t.optional]
@@ -88,7 +89,8 @@ def _check_input_count(spec: ModelSpec, given: Mapping[str, Tensor]) -> None:
         else f"expected number of inputs between {len(required)} and {len(spec.inputs)}"
     )
     raise invalid(
-        f"{expected} but got {len(given)} inputs for model '{spec.name}'. Got input(s) {_names(given)}, "
+        f"{request_label(request_id)}{expected} but got {len(given)} inputs for model '{spec.name}'. "
+        f"Got input(s) {_names(given)}, "
         f"but missing required input(s) {_names(missing)}. Please provide all required input(s)."
     )
 
@@ -106,7 +108,7 @@ def _dims(shape: Iterable[int]) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def _batch_size(spec: ModelSpec, tensors: list[Tensor]) -> int:
+def _batch_size(spec: ModelSpec, tensors: list[Tensor], request_id: str) -> int:
     """The request's batch size (0 when the model does not batch), checked as Triton's Normalize."""
     if spec.max_batch_size == 0:
         return 0
@@ -114,20 +116,27 @@ def _batch_size(spec: ModelSpec, tensors: list[Tensor]) -> int:
     for tensor in tensors:
         if not tensor.shape:
             raise invalid(
-                f"input '{shown(tensor.name)}' has no shape but model requires batch dimension for '{spec.name}'"
+                f"{request_label(request_id)}input '{shown(tensor.name)}' has no shape but model requires "
+                f"batch dimension for '{spec.name}'"
             )
         if tensor.shape[0] < 1:  # Shoal's own rule: Triton takes a 0 as "no batch size yet"
-            raise invalid(f"input '{shown(tensor.name)}' for model '{spec.name}' has batch size 0")
+            raise invalid(f"input '{shown(tensor.name)}' for model '{spec.name}' has batch size 0")  # Shoal's words
         if batch == 0:
             batch = tensor.shape[0]
         elif tensor.shape[0] != batch:
-            raise invalid(f"input '{shown(tensor.name)}' batch size does not match other inputs for '{spec.name}'")
+            raise invalid(
+                f"{request_label(request_id)}input '{shown(tensor.name)}' batch size does not match other "
+                f"inputs for '{spec.name}'"
+            )
     if batch > spec.max_batch_size:
-        raise invalid(f"inference request batch-size must be <= {spec.max_batch_size} for '{spec.name}'")
+        raise invalid(
+            f"{request_label(request_id)}inference request batch-size must be <= {spec.max_batch_size} "
+            f"for '{spec.name}'"
+        )
     return batch
 
 
-def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> None:
+def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor, request_id: str) -> None:
     if (
         tensor.datatype is tensor_spec.datatype
         and (tensor.shape[1:] if spec.max_batch_size > 0 else tensor.shape) == tensor_spec.dims
@@ -135,8 +144,8 @@ def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> No
         return  # the usual case, exact: every dim fixed and equal (a -1 in dims never equals a size)
     if tensor.datatype is not tensor_spec.datatype:
         raise invalid(
-            f"inference input '{shown(tensor.name)}' data-type is '{tensor.datatype.value}', "
-            f"but model '{spec.name}' expects '{tensor_spec.datatype.value}'"
+            f"{request_label(request_id)}inference input '{shown(tensor.name)}' data-type is "
+            f"'{tensor.datatype.value}', but model '{spec.name}' expects '{tensor_spec.datatype.value}'"
         )
     dims = list(tensor_spec.dims)
     shape = list(tensor.shape)
@@ -145,7 +154,7 @@ def _check_input(spec: ModelSpec, tensor_spec: TensorSpec, tensor: Tensor) -> No
     if len(shape_to_check) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape_to_check, strict=True)):
         expected = [-1, *dims] if batched else dims
         raise invalid(
-            f"unexpected shape for input '{shown(tensor.name)}' for model '{spec.name}'. "
+            f"{request_label(request_id)}unexpected shape for input '{shown(tensor.name)}' for model '{spec.name}'. "
             f"Expected {_dims(expected)}, got {_dims(shape)}. {IMPLICIT_BATCH_NOTE if batched else ''}"
         )
 
