@@ -180,6 +180,11 @@ BLS_ASYNC = (
 # Faults: each a change of add_sub's execute.
 FAULTS = {
     "raises": ("        responses = []\n", "        raise RuntimeError('boom')\n"),
+    # a message no UTF-8 encoder takes (a file name read from a non-UTF-8 listing, surrogateescape'd)
+    "raises_undecodable": (
+        "        responses = []\n",
+        "        raise RuntimeError('cannot read ' + b'photo-\\xff.jpg'.decode('utf-8', 'surrogateescape'))\n",
+    ),
     "returns_none": ("        return responses\n", "        return None\n"),
     "wrong_count": ("        return responses\n", "        return responses[1:]\n"),
     "wrong_dtype": ("(a + b).astype(self.output0_dtype)", "(a + b).astype(np.int64)"),

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests import models
@@ -263,6 +264,27 @@ def test_a_failing_execute_fails_its_requests_and_the_server_keeps_serving(
     after = _stats(client, model)
     assert _count(after, "inference_stats", "fail", "count") == _count(before, "inference_stats", "fail", "count") + 1
     assert client.is_model_ready(model)
+    np.testing.assert_array_equal(client.infer("add_sub", _add_sub_inputs(A)).as_numpy("OUTPUT0"), A + 1)
+
+
+def test_an_error_message_no_encoder_takes_is_answered_over_every_transport(
+    client: grpcclient.InferenceServerClient, server: RunningServer
+) -> None:
+    """Review of session 50: a model's error holding a lone surrogate (a non-UTF-8 file name, as
+    ``os.listdir`` gives it) was never answered over gRPC (the engine could not encode the status,
+    the call held its HTTP/2 stream, and a client's requests to good models queued behind 100 of
+    them); over HTTP the JSON carried ``\\udcff``, which clients cannot parse. It is answered,
+    INTERNAL, with the character replaced."""
+    error = _failure(client, "raises_undecodable", A, client_timeout=30)
+    assert error.status() == "StatusCode.INTERNAL"
+    assert "RuntimeError: cannot read photo-?.jpg" in error.message(), error.message()
+    with httpclient.InferenceServerClient(server.http_url, network_timeout=30) as http:
+        inputs = [httpclient.InferInput(name, list(A.shape), "FP32") for name in ("INPUT0", "INPUT1")]
+        for tensor in inputs:
+            tensor.set_data_from_numpy(A)
+        with pytest.raises(InferenceServerException) as caught:
+            http.infer("raises_undecodable", inputs)
+        assert "cannot read photo-?.jpg" in str(caught.value.message())
     np.testing.assert_array_equal(client.infer("add_sub", _add_sub_inputs(A)).as_numpy("OUTPUT0"), A + 1)
 
 

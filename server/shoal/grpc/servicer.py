@@ -19,6 +19,7 @@ import grpc
 
 from shoal.core import Core
 from shoal.core.stream import InferStream, Route
+from shoal.errors import bounded
 from shoal.grpc import convert, offload
 from shoal.grpc.status import to_status
 from shoal.protocol import service_pb2 as pb
@@ -126,7 +127,7 @@ class InferenceServicer:
                 message.parameters[FINAL_PARAMETER].bool_param = part.final
                 put(
                     Written(
-                        pb.ModelStreamInferResponse(error_message=part.error, infer_response=message),
+                        pb.ModelStreamInferResponse(error_message=bounded(part.error), infer_response=message),
                         trace_id,
                         part.final,
                     )
