@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from dataclasses import replace
 from importlib.metadata import version
@@ -620,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workers = resolve(args.grpc_workers)
     settings = ServerSettings(
-        model_repository=args.model_repository,
+        # Absolute once: a thread-instance model's os.chdir (the process's own folder) must not move it.
+        model_repository=Path(os.path.abspath(args.model_repository)),
         grpc_address=args.grpc_address,
         grpc_port=args.grpc_port,
         strict_readiness=args.strict_readiness,

@@ -278,3 +278,47 @@ def test_an_unload_shows_unloading_while_its_requests_drain(tmp_path: Path, serv
         unload.result(timeout=30)
         assert sorted(r.result(timeout=30) for r in results) == [0.0, 1.0, 2.0]  # the drain dropped none
         assert states(client) == [("1", "UNAVAILABLE", "unloaded")] and client.is_ready()  # unloaded on purpose
+
+
+CHDIR_MODEL = """
+import os
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        os.chdir(os.path.dirname(os.path.dirname(__file__)))  # a common idiom: its own folder for relative paths
+
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
+            for r in requests
+        ]
+"""
+CHDIR_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+parameters { key: "process_instances" value: { string_value: "false" } }
+"""
+
+
+def test_a_model_that_changes_the_working_folder_leaves_a_relative_repository_found(
+    tmp_path: Path, server_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of session 50 (F5): a thread-instance model's ``os.chdir`` (the server's own working
+    folder) made a relative ``--model-repository`` point elsewhere: every later load of every model
+    failed ("no such model folder"). The repository's path is made absolute once, at start."""
+    from tests.python_models import write_model
+
+    repo = tmp_path / "repo"
+    models.copy_example(repo, "simple")
+    write_model(repo, "chdir", CHDIR_CONFIG, CHDIR_MODEL)
+    monkeypatch.chdir(tmp_path)  # the server inherits it: "repo" is relative to it
+    server = server_factory(Path("repo"), "--model-control-mode", "explicit", "--load-model", "chdir")
+    with InferenceClient(server.url, timeout_s=30) as client:
+        assert client.is_model_ready("chdir")
+        client.load_model("simple")
+        assert client.is_model_ready("simple")

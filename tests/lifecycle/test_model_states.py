@@ -398,3 +398,34 @@ def test_a_version_a_failed_reload_tried_is_shown_unavailable_beside_the_served_
         await manager.close()
 
     asyncio.run(scenario())
+
+
+def test_a_version_whose_teardown_fails_leaves_the_others_to_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of session 50 (F2): one model's close raising (a process instance whose restart the
+    system had refused) stopped the server's shutdown there: the models after it were never unloaded,
+    their ``finalize`` never ran. Each version's teardown now runs whatever the others' do."""
+    repo = tmp_path / "repo"
+    for name in ("a", "b", "c"):
+        _identity(repo, name)
+    closed: list[str] = []
+    original = ModelVersion.close
+
+    async def failing_for_b(self: ModelVersion) -> None:
+        if self.spec.name == "b":
+            raise AssertionError("can only join a started process")
+        await original(self)
+        closed.append(self.spec.name)
+
+    monkeypatch.setattr(ModelVersion, "close", failing_for_b)
+
+    async def scenario() -> None:
+        manager = ModelManager(repo, control_mode="explicit")
+        for name in ("a", "b", "c"):
+            await manager.load(name)
+        await manager.close()
+        assert [(row.name, row.state) for row in manager.index()] == [(n, S.UNAVAILABLE) for n in ("a", "b", "c")]
+
+    asyncio.run(scenario())
+    assert closed == ["a", "c"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -32,6 +33,7 @@ from shoal.scheduling.base import Executed, Outputs, QueuedRequest
 from shoal.scheduling.batching import execute_as_one_feed
 from shoal.statistics import Phases
 
+logger = logging.getLogger(__name__)
 Call = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]]
 
 
@@ -196,12 +198,16 @@ class InstancePool:
         return list({id(i.model): i.model for i in self.instances}.values())
 
     def close(self) -> None:
+        """Each instance's model, then the shared weights; one that fails to close (logged) leaves the
+        others to close: a worker left running, or weights never freed, would outlive the unload."""
         for instance in self.instances:
             instance.thread.shutdown(wait=True)
-        for model in self.models():
-            model.close()
-        for copy in self.shared_copies:
-            copy.close()
+        names = {id(instance.model): f"instance {instance.name}" for instance in self.instances}
+        for closable in [*self.models(), *self.shared_copies]:
+            try:
+                closable.close()
+            except Exception:  # noqa: BLE001 - whatever its teardown raised, the next one still closes
+                logger.exception("%s: it failed to close", names.get(id(closable), "a shared copy of the weights"))
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,14 @@ class ProcessModel:
             daemon=True,
             name=f"shoal-{self._spec.name}-worker",
         )
-        lifeline.launch(self._process)
+        try:
+            lifeline.launch(self._process)
+        except OSError as exc:  # the system's refusal (no fork server, process or descriptor left), not the model's
+            child.close()
+            self._conn.close()
+            raise ShoalError(
+                ErrorCode.LOAD_FAILED, f"model '{self._spec.name}': a worker process could not be started: {exc}"
+            ) from None
         self._worker_started = lifeline.start_time(self._process.pid)
         child.close()
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -262,10 +269,11 @@ class ProcessModel:
             arena.close()
 
     def _kill(self) -> None:
-        lifeline.kill_group(self._process.pid, self._worker_started)  # what the model started, the worker too
-        if self._process.is_alive():
-            self._process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
-        self._process.join(timeout=KILL_TIMEOUT_S)
+        if self._process.pid is not None:  # else it never started (a restart the system refused)
+            lifeline.kill_group(self._process.pid, self._worker_started)  # what the model started, the worker too
+            if self._process.is_alive():
+                self._process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+            self._process.join(timeout=KILL_TIMEOUT_S)
         self._conn.close()
 
     def _replace(self, why: str | None) -> None:

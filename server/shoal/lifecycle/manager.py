@@ -66,7 +66,10 @@ async def release(versions: Iterable[VersionEntry], reason: str = UNLOADED) -> N
     detached = [(version, version.detach()) for version in versions if version.served is not None]
     for version, served in detached:  # nothing routes to any of them from here on
         if served is not None:
-            await served.close()
+            try:
+                await served.close()
+            except Exception:  # noqa: BLE001 - one version's teardown failing leaves the others' to run (shutdown)
+                logger.exception("model %s version %d: its teardown failed", served.spec.name, served.version)
         version.transition(ModelState.UNAVAILABLE, reason)
 
 
