@@ -116,6 +116,18 @@ def test_worker_limits_come_from_the_parameters() -> None:
             True,
             "parameter execution_timeout_ms must be a whole number of milliseconds",
         ),
+        # Review of session 50 (F6): "²" passed str.isdigit, then failed the load as an unexpected error;
+        # an interval past what a timer can wait killed the liveness watchdog (OverflowError).
+        (
+            {"process_instances": "true", "execution_timeout_ms": "²"},
+            True,
+            "parameter execution_timeout_ms must be a whole number of milliseconds",
+        ),
+        (
+            {"process_instances": "true", "liveness_check_interval_ms": "99999999999999999999"},
+            True,
+            "parameter liveness_check_interval_ms must be a whole number of milliseconds, at most 2147483647",
+        ),
     ],
 )
 def test_what_cannot_be_provided_is_refused_before_any_load(

@@ -429,3 +429,29 @@ def test_a_version_whose_teardown_fails_leaves_the_others_to_close(
 
     asyncio.run(scenario())
     assert closed == ["a", "c"]
+
+
+def test_a_load_failing_with_an_unexpected_error_fails_that_model_only_at_start(tmp_path: Path) -> None:
+    """Review of session 50 (F4): an error of Shoal's own in one model's load (a JSONDecodeError there)
+    ended the server's start, ``--exit-on-error false`` notwithstanding: ``start`` let anything but a
+    ShoalError through. That model now fails (its failure logged with an incident id), the others load."""
+    repo = tmp_path / "repo"
+    for name in ("a", "b", "c"):
+        _identity(repo, name)
+    manager = ModelManager(repo, control_mode="none")
+    build = manager._build
+
+    def failing_for_b(entry: ModelEntry, *args: Any) -> Any:
+        if entry.name == "b":
+            raise ValueError("Expecting value: line 1 column 1 (char 0)")
+        return build(entry, *args)
+
+    manager._build = failing_for_b  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        failures = await manager.start()
+        assert list(failures) == ["b"] and "internal error (incident" in failures["b"]
+        assert manager.is_ready("a", "") and manager.is_ready("c", "") and not manager.is_ready("b", "")
+        await manager.close()
+
+    asyncio.run(scenario())

@@ -79,6 +79,7 @@ EXECUTION_TIMEOUT_KEY = "execution_timeout_ms"
 LIVENESS_KEY = "liveness_check_interval_ms"
 WORKER_PARAMETERS = (EXECUTION_TIMEOUT_KEY, LIVENESS_KEY)
 DEFAULT_LIVENESS_INTERVAL_S = 5.0
+MAX_MILLISECONDS = 2**31 - 1  # about 24.8 days: threading's waits refuse much larger ones (OverflowError)
 FORKSERVER_GUARD = "shoal.instances.forkserver_guard"
 
 
@@ -95,8 +96,12 @@ class WorkerLimits:
             text = spec.parameters.get(key, "")
             if not text:
                 return default
-            if not text.isdigit():
-                raise load_failed(f"model '{spec.name}': parameter {key} must be a whole number of milliseconds")
+            # ASCII digits only ("²" is a digit to str.isdigit), and no more than a timer can wait.
+            if not (text.isascii() and text.isdigit()) or int(text) > MAX_MILLISECONDS:
+                raise load_failed(
+                    f"model '{spec.name}': parameter {key} must be a whole number of milliseconds, "
+                    f"at most {MAX_MILLISECONDS}"
+                )
             return int(text) / 1000
 
         return cls(milliseconds(EXECUTION_TIMEOUT_KEY, 0.0), milliseconds(LIVENESS_KEY, DEFAULT_LIVENESS_INTERVAL_S))

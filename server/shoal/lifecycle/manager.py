@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.configuring.pipeline import ConfigOverride, configure, model_file
-from shoal.errors import ErrorCode, ShoalError, invalid, load_failed, poll_failed, shown, unknown_model
+from shoal.errors import ErrorCode, ShoalError, internal_error, invalid, load_failed, poll_failed, shown, unknown_model
 from shoal.lifecycle import ensemble, model_work, warmup
 from shoal.lifecycle.budgets import LoadBudget, MemoryLedger
 from shoal.lifecycle.fingerprint import fingerprint_or_none
@@ -141,6 +141,8 @@ class ModelManager:
             except ShoalError as exc:
                 logger.error("model %s: %s", name, exc.message)
                 failures[name] = exc.message
+            except Exception as exc:  # noqa: BLE001 - Shoal's own fault in one model's load: the others still load
+                failures[name] = internal_error(exc, f"loading model '{shown(name)}'")
         return failures
 
     async def load(self, name: str, config_override: dict[str, Any] | None = None, client: bool = False) -> None:

@@ -96,9 +96,10 @@ class ThreadInstance:
     runs_requests = True  # execute(requests), as Triton's
 
     def __init__(self, spec: ModelSpec, model_file: Path, device: Device, instance_name: str, version: int) -> None:
+        # Installed (process-wide) only by ``run_requests``, once ``bind_host`` gave it its host: installed
+        # here, with none yet, it failed the BLS calls other thread models made while this one initialized.
         self._link = bls.ThreadLink(None)
         self._caller: Any = None
-        pb_utils.set_host_link(self._link)
         args = runner.model_args(
             spec.config_json, model_file, instance_name, device.kind.upper(), device.index, version
         )

@@ -13,6 +13,7 @@ imports every model file in the same child (``check_import``) to report them wit
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,7 +103,10 @@ def auto_complete(config: dict[str, Any], model_file: Path, label: str) -> dict[
         raise load_failed(f"model file {label} cannot be read: {exc.strerror}") from None
     if "auto_complete_config" not in source:
         return config
-    completed: dict[str, Any] = json.loads(_in_child(model_file, label, config))
+    try:
+        completed: dict[str, Any] = json.loads(_in_child(model_file, label, config))
+    except json.JSONDecodeError:  # the child's answer is its own; a mangled one fails this load, nothing more
+        raise load_failed(f"{label}: auto_complete_config's answer could not be read") from None
     return completed
 
 
@@ -137,6 +141,11 @@ def _main() -> None:
     from shoal.backends.python import runner  # the model file's imports resolve as in an instance
 
     config = json.loads(sys.stdin.read())
+    # The answer goes on a descriptor of its own: what the model prints (at import, in
+    # auto_complete_config) goes to stderr, a log to Triton's stub, and never into the JSON.
+    answer = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = sys.stderr
     try:
         model_class = runner.import_model_class(Path(sys.argv[1]))
         if config is None:  # only the import was asked for (check_import)
@@ -150,7 +159,8 @@ def _main() -> None:
     except Exception as exc:  # noqa: BLE001 - reported on the last line, as the load error
         sys.stderr.write(runner.describe_error(exc).splitlines()[0] + "\n")
         sys.exit(1)
-    sys.stdout.write(json.dumps(wrapper.as_dict()))
+    answer.write(json.dumps(wrapper.as_dict()))
+    answer.flush()
 
 
 if __name__ == "__main__":
