@@ -151,6 +151,16 @@ def test_initialize_gets_args_as_triton_gives_them(
     assert seen["requested"] == ["ARGS", "REQUEST"] and seen["dtype"] == "float32"
 
 
+def test_reserved_parameters_are_properties_of_the_request(client: grpcclient.InferenceServerClient) -> None:
+    """Review of session 50 (A8): ``timeout`` (and ``priority``, ``sequence_*``) are properties of a
+    request, not parameters: Triton 2.51's model sees ``parameters() == {"custom": 1}`` and
+    ``timeout() == 4000000`` (run on ``run_triton.sh``); Shoal's saw the timeout among the parameters
+    and ``timeout() == 0``."""
+    _, seen = _echo(client, parameters={"custom": 1}, timeout=4_000_000, priority=1)
+    assert seen["parameters"] == {"custom": 1}
+    assert seen["timeout"] == 4_000_000 and seen["flags"] == 0
+
+
 def test_a_dynamic_batch_arrives_as_a_list_of_requests(server: RunningServer) -> None:
     """Four requests within echo's 200 ms queue delay: one execute gets them as four requests."""
     before = _stats(grpcclient.InferenceServerClient(server.url), "echo")

@@ -28,6 +28,8 @@ logger = logging.getLogger("triton_python_backend_utils")
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+# What a request carries as properties, not parameters (Triton's front end takes them out: timeout(), flags())
+RESERVED_PARAMETERS = frozenset({"timeout", "priority", "sequence_id", "sequence_start", "sequence_end"})
 TRITONSERVER_REQUEST_RELEASE_ALL = 1
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 
@@ -467,6 +469,16 @@ class InferenceRequest:
         request._inputs, request._requested = inputs, requested_output_names
         request._request_id, request._correlation_id = request_id, correlation_id
         request._flags, request._timeout = 0, 0
+        if parameters and not RESERVED_PARAMETERS.isdisjoint(parameters):
+            # Properties of the request, not parameters, as Triton's front end takes them out.
+            timeout = parameters.pop("timeout", 0)
+            request._timeout = timeout if isinstance(timeout, int) and not isinstance(timeout, bool) else 0
+            if parameters.pop("sequence_start", False) is True:
+                request._flags |= TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+            if parameters.pop("sequence_end", False) is True:
+                request._flags |= TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+            parameters.pop("sequence_id", None)
+            parameters.pop("priority", None)
         request._parameters = parameters if parameters else "{}"
         request._sender, request._cancelled, request._probe, request._trace = None, False, None, trace
         return request
