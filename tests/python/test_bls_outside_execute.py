@@ -102,3 +102,52 @@ def test_a_call_from_a_thread_after_execute_fails_at_once_and_the_worker_lives(
         go.unlink()
         assert pid_of_worker(client) == pid, "the worker was killed and started again"
         assert "did not answer a liveness check" not in server.log()
+
+
+# initialize tries a BLS call; execute answers what that raised (or "served").
+BLS_IN_INITIALIZE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        try:
+            x = pb_utils.Tensor("IN", np.ones(2, np.float32))
+            pb_utils.InferenceRequest(model_name="callee", inputs=[x], requested_output_names=["OUT"]).exec()
+            self.said = "served"
+        except pb_utils.TritonModelException as exc:
+            self.said = exc.message()
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([self.said], object))]) for _ in requests]
+"""
+IN_INITIALIZE_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUT" data_type: TYPE_STRING dims: [ 1 ] } ]
+"""
+
+
+def test_a_bls_call_in_initialize_raises_tritons_exception(tmp_path: Path, server_factory: Any) -> None:
+    """Review of session 50 (A6): Triton 2.51 raises ``TritonModelException: BLS is only supported
+    during the 'execute' function.`` A process instance's load failed instead ("a worker process did not
+    start": the call went down the pipe before the worker said it was ready); a thread instance's call
+    was served through another thread model's link."""
+    repo = tmp_path / "repo"
+    write_model(repo, "callee", CALLEE_CONFIG, CALLEE)
+    write_model(repo, "early_process", IN_INITIALIZE_CONFIG, BLS_IN_INITIALIZE)
+    threads = 'parameters { key: "process_instances" value: { string_value: "false" } }'
+    write_model(repo, "early_thread", IN_INITIALIZE_CONFIG + threads, BLS_IN_INITIALIZE)
+    write_model(repo, "other_thread", CALLEE_CONFIG + threads, CALLEE)  # installs a thread link first
+    server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "callee")
+    with grpcclient.InferenceServerClient(server.url) as client:
+        tensor = grpcclient.InferInput("IN", [2], "FP32")
+        tensor.set_data_from_numpy(np.ones(2, np.float32))
+        client.load_model("other_thread")
+        client.infer("other_thread", [tensor])
+        for model in ("early_process", "early_thread"):
+            client.load_model(model)
+            said = client.infer(model, [tensor]).as_numpy("OUT")[0].decode()
+            assert said == "BLS is only supported during the 'execute' function.", (model, said)

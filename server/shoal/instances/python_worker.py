@@ -201,7 +201,6 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
     conn = LockedConn(conn)
     decoupled = spec.decoupled
     link = PipeLink(conn, arenas)
-    pb_utils.set_host_link(link)
     try:
         instance_name, version = handle
         model = runner.ModelRunner(
@@ -212,6 +211,9 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: the load error names it, as Triton's does
         conn.send(Failed(runner.describe_error(exc).rstrip()))
         return
+    # Only now: a BLS call in ``initialize`` raises Triton's exception (with the link, it went down the
+    # pipe before Ready, and the load failed as "a worker process did not start").
+    pb_utils.set_host_link(link)
     conn.send(Ready())
     try:
         while True:

@@ -105,7 +105,8 @@ class ThreadInstance:
         )
         self._decoupled = spec.decoupled
         try:
-            self._runner = runner.ModelRunner(spec.config_json, model_file, args, isolated=True)
+            with bls.initializing():  # a BLS call from initialize raises, as Triton's
+                self._runner = runner.ModelRunner(spec.config_json, model_file, args, isolated=True)
         except BaseException as exc:  # noqa: BLE001 - SystemExit too (argparse): this load fails, not the server
             raise load_failed(runner.describe_error(exc).rstrip()) from None
 

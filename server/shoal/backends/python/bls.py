@@ -217,6 +217,22 @@ def running_as(caller: Any) -> Iterator[None]:
         _running.caller = previous
 
 
+@contextlib.contextmanager
+def initializing() -> Iterator[None]:
+    """While a thread instance's ``initialize`` runs on this thread: its BLS calls raise Triton's
+    ``TritonModelException`` (another thread model's link may be installed, and would serve them)."""
+    _running.initializing = True
+    try:
+        yield
+    finally:
+        _running.initializing = False
+
+
+def _refuse_in_initialize() -> None:
+    if getattr(_running, "initializing", False):
+        raise pb_utils.TritonModelException(pb_utils.BLS_OUTSIDE_EXECUTE)
+
+
 class ThreadLink:
     """In thread mode: BLS calls go straight to the host from the calling thread. The caller gets
     copies of the outputs, as a process instance's caller does (read from the arena) and as Triton's
@@ -226,13 +242,16 @@ class ThreadLink:
         self.host = host
 
     def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        _refuse_in_initialize()
         return response_of(_copied(result_of(start(self.host, _own_call(request), caller=_caller_here()))))
 
     def infer_stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
+        _refuse_in_initialize()
         parts = streamed(self.host, _own_call(request, decoupled=True), _caller_here())
         return (response_of(_copied(result)) for result, _ in parts)
 
     def infer_async(self, request: pb_utils.InferenceRequest) -> Awaitable[pb_utils.InferenceResponse]:
+        _refuse_in_initialize()
         future = start(self.host, _own_call(request), caller=_caller_here())
 
         async def wait() -> pb_utils.InferenceResponse:

@@ -317,9 +317,13 @@ def set_host_link(link: HostLink | None) -> None:
     _host = link
 
 
+# Triton's words for a BLS call while no link is installed (in ``initialize``, or outside a server).
+BLS_OUTSIDE_EXECUTE = "BLS is only supported during the 'execute' function."
+
+
 def _link() -> HostLink:
     if _host is None:
-        raise TritonModelException("BLS requests can only be made while the model is served")
+        raise TritonModelException(BLS_OUTSIDE_EXECUTE)
     return _host
 
 
