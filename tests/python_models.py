@@ -86,7 +86,7 @@ class TritonPythonModel:
         for request in requests:
             rows = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy().shape[0]
             seen = {"id": request.request_id(), "parameters": json.loads(request.parameters()),
-                    "requested": request.requested_output_names(), "batch": len(requests),
+                    "requested": sorted(request.requested_output_names()), "batch": len(requests),
                     "timeout": request.timeout(), "flags": request.flags(),
                     "dtype": pb_utils.triton_to_numpy_type(pb_utils.numpy_to_triton_type(np.float32)).__name__}
             responses.append(pb_utils.InferenceResponse([

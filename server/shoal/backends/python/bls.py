@@ -132,7 +132,7 @@ def call_of(request: pb_utils.InferenceRequest, decoupled: bool = False) -> BlsC
         "" if version < 0 else str(version),
         request.request_id(),
         {tensor.name(): tensor._wire_data() for tensor in request.inputs()},
-        tuple(request.requested_output_names()),
+        tuple(request._requested),  # in the order the model named them
         parameters,
         decoupled,
         request.trace().trace_id,

@@ -438,8 +438,9 @@ class InferenceRequest:
     def inputs(self) -> list[Tensor]:
         return self._inputs
 
-    def requested_output_names(self) -> list[str]:
-        return self._requested
+    def requested_output_names(self) -> set[str]:
+        """A set, as Triton 2.51's (run on ``run_triton.sh``): a model may use set operations on it."""
+        return set(self._requested)
 
     def request_id(self) -> str:
         return self._request_id
