@@ -72,10 +72,30 @@ def guard_forkserver() -> None:
 
 def guard_worker(conn: Any) -> None:
     """In a worker, first thing: die with the fork server (the kernel), and with the host's end of
-    ``conn``; lead a process group of its own, for what the model starts (``kill_group``)."""
+    ``conn``; lead a process group of its own, for what the model starts (``kill_group``); let go of
+    the fork server's "alive" pipe (``_drop_forkserver_pipe``)."""
     die_with_parent(os.getppid())
     os.setpgid(0, 0)
+    _drop_forkserver_pipe()
     watch_host(conn)
+
+
+def _drop_forkserver_pipe() -> None:
+    """Close the write end of the pipe by which the fork server learns that its host is gone, which
+    multiprocessing hands every process it starts: a byte written on it (a model writing where it
+    should not) ended the fork server, and every other model's worker died with it (review of session
+    50). The fork server still ends with the host, whose end closes then (and by PDEATHSIG). Should the
+    model itself use a fork server, multiprocessing starts one of its own (it holds no address of ours)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # noqa: SLF001 - where _serve_one put the inherited descriptor
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        setattr(server, "_forkserver_alive_fd", None)  # noqa: B010 - a private attribute typeshed does not list
+        try:
+            os.close(alive)
+        except OSError:
+            pass
 
 
 def start_time(pid: int | None) -> int | None:
