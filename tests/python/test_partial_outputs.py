@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from tests.conftest import RunningServer, serving
 from tests.python_models import write_model
@@ -88,6 +89,29 @@ class TritonPythonModel:
         return responses
 """
 KINDS = {"process": "", "thread": THREADS}
+# Ensembles over only_a: its B (left out) as an ensemble output, and as the next step's input.
+ENSEMBLE = """
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT_A" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "OUT_B" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "only_a_process" model_version: -1 input_map { key: "IN" value: "IN" }
+    output_map { key: "A" value: "OUT_A" } output_map { key: "B" value: "OUT_B" } }
+] }
+"""
+CHAIN = """
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "only_a_thread" model_version: -1 input_map { key: "IN" value: "IN" }
+    output_map { key: "B" value: "T" } },
+  { model_name: "only_a_process" model_version: -1 input_map { key: "IN" value: "T" }
+    output_map { key: "A" value: "OUT" } }
+] }
+"""
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +123,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         decoupled = extra + "\nmodel_transaction_policy { decoupled: true }"
         write_model(repo, f"one_each{suffix}", TWO_OUTPUTS.format(extra=decoupled), ONE_EACH)
         write_model(repo, f"bls_seen{suffix}", SEEN_CONFIG.format(extra=extra), BLS_SEEN.format(suffix=suffix))
+    (repo / "ensemble" / "1").mkdir(parents=True)
+    (repo / "ensemble" / "config.pbtxt").write_text(ENSEMBLE)
+    (repo / "chain" / "1").mkdir(parents=True)
+    (repo / "chain" / "config.pbtxt").write_text(CHAIN)
     with serving(repo, tmp_path_factory.mktemp("server")) as running:
         yield running
 
@@ -135,3 +163,20 @@ def test_bls_iterates_every_response_with_its_outputs(server: RunningServer, kin
     with grpcclient.InferenceServerClient(server.url) as client:
         seen = client.infer(f"bls_seen_{kind}", [_in(10)]).as_numpy("SEEN")[0]
     assert seen.decode() == '[{"A": 11}, {"B": 12}, {}]'
+
+
+def test_an_ensemble_leaves_out_what_its_python_step_left_out(server: RunningServer) -> None:
+    """Review of session 50: once a Python step could leave an output out, an ensemble answering it
+    failed (INTERNAL, a KeyError), and a step reading it failed as "not written by its step". Triton
+    2.51 answers the outputs it has, and runs the reading step without the tensor, whose model refuses
+    the request in its own words."""
+    with grpcclient.InferenceServerClient(server.url) as client:
+        result = client.infer("ensemble", [_in(10)])
+        assert [output.name for output in result.get_response().outputs] == ["OUT_A"]
+        assert result.as_numpy("OUT_A").tolist() == [11]
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("chain", [_in(10)])
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "in ensemble 'chain', [request id: <id_unknown>] expected 1 inputs but got 0 inputs" in str(
+        refused.value.message()
+    )

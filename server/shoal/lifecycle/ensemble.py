@@ -142,7 +142,9 @@ class EnsembleVersion(ModelVersion):
         started_ns = time.monotonic_ns()
         try:
             await self._run(self._plan(prepared.outputs), pool, request)
-            outputs = request_checks.finish(self.spec, prepared, {name: pool[name].data for name in prepared.outputs})
+            # An output a Python step left out of its response is left out of the answer, as Triton's ensemble does.
+            written = {name: pool[name].data for name in prepared.outputs if name in pool}
+            outputs = request_checks.finish(self.spec, prepared, written)
         except ShoalError as exc:
             reason = FailureReason.OTHER if exc.code is ErrorCode.INVALID_ARGUMENT else FailureReason.BACKEND
             self.statistics.record_failure(time.monotonic_ns() - arrival_ns, reason)
@@ -206,7 +208,8 @@ class EnsembleVersion(ModelVersion):
         try:
             while ready or running:
                 if len(ready) == 1 and not running:  # one step at a time (a chain): no task needed
-                    ready = _arrived(await self._step(steps[ready[0]], pool, request), pool, waiting)
+                    step = steps[ready[0]]
+                    ready = _arrived(await self._step(step, pool, request), pool, waiting, step)
                     continue
                 for index in ready:
                     running[asyncio.create_task(self._step(steps[index], pool, request))] = index
@@ -222,7 +225,7 @@ class EnsembleVersion(ModelVersion):
                     elif task.exception() is not None:
                         failure = failure or task.exception()
                     else:
-                        ready += _arrived(task.result(), pool, waiting)
+                        ready += _arrived(task.result(), pool, waiting, step)
                 if failure is not None:
                     raise failure
         finally:
@@ -275,12 +278,18 @@ class EnsembleVersion(ModelVersion):
         self._forget_cached_answers()
 
 
-def _arrived(produced: dict[str, Tensor], pool: dict[str, Tensor], waiting: dict[int, set[str]]) -> list[int]:
-    """Add ``produced`` to ``pool``; the steps that now have every tensor they read leave ``waiting``."""
+def _arrived(
+    produced: dict[str, Tensor], pool: dict[str, Tensor], waiting: dict[int, set[str]], step: EnsembleStep | None = None
+) -> list[int]:
+    """Add ``produced`` (what ``step`` wrote) to ``pool``; the steps that now have every tensor they read
+    leave ``waiting``. A tensor ``step`` was to write and did not (a Python model's response may leave an
+    output out) is waited for no more: its readers run without it, and their models' own checks answer,
+    as Triton's ensemble does."""
     pool.update(produced)
+    done_with = set(produced) if step is None else set(produced) | {tensor for _, tensor in step.output_map}
     ready = []
     for index, missing in list(waiting.items()):
-        missing.difference_update(produced)
+        missing.difference_update(done_with)
         if not missing:
             ready.append(index)
             del waiting[index]
