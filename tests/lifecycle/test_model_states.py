@@ -455,3 +455,40 @@ def test_a_load_failing_with_an_unexpected_error_fails_that_model_only_at_start(
         await manager.close()
 
     asyncio.run(scenario())
+
+
+def test_a_poll_past_a_model_whose_configuration_fails_unexpectedly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of session 50: in poll mode an unexpected error reading one model's configuration (its
+    ``auto_complete_config`` child printing non-UTF-8) ended the poll there: the models after it never
+    loaded, and it was read again every poll. It is now that model's failed load (the reason carries
+    an incident id; the log has the traceback), the poll goes on, and the next poll leaves it until
+    its folder changes."""
+    from shoal.lifecycle import manager as manager_module
+
+    repo = tmp_path / "repo"
+    for name in ("a", "b"):
+        _identity(repo, name)
+    read: list[str] = []
+    original = manager_module.configure
+
+    def configure(folder: Path, *args: Any, **kwargs: Any) -> Any:
+        read.append(folder.name)
+        if folder.name == "a":
+            raise UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid continuation byte")
+        return original(folder, *args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "configure", configure)
+
+    async def scenario() -> None:
+        manager = ModelManager(repo, control_mode="poll")
+        await manager.poll_once()
+        assert manager.is_ready("b", "") and not manager.is_ready("a", "")
+        (row,) = [row for row in manager.index() if row.name == "a"]
+        assert row.state is S.UNAVAILABLE and "internal error (incident" in row.reason
+        await manager.poll_once()
+        assert read == ["a", "b"]  # nothing changed: nothing read again
+        await manager.close()
+
+    asyncio.run(scenario())

@@ -179,7 +179,8 @@ def test_auto_complete_reads_its_answer_whatever_the_model_prints(tmp_path: Path
 
     source = pm.AUTO.replace(
         "import triton_python_backend_utils as pb_utils\n",
-        "import triton_python_backend_utils as pb_utils\nprint('hello from the model file')\n",
+        "import triton_python_backend_utils as pb_utils\nprint('hello from the model file')\n"
+        "import sys\nsys.stdout.buffer.write(b'caf\\xe9\\n')\nsys.stdout.flush()\n",  # not even UTF-8
         1,
     )
     assert source != pm.AUTO

@@ -318,6 +318,8 @@ class ModelManager:
             available = scanner.list_versions(folder, warn=False)
         except ShoalError as exc:
             return exc.message, {}, []
+        except Exception as exc:  # noqa: BLE001 - Shoal's own fault on this folder: this load fails, as any other
+            return internal_error(exc, f"configuring model '{shown(entry.name)}'"), {}, []
         entry.spec = spec
         if self.rate_limiter is None and any(g.rate_limiter != RateLimiterSpec() for g in spec.instance_groups):
             logger.info(
@@ -443,6 +445,8 @@ class ModelManager:
                     await self.load(name)
                 except ShoalError as exc:
                     logger.error("model %s: %s", name, exc.message)
+                except Exception as exc:  # noqa: BLE001 - Shoal's own fault in one model's load: the poll goes on
+                    internal_error(exc, f"loading model '{shown(name)}'")
         for name in sorted(set(self._models) - present):
             async with self._locks.setdefault(name, asyncio.Lock()):
                 entry = self._models.pop(name, None)  # unknown from now on, as it drains

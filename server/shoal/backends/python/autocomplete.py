@@ -126,6 +126,7 @@ def _in_child(model_file: Path, label: str, config: dict[str, Any] | None) -> st
             input=json.dumps(config),
             capture_output=True,
             text=True,
+            errors="replace",  # what a model prints need not be UTF-8; the answer itself is JSON
             timeout=AUTO_COMPLETE_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
