@@ -201,6 +201,11 @@ FAULTS = {
         "                time.sleep(600)\n",
     ),
     "syntax_error": ("    def execute(self, requests):", "    def execute(self, requests)"),
+    # a load error whose text no UTF-8 encoder takes (a surrogateescape'd file name)
+    "initialize_undecodable": (
+        "        self.args = args\n",
+        "        raise RuntimeError('cannot open ' + b'w-\\xff.bin'.decode('utf-8', 'surrogateescape'))\n",
+    ),
     "import_error": ("import json\n", "import json\nimport no_such_module_xyz\n"),
 }
 

@@ -109,6 +109,12 @@ def request_label(request_id: str) -> str:
     return f"[request id: {shown(request_id) if request_id else '<id_unknown>'}] "
 
 
+def valid_utf8(text: str) -> str:
+    """``text`` as a wire may carry it: a lone surrogate (a non-UTF-8 file name decodes so, with
+    ``surrogateescape``) becomes ``?``; protobuf cannot encode it, and JSON parsers refuse it."""
+    return text if text.isascii() else text.encode("utf-8", errors="replace").decode("utf-8")
+
+
 def bounded(message: str) -> str:
     """``message`` as a status may carry it: valid UTF-8 (a lone surrogate, as a non-UTF-8 file name
     decodes with ``surrogateescape``, becomes ``?``: no engine could encode it, and a gRPC status it

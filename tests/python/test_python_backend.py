@@ -237,6 +237,8 @@ def test_load_errors_name_the_traceback_s_last_line(client: grpcclient.Inference
     assert index["import_error"]["state"] == "UNAVAILABLE"
     assert index["import_error"]["reason"].startswith("ModuleNotFoundError: No module named 'no_such_module_xyz'")
     assert "import_error/1/model.py(2): <module>" in index["import_error"]["reason"]
+    # Review of session 50: a reason holding a lone surrogate failed the whole index over gRPC (INTERNAL).
+    assert index["initialize_undecodable"]["reason"].startswith("RuntimeError: cannot open w-?.bin")
     assert "process_instances: true" in index["threads_with_timeout"]["reason"]
     assert "sequence_batching for Python models" in index["sequence"]["reason"]
     assert not client.is_model_ready("syntax_error")

@@ -24,7 +24,7 @@ from shoal.core import (
     StatisticsRow,
 )
 from shoal.core.wire import UnfitContents, refuse_model_files, region_slice
-from shoal.errors import ShoalError, invalid, request_label, shown
+from shoal.errors import ShoalError, invalid, request_label, shown, valid_utf8
 from shoal.logs import NO_VALUE
 from shoal.protocol import codec, config_pb2, service_pb2
 from shoal.protocol.types import BY_NAME, DataType
@@ -469,7 +469,7 @@ def repository_index(entries: list[IndexEntry]) -> service_pb2.RepositoryIndexRe
     message = service_pb2.RepositoryIndexResponse()
     for e in entries:
         state = "" if e.state is ModelState.UNKNOWN else e.state.value  # never loaded: name only, as Triton
-        message.models.add(name=e.name, version=e.version, state=state, reason=e.reason)
+        message.models.add(name=valid_utf8(e.name), version=e.version, state=state, reason=valid_utf8(e.reason))
     return message
 
 

@@ -24,7 +24,7 @@ from shoal.core import (
     StatisticsRow,
 )
 from shoal.core.wire import refuse_model_files
-from shoal.errors import invalid, shown
+from shoal.errors import invalid, shown, valid_utf8
 from shoal.protocol import config_pb2
 from shoal.statistics import INFER_DURATIONS, Duration
 
@@ -178,7 +178,7 @@ def repository_index(entries: list[IndexEntry]) -> list[dict[str, str]]:
     rows = []
     for e in entries:
         state = "" if e.state is ModelState.UNKNOWN else e.state.value
-        row = {"name": e.name, "version": e.version, "state": state, "reason": e.reason}
+        row = {"name": valid_utf8(e.name), "version": e.version, "state": state, "reason": valid_utf8(e.reason)}
         rows.append({key: value for key, value in row.items() if value})
     return rows
 
