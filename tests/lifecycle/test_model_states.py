@@ -388,13 +388,15 @@ def test_a_version_a_failed_reload_tried_is_shown_unavailable_beside_the_served_
             manager.resolve("m", "2")
         assert named.value.code is ErrorCode.UNAVAILABLE
         assert named.value.message == "Request for unknown model: 'm' version 2 is not at ready state"
-        assert manager.resolve("m", "").version == 1 and manager.all_ready()
+        assert manager.resolve("m", "").version == 1
+        assert not manager.all_ready()  # strict readiness: Triton's ServerReady is false while v2 is listed
         assert [served.version for served in manager.statistics("m", "")] == [1]
 
         (folder / "2" / "model.py").unlink()
         (folder / "2").rmdir()
         await manager.load("m")
         assert [(row.version, row.state) for row in manager.index()] == [("1", S.READY)]
+        assert manager.all_ready()
         await manager.close()
 
     asyncio.run(scenario())

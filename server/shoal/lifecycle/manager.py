@@ -552,8 +552,15 @@ class ModelManager:
         return sorted(self._models)
 
     def all_ready(self) -> bool:
-        """Every model the server is meant to serve is READY (one unloaded on purpose is not meant to)."""
-        return all(m.state is ModelState.READY for m in self._models.values() if not m.unloaded)
+        """Every model the server is meant to serve is READY (one unloaded on purpose is not meant to),
+        and none lists a version a reload failed on (Triton 2.51's strict readiness, run here, is false
+        while one does, though the version before it serves)."""
+        return all(
+            m.state is ModelState.READY
+            and not any(v.state is ModelState.UNAVAILABLE and v.reason != UNLOADED for v in m.versions.values())
+            for m in self._models.values()
+            if not m.unloaded
+        )
 
     def index(self, ready_only: bool = False) -> list[IndexEntry]:
         rows = []
