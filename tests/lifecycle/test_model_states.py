@@ -494,3 +494,30 @@ def test_a_poll_past_a_model_whose_configuration_fails_unexpectedly(
         await manager.close()
 
     asyncio.run(scenario())
+
+
+def test_poll_mode_forgets_a_failed_reload_once_the_folder_is_back(tmp_path: Path) -> None:
+    """Review of session 50 (50d): in poll mode, a broken version added and then removed left its
+    failed row, and with it strict readiness false, for good (the folder was what served again, so no
+    poll reloaded). The poll that finds the folder back drops the row; explicit mode's reload did."""
+    repo = tmp_path / "repo"
+    folder = write_model(
+        repo, "m", ADD_SUB_CONFIG.format(delay_us=0, count=1, extra="version_policy: { all { } }"), ADD_SUB
+    )
+
+    async def scenario() -> None:
+        manager = ModelManager(repo, control_mode="poll")
+        await manager.poll_once()
+        assert manager.all_ready()
+        (folder / "2").mkdir()
+        (folder / "2" / "model.py").write_text(FAILING_INITIALIZE)
+        await manager.poll_once()
+        assert not manager.all_ready() and [row.version for row in manager.index()] == ["1", "2"]
+        (folder / "2" / "model.py").unlink()
+        (folder / "2").rmdir()
+        await manager.poll_once()
+        assert [(row.version, row.state, row.reason) for row in manager.index()] == [("1", S.READY, "")]
+        assert manager.all_ready() and manager.resolve("m", "").version == 1
+        await manager.close()
+
+    asyncio.run(scenario())

@@ -439,6 +439,9 @@ class ModelManager:
             changed = entry is None or (
                 found != entry.fingerprint and (found is None or found != entry.failed_fingerprint)
             )
+            if entry is not None and entry.failed_fingerprint is not None and found == entry.fingerprint:
+                _forget_failed_reload(entry)  # the folder is back to what serves: the failure is history
+                self._changed()
             if changed:
                 logger.info("model %s: %s, loading", name, "new" if entry is None else "changed")
                 try:
@@ -671,6 +674,13 @@ def _show_failed_versions(serving: ModelEntry, failed: ModelEntry) -> None:
         serving.versions = {**serving.versions, **tried}  # one assignment: index() never sees the dict change
     else:
         serving.reason = f"reload failed, previous version kept serving: {failed.reason}"
+
+
+def _forget_failed_reload(serving: ModelEntry) -> None:
+    """What ``_show_failed_versions`` added, taken away: the folder the reload failed on is gone."""
+    serving.versions = {n: v for n, v in serving.versions.items() if v.state is ModelState.READY}
+    serving.failed_fingerprint = None
+    serving.reason = ""
 
 
 def _unchanged_versions(old: ModelEntry | None, new: ModelEntry, chosen: list[int]) -> dict[int, VersionEntry]:
