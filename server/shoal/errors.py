@@ -119,9 +119,10 @@ def bounded(message: str) -> str:
     """``message`` as a status may carry it: valid UTF-8 (a lone surrogate, as a non-UTF-8 file name
     decodes with ``surrogateescape``, becomes ``?``: no engine could encode it, and a gRPC status it
     failed to send left the call unanswered), cut to ``MAX_MESSAGE_BYTES``, saying so."""
-    encoded = message.encode("utf-8", errors="replace")
+    message = valid_utf8(message)
+    encoded = message.encode("utf-8")
     if len(encoded) <= MAX_MESSAGE_BYTES:
-        return encoded.decode("utf-8")
+        return message
     suffix = f"...(message truncated, {len(encoded)} bytes)"
     return encoded[: MAX_MESSAGE_BYTES - len(suffix)].decode("utf-8", errors="ignore") + suffix
 

@@ -37,6 +37,10 @@ class WireFormatError(ValueError):
     """Raw tensor content that does not match its declared datatype and shape."""
 
 
+class NegativeDimension(WireFormatError):
+    """A shape with a negative dim (the transport words it as Triton's core does)."""
+
+
 class ByteSizeMismatch(WireFormatError):
     """Fixed-size content whose byte count is not what the shape needs."""
 
@@ -79,7 +83,7 @@ def check_shape(datatype: DataType, shape: tuple[int, ...]) -> None:
     if len(shape) > MAX_DIMS:  # first: the messages below print the shape
         raise WireFormatError(f"shape has {len(shape)} dimensions, at most {MAX_DIMS} are supported")
     if shape and min(shape) < 0:
-        raise WireFormatError(f"shape {list(shape)} has a negative dimension")
+        raise NegativeDimension(f"shape {list(shape)} has a negative dimension")
     item_size = _OBJECT_SIZE if datatype is DataType.BYTES else _ITEM_SIZES[datatype]
     size = math.prod(shape) or math.prod(d for d in shape if d)
     if size * item_size > _MAX_BYTES:

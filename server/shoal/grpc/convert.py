@@ -325,13 +325,13 @@ def _declared(name: str, datatype_name: str, shape: tuple[int, ...], model: str,
     datatype = BY_NAME.get(datatype_name)
     if datatype is None:
         raise invalid(f"input '{shown(name)}': unknown datatype '{shown(datatype_name)}'")
-    if shape and len(shape) <= codec.MAX_DIMS and min(shape) < 0:  # in the words of Triton's core (Normalize)
+    try:
+        codec.check_shape(datatype, shape)
+    except codec.NegativeDimension:  # in the words of Triton's core (Normalize)
         raise invalid(
             f"{request_label(request_id)}All input dimensions should be specified for input '{shown(name)}' "
             f"for model '{shown(model)}', got [{','.join(map(str, shape))}]"
-        )
-    try:
-        codec.check_shape(datatype, shape)
+        ) from None
     except codec.WireFormatError as exc:
         raise invalid(f"input '{shown(name)}': {exc}") from None
     return datatype

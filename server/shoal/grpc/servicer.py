@@ -127,7 +127,9 @@ class InferenceServicer:
                 message.parameters[FINAL_PARAMETER].bool_param = part.final
                 put(
                     Written(
-                        pb.ModelStreamInferResponse(error_message=bounded(part.error), infer_response=message),
+                        pb.ModelStreamInferResponse(
+                            error_message=bounded(part.error) if part.error else "", infer_response=message
+                        ),
                         trace_id,
                         part.final,
                     )

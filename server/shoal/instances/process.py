@@ -405,11 +405,25 @@ class ProcessModel:
                 self._lock.release()
 
     def _answers_ping(self, timeout_s: float) -> bool:
+        """Whether the idle worker echoes a ping within ``timeout_s`` (lock held, no batch running);
+        what else it says first goes to ``_answer_unasked``."""
+        deadline = time.monotonic() + timeout_s
         try:
             self._conn.send(Ping())
-            return bool(self._conn.poll(timeout_s)) and isinstance(self._conn.recv(), Ping)
+            while self._conn.poll(max(0.0, deadline - time.monotonic())):
+                message = self._conn.recv()
+                if isinstance(message, Ping):
+                    return True
+                if not self._answer_unasked(message):
+                    return False
         except (EOFError, OSError):
-            return False
+            pass
+        return False
+
+    def _answer_unasked(self, message: Any) -> bool:
+        """A message the idle worker sent unasked, read by the liveness check: answered (True), or a sign
+        that the worker is out of step (False: it is replaced). A feed model's worker sends none."""
+        return False
 
     # -- closing --------------------------------------------------------------------------------------
 

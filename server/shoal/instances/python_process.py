@@ -64,7 +64,6 @@ from shoal.instances.worker_pipe import (
     Done,
     FrameReader,
     Grow,
-    Ping,
     PipedRequest,
     Response,
     RunRequests,
@@ -493,25 +492,15 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         sink = bls.CallbackSink(lambda result, final: finished((result, final))) if call.decoupled else None
         bls.start(self._host, call, sink, self._caller).add_done_callback(finished)
 
-    def _answers_ping(self, timeout_s: float) -> bool:
-        """The liveness check (lock held, no batch running). A BLS call the model made meanwhile from a
-        thread of its own, outside ``execute``, may come before the echo: nothing else reads the pipe
-        between batches, so it is answered here, at once, with an error (a process instance serves BLS
-        calls while a batch runs), where it was taken for a wrong echo and the worker killed."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            self._conn.send(Ping())
-            while self._conn.poll(max(0.0, deadline - time.monotonic())):
-                message = self._conn.recv()
-                if isinstance(message, Ping):
-                    return True
-                if not isinstance(message, Bls):
-                    return False
-                refusal = bls.BlsResult(error=OUTSIDE_EXECUTE)
-                self._conn.send(BlsReply(message.call_id, refusal, None, True, self._batch))
-        except (EOFError, OSError):
-            pass
-        return False
+    def _answer_unasked(self, message: Any) -> bool:
+        """A BLS call the model made between batches from a thread of its own, outside ``execute``: nothing
+        else reads the pipe then, so the liveness check answers it, at once, with an error (a process
+        instance serves BLS calls while a batch runs), where it was taken for a wrong echo and the worker
+        killed."""
+        if not isinstance(message, Bls):
+            return False
+        self._conn.send(BlsReply(message.call_id, bls.BlsResult(error=OUTSIDE_EXECUTE), None, True, self._batch))
+        return True
 
     def _reply(self, call_id: int, result: bls.BlsResult, final: bool = True) -> None:
         slots = None
