@@ -25,25 +25,8 @@ from shoal.errors import ErrorCode, ShoalError
 from shoal.instances import lifeline
 from shoal.instances.process import WorkerLimits
 from shoal.instances.python_process import PythonProcessModel
+from tests import python_models as pm
 from tests.polling import wait_until
-
-CONFIG = """
-backend: "python"
-max_batch_size: 4
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]
-"""
-MODEL = """
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [
-            pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)])
-            for r in requests
-        ]
-"""
 
 
 class Pending:
@@ -57,8 +40,8 @@ class Pending:
 def _model(tmp_path: Path) -> PythonProcessModel:
     folder = tmp_path / "double"
     (folder / "1").mkdir(parents=True)
-    (folder / "config.pbtxt").write_text(textwrap.dedent(CONFIG).lstrip())
-    (folder / "1" / "model.py").write_text(textwrap.dedent(MODEL).lstrip())
+    (folder / "config.pbtxt").write_text(textwrap.dedent(pm.DOUBLE_CONFIG).lstrip())
+    (folder / "1" / "model.py").write_text(textwrap.dedent(pm.DOUBLE).lstrip())
     spec = configure(folder, strict=False).spec
     return PythonProcessModel(spec, folder / "1" / "model.py", CPU, "double_0", 1, WorkerLimits(0.0, 0.0))
 

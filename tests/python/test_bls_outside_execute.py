@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from tests import python_models as pm
 from tests.polling import wait_until
 from tests.python_models import write_model
 
@@ -24,24 +25,7 @@ input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
 output [ { name: "OUT" data_type: TYPE_STRING dims: [ 1 ] } ]
 parameters { key: "liveness_check_interval_ms" value: { string_value: "200" } }
 """
-CALLEE_CONFIG = """
-backend: "python"
-max_batch_size: 0
-input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
-output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
-"""
-CALLEE = """
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [
-            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
-            for r in requests
-        ]
-"""
-# Answers its pid and starts a thread that calls "callee" once execute has returned (the test, holding
+# Answers its pid and starts a thread that calls "double" once execute has returned (the test, holding
 # the answer, writes the file GO), and writes what
 # the call got ("ok", or "error: ...") into the file GOT: the test waits on it without a request (a
 # batch would read the pipe, where the liveness check alone reads it while the server is idle).
@@ -61,7 +45,7 @@ class TritonPythonModel:
         while not Path({go!r}).exists() and time.monotonic() < deadline:  # the test has the answer
             time.sleep(0.01)
         response = pb_utils.InferenceRequest(
-            model_name="callee", inputs=[pb_utils.Tensor("IN", x)], requested_output_names=["OUT"]
+            model_name="double", inputs=[pb_utils.Tensor("X", x)], requested_output_names=["Y"]
         ).exec()
         got = "error: " + response.error().message() if response.has_error() else "ok"
         Path({got!r}).write_text(got)
@@ -81,7 +65,7 @@ def test_a_call_from_a_thread_after_execute_fails_at_once_and_the_worker_lives(
     tmp_path: Path, server_factory: Any
 ) -> None:
     repo = tmp_path / "repo"
-    write_model(repo, "callee", CALLEE_CONFIG, CALLEE)
+    write_model(repo, "double", pm.DOUBLE_CONFIG, pm.DOUBLE)
     got = tmp_path / "got"
     go = tmp_path / "go"
     write_model(repo, "linger", CONFIG, LINGER.replace("{got!r}", repr(str(got))).replace("{go!r}", repr(str(go))))
@@ -113,8 +97,8 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args):
         try:
-            x = pb_utils.Tensor("IN", np.ones(2, np.float32))
-            pb_utils.InferenceRequest(model_name="callee", inputs=[x], requested_output_names=["OUT"]).exec()
+            x = pb_utils.Tensor("X", np.ones(2, np.float32))
+            pb_utils.InferenceRequest(model_name="double", inputs=[x], requested_output_names=["Y"]).exec()
             self.said = "served"
         except pb_utils.TritonModelException as exc:
             self.said = exc.message()
@@ -136,17 +120,19 @@ def test_a_bls_call_in_initialize_raises_tritons_exception(tmp_path: Path, serve
     start": the call went down the pipe before the worker said it was ready); a thread instance's call
     was served through another thread model's link."""
     repo = tmp_path / "repo"
-    write_model(repo, "callee", CALLEE_CONFIG, CALLEE)
+    write_model(repo, "double", pm.DOUBLE_CONFIG, pm.DOUBLE)
     write_model(repo, "early_process", IN_INITIALIZE_CONFIG, BLS_IN_INITIALIZE)
     threads = 'parameters { key: "process_instances" value: { string_value: "false" } }'
     write_model(repo, "early_thread", IN_INITIALIZE_CONFIG + threads, BLS_IN_INITIALIZE)
-    write_model(repo, "other_thread", CALLEE_CONFIG + threads, CALLEE)  # installs a thread link first
-    server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "callee")
+    write_model(repo, "other_thread", pm.DOUBLE_CONFIG + threads, pm.DOUBLE)  # installs a thread link first
+    server = server_factory(repo, "--model-control-mode", "explicit", "--load-model", "double")
     with grpcclient.InferenceServerClient(server.url) as client:
         tensor = grpcclient.InferInput("IN", [2], "FP32")
         tensor.set_data_from_numpy(np.ones(2, np.float32))
         client.load_model("other_thread")
-        client.infer("other_thread", [tensor])
+        x = grpcclient.InferInput("X", [2], "FP32")
+        x.set_data_from_numpy(np.ones(2, np.float32))
+        client.infer("other_thread", [x])
         for model in ("early_process", "early_thread"):
             client.load_model(model)
             said = client.infer(model, [tensor]).as_numpy("OUT")[0].decode()
