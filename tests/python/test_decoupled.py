@@ -336,3 +336,60 @@ def test_a_later_requests_cancellation_is_passed_on_while_an_earlier_one_is_open
     finally:
         model.finalize()
     assert model.model.seen == [1, 0]
+
+
+PLAIN_SQUARE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            n = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", n * n)]))
+        return responses
+"""
+
+
+def test_a_stream_serves_a_model_as_it_is_after_a_reload_changes_its_transaction_policy(
+    server_factory: Any, tmp_path: Path
+) -> None:
+    """A stream opened before a model is reloaded as decoupled (and back) serves each request as the
+    model is when it comes, as Triton's stream handler does: not as the stream first found it."""
+    folder = tmp_path / "repo" / "square"
+    (folder / "1").mkdir(parents=True)
+
+    def write(decoupled: bool) -> None:
+        config = decoupled_models.SQUARE_CONFIG
+        if not decoupled:
+            config = config.replace("model_transaction_policy { decoupled: true }\n", "")
+        (folder / "config.pbtxt").write_text(config)
+        (folder / "1" / "model.py").write_text(decoupled_models.SQUARE if decoupled else PLAIN_SQUARE)
+
+    write(decoupled=False)
+    server = server_factory(tmp_path / "repo", "--model-control-mode", "explicit", "--load-model", "square")
+    with grpcclient.InferenceServerClient(server.url) as client:
+        stream = Stream(client)
+        try:
+            stream.send("square", "plain", IN=np.array([3], dtype=np.int32))
+            [(result, error)] = stream.take(1)
+            assert error is None and int(result.as_numpy("OUT")[0]) == 9
+
+            write(decoupled=True)
+            client.load_model("square")
+            stream.send("square", "decoupled", IN=np.array([3], dtype=np.int32))
+            [(_, error)] = items = stream.take(1)
+            assert error is None  # not refused as a request for one response
+            items += stream.take(2)
+            assert [int(result.as_numpy("OUT")[0]) for result, _ in items] == [3, 3, 3]
+            assert stream.nothing_more()
+
+            write(decoupled=False)
+            client.load_model("square")
+            stream.send("square", "plain again", IN=np.array([4], dtype=np.int32))
+            [(result, error)] = stream.take(1)
+            assert error is None and int(result.as_numpy("OUT")[0]) == 16
+        finally:
+            client.stop_stream()

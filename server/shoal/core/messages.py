@@ -23,7 +23,7 @@ Host → worker:
 - ``Release``: nothing in the host refers to these requests' inputs any more
 - ``Streamed``: one response of a streaming ``Infer``, its outputs in a block of their own (``names``
   None: no outputs)
-- ``Health``: model or server state changed: read health again
+- ``Health``: model or server state changed: read health again, and forget which models are decoupled
 - ``Stop``: stop serving, finish what is open within ``grace_s``
 - ``Ping``: the liveness check: a worker whose loop is stuck never answers
 

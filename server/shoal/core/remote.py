@@ -72,6 +72,11 @@ class RemoteCore:
         self._input_blocks: dict[int, int] = {}  # id -> its input block, until the host releases it
         self._streams: dict[int, RemoteStream] = {}  # streaming requests the host still answers
         self._freed: list[int] = []  # response blocks to give back
+        # Whether each (model, version) is decoupled, asked once per stream request: kept until the host
+        # says a model changed (``Health``); ``_model_changes`` counts those, so that an answer asked
+        # before a change is not kept after it.
+        self._decoupled: dict[tuple[str, str], bool] = {}
+        self._model_changes = 0
         self._flush_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -116,7 +121,14 @@ class RemoteCore:
         return config
 
     async def model_decoupled(self, name: str, version: str) -> bool:
-        return bool(await self._call("model_decoupled", name, version))
+        known = self._decoupled.get((name, version))
+        if known is not None:
+            return known
+        changes = self._model_changes
+        decoupled = bool(await self._call("model_decoupled", name, version))
+        if changes == self._model_changes:
+            self._decoupled[(name, version)] = decoupled
+        return decoupled
 
     async def _pack_inputs(self, request: InferRequest) -> tuple[int, list[packing.Slot]]:
         try:
@@ -275,6 +287,8 @@ class RemoteCore:
                 self._free_input(self._input_blocks.pop(request_id, packing.NO_BLOCK))
             return
         if kind is messages.Health:
+            self._model_changes += 1
+            self._decoupled.clear()
             self._on_health()
             return
         if kind is messages.Stop:

@@ -14,7 +14,9 @@ request in flight is answered, then the stream ends; if the reader of the answer
 request in flight is cancelled. A request of a sequence starts only once the stream's previous
 request of that sequence is answered, so a sequence runs in the order sent (Triton's sequence
 batcher relies on it), in either process layout. Whether a model is decoupled is asked of the core
-once per model and version on a stream.
+for each request, as Triton's handler asks: a model reloaded with another transaction policy is served
+as it is now on a stream opened before (a front-end worker's core keeps the answers until the host
+says a model changed).
 """
 
 from __future__ import annotations
@@ -65,7 +67,6 @@ class InferStream(Generic[Message, Answer]):
         self._answer = answer
         self._stream = stream
         self._max_in_flight = max_in_flight
-        self._decoupled: dict[tuple[str, str], bool] = {}
 
     async def answers(self, messages: AsyncIterator[Message]) -> AsyncGenerator[Answer, None]:
         slots = asyncio.Semaphore(self._max_in_flight)
@@ -124,13 +125,10 @@ class InferStream(Generic[Message, Answer]):
                 task.cancel()
 
     async def _is_decoupled(self, route: Route) -> bool:
-        key = (route.model, route.version)
-        if key not in self._decoupled:
-            try:
-                self._decoupled[key] = await self._core.model_decoupled(*key)
-            except Exception:  # noqa: BLE001 - not served: the one-answer path reports it in the stream
-                return False
-        return self._decoupled[key]
+        try:
+            return await self._core.model_decoupled(route.model, route.version)
+        except Exception:  # noqa: BLE001 - not served: the one-answer path reports it in the stream
+            return False
 
     async def _answer_after(self, message: Message, after: asyncio.Task[Any] | None) -> Answer:
         if after is not None:
