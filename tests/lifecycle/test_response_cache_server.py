@@ -18,7 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests import ensemble_models, models, python_models
+from tests import ensemble_models, models, python_models, sequence_models
 from tests.conftest import RunningServer, serving
 from tests.polling import metric, wait_until
 from tests.prometheus_text import parse, scrape
@@ -113,6 +113,15 @@ def server(repo: Path, tmp_path_factory: pytest.TempPathFactory, layout: tuple[s
         """,
     )
     (repo / "sequence" / "1").mkdir()
+    sequence_models.add_accumulator(repo, "accumulate")
+    ensemble_models.add_ensemble(
+        repo,
+        "accumulating",
+        [ensemble_models.step("accumulate", {"INPUT": "INPUT"}, {"OUTPUT": "OUTPUT"})],
+        io='input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]',
+        extra=CACHE,
+    )
     with serving(
         repo,
         tmp_path_factory.mktemp("server"),
@@ -183,7 +192,8 @@ def test_the_cache_metrics_are_tritons_and_only_for_the_models_that_use_it(serve
         "nv_cache_miss_duration_per_model",
     ):
         assert families[name].type == "counter"
-        assert {s.labels["model"] for s in families[name].samples} == {"cached", "composed", "offset"}
+        enabled = {"cached", "composed", "offset", "accumulating"}  # the models whose config enables the cache
+        assert {s.labels["model"] for s in families[name].samples} == enabled
     # nv_inference_count leaves the hits out; nv_inference_request_success counts them
     assert metric(server, "nv_inference_count", "cached") == entry["inference_count"]
     assert metric(server, "nv_inference_request_success", "cached") == count(entry, "success")
@@ -217,6 +227,37 @@ def test_decoupled_and_sequence_models_refuse_the_cache_in_tritons_words(server:
         "Response Cache does not currently support model sequence with sequence batching scheduler. "
         "Please disable the response cache."
     ) in index["sequence"]["reason"]
+
+
+def test_a_caching_ensemble_over_a_sequence_model_answers_from_the_sequence_not_the_cache(
+    server: RunningServer,
+) -> None:
+    """A sequence's answers depend on its state: a sequence id used again, with the same inputs as before,
+    gets the sums of this run, not the last run's from the cache (Triton 2.51 answers the cached one)."""
+
+    def sums(client: grpcclient.InferenceServerClient, values: list[float]) -> list[float]:
+        found = []
+        for index, value in enumerate(values):
+            tensor = grpcclient.InferInput("INPUT", [1, 1], "FP32")
+            tensor.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+            result = client.infer(
+                "accumulating",
+                [tensor],
+                sequence_id=5,
+                sequence_start=index == 0,
+                sequence_end=index == len(values) - 1,
+            )
+            found.append(float(result.as_numpy("OUTPUT")[0, 0]))
+        return found
+
+    with grpcclient.InferenceServerClient(server.url) as client:
+        assert sums(client, [10.0, 1.0]) == [10.0, 11.0]
+        assert sums(client, [3.0, 1.0]) == [3.0, 4.0]  # the END's request is the first run's again
+        assert sums(client, [10.0, 1.0]) == [10.0, 11.0]
+        stats = client.get_inference_statistics("accumulating", as_json=True)["model_stats"][0]
+    assert count(stats, "cache_hit") == 0 and count(stats, "success") == 6
+    said = "ensemble accumulating: its response cache is not used while its step model accumulate has a sequence"
+    assert server.log().count(said) == 1  # named once, not ignored in silence
 
 
 def test_every_answer_is_its_own_under_concurrent_clients_and_constant_eviction(tmp_path: Path, server_factory) -> None:

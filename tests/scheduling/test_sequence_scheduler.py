@@ -228,3 +228,28 @@ def test_oldest_batches_ready_sequences_and_keeps_each_in_order() -> None:
         assert sched.statistics.success.count == 24
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("strategy", ["direct", "oldest"])
+def test_a_backlogged_sequence_whose_end_was_given_up_still_frees_its_slot(strategy: str) -> None:
+    """The END a client gave up while its sequence waited in the backlog still ends the sequence once it
+    holds a slot (its requests before the END run first), so the slot goes to the next sequence. It once
+    stayed taken for good: every later sequence waited in the backlog, and an unload waited for them."""
+
+    async def main() -> None:
+        options: dict[str, Any] = {"max_candidate_sequences": 1} if strategy == "oldest" else {}
+        sched, _ = scheduler(max_batch_size=1, strategy=strategy, **options)
+        assert await step(sched, 1, 1.0, start=True) == 1.0  # sequence 1 holds the only slot
+        start = asyncio.create_task(step(sched, 3, 5.0, start=True))
+        end = asyncio.create_task(step(sched, 3, 7.0, end=True))
+        while sched.queued < 2:  # both wait in the backlog
+            await asyncio.sleep(0)
+        end.cancel()
+        await asyncio.wait([end])
+        assert await step(sched, 1, 1.0, end=True) == 2.0  # sequence 3 moves in
+        assert await start == 5.0
+        fresh = step(sched, 10, 42.0, start=True, end=True)
+        assert await asyncio.wait_for(fresh, 10) == 42.0
+        assert sched.active_sequences == 0
+
+    asyncio.run(main())

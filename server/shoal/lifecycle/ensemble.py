@@ -90,6 +90,7 @@ class EnsembleVersion(ModelVersion):
         self._steps = spec.ensemble.steps
         self._plans: dict[tuple[str, ...], tuple[EnsembleStep, ...]] = {}
         self._in_flight = InFlight()  # close() lets the running requests finish (their steps hold models)
+        self._uncached_for: set[str] = set()  # the stateful steps it said it serves uncached for
         self._closing = False
 
     @property
@@ -103,13 +104,41 @@ class EnsembleVersion(ModelVersion):
     def can_serve(self) -> bool:
         return not self._closing
 
+    def _step_versions(self) -> list[ModelVersion]:
+        """The versions its steps resolve to now (ShoalError: one is gone)."""
+        return [
+            self._registry.resolve(step.model_name, str(step.model_version) if step.model_version >= 0 else "")
+            for step in self._steps
+        ]
+
     def composition(self) -> tuple[int, ...]:
         """Its load number and those of the versions its steps resolve to now (ShoalError: one is gone)."""
-        numbers = [self.load_number]
-        for step in self._steps:
-            version = str(step.model_version) if step.model_version >= 0 else ""
-            numbers += self._registry.resolve(step.model_name, version).composition()
-        return tuple(numbers)
+        return (self.load_number, *(number for served in self._step_versions() for number in served.composition()))
+
+    def stateful_model(self) -> str | None:
+        return next((found for served in self._step_versions() if (found := served.stateful_model())), None)
+
+    def _cache_key(self) -> tuple[int, ...] | None:
+        """What its cached answers are filed under now; None when the cache must not be used: a step's model
+        is gone (the steps fail the request in their words), or a step's answers depend on more than the
+        request (Triton loads such an ensemble and answers a sequence from another one's cached answer;
+        Shoal serves it without the cache, and says so once per such step)."""
+        try:
+            stateful = self.stateful_model()
+            composition = self.composition()
+        except ShoalError:
+            return None
+        if stateful is None:
+            return composition
+        if stateful not in self._uncached_for:
+            self._uncached_for.add(stateful)
+            logger.warning(
+                "ensemble %s: its response cache is not used while its step model %s has a sequence batcher "
+                "or is decoupled (its answers depend on more than the request)",
+                self.spec.name,
+                stateful,
+            )
+        return None
 
     async def infer(self, request: InferRequest) -> InferResponse:
         if self._closing:
@@ -127,10 +156,7 @@ class EnsembleVersion(ModelVersion):
         lookup = None
         changes = self._registry.changes
         if self.cache is not None:
-            try:
-                composition = self.composition()
-            except ShoalError:  # a step's model is gone: the steps fail the request in their words
-                composition = None
+            composition = self._cache_key()
             if composition is not None:
                 lookup = await self.cache.look_up(prepared, request.parameters, composition, arrival_ns)
                 if lookup.outputs is not None:

@@ -168,6 +168,12 @@ class ModelVersion:
         """The load numbers of what answers this version's requests: its own (an ensemble adds its steps')."""
         return (self.load_number,)
 
+    def stateful_model(self) -> str | None:
+        """The model answering this version's requests (itself, or an ensemble's step) whose answers no
+        response cache may keep: a sequence model's depend on its sequence's state, a decoupled model's
+        are several. None when there is none."""
+        return self.spec.name if self.spec.sequence_batching is not None or self.spec.decoupled else None
+
     def bind_host(self, host: Callable[..., Any]) -> None:
         """Give the instances that call other models (Python models' BLS) the host's entry point, and
         this version, which they name as the caller (a call to the calling version itself may be refused)."""

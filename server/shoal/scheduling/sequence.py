@@ -282,9 +282,8 @@ class SequenceScheduler:
         slot.states = None
         while self._backlog:
             backlog = self._backlog.popleft()
-            requests = [r for r in backlog.requests if not r.future.done()]
             cid = backlog.correlation_id
-            if not requests:  # every request it sent was given up: the sequence is over, not waiting
+            if all(r.future.done() for r in backlog.requests):  # every request given up: over, not waiting
                 if self._backlogged.get(cid) is backlog:
                     del self._backlogged[cid]
                 continue
@@ -292,7 +291,9 @@ class SequenceScheduler:
             if self._backlogged.get(cid) is backlog:
                 del self._backlogged[cid]
                 self._active[cid] = slot
-            for request in requests:
+            # The given-up ones too: the lane skips them but honours an END among them, which ends the
+            # sequence after the requests before it ran (nothing else would: an ended sequence is not active).
+            for request in backlog.requests:
                 self._enqueue(slot, request)
             return
         heapq.heappush(self._free, (slot.index, slot.lane))
