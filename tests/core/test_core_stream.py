@@ -2,18 +2,25 @@
 
 The order it keeps is Triton's stream handler's (answers of ordinary models in arrival order, a
 decoupled model's as they come, a sequence's requests one after the other); the gRPC tests
-(test_stream_infer.py, test_decoupled.py) check the same through a real server.
+(test_stream_infer.py, test_decoupled.py) check the same through a real server. Last, the local core's
+``infer_stream`` when a reload changes the version between its two choices.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 
+from shoal.core.local import LocalCore
 from shoal.core.stream import InferStream, Route
 from shoal.errors import DecoupledRefused, ErrorCode, ShoalError, rebuilt
+from shoal.protocol.types import DataType
+from shoal.request_types import InferRequest, InferResponse, Tensor
 
 
 class FakeCore:
@@ -189,3 +196,59 @@ def test_the_decoupled_refusal_crosses_a_process_boundary_as_its_type() -> None:
     assert again.code is ErrorCode.UNSUPPORTED
     plain = rebuilt(ErrorCode.NOT_FOUND.value, "gone", "")
     assert type(plain) is ShoalError and plain.code is ErrorCode.NOT_FOUND
+
+
+def test_a_request_whose_model_turned_decoupled_after_it_was_routed_streams_its_answers() -> None:
+    """The model was reloaded as decoupled between the stream's question and the request's run: the
+    one-answer path refuses it (``DecoupledRefused``), and the stream sends it down the streaming path,
+    its answers before the stream's end, where it once failed the request in ModelInfer's words."""
+
+    async def main() -> list[str]:
+        async def answer(message: str) -> str:
+            if message.startswith("flipped"):
+                raise DecoupledRefused()
+            return f"answer {message}"
+
+        async def stream(message: str, put: Callable[[str], None]) -> None:
+            for part in ("1", "2", "final"):
+                await asyncio.sleep(0)
+                put(f"{message} part {part}")
+
+        return await collect(InferStream(FakeCore(set()), route, answer, stream), ["plain:1", "flipped:2", "plain:3"])
+
+    answers = run(main())
+    assert answers[0] == "answer plain:1"
+    assert sorted(answers[1:]) == ["answer plain:3", "flipped:2 part 1", "flipped:2 part 2", "flipped:2 part final"]
+    assert answers.index("flipped:2 part 1") < answers.index("flipped:2 part final")
+
+
+class ReloadedAsPlain:
+    """A manager whose model is decoupled when ``infer_stream`` chooses the version and plain when the
+    request runs (a reload between the two choices)."""
+
+    def __init__(self) -> None:
+        self.choices = 0
+
+    def resolve(self, name: str, version: str) -> Any:
+        self.choices += 1
+        if self.choices == 1:
+            return SimpleNamespace(spec=SimpleNamespace(decoupled=True, name=name), version=1)
+
+        async def infer(request: InferRequest) -> InferResponse:
+            out = Tensor("OUT", DataType.INT32, (1,), np.array([42], dtype=np.int32))
+            return InferResponse(name, "2", request.id, (out,))
+
+        return SimpleNamespace(spec=SimpleNamespace(decoupled=False, name=name), version=2, infer=infer)
+
+
+def test_a_streamed_request_answered_by_a_version_reloaded_as_plain_gets_that_answer() -> None:
+    """The plain version answers the request itself, not through the sink: its answer is the stream's
+    one response, final, where it was once lost ("the model's execution ended before it sent the FINAL flag")."""
+
+    async def main() -> list[Any]:
+        core = LocalCore(ReloadedAsPlain())  # type: ignore[arg-type]
+        return [part async for part in core.infer_stream(InferRequest("m", "", "r1", ()))]
+
+    [part] = asyncio.run(main())
+    assert part.final and not part.error
+    assert part.response.model_version == "2" and int(part.response.outputs[0].data[0]) == 42

@@ -224,6 +224,12 @@ class LocalCore:
                 item, final = await sink.queue.get()
                 if item is ENDED:  # the execution ended (or failed) without its FINAL flag
                     error = task.exception() if not task.cancelled() else None
+                    if error is None and not task.cancelled() and task.result().outputs:
+                        # A version that is not decoupled answered it (a reload between the two choices of
+                        # version): its one answer, final. A decoupled version's answer has no outputs.
+                        handed_out = final_seen = True
+                        yield StreamedResponse(task.result(), True, trace_id=trace_id)
+                        return
                     message = error.message if isinstance(error, ShoalError) else ENDED.message
                     if error is not None and not isinstance(error, ShoalError):
                         message = internal_error(error, f"running a streaming request to model {request.model_name}")

@@ -16,7 +16,8 @@ request of that sequence is answered, so a sequence runs in the order sent (Trit
 batcher relies on it), in either process layout. Whether a model is decoupled is asked of the core
 for each request, as Triton's handler asks: a model reloaded with another transaction policy is served
 as it is now on a stream opened before (a front-end worker's core keeps the answers until the host
-says a model changed).
+says a model changed); a request routed to one answer whose model was reloaded as decoupled before it
+ran (``answer`` raises ``DecoupledRefused``) streams instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, 
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from shoal.core import Core
+from shoal.errors import DecoupledRefused
 
 # Requests one stream may have in flight (read and not yet answered). Deep enough for a client
 # pipelining on one stream to fill a dynamic batch; past it the stream is not read, so one stream
@@ -46,12 +48,20 @@ class Route(NamedTuple):
     sequence: Hashable | None
 
 
+class _Restreamed:
+    """What an ordered request's place holds when the model turned out decoupled: its answers stream."""
+
+
+RESTREAMED = _Restreamed()
+
+
 class InferStream(Generic[Message, Answer]):
     """Orders one stream's answers; ``answers`` is the stream, read once.
 
     ``route(message)``: where it goes, read without decoding it. ``answer(message)``: its one answer
-    (a failure is an answer too). ``stream(message, put)``: a decoupled model's answers, each
-    ``put`` as it comes (failures too); it returns after the last one.
+    (a failure is an answer too; ``DecoupledRefused`` raised: the model is decoupled after all).
+    ``stream(message, put)``: a decoupled model's answers, each ``put`` as it comes (failures too); it
+    returns after the last one.
     """
 
     def __init__(
@@ -71,16 +81,22 @@ class InferStream(Generic[Message, Answer]):
     async def answers(self, messages: AsyncIterator[Message]) -> AsyncGenerator[Answer, None]:
         slots = asyncio.Semaphore(self._max_in_flight)
         # Answers in the order they are written, each with whether writing it frees a slot; None: the
-        # client sent its last request and every decoupled request has its final response.
-        queue: asyncio.Queue[tuple[asyncio.Future[Answer], bool] | None] = asyncio.Queue()
+        # client sent its last request and every request it sent is answered (a decoupled one: FINAL).
+        queue: asyncio.Queue[tuple[asyncio.Future[Answer | _Restreamed], bool] | None] = asyncio.Queue()
         in_flight: set[asyncio.Task[Any]] = set()
-        streaming: set[asyncio.Task[None]] = set()
-        last_of_sequence: dict[tuple[str, Hashable], asyncio.Task[Answer]] = {}
+        last_of_sequence: dict[tuple[str, Hashable], asyncio.Task[Answer | _Restreamed]] = {}
 
         def put(answer: Answer) -> None:
             written = asyncio.get_running_loop().create_future()
             written.set_result(answer)
             queue.put_nowait((written, False))
+
+        def stream(message: Message) -> None:
+            """A decoupled model's request: its answers go out as they come; it frees its slot after the last."""
+            task = asyncio.create_task(self._stream(message, put))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+            task.add_done_callback(lambda _: slots.release())
 
         async def read() -> None:
             try:
@@ -88,17 +104,12 @@ class InferStream(Generic[Message, Answer]):
                 async for message in messages:
                     route = self._route(message)
                     if await self._is_decoupled(route):
-                        task = asyncio.create_task(self._stream(message, put))
-                        in_flight.add(task)
-                        streaming.add(task)
-                        task.add_done_callback(in_flight.discard)
-                        task.add_done_callback(streaming.discard)
-                        task.add_done_callback(lambda _: slots.release())
+                        stream(message)
                         await slots.acquire()
                         continue
                     key = (route.model, route.sequence) if route.sequence is not None else None
                     after = last_of_sequence.get(key) if key is not None else None
-                    answered = asyncio.create_task(self._answer_after(message, after))
+                    answered = asyncio.create_task(self._answer_after(message, after, stream))
                     in_flight.add(answered)
                     answered.add_done_callback(in_flight.discard)
                     if key is not None:
@@ -106,8 +117,10 @@ class InferStream(Generic[Message, Answer]):
                         answered.add_done_callback(functools.partial(_forget, last_of_sequence, key))
                     queue.put_nowait((answered, True))
                     await slots.acquire()
-                if streaming:  # the client is done sending: answer what it sent, then end
-                    await asyncio.wait(set(streaming))
+                # The client is done sending: answer what it sent, then end (a request answered in order may
+                # still turn into a stream, whose answers must go before the end).
+                while in_flight:
+                    await asyncio.wait(set(in_flight))
             finally:
                 queue.put_nowait(None)
 
@@ -115,7 +128,10 @@ class InferStream(Generic[Message, Answer]):
         try:
             while (item := await queue.get()) is not None:
                 answer, frees_slot = item
-                yield await answer
+                written = await answer
+                if isinstance(written, _Restreamed):  # its answers stream, and it frees its slot after the last
+                    continue
+                yield written
                 if frees_slot:
                     slots.release()
             await reader  # raises what ended the reading (a malformed message): the transport reports it
@@ -130,10 +146,16 @@ class InferStream(Generic[Message, Answer]):
         except Exception:  # noqa: BLE001 - not served: the one-answer path reports it in the stream
             return False
 
-    async def _answer_after(self, message: Message, after: asyncio.Task[Any] | None) -> Answer:
+    async def _answer_after(
+        self, message: Message, after: asyncio.Task[Any] | None, stream: Callable[[Message], None]
+    ) -> Answer | _Restreamed:
         if after is not None:
             await asyncio.wait([after])
-        return await self._answer(message)
+        try:
+            return await self._answer(message)
+        except DecoupledRefused:  # the model was reloaded as decoupled after this request was routed
+            stream(message)
+            return RESTREAMED
 
 
 def _forget(

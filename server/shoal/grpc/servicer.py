@@ -19,7 +19,7 @@ import grpc
 
 from shoal.core import Core
 from shoal.core.stream import InferStream, Route
-from shoal.errors import bounded
+from shoal.errors import DecoupledRefused, bounded
 from shoal.grpc import convert, offload
 from shoal.grpc.status import to_status
 from shoal.protocol import service_pb2 as pb
@@ -155,6 +155,8 @@ class InferenceServicer:
                     self.core.sent(response.trace_id, 0, 0)
                 raise
             return Written(pb.ModelStreamInferResponse(infer_response=message), response.trace_id)
+        except DecoupledRefused:  # the model was reloaded as decoupled: the stream sends it down that path
+            raise
         except Exception as exc:  # noqa: BLE001 - reported in-stream; the stream goes on
             _, text = to_status(exc)
             failed = pb.ModelInferResponse(id=request.id)  # so the client knows which request failed
