@@ -13,7 +13,9 @@ Stop (SIGTERM/SIGINT), all within ``--exit-timeout-secs``:
 3. stop HTTP and gRPC (open streams get ``STREAM_GRACE_S``), unload the models, exit 0.
 
 If the bound passes first, the worker processes are killed and the process exits with
-``EXIT_FORCED`` (3): a watchdog thread does it even if the event loop is stuck.
+``EXIT_FORCED`` (3): a watchdog thread does it even if the event loop is stuck. After "stopped", a
+second watchdog bounds what is left (``HELD_EXIT_GRACE_S`` at least): a thread a thread-instance
+model started as a non-daemon would otherwise hold the interpreter's exit for ever.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from shoal.tracing.tracer import Tracer
 logger = logging.getLogger(__name__)
 
 STREAM_GRACE_S = 1.0  # after the drain, for RPCs that are open but carry no request
+HELD_EXIT_GRACE_S = 5.0  # after "stopped", what is left of the exit gets at least this (see the docstring)
 
 
 async def serve(settings: ServerSettings) -> int:
@@ -143,8 +146,30 @@ async def serve(settings: ServerSettings) -> int:
     core.regions.close()  # clients' shared memory: unmapped, never unlinked (theirs)
     await close_tracer(core, deadline)
     watchdog.cancel()
+    held = threading.Timer(max(HELD_EXIT_GRACE_S, deadline - time.monotonic()), exit_held)
+    held.daemon = True  # a normal exit does not wait for it
+    held.start()
     logger.info("stopped")
     return 0
+
+
+def exit_held() -> None:
+    """The server stopped but the process did not end: threads still running hold the interpreter's exit
+    (a model's thread that is no daemon). Name them, and leave with EXIT_FORCED."""
+    running = sorted(
+        thread.name
+        for thread in threading.enumerate()
+        if thread.is_alive() and not thread.daemon and thread is not threading.main_thread()
+    )
+    logger.error(
+        "stopped, but threads still running held the exit past the exit timeout (%s): exiting with code %d",
+        ", ".join(running) or "none",
+        EXIT_FORCED,
+    )
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_FORCED)
 
 
 async def close_tracer(core: LocalCore, deadline: float) -> None:

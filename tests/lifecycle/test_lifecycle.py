@@ -18,7 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shoal.clients import ClientError, InferenceClient
-from tests import models
+from shoal.settings import EXIT_FORCED
+from tests import models, python_models
 from tests.polling import metric, success_count, wait_until
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
@@ -209,6 +210,44 @@ def test_graceful_shutdown_completes_every_accepted_request(tmp_path: Path, serv
     assert server.process.wait(timeout=30) == 0
     assert sorted(results) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], results
     assert "shutting down" in server.log()
+
+
+LINGERS_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+parameters { key: "process_instances" value: { string_value: "false" } }
+"""
+
+# A thread-instance model that leaves a thread running which is no daemon: Python's exit waits for it.
+LINGERS = """
+import threading
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        threading.Thread(target=time.sleep, args=(600,), daemon=False, name="model-lingers").start()
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
+            for r in requests
+        ]
+"""
+
+
+def test_a_thread_a_model_leaves_running_does_not_hold_the_exit_for_ever(tmp_path: Path, server_factory) -> None:
+    python_models.write_model(tmp_path / "repo", "lingers", LINGERS_CONFIG, LINGERS)
+    server = server_factory(tmp_path / "repo", "--exit-timeout-secs", "5")
+    with InferenceClient(server.url, timeout_s=30) as client:
+        assert list(client.infer("lingers", {"IN": np.ones(4, np.float32)})["OUT"]) == [1.0] * 4
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=120) == EXIT_FORCED  # it once never ended
+    log = server.log()
+    assert "stopped" in log and "held the exit past the exit timeout (model-lingers)" in log, log
 
 
 def test_overload_is_answered_promptly_while_health_stays_responsive(tmp_path: Path, server_factory) -> None:
