@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from shoal.errors import ShoalError
 from shoal.protocol.types import DataType
 from shoal.repository.sequence_config import Control, ControlKind, SequenceBatching, StateSpec
+from shoal.scheduling import sequence as sequence_module
 from shoal.scheduling.batching import execute_as_one_feed
 from shoal.scheduling.sequence import SequenceScheduler
 from shoal.statistics import ModelStatistics
@@ -250,6 +252,33 @@ def test_a_backlogged_sequence_whose_end_was_given_up_still_frees_its_slot(strat
         assert await start == 5.0
         fresh = step(sched, 10, 42.0, start=True, end=True)
         assert await asyncio.wait_for(fresh, 10) == 42.0
+        assert sched.active_sequences == 0
+
+    asyncio.run(main())
+
+
+def test_a_sequence_found_idle_keeps_its_slot_for_the_grace_period_whatever_wakes_the_reaper(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found idle, a sequence is released only once it is still idle ``IDLE_GRACE_NS`` later: another
+    sequence's timer that runs the reaper within the grace releases nothing (it once did, and the END
+    that came within the grace was refused for want of a START). The batcher's clock is played here."""
+    clock = [10**12]
+    monkeypatch.setattr(sequence_module, "time", SimpleNamespace(monotonic_ns=lambda: clock[0]))
+
+    async def main() -> None:
+        sched, _ = scheduler(max_sequence_idle_us=300_000)
+        assert await step(sched, 1, 1.0, start=True) == 1.0
+        clock[0] += 310_000_000  # idle past its limit: found so
+        sched._reap()
+        clock[0] += sequence_module.IDLE_GRACE_NS // 2  # another sequence's timer, within the grace
+        sched._reap()
+        assert await step(sched, 1, 2.0, end=True) == 3.0  # still its slot, its state
+        assert await step(sched, 2, 5.0, start=True) == 5.0
+        clock[0] += 310_000_000
+        sched._reap()
+        clock[0] += sequence_module.IDLE_GRACE_NS
+        sched._reap()  # still idle a grace period after it was found: released
         assert sched.active_sequences == 0
 
     asyncio.run(main())

@@ -93,7 +93,8 @@ class SequenceScheduler:
         self._free: list[tuple[int, int]] = []  # (slot index, lane): the lowest index first
         self._slots: list[list[Slot]] = []
         self._last_seen: dict[CorrelationId, int] = {}
-        self._suspects: set[CorrelationId] = set()  # found idle once; released if still idle a grace period later
+        # Found idle once, and when: released if still idle a grace period after that.
+        self._suspects: dict[CorrelationId, int] = {}
         self._lanes: list[Lane] = []
         self._reaper: asyncio.TimerHandle | None = None
         self._reaper_at_ns: int | None = None
@@ -216,7 +217,7 @@ class SequenceScheduler:
         cid = request.correlation_id
         now = request.arrival_ns
         self._last_seen[cid] = now
-        self._suspects.discard(cid)
+        self._suspects.pop(cid, None)
         self._arm_reaper(now + self.batching.max_sequence_idle_us * 1000)
         if request.start and (cid in self._active or cid in self._backlogged):
             logger.warning(
@@ -326,10 +327,11 @@ class SequenceScheduler:
             if now - seen < idle_ns:
                 next_at = min(next_at or seen + idle_ns, seen + idle_ns)
                 continue
-            if cid in self._active and cid not in self._suspects:
+            found_ns = self._suspects.get(cid)
+            if cid in self._active and found_ns is None:
                 # Found idle: confirmed one grace period later, after the event loop has read what reached the
                 # server meanwhile (perf_analyzer lost sequences to a loop that woke only for this timer).
-                self._suspects.add(cid)
+                self._suspects[cid] = now
                 slot = self._active[cid]
                 if any(item is not RELEASE for item in slot.queue):
                     logger.warning(
@@ -337,6 +339,9 @@ class SequenceScheduler:
                     )
                 self._lanes[slot.lane].wake(slot)
                 next_at = min(next_at or now + IDLE_GRACE_NS, now + IDLE_GRACE_NS)
+            elif cid in self._active and found_ns is not None and now - found_ns < IDLE_GRACE_NS:
+                # Within its grace: another sequence's timer woke the reaper, not this one's.
+                next_at = min(next_at or found_ns + IDLE_GRACE_NS, found_ns + IDLE_GRACE_NS)
             elif cid in self._active:
                 logger.debug(
                     "model %s: sequence %s idle for %d µs, its slot is released",
@@ -344,7 +349,7 @@ class SequenceScheduler:
                     cid,
                     self.batching.max_sequence_idle_us,
                 )
-                self._suspects.discard(cid)
+                self._suspects.pop(cid, None)
                 self._enqueue(self._active.pop(cid), RELEASE)
                 del self._last_seen[cid]
             elif cid in self._backlogged:  # waits for a slot: looked at again later (Triton: 50 ms)
