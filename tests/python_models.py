@@ -61,6 +61,16 @@ class TritonPythonModel:
         self.logger.log_info("add_sub finalized")
 """
 
+# One FP32 [4] input and output, unbatched, on one thread instance.
+FP32_4_ON_A_THREAD_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+parameters { key: "process_instances" value: { string_value: "false" } }
+"""
+
 ECHO_CONFIG = """
 backend: "python"
 max_batch_size: 8

@@ -25,7 +25,7 @@ from shoal.lifecycle.manager import ModelManager
 from tests.ensemble_models import add_ensemble, step
 from tests.models import add_identity
 from tests.polling import wait_until
-from tests.python_models import write_model
+from tests.python_models import FP32_4_ON_A_THREAD_CONFIG, write_model
 
 RETRIES = 8  # past asyncio's default threads here (cores + 4)
 
@@ -60,14 +60,7 @@ class TritonPythonModel:
         (FOLDER / "finalized" / self.mark.name).touch()
 """
 
-CONFIG = """
-backend: "python"
-max_batch_size: 0
-input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
-instance_group [ { count: 1 kind: KIND_CPU } ]
-parameters { key: "process_instances" value: { string_value: "false" } }
-"""
+CONFIG = FP32_4_ON_A_THREAD_CONFIG
 
 
 def _large_request(grpc_url: str, http_url: str) -> None:

@@ -212,15 +212,6 @@ def test_graceful_shutdown_completes_every_accepted_request(tmp_path: Path, serv
     assert "shutting down" in server.log()
 
 
-LINGERS_CONFIG = """
-backend: "python"
-max_batch_size: 0
-input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
-instance_group [ { count: 1 kind: KIND_CPU } ]
-parameters { key: "process_instances" value: { string_value: "false" } }
-"""
-
 # A thread-instance model that leaves a thread running which is no daemon: Python's exit waits for it.
 LINGERS = """
 import threading
@@ -240,7 +231,7 @@ class TritonPythonModel:
 
 
 def test_a_thread_a_model_leaves_running_does_not_hold_the_exit_for_ever(tmp_path: Path, server_factory) -> None:
-    python_models.write_model(tmp_path / "repo", "lingers", LINGERS_CONFIG, LINGERS)
+    python_models.write_model(tmp_path / "repo", "lingers", python_models.FP32_4_ON_A_THREAD_CONFIG, LINGERS)
     server = server_factory(tmp_path / "repo", "--exit-timeout-secs", "5")
     with InferenceClient(server.url, timeout_s=30) as client:
         assert list(client.infer("lingers", {"IN": np.ones(4, np.float32)})["OUT"]) == [1.0] * 4

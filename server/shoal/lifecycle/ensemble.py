@@ -113,10 +113,13 @@ class EnsembleVersion(ModelVersion):
 
     def composition(self) -> tuple[int, ...]:
         """Its load number and those of the versions its steps resolve to now (ShoalError: one is gone)."""
-        return (self.load_number, *(number for served in self._step_versions() for number in served.composition()))
+        return self._composition_of(self._step_versions())
+
+    def _composition_of(self, steps: list[ModelVersion]) -> tuple[int, ...]:
+        return (self.load_number, *(number for served in steps for number in served.composition()))
 
     def stateful_model(self) -> str | None:
-        return next((found for served in self._step_versions() if (found := served.stateful_model())), None)
+        return _stateful_among(self._step_versions())
 
     def _cache_key(self) -> tuple[int, ...] | None:
         """What its cached answers are filed under now; None when the cache must not be used: a step's model
@@ -124,8 +127,9 @@ class EnsembleVersion(ModelVersion):
         request (Triton loads such an ensemble and answers a sequence from another one's cached answer;
         Shoal serves it without the cache, and says so once per such step)."""
         try:
-            stateful = self.stateful_model()
-            composition = self.composition()
+            steps = self._step_versions()  # resolved once for both
+            stateful = _stateful_among(steps)
+            composition = self._composition_of(steps)
         except ShoalError:
             return None
         if stateful is None:
@@ -512,3 +516,8 @@ class Dependents:
             return bool(self._manager.entry(name).ready_versions())
         except ShoalError:
             return False
+
+
+def _stateful_among(steps: list[ModelVersion]) -> str | None:
+    """The first of ``steps`` (through nested ensembles) whose answers no response cache may keep."""
+    return next((found for served in steps if (found := served.stateful_model())), None)
