@@ -10,7 +10,9 @@ and identity models in thread and process instances, Python models in thread and
 implicit state (one whose state is its input passed through), models answered from a small response
 cache (an identity model, whose answer may be a view of the request's own memory, an ensemble and a
 Python model, asked from a small set of values so that answers are served from the cache and evicted
-from it), inputs and outputs inline, over HTTP and in system shared memory — and every answer is
+from it), inputs and outputs inline, over HTTP and in system shared memory, vectors either side of
+the bytes a Python process instance's batch carries in its pipe message rather than in its arena
+(``shoal.dataplane.inline``) — and every answer is
 compared with the value this test computes for it. The seed is printed on failure
 (``SHOAL_PROPERTY_SEED`` replays one). Counts are bounded, and so is the time.
 """
@@ -33,6 +35,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
+from shoal.dataplane import inline
 from tests import ensemble_models, python_models
 from tests.conftest import RunningServer, serving
 from tests.sequence_models import PROCESSES, add_accumulator, add_torch_passthrough_state
@@ -71,7 +74,10 @@ VECTOR_IO = (
     'input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
     'output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]'
 )
-REGION_BYTES = 64  # the largest tensor sent: 4 rows of 4 FP32, or 8 FP32
+REGION_BYTES = 64  # the largest tensor sent through shared memory: 4 rows of 4 FP32, or 8 FP32
+# FP32 elements that fill the bytes a batch carries in its message: vectors of a few more or fewer
+# go to a Python process instance in its arena or in the message (over gRPC or HTTP only).
+AT_THE_INLINE_LIMIT = inline.INLINE_BYTES // 4
 
 
 def _append(folder: Path, text: str) -> None:
@@ -213,16 +219,25 @@ def _one_request(client: Client, rng: random.Random) -> str | None:
     else:
         model = rng.choice(list(VECTOR_MODELS))
         name, output, compute = "X", "Y", VECTOR_MODELS[model]
-        value = (
-            _values(rng, (rng.randint(1, 2),), 0, 2)
-            if model.endswith("_cached")
-            else _values(rng, (rng.randint(1, 8),))
-        )
+        if model.endswith("_cached"):
+            value = _values(rng, (rng.randint(1, 2),), 0, 2)
+        elif rng.random() < 0.2:
+            value = _values(rng, (AT_THE_INLINE_LIMIT + rng.randint(-2, 2),))
+            how = rng.choice(("grpc", "http"))
+        else:
+            value = _values(rng, (rng.randint(1, 8),))
     answer = client.infer(how, model, name, output, value)
     expected = compute(value)
     if answer.shape != expected.shape or not np.array_equal(answer, expected):
-        return f"{model} over {how}: sent {value.tolist()}, got {answer.tolist()}, expected {expected.tolist()}"
+        return f"{model} over {how}: sent {_shown(value)}, got {_shown(answer)}, expected {_shown(expected)}"
     return None
+
+
+def _shown(array: np.ndarray) -> str:
+    """An array in a failure's message: whole when small, else its size and first values."""
+    if array.size <= 16:
+        return str(array.tolist())
+    return f"{array.shape} starting {array.reshape(-1)[:8].tolist()}"
 
 
 def _sequence_step(client: Client, rng: random.Random, state: dict[str, Any]) -> str | None:

@@ -20,6 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from shoal.dataplane import inline
 from tests import models
 from tests.conftest import RunningServer, serving
 from tests.ensemble_models import add_ensemble, add_onnx_add1, step
@@ -326,10 +327,11 @@ def test_a_bls_callee_writing_into_its_input_leaves_the_callers_alone(server: Ru
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_model_that_kept_one_input_costs_one_new_arena_not_one_a_batch(server: RunningServer, kind: str) -> None:
     """Once a process instance's model kept an input, its worker copies: later batches are not taken
-    for kept ones too (each would cost a new arena, a collection and a warning: 25x slower)."""
+    for kept ones too (each would cost a new arena, a collection and a warning: 25x slower). The inputs
+    are too large to ride in the batch's message (``inline``): they are views of the arena."""
     model = f"keeps_first_{kind}"
     with grpcclient.InferenceServerClient(server.url) as client:
-        first = np.arange(8, dtype=np.int64) + 77
+        first = np.arange(inline.INLINE_BYTES // 8 + 1, dtype=np.int64) + 77
         answers = [_stash_call(client, model, first if k == 0 else first * 0 + k) for k in range(20)]
     assert all(np.array_equal(answer, first) for answer in answers), answers
     warnings = server.log().count(f"model {model}: an input outlived its batch")

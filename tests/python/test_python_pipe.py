@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from shoal.backends.python import bls, pb_utils, runner
+from shoal.dataplane import inline
 from shoal.dataplane.arena import Arena
 from shoal.instances import python_worker
 from shoal.instances.outbox import Outbox
@@ -28,6 +29,7 @@ from shoal.instances.worker_pipe import (
     Done,
     InputViews,
     NewArena,
+    PipedRequest,
     RunRequests,
     map_arena,
     put,
@@ -54,15 +56,17 @@ def _call(x: np.ndarray) -> pb_utils.InferenceRequest:
 
 def test_a_batch_s_outputs_never_overwrite_the_inputs_of_a_call_the_server_has_not_read(ends: Any) -> None:
     """A model fires a BLS call and returns at once: its outputs are packed before the server reads the
-    call, so they go after the call's inputs (they once went at the arena's start, over them)."""
+    call, so they go after the call's inputs (they once went at the arena's start, over them). Outputs
+    too large to ride in the message (``inline``)."""
     server, worker, arenas = ends
     link = PipeLink(worker, arenas)
     x = np.arange(1000, dtype=np.float32)
+    y = np.full(inline.INLINE_BYTES // 4 + 1, -1.0, np.float32)
 
     class FireAndForget:
         def execute(self, items: Any) -> list[runner.Outcome]:
             link.infer_async(_call(x)).close()  # sent, never awaited
-            return [runner.Outcome({"Y": np.full(4000, -1.0, np.float32)})]
+            return [runner.Outcome({"Y": y})]
 
     done = python_worker.run_batch(FireAndForget(), link, worker, arenas, RunRequests([], 0), InputViews())
     call = server.recv()  # the server reads the call only now, after the outputs were packed
@@ -70,7 +74,7 @@ def test_a_batch_s_outputs_never_overwrite_the_inputs_of_a_call_the_server_has_n
     np.testing.assert_array_equal(take(arenas[RESPONSES], call.inputs)["X"], x)
     ((output_slots, error, _),) = done.answers
     assert not error
-    np.testing.assert_array_equal(take(arenas[RESPONSES], output_slots)["Y"], np.full(4000, -1.0, np.float32))
+    np.testing.assert_array_equal(take(arenas[RESPONSES], output_slots)["Y"], y)
 
 
 def test_a_reply_is_taken_from_the_arena_only_while_its_batch_runs(ends: Any) -> None:
@@ -241,3 +245,46 @@ def test_an_array_either_side_sends_pickled_arrives_writable(ends: Any) -> None:
         assert replied.flags.writeable
     finally:
         outbox.close()
+
+
+def test_a_small_batch_rides_in_its_messages_and_its_inputs_are_the_models_own(ends: Any) -> None:
+    """Inputs carried in the batch's message (``inline``) reach the model as writable arrays of its own:
+    it may write into them and keep them, and no arena is watched for that. Small numeric outputs go
+    back in the message; a batch with a BYTES output goes back in the arena, each answer its own."""
+    _, worker, arenas = ends
+    link = PipeLink(worker, arenas)
+    views = InputViews()
+    sent = [np.arange(4, dtype=np.float32) + 10 * k for k in range(2)]
+    carried = inline.inline_feeds([{"X": x} for x in sent])
+    assert carried is not None
+    requests = [PipedRequest(feed, ["Y"], f"r{k}", 0, {}, 0, "") for k, feed in enumerate(carried)]
+
+    class KeepsAndWrites:
+        kept: list[np.ndarray] = []
+
+        def execute(self, items: Any) -> list[runner.Outcome]:
+            outcomes = []
+            for item in items:
+                x = item.inputs["X"]
+                x += 1  # its own array: writable, nobody else's
+                self.kept.append(x)
+                outcomes.append(runner.Outcome({"Y": x * 2}))
+            return outcomes
+
+    model = KeepsAndWrites()
+    done = python_worker.run_batch(model, link, worker, arenas, RunRequests(requests, 0), views)
+    assert isinstance(done, Done) and not views.kept()
+    for answer, x in zip(done.answers, sent, strict=True):
+        assert isinstance(answer.outputs, dict) and not answer.error
+        np.testing.assert_array_equal(inline.arrays_of(answer.outputs)["Y"], (x + 1) * 2)
+    np.testing.assert_array_equal(model.kept[1], sent[1] + 1)
+
+    class AnswersBytes:
+        def execute(self, items: Any) -> list[runner.Outcome]:
+            return [runner.Outcome({"Y": np.array([item.request_id.encode()], dtype=object)}) for item in items]
+
+    done = python_worker.run_batch(AnswersBytes(), link, worker, arenas, RunRequests(requests, 1), views)
+    assert isinstance(done, Done)
+    for k, answer in enumerate(done.answers):
+        assert isinstance(answer.outputs, list)
+        assert take(arenas[RESPONSES], answer.outputs)["Y"].tolist() == [f"r{k}".encode()]

@@ -47,7 +47,7 @@ import shoal.backends.python as python_backend
 from shoal import off_loop
 from shoal.backends.devices import Device
 from shoal.backends.python import bls, runner
-from shoal.dataplane import packing
+from shoal.dataplane import inline, packing
 from shoal.dataplane.arena import PoolFull
 from shoal.errors import ErrorCode, ShoalError
 from shoal.instances import process, python_worker
@@ -61,6 +61,7 @@ from shoal.instances.worker_pipe import (
     Bls,
     BlsReply,
     CancelRequest,
+    Carried,
     Done,
     FrameReader,
     Grow,
@@ -325,13 +326,15 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             trim(self._arenas[REQUESTS], self._reply_offset)  # the batch's inputs, then its BLS calls' outputs
 
     def _pack_inputs(self, batch: Sequence[Any], may_grow: bool = True) -> tuple[list[PipedRequest], int]:
-        """The batch's inputs copied into the REQUESTS arena (grouped by name, one copy per input for
-        the whole batch, ``packing.pack_feeds_at``; tensor by tensor where the requests differ), and
-        each request's message; with the bytes they take."""
-        while True:
+        """Each request's message, its inputs in it when they are small (``inline``), else copied into
+        the REQUESTS arena (grouped by name, one copy per input for the whole batch,
+        ``packing.pack_feeds_at``; tensor by tensor where the requests differ); with the arena's bytes
+        they take."""
+        feeds = [pending.feed for pending in batch]
+        laid_out: Sequence[Carried] | None = inline.inline_feeds(feeds)
+        while laid_out is None:
             try:
-                laid_out = self._lay_out([pending.feed for pending in batch])
-                break
+                laid_out = self._lay_out(feeds)
             except PoolFull as full:
                 if not may_grow:
                     raise
@@ -350,7 +353,8 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                     data.trace_context,
                 )
             )
-        return requests, aligned(max((packing.extent(slots) for slots in laid_out), default=0))
+        in_arena = [slots for slots in laid_out if isinstance(slots, list)]
+        return requests, aligned(max((packing.extent(slots) for slots in in_arena), default=0))
 
     def _lay_out(self, feeds: list[Any]) -> list[list[packing.Slot]]:
         """Each feed's slots in the REQUESTS arena, written from its start (PoolFull when they do not fit)."""
@@ -511,17 +515,20 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         self._post(BlsReply(call_id, result, slots, final, self._batch))
 
     def _unpack_outputs(self, answers: list[Answer]) -> list[dict[str, Any] | ShoalError]:
-        """Each answer's outputs copied out of the RESPONSES arena (for the whole batch at once:
-        ``packing.unpack_copies``), or its error."""
+        """Each answer's outputs: made from its message (``inline``), or copied out of the RESPONSES
+        arena (for the whole batch at once: ``packing.unpack_copies``); or its error."""
         responses = self._arenas[RESPONSES]
-        slots = [slot for answer in answers if not answer.error for slot in answer.outputs]
+        in_arena = [answer.outputs for answer in answers if not answer.error and isinstance(answer.outputs, list)]
+        slots = [slot for outputs in in_arena for slot in outputs]
         arrays = iter(packing.unpack_copies(responses, slots))
         results: list[dict[str, Any] | ShoalError] = []
         for outputs, error, code in answers:
             if error:
                 results.append(ShoalError(ErrorCode(code), error))
-                continue
-            results.append({slot[0]: next(arrays) for slot in outputs})
+            elif isinstance(outputs, dict):
+                results.append(inline.arrays_of(outputs))
+            else:
+                results.append({slot[0]: next(arrays) for slot in outputs})
         trim(responses, packing.extent(slots))
         return results
 
@@ -830,6 +837,8 @@ def _costly_answers(answers: Sequence[Answer]) -> bool:
     ``MAX_LOOP_SLOTS`` are counted no further: a worker's message may be made to name many)."""
     slots: list[packing.Slot] = []
     for answer in answers:
+        if isinstance(answer.outputs, dict):  # in the message, read whole already (at most OFF_LOOP_BYTES)
+            continue
         if len(slots) + len(answer.outputs) > MAX_LOOP_SLOTS:
             return True
         slots += answer.outputs

@@ -12,7 +12,7 @@ from typing import Any
 
 from shoal.backends.devices import Device
 from shoal.backends.python import pb_utils, runner
-from shoal.dataplane import packing
+from shoal.dataplane import inline, packing
 from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ShoalError
 from shoal.instances import worker_pipe
@@ -40,13 +40,16 @@ from shoal.request_types import Tensor
 
 
 def _items(arenas: dict[str, Arena], requests: list[PipedRequest], views: InputViews) -> list[runner.RequestData]:
-    """The batch's requests as the model's ``execute`` reads them, their inputs views of the REQUESTS arena
-    (unpacked for the whole batch at once: one view of the arena, not one per request), or copies once
-    the model kept some (``InputViews``)."""
-    tensors = iter(views.unpack(arenas[REQUESTS], [s for r in requests for s in r.inputs]))
+    """The batch's requests as the model's ``execute`` reads them, their inputs arrays of their own made
+    from the message (``inline``), or views of the REQUESTS arena (unpacked for the whole batch at
+    once: one view of the arena, not one per request), or copies once the model kept some (``InputViews``)."""
+    slots = [s for r in requests if isinstance(r.inputs, list) for s in r.inputs]
+    tensors = iter(views.unpack(arenas[REQUESTS], slots) if slots else ())
     return [
         runner.RequestData(
-            dict(itertools.islice(tensors, len(request.inputs))),
+            inline.arrays_of(request.inputs)
+            if isinstance(request.inputs, dict)
+            else dict(itertools.islice(tensors, len(request.inputs))),
             tuple(request.outputs),
             request.request_id,
             request.correlation_id,
@@ -70,8 +73,11 @@ def run_batch(
         first_free = link.end()  # the outputs go after the BLS calls' inputs, which the server may not have read
     del items
     outputs = [outcome.outputs for outcome in outcomes if outcome.outputs is not None]
-    if outputs and len(outputs) == len(outcomes):  # the usual batch: every request answered, a copy per name
-        try:
+    if outputs and len(outputs) == len(outcomes):  # the usual batch: every request answered
+        carried = inline.inline_feeds(outputs)  # small and numeric: in the message
+        if carried is not None:
+            return Done([Answer(tensors) for tensors in carried])
+        try:  # else in the arena, a copy per name
             grouped = packing.pack_feeds_at(arenas[RESPONSES], first_free, outputs)
         except PoolFull:
             grouped = None  # the arena grows below

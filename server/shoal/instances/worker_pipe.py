@@ -5,8 +5,10 @@ backend's model attached to the server's weights; ``instances.python_process`` w
 ``python_worker`` and ``python_link`` for a Python model). Every message is one of the typed
 records below (a ``NamedTuple``: it pickles as a tuple does, and each field has a name); the
 receiver dispatches on its type, never on equality (two records without fields compare equal).
-Tensors never ride on the pipe: they are packed into the two memfd arenas (``dataplane.packing``),
-REQUESTS written by the host and RESPONSES by the worker, and a message carries their slots.
+Tensors are packed into the two memfd arenas (``dataplane.packing``), REQUESTS written by the host
+and RESPONSES by the worker, and a message carries their slots; but a Python model's batch whose
+tensors are all small and numeric carries them in its message (``dataplane.inline``: cheaper than
+an arena's bookkeeping at that size).
 
 Either kind, host → worker: Stop, Ping, NewArena (its descriptor follows on the pipe);
 worker → host: Ready, Ping, Failed, Grow (the outputs need a bigger arena).
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from shoal.dataplane import packing
+from shoal.dataplane import inline, packing
 from shoal.dataplane.arena import ALIGNMENT, Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol.types import DataType
@@ -45,6 +47,8 @@ if TYPE_CHECKING:  # a feed model's worker never loads the Python backend
 REQUESTS, RESPONSES = "requests", "responses"  # the two arenas: the host writes one, the worker the other
 
 Slots = list[packing.Slot]
+# A Python model's batch's tensors: slots in an arena, or (small numeric ones) in the message (``inline``).
+Carried = Slots | dict[str, inline.Inlined]
 
 
 class Stop(NamedTuple):
@@ -99,7 +103,7 @@ class Ran(NamedTuple):
 class PipedRequest(NamedTuple):
     """One queued request of a Python model's batch, as its ``execute`` sees it."""
 
-    inputs: Slots  # in the REQUESTS arena
+    inputs: Carried  # in the REQUESTS arena, or in the message
     outputs: list[str]
     request_id: str
     correlation_id: Any
@@ -154,9 +158,9 @@ class CancelRequest(NamedTuple):
 
 
 class Answer(NamedTuple):
-    """One request's outcome in ``Done``: its outputs' slots in the RESPONSES arena, or an error."""
+    """One request's outcome in ``Done``: its outputs (slots in the RESPONSES arena, or in the message), or an error."""
 
-    outputs: Slots
+    outputs: Carried
     error: str = ""
     code: str = ""
 
