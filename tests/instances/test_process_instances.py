@@ -229,6 +229,24 @@ class Echo(torch.nn.Module):
         return [x_bf16, x_fp16, x_fp32, x_fp64, x_int8, x_int16, x_int32, x_int64, x_uint8, x_bool]
 
 
+class EchoNumeric(torch.nn.Module):
+    """Returns its inputs: the datatypes a small batch carries in its pipe messages (``inline``; not BF16)."""
+
+    def forward(
+        self,
+        x_fp16: torch.Tensor,
+        x_fp32: torch.Tensor,
+        x_fp64: torch.Tensor,
+        x_int8: torch.Tensor,
+        x_int16: torch.Tensor,
+        x_int32: torch.Tensor,
+        x_int64: torch.Tensor,
+        x_uint8: torch.Tensor,
+        x_bool: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        return [x_fp16, x_fp32, x_fp64, x_int8, x_int16, x_int32, x_int64, x_uint8, x_bool]
+
+
 def _sample(datatype: str, count: int, rng: np.random.Generator) -> np.ndarray:
     dtype = DataType(datatype).numpy_dtype
     if datatype == "BOOL":
@@ -240,29 +258,35 @@ def _sample(datatype: str, count: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def test_every_datatype_and_batches_bigger_than_the_arenas_cross_to_a_worker(tmp_path: Path, server_factory) -> None:
+    """Every datatype (BF16 among them: the batch goes through the arenas), then every one a small batch
+    carries in its messages (``inline``), five elements each, then 300,000, then five again."""
     repo = tmp_path / "repo"
-    (repo / "echo" / "1").mkdir(parents=True)
-    torch.jit.script(Echo()).save(str(repo / "echo" / "1" / "model.pt"))
-    tensors = [(f"x_{d.lower()}", f"TYPE_{d}", "[ -1 ]") for d in TORCH_DATATYPES]
-    (repo / "echo" / "config.pbtxt").write_text(
-        _config(
-            "echo",
-            tensors,
-            [(f"OUTPUT__{i}", t, dims) for i, (_, t, dims) in enumerate(tensors)],
-            "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
-            'parameters { key: "process_instances" value: { string_value: "true" } }',
-        ).replace("max_batch_size: 8", "max_batch_size: 0")
-    )
+    numeric = tuple(d for d in TORCH_DATATYPES if d != "BF16")
+    models = {"echo": (Echo(), TORCH_DATATYPES), "echo_numeric": (EchoNumeric(), numeric)}
+    for name, (module, datatypes) in models.items():
+        (repo / name / "1").mkdir(parents=True)
+        torch.jit.script(module).save(str(repo / name / "1" / "model.pt"))
+        tensors = [(f"x_{d.lower()}", f"TYPE_{d}", "[ -1 ]") for d in datatypes]
+        (repo / name / "config.pbtxt").write_text(
+            _config(
+                name,
+                tensors,
+                [(f"OUTPUT__{i}", t, dims) for i, (_, t, dims) in enumerate(tensors)],
+                "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
+                'parameters { key: "process_instances" value: { string_value: "true" } }',
+            ).replace("max_batch_size: 8", "max_batch_size: 0")
+        )
     server = server_factory(repo)
     rng = np.random.default_rng(0)
     # 5 elements, then 300,000 of each (9.9 MB each way: the 1 MiB arenas grow), then 5 again.
-    for count in (5, 300_000, 5):
-        feed = {f"x_{d.lower()}": _sample(d, count, rng) for d in TORCH_DATATYPES}
-        with InferenceClient(server.url, timeout_s=60) as client:
-            out = client.infer("echo", feed)
-        for index, (name, sent) in enumerate(feed.items()):
-            assert out[f"OUTPUT__{index}"].dtype == sent.dtype, name
-            np.testing.assert_array_equal(out[f"OUTPUT__{index}"], sent, err_msg=name)
+    for name, (_, datatypes) in models.items():
+        for count in (5, 300_000, 5):
+            feed = {f"x_{d.lower()}": _sample(d, count, rng) for d in datatypes}
+            with InferenceClient(server.url, timeout_s=60) as client:
+                out = client.infer(name, feed)
+            for index, (input_name, sent) in enumerate(feed.items()):
+                assert out[f"OUTPUT__{index}"].dtype == sent.dtype, (name, input_name)
+                np.testing.assert_array_equal(out[f"OUTPUT__{index}"], sent, err_msg=f"{name} {input_name}")
     log = server.log()
     assert "a process instance's requests arena grows to 16 MiB" in log
     assert "a process instance's responses arena grows to 16 MiB" in log

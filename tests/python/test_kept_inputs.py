@@ -154,8 +154,8 @@ def _add_torch_stash(repo: Path, name: str) -> None:
         """
         platform: "pytorch_libtorch"
         max_batch_size: 0
-        input [ { name: "INPUT__0" data_type: TYPE_INT64 dims: [ 1, 4 ] } ]
-        output [ { name: "OUTPUT__0" data_type: TYPE_INT64 dims: [ 1, 4 ] } ]
+        input [ { name: "INPUT__0" data_type: TYPE_INT64 dims: [ 1, -1 ] } ]
+        output [ { name: "OUTPUT__0" data_type: TYPE_INT64 dims: [ 1, -1 ] } ]
         instance_group [ { count: 1 kind: KIND_CPU } ]
         parameters { key: "process_instances" value: { string_value: "true" } }
         """,
@@ -164,7 +164,8 @@ def _add_torch_stash(repo: Path, name: str) -> None:
 
 def _add_torch_keep_42(repo: Path, name: str) -> None:
     """TorchScript that keeps an input whose first value is 42 (a load's zero-filled probe is not) and
-    answers what it kept since, else its input, in a worker process."""
+    answers what it kept since, else its input, in a worker process; rows of any width (the test's are
+    too wide to ride in the pipe's messages, ``inline``: they are views of the worker's arena)."""
     import torch
 
     class Keep42(torch.nn.Module):
@@ -285,13 +286,15 @@ def test_an_input_the_model_keeps_stays_as_it_came(server: RunningServer, kind: 
         assert not wrong, wrong[:3]
 
 
-def test_a_torchscript_model_that_keeps_its_input_in_a_worker(server: RunningServer) -> None:
-    """A feed model's process instance: the same promise (PyTorch's tensor shares the arena's bytes)."""
+@pytest.mark.parametrize("width", [4, inline.INLINE_BYTES // 8 + 1], ids=["in-the-message", "in-the-arena"])
+def test_a_torchscript_model_that_keeps_its_input_in_a_worker(server: RunningServer, width: int) -> None:
+    """A feed model's process instance: the same promise (PyTorch's tensor shares the bytes it was given:
+    a view of the arena, or the worker's own copy of what the message carried)."""
     with grpcclient.InferenceServerClient(server.url) as client:
-        values = [np.arange(4, dtype=np.int64).reshape(1, 4) + 100 * k for k in range(4)]
+        values = [np.arange(width, dtype=np.int64).reshape(1, width) + 100 * k for k in range(4)]
         answers = []
         for value in values:
-            data = grpcclient.InferInput("INPUT__0", [1, 4], "INT64")
+            data = grpcclient.InferInput("INPUT__0", [1, width], "INT64")
             data.set_data_from_numpy(value)
             answers.append(client.infer("torch_stash", [data]).as_numpy("OUTPUT__0"))
     # The first answer is whatever the module kept before (a load may run it once): not checked.
@@ -361,14 +364,15 @@ def test_a_kept_arena_is_never_written_when_no_new_one_can_be_made(server: Runni
     )
 
     def call(client: grpcclient.InferenceServerClient, value: np.ndarray) -> np.ndarray | str:
-        data = grpcclient.InferInput("INPUT__0", [1, 4], "INT64")
+        data = grpcclient.InferInput("INPUT__0", list(value.shape), "INT64")
         data.set_data_from_numpy(value)
         try:
             return client.infer("torch_keep_42", [data]).as_numpy("OUTPUT__0")
         except InferenceServerException as exc:
             return str(exc)
 
-    values = [np.arange(4, dtype=np.int64).reshape(1, 4) + 10 * k for k in range(3)]
+    width = inline.INLINE_BYTES // 8 + 1  # past what a message carries: the inputs lie in the arena
+    values = [np.arange(width, dtype=np.int64).reshape(1, width) + 10 * k for k in range(3)]
     values[0][0, 0] = 42  # the one the module keeps
     with grpcclient.InferenceServerClient(server.url) as client:
         assert client.is_server_live()  # connected before the limit: accepting a connection needs a descriptor

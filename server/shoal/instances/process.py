@@ -9,17 +9,18 @@ module knows no framework.
 The worker's side is ``instances.process_worker``; the pipe and arenas between them, one protocol
 for both kinds of process instance, ``instances.worker_pipe``. Tensors travel through the
 ``dataplane``: each worker has two memfd arenas, created here and handed to it over its pipe
-(``multiprocessing.reduction.send_handle``): nothing is named in /dev/shm, and the kernel frees
-them whenever the last holder exits, SIGKILL included. A worker
-runs one batch at a time, so the server writes the inputs at offset 0 of the requests arena and
-the worker its outputs at offset 0 of the responses arena (``packing.pack_at``); the pipe
-carries only the slots. A batch that does not fit is not refused: its side asks for a bigger
-arena (the server creates it and hands it over) up to ``MAX_ARENA_BYTES`` per direction, past
-which the batch fails with a message that says so. The first ``arena.RESIDENT_BYTES`` of each
-arena stay backed between batches (giving pages back and faulting them in again costs several times
-the copy: in bench/process_request.py a 4 MiB request took 9 ms that way, 1.6 ms without); pages
-past them are given back after each batch (``Arena.release_pages``), so a rare huge batch leaves
-no lasting footprint.
+(``multiprocessing.reduction.send_handle``): nothing is named in /dev/shm, and the kernel frees them
+whenever the last holder exits, SIGKILL included. A worker runs one batch at a time, so the server
+writes the inputs at offset 0 of the requests arena and the worker its outputs at offset 0 of the
+responses arena (``packing.pack_at``); the pipe carries only the slots, but for a batch whose
+tensors are all numeric and small (at most ``inline.INLINE_BYTES``), which it carries in its
+messages (``dataplane.inline``). A batch that does not fit is not refused: its side asks for a
+bigger arena (the server creates it and hands it over) up to ``MAX_ARENA_BYTES`` per direction, past
+which the batch fails with a message that says so. The first ``arena.RESIDENT_BYTES`` of each arena
+stay backed between batches (giving pages back and faulting them in again costs several times the
+copy: in bench/process_request.py a 4 MiB request took 9 ms that way, 1.6 ms without); pages past
+them are given back after each batch (``Arena.release_pages``), so a rare huge batch leaves no
+lasting footprint.
 
 A worker that dies, or passes the model's ``execution_timeout_ms``, fails the request it was
 running with UNAVAILABLE and is killed and started again (the arenas stay, the new worker gets
@@ -47,7 +48,7 @@ import numpy as np
 
 from shoal import logs
 from shoal.backends.devices import Device
-from shoal.dataplane import packing
+from shoal.dataplane import inline, packing
 from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ErrorCode, ShoalError, load_failed
 from shoal.instances import lifeline, process_worker
@@ -55,6 +56,7 @@ from shoal.instances.worker_pipe import (
     INITIAL_ARENA_BYTES,
     REQUESTS,
     RESPONSES,
+    Carried,
     Failed,
     Grow,
     NewArena,
@@ -316,12 +318,7 @@ class ProcessModel:
                 )
             if self._inputs_kept:  # the last feed's inputs are the model's: a new arena first
                 self._leave_inputs_to_worker()
-            feed = as_tensors(inputs)
-            try:
-                slots = packing.pack_at(self._arenas[REQUESTS], 0, feed)
-            except PoolFull as full:
-                self._grow(REQUESTS, full.wanted)
-                slots = packing.pack_at(self._arenas[REQUESTS], 0, feed)
+            slots = self._carry(inputs)
             timeout_s = self._limits.execution_timeout_s
             deadline = time.monotonic() + timeout_s if timeout_s else None
             try:
@@ -336,6 +333,8 @@ class ProcessModel:
                     reply = self._wait(deadline)
                 if not isinstance(reply, Ran):
                     raise RuntimeError(reply.message if isinstance(reply, Failed) else f"the worker answered {reply!r}")
+                if isinstance(reply.outputs, dict):
+                    return inline.arrays_of(reply.outputs)
                 responses = self._arenas[RESPONSES]
                 results = {
                     slot[0]: array
@@ -346,8 +345,20 @@ class ProcessModel:
             finally:
                 if isinstance(reply, (Ran, Failed)) and reply.inputs_kept:
                     self._inputs_kept = True  # the next feed goes to a new arena (``_leave_inputs_to_worker``)
-                else:
+                elif isinstance(slots, list):
                     trim(self._arenas[REQUESTS], packing.extent(slots))
+
+    def _carry(self, inputs: Mapping[str, np.ndarray]) -> Carried:
+        """The feed's inputs as its message carries them (``inline``), or copied into the REQUESTS arena."""
+        carried = inline.inline_feeds([inputs])
+        if carried is not None:
+            return carried[0]
+        feed = as_tensors(inputs)
+        try:
+            return packing.pack_at(self._arenas[REQUESTS], 0, feed)
+        except PoolFull as full:
+            self._grow(REQUESTS, full.wanted)
+            return packing.pack_at(self._arenas[REQUESTS], 0, feed)
 
     def _wait(self, deadline: float | None) -> Any:
         """The worker's reply; if it dies or passes the execution timeout, replace it and fail this request."""

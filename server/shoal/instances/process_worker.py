@@ -14,7 +14,7 @@ from typing import Any
 from shoal import logs
 from shoal.backends.base import backend_for
 from shoal.backends.devices import Device
-from shoal.dataplane import packing
+from shoal.dataplane import inline, packing
 from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ShoalError
 from shoal.instances import lifeline
@@ -41,13 +41,21 @@ logger = logging.getLogger(__name__)
 
 
 def execute(model: Any, conn: Any, arenas: dict[str, Arena], run: Run, views: InputViews) -> Ran | Failed | None:
-    """Run one batch in a worker; the reply, or None when the server went away while it grew an arena."""
+    """Run one batch in a worker; the reply, or None when the server went away while it grew an arena.
+    Its inputs come in the message (arrays of the model's own) or as views of the REQUESTS arena, its
+    outputs go back in the message when they are numeric and small (``inline``), else in the arena."""
     try:
-        inputs = dict(views.unpack(arenas[REQUESTS], run.inputs))
+        if isinstance(run.inputs, dict):
+            inputs = inline.arrays_of(run.inputs)
+        else:
+            inputs = dict(views.unpack(arenas[REQUESTS], run.inputs))
         results = as_tensors(model.run(inputs, run.outputs))
         del inputs
     except Exception as exc:  # noqa: BLE001 - reported to the server, the worker goes on
         return Failed(f"{type(exc).__name__}: {exc}" if not isinstance(exc, ShoalError) else exc.message)
+    carried = inline.inline_feeds([{tensor.name: tensor.data for tensor in results}])
+    if carried is not None:
+        return Ran(carried[0])
     while True:
         try:
             return Ran(packing.pack_at(arenas[RESPONSES], 0, results))

@@ -104,6 +104,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         self._host: bls.HostInfer | None = None
         self._caller: Any = None
         self._reply_offset = 0  # where the next BLS call's outputs go in the requests arena
+        self._calls_end = 0  # where the running batch's BLS calls' inputs end in the responses arena
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
         self._wake_lock = threading.Lock()  # a BLS call ending after close() must not write to a reused fd
@@ -213,6 +214,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         self._cancel_sent, self._streams_closed = set(), set()
         requests, used = self._pack_inputs(batch, may_grow)
         self._reply_offset = used  # BLS outputs go after the batch's inputs
+        self._calls_end = 0
         self._batch = next(self._batches)
         timeout_s = self._limits.execution_timeout_s
         return RunRequests(requests, self._batch), time.monotonic() + timeout_s if timeout_s else None
@@ -408,6 +410,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                     case Bls(call_id, call, slots):
                         if slots is not None:
                             call = replace(call, inputs=take(self._arenas[RESPONSES], slots))
+                            self._calls_end = max(self._calls_end, packing.extent(slots))
                         self._start_call(call_id, call)
             self._send_cancellations()
             self._check_outbox()
@@ -516,11 +519,13 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
 
     def _unpack_outputs(self, answers: list[Answer]) -> list[dict[str, Any] | ShoalError]:
         """Each answer's outputs: made from its message (``inline``), or copied out of the RESPONSES
-        arena (for the whole batch at once: ``packing.unpack_copies``); or its error."""
+        arena (for the whole batch at once: ``packing.unpack_copies``); or its error. The arena's pages
+        past its resident part are given back up to the end of the outputs or of the batch's BLS
+        inputs, whichever is further (outputs in the message, or errors, leave those inputs' pages)."""
         responses = self._arenas[RESPONSES]
         in_arena = [answer.outputs for answer in answers if not answer.error and isinstance(answer.outputs, list)]
         slots = [slot for outputs in in_arena for slot in outputs]
-        arrays = iter(packing.unpack_copies(responses, slots))
+        arrays = iter(packing.unpack_copies(responses, slots) if slots else ())
         results: list[dict[str, Any] | ShoalError] = []
         for outputs, error, code in answers:
             if error:
@@ -529,7 +534,9 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 results.append(inline.arrays_of(outputs))
             else:
                 results.append({slot[0]: next(arrays) for slot in outputs})
-        trim(responses, packing.extent(slots))
+        used = max(packing.extent(slots), self._calls_end)
+        if used:
+            trim(responses, used)
         return results
 
     def _start(self) -> None:

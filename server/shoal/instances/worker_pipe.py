@@ -6,9 +6,9 @@ backend's model attached to the server's weights; ``instances.python_process`` w
 records below (a ``NamedTuple``: it pickles as a tuple does, and each field has a name); the
 receiver dispatches on its type, never on equality (two records without fields compare equal).
 Tensors are packed into the two memfd arenas (``dataplane.packing``), REQUESTS written by the host
-and RESPONSES by the worker, and a message carries their slots; but a Python model's batch whose
-tensors are all small and numeric carries them in its message (``dataplane.inline``: cheaper than
-an arena's bookkeeping at that size).
+and RESPONSES by the worker, and a message carries their slots; but a batch whose tensors are all
+small and numeric carries them in its message (``dataplane.inline``: cheaper than an arena's
+bookkeeping at that size), either way.
 
 Either kind, host → worker: Stop, Ping, NewArena (its descriptor follows on the pipe);
 worker → host: Ready, Ping, Failed, Grow (the outputs need a bigger arena).
@@ -88,15 +88,15 @@ class Grow(NamedTuple):
 class Run(NamedTuple):
     """host → worker: run one feed (a backend's model)."""
 
-    inputs: Slots  # in the REQUESTS arena
+    inputs: Carried  # in the REQUESTS arena, or in the message
     outputs: list[str]  # the names wanted
 
 
 class Ran(NamedTuple):
-    """worker → host: the feed's outputs, in the RESPONSES arena. ``inputs_kept``: the model still holds
-    views of the feed's inputs (``InputViews``): the host leaves that REQUESTS arena to them."""
+    """worker → host: the feed's outputs, in the RESPONSES arena or in the message. ``inputs_kept``: the
+    model still holds views of the feed's inputs (``InputViews``): the host leaves that REQUESTS arena to them."""
 
-    outputs: Slots
+    outputs: Carried
     inputs_kept: bool = False
 
 
