@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # a feed model's worker never loads the Python backend
 REQUESTS, RESPONSES = "requests", "responses"  # the two arenas: the host writes one, the worker the other
 
 Slots = list[packing.Slot]
-# A Python model's batch's tensors: slots in an arena, or (small numeric ones) in the message (``inline``).
+# A batch's tensors: slots in an arena, or (small numeric ones) in the message (``inline``).
 Carried = Slots | dict[str, inline.Inlined]
 
 
