@@ -1,10 +1,12 @@
 """A Python process instance gives back the pages of its arenas past their resident part after each
 batch, whatever way the batch answered.
 
-Found by the review of session 52: a batch whose BLS call's inputs lay in the responses arena, and
+Found by the reviews of session 52: a batch whose BLS call's inputs lay in the responses arena, and
 which then answered in its pipe message (``shoal.dataplane.inline``) or with an error, left those
 inputs' pages resident: the host gave back pages up to the end of the outputs' slots only, and there
-were none.
+were none; a batch whose worker died (or passed its execution timeout) left them too. Giving back up
+to the end of those inputs then failed a batch whose outputs had been moved to a new, smaller arena
+meanwhile (past its end: "madvise start out of bounds").
 """
 
 from __future__ import annotations
@@ -13,15 +15,20 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from shoal.dataplane.arena import RESIDENT_BYTES
 from tests import python_models as pm
 
 MIB = 1 << 20
-# X = (elements to answer, elements to send the callee): a big answer grows the responses arena; a big
-# BLS input then lies in it, and the answer is the callee's one FP32 (small: in the message).
+# X = (elements to send the callee, elements to answer, whether to exit after the call): a big answer
+# grows the responses arena; a big BLS input then lies in it; the answer is that many 2.0, or with none
+# asked the callee's one FP32 (small: in the message); or the worker exits (the batch fails).
 CALLER = """
+import os
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -30,15 +37,17 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            answer, sent = (int(v) for v in pb_utils.get_input_tensor_by_name(request, "X").as_numpy())
+            sent, answer, exits = (int(v) for v in pb_utils.get_input_tensor_by_name(request, "X").as_numpy())
+            y = np.full(answer, 2.0, np.float32)
             if sent:
                 call = pb_utils.InferenceRequest(
                     model_name="total", requested_output_names=["Y"],
                     inputs=[pb_utils.Tensor("X", np.ones(sent, np.float32))],
                 )
-                y = pb_utils.get_output_tensor_by_name(call.exec(), "Y").as_numpy()
-            else:
-                y = np.full(answer, 2.0, np.float32)
+                total = pb_utils.get_output_tensor_by_name(call.exec(), "Y").as_numpy()
+                if exits:
+                    os._exit(1)
+                y = y if answer else total
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
         return responses
 """
@@ -76,21 +85,51 @@ def _responses_arena_resident(pid: int) -> int:
     return total
 
 
-def test_the_pages_of_a_bls_calls_inputs_are_given_back_after_a_small_answer(tmp_path: Path, server_factory) -> None:
+def _call(client: grpcclient.InferenceServerClient, sent: int, answer: int, exits: bool = False) -> np.ndarray:
+    data = grpcclient.InferInput("X", [3], "INT64")
+    data.set_data_from_numpy(np.array([sent, answer, exits], np.int64))
+    return client.infer("caller", [data], client_timeout=120).as_numpy("Y")
+
+
+def _grown(client: grpcclient.InferenceServerClient, pid: int) -> None:
+    """40 MiB of outputs: the caller's responses arena grows to 64 MiB; then only its first 16 stay."""
+    grown = _call(client, 0, (40 * MIB) // 4)
+    assert grown.shape == ((40 * MIB) // 4,) and float(grown[0]) == 2.0 and float(grown[-1]) == 2.0
+    assert _responses_arena_resident(pid) <= RESIDENT_BYTES + MIB
+
+
+def _serve(tmp_path: Path, server_factory) -> object:
     repo = tmp_path / "repo"
     pm.write_model(repo, "caller", CONFIG.format(input="TYPE_INT64", extra=""), CALLER)
     pm.write_model(repo, "total", CONFIG.format(input="TYPE_FP32", extra=THREAD), TOTAL)
-    server = server_factory(repo)
+    return server_factory(repo)
 
-    def call(client: grpcclient.InferenceServerClient, answer: int, sent: int) -> np.ndarray:
-        data = grpcclient.InferInput("X", [2], "INT64")
-        data.set_data_from_numpy(np.array([answer, sent], np.int64))
-        return client.infer("caller", [data], client_timeout=120).as_numpy("Y")
 
+def test_the_pages_of_a_bls_calls_inputs_are_given_back_after_a_small_answer(tmp_path: Path, server_factory) -> None:
+    server = _serve(tmp_path, server_factory)
     with grpcclient.InferenceServerClient(server.url) as client:
-        grown = call(client, (40 * MIB) // 4, 0)  # 40 MiB of outputs: the responses arena grows to 64 MiB
-        assert grown.shape == ((40 * MIB) // 4,) and float(grown[0]) == 2.0
-        assert _responses_arena_resident(server.pid) <= RESIDENT_BYTES + MIB
+        _grown(client, server.pid)
         for _ in range(2):  # 32 MiB to the callee through the arena, one FP32 back
-            assert call(client, 0, (32 * MIB) // 4).tolist() == [float((32 * MIB) // 4)]
+            assert _call(client, (32 * MIB) // 4, 0).tolist() == [float((32 * MIB) // 4)]
             assert _responses_arena_resident(server.pid) <= RESIDENT_BYTES + MIB
+
+
+def test_the_pages_of_a_bls_calls_inputs_are_given_back_when_its_worker_dies(tmp_path: Path, server_factory) -> None:
+    server = _serve(tmp_path, server_factory)
+    with grpcclient.InferenceServerClient(server.url) as client:
+        _grown(client, server.pid)
+        with pytest.raises(InferenceServerException, match="instance process"):
+            _call(client, (32 * MIB) // 4, 0, exits=True)
+        assert _responses_arena_resident(server.pid) <= RESIDENT_BYTES + MIB
+        assert _call(client, 4, 0).tolist() == [4.0]  # the replacement serves
+
+
+def test_outputs_moved_to_a_new_arena_after_a_bls_calls_inputs_are_answered(tmp_path: Path, server_factory) -> None:
+    """60 MiB to the callee fill the 64 MiB arena: the 8 MiB answer asks for a new arena (of 8 MiB),
+    and the batch is answered, its pages given back within the new arena's bounds."""
+    server = _serve(tmp_path, server_factory)
+    with grpcclient.InferenceServerClient(server.url) as client:
+        _grown(client, server.pid)
+        answer = _call(client, (60 * MIB) // 4, (8 * MIB) // 4)
+        assert answer.shape == ((8 * MIB) // 4,) and bool(np.all(answer == 2.0))
+        assert _responses_arena_resident(server.pid) <= RESIDENT_BYTES + MIB

@@ -231,6 +231,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             except BaseException:
                 if self._conn is conn and not self._closing.is_set():  # not replaced already (a dead or late one is)
                     self._replace("was left in the middle of a batch that failed in the server")
+                self._trim_responses(None)
                 raise
             return self._unpack_outputs(answers)
         finally:
@@ -255,6 +256,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                     self._replace("was left in the middle of a batch that failed in the server")
                 self._end_outbox()
                 self._trim_requests()
+                self._trim_responses(None)
                 raise
             return self._finish(deadline, first)
         finally:
@@ -326,6 +328,17 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
     def _trim_requests(self) -> None:
         if not self._inputs_kept:  # else the arena is the model's views' now: its pages stay as they are
             trim(self._arenas[REQUESTS], self._reply_offset)  # the batch's inputs, then its BLS calls' outputs
+
+    def _trim_responses(self, used: int | None) -> None:
+        """After a batch: give back the RESPONSES arena's pages past its resident part, up to ``used``
+        bytes (its outputs and its BLS calls' inputs), or all of them (None: the batch failed, and its
+        worker, replaced, wrote who knows how far). An arena closed under a failing batch (the instance
+        closing) has nothing to give back."""
+        responses = self._arenas[RESPONSES]
+        try:
+            trim(responses, responses.size if used is None else min(used, responses.size))
+        except ValueError:  # closed: its pages went with it
+            pass
 
     def _pack_inputs(self, batch: Sequence[Any], may_grow: bool = True) -> tuple[list[PipedRequest], int]:
         """Each request's message, its inputs in it when they are small (``inline``), else copied into
@@ -405,6 +418,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                     case Grow(needed):
                         self._flush(deadline)
                         self._grow(RESPONSES, needed)
+                        self._calls_end = 0  # a new arena (no larger, maybe): the outputs go from its start
                     case Response():
                         self._forward(message)
                     case Bls(call_id, call, slots):
@@ -534,9 +548,7 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
                 results.append(inline.arrays_of(outputs))
             else:
                 results.append({slot[0]: next(arrays) for slot in outputs})
-        used = max(packing.extent(slots), self._calls_end)
-        if used:
-            trim(responses, used)
+        self._trim_responses(max(packing.extent(slots), self._calls_end))
         return results
 
     def _start(self) -> None:
