@@ -74,15 +74,20 @@ output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }} ]
 THREAD = 'parameters { key: "process_instances" value: { string_value: "false" } }'
 
 
-def _responses_arena_resident(pid: int) -> int:
-    """Bytes resident in the server's mappings of its process instances' responses arenas."""
+def _responses_arenas(pid: int, field: str = "Rss:") -> int:
+    """Bytes of the server's mappings of its process instances' responses arenas: resident ("Rss:"),
+    or mapped ("Size:")."""
     total, inside = 0, False
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
             inside = "memfd:shoal-instance-responses" in line
-        elif inside and line.startswith("Rss:"):
+        elif inside and line.startswith(field):
             total += int(line.split()[1]) * 1024
     return total
+
+
+def _responses_arena_resident(pid: int) -> int:
+    return _responses_arenas(pid)
 
 
 def _call(client: grpcclient.InferenceServerClient, sent: int, answer: int, exits: bool = False) -> np.ndarray:
@@ -125,11 +130,14 @@ def test_the_pages_of_a_bls_calls_inputs_are_given_back_when_its_worker_dies(tmp
 
 
 def test_outputs_moved_to_a_new_arena_after_a_bls_calls_inputs_are_answered(tmp_path: Path, server_factory) -> None:
-    """60 MiB to the callee fill the 64 MiB arena: the 8 MiB answer asks for a new arena (of 8 MiB),
-    and the batch is answered, its pages given back within the new arena's bounds."""
+    """60 MiB to the callee fill the 64 MiB arena: the 8 MiB answer asks for a new arena, no smaller
+    than the one it leaves (it asked for 8 MiB: the next big BLS input would have gone pickled), and
+    the batch is answered, its pages given back within the new arena's bounds."""
     server = _serve(tmp_path, server_factory)
     with grpcclient.InferenceServerClient(server.url) as client:
         _grown(client, server.pid)
+        assert _responses_arenas(server.pid, "Size:") == 64 * MIB
         answer = _call(client, (60 * MIB) // 4, (8 * MIB) // 4)
         assert answer.shape == ((8 * MIB) // 4,) and bool(np.all(answer == 2.0))
         assert _responses_arena_resident(server.pid) <= RESIDENT_BYTES + MIB
+        assert _responses_arenas(server.pid, "Size:") == 64 * MIB

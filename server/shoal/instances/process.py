@@ -243,10 +243,14 @@ class ProcessModel:
             pass  # the worker is gone: the next wait finds it dead and replaces it
 
     def _grow(self, which: str, needed: int) -> None:
-        """Replace an arena by one of at least ``needed`` bytes and hand it to the worker. Lock held."""
-        size = arena_bytes(needed, "inputs" if which == REQUESTS else "outputs")
+        """Replace an arena by one of at least ``needed`` bytes and hand it to the worker. Lock held.
+        Never by a smaller one: a Python model's outputs that do not fit after its batch's BLS inputs
+        ask for a new arena of their own size, which can be less than the one they left."""
+        before = self._arenas[which].size
+        size = max(before, arena_bytes(needed, "inputs" if which == REQUESTS else "outputs"))
         self._new_arena(which, size)
-        logger.info("model %s: a process instance's %s arena grows to %d MiB", self._spec.name, which, size >> 20)
+        if size > before:
+            logger.info("model %s: a process instance's %s arena grows to %d MiB", self._spec.name, which, size >> 20)
 
     def _new_arena(self, which: str, size: int) -> None:
         """Write no more into the arena ``which``: hand the worker a new one of ``size`` bytes in its
