@@ -11,15 +11,20 @@ meanwhile (past its end: "madvise start out of bounds").
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from shoal.dataplane.arena import RESIDENT_BYTES
+from shoal.dataplane.arena import RESIDENT_BYTES, Arena
+from shoal.instances.python_process import PythonProcessModel
+from shoal.instances.worker_pipe import RESPONSES, Answer
 from tests import python_models as pm
 
 MIB = 1 << 20
@@ -74,20 +79,29 @@ output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }} ]
 THREAD = 'parameters { key: "process_instances" value: { string_value: "false" } }'
 
 
-def _responses_arenas(pid: int, field: str = "Rss:") -> int:
-    """Bytes of the server's mappings of its process instances' responses arenas: resident ("Rss:"),
-    or mapped ("Size:")."""
+def _responses_arenas(pid: int) -> int:
+    """Bytes of the server's mappings of its process instances' responses arenas."""
     total, inside = 0, False
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
             inside = "memfd:shoal-instance-responses" in line
-        elif inside and line.startswith(field):
+        elif inside and line.startswith("Size:"):
             total += int(line.split()[1]) * 1024
     return total
 
 
 def _responses_arena_resident(pid: int) -> int:
-    return _responses_arenas(pid)
+    """Bytes of memory the server's responses arenas hold, whoever wrote them (the memfds' allocated
+    blocks, each memfd counted once: the host holds a descriptor of each, and its mapping another)."""
+    blocks: dict[int, int] = {}
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if "memfd:shoal-instance-responses" in os.readlink(fd):
+                found = fd.stat()
+                blocks[found.st_ino] = found.st_blocks * 512
+        except OSError:  # closed meanwhile
+            continue
+    return sum(blocks.values())
 
 
 def _call(client: grpcclient.InferenceServerClient, sent: int, answer: int, exits: bool = False) -> np.ndarray:
@@ -136,8 +150,25 @@ def test_outputs_moved_to_a_new_arena_after_a_bls_calls_inputs_are_answered(tmp_
     server = _serve(tmp_path, server_factory)
     with grpcclient.InferenceServerClient(server.url) as client:
         _grown(client, server.pid)
-        assert _responses_arenas(server.pid, "Size:") == 64 * MIB
+        assert _responses_arenas(server.pid) == 64 * MIB
         answer = _call(client, (60 * MIB) // 4, (8 * MIB) // 4)
         assert answer.shape == ((8 * MIB) // 4,) and bool(np.all(answer == 2.0))
         assert _responses_arena_resident(server.pid) <= RESIDENT_BYTES + MIB
-        assert _responses_arenas(server.pid, "Size:") == 64 * MIB
+        assert _responses_arenas(server.pid) == 64 * MIB
+
+
+def test_outputs_that_cannot_be_read_leave_no_pages_behind() -> None:
+    """The host fails to copy a batch's outputs (here a slot that names more bytes than it holds; a
+    MemoryError would do the same): the batch fails, and the arena's pages go all the same (they stayed
+    resident until a later batch reached that far)."""
+    arena = Arena.create("test-responses", 64 * MIB)
+    try:
+        np.frombuffer(arena.map, np.uint8, 40 * MIB)[:] = 1  # a batch's 40 MiB of outputs and BLS inputs
+        instance = SimpleNamespace(_arenas={RESPONSES: arena}, _calls_end=40 * MIB)
+        instance._trim_responses = functools.partial(PythonProcessModel._trim_responses, instance)
+        unreadable = [Answer([("Y", "FP32", (10,), 32 * MIB, 39)])]  # ten FP32 in 39 bytes
+        with pytest.raises(ValueError):
+            PythonProcessModel._unpack_outputs(instance, unreadable)  # type: ignore[arg-type]
+        assert os.fstat(arena.fd).st_blocks * 512 <= RESIDENT_BYTES + MIB
+    finally:
+        arena.close()

@@ -332,13 +332,10 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
     def _trim_responses(self, used: int | None) -> None:
         """After a batch: give back the RESPONSES arena's pages past its resident part, up to ``used``
         bytes (its outputs and its BLS calls' inputs), or all of them (None: the batch failed, and its
-        worker, replaced, wrote who knows how far). An arena closed under a failing batch (the instance
-        closing) has nothing to give back."""
+        worker, replaced, wrote who knows how far, or its outputs could not be read). Lock held: the
+        arenas are closed under it only."""
         responses = self._arenas[RESPONSES]
-        try:
-            trim(responses, responses.size if used is None else min(used, responses.size))
-        except ValueError:  # closed: its pages went with it
-            pass
+        trim(responses, responses.size if used is None else min(used, responses.size))
 
     def _pack_inputs(self, batch: Sequence[Any], may_grow: bool = True) -> tuple[list[PipedRequest], int]:
         """Each request's message, its inputs in it when they are small (``inline``), else copied into
@@ -535,21 +532,26 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         """Each answer's outputs: made from its message (``inline``), or copied out of the RESPONSES
         arena (for the whole batch at once: ``packing.unpack_copies``); or its error. The arena's pages
         past its resident part are given back up to the end of the outputs or of the batch's BLS
-        inputs, whichever is further (outputs in the message, or errors, leave those inputs' pages)."""
-        responses = self._arenas[RESPONSES]
-        in_arena = [answer.outputs for answer in answers if not answer.error and isinstance(answer.outputs, list)]
-        slots = [slot for outputs in in_arena for slot in outputs]
-        arrays = iter(packing.unpack_copies(responses, slots) if slots else ())
-        results: list[dict[str, Any] | ShoalError] = []
-        for outputs, error, code in answers:
-            if error:
-                results.append(ShoalError(ErrorCode(code), error))
-            elif isinstance(outputs, dict):
-                results.append(inline.arrays_of(outputs))
-            else:
-                results.append({slot[0]: next(arrays) for slot in outputs})
-        self._trim_responses(max(packing.extent(slots), self._calls_end))
-        return results
+        inputs, whichever is further (outputs in the message, or errors, leave those inputs' pages); all
+        of them when the outputs cannot be read (a MemoryError copying them, say): nothing needs them."""
+        used: int | None = None
+        try:
+            responses = self._arenas[RESPONSES]
+            in_arena = [answer.outputs for answer in answers if not answer.error and isinstance(answer.outputs, list)]
+            slots = [slot for outputs in in_arena for slot in outputs]
+            arrays = iter(packing.unpack_copies(responses, slots) if slots else ())
+            results: list[dict[str, Any] | ShoalError] = []
+            for outputs, error, code in answers:
+                if error:
+                    results.append(ShoalError(ErrorCode(code), error))
+                elif isinstance(outputs, dict):
+                    results.append(inline.arrays_of(outputs))
+                else:
+                    results.append({slot[0]: next(arrays) for slot in outputs})
+            used = max(packing.extent(slots), self._calls_end)
+            return results
+        finally:
+            self._trim_responses(used)
 
     def _start(self) -> None:
         super()._start()
