@@ -555,3 +555,16 @@ class Logger:
 
 class LogLevel:
     INFO, WARNING, ERROR, VERBOSE = Logger.INFO, Logger.WARNING, Logger.ERROR, Logger.VERBOSE
+
+
+class MetricFamily:
+    """Triton's custom metrics (``pb_utils.MetricFamily`` and its ``Metric``), which Shoal does not serve
+    yet: making one raises, so a model that reports its own metrics fails to load saying why, rather
+    than with an AttributeError, or serving with its metrics silently missing."""
+
+    COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
+
+    def __init__(self, name: str, description: str = "", kind: int = COUNTER, **options: Any) -> None:
+        raise TritonModelException(
+            f"custom metrics (pb_utils.MetricFamily '{_text(name)}') are not supported by this server yet"
+        )
