@@ -141,6 +141,29 @@ def test_requested_outputs_with_and_without_binary_data(client: httpclient.Infer
     assert all("parameters" in everything.get_output(name) for name in ("OUTPUT0", "OUTPUT1"))
 
 
+def test_an_empty_outputs_list_asks_for_every_output(example_server: RunningServer) -> None:
+    """``"outputs": []`` is answered with every output, as Triton answers it (Shoal answered none; found
+    by the review of session 52)."""
+    import http.client
+    import json
+
+    body = {
+        "inputs": [
+            {"name": name, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
+            for name in ("INPUT0", "INPUT1")
+        ],
+        "outputs": [],
+    }
+    connection = http.client.HTTPConnection("127.0.0.1", example_server.http_port, timeout=10)
+    connection.request("POST", "/v2/models/simple/infer", json.dumps(body))
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    connection.close()
+    assert response.status == 200, answer
+    outputs = {output["name"]: output["data"] for output in answer["outputs"]}
+    assert outputs == {"OUTPUT0": [2 * k for k in range(16)], "OUTPUT1": [0] * 16}
+
+
 def test_nested_json_data_and_an_inline_request(example_server: RunningServer) -> None:
     """``data`` may be nested to the shape; the answer is flat, as Triton's."""
     import http.client

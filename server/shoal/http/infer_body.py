@@ -441,8 +441,9 @@ def shared_memory_slice(name: str, parameters: dict[str, Any]) -> RegionSlice | 
 def _outputs(
     outputs_json: Any, binary_default: bool
 ) -> tuple[tuple[str, ...] | None, dict[str, int], dict[str, RegionSlice], dict[str, bool]]:
-    """Requested names, classification counts, shared-memory outputs, and binary choice per output."""
-    if outputs_json is None:
+    """Requested names, classification counts, shared-memory outputs, and binary choice per output.
+    ``"outputs": []`` asks for every output, as no ``outputs`` does (Triton's; gRPC cannot tell them apart)."""
+    if outputs_json is None or (isinstance(outputs_json, list) and not outputs_json):
         return None, {}, {}, {"": binary_default}  # "": every output
     if not isinstance(outputs_json, list):
         raise invalid("Unable to parse 'outputs': expected a list")
