@@ -68,6 +68,16 @@ BACKENDS: dict[str, Declared] = {
 }
 
 
+def outputs_as_returned(backend: str) -> bool:
+    """Whether ``backend``'s models answer each request with its outputs as the model returned them,
+    datatype and shape, unchecked against the config: the Python backend's (``own_instances``), whose
+    ``execute`` answers each request with a response of its own, as Triton's Python backend sends it
+    (a Triton model that fills an INT32 output from an INT64 array answers INT64 there). A feed
+    model's batch outputs are split by the config's shape, so they are checked against it."""
+    declared = BACKENDS.get(backend)
+    return declared is not None and declared.own_instances
+
+
 def backends_that(capability: str) -> list[str]:
     """The backends declaring ``capability`` (a ``Declared`` flag), for messages that name them."""
     return [name for name, declared in BACKENDS.items() if getattr(declared, capability)]

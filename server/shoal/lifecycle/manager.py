@@ -73,6 +73,29 @@ async def release(versions: Iterable[VersionEntry], reason: str = UNLOADED) -> N
         version.transition(ModelState.UNAVAILABLE, reason)
 
 
+def _bls_target(manager: ModelManager, request: InferRequest) -> ModelVersion:
+    """The version a BLS call runs on, refused in the words of Triton 2.51's Python backend (its
+    ``RequestExecutor::Infer``, checked with ``run_triton.sh``), which models may show or match: a
+    model or version that is not ready (unknown ones too), and a call for one response to a decoupled
+    model. Their code is INTERNAL there, as a failed call's is here."""
+    name = shown(request.model_name)
+    failed = f"Model {name} - Error when running inference: "
+    try:
+        target = manager.resolve(request.model_name, request.model_version)
+    except ShoalError:
+        raise ShoalError(
+            ErrorCode.INTERNAL, f"{failed}Failed for execute the inference request. Model '{name}' is not ready."
+        ) from None
+    if target.spec.decoupled and request.sink is None:
+        raise ShoalError(
+            ErrorCode.INTERNAL,
+            f"{failed}Model {name} is using the decoupled. The current BLS request call doesn't support "
+            "models using the decoupled transaction policy. Please use 'decoupled=True' argument to the "
+            "'exec' or 'async_exec' calls for decoupled models.'",
+        )
+    return target
+
+
 def _refuse_a_call_that_waits_for_itself(target: ModelVersion) -> None:
     """A BLS call from a version's only instance to that same version would wait for the instance that
     makes it, forever (Triton 2.51 hangs so, with a request timeout or without): it fails at once."""
@@ -485,7 +508,7 @@ class ModelManager:
             request = replace(request, sink=sink)
 
         async def infer() -> InferResponse:
-            target = self.resolve(request.model_name, request.model_version)
+            target = _bls_target(self, request)
             if target is caller:
                 _refuse_a_call_that_waits_for_itself(target)
             parent = live_trace(trace_id) if trace_id else None

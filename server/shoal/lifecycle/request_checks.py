@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shoal import off_loop
+from shoal.backends.base import outputs_as_returned
 from shoal.errors import ErrorCode, ShoalError, invalid, request_label, shown
 from shoal.lifecycle import classification
 from shoal.protocol.types import DataType
@@ -207,6 +208,7 @@ def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray
 def output_check(spec: ModelSpec, prepared: Prepared) -> Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]:
     """One request's outputs, each through ``checked_output``: what the scheduler applies to the
     request's part before it counts the request (a failure, when the model broke its config)."""
+    own_datatype = outputs_as_returned(spec.backend)
 
     def check(results: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         found = {}
@@ -217,7 +219,9 @@ def output_check(spec: ModelSpec, prepared: Prepared) -> Callable[[Mapping[str, 
                 # Only a Python model's response lacks one (the batch's feed runner refuses a feed model's
                 # that does): it is answered with the outputs it has, as Triton answers it.
                 continue
-            found[name] = checked_output(spec, tensor_spec, np.asarray(results[name]), prepared.batch_size)
+            found[name] = checked_output(
+                spec, tensor_spec, np.asarray(results[name]), prepared.batch_size, own_datatype
+            )
         return found
 
     return check
@@ -232,30 +236,40 @@ def respond(spec: ModelSpec, prepared: Prepared, checked: Mapping[str, np.ndarra
         data = checked.get(name)
         if data is None:  # a Python model's response without it (``output_check``)
             continue
+        # The config's datatype, which ``checked_output`` held the data to, or a Python model's own.
+        datatype = tensor_spec.datatype if data.dtype == tensor_spec.datatype.numpy_dtype else _datatype_of(data)
         count = prepared.class_counts.get(name)
         if count is None:
-            tensors.append(Tensor(name, tensor_spec.datatype, tuple(data.shape), data))
+            tensors.append(Tensor(name, datatype, tuple(data.shape), data))
             continue
         batched = spec.max_batch_size > 0
-        classes = classification.top_k(data, tensor_spec.datatype, count, batched, tensor_spec.labels)
+        classes = classification.top_k(data, datatype, count, batched, tensor_spec.labels)
         tensors.append(Tensor(name, DataType.BYTES, tuple(classes.shape), classes))
     return tuple(tensors)
 
 
-def checked_output(spec: ModelSpec, tensor_spec: TensorSpec, data: np.ndarray, batch_size: int) -> np.ndarray:
+def checked_output(
+    spec: ModelSpec, tensor_spec: TensorSpec, data: np.ndarray, batch_size: int, own_datatype: bool = False
+) -> np.ndarray:
     """An output as the model returned it, refused (INTERNAL: the model broke its config, not the
     client) unless its datatype is the config's and its shape the config's dims, ``-1`` matching any
     size, after the request's own batch size when the model batches; with ``reshape`` the model's
     shape is the reshape's (or already the dims'), and the answer's the dims'. Every backend and
     instance kind, and every ensemble step, answers through here, so a model that returns [3,7] for
-    dims [4] fails its request instead of sending it on. Triton's Python backend checks neither;
-    these are the words of its TensorFlow and PyTorch backends."""
+    dims [4] fails its request instead of sending it on; these are the words of Triton's TensorFlow
+    and PyTorch backends. ``own_datatype`` (a Python model's, ``outputs_as_returned``): the output
+    keeps the datatype the model gave it, as Triton's Python backend answers (an INT64 array for an
+    output declared INT32 answers INT64: the datatype travels with the data, so a client reads the
+    model's numbers, never bytes reinterpreted); strings become BYTES' object arrays."""
     name = tensor_spec.name
     if data.dtype is tensor_spec.datatype.numpy_dtype and data.shape == (
         (batch_size, *tensor_spec.dims) if spec.max_batch_size > 0 else tensor_spec.dims
     ):
         return data  # the usual case, exact: the config's dtype object and every dim equal (-1 never equals)
-    if tensor_spec.datatype is DataType.BYTES:
+    if own_datatype:
+        if data.dtype.kind in "SU":
+            data = data.astype(np.object_)
+    elif tensor_spec.datatype is DataType.BYTES:
         if data.dtype.kind not in "OSU":
             raise _unexpected_datatype(spec, name, data, tensor_spec.datatype)
         data = data.astype(np.object_, copy=False)
@@ -296,14 +310,23 @@ def streamed_outputs(spec: ModelSpec, request: InferRequest, arrays: Mapping[str
         shapes = [t.shape for t in request.inputs] + [t.shape for t in request.region_inputs]
         batch_size = shapes[0][0] if shapes and shapes[0] else 0
     outputs = []
+    own_datatype = outputs_as_returned(spec.backend)
     for name, array in arrays.items():
         tensor_spec = spec.output(name)
         if tensor_spec is None:
             outputs.append(Tensor(name, DataType.from_numpy(array.dtype), tuple(array.shape), array))
             continue
-        data = checked_output(spec, tensor_spec, np.asarray(array), batch_size)
-        outputs.append(Tensor(name, tensor_spec.datatype, tuple(data.shape), data))
+        data = checked_output(spec, tensor_spec, np.asarray(array), batch_size, own_datatype)
+        datatype = tensor_spec.datatype if data.dtype == tensor_spec.datatype.numpy_dtype else _datatype_of(data)
+        outputs.append(Tensor(name, datatype, tuple(data.shape), data))
     return tuple(outputs)
+
+
+def _datatype_of(data: np.ndarray) -> DataType:
+    try:
+        return DataType.from_numpy(data.dtype)
+    except ValueError:  # no Triton datatype (a numpy complex): the model broke more than its config
+        raise ShoalError(ErrorCode.INTERNAL, f"an output of numpy dtype {data.dtype} has no Triton datatype") from None
 
 
 def _fits(shape: tuple[int, ...], expected: list[int]) -> bool:

@@ -11,6 +11,8 @@ in the model's process, requests and responses are plain objects, and a BLS requ
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import logging
 import threading
@@ -517,13 +519,21 @@ class InferenceRequest:
             return _link().infer_stream(self)
         return _link().infer(self)
 
-    def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse]:
-        """Like ``exec``, awaited (from an ``async def execute``); several may run at once."""
+    def async_exec(self, decoupled: bool = False) -> Awaitable[Any]:
+        """Like ``exec``, awaited (from an ``async def execute``); several may run at once. With
+        ``decoupled=True`` it resolves once the first response came, to an iterator of the responses
+        (that one first, the rest read as it is iterated), as Triton's stub resolves it."""
         if decoupled:
-            raise TritonModelException(
-                "async_exec(decoupled=True) is not supported by this server: use exec(decoupled=True)"
-            )
+            return _first_came(_link().infer_stream(self))  # the call is made here, not when awaited
         return _link().infer_async(self)
+
+
+async def _first_came(responses: Iterator[InferenceResponse]) -> Iterator[InferenceResponse]:
+    """``responses`` once its first has come, read on a thread of the running loop's executor (the
+    loop goes on with the model's other awaits meanwhile). A stream always has a first response
+    (its last may be empty, the FINAL flag alone)."""
+    first = await asyncio.get_running_loop().run_in_executor(None, next, responses)
+    return itertools.chain((first,), responses)
 
 
 class Logger:
