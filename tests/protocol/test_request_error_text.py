@@ -13,7 +13,10 @@ stub, so they still cross the real wire.
 
 from __future__ import annotations
 
+import json
 import struct
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -308,3 +311,49 @@ def _http_input(name: str) -> httpclient.InferInput:
     tensor = httpclient.InferInput(name, [1, 16], "INT32")
     tensor.set_data_from_numpy(A)
     return tensor
+
+
+def test_request_parameters_starting_with_triton_are_refused(
+    stub: service_pb2_grpc.GRPCInferenceServiceStub, server: RunningServer
+) -> None:
+    """Triton keeps ``triton_`` request parameters for itself (run on Triton 2.51, session 53; Shoal
+    took them): gRPC refuses all but ``triton_enable_empty_final_response``, which must be a bool,
+    before it reads the inputs (a bad datatype is not what it names); HTTP refuses every one. Input
+    and output parameters, and keys only like the prefix (``Triton_x``), are not refused."""
+    for key in ("triton_x", "triton_"):
+        request = _simple_request([1, 16], [1, 16])
+        request.inputs[0].datatype = "NO_SUCH_TYPE"
+        request.parameters[key].int64_param = 1
+        assert _raw_error(stub, request) == (
+            "parameter keys starting with 'triton_' are reserved for Triton usage. Only the following keys "
+            "starting with 'triton_' are allowed: triton_enable_empty_final_response"
+        )
+    request = _simple_request([1, 16], [1, 16])
+    request.parameters["triton_enable_empty_final_response"].int64_param = 1
+    assert _raw_error(stub, request) == (
+        "invalid value type for 'triton_enable_empty_final_response' parameter, expected bool_param."
+    )
+    for name, fill in (("allowed", "triton_enable_empty_final_response"), ("like", "Triton_x")):
+        request = _simple_request([1, 16], [1, 16])
+        request.parameters[fill].bool_param = True
+        request.inputs[0].parameters["triton_y"].int64_param = 1
+        request.outputs.add(name="OUTPUT0").parameters["triton_z"].int64_param = 1
+        request.raw_input_contents.extend([A.tobytes(), A.tobytes()])
+        answer = stub.ModelInfer(request)
+        assert np.frombuffer(answer.raw_output_contents[0], np.int32).tolist() == (A + A).ravel().tolist(), name
+    inputs = [
+        {"name": name, "datatype": "INT32", "shape": [1, 16], "data": A.ravel().tolist()}
+        for name in ("INPUT0", "INPUT1")
+    ]
+    url = f"http://{server.http_url}/v2/models/simple/infer"
+    for key in ("triton_x", "triton_enable_empty_final_response"):  # raw: tritonclient refuses to send them
+        body = json.dumps({"inputs": inputs, "parameters": {key: True}}).encode()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url, body, method="POST"), timeout=30)
+        assert refused.value.code == 400
+        assert json.loads(refused.value.read())["error"] == (
+            "parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified."
+        )
+    body = json.dumps({"inputs": inputs, "parameters": {"Triton_x": 1}}).encode()
+    with urllib.request.urlopen(urllib.request.Request(url, body, method="POST"), timeout=30) as answer:
+        assert json.loads(answer.read())["outputs"][0]["data"] == (A + A).ravel().tolist()

@@ -228,6 +228,8 @@ def infer_request(
     """The request; ``raw_input_contents`` line up, in order, with the inputs not in shared memory.
     ``declared``: ``declare_inputs(message)``, when the caller has read it already. ``encoded_bytes``:
     raw BYTES inputs are left as the wire carries them, unchecked (``infer_request_encoded``)."""
+    if message.parameters:
+        _check_reserved(message.parameters)
     if declared is None:
         declared = declare_inputs(message)
     model = declared.model
@@ -300,6 +302,25 @@ def infer_request_encoded(
         return infer_request(message, declared, encoded_bytes=True)
     except ShoalError:
         return infer_request(message, declared)
+
+
+# The one request parameter starting with ``triton_`` a client may set (a stream's empty final response).
+EMPTY_FINAL_PARAMETER = "triton_enable_empty_final_response"
+
+
+def _check_reserved(parameters: Any) -> None:
+    """Request parameters starting with ``triton_`` are Triton's own: refused but one, which must be a
+    bool, in Triton 2.51's words (its gRPC front end, checked with ``run_triton.sh``)."""
+    for key in parameters:
+        if not key.startswith("triton_"):
+            continue
+        if key != EMPTY_FINAL_PARAMETER:
+            raise invalid(
+                "parameter keys starting with 'triton_' are reserved for Triton usage. Only the following keys "
+                f"starting with 'triton_' are allowed: {EMPTY_FINAL_PARAMETER}"
+            )
+        if parameters[key].WhichOneof("parameter_choice") != "bool_param":
+            raise invalid(f"invalid value type for '{EMPTY_FINAL_PARAMETER}' parameter, expected bool_param.")
 
 
 def _requested_outputs(outputs: Any) -> tuple[tuple[str, ...] | None, dict[str, RegionSlice], dict[str, int]]:

@@ -29,7 +29,7 @@ from shoal.tracing.trace import Origin
 Context: TypeAlias = grpc.aio.ServicerContext
 
 # Triton's request and response parameters for decoupled models on a stream.
-EMPTY_FINAL_PARAMETER, FINAL_PARAMETER = "triton_enable_empty_final_response", "triton_final_response"
+FINAL_PARAMETER = "triton_final_response"
 
 
 class InferenceServicer:
@@ -109,7 +109,7 @@ class InferenceServicer:
         """A decoupled model's responses, each written as it comes, as Triton's stream handler does:
         each names its request, carries ``triton_final_response``, and a FINAL flag without a
         response is written only when the client asked (``triton_enable_empty_final_response``)."""
-        empty_final = _bool_parameter(request, EMPTY_FINAL_PARAMETER)
+        empty_final = _bool_parameter(request, convert.EMPTY_FINAL_PARAMETER)
         origin = Origin("GRPC", time.monotonic_ns(), *_trace_context(context))
         trace_id, last_handed = 0, False  # the trace its sends are reported to; its last answer went out
         try:

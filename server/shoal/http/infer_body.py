@@ -152,9 +152,18 @@ MAX_BYTES_OBJECTS_PER_PAYLOAD = 4
 BYTES_OBJECTS_FLOOR = 128 * 2**20
 
 
+RESERVED_PREFIX = "triton_"  # request parameters Triton keeps for itself
+
+
 def _check_reserved(parameters: dict[str, Any]) -> None:
     """The parameters Triton's HTTP front end reads itself, in its words: JSON numbers carry any
-    integer, so a ``sequence_id`` of 2^64+5 must be refused, not wrapped to sequence 5."""
+    integer, so a ``sequence_id`` of 2^64+5 must be refused, not wrapped to sequence 5. Keys that
+    start with ``triton_`` are Triton's own, refused over HTTP (Triton 2.51 answers 400 so)."""
+    if any(key.startswith(RESERVED_PREFIX) for key in parameters):
+        raise invalid(
+            f"parameter keys starting with '{RESERVED_PREFIX}' are reserved for Triton usage and should not be "
+            "specified."
+        )
     for key in ("sequence_start", "sequence_end"):
         if key in parameters and not isinstance(parameters[key], bool):
             raise invalid(f"Unable to parse '{key}': attempt to access JSON non-boolean as boolean")
