@@ -108,10 +108,11 @@ def test_kind_auto_is_the_cpu_without_a_gpu_and_the_backend_is_not_asked(monkeyp
 )
 def test_kind_auto_is_each_gpu_where_the_backend_can_use_them(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
     asked = fake_host(monkeypatch, gpus=2, backend_can_use_them=True)
-    count = 2 if config else 1  # no instance group: one of KIND_AUTO, count 1
+    count = 2 if config else 1  # no instance group: one of KIND_AUTO, count 1, named after the model (Triton's)
+    group = "m_0" if config else "m"
     assert model.placements(spec_of("pytorch", config)) == [
-        Placement("m_0", Device("gpu", 0), count),
-        Placement("m_0", Device("gpu", 1), count),
+        Placement(group, Device("gpu", 0), count),
+        Placement(group, Device("gpu", 1), count),
     ]
     assert asked == ["pytorch"]
 
@@ -146,7 +147,7 @@ def test_the_identity_backend_stays_on_the_cpu(monkeypatch: pytest.MonkeyPatch) 
     from shoal.backends import identity
 
     monkeypatch.setattr(model, "cuda_device_count", lambda: 1)  # the backend's own answer: never a GPU
-    assert model.placements(spec_of("identity", "")) == [Placement("m_0", CPU, 1)]
+    assert model.placements(spec_of("identity", "")) == [Placement("m", CPU, 1)]
     spec = spec_of("identity", "instance_group [ { kind: KIND_GPU } ]")
     with pytest.raises(ShoalError, match="the identity backend runs on the CPU only"):
         identity.load(spec, Path("unused"), Device("gpu", 0), 1)

@@ -137,7 +137,7 @@ def test_initialize_gets_args_as_triton_gives_them(
         args["model_instance_kind"],
         args["model_instance_device_id"],
     ) == ("echo", "1", "CPU", "0")
-    assert args["model_instance_name"] == "echo_0_0"
+    assert args["model_instance_name"] == "echo_0"
     assert Path(args["model_repository"]).name == "echo" and Path(args["model_repository"], "1", "model.py").is_file()
     config = json.loads(args["model_config"])
     assert config["name"] == "echo" and config["max_batch_size"] == 8 and config["backend"] == "python"

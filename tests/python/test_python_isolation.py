@@ -288,7 +288,7 @@ def test_a_base_exception_in_execute_fails_that_request_only(tmp_path: Path, ser
                     _call(client, model, code)
                 assert caught.value.status() == "StatusCode.INTERNAL", (model, caught.value)
                 assert (
-                    f"Failed to process the request(s) for model '{model}_0_0', message: {exception}"
+                    f"Failed to process the request(s) for model '{model}_0', message: {exception}"
                     in caught.value.message()
                 ), (model, caught.value.message())
                 np.testing.assert_array_equal(_call(client, model, 0.5), [1.0])
@@ -303,9 +303,9 @@ def test_a_base_exception_in_execute_fails_that_request_only(tmp_path: Path, ser
     log = server.log()
     for model in ("raiser", "raiser_async"):  # process instances log in their worker
         calls = len(RAISED_NAMES) + (model == "raiser")  # and the one over HTTP
-        assert log.count(f"model instance {model}_0_0: execute raised ") == calls, log
+        assert log.count(f"model instance {model}_0: execute raised ") == calls, log
         for exception in RAISED_NAMES.values():
-            assert f"model instance {model}_0_0: execute raised {exception}" in log, (model, exception, log)
+            assert f"model instance {model}_0: execute raised {exception}" in log, (model, exception, log)
 
 
 def test_a_base_exception_after_execute_fails_that_request_only(tmp_path: Path, server_factory: Any) -> None:

@@ -69,7 +69,7 @@ def test_normalize_fills_triton_defaults() -> None:
     assert config.name == "m" and config.platform == "onnxruntime_onnx"
     assert config.version_policy.latest.num_versions == 1
     assert list(config.dynamic_batching.preferred_batch_size) == [4]
-    assert config.instance_group[0].name == "m_0" and config.instance_group[0].count == 1
+    assert config.instance_group[0].name == "m" and config.instance_group[0].count == 1
 
 
 def test_parse_error_names_file_line_and_column(tmp_path: Path) -> None:

@@ -198,11 +198,14 @@ def normalize(
 ) -> config_pb2.ModelConfig:
     """Fill in the defaults Triton fills in; returns a new message.
 
-    A group without a ``count`` gets Triton's default for its kind (core model_config_utils.cc
-    ``SetDefaultInstanceCount``): 2 for KIND_CPU on the onnxruntime backend, else 1 (per GPU for
-    KIND_GPU). Triton resolves KIND_AUTO first; Shoal keeps the kind as written (placement resolves
-    it, with the backend's say), so ``auto_kind(backend, group)`` tells the kind a KIND_AUTO group resolves to here
-    (the lifecycle passes it; without it KIND_AUTO counts as not KIND_CPU).
+    A config without ``instance_group`` gets one group named after the model, and an unnamed group
+    ``<model>_<index>`` (core model_config_utils.cc ``NormalizeInstanceGroup``; its instances are
+    ``<group>_<n>``, the ``model_instance_name`` a Python model reads: ``echo_0`` for a config without
+    groups, as on Triton 2.51). A group without a ``count`` gets Triton's default for its kind (core
+    model_config_utils.cc ``SetDefaultInstanceCount``): 2 for KIND_CPU on the onnxruntime backend,
+    else 1 (per GPU for KIND_GPU). Triton resolves KIND_AUTO first; Shoal keeps the kind as written
+    (placement resolves it, with the backend's say), so ``auto_kind(backend, group)`` tells the kind a
+    KIND_AUTO group resolves to here (the lifecycle passes it; without it KIND_AUTO counts as not KIND_CPU).
     """
     out = config_pb2.ModelConfig()
     out.CopyFrom(config)
@@ -225,8 +228,8 @@ def normalize(
         out.model_transaction_policy.SetInParent()
     else:
         _normalize_pinned_memory(out.optimization)
-        if not out.instance_group:
-            out.instance_group.add()
+        if not out.instance_group:  # named after the model, as Triton names the group it adds
+            out.instance_group.add(name=out.name)
     kinds = config_pb2.ModelInstanceGroup.Kind
     for index, group in enumerate(out.instance_group):
         if not group.name:
