@@ -6,7 +6,9 @@ examples do (session 53: the sync one failed, the async one was refused).
   ``run_triton.sh``): a Python model's output keeps the datatype the model gave it. Shoal refused it.
 - **Async**: ``await asyncio.gather(*(call.async_exec(decoupled=True) for two calls))``, each awaited
   result an iterator of the call's responses. Shoal raised "not supported".
-- An ensemble step fed such an output refuses it as its input, as Triton's does.
+- An ensemble step fed such an output refuses it as its input, as Triton's does; an ensemble whose last
+  step gives it answers it with the step's datatype, and a classification ranks it by that datatype
+  (review of session 53, Triton 2.51 run beside it: Shoal refused both, or failed with an incident).
 - A BLS call to a model that is not ready, or for one response to a decoupled model, fails in the
   words of Triton 2.51's Python backend (checked with ``run_triton.sh``; Shoal gave its clients' words).
 
@@ -116,6 +118,37 @@ class TritonPythonModel:
             for r in requests
         ]
 """
+# OUT as IN says: 0, an object array of bytes; 1, INT64 (the config declares INT32 or STRING).
+GIVES = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            out = np.array([b"7", b"3"], object) if n == 0 else np.array([7, 3], np.int64)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out)]))
+        return responses
+"""
+GIVES_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: {datatype} dims: [ 2 ] }} ]
+"""
+LAST_STEP = """
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "E" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "sum_sync_thread" model_version: -1 input_map { key: "IN" value: "IN" }
+    output_map { key: "SUM" value: "E" } }
+] }
+"""
 CALLER = """
 backend: "python"
 max_batch_size: 0
@@ -173,8 +206,11 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         write_model(repo, f"caller_{kind}", CALLER + extra, CALLS)
     takes = ONE_IN_ONE_OUT.replace('"IN"', '"X"').format(output="Y", extra="")
     write_model(repo, "takes_int32", takes, TAKES_INT32)
-    (repo / "chain" / "1").mkdir(parents=True)
-    (repo / "chain" / "config.pbtxt").write_text(CHAIN)
+    for name, config in (("chain", CHAIN), ("last_step", LAST_STEP)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(config)
+    for datatype in ("TYPE_INT32", "TYPE_STRING"):
+        write_model(repo, f"gives_{datatype[5:].lower()}", GIVES_CONFIG.format(datatype=datatype), GIVES)
     workers = ["--grpc-workers", "1"] if request.param == "workers" else ["--grpc-workers", "0"]
     with serving(repo, tmp_path_factory.mktemp("server"), *workers) as running:
         yield running
@@ -242,3 +278,25 @@ def test_a_bls_call_is_refused_in_tritons_words(server: RunningServer, kind: str
         "calls for decoupled models.'"
     )
     assert error_of("sum_sync_process", -1) == ""  # answered
+
+
+def test_an_ensemble_answers_its_last_steps_datatype(server: RunningServer) -> None:
+    with grpcclient.InferenceServerClient(server.url) as client:
+        result = client.infer("last_step", [_grpc_in(3)], client_timeout=60)
+    output = result.get_output("E")
+    assert output is not None and output.datatype == "INT64"
+    assert result.as_numpy("E").tolist() == [9]
+
+
+def test_a_classification_ranks_by_the_datatype_the_model_gave(server: RunningServer) -> None:
+    with grpcclient.InferenceServerClient(server.url) as client:
+        top = [grpcclient.InferRequestedOutput("OUT", class_count=1)]
+        for model in ("gives_int32", "gives_string"):  # INT64 given: ranked, whatever the config declares
+            result = client.infer(model, [_grpc_in(1)], outputs=top, client_timeout=60)
+            assert result.as_numpy("OUT").tolist() == [b"7:0"], model
+        with pytest.raises(InferenceServerException) as caught:  # BYTES given for an INT32 output
+            client.infer("gives_int32", [_grpc_in(0)], outputs=top, client_timeout=60)
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT", caught.value
+    assert caught.value.message() == (
+        "class result not available for output 'OUT' of model 'gives_int32' due to unsupported type 'BYTES'"
+    )

@@ -185,7 +185,15 @@ def _check_classifications(spec: ModelSpec, request: InferRequest, outputs: tupl
             raise invalid(
                 f"output '{shown(name)}': invalid value for 'classification' parameter, expected > 0, got {count}"
             )
-        classification.check_datatype(spec.name, name, tensor_spec.datatype)
+        if not keeps_datatype(spec):  # else checked on the datatype the model gave (``respond``), as Triton
+            classification.check_datatype(spec.name, name, tensor_spec.datatype)
+
+
+def keeps_datatype(spec: ModelSpec) -> bool:
+    """Whether the model's outputs keep the datatype they come with, as Triton answers them: a Python
+    model's (``outputs_as_returned``), and an ensemble's, whose steps answered them already (its last
+    step may be a Python model). Every other model's are held to its config's datatypes."""
+    return spec.ensemble is not None or outputs_as_returned(spec.backend)
 
 
 # Ranking an output for a classification costs up to ~0.15 µs per element, formatting ~0.3 µs per class
@@ -208,7 +216,7 @@ def finish(spec: ModelSpec, prepared: Prepared, results: Mapping[str, np.ndarray
 def output_check(spec: ModelSpec, prepared: Prepared) -> Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]:
     """One request's outputs, each through ``checked_output``: what the scheduler applies to the
     request's part before it counts the request (a failure, when the model broke its config)."""
-    own_datatype = outputs_as_returned(spec.backend)
+    own_datatype = keeps_datatype(spec)
 
     def check(results: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         found = {}
@@ -219,9 +227,10 @@ def output_check(spec: ModelSpec, prepared: Prepared) -> Callable[[Mapping[str, 
                 # Only a Python model's response lacks one (the batch's feed runner refuses a feed model's
                 # that does): it is answered with the outputs it has, as Triton answers it.
                 continue
-            found[name] = checked_output(
-                spec, tensor_spec, np.asarray(results[name]), prepared.batch_size, own_datatype
-            )
+            data = checked_output(spec, tensor_spec, np.asarray(results[name]), prepared.batch_size, own_datatype)
+            if own_datatype and name in prepared.class_counts:  # ranked by the datatype the model gave it
+                classification.check_datatype(spec.name, name, _datatype_of(data))
+            found[name] = data
         return found
 
     return check
@@ -310,7 +319,7 @@ def streamed_outputs(spec: ModelSpec, request: InferRequest, arrays: Mapping[str
         shapes = [t.shape for t in request.inputs] + [t.shape for t in request.region_inputs]
         batch_size = shapes[0][0] if shapes and shapes[0] else 0
     outputs = []
-    own_datatype = outputs_as_returned(spec.backend)
+    own_datatype = keeps_datatype(spec)
     for name, array in arrays.items():
         tensor_spec = spec.output(name)
         if tensor_spec is None:
