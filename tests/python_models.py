@@ -217,12 +217,6 @@ FAULTS = {
         "        raise RuntimeError('cannot open ' + b'w-\\xff.bin'.decode('utf-8', 'surrogateescape'))\n",
     ),
     "import_error": ("import json\n", "import json\nimport no_such_module_xyz\n"),
-    # Triton's custom metrics, which Shoal does not serve: the load fails saying so
-    "custom_metrics": (
-        "        self.args = args\n",
-        "        self.args = args\n        pb_utils.MetricFamily(name='latency_ns', description='time', "
-        "kind=pb_utils.MetricFamily.COUNTER).Metric(labels={'model': 'm'})\n",
-    ),
 }
 
 

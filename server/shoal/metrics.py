@@ -29,7 +29,8 @@ writes them so; prometheus_client would add ``_total``), hence the small text wr
 Shoal's own families follow: ``shoal_model_memory_bytes{device}`` (measured at load),
 ``shoal_model_instances``, ``shoal_model_executing_requests``, ``shoal_model_warmup_runs`` and
 ``shoal_model_warmup_duration_us`` (the config's model_warmup at load), then prometheus_client's process
-collector (``process_resident_memory_bytes`` and the rest).
+collector (``process_resident_memory_bytes`` and the rest). The Python models' custom metrics
+(``shoal.custom_metrics``) come between the two, written as Triton writes them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
+from shoal import custom_metrics
 from shoal.core import StatisticsRow
 from shoal.errors import StartupError
 from shoal.settings import MetricsSettings
@@ -404,7 +406,9 @@ class MetricsPage:
         yield from shoals
 
     def text(self) -> str:
-        return "".join(family.text() for family in self.families()) + generate_latest(self.process).decode()
+        """Triton's and Shoal's families, the Python models' own (``pb_utils.MetricFamily``), the process's."""
+        triton_and_shoal = "".join(family.text() for family in self.families())
+        return triton_and_shoal + custom_metrics.REGISTRY.text() + generate_latest(self.process).decode()
 
 
 def start_metrics_server(

@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "tracing": 2,  # logs: what every process reads to log by
     "settings": 1,
     "statistics": 1,
+    "custom_metrics": 1,  # Python models' metric families: written by the backends, read by /metrics
     "request_types": 1,  # what a request carries: tensors, requests, responses
     "errors": 1,
     "off_loop": 1,  # when work leaves the event loop: one rule for every layer

@@ -44,13 +44,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import shoal.backends.python as python_backend
-from shoal import off_loop
+from shoal import custom_metrics, off_loop
 from shoal.backends.devices import Device
 from shoal.backends.python import bls, runner
 from shoal.dataplane import inline, packing
 from shoal.dataplane.arena import PoolFull
 from shoal.errors import ErrorCode, ShoalError
-from shoal.instances import process, python_worker
+from shoal.instances import metrics_pipe, process, python_worker
 from shoal.instances.outbox import Outbox
 from shoal.instances.pool import InstanceThread, OnLoop, settle
 from shoal.instances.process import WorkerLimits
@@ -554,7 +554,28 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             self._trim_responses(used)
 
     def _start(self) -> None:
-        super()._start()
+        # Each worker gets a pipe for its model's custom metrics, answered by a thread of its own from
+        # before the model initializes until the worker's end closes it (``instances.metrics_pipe``);
+        # the worker's end travels in its handle.
+        ours, theirs = self._context.Pipe()
+        instance_name, version = self._handle[:2]
+        self._metrics_thread = threading.Thread(
+            target=metrics_pipe.serve,
+            args=(ours, custom_metrics.REGISTRY, f"model instance {instance_name}'s worker"),
+            name=f"shoal-{instance_name}-metrics",
+            daemon=True,
+        )
+        self._metrics_thread.start()
+        self._handle = (instance_name, version, theirs)
+        try:
+            super()._start()
+        except BaseException:
+            theirs.close()
+            self._metrics_thread.join(METRICS_THREAD_JOIN_S)  # the worker is gone: its pipe ends, and the thread
+            raise
+        finally:
+            theirs.close()  # the worker has its own copy: the thread ends when the worker's closes
+            self._handle = (instance_name, version)
         self._loop_socket = socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
 
     def _kill(self) -> None:
@@ -565,6 +586,9 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
 
     def close(self) -> None:
         super().close()
+        # The worker ended: its metrics thread gives back the worker's series as it reads the pipe's end,
+        # so an unloaded model's series are gone from /metrics once its unload is answered.
+        self._metrics_thread.join(METRICS_THREAD_JOIN_S)
         self._relay.shutdown(wait=False)  # a conversation it still runs (close gave up waiting) ends on its own
         watch, self._loop_watch = self._loop_watch, None
         if watch is not None:
@@ -585,6 +609,7 @@ _WHY = {
     UNREADABLE: "sent a message that could not be read",
     OUT_OF_STEP: "answered a batch it was not running",
 }
+METRICS_THREAD_JOIN_S = 10.0  # bounds close's wait for it, should a descendant of the worker hold the pipe open
 ENDED_GRACE_S = 5.0  # a worker whose pipe ended is given this long to exit before it is reported
 WATCH_TICK_S = 0.05  # how often the relay, writing or reading a message, checks that the worker lives
 MAX_LOOP_SLOTS = 4096  # the most output tensors of a batch the loop unpacks

@@ -16,6 +16,7 @@ from shoal.dataplane import inline, packing
 from shoal.dataplane.arena import Arena, PoolFull
 from shoal.errors import ShoalError
 from shoal.instances import worker_pipe
+from shoal.instances.metrics_pipe import PipeMetrics
 from shoal.instances.python_link import PipeLink
 from shoal.instances.worker_pipe import (
     REQUESTS,
@@ -207,8 +208,10 @@ def worker_main(spec: ModelSpec, model_path: Path, device: Device, handle: Any, 
     conn = LockedConn(conn)
     decoupled = spec.decoupled
     link = PipeLink(conn, arenas)
+    instance_name, version, metrics_conn = handle
+    # Before the model is imported: a family may be made at import, and in ``initialize``, as Triton allows.
+    pb_utils.set_metrics_link(PipeMetrics(metrics_conn, instance_name))
     try:
-        instance_name, version = handle
         model = runner.ModelRunner(
             spec.config_json,
             model_path,

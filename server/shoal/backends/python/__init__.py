@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
+from shoal import custom_metrics
 from shoal.backends.devices import Device
 from shoal.backends.python import autocomplete, bls, pb_utils, runner
 from shoal.errors import DecoupledRefused, ShoalError, load_failed
@@ -104,10 +105,17 @@ class ThreadInstance:
             spec.config_json, model_file, instance_name, device.kind.upper(), device.index, version
         )
         self._decoupled = spec.decoupled
+        # The model's custom metrics: the server's registry, its series given back at the unload.
+        self._metrics = custom_metrics.InstanceMetrics(custom_metrics.REGISTRY, instance_name)
+        if pb_utils._metrics is None:  # a family made on a thread a model started: the server's, unnamed
+            pb_utils.set_metrics_link(custom_metrics.InstanceMetrics(custom_metrics.REGISTRY, ""))
         try:
             with bls.initializing():  # a BLS call from initialize raises, as Triton's
-                self._runner = runner.ModelRunner(spec.config_json, model_file, args, isolated=True)
+                self._runner = runner.ModelRunner(
+                    spec.config_json, model_file, args, isolated=True, metrics=self._metrics
+                )
         except BaseException as exc:  # noqa: BLE001 - SystemExit too (argparse): this load fails, not the server
+            self._metrics.close()
             raise load_failed(runner.describe_error(exc).rstrip()) from None
 
     def bind_host(self, host: bls.HostInfer, caller: Any) -> None:
@@ -145,7 +153,10 @@ class ThreadInstance:
         return [_owned(outcome.result()) for outcome in self._runner.execute(items)]
 
     def close(self) -> None:
-        self._runner.finalize()
+        try:
+            self._runner.finalize()
+        finally:
+            self._metrics.close()
 
 
 def _owned(result: dict[str, np.ndarray] | ShoalError) -> dict[str, np.ndarray] | ShoalError:

@@ -16,11 +16,13 @@ import itertools
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from shoal import custom_metrics
 from shoal.protocol import codec
 from shoal.protocol.types import DataType
 
@@ -567,14 +569,112 @@ class LogLevel:
     INFO, WARNING, ERROR, VERBOSE = Logger.INFO, Logger.WARNING, Logger.ERROR, Logger.VERBOSE
 
 
+class MetricsLink(Protocol):
+    """How a model's metrics reach the server's registry (``shoal.custom_metrics``): the registry itself
+    for a thread instance (``custom_metrics.InstanceMetrics``), a pipe to the server for a worker
+    process. Each call is answered by the server, so instances share a series; refusals raise
+    ``CustomMetricError`` in Triton's core's words."""
+
+    instance_name: str
+
+    def family(self, name: str, description: str, kind: int) -> None: ...
+
+    def metric(self, name: str, labels: dict[str, str], buckets: list[float] | None) -> int: ...
+
+    def increment(self, series_id: int, value: float) -> None: ...
+
+    def set(self, series_id: int, value: float) -> None: ...
+
+    def observe(self, series_id: int, value: float) -> None: ...
+
+    def value(self, series_id: int) -> float: ...
+
+    def release(self, series_id: int) -> None: ...
+
+
+_metrics: MetricsLink | None = None  # the process's: a worker's pipe, or the server's registry
+_metrics_here = threading.local()  # a thread instance's own, while its initialize, execute or finalize runs
+
+
+def set_metrics_link(link: MetricsLink | None, this_thread: bool = False) -> None:
+    """Installed by the runner: where ``MetricFamily`` and ``Metric`` go, for the process or this thread."""
+    global _metrics
+    if this_thread:
+        _metrics_here.link = link
+    else:
+        _metrics = link
+
+
+def _metrics_link() -> MetricsLink:
+    link: MetricsLink | None = getattr(_metrics_here, "link", None) or _metrics
+    if link is None:
+        raise TritonModelException("custom metrics need the model to be served by a Shoal server")
+    return link
+
+
+def _refused(link: MetricsLink, exc: custom_metrics.CustomMetricError) -> str:
+    return f"Failed to process the request for model '{link.instance_name}', message: {exc}"
+
+
 class MetricFamily:
-    """Triton's custom metrics (``pb_utils.MetricFamily`` and its ``Metric``), which Shoal does not serve
-    yet: making one raises, so a model that reports its own metrics fails to load saying why, rather
-    than with an AttributeError, or serving with its metrics silently missing."""
+    """Triton's custom metric family: a name, a description and a kind, shared by the server's models
+    (two made with one name and kind are one family; a name taken by another kind is refused)."""
 
-    COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
+    COUNTER, GAUGE, HISTOGRAM = custom_metrics.COUNTER, custom_metrics.GAUGE, custom_metrics.HISTOGRAM
 
-    def __init__(self, name: str, description: str = "", kind: int = COUNTER, **options: Any) -> None:
-        raise TritonModelException(
-            f"custom metrics (pb_utils.MetricFamily '{_text(name)}') are not supported by this server yet"
-        )
+    def __init__(self, name: str, description: str, kind: int) -> None:
+        self._link = _metrics_link()
+        self._name, self._kind = str(name), kind
+        try:
+            self._link.family(self._name, str(description), kind)
+        except custom_metrics.CustomMetricError as exc:
+            raise TritonModelException(f"Error when creating MetricFamily: {_refused(self._link, exc)}") from None
+
+    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:  # noqa: N802
+        """The family's series with these labels (made if new; one series per labels, server-wide)."""
+        return Metric(self, labels, buckets)
+
+
+class Metric:
+    """One series of a family: a counter's or a gauge's value, or a histogram's observations. Its
+    operations are the server's, answered there (``value()`` reads what every instance added)."""
+
+    def __init__(
+        self, family: MetricFamily, labels: dict[str, str] | None = None, buckets: list[float] | None = None
+    ) -> None:
+        self._link = family._link
+        if family._kind == MetricFamily.HISTOGRAM and buckets is None:
+            raise TritonModelException("Failed to create metric. Missing required buckets.")
+        if family._kind != MetricFamily.HISTOGRAM and buckets is not None:
+            raise TritonModelException("Failed to create metric. Unexpected buckets found.")
+        labels = dict(labels or {})
+        try:
+            if not all(isinstance(key, str) and isinstance(value, str) for key, value in labels.items()):
+                raise custom_metrics.CustomMetricError("attempt to access JSON non-string as string")
+            self._id = self._link.metric(family._name, labels, None if buckets is None else [float(b) for b in buckets])
+        except custom_metrics.CustomMetricError as exc:
+            raise TritonModelException(f"Error when creating Metric: {_refused(self._link, exc)}") from None
+        weakref.finalize(self, self._link.release, self._id)
+
+    def increment(self, value: float) -> None:
+        self._act("increment", "Failed to increment metric value", value)
+
+    def set(self, value: float) -> None:
+        self._act("set", "Failed to set metric value", value)
+
+    def observe(self, value: float) -> None:
+        self._act("observe", "Failed to observe metric value", value)
+
+    def value(self) -> float:
+        try:
+            return self._link.value(self._id)
+        except custom_metrics.CustomMetricError as exc:
+            raise TritonModelException(f"Failed to get metric value: {_refused(self._link, exc)}") from None
+
+    def _act(self, operation: str, failed: str, value: float) -> None:
+        if isinstance(value, str | bytes) or not isinstance(value, int | float | np.number):
+            raise TypeError(f"{operation}(): the value must be a number, not {type(value).__name__}")
+        try:
+            getattr(self._link, operation)(self._id, float(value))
+        except custom_metrics.CustomMetricError as exc:
+            raise TritonModelException(f"{failed}: {_refused(self._link, exc)}") from None

@@ -23,6 +23,7 @@ first on its ``sys.path``, as Triton's stub does, the process being the model's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -31,7 +32,7 @@ import json
 import logging
 import sys
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,23 +200,44 @@ class ModelRunner:
     """One instance of a Python model: the user's object, its output datatypes, its event loop.
 
     ``isolated``: import the model's files in an import context of this instance's own (a thread
-    instance), released by ``finalize`` or by a failed start.
+    instance), released by ``finalize`` or by a failed start. ``metrics``: where the model's custom
+    metrics go while its code runs on the calling thread (a thread instance's; a worker process
+    installs its pipe for the whole process instead).
     """
 
     def __init__(
-        self, config: Mapping[str, Any], model_file: Path, args: dict[str, str], isolated: bool = False
+        self,
+        config: Mapping[str, Any],
+        model_file: Path,
+        args: dict[str, str],
+        isolated: bool = False,
+        metrics: pb_utils.MetricsLink | None = None,
     ) -> None:
         self.instance_name = args["model_instance_name"]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._imports = ModelImports(model_file.parent) if isolated else None
+        self._metrics = metrics
         try:
-            self.model = import_model_class(model_file, self._imports)()
-            initialize = getattr(self.model, "initialize", None)
-            if initialize is not None:
-                self._await(initialize(args))
+            with self._metrics_here():
+                self.model = import_model_class(model_file, self._imports)()
+                initialize = getattr(self.model, "initialize", None)
+                if initialize is not None:
+                    self._await(initialize(args))
         except BaseException:
             self._release()
             raise
+
+    @contextlib.contextmanager
+    def _metrics_here(self) -> Iterator[None]:
+        """While the model's code runs on this thread, its metrics go to this instance's link."""
+        if self._metrics is None:
+            yield
+            return
+        pb_utils.set_metrics_link(self._metrics, this_thread=True)
+        try:
+            yield
+        finally:
+            pb_utils.set_metrics_link(None, this_thread=True)
 
     def _await(self, result: Any) -> Any:
         """A coroutine (async initialize/execute) runs to its end on this instance's loop; else as is."""
@@ -258,7 +280,8 @@ class ModelRunner:
             request._probe = functools.partial(is_cancelled, index)
             senders.append(sender)
         try:
-            self._run_decoupled(requests, senders, is_cancelled)
+            with self._metrics_here():
+                self._run_decoupled(requests, senders, is_cancelled)
         finally:
             # A request and its sender refer to each other: without this, the request's inputs (views of
             # memory the request owned, such as a front-end worker's arena) would wait for a full
@@ -309,7 +332,8 @@ class ModelRunner:
     def execute(self, items: Sequence[RequestData]) -> list[Outcome]:
         requests = self._requests(items)
         try:
-            return self._execute(items, requests)
+            with self._metrics_here():
+                return self._execute(items, requests)
         finally:
             _batch_over(requests)  # a sender the model asked for refers back to its request: a cycle
 
@@ -389,7 +413,8 @@ class ModelRunner:
         finalize = getattr(self.model, "finalize", None)
         try:
             if finalize is not None:
-                self._await(finalize())
+                with self._metrics_here():
+                    self._await(finalize())
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: an unload always completes
             logger.error("model instance %s: finalize raised %s", self.instance_name, describe_error(exc).rstrip())
         finally:
