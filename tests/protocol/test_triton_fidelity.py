@@ -35,7 +35,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from shoal.http.convert import model_config
+from shoal.repository.config_json import model_config
 from tests import models
 from tests.conftest import RunningServer, serving
 from tests.http_api.test_http_errors import call, error

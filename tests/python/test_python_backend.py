@@ -141,12 +141,13 @@ def test_initialize_gets_args_as_triton_gives_them(
     assert Path(args["model_repository"]).name == "echo" and Path(args["model_repository"], "1", "model.py").is_file()
     config = json.loads(args["model_config"])
     assert config["name"] == "echo" and config["max_batch_size"] == 8 and config["backend"] == "python"
-    assert config["input"] == [{"name": "IN", "data_type": "TYPE_FP32", "dims": [1]}]  # numbers, as Triton's
-    served = client.get_model_config("echo", as_json=True)["config"]
-    assert config["instance_group"] == served["instance_group"] and config["dynamic_batching"] == {
-        "max_queue_delay_microseconds": 200000,
-        "preferred_batch_size": [8],
-    }
+    assert config["input"][0]["dims"] == [1]  # numbers, as Triton's
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 200000
+    # Triton hands its backends the JSON its HTTP config endpoint answers, every field printed
+    # (``instance_group``'s ``kind`` and ``gpus`` too): a model reading one found it missing until session 53.
+    with httpclient.InferenceServerClient(server.http_url) as http:
+        assert config == http.get_model_config("echo")
+    assert config["instance_group"][0]["gpus"] == [] and config["input"][0]["optional"] is False
     assert seen["id"] == "abc" and seen["parameters"] == {"colour": "blue", "n": 3}
     assert seen["requested"] == ["ARGS", "REQUEST"] and seen["dtype"] == "float32"
 

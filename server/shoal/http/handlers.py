@@ -19,6 +19,7 @@ from shoal.errors import DecoupledRefused
 from shoal.http import convert, infer_body
 from shoal.http.status import HttpError
 from shoal.protocol.types import DataType
+from shoal.repository import config_json
 from shoal.request_types import EncodedTensor, InferResponse
 from shoal.tracing.trace import Origin
 
@@ -88,7 +89,7 @@ async def model_ready(core: Core, request: Request) -> Reply:
 
 
 async def model_config(core: Core, request: Request) -> Reply:
-    return _json(convert.model_config(await core.model_config(*_model(request))))
+    return _json(config_json.model_config(await core.model_config(*_model(request))))
 
 
 async def model_statistics(core: Core, request: Request) -> Reply:

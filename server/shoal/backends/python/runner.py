@@ -43,6 +43,7 @@ from shoal.backends.python import pb_utils
 from shoal.backends.python.imports import UTILS_NAME, ModelImports
 from shoal.errors import ErrorCode, ShoalError
 from shoal.protocol.types import DataType
+from shoal.repository import config_json
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def model_args(
 ) -> dict[str, str]:
     """``initialize``'s ``args``, the keys and string values Triton's Python backend gives."""
     return {
-        "model_config": json.dumps(triton_config(config)),
+        "model_config": json.dumps(config_json.model_config(dict(config))),
         "model_instance_kind": kind,
         "model_instance_name": instance_name,
         "model_instance_device_id": str(device_id),
