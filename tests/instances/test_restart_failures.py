@@ -84,3 +84,32 @@ def test_a_restart_failing_with_an_os_error_leaves_the_instance_unhealthy_then_r
             model.run_requests([Pending(value)])
     finally:
         model.close()  # also with a worker that never started
+
+
+def test_a_restart_failing_before_its_launch_leaves_the_instance_unhealthy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session 53: a Python worker's restart makes a pipe for its metrics first (and a thread), whose
+    OSError (no descriptor left) escaped the restart: the batch failed with an incident, and a
+    watchdog's restart would have ended its thread. It fails as a restart fails."""
+    model = _model(tmp_path)
+    value = np.array([[1.0, 2.0]], np.float32)
+    try:
+        assert model.run_requests([Pending(value)])[0]["Y"].tolist() == [[2.0, 4.0]]
+
+        def no_descriptor(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr(model._context, "Pipe", no_descriptor)
+        _kill(model)
+        with pytest.raises(ShoalError) as died:  # the batch that finds the worker dead
+            model.run_requests([Pending(value)])
+        assert died.value.code is ErrorCode.UNAVAILABLE and "could not be restarted" in died.value.message
+        with pytest.raises(ShoalError) as failed:  # the next tries again, and says why it failed
+            model.run_requests([Pending(value)])
+        assert failed.value.code is ErrorCode.UNAVAILABLE, failed.value
+        assert "could not be restarted: OSError: [Errno 24] Too many open files" in failed.value.message
+        monkeypatch.undo()
+        assert model.run_requests([Pending(value)])[0]["Y"].tolist() == [[2.0, 4.0]]  # started again
+    finally:
+        model.close()

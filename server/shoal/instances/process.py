@@ -303,8 +303,9 @@ class ProcessModel:
             return
         try:
             self._start()
-        except ShoalError as exc:
-            self._failure = f"{why}, and it could not be restarted: {exc.message}"
+        except (ShoalError, OSError, RuntimeError) as exc:  # the system's refusals too: no descriptor, no thread
+            reason = exc.message if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"
+            self._failure = f"{why}, and it could not be restarted: {reason}"
             logger.error("model %s: %s", self._spec.name, self._failure)
             return
         self._failure = ""
