@@ -115,6 +115,11 @@ def test_stream_infer_answers_each_request_and_survives_errors(stub: InferenceSt
     }
     assert "data-type is 'FP32'" in by_id["b"].error_message
     np.testing.assert_array_equal(decode(by_id["a"].infer_response, 0), A + B)
+    # A model that is not decoupled: its answer is marked final, a failure not (Triton 2.51, run beside
+    # it in session 53; Shoal marked neither, and a client waiting for the flag waited for good).
+    final = {i: dict(r.infer_response.parameters) for i, r in by_id.items()}
+    assert final["a"]["triton_final_response"].bool_param and final["c"]["triton_final_response"].bool_param
+    assert "triton_final_response" not in final["b"]
 
 
 def test_repository_index(stub: InferenceStub) -> None:

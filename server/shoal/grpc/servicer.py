@@ -154,6 +154,7 @@ class InferenceServicer:
                 if response.trace_id:  # no response goes out: the trace ends without a send
                     self.core.sent(response.trace_id, 0, 0)
                 raise
+            message.parameters[FINAL_PARAMETER].bool_param = True  # its only response, as Triton marks it
             return Written(pb.ModelStreamInferResponse(infer_response=message), response.trace_id)
         except DecoupledRefused:  # the model was reloaded as decoupled: the stream sends it down that path
             raise
