@@ -47,18 +47,20 @@ logger = logging.getLogger(__name__)
 
 SERVER_NAME = "shoal"
 SERVER_VERSION = version(SERVER_NAME)  # the installed distribution's, from pyproject.toml
-# Only what is implemented end to end; clients gate features on these strings.
+# Only what is implemented end to end; clients gate features on these strings. Triton 2.51's list, in its order
+# (its server metadata, run beside it).
 EXTENSIONS = (
-    "model_configuration",
-    "statistics",
-    "schedule_policy",
+    "classification",
+    "sequence",
     "model_repository",
     "model_repository(unload_dependents)",
-    "classification",
+    "schedule_policy",
+    "model_configuration",
     "system_shared_memory",
-    "sequence",
-    "binary_tensor_data",  # HTTP's binary tensors (gRPC's raw contents need no extension)
     "cuda_shared_memory",  # always listed, as Triton does; without GPUs registration says so
+    "binary_tensor_data",  # HTTP's binary tensors (gRPC's raw contents need no extension)
+    "parameters",  # request, input and output parameters (Shoal listed all but this until session 53)
+    "statistics",
     "trace",
     "logging",
 )
