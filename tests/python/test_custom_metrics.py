@@ -11,6 +11,9 @@ Both instance kinds, each with two instances; the worker layout too (the registr
 from __future__ import annotations
 
 import json
+import math
+import multiprocessing
+import threading
 import urllib.request
 from collections.abc import Iterator
 
@@ -19,6 +22,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from shoal.custom_metrics import COUNTER, GAUGE, HISTOGRAM, CustomMetricError, CustomMetrics
+from shoal.instances import metrics_pipe
 from tests.conftest import RunningServer, serving
 from tests.python_models import write_model
 
@@ -35,6 +39,7 @@ instance_group [ {{ count: 2 kind: KIND_CPU }} ]
 # Made in initialize (families and series), used in execute: IN says what to do and OUT answers.
 COUNTS = """
 import json
+import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -47,11 +52,19 @@ def attempt(what, call):
         return what, "refused", exc.message()
 
 
+def stray(kind, seen):
+    family = pb_utils.MetricFamily(name=f"stray_{{kind}}", description="d", kind=pb_utils.MetricFamily.GAUGE)
+    metric = family.Metric(labels={{"who": "thread"}})
+    metric.set(42)
+    seen.append(metric.value())
+
+
 class TritonPythonModel:
     def initialize(self, args):
         kind = "{kind}"
         self.name = args["model_instance_name"]
-        requests = pb_utils.MetricFamily(
+        self.strays = []
+        self.requests = requests = pb_utils.MetricFamily(
             name=f"requests_{{kind}}", description="requests seen", kind=pb_utils.MetricFamily.COUNTER
         )
         self.shared = requests.Metric(labels={{"kind": kind}})
@@ -72,6 +85,12 @@ class TritonPythonModel:
             attempt("counter set", lambda: self.mine.set(5)),
             attempt("gauge observed", lambda: self.depth.observe(1)),
             attempt("histogram value", lambda: self.sizes.value()),
+            attempt("buckets out of order", lambda: sizes.Metric(labels={{"o": "1"}}, buckets=[1.0, 0.5])),
+            attempt("no metric name", lambda: pb_utils.MetricFamily(
+                name="bad name", description="d", kind=pb_utils.MetricFamily.GAUGE)),
+            attempt("the server's name", lambda: pb_utils.MetricFamily(
+                name="nv_inference_count", description="d", kind=pb_utils.MetricFamily.COUNTER)),
+            attempt("no label name", lambda: requests.Metric(labels={{"a b": "1"}})),
         ]
         self.refusals = [(what, how, text if how == "refused" else None) for what, how, text in self.refusals]
 
@@ -84,12 +103,22 @@ class TritonPythonModel:
             self.depth.set(step)
             self.depth.increment(-3)
             self.sizes.observe(step)
+            per_request = self.requests.Metric(labels={{"kind": "{kind}", "made": "per request"}})
+            per_request.increment(1)  # a series made per request, its object then collected: one series
+            made = per_request.value()
+            del per_request
             seen = {{
                 "instance": self.name,
                 "shared": self.shared.value(),
                 "depth": self.depth.value(),
+                "made": made,
+                "strays": self.strays,
                 "refusals": self.refusals,
             }}
+            if step == 0:  # a family made on a thread of the model's own, collected with it when it ends
+                thread = threading.Thread(target=stray, args=("{kind}", self.strays))
+                thread.start()
+                thread.join()
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([json.dumps(seen)], object))]))
         return responses
 """
@@ -134,6 +163,8 @@ def test_two_instances_share_a_series_and_metrics_shows_it_as_triton_writes_it(
         seen = [_step(client, model, step) for step in (5, 0, 20, 1)]
     assert [s["shared"] for s in seen] == [1.0, 2.0, 3.0, 4.0]  # whichever instance ran it: one series
     assert [s["depth"] for s in seen] == [2.0, -3.0, 17.0, -2.0]
+    assert [s["made"] for s in seen] == [1.0, 2.0, 3.0, 4.0]  # review of session 53: failed from the 2nd
+    assert seen[1]["strays"] == [42.0]
     text = _metrics(server)
     assert _lines(text, f"# HELP requests_{kind}") == [f"# HELP requests_{kind} requests seen"]
     assert _lines(text, f"# TYPE requests_{kind}") == [f"# TYPE requests_{kind} counter"]
@@ -141,6 +172,7 @@ def test_two_instances_share_a_series_and_metrics_shows_it_as_triton_writes_it(
     mine = sorted(_lines(text, f'requests_{kind}{{instance="'))
     assert len(mine) == 2 and sum(float(line.rsplit(" ", 1)[1]) for line in mine) == 2.0, mine
     assert f'depth_{kind}{{kind="{kind}"}} -2' in text.splitlines()
+    assert not _lines(text, f"stray_{kind}")  # its object collected with its thread: the family went with it
     assert _lines(text, f"sizes_{kind}") == [
         f'sizes_{kind}_count{{kind="{kind}"}} 4',
         f'sizes_{kind}_sum{{kind="{kind}"}} 26',
@@ -168,6 +200,11 @@ def test_refusals_are_in_tritons_words(server: RunningServer, kind: str) -> None
         "support Observe",
         "histogram value": f"Failed to get metric value: {failed}TRITONSERVER_METRIC_KIND_HISTOGRAM does not "
         "support Value",
+        "buckets out of order": f"Error when creating Metric: {failed}Bucket Boundaries must be strictly sorted",
+        "no metric name": f"Error when creating MetricFamily: {failed}Invalid metric name",
+        "the server's name": f"Error when creating MetricFamily: {failed}Invalid metric name: the server's own "
+        "families start with ('nv_', 'shoal_', 'process_')",
+        "no label name": f"Error when creating Metric: {failed}Invalid label name",
     }
 
 
@@ -183,24 +220,24 @@ def test_an_unloaded_models_series_leave_metrics(server: RunningServer, kind: st
         assert _step(client, model, 1)["shared"] == 1.0  # made afresh
 
 
-def test_the_registry_shares_series_and_gives_them_back_when_no_longer_held() -> None:
+def test_the_registry_keeps_a_family_and_its_series_while_a_holder_holds_it() -> None:
     registry = CustomMetrics()
-    registry.family("c", "first", COUNTER)
-    registry.family("c", "second", COUNTER)  # found: the first description stays
+    registry.family("c", "first", COUNTER, holder="a")
+    registry.family("c", "second", COUNTER, holder="b")  # found: the first description stays
     with pytest.raises(CustomMetricError, match="Family name already exists with different type"):
-        registry.family("c", "first", GAUGE)
+        registry.family("c", "first", GAUGE, holder="a")
     one, two = registry.metric("c", {"a": "1"}, None), registry.metric("c", {"a": "1"}, None)
     assert one == two
     registry.increment(one, 2)
     assert registry.value(two) == 2.0
-    registry.release(one)
-    assert registry.text() == '# HELP c first\n# TYPE c counter\nc{a="1"} 2\n'
-    registry.release_all([two])
-    assert registry.text() == ""  # no series held: the family goes too
-    with pytest.raises(CustomMetricError):
+    registry.release("c", "a")
+    assert registry.text() == '# HELP c first\n# TYPE c counter\nc{a="1"} 2\n'  # "b" holds it still
+    registry.release_holder("b")
+    assert registry.text() == ""  # no hold left: the family goes, with its series
+    with pytest.raises(CustomMetricError, match="'MetricFamily' has been deleted"):
         registry.value(one)
     registry.family("h", "sizes", HISTOGRAM)
-    series = registry.metric("h", {}, [10.0, 1.0])
+    series = registry.metric("h", {}, [1.0, 10.0])
     for value in (1.0, 0.5, 11.0):  # a bucket counts values up to its bound, inclusive
         registry.observe(series, value)
     assert registry.text().splitlines()[2:] == [
@@ -210,3 +247,42 @@ def test_the_registry_shares_series_and_gives_them_back_when_no_longer_held() ->
         'h_bucket{le="10"} 2',
         'h_bucket{le="+Inf"} 3',
     ]
+
+
+def test_junk_from_a_model_never_reaches_the_page() -> None:
+    registry = CustomMetrics()
+    registry.family("g", "a gauge", GAUGE)
+    series = registry.metric("g", {"a": 'say "hi"\n'}, None)
+    for junk in ("abc", None, [1]):
+        with pytest.raises(TypeError):
+            registry.set(series, junk)
+    with pytest.raises(CustomMetricError, match="non-string"):
+        registry.metric("g", {"a": 1}, None)
+    with pytest.raises(TypeError):
+        registry.family(7, "d", GAUGE)
+    for value, written in ((1e20, "1e+20"), (2.5, "2.5"), (4.0, "4"), (float("nan"), "Nan"), (-math.inf, "-Inf")):
+        registry.set(series, value)  # as prometheus-cpp writes them (std::to_chars), as Triton's page
+        assert registry.text().splitlines()[-1] == f'g{{a="say \\"hi\\"\\n"}} {written}'
+
+
+def test_a_workers_junk_is_refused_or_closes_its_pipe_and_its_families_go() -> None:
+    """Review of session 53: a value of no number, set through the pipe by hand, made /metrics answer 500
+    for every model until it was set again. The registry refuses it; a message no worker sends closes
+    that worker's metrics pipe, and the families only it held go."""
+    registry = CustomMetrics()
+    ours, theirs = multiprocessing.Pipe()
+    thread = threading.Thread(target=metrics_pipe.serve, args=(ours, registry, "a test's worker"))
+    thread.start()
+    worker = metrics_pipe.PipeMetrics(theirs, "junk_0")
+    worker.family("junk", "d", GAUGE)
+    series = worker.metric("junk", {"a": "1"}, None)
+    theirs.send(("set", (series, "abc")))
+    assert theirs.recv() == (False, "a metric's value is a number, not str")
+    worker.set(series, 3)
+    assert registry.text().splitlines()[-1] == 'junk{a="1"} 3'
+    theirs.send(("exec", ("import os",)))
+    thread.join(30)
+    assert not thread.is_alive()
+    with pytest.raises(EOFError):
+        theirs.recv()
+    assert registry.text() == ""

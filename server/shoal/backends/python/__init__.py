@@ -107,8 +107,8 @@ class ThreadInstance:
         self._decoupled = spec.decoupled
         # The model's custom metrics: the server's registry, its series given back at the unload.
         self._metrics = custom_metrics.InstanceMetrics(custom_metrics.REGISTRY, instance_name)
-        if pb_utils._metrics is None:  # a family made on a thread a model started: the server's, unnamed
-            pb_utils.set_metrics_link(custom_metrics.InstanceMetrics(custom_metrics.REGISTRY, ""))
+        if pb_utils._metrics is None:  # a family made on a thread a model started: no instance's, unnamed
+            pb_utils.set_metrics_link(custom_metrics.InstanceMetrics(custom_metrics.REGISTRY, "", own_holds=False))
         try:
             with bls.initializing():  # a BLS call from initialize raises, as Triton's
                 self._runner = runner.ModelRunner(

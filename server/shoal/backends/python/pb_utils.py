@@ -572,8 +572,8 @@ class LogLevel:
 class MetricsLink(Protocol):
     """How a model's metrics reach the server's registry (``shoal.custom_metrics``): the registry itself
     for a thread instance (``custom_metrics.InstanceMetrics``), a pipe to the server for a worker
-    process. Each call is answered by the server, so instances share a series; refusals raise
-    ``CustomMetricError`` in Triton's core's words."""
+    process (``shoal.instances.metrics_pipe``). Each call is answered by the server, so instances share
+    a series; refusals raise ``CustomMetricError`` in Triton's words."""
 
     instance_name: str
 
@@ -589,7 +589,7 @@ class MetricsLink(Protocol):
 
     def value(self, series_id: int) -> float: ...
 
-    def release(self, series_id: int) -> None: ...
+    def release(self, name: str) -> None: ...
 
 
 _metrics: MetricsLink | None = None  # the process's: a worker's pipe, or the server's registry
@@ -618,17 +618,21 @@ def _refused(link: MetricsLink, exc: custom_metrics.CustomMetricError) -> str:
 
 class MetricFamily:
     """Triton's custom metric family: a name, a description and a kind, shared by the server's models
-    (two made with one name and kind are one family; a name taken by another kind is refused)."""
+    (two made with one name and kind are one family; a name taken by another kind is refused). The
+    family and its series live while an object made for it does (and its instance is loaded)."""
 
     COUNTER, GAUGE, HISTOGRAM = custom_metrics.COUNTER, custom_metrics.GAUGE, custom_metrics.HISTOGRAM
 
     def __init__(self, name: str, description: str, kind: int) -> None:
+        if not isinstance(name, str) or not isinstance(description, str) or kind not in custom_metrics.KIND_NAMES:
+            raise TypeError("MetricFamily(name: str, description: str, kind: MetricFamily.COUNTER, GAUGE or HISTOGRAM)")
         self._link = _metrics_link()
-        self._name, self._kind = str(name), kind
+        self._name, self._kind = name, kind
         try:
-            self._link.family(self._name, str(description), kind)
+            self._link.family(name, description, kind)
         except custom_metrics.CustomMetricError as exc:
             raise TritonModelException(f"Error when creating MetricFamily: {_refused(self._link, exc)}") from None
+        weakref.finalize(self, self._link.release, name)
 
     def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:  # noqa: N802
         """The family's series with these labels (made if new; one series per labels, server-wide)."""
@@ -637,24 +641,23 @@ class MetricFamily:
 
 class Metric:
     """One series of a family: a counter's or a gauge's value, or a histogram's observations. Its
-    operations are the server's, answered there (``value()`` reads what every instance added)."""
+    operations are the server's, answered there (``value()`` reads what every instance added). It
+    keeps its family's object alive (Triton refuses its operations once the family is deleted)."""
 
     def __init__(
         self, family: MetricFamily, labels: dict[str, str] | None = None, buckets: list[float] | None = None
     ) -> None:
-        self._link = family._link
+        self._family, self._link = family, family._link
         if family._kind == MetricFamily.HISTOGRAM and buckets is None:
             raise TritonModelException("Failed to create metric. Missing required buckets.")
         if family._kind != MetricFamily.HISTOGRAM and buckets is not None:
             raise TritonModelException("Failed to create metric. Unexpected buckets found.")
-        labels = dict(labels or {})
         try:
-            if not all(isinstance(key, str) and isinstance(value, str) for key, value in labels.items()):
-                raise custom_metrics.CustomMetricError("attempt to access JSON non-string as string")
-            self._id = self._link.metric(family._name, labels, None if buckets is None else [float(b) for b in buckets])
+            self._id = self._link.metric(
+                family._name, dict(labels or {}), None if buckets is None else [float(b) for b in buckets]
+            )
         except custom_metrics.CustomMetricError as exc:
             raise TritonModelException(f"Error when creating Metric: {_refused(self._link, exc)}") from None
-        weakref.finalize(self, self._link.release, self._id)
 
     def increment(self, value: float) -> None:
         self._act("increment", "Failed to increment metric value", value)
@@ -672,7 +675,7 @@ class Metric:
             raise TritonModelException(f"Failed to get metric value: {_refused(self._link, exc)}") from None
 
     def _act(self, operation: str, failed: str, value: float) -> None:
-        if isinstance(value, str | bytes) or not isinstance(value, int | float | np.number):
+        if isinstance(value, bool | str | bytes) or not isinstance(value, int | float | np.number):
             raise TypeError(f"{operation}(): the value must be a number, not {type(value).__name__}")
         try:
             getattr(self._link, operation)(self._id, float(value))
