@@ -29,8 +29,6 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 COUNTER, GAUGE, HISTOGRAM = 0, 1, 2  # pb_utils.MetricFamily's kinds
 KIND_NAMES = {COUNTER: "COUNTER", GAUGE: "GAUGE", HISTOGRAM: "HISTOGRAM"}
 _TYPES = {COUNTER: "counter", GAUGE: "gauge", HISTOGRAM: "histogram"}
@@ -87,6 +85,8 @@ class CustomMetrics:
         Prometheus name, the server's own, or taken by another kind."""
         if not isinstance(name, str) or not isinstance(description, str) or kind not in KIND_NAMES:
             raise TypeError("a metric family is made of a name (str), a description (str) and a kind")
+        if not _utf8(description):
+            raise TypeError("a metric family's description must be text that UTF-8 can encode")
         if not _METRIC_NAME.fullmatch(name):
             raise CustomMetricError("Invalid metric name")
         if name.startswith(SERVER_PREFIXES):
@@ -109,6 +109,8 @@ class CustomMetrics:
             raise CustomMetricError("attempt to access JSON non-string as string")
         if not all(_LABEL_NAME.fullmatch(key) and not key.startswith("__") for key in labels):
             raise CustomMetricError("Invalid label name")
+        if not all(_utf8(value) for value in labels.values()):  # a page that cannot be encoded fails every scrape
+            raise CustomMetricError("a label value must be text that UTF-8 can encode")
         key = tuple(sorted(labels.items()))
         with self._lock:
             self._count_releases()
@@ -167,7 +169,8 @@ class CustomMetrics:
 
     def release(self, name: str, holder: Hashable = None) -> None:
         """Give back one hold on family ``name`` (from a finalizer: counted at the next call)."""
-        self._released.append((name, holder))
+        if isinstance(name, str):  # anything else names no family (a worker's junk fails nobody's next call)
+            self._released.append((name, holder))
 
     def release_holder(self, holder: Hashable) -> None:
         """Give back every hold ``holder`` has (its worker ended, its instance was unloaded)."""
@@ -252,16 +255,22 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate (a file name read as surrogateescape'd bytes)
+        return False
+    return True
+
+
 def _number(value: float) -> str:
-    """As prometheus-cpp writes a value (``std::to_chars``: the shortest digits, fixed or scientific
-    whichever is shorter, fixed on a tie; ``Nan``, ``+Inf``, ``-Inf``): 4, 2.5, 1e+20, 1e-07."""
+    """As Triton 2.51 writes a value on its page (``%.16g``, and ``Nan``, ``+Inf``, ``-Inf``): 4, 2.5,
+    100000, 0.3 for 0.1 + 0.2, 1e+16 (the review of session 53 compared them with Triton's, value by value)."""
     if math.isnan(value):
         return "Nan"
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
-    fixed = np.format_float_positional(value, unique=True, trim="-")
-    scientific = np.format_float_scientific(value, unique=True, trim="-", exp_digits=2)
-    return fixed if len(fixed) <= len(scientific) else scientific
+    return f"{value:.16g}"
 
 
 class InstanceMetrics:

@@ -38,6 +38,7 @@ instance_group [ {{ count: 2 kind: KIND_CPU }} ]
 """
 # Made in initialize (families and series), used in execute: IN says what to do and OUT answers.
 COUNTS = """
+import enum
 import json
 import threading
 
@@ -50,6 +51,10 @@ def attempt(what, call):
         return what, "ok", call()
     except pb_utils.TritonModelException as exc:
         return what, "refused", exc.message()
+
+
+class Label(str, enum.Enum):  # a str of a class the server cannot unpickle: sent as its text
+    A = "a"
 
 
 def stray(kind, seen):
@@ -69,6 +74,7 @@ class TritonPythonModel:
         )
         self.shared = requests.Metric(labels={{"kind": kind}})
         self.mine = requests.Metric(labels={{"kind": kind, "instance": self.name}})
+        self.enumerated = requests.Metric(labels={{"enum": Label.A}})
         depth = pb_utils.MetricFamily(name=f"depth_{{kind}}", description="a gauge", kind=pb_utils.MetricFamily.GAUGE)
         self.depth = depth.Metric(labels={{"kind": kind}})
         sizes = pb_utils.MetricFamily(
@@ -91,6 +97,7 @@ class TritonPythonModel:
             attempt("the server's name", lambda: pb_utils.MetricFamily(
                 name="nv_inference_count", description="d", kind=pb_utils.MetricFamily.COUNTER)),
             attempt("no label name", lambda: requests.Metric(labels={{"a b": "1"}})),
+            attempt("no UTF-8", lambda: requests.Metric(labels={{"a": "x" + chr(0xDCFF)}})),
         ]
         self.refusals = [(what, how, text if how == "refused" else None) for what, how, text in self.refusals]
 
@@ -99,6 +106,7 @@ class TritonPythonModel:
         for request in requests:
             step = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
             self.shared.increment(1)
+            self.enumerated.increment(1)
             self.mine.increment(0.5)
             self.depth.set(step)
             self.depth.increment(-3)
@@ -172,6 +180,7 @@ def test_two_instances_share_a_series_and_metrics_shows_it_as_triton_writes_it(
     mine = sorted(_lines(text, f'requests_{kind}{{instance="'))
     assert len(mine) == 2 and sum(float(line.rsplit(" ", 1)[1]) for line in mine) == 2.0, mine
     assert f'depth_{kind}{{kind="{kind}"}} -2' in text.splitlines()
+    assert f'requests_{kind}{{enum="a"}} 4' in text.splitlines()  # review of session 53: closed its pipe
     assert not _lines(text, f"stray_{kind}")  # its object collected with its thread: the family went with it
     assert _lines(text, f"sizes_{kind}") == [
         f'sizes_{kind}_count{{kind="{kind}"}} 4',
@@ -205,6 +214,7 @@ def test_refusals_are_in_tritons_words(server: RunningServer, kind: str) -> None
         "the server's name": f"Error when creating MetricFamily: {failed}Invalid metric name: the server's own "
         "families start with ('nv_', 'shoal_', 'process_')",
         "no label name": f"Error when creating Metric: {failed}Invalid label name",
+        "no UTF-8": f"Error when creating Metric: {failed}a label value must be text that UTF-8 can encode",
     }
 
 
@@ -260,8 +270,19 @@ def test_junk_from_a_model_never_reaches_the_page() -> None:
         registry.metric("g", {"a": 1}, None)
     with pytest.raises(TypeError):
         registry.family(7, "d", GAUGE)
-    for value, written in ((1e20, "1e+20"), (2.5, "2.5"), (4.0, "4"), (float("nan"), "Nan"), (-math.inf, "-Inf")):
-        registry.set(series, value)  # as prometheus-cpp writes them (std::to_chars), as Triton's page
+    with pytest.raises(TypeError):  # a page UTF-8 cannot encode failed every scrape (review of session 53)
+        registry.family("h", "x" + chr(0xDCFF), GAUGE)
+    registry.release([1, 2])  # a worker's junk: it names no family, and fails nobody's next call
+    for value, written in (
+        (1e20, "1e+20"),
+        (1e5, "100000"),
+        (0.1 + 0.2, "0.3"),
+        (2.5, "2.5"),
+        (4.0, "4"),
+        (float("nan"), "Nan"),
+        (-math.inf, "-Inf"),
+    ):
+        registry.set(series, value)  # as Triton 2.51's page writes them (%.16g), compared value by value
         assert registry.text().splitlines()[-1] == f'g{{a="say \\"hi\\"\\n"}} {written}'
 
 

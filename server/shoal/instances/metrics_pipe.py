@@ -36,12 +36,15 @@ class PipeMetrics:
         self._released: collections.deque[str] = collections.deque()
 
     def _call(self, operation: str, *args: Any) -> Any:
-        with self._lock:
-            try:
-                self._conn.send((operation, args))
-                answered, result = self._conn.recv()
-            finally:
-                self._send_released()
+        try:
+            with self._lock:
+                try:
+                    self._conn.send((operation, args))
+                    answered, result = self._conn.recv()
+                finally:
+                    self._send_released()
+        except (EOFError, OSError) as exc:  # the server closed the pipe (it is stopping, or refused a message)
+            raise CustomMetricError(f"the server's metrics pipe is closed ({type(exc).__name__})") from None
         self._release_if_free()  # one given back by another thread while this call held the pipe
         if not answered:
             raise CustomMetricError(result)
@@ -53,11 +56,13 @@ class PipeMetrics:
             self._conn.send((RELEASE, (self._released.popleft(),)))
 
     def _release_if_free(self) -> None:
-        if self._released and self._lock.acquire(blocking=False):
+        """Send what was given back, unless a call has the pipe (it sends them as it ends). Checked again
+        once the lock is let go: one given back while this thread held it would otherwise wait."""
+        while self._released and self._lock.acquire(blocking=False):
             try:
                 self._send_released()
             except OSError:
-                pass  # the server went away: the worker ends
+                return  # the server went away: the worker ends
             finally:
                 self._lock.release()
 
@@ -100,7 +105,7 @@ def serve(conn: Any, registry: CustomMetrics, worker: str) -> None:
                 logger.error("%s sent its metrics pipe a message no worker sends; the pipe is closed", worker)
                 return
             operation, args = message
-            if operation == RELEASE and len(args) == 1:
+            if operation == RELEASE and len(args) == 1 and isinstance(args[0], str):
                 registry.release(args[0], holder)
                 continue
             if operation not in OPERATIONS:

@@ -627,9 +627,11 @@ class MetricFamily:
         if not isinstance(name, str) or not isinstance(description, str) or kind not in custom_metrics.KIND_NAMES:
             raise TypeError("MetricFamily(name: str, description: str, kind: MetricFamily.COUNTER, GAUGE or HISTOGRAM)")
         self._link = _metrics_link()
-        self._name, self._kind = name, kind
+        # Plain values: a str subclass (an enum's) might not unpickle in the server, and pybind takes its text.
+        name, description = str.__str__(name), str.__str__(description)
+        self._name, self._kind = name, int(kind)
         try:
-            self._link.family(name, description, kind)
+            self._link.family(name, description, self._kind)
         except custom_metrics.CustomMetricError as exc:
             raise TritonModelException(f"Error when creating MetricFamily: {_refused(self._link, exc)}") from None
         weakref.finalize(self, self._link.release, name)
@@ -652,10 +654,12 @@ class Metric:
             raise TritonModelException("Failed to create metric. Missing required buckets.")
         if family._kind != MetricFamily.HISTOGRAM and buckets is not None:
             raise TritonModelException("Failed to create metric. Unexpected buckets found.")
+        plain = {
+            str.__str__(key) if isinstance(key, str) else key: str.__str__(value) if isinstance(value, str) else value
+            for key, value in dict(labels or {}).items()
+        }
         try:
-            self._id = self._link.metric(
-                family._name, dict(labels or {}), None if buckets is None else [float(b) for b in buckets]
-            )
+            self._id = self._link.metric(family._name, plain, None if buckets is None else [float(b) for b in buckets])
         except custom_metrics.CustomMetricError as exc:
             raise TritonModelException(f"Error when creating Metric: {_refused(self._link, exc)}") from None
 
