@@ -246,7 +246,10 @@ def respond(spec: ModelSpec, prepared: Prepared, checked: Mapping[str, np.ndarra
         if data is None:  # a Python model's response without it (``output_check``)
             continue
         # The config's datatype, which ``checked_output`` held the data to, or a Python model's own.
-        datatype = tensor_spec.datatype if data.dtype == tensor_spec.datatype.numpy_dtype else _datatype_of(data)
+        wanted = tensor_spec.datatype
+        datatype = (
+            wanted if data.dtype is wanted.numpy_dtype or data.dtype == wanted.numpy_dtype else _datatype_of(data)
+        )
         count = prepared.class_counts.get(name)
         if count is None:
             tensors.append(Tensor(name, datatype, tuple(data.shape), data))

@@ -332,10 +332,14 @@ class ModelRunner:
 
     def execute(self, items: Sequence[RequestData]) -> list[Outcome]:
         requests = self._requests(items)
+        metrics = self._metrics  # as ``_metrics_here``, without a generator's cost on every batch
+        if metrics is not None:
+            pb_utils.set_metrics_link(metrics, this_thread=True)
         try:
-            with self._metrics_here():
-                return self._execute(items, requests)
+            return self._execute(items, requests)
         finally:
+            if metrics is not None:
+                pb_utils.set_metrics_link(None, this_thread=True)
             _batch_over(requests)  # a sender the model asked for refers back to its request: a cycle
 
     def _execute(self, items: Sequence[RequestData], requests: list[pb_utils.InferenceRequest]) -> list[Outcome]:
