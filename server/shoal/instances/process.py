@@ -203,6 +203,7 @@ class ProcessModel:
             ) from None
         self._worker_started = lifeline.start_time(self._process.pid)
         child.close()
+        self._launched()
         deadline = time.monotonic() + START_TIMEOUT_S
         reply: Any = None
         while time.monotonic() < deadline and self._process.is_alive() and not self._closing.is_set():
@@ -225,6 +226,10 @@ class ProcessModel:
         for which in self._arenas:
             self._send_arena(which)
         logger.info("model %s: worker process %d ready", self._spec.name, self._process.pid)
+
+    def _launched(self) -> None:
+        """The worker has its ends of what it was handed: a subclass closes its own copies now, before
+        the model initializes (a fork of this process meanwhile would keep them open). Lock held."""
 
     def _last_word(self) -> Any:
         """What a worker that ended while starting left in the pipe, if anything."""

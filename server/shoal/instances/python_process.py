@@ -568,15 +568,18 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         self._metrics_thread.start()
         self._handle = (instance_name, version, theirs)
         try:
-            super()._start()
+            super()._start()  # closes ``theirs`` once the worker has it (``_launched``)
         except BaseException:
             theirs.close()
             self._metrics_thread.join(METRICS_THREAD_JOIN_S)  # the worker is gone: its pipe ends, and the thread
             raise
         finally:
-            theirs.close()  # the worker has its own copy: the thread ends when the worker's closes
+            theirs.close()
             self._handle = (instance_name, version)
         self._loop_socket = socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def _launched(self) -> None:
+        self._handle[2].close()  # the worker's end of its metrics pipe: the thread ends when the worker's closes
 
     def _kill(self) -> None:
         super()._kill()
