@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -111,5 +112,30 @@ def test_a_restart_failing_before_its_launch_leaves_the_instance_unhealthy(
         assert "could not be restarted: OSError: [Errno 24] Too many open files" in failed.value.message
         monkeypatch.undo()
         assert model.run_requests([Pending(value)])[0]["Y"].tolist() == [[2.0, 4.0]]  # started again
+    finally:
+        model.close()
+
+
+def test_a_launch_given_up_half_way_leaves_the_fork_server_and_every_worker_alive(tmp_path: Path) -> None:
+    """Review of session 53: a host out of descriptors connects to the fork server, fails to make the
+    pipes of its request and closes the connection with nothing sent. The fork server's loop did not
+    catch the EOFError of that read: it ended, and every worker of every model died with it. Now the
+    one launch fails and the rest live on."""
+    from multiprocessing import forkserver
+
+    model = _model(tmp_path)
+    value = np.array([[1.0, 2.0]], np.float32)
+    try:
+        assert model.run_requests([Pending(value)])[0]["Y"].tolist() == [[2.0, 4.0]]
+        pid = model.pid
+        address = forkserver._forkserver._forkserver_address  # noqa: SLF001 - the fork server's socket
+        with socket.socket(socket.AF_UNIX) as abandoned:
+            abandoned.connect(address)  # and closed with nothing sent, as the descriptor-starved host does
+        other = _model(tmp_path / "other")  # the fork server still forks
+        try:
+            assert other.run_requests([Pending(value)])[0]["Y"].tolist() == [[2.0, 4.0]]
+        finally:
+            other.close()
+        assert model.pid == pid and model.run_requests([Pending(value)])[0]["Y"].tolist() == [[2.0, 4.0]]
     finally:
         model.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import errno
 import logging
 import os
 import select
@@ -64,10 +65,32 @@ def launch(process: BaseProcess) -> None:
 
 
 def guard_forkserver() -> None:
-    """In the fork server, before it forks anything: die with the host that spawned it."""
+    """In the fork server, before it forks anything: die with the host that spawned it, and never of
+    a request the host gave up half-way (``_survive_abandoned_requests``)."""
     host = os.environ.get(HOST_PID_ENV, "")
     if host.isdigit() and int(host) != os.getpid():
         die_with_parent(int(host))
+    _survive_abandoned_requests()
+
+
+def _survive_abandoned_requests() -> None:
+    """A host out of descriptors connects to the fork server, then fails to make the pipes of its
+    request (EMFILE) and closes the connection with nothing sent: the fork server's read of the
+    request's descriptors raises EOFError, which its loop (CPython 3.11's ``forkserver.main``) does not
+    catch, so it ended, and every worker of every model died with it (review of session 53). Read as
+    the aborted connection it is (ECONNABORTED), which the loop skips: one launch fails, the rest live."""
+    from multiprocessing import reduction
+
+    receive = reduction.recvfds
+
+    def recvfds(sock: Any, size: int) -> list[int]:
+        try:
+            found: list[int] = receive(sock, size)
+        except EOFError:
+            raise ConnectionAbortedError(errno.ECONNABORTED, "a request closed before its descriptors came") from None
+        return found
+
+    reduction.recvfds = recvfds
 
 
 def guard_worker(conn: Any) -> None:

@@ -565,7 +565,12 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
             name=f"shoal-{instance_name}-metrics",
             daemon=True,
         )
-        self._metrics_thread.start()
+        try:
+            self._metrics_thread.start()
+        except BaseException:  # no thread left ("can't start new thread"): the restart fails, nothing leaks
+            ours.close()
+            theirs.close()
+            raise
         self._handle = (instance_name, version, theirs)
         try:
             super()._start()  # closes ``theirs`` once the worker has it (``_launched``)
