@@ -591,6 +591,10 @@ class PythonProcessModel(process.ProcessModel, OnLoop):
         if self._loop_socket is not None:
             self._loop_socket.close()
             self._loop_socket = None
+        # The worker is gone (reaped, its group killed): its metrics thread reads the pipe's end at once
+        # and closes the server's end, here, as the batch pipe's is, not at some later moment of its own
+        # (a descriptor freed then was taken by whatever opened one next: CI saw a test's socket so).
+        self._metrics_thread.join(METRICS_THREAD_JOIN_S)
 
     def close(self) -> None:
         super().close()
